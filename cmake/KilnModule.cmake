@@ -1,0 +1,27 @@
+# kiln_add_library(<name> SOURCES ... [CUDA_SOURCES ...] [DEPS ...] [PRIVATE_DEPS ...])
+# Defines the library target kiln_<name>, its alias kiln::<name>, and installs it with its
+# public headers (the folder's include/). CUDA_SOURCES are compiled only when the CUDA backend is on.
+function(kiln_add_library name)
+  cmake_parse_arguments(M "" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target kiln_${name})
+  add_library(${target} ${M_SOURCES})
+  if(KILN_WITH_CUDA AND M_CUDA_SOURCES)
+    target_sources(${target} PRIVATE ${M_CUDA_SOURCES})
+  endif()
+  add_library(kiln::${name} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME kiln_${name})
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_link_libraries(${target} PUBLIC ${M_DEPS} PRIVATE ${M_PRIVATE_DEPS})
+  if(KILN_WITH_CUDA)
+    target_compile_definitions(${target} PUBLIC KILN_WITH_CUDA=1)
+  endif()
+  install(TARGETS ${target} EXPORT kilnTargets
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/include)
+    install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  endif()
+endfunction()

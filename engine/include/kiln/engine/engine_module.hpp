@@ -1,0 +1,50 @@
+#pragma once
+// The engine's own [engine] section and run control. Registered like any module (name "engine").
+#include <boost/describe/enum.hpp>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kiln/engine/config/reflect.hpp"
+#include "kiln/engine/module.hpp"
+
+namespace kiln {
+
+enum class DeviceKind { auto_, cuda, cpu };
+BOOST_DESCRIBE_ENUM(DeviceKind, auto_, cuda, cpu)
+
+struct EngineConfig {
+  DeviceKind device = DeviceKind::auto_;
+  std::vector<std::string> plugins;
+  bool print_schedule = false;
+};
+KILN_CONFIG(EngineConfig,
+            (device, "compute backend: auto (CUDA when a GPU is present), cuda or cpu"),
+            (plugins, "shared libraries with extra modules, relative to the pipeline file"),
+            (print_schedule, "print the systems of every phase in order at startup"))
+
+// Steering of the step loop, a World resource created by the engine. The training module sets the
+// number of micro-batches per step and asks for the stop.
+struct RunControl {
+  std::int64_t step = 0;         // the current step, counted from 1; 0 before the first
+  int micro_batches = 1;         // data/forward/backward run this many times per step
+  int micro_batch = 0;           // index of the current micro-batch
+  bool stop = false;
+  std::string stop_reason;
+  void request_stop(std::string reason) {
+    if (!stop) stop_reason = std::move(reason);
+    stop = true;
+  }
+};
+
+// Where this World sits in the job: filled by the launcher before modules are installed.
+struct RankInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string pipeline_file;
+};
+
+void register_engine_module(ModuleRegistry& registry);
+
+}  // namespace kiln

@@ -1,0 +1,100 @@
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "kiln/engine/config/pipeline.hpp"
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/engine/module.hpp"
+#include "kiln/engine/runner.hpp"
+
+namespace demo {
+// Each module has its own config type (it becomes a World resource).
+template <int N>
+struct EmptyConfig {
+  int unused = 0;
+};
+KILN_CONFIG(EmptyConfig<0>, (unused, "nothing"))
+KILN_CONFIG(EmptyConfig<1>, (unused, "nothing"))
+KILN_CONFIG(EmptyConfig<2>, (unused, "nothing"))
+
+struct Installed {
+  std::vector<std::string> order;
+};
+
+template <int N = 0>
+kiln::ModuleDesc module(std::string name, std::vector<std::string> deps) {
+  return kiln::make_module<EmptyConfig<N>>(name, "a test module", std::move(deps),
+                                        [name](kiln::World& w, const EmptyConfig<N>&) {
+                                          if (!w.has_resource<Installed>()) w.emplace_resource<Installed>();
+                                          w.resource<Installed>().order.push_back(name);
+                                        });
+}
+}  // namespace demo
+
+TEST_CASE("modules install after their dependencies") {
+  kiln::ModuleRegistry reg;
+  kiln::register_engine_module(reg);
+  reg.add(demo::module<0>("optim", {"model"}));
+  reg.add(demo::module<1>("model", {"rng"}));
+  reg.add(demo::module<2>("rng", {}));
+  CHECK(reg.install_order({"optim"}) == std::vector<std::string>{"rng", "model", "optim"});
+  auto doc = kiln::config::parse_toml_text("[optim]\n", "p.toml");
+  auto cfg = kiln::config::resolve(doc, "p.toml", reg);
+  kiln::World w;
+  kiln::install_pipeline(w, cfg, reg);
+  CHECK(w.resource<demo::Installed>().order == std::vector<std::string>{"rng", "model", "optim"});
+  CHECK(w.has_resource<demo::EmptyConfig<1>>());
+}
+
+TEST_CASE("a duplicate module name is an error") {
+  kiln::ModuleRegistry reg;
+  reg.add(demo::module("rng", {}));
+  CHECK_THROWS_WITH_AS(reg.add(demo::module("rng", {})), doctest::Contains("'rng' is registered twice"), kiln::Error);
+}
+
+TEST_CASE("a missing dependency is an error naming both modules") {
+  kiln::ModuleRegistry reg;
+  reg.add(demo::module("fp8", {"parallel"}));
+  CHECK_THROWS_WITH_AS(reg.install_order({"fp8"}), doctest::Contains("'fp8' depends on 'parallel'"), kiln::Error);
+}
+
+TEST_CASE("a dependency cycle is an error naming the modules in it") {
+  kiln::ModuleRegistry reg;
+  reg.add(demo::module("a", {"b"}));
+  reg.add(demo::module("b", {"c"}));
+  reg.add(demo::module("c", {"a"}));
+  reg.add(demo::module("d", {}));
+  try {
+    reg.check();
+    FAIL("expected a cycle");
+  } catch (const kiln::Error& e) {
+    std::string m = e.what();
+    CHECK(m.find("cycle") != std::string::npos);
+    CHECK(m.find("'a'") != std::string::npos);
+    CHECK(m.find("'b'") != std::string::npos);
+    CHECK(m.find("'c'") != std::string::npos);
+    CHECK(m.find("'d'") == std::string::npos);
+  }
+}
+
+TEST_CASE("the run loop runs setup, the step phases per step, and shutdown") {
+  kiln::World w;
+  auto& ctl = w.emplace_resource<kiln::RunControl>();
+  ctl.micro_batches = 2;
+  std::vector<std::string> log;
+  for (auto p : kiln::all_phases())
+    w.systems().add({std::string(kiln::phase_name(p)), p, [&log, p](kiln::World& world) {
+                       log.push_back(std::string(kiln::phase_name(p)));
+                       if (p == kiln::Phase::step_end && world.resource<kiln::RunControl>().step == 2)
+                         world.resource<kiln::RunControl>().request_stop("done");
+                     }});
+  kiln::run_pipeline(w);
+  std::vector<std::string> step = {"step_begin", "data", "forward", "backward", "data", "forward",
+                                   "backward", "grad_sync", "optimizer", "step_end", "checkpoint"};
+  std::vector<std::string> expected = {"setup"};
+  for (int s = 0; s < 2; ++s) expected.insert(expected.end(), step.begin(), step.end());
+  expected.push_back("shutdown");
+  CHECK(log == expected);
+  CHECK(ctl.stop_reason == "done");
+}

@@ -1,0 +1,44 @@
+#pragma once
+// Helpers shared by kiln's test suites.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <unistd.h>
+
+namespace kiln::test {
+
+// Marks the running test as skipped (CTest matches KILN_SKIP) and returns from it.
+#define KILN_SKIP_TEST(reason)                       \
+  do {                                               \
+    std::cout << "KILN_SKIP: " << (reason) << "\n"; \
+    return;                                          \
+  } while (0)
+
+// A fresh directory under the build tree, removed on destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& name) {
+    path_ = std::filesystem::temp_directory_path() / ("kiln-test-" + name + "-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+  std::string file(const std::string& name, const std::string& content) const {
+    auto p = path_ / name;
+    std::filesystem::create_directories(p.parent_path());
+    std::ofstream(p) << content;
+    return p.string();
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace kiln::test
