@@ -1,7 +1,6 @@
 #pragma once
 // One error type family for all of kiln. Library code throws; only `main` turns errors into exit
 // codes. Every error carries the C++ file:line that raised it.
-#include <source_location>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -17,15 +16,18 @@ std::string cat(Args&&... args) {
   return os.str();
 }
 
+// (std::source_location would be neater, but nvcc's front end cannot compile it as a default
+// argument, and these headers are included from .cu files.)
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& what, std::source_location where = std::source_location::current())
-      : std::runtime_error(what), where_(where) {}
-  // "file.cpp:123", the C++ place that raised the error (not a user's config position).
-  std::string where() const { return cat(where_.file_name(), ":", where_.line()); }
+  explicit Error(const std::string& what, const char* file = nullptr, int line = 0)
+      : std::runtime_error(what), file_(file), line_(line) {}
+  // "file.cpp:123", the C++ place that raised the error (not a user's config position); "" if unknown.
+  std::string where() const { return file_ ? cat(file_, ":", line_) : std::string(); }
 
  private:
-  std::source_location where_;
+  const char* file_;
+  int line_;
 };
 
 // A configuration error: bad TOML, unknown key, wrong type, failed validation, bad --set.
@@ -37,8 +39,8 @@ class ConfigError : public Error {
 
 }  // namespace kiln
 
-#define KILN_THROW(...) throw ::kiln::Error(::kiln::cat(__VA_ARGS__))
-#define KILN_CHECK(cond, ...)                                                   \
-  do {                                                                          \
-    if (!(cond)) throw ::kiln::Error(::kiln::cat("check failed: " #cond ": ", __VA_ARGS__)); \
+#define KILN_THROW(...) throw ::kiln::Error(::kiln::cat(__VA_ARGS__), __FILE__, __LINE__)
+#define KILN_CHECK(cond, ...)                                                                          \
+  do {                                                                                                 \
+    if (!(cond)) throw ::kiln::Error(::kiln::cat("check failed: " #cond ": ", __VA_ARGS__), __FILE__, __LINE__); \
   } while (0)

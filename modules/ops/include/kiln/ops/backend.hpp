@@ -1,0 +1,228 @@
+#pragma once
+// One op interface, two backends: CUDA (fast) and CPU (plain fp32 reference loops). The model calls
+// only these ops. Every CUDA op is tested against the CPU op on random data at awkward sizes.
+//
+// Conventions for every op below:
+//  - "act" is the backend's activation dtype (act_dtype()): bf16 on CUDA, f32 on CPU. The CPU
+//    backend can emulate bf16 by rounding every act output to bf16 (CpuOptions::round_bf16).
+//  - Arithmetic is fp32; act outputs are rounded once, when stored.
+//  - Gradients of parameters are f32 and ACCUMULATED (+=); gradients of activations are written
+//    (=) unless the field says "accumulated".
+//  - Tensors are contiguous, row-major. N = number of tokens (B*T), C = channels.
+//  - Ops are asynchronous on the backend's compute stream; only functions returning a host value
+//    synchronise.
+//  - Results are deterministic: the same inputs give the same bits, run after run.
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kiln/rng/philox.hpp"
+#include "kiln/tensor/buffer.hpp"
+#include "kiln/tensor/tensor.hpp"
+
+namespace kiln::ops {
+
+// Dropout on a [rows, cols] view that is part of a logical [*, cols_total] tensor: element
+// (r, c) draws Philox element (row_offset + r) * cols_total + col_offset + c of `rng`, and is kept
+// (scaled by 1/(1-p)) when dropout_keep() says so. p == 0 means no dropout and no draw.
+struct DropoutArgs {
+  float p = 0;
+  rng::PhiloxArgs rng;
+  std::int64_t row_offset = 0;
+  std::int64_t col_offset = 0;
+  std::int64_t cols_total = 0;  // 0: the view's own column count
+};
+
+struct EmbeddingForward {
+  TensorView out;     // [N, C] act = wte[tokens[n]] + wpe[n % T]
+  TensorView tokens;  // [N] i32, on the backend's device
+  TensorView wte;     // [V, C] act
+  TensorView wpe;     // [Tmax, C] act, Tmax >= T
+  int T = 0;
+};
+struct EmbeddingBackward {
+  TensorView dwte;    // [V, C] f32, accumulated
+  TensorView dwpe;    // [Tmax, C] f32, accumulated
+  TensorView dout;    // [N, C] act
+  TensorView tokens;  // [N] i32 on the device
+  const std::int32_t* tokens_host = nullptr;  // the same N tokens on the host
+  int T = 0;
+};
+
+struct LayerNormForward {
+  TensorView out;     // [N, C] act = (x - mean) * rstd * weight + bias
+  TensorView mean;    // [N] f32
+  TensorView rstd;    // [N] f32 = 1 / sqrt(var + eps), biased variance
+  TensorView x;       // [N, C] act
+  TensorView weight;  // [C] act
+  TensorView bias;    // [C] act
+  float eps = 1e-5f;
+};
+struct LayerNormBackward {
+  TensorView dx;       // [N, C] act, ACCUMULATED (the residual stream's gradient)
+  TensorView dweight;  // [C] f32, accumulated
+  TensorView dbias;    // [C] f32, accumulated
+  TensorView dout;     // [N, C] act
+  TensorView x;        // [N, C] act (forward input)
+  TensorView weight;   // [C] act
+  TensorView mean;     // [N] f32
+  TensorView rstd;     // [N] f32
+};
+
+// y = x @ weight^T + bias; with pre_gelu given: pre_gelu = y and out = gelu(y), GELU with the tanh
+// approximation: 0.5 y (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3))).
+struct LinearForward {
+  TensorView out;       // [N, OC] act
+  TensorView pre_gelu;  // [N, OC] act, optional
+  TensorView x;         // [N, IC] act
+  TensorView weight;    // [OC, IC] act
+  TensorView bias;      // [OC] act, optional
+};
+struct LinearBackward {
+  TensorView dx;           // [N, IC] act = dout @ weight; optional (skipped when empty)
+  TensorView dweight;      // [OC, IC] f32, accumulated: += dout^T @ x
+  TensorView dbias;        // [OC] f32, accumulated: += column sums of dout; optional
+  TensorView dout;         // [N, OC] act
+  TensorView x;            // [N, IC] act
+  TensorView weight;       // [OC, IC] act
+  TensorView dx_gelu_pre;  // [N, IC] act, optional: x was gelu(pre); then dx = (dout @ weight) * gelu'(pre)
+};
+
+// Causal multi-head attention on the fused QKV projection, softmax(q k^T * scale) v, with dropout p
+// on the attention probabilities: probability (b, h, i, j) draws Philox element
+// ((b * heads_total + head_offset + h) * T + i) * T + j, so a tensor-parallel shard of the heads
+// draws what the whole tensor would.
+struct AttentionForward {
+  TensorView out;  // [B, T, H, D] act
+  TensorView lse;  // [B, H, T] f32: log-sum-exp of each row of the scaled scores
+  TensorView qkv;  // [B, T, 3, H, D] act
+  float scale = 0;
+  float dropout = 0;
+  rng::PhiloxArgs rng;
+  int head_offset = 0;
+  int heads_total = 0;  // 0: H
+};
+struct AttentionBackward {
+  TensorView dqkv;  // [B, T, 3, H, D] act
+  TensorView dout;  // [B, T, H, D] act
+  TensorView out;   // [B, T, H, D] act (forward output)
+  TensorView lse;   // [B, H, T] f32
+  TensorView qkv;   // [B, T, 3, H, D] act
+  float scale = 0;
+  float dropout = 0;
+  rng::PhiloxArgs rng;
+  int head_offset = 0;
+  int heads_total = 0;
+};
+
+// out = residual + dropout(x)
+struct ResidualForward {
+  TensorView out;       // [N, C] act (may alias residual)
+  TensorView residual;  // [N, C] act
+  TensorView x;         // [N, C] act
+  DropoutArgs dropout;
+};
+// dx = dout * mask / (1 - p), the backward of dropout(x) with the same DropoutArgs.
+struct DropoutBackward {
+  TensorView dx;    // [N, C] act (may alias dout)
+  TensorView dout;  // [N, C] act
+  DropoutArgs dropout;
+};
+
+// Softmax cross-entropy over the first vocab_real logits of each row, fused with its backward:
+// losses[n] = logsumexp(logits[n, :V']) - logits[n, target]; logits is overwritten with
+// dlogits = (softmax - onehot(target)) * dloss, and 0 in the padded columns [V', V).
+// Rows whose target is -1 are ignored: loss 0, gradient 0.
+struct CrossEntropy {
+  TensorView losses;   // [N] f32
+  TensorView logits;   // [N, V] act, in: logits, out: dlogits
+  TensorView targets;  // [N] i32 on the device
+  int vocab_real = 0;
+  float dloss = 1;
+};
+
+// AdamW over flat f32 buffers (one launch for all parameters). Segments say which elements get
+// weight decay. With grad_scale s (clipping), the gradient used is s * g. Bias correction uses
+// `step` (counted from 1). Writes params (f32 master) and, if given, params_act = round(params).
+struct AdamWSegment {
+  std::int64_t offset = 0;
+  std::int64_t count = 0;
+  bool decay = true;
+};
+struct AdamW {
+  TensorView params;      // [P] f32
+  TensorView params_act;  // [P] act, optional
+  TensorView grads;       // [P] f32
+  TensorView m;           // [P] f32
+  TensorView v;           // [P] f32
+  std::vector<AdamWSegment> segments;  // cover [0, P)
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  float grad_scale = 1;
+  std::int64_t step = 1;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual DType act_dtype() const = 0;
+  virtual std::string name() const = 0;  // "cpu" or e.g. "cuda:0 NVIDIA H200"
+  virtual double peak_bf16_flops() const = 0;  // dense, per second; 0 if unknown
+
+  // ---- memory ----
+  virtual Buffer alloc(std::size_t bytes) = 0;
+  // Copies between any two devices; same dtype and element count.
+  virtual void copy(const TensorView& dst, const TensorView& src) = 0;
+  // Converts between f32 and act (bf16 rounding is round-to-nearest-even); same element count.
+  virtual void convert(const TensorView& dst, const TensorView& src) = 0;
+  virtual void zero(const TensorView& t) = 0;
+  virtual void synchronize() = 0;
+  // Sum of squares of an f32 tensor, in double on the host (synchronises).
+  virtual double sum_squares(const TensorView& x) = 0;
+  // Writes standard normals * std (or a constant, if std == 0 and `constant` is used) into an f32
+  // view that is elements [global_offset, global_offset + numel) of a logical tensor.
+  virtual void init_normal(const TensorView& dst, float std, rng::PhiloxArgs rng, std::int64_t global_offset) = 0;
+  virtual void fill(const TensorView& dst, float value) = 0;
+
+  // ---- ops ----
+  virtual void embedding_forward(const EmbeddingForward& a) = 0;
+  virtual void embedding_backward(const EmbeddingBackward& a) = 0;
+  virtual void layernorm_forward(const LayerNormForward& a) = 0;
+  virtual void layernorm_backward(const LayerNormBackward& a) = 0;
+  virtual void linear_forward(const LinearForward& a) = 0;
+  virtual void linear_backward(const LinearBackward& a) = 0;
+  virtual void attention_forward(const AttentionForward& a) = 0;
+  virtual void attention_backward(const AttentionBackward& a) = 0;
+  virtual void residual_forward(const ResidualForward& a) = 0;
+  virtual void dropout_backward(const DropoutBackward& a) = 0;
+  virtual void cross_entropy(const CrossEntropy& a) = 0;
+  virtual void adamw(const AdamW& a) = 0;
+
+  // ---- profiling (CUDA events around each op when enabled) ----
+  struct OpTime {
+    std::string op;
+    double ms = 0;
+    std::int64_t calls = 0;
+  };
+  virtual void set_profiling(bool on) = 0;
+  // Accumulated times since the last reset, largest first (synchronises).
+  virtual std::vector<OpTime> op_times() = 0;
+  virtual void reset_op_times() = 0;
+  // The CUDA stream of the compute work (cudaStream_t), or nullptr on CPU.
+  virtual void* stream() const = 0;
+};
+
+struct CpuOptions {
+  bool round_bf16 = false;  // emulate the CUDA backend's bf16 storage rounding
+  int threads = 0;          // 0: all hardware threads
+};
+std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options = {});
+
+// Whether this build has CUDA and a GPU is visible.
+bool cuda_available();
+// The CUDA backend on device `device_index` (throws if unavailable).
+std::unique_ptr<Backend> make_cuda_backend(int device_index = 0);
+
+}  // namespace kiln::ops

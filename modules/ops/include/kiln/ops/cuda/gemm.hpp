@@ -1,0 +1,57 @@
+#pragma once
+// bf16 GEMMs through cuBLASLt, row-major in kiln's terms. Plans (layouts, epilogue, heuristic
+// algorithm) are cached per shape. Deterministic: the algorithm for a shape never changes.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include "kiln/ops/cuda/launchers.hpp"
+
+namespace kiln::cuda {
+
+enum class Epilogue { none, bias, gelu_aux_bias, dgelu };
+
+// D[M, N] (row-major) = alpha * op(A) @ op(B) + beta * D, where op transposes when the flag is set:
+//   A is [M, K] (or [K, M] if trans_a), B is [K, N] (or [N, K] if trans_b), all row-major.
+// D is bf16 or f32 (d_f32); with accumulate, beta = 1 (D += ...). Epilogues:
+//   bias:          D += bias[N] per column
+//   gelu_aux_bias: aux = A@B + bias (bf16 [M, N]); D = gelu(aux)
+//   dgelu:         D = (A@B) * gelu'(aux), aux bf16 [M, N]
+struct GemmDesc {
+  int M = 0, N = 0, K = 0;
+  bool trans_a = false, trans_b = false;
+  const bf16* A = nullptr;
+  const bf16* B = nullptr;
+  void* D = nullptr;
+  bool d_f32 = false;
+  bool accumulate = false;
+  Epilogue epilogue = Epilogue::none;
+  const bf16* bias = nullptr;
+  bf16* aux = nullptr;
+  float alpha = 1.0f;
+};
+
+class GemmRunner {
+ public:
+  GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t workspace_bytes)
+      : handle_(handle), workspace_(workspace), workspace_bytes_(workspace_bytes) {}
+  ~GemmRunner();
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+  void run(const GemmDesc& g, cudaStream_t stream);
+
+ private:
+  struct Plan;
+  using Key = std::tuple<int, int, int, bool, bool, bool, bool, int>;
+  Plan& plan(const GemmDesc& g);
+  cublasLtHandle_t handle_;
+  void* workspace_;
+  std::size_t workspace_bytes_;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace kiln::cuda

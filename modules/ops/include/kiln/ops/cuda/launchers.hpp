@@ -1,0 +1,80 @@
+#pragma once
+// CUDA launchers of kiln's kernels: host functions taking device pointers and an explicit stream.
+// They are the CUDA backend's building blocks and can be called directly by other programs.
+// Every launcher checks its launch (KILN_CUDA_LAUNCH_CHECK) and throws kiln::Error on failure.
+// Semantics are those of the matching op in kiln/ops/backend.hpp; bf16 = __nv_bfloat16.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kiln/ops/backend.hpp"
+#include "kiln/rng/philox.hpp"
+
+namespace kiln::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// ---- elementwise and utility ----
+void convert_f32_to_bf16(bf16* dst, const float* src, std::int64_t n, cudaStream_t s);
+void convert_bf16_to_f32(float* dst, const bf16* src, std::int64_t n, cudaStream_t s);
+void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s);
+// dst[i] = std * philox_normal(rng.seed, rng.start(), global_offset + i), bit-identical to the CPU.
+void init_normal_f32(float* dst, std::int64_t n, float std, rng::PhiloxArgs rng, std::int64_t global_offset,
+                     cudaStream_t s);
+// Per-block partial sums of squares (fixed blocking, deterministic) into `partials`, which must hold
+// sum_squares_partials(n) floats; the caller adds them up.
+std::int64_t sum_squares_partials(std::int64_t n);
+void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s);
+
+// ---- embedding ----
+void embedding_forward(bf16* out, const std::int32_t* tokens, const bf16* wte, const bf16* wpe, int N, int T, int C,
+                       cudaStream_t s);
+// Deterministic: `order` lists the N positions sorted by token (stable), `bucket_start[u]` is where
+// unique token u's positions begin in `order` (U + 1 entries), `bucket_token[u]` its id.
+void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::int32_t* order,
+                        const std::int32_t* bucket_start, const std::int32_t* bucket_token, int U, int N, int T,
+                        int C, cudaStream_t s);
+
+// ---- layernorm ----
+void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight, const bf16* bias, int N,
+                       int C, float eps, cudaStream_t s);
+// dx is accumulated (bf16). `scratch` holds layernorm_backward_scratch(N, C) floats.
+std::int64_t layernorm_backward_scratch(int N, int C);
+void layernorm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const bf16* dout, const bf16* x,
+                        const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s);
+
+// ---- residual and dropout ----
+void residual_forward(bf16* out, const bf16* residual, const bf16* x, int N, int C, const ops::DropoutArgs& d,
+                      cudaStream_t s);
+void dropout_backward(bf16* dx, const bf16* dout, int N, int C, const ops::DropoutArgs& d, cudaStream_t s);
+
+// ---- linear helpers (the GEMMs themselves go through cuBLASLt, see gemm.hpp) ----
+// dbias[o] += sum_n dout[n, o]; `scratch` holds bias_grad_scratch(N, OC) floats.
+std::int64_t bias_grad_scratch(int N, int OC);
+void bias_grad(float* dbias, float* scratch, const bf16* dout, int N, int OC, cudaStream_t s);
+
+// ---- attention (flash-style, causal, deterministic backward) ----
+// q, k, v interleaved as qkv [B, T, 3, H, D]; out [B, T, H, D]; lse [B, H, T]. D in {16, 32, 64, 128}.
+void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
+                       rng::PhiloxArgs rng, int head_offset, int heads_total, cudaStream_t s);
+// `scratch` holds attention_backward_scratch(B, T, H) floats.
+std::int64_t attention_backward_scratch(int B, int T, int H);
+void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* out, const float* lse,
+                        const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
+                        int head_offset, int heads_total, cudaStream_t s);
+
+// ---- loss and optimizer ----
+void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real, float dloss,
+                   cudaStream_t s);
+struct AdamWSegmentDev {
+  std::int64_t offset;
+  std::int64_t count;
+  float weight_decay;
+};
+// segments: device array of n_segments entries covering [0, P).
+void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
+           int n_segments, std::int64_t P, float lr, float beta1, float beta2, float eps, float grad_scale,
+           float bc1, float bc2, cudaStream_t s);
+
+}  // namespace kiln::cuda

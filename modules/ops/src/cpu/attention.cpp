@@ -1,0 +1,137 @@
+#include <cmath>
+#include <vector>
+
+#include "cpu_backend.hpp"
+
+namespace kiln::ops::cpu {
+
+namespace {
+struct AttnShape {
+  std::int64_t B, T, H, D, Htot;
+};
+
+AttnShape check_attention(const TensorView& qkv, const TensorView& out, const TensorView& lse, int heads_total,
+                          int head_offset, const char* op) {
+  KILN_CHECK(qkv.ndim() == 5 && qkv.size(2) == 3, op, ": qkv must be [B, T, 3, H, D], got ", qkv.str());
+  AttnShape s{qkv.size(0), qkv.size(1), qkv.size(3), qkv.size(4), heads_total ? heads_total : qkv.size(3)};
+  expect_tensor(qkv, DType::f32, {s.B, s.T, 3, s.H, s.D}, op);
+  expect_tensor(out, DType::f32, {s.B, s.T, s.H, s.D}, op);
+  expect_tensor(lse, DType::f32, {s.B, s.H, s.T}, op);
+  KILN_CHECK(head_offset >= 0 && head_offset + s.H <= s.Htot, op, ": heads [", head_offset, ", ",
+             head_offset + s.H, ") outside ", s.Htot);
+  return s;
+}
+
+// Philox element of attention probability (b, h, i, j); see AttentionForward.
+inline std::uint64_t prob_index(const AttnShape& s, int head_offset, std::int64_t b, std::int64_t h, std::int64_t i,
+                                std::int64_t j) {
+  return static_cast<std::uint64_t>(((b * s.Htot + head_offset + h) * s.T + i) * s.T + j);
+}
+}  // namespace
+
+void CpuBackend::attention_forward(const AttentionForward& a) {
+  Timer timer(*this, "attention_forward");
+  const auto s = check_attention(a.qkv, a.out, a.lse, a.heads_total, a.head_offset, "attention_forward");
+  const float* qkv = a.qkv.as<float>();
+  float* out = a.out.as<float>();
+  float* lse = a.lse.as<float>();
+  const std::int64_t rs = 3 * s.H * s.D;  // stride between tokens in qkv
+  const std::uint32_t threshold = rng::dropout_threshold(a.dropout);
+  const float keep_scale = a.dropout > 0 ? 1.0f / (1.0f - a.dropout) : 1.0f;
+  const std::uint64_t start = a.rng.start();
+#pragma omp parallel for collapse(2) num_threads(threads_) schedule(static)
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t h = 0; h < s.H; ++h) {
+      std::vector<float> p(static_cast<std::size_t>(s.T));
+      for (std::int64_t i = 0; i < s.T; ++i) {
+        const float* q = qkv + (b * s.T + i) * rs + h * s.D;
+        float mx = -INFINITY;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          const float* k = qkv + (b * s.T + j) * rs + s.H * s.D + h * s.D;
+          float dot = 0;
+          for (std::int64_t d = 0; d < s.D; ++d) dot += q[d] * k[d];
+          p[j] = dot * a.scale;
+          mx = std::max(mx, p[j]);
+        }
+        float sum = 0;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          p[j] = std::exp(p[j] - mx);
+          sum += p[j];
+        }
+        lse[(b * s.H + h) * s.T + i] = mx + std::log(sum);
+        float* o = out + ((b * s.T + i) * s.H + h) * s.D;
+        std::vector<float> acc(static_cast<std::size_t>(s.D), 0.0f);
+        for (std::int64_t j = 0; j <= i; ++j) {
+          float w = p[j] / sum;
+          if (a.dropout > 0) {
+            auto x = rng::philox_u32(a.rng.seed, start, prob_index(s, a.head_offset, b, h, i, j));
+            w = rng::dropout_keep(x, threshold) ? w * keep_scale : 0.0f;
+          }
+          const float* v = qkv + (b * s.T + j) * rs + 2 * s.H * s.D + h * s.D;
+          for (std::int64_t d = 0; d < s.D; ++d) acc[d] += w * v[d];
+        }
+        for (std::int64_t d = 0; d < s.D; ++d) o[d] = store(acc[d]);
+      }
+    }
+}
+
+void CpuBackend::attention_backward(const AttentionBackward& a) {
+  Timer timer(*this, "attention_backward");
+  const auto s = check_attention(a.qkv, a.out, a.lse, a.heads_total, a.head_offset, "attention_backward");
+  expect_tensor(a.dqkv, DType::f32, {s.B, s.T, 3, s.H, s.D}, "attention_backward dqkv");
+  expect_tensor(a.dout, DType::f32, {s.B, s.T, s.H, s.D}, "attention_backward dout");
+  const float *qkv = a.qkv.as<float>(), *dout = a.dout.as<float>(), *lse = a.lse.as<float>();
+  float* dqkv = a.dqkv.as<float>();
+  const std::int64_t rs = 3 * s.H * s.D;
+  const std::uint32_t threshold = rng::dropout_threshold(a.dropout);
+  const float keep_scale = a.dropout > 0 ? 1.0f / (1.0f - a.dropout) : 1.0f;
+  const std::uint64_t start = a.rng.start();
+#pragma omp parallel for collapse(2) num_threads(threads_) schedule(static)
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t h = 0; h < s.H; ++h) {
+      // dq, dk, dv of this (b, h) in fp32, stored once at the end.
+      std::vector<float> dq(static_cast<std::size_t>(s.T * s.D), 0.0f), dk(dq.size(), 0.0f), dv(dq.size(), 0.0f);
+      std::vector<float> p(static_cast<std::size_t>(s.T)), dp(p.size());
+      for (std::int64_t i = 0; i < s.T; ++i) {
+        const float* q = qkv + (b * s.T + i) * rs + h * s.D;
+        const float* go = dout + ((b * s.T + i) * s.H + h) * s.D;
+        const float l = lse[(b * s.H + h) * s.T + i];
+        float dsum = 0;  // D_i = sum_j P_ij dP_ij
+        for (std::int64_t j = 0; j <= i; ++j) {
+          const float* k = qkv + (b * s.T + j) * rs + s.H * s.D + h * s.D;
+          const float* v = qkv + (b * s.T + j) * rs + 2 * s.H * s.D + h * s.D;
+          float dot = 0;
+          for (std::int64_t d = 0; d < s.D; ++d) dot += q[d] * k[d];
+          p[j] = std::exp(dot * a.scale - l);
+          float m = 1.0f;  // mask / (1 - p_drop)
+          if (a.dropout > 0) {
+            auto x = rng::philox_u32(a.rng.seed, start, prob_index(s, a.head_offset, b, h, i, j));
+            m = rng::dropout_keep(x, threshold) ? keep_scale : 0.0f;
+          }
+          float dpv = 0;
+          for (std::int64_t d = 0; d < s.D; ++d) dpv += go[d] * v[d];
+          dp[j] = dpv * m;
+          dsum += p[j] * dp[j];
+          float pd = p[j] * m;
+          for (std::int64_t d = 0; d < s.D; ++d) dv[j * s.D + d] += pd * go[d];
+        }
+        for (std::int64_t j = 0; j <= i; ++j) {
+          const float ds = p[j] * (dp[j] - dsum) * a.scale;
+          const float* k = qkv + (b * s.T + j) * rs + s.H * s.D + h * s.D;
+          for (std::int64_t d = 0; d < s.D; ++d) {
+            dq[i * s.D + d] += ds * k[d];
+            dk[j * s.D + d] += ds * q[d];
+          }
+        }
+      }
+      for (std::int64_t t = 0; t < s.T; ++t)
+        for (std::int64_t d = 0; d < s.D; ++d) {
+          float* row = dqkv + (b * s.T + t) * rs + h * s.D + d;
+          row[0] = store(dq[t * s.D + d]);
+          row[s.H * s.D] = store(dk[t * s.D + d]);
+          row[2 * s.H * s.D] = store(dv[t * s.D + d]);
+        }
+    }
+}
+
+}  // namespace kiln::ops::cpu

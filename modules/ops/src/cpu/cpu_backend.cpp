@@ -1,0 +1,97 @@
+#include "cpu_backend.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+namespace kiln::ops {
+
+std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options) {
+  return std::make_unique<cpu::CpuBackend>(options);
+}
+
+namespace cpu {
+
+CpuBackend::CpuBackend(const CpuOptions& o)
+    : round_(o.round_bf16),
+      threads_(o.threads > 0 ? o.threads : std::max(1u, std::thread::hardware_concurrency())) {}
+
+namespace {
+void check_cpu(const TensorView& t, const char* what) {
+  if (t.device != Device::cpu) KILN_THROW(what, ": expected a CPU tensor, got ", t.str());
+}
+}  // namespace
+
+void CpuBackend::copy(const TensorView& dst, const TensorView& src) {
+  check_cpu(dst, "copy dst");
+  check_cpu(src, "copy src");
+  KILN_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy ", src.str(), " -> ", dst.str());
+  std::memmove(dst.data, src.data, src.bytes());
+}
+
+void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
+  check_cpu(dst, "convert dst");
+  check_cpu(src, "convert src");
+  KILN_CHECK(dst.numel() == src.numel(), "convert ", src.str(), " -> ", dst.str());
+  KILN_CHECK(dst.dtype == DType::f32 && src.dtype == DType::f32, "the CPU backend converts f32 only, got ",
+             src.str(), " -> ", dst.str());
+  const float* s = src.as<float>();
+  float* d = dst.as<float>();
+  const std::int64_t n = src.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) d[i] = store(s[i]);
+}
+
+void CpuBackend::zero(const TensorView& t) {
+  check_cpu(t, "zero");
+  std::memset(t.data, 0, t.bytes());
+}
+
+double CpuBackend::sum_squares(const TensorView& x) {
+  check_cpu(x, "sum_squares");
+  KILN_CHECK(x.dtype == DType::f32, "sum_squares needs f32, got ", x.str());
+  const float* p = x.as<float>();
+  const std::int64_t n = x.numel();
+  // Fixed chunking keeps the result independent of the thread count.
+  constexpr std::int64_t kChunk = 1 << 14;
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(static_cast<std::size_t>(chunks), 0.0);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    double s = 0;
+    for (std::int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += double(p[i]) * p[i];
+    partial[c] = s;
+  }
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+void CpuBackend::init_normal(const TensorView& dst, float std, rng::PhiloxArgs r, std::int64_t global_offset) {
+  check_cpu(dst, "init_normal");
+  KILN_CHECK(dst.dtype == DType::f32, "init_normal writes f32, got ", dst.str());
+  float* d = dst.as<float>();
+  const std::int64_t n = dst.numel();
+  const std::uint64_t start = r.start();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i)
+    d[i] = rng::mul_rn(std, rng::philox_normal(r.seed, start, static_cast<std::uint64_t>(global_offset + i)));
+}
+
+void CpuBackend::fill(const TensorView& dst, float value) {
+  check_cpu(dst, "fill");
+  KILN_CHECK(dst.dtype == DType::f32, "fill writes f32, got ", dst.str());
+  std::fill_n(dst.as<float>(), dst.numel(), value);
+}
+
+std::vector<Backend::OpTime> CpuBackend::op_times() {
+  std::vector<OpTime> out;
+  for (auto& [_, t] : times_) out.push_back(t);
+  std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.ms > b.ms; });
+  return out;
+}
+
+}  // namespace cpu
+}  // namespace kiln::ops

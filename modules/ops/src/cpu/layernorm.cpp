@@ -1,0 +1,75 @@
+#include <cmath>
+
+#include "cpu_backend.hpp"
+
+namespace kiln::ops::cpu {
+
+void CpuBackend::layernorm_forward(const LayerNormForward& a) {
+  Timer timer(*this, "layernorm_forward");
+  const std::int64_t N = a.x.size(0), C = a.x.size(1);
+  expect_tensor(a.out, DType::f32, {N, C}, "layernorm_forward out");
+  expect_tensor(a.mean, DType::f32, {N}, "layernorm_forward mean");
+  expect_tensor(a.rstd, DType::f32, {N}, "layernorm_forward rstd");
+  expect_tensor(a.weight, DType::f32, {C}, "layernorm_forward weight");
+  expect_tensor(a.bias, DType::f32, {C}, "layernorm_forward bias");
+  const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *b = a.bias.as<float>();
+  float *out = a.out.as<float>(), *mean = a.mean.as<float>(), *rstd = a.rstd.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * C;
+    float m = 0;
+    for (std::int64_t c = 0; c < C; ++c) m += xr[c];
+    m /= static_cast<float>(C);
+    float var = 0;
+    for (std::int64_t c = 0; c < C; ++c) var += (xr[c] - m) * (xr[c] - m);
+    var /= static_cast<float>(C);
+    float s = 1.0f / std::sqrt(var + a.eps);
+    for (std::int64_t c = 0; c < C; ++c) out[n * C + c] = store((xr[c] - m) * s * w[c] + b[c]);
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+void CpuBackend::layernorm_backward(const LayerNormBackward& a) {
+  Timer timer(*this, "layernorm_backward");
+  const std::int64_t N = a.x.size(0), C = a.x.size(1);
+  expect_tensor(a.dx, DType::f32, {N, C}, "layernorm_backward dx");
+  expect_tensor(a.dweight, DType::f32, {C}, "layernorm_backward dweight");
+  expect_tensor(a.dbias, DType::f32, {C}, "layernorm_backward dbias");
+  expect_tensor(a.dout, DType::f32, {N, C}, "layernorm_backward dout");
+  const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>();
+  const float *mean = a.mean.as<float>(), *rstd = a.rstd.as<float>();
+  float *dx = a.dx.as<float>(), *dw = a.dweight.as<float>(), *db = a.dbias.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const float *xr = x + n * C, *g = dout + n * C;
+    float dnorm_mean = 0, dnorm_norm_mean = 0;
+    for (std::int64_t c = 0; c < C; ++c) {
+      float xhat = (xr[c] - mean[n]) * rstd[n];
+      float dnorm = w[c] * g[c];
+      dnorm_mean += dnorm;
+      dnorm_norm_mean += dnorm * xhat;
+    }
+    dnorm_mean /= static_cast<float>(C);
+    dnorm_norm_mean /= static_cast<float>(C);
+    for (std::int64_t c = 0; c < C; ++c) {
+      float xhat = (xr[c] - mean[n]) * rstd[n];
+      float dnorm = w[c] * g[c];
+      float d = (dnorm - dnorm_mean - xhat * dnorm_norm_mean) * rstd[n];
+      dx[n * C + c] = store(dx[n * C + c] + d);
+    }
+  }
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t c = 0; c < C; ++c) {
+    float sw = 0, sb = 0;
+    for (std::int64_t n = 0; n < N; ++n) {
+      float xhat = (x[n * C + c] - mean[n]) * rstd[n];
+      sw += dout[n * C + c] * xhat;
+      sb += dout[n * C + c];
+    }
+    dw[c] += sw;
+    db[c] += sb;
+  }
+}
+
+}  // namespace kiln::ops::cpu

@@ -1,0 +1,421 @@
+#include "cuda_backend.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::ops {
+
+bool cuda_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index) {
+  if (!cuda_available()) KILN_THROW("no CUDA device is visible (engine.device = \"cuda\" needs a GPU)");
+  return std::make_unique<cuda_impl::CudaBackend>(device_index);
+}
+
+namespace cuda_impl {
+
+using cuda::bf16;
+
+namespace {
+constexpr std::size_t kWorkspaceBytes = 32u << 20;
+
+void check_dev(const TensorView& t, DType dtype, const char* what) {
+  if (t.device != Device::cuda || t.dtype != dtype || !t.contiguous())
+    KILN_THROW(what, ": expected a contiguous ", name_of(dtype), " CUDA tensor, got ", t.str());
+}
+template <class T>
+T* dptr(const TensorView& t) {
+  return static_cast<T*>(t.data);
+}
+int as_int(std::int64_t v, const char* what) {
+  KILN_CHECK(v >= 0 && v <= 0x7fffffff, what, " = ", v, " does not fit a 32-bit int");
+  return static_cast<int>(v);
+}
+}  // namespace
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  KILN_CUDA_CHECK(cudaSetDevice(device));
+  cudaDeviceProp prop{};
+  KILN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  name_ = cat("cuda:", device, " ", prop.name);
+  std::string n = prop.name;
+  // Dense bf16 tensor-core peak from the data sheets (SXM parts); used for MFU.
+  if (n.find("H100") != std::string::npos || n.find("H200") != std::string::npos || n.find("GH200") != std::string::npos)
+    peak_flops_ = 989.4e12;
+  else if (n.find("A100") != std::string::npos)
+    peak_flops_ = 312e12;
+  KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  KILN_CUBLAS_CHECK(cublasLtCreate(&lt_));
+  workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
+  gemm_ = std::make_unique<cuda::GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
+  for (auto& s : staging_) KILN_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+}
+
+CudaBackend::~CudaBackend() {
+  cudaStreamSynchronize(stream_);
+  for (auto& s : staging_) {
+    if (s.host) cudaFreeHost(s.host);
+    if (s.done) cudaEventDestroy(s.done);
+  }
+  for (auto& p : pending_) {
+    cudaEventDestroy(p.start);
+    cudaEventDestroy(p.end);
+  }
+  for (auto e : event_pool_) cudaEventDestroy(e);
+  gemm_.reset();
+  if (lt_) cublasLtDestroy(lt_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+CudaBackend::Timer::Timer(CudaBackend& b, const char* op) : b_(b) {
+  if (!b_.profiling_) return;
+  auto take = [&] {
+    if (b_.event_pool_.empty()) {
+      cudaEvent_t e;
+      KILN_CUDA_CHECK(cudaEventCreate(&e));
+      return e;
+    }
+    auto e = b_.event_pool_.back();
+    b_.event_pool_.pop_back();
+    return e;
+  };
+  Pending p{op, take(), take()};
+  KILN_CUDA_CHECK(cudaEventRecord(p.start, b_.stream_));
+  index_ = static_cast<int>(b_.pending_.size());
+  b_.pending_.push_back(p);
+}
+
+CudaBackend::Timer::~Timer() {
+  if (index_ >= 0) cudaEventRecord(b_.pending_[index_].end, b_.stream_);
+}
+
+std::vector<Backend::OpTime> CudaBackend::op_times() {
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (auto& p : pending_) {
+    float ms = 0;
+    KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, p.start, p.end));
+    auto& t = times_[p.op];
+    t.op = p.op;
+    t.ms += ms;
+    ++t.calls;
+    event_pool_.push_back(p.start);
+    event_pool_.push_back(p.end);
+  }
+  pending_.clear();
+  std::vector<OpTime> out;
+  for (auto& [_, t] : times_) out.push_back(t);
+  std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.ms > b.ms; });
+  return out;
+}
+
+void CudaBackend::reset_op_times() {
+  op_times();
+  times_.clear();
+}
+
+float* CudaBackend::scratch_floats(std::int64_t n) {
+  std::size_t bytes = static_cast<std::size_t>(std::max<std::int64_t>(n, 1)) * sizeof(float);
+  if (scratch_.bytes() < bytes) {
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old scratch may still be in use
+    scratch_ = Buffer(Device::cuda, bytes + bytes / 4);
+  }
+  return static_cast<float*>(scratch_.data());
+}
+
+void* CudaBackend::upload(const void* host, std::size_t bytes, int slot) {
+  auto& s = staging_[slot];
+  if (s.bytes < bytes) {
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (s.host) KILN_CUDA_CHECK(cudaFreeHost(s.host));
+    std::size_t cap = bytes + bytes / 2 + 256;
+    KILN_CUDA_CHECK(cudaMallocHost(&s.host, cap));
+    s.device = Buffer(Device::cuda, cap);
+    s.bytes = cap;
+  } else {
+    KILN_CUDA_CHECK(cudaEventSynchronize(s.done));  // the previous upload from this slot has been read
+  }
+  std::memcpy(s.host, host, bytes);
+  KILN_CUDA_CHECK(cudaMemcpyAsync(s.device.data(), s.host, bytes, cudaMemcpyHostToDevice, stream_));
+  KILN_CUDA_CHECK(cudaEventRecord(s.done, stream_));
+  return s.device.data();
+}
+
+void CudaBackend::copy(const TensorView& dst, const TensorView& src) {
+  KILN_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.contiguous() && src.contiguous(), "copy ",
+             src.str(), " -> ", dst.str());
+  Timer t(*this, "copy");
+  KILN_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDefault, stream_));
+  if (dst.device == Device::cpu) KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::convert(const TensorView& dst, const TensorView& src) {
+  KILN_CHECK(dst.numel() == src.numel(), "convert ", src.str(), " -> ", dst.str());
+  Timer t(*this, "convert");
+  if (src.dtype == DType::f32 && dst.dtype == DType::bf16) {
+    check_dev(src, DType::f32, "convert src");
+    check_dev(dst, DType::bf16, "convert dst");
+    cuda::convert_f32_to_bf16(dptr<bf16>(dst), dptr<float>(src), src.numel(), stream_);
+  } else if (src.dtype == DType::bf16 && dst.dtype == DType::f32) {
+    check_dev(src, DType::bf16, "convert src");
+    check_dev(dst, DType::f32, "convert dst");
+    cuda::convert_bf16_to_f32(dptr<float>(dst), dptr<bf16>(src), src.numel(), stream_);
+  } else if (src.dtype == dst.dtype) {
+    copy(dst, src);
+  } else {
+    KILN_THROW("convert ", src.str(), " -> ", dst.str(), " is not supported");
+  }
+}
+
+void CudaBackend::zero(const TensorView& t) {
+  KILN_CHECK(t.device == Device::cuda && t.contiguous(), "zero of ", t.str());
+  KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_));
+}
+
+void CudaBackend::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+double CudaBackend::sum_squares(const TensorView& x) {
+  check_dev(x, DType::f32, "sum_squares");
+  Timer t(*this, "sum_squares");
+  const std::int64_t parts = cuda::sum_squares_partials(x.numel());
+  float* partials = scratch_floats(parts);
+  cuda::sum_squares_f32(partials, dptr<float>(x), x.numel(), stream_);
+  std::vector<float> host(static_cast<std::size_t>(parts));
+  KILN_CUDA_CHECK(cudaMemcpyAsync(host.data(), partials, parts * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  double total = 0;
+  for (float p : host) total += p;
+  return total;
+}
+
+void CudaBackend::init_normal(const TensorView& dst, float std, rng::PhiloxArgs r, std::int64_t global_offset) {
+  check_dev(dst, DType::f32, "init_normal");
+  cuda::init_normal_f32(dptr<float>(dst), dst.numel(), std, r, global_offset, stream_);
+}
+
+void CudaBackend::fill(const TensorView& dst, float value) {
+  check_dev(dst, DType::f32, "fill");
+  cuda::fill_f32(dptr<float>(dst), value, dst.numel(), stream_);
+}
+
+void CudaBackend::embedding_forward(const EmbeddingForward& a) {
+  Timer t(*this, "embedding_forward");
+  const int N = as_int(a.out.size(0), "N"), C = as_int(a.out.size(1), "C");
+  check_dev(a.out, DType::bf16, "embedding_forward out");
+  check_dev(a.tokens, DType::i32, "embedding_forward tokens");
+  check_dev(a.wte, DType::bf16, "embedding_forward wte");
+  check_dev(a.wpe, DType::bf16, "embedding_forward wpe");
+  KILN_CHECK(a.T > 0 && N % a.T == 0 && a.wpe.size(0) >= a.T, "embedding_forward: T=", a.T, " N=", N);
+  cuda::embedding_forward(dptr<bf16>(a.out), dptr<std::int32_t>(a.tokens), dptr<bf16>(a.wte), dptr<bf16>(a.wpe), N,
+                          a.T, C, stream_);
+}
+
+void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
+  Timer t(*this, "embedding_backward");
+  const int N = as_int(a.dout.size(0), "N"), C = as_int(a.dout.size(1), "C");
+  check_dev(a.dwte, DType::f32, "embedding_backward dwte");
+  check_dev(a.dwpe, DType::f32, "embedding_backward dwpe");
+  check_dev(a.dout, DType::bf16, "embedding_backward dout");
+  KILN_CHECK(a.tokens_host, "embedding_backward needs the tokens on the host");
+  // Bucket positions by token on the host (stable), so the kernel sums each token's rows in order.
+  std::vector<std::int32_t> table(static_cast<std::size_t>(3 * N + 1));
+  std::int32_t* order = table.data();
+  std::iota(order, order + N, 0);
+  std::stable_sort(order, order + N, [&](int x, int y) { return a.tokens_host[x] < a.tokens_host[y]; });
+  std::vector<std::int32_t> starts, tokens;
+  for (int i = 0; i < N; ++i)
+    if (i == 0 || a.tokens_host[order[i]] != a.tokens_host[order[i - 1]]) {
+      starts.push_back(i);
+      tokens.push_back(a.tokens_host[order[i]]);
+    }
+  const int U = static_cast<int>(starts.size());
+  starts.push_back(N);
+  std::copy(starts.begin(), starts.end(), table.begin() + N);
+  std::copy(tokens.begin(), tokens.end(), table.begin() + N + U + 1);
+  auto* dev = static_cast<std::int32_t*>(upload(table.data(), (N + 2 * U + 1) * sizeof(std::int32_t), 0));
+  cuda::embedding_backward(dptr<float>(a.dwte), dptr<float>(a.dwpe), dptr<bf16>(a.dout), dev, dev + N,
+                           dev + N + U + 1, U, N, a.T, C, stream_);
+}
+
+void CudaBackend::layernorm_forward(const LayerNormForward& a) {
+  Timer t(*this, "layernorm_forward");
+  const int N = as_int(a.x.size(0), "N"), C = as_int(a.x.size(1), "C");
+  check_dev(a.out, DType::bf16, "layernorm_forward out");
+  check_dev(a.x, DType::bf16, "layernorm_forward x");
+  check_dev(a.mean, DType::f32, "layernorm_forward mean");
+  check_dev(a.rstd, DType::f32, "layernorm_forward rstd");
+  cuda::layernorm_forward(dptr<bf16>(a.out), dptr<float>(a.mean), dptr<float>(a.rstd), dptr<bf16>(a.x),
+                          dptr<bf16>(a.weight), dptr<bf16>(a.bias), N, C, a.eps, stream_);
+}
+
+void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
+  Timer t(*this, "layernorm_backward");
+  const int N = as_int(a.x.size(0), "N"), C = as_int(a.x.size(1), "C");
+  check_dev(a.dx, DType::bf16, "layernorm_backward dx");
+  check_dev(a.dweight, DType::f32, "layernorm_backward dweight");
+  check_dev(a.dbias, DType::f32, "layernorm_backward dbias");
+  check_dev(a.dout, DType::bf16, "layernorm_backward dout");
+  float* scratch = scratch_floats(cuda::layernorm_backward_scratch(N, C));
+  cuda::layernorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), dptr<float>(a.dbias), scratch,
+                           dptr<bf16>(a.dout), dptr<bf16>(a.x), dptr<bf16>(a.weight), dptr<float>(a.mean),
+                           dptr<float>(a.rstd), N, C, stream_);
+}
+
+void CudaBackend::linear_forward(const LinearForward& a) {
+  Timer t(*this, a.pre_gelu ? "linear_forward_gelu" : "linear_forward");
+  const int N = as_int(a.x.size(0), "N"), IC = as_int(a.x.size(1), "IC"), OC = as_int(a.weight.size(0), "OC");
+  check_dev(a.out, DType::bf16, "linear_forward out");
+  check_dev(a.x, DType::bf16, "linear_forward x");
+  check_dev(a.weight, DType::bf16, "linear_forward weight");
+  KILN_CHECK(a.weight.size(1) == IC && a.out.size(0) == N && a.out.size(1) == OC, "linear_forward shapes ",
+             a.x.str(), " ", a.weight.str(), " ", a.out.str());
+  cuda::GemmDesc g;
+  g.M = N;
+  g.N = OC;
+  g.K = IC;
+  g.A = dptr<bf16>(a.x);
+  g.B = dptr<bf16>(a.weight);
+  g.trans_b = true;  // out = x @ W^T
+  g.D = a.out.data;
+  if (a.pre_gelu) {
+    check_dev(a.pre_gelu, DType::bf16, "linear_forward pre_gelu");
+    KILN_CHECK(a.bias, "linear_forward: the GELU epilogue needs a bias");
+    g.epilogue = cuda::Epilogue::gelu_aux_bias;
+    g.aux = dptr<bf16>(a.pre_gelu);
+    g.bias = dptr<bf16>(a.bias);
+  } else if (a.bias) {
+    g.epilogue = cuda::Epilogue::bias;
+    g.bias = dptr<bf16>(a.bias);
+  }
+  gemm_->run(g, stream_);
+}
+
+void CudaBackend::linear_backward(const LinearBackward& a) {
+  Timer t(*this, a.dx_gelu_pre ? "linear_backward_dgelu" : "linear_backward");
+  const int N = as_int(a.x.size(0), "N"), IC = as_int(a.x.size(1), "IC"), OC = as_int(a.weight.size(0), "OC");
+  check_dev(a.dout, DType::bf16, "linear_backward dout");
+  check_dev(a.x, DType::bf16, "linear_backward x");
+  check_dev(a.weight, DType::bf16, "linear_backward weight");
+  check_dev(a.dweight, DType::f32, "linear_backward dweight");
+  if (a.dx) {
+    check_dev(a.dx, DType::bf16, "linear_backward dx");
+    cuda::GemmDesc g;  // dx[N, IC] = dout[N, OC] @ W[OC, IC]
+    g.M = N;
+    g.N = IC;
+    g.K = OC;
+    g.A = dptr<bf16>(a.dout);
+    g.B = dptr<bf16>(a.weight);
+    g.D = a.dx.data;
+    if (a.dx_gelu_pre) {
+      check_dev(a.dx_gelu_pre, DType::bf16, "linear_backward dx_gelu_pre");
+      g.epilogue = cuda::Epilogue::dgelu;
+      g.aux = dptr<bf16>(a.dx_gelu_pre);
+    }
+    gemm_->run(g, stream_);
+  }
+  cuda::GemmDesc w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC]
+  w.M = OC;
+  w.N = IC;
+  w.K = N;
+  w.A = dptr<bf16>(a.dout);
+  w.trans_a = true;
+  w.B = dptr<bf16>(a.x);
+  w.D = a.dweight.data;
+  w.d_f32 = true;
+  w.accumulate = true;
+  gemm_->run(w, stream_);
+  if (a.dbias) {
+    check_dev(a.dbias, DType::f32, "linear_backward dbias");
+    float* scratch = scratch_floats(cuda::bias_grad_scratch(N, OC));
+    cuda::bias_grad(dptr<float>(a.dbias), scratch, dptr<bf16>(a.dout), N, OC, stream_);
+  }
+}
+
+void CudaBackend::attention_forward(const AttentionForward& a) {
+  Timer t(*this, "attention_forward");
+  KILN_CHECK(a.qkv.ndim() == 5 && a.qkv.size(2) == 3, "attention_forward: qkv must be [B, T, 3, H, D], got ",
+             a.qkv.str());
+  const int B = as_int(a.qkv.size(0), "B"), T = as_int(a.qkv.size(1), "T"), H = as_int(a.qkv.size(3), "H"),
+            D = as_int(a.qkv.size(4), "D");
+  check_dev(a.qkv, DType::bf16, "attention_forward qkv");
+  check_dev(a.out, DType::bf16, "attention_forward out");
+  check_dev(a.lse, DType::f32, "attention_forward lse");
+  cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout,
+                          a.rng, a.head_offset, a.heads_total ? a.heads_total : H, stream_);
+}
+
+void CudaBackend::attention_backward(const AttentionBackward& a) {
+  Timer t(*this, "attention_backward");
+  const int B = as_int(a.qkv.size(0), "B"), T = as_int(a.qkv.size(1), "T"), H = as_int(a.qkv.size(3), "H"),
+            D = as_int(a.qkv.size(4), "D");
+  check_dev(a.dqkv, DType::bf16, "attention_backward dqkv");
+  check_dev(a.dout, DType::bf16, "attention_backward dout");
+  float* scratch = scratch_floats(cuda::attention_backward_scratch(B, T, H));
+  cuda::attention_backward(dptr<bf16>(a.dqkv), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.out), dptr<float>(a.lse),
+                           dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout, a.rng, a.head_offset,
+                           a.heads_total ? a.heads_total : H, stream_);
+}
+
+void CudaBackend::residual_forward(const ResidualForward& a) {
+  Timer t(*this, "residual_forward");
+  const int N = as_int(a.x.size(0), "N"), C = as_int(a.x.size(1), "C");
+  check_dev(a.out, DType::bf16, "residual_forward out");
+  check_dev(a.residual, DType::bf16, "residual_forward residual");
+  check_dev(a.x, DType::bf16, "residual_forward x");
+  cuda::residual_forward(dptr<bf16>(a.out), dptr<bf16>(a.residual), dptr<bf16>(a.x), N, C, a.dropout, stream_);
+}
+
+void CudaBackend::dropout_backward(const DropoutBackward& a) {
+  Timer t(*this, "dropout_backward");
+  const int N = as_int(a.dout.size(0), "N"), C = as_int(a.dout.size(1), "C");
+  check_dev(a.dx, DType::bf16, "dropout_backward dx");
+  check_dev(a.dout, DType::bf16, "dropout_backward dout");
+  cuda::dropout_backward(dptr<bf16>(a.dx), dptr<bf16>(a.dout), N, C, a.dropout, stream_);
+}
+
+void CudaBackend::cross_entropy(const CrossEntropy& a) {
+  Timer t(*this, "cross_entropy");
+  const int N = as_int(a.logits.size(0), "N"), V = as_int(a.logits.size(1), "V");
+  check_dev(a.logits, DType::bf16, "cross_entropy logits");
+  check_dev(a.losses, DType::f32, "cross_entropy losses");
+  check_dev(a.targets, DType::i32, "cross_entropy targets");
+  KILN_CHECK(a.vocab_real > 0 && a.vocab_real <= V, "cross_entropy: vocab_real ", a.vocab_real, " vs V ", V);
+  cuda::cross_entropy(dptr<float>(a.losses), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets), N, V, a.vocab_real,
+                      a.dloss, stream_);
+}
+
+void CudaBackend::adamw(const AdamW& a) {
+  Timer t(*this, "adamw");
+  const std::int64_t P = a.params.numel();
+  check_dev(a.params, DType::f32, "adamw params");
+  check_dev(a.grads, DType::f32, "adamw grads");
+  check_dev(a.m, DType::f32, "adamw m");
+  check_dev(a.v, DType::f32, "adamw v");
+  if (a.params_act) check_dev(a.params_act, DType::bf16, "adamw params_act");
+  // The segment table is tiny; upload it with every call (stream-ordered staging).
+  std::vector<cuda::AdamWSegmentDev> table;
+  std::int64_t covered = 0;
+  for (auto& s : a.segments) {
+    table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f});
+    covered += s.count;
+  }
+  KILN_CHECK(covered == P, "adamw segments cover ", covered, " of ", P, " elements");
+  auto* segments = static_cast<const cuda::AdamWSegmentDev*>(upload(table.data(), table.size() * sizeof(table[0]), 1));
+  const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(a.step));
+  const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(a.step));
+  cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, dptr<float>(a.grads),
+              dptr<float>(a.m), dptr<float>(a.v), segments,
+              static_cast<int>(table.size()), P, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, stream_);
+}
+
+}  // namespace cuda_impl
+}  // namespace kiln::ops

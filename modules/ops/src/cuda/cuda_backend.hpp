@@ -1,0 +1,95 @@
+#pragma once
+// The CUDA backend: bf16 activations, cuBLASLt GEMMs, kiln's own kernels, one compute stream.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kiln/ops/backend.hpp"
+#include "kiln/ops/cuda/gemm.hpp"
+#include "kiln/ops/cuda/launchers.hpp"
+
+namespace kiln::ops::cuda_impl {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+
+  Device device() const override { return Device::cuda; }
+  DType act_dtype() const override { return DType::bf16; }
+  std::string name() const override { return name_; }
+  double peak_bf16_flops() const override { return peak_flops_; }
+
+  Buffer alloc(std::size_t bytes) override { return Buffer(Device::cuda, bytes); }
+  void copy(const TensorView& dst, const TensorView& src) override;
+  void convert(const TensorView& dst, const TensorView& src) override;
+  void zero(const TensorView& t) override;
+  void synchronize() override;
+  double sum_squares(const TensorView& x) override;
+  void init_normal(const TensorView& dst, float std, rng::PhiloxArgs rng, std::int64_t global_offset) override;
+  void fill(const TensorView& dst, float value) override;
+
+  void embedding_forward(const EmbeddingForward& a) override;
+  void embedding_backward(const EmbeddingBackward& a) override;
+  void layernorm_forward(const LayerNormForward& a) override;
+  void layernorm_backward(const LayerNormBackward& a) override;
+  void linear_forward(const LinearForward& a) override;
+  void linear_backward(const LinearBackward& a) override;
+  void attention_forward(const AttentionForward& a) override;
+  void attention_backward(const AttentionBackward& a) override;
+  void residual_forward(const ResidualForward& a) override;
+  void dropout_backward(const DropoutBackward& a) override;
+  void cross_entropy(const CrossEntropy& a) override;
+  void adamw(const AdamW& a) override;
+
+  void set_profiling(bool on) override { profiling_ = on; }
+  std::vector<OpTime> op_times() override;
+  void reset_op_times() override;
+  void* stream() const override { return stream_; }
+
+ private:
+  // Records CUDA events around one op while profiling.
+  class Timer {
+   public:
+    Timer(CudaBackend& b, const char* op);
+    ~Timer();
+
+   private:
+    CudaBackend& b_;
+    int index_ = -1;
+  };
+  // Device scratch memory for temporaries of one op, grown on demand (stream-ordered).
+  float* scratch_floats(std::int64_t n);
+  // Pinned host staging + device copy of small per-call tables.
+  void* upload(const void* host, std::size_t bytes, int slot);
+
+  int device_;
+  std::string name_;
+  double peak_flops_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  Buffer workspace_;
+  std::unique_ptr<cuda::GemmRunner> gemm_;
+  Buffer scratch_;
+  struct Staging {
+    void* host = nullptr;
+    Buffer device;
+    std::size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+  };
+  Staging staging_[2];
+  bool profiling_ = false;
+  struct Pending {
+    const char* op;
+    cudaEvent_t start, end;
+  };
+  std::vector<Pending> pending_;
+  std::vector<cudaEvent_t> event_pool_;
+  std::map<std::string, OpTime> times_;
+};
+
+}  // namespace kiln::ops::cuda_impl

@@ -1,0 +1,32 @@
+#pragma once
+// Where every rank's RNG seeds come from: one place, one function.
+//
+// collision_free (default): each stream is identified by (kind, pp, a, b) with every field below
+// 65,536, packed into 64 bits and passed through a bijective mixer keyed by the master seed.
+// Distinct identities therefore always get distinct seeds, for any topology up to 65,536 ranks
+// per axis. megatron: Megatron-LM's additive offsets, kept for users who must match it; they
+// collide across ranks (e.g. ep_rank 17 against tp_rank 6).
+#include <cstdint>
+#include <boost/describe/enum.hpp>
+
+#include "kiln/parallel/topology.hpp"
+
+namespace kiln::rng {
+
+enum class SeedPolicy { collision_free, megatron };
+BOOST_DESCRIBE_ENUM(SeedPolicy, collision_free, megatron)
+
+enum class StreamKind : std::uint64_t { default_ = 0, model_parallel = 1, data_parallel = 2, expert_parallel = 3 };
+
+// Seed of one stream for a rank at `c`. Semantics (both policies):
+//   default_          equal on every rank of a pipeline stage (so on all ranks of a TP group)
+//   model_parallel    differs per TP rank ("model-parallel-rng")
+//   data_parallel     equal on every rank of a pipeline stage, separate from default_
+//   expert_parallel   differs per (EP rank, expert-TP rank) ("expert-parallel-rng")
+// Expert-TP rank is taken equal to the TP rank (kiln has no separate expert-TP size yet).
+std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKind kind, const parallel::Coords& c);
+
+// The 64-bit bijection used by collision_free (splitmix64's finaliser).
+std::uint64_t mix64(std::uint64_t x);
+
+}  // namespace kiln::rng
