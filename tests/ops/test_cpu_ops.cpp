@@ -1,0 +1,111 @@
+// CPU reference ops against direct formulas and invariants.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kiln/ops/backend.hpp"
+#include "kiln/ops/formulas.hpp"
+#include "op_harness.hpp"
+
+using namespace kiln;
+using kiln::test::random_values;
+
+namespace {
+TensorView view(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
+}  // namespace
+
+TEST_CASE("attention of the first token returns its value vector") {
+  auto b = ops::make_cpu_backend();
+  const int B = 1, T = 3, H = 2, D = 4;
+  auto qkv = random_values(B * T * 3 * H * D, 1);
+  std::vector<float> out(B * T * H * D), lse(B * H * T);
+  b->attention_forward({view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, 3, H, D}), 0.5f});
+  for (int h = 0; h < H; ++h)
+    for (int d = 0; d < D; ++d) CHECK(out[h * D + d] == doctest::Approx(qkv[2 * H * D + h * D + d]));
+}
+
+TEST_CASE("layernorm output has zero mean and unit variance before the affine part") {
+  auto b = ops::make_cpu_backend();
+  const int N = 4, C = 64;
+  auto x = random_values(N * C, 2, 3.0f, 1.0f);
+  std::vector<float> w(C, 1.0f), bias(C, 0.0f), out(N * C), mean(N), rstd(N);
+  b->layernorm_forward({view(out, {N, C}), view(mean, {N}), view(rstd, {N}), view(x, {N, C}), view(w, {C}),
+                        view(bias, {C}), 1e-5f});
+  for (int n = 0; n < N; ++n) {
+    double m = 0, v = 0;
+    for (int c = 0; c < C; ++c) m += out[n * C + c];
+    m /= C;
+    for (int c = 0; c < C; ++c) v += (out[n * C + c] - m) * (out[n * C + c] - m);
+    CHECK(std::fabs(m) < 1e-5);
+    CHECK(v / C == doctest::Approx(1.0).epsilon(1e-3));
+  }
+}
+
+TEST_CASE("cross entropy loss is minus the log softmax of the target") {
+  auto b = ops::make_cpu_backend();
+  std::vector<float> logits = {1.0f, 2.0f, 3.0f, 100.0f}, losses(1);
+  std::vector<std::int32_t> t = {1};
+  b->cross_entropy({view(losses, {1}), view(logits, {1, 4}), TensorView(t.data(), {1}, DType::i32, Device::cpu), 3, 1.0f});
+  double expected = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0)) - 2.0;
+  CHECK(losses[0] == doctest::Approx(expected).epsilon(1e-6));
+  CHECK(logits[3] == 0.0f);  // padded vocabulary column
+}
+
+TEST_CASE("adamw matches a hand computed step with decoupled weight decay") {
+  auto b = ops::make_cpu_backend();
+  std::vector<float> p = {1.0f, -2.0f}, g = {0.5f, 0.25f}, m = {0.0f, 0.0f}, v = {0.0f, 0.0f};
+  ops::AdamW a;
+  a.params = view(p, {2});
+  a.grads = view(g, {2});
+  a.m = view(m, {2});
+  a.v = view(v, {2});
+  a.segments = {{0, 1, true}, {1, 1, false}};
+  a.lr = 0.1f;
+  a.weight_decay = 0.5f;
+  a.grad_scale = 2.0f;
+  b->adamw(a);
+  // Step 1: mhat = g', vhat = g'^2, so the update is lr * sign(g') (eps aside).
+  CHECK(p[0] == doctest::Approx(1.0 * (1 - 0.1 * 0.5) - 0.1).epsilon(1e-5));
+  CHECK(p[1] == doctest::Approx(-2.0 - 0.1).epsilon(1e-5));
+  CHECK(m[0] == doctest::Approx(0.1 * 1.0));
+  CHECK(v[1] == doctest::Approx(0.05 * 0.25));
+}
+
+TEST_CASE("normal initialisation is layout invariant: a slice draws what the whole draws") {
+  auto b = ops::make_cpu_backend();
+  std::vector<float> whole(1000), part(300);
+  rng::PhiloxArgs r{42, 7, nullptr};
+  b->init_normal(view(whole, {1000}), 0.02f, r, 0);
+  b->init_normal(view(part, {300}), 0.02f, r, 555);
+  for (int i = 0; i < 300; ++i) CHECK(part[i] == whole[555 + i]);
+  double m = 0, s = 0;
+  std::vector<float> big(200000);
+  b->init_normal(view(big, {200000}), 1.0f, r, 0);
+  for (float x : big) m += x;
+  m /= big.size();
+  for (float x : big) s += (x - m) * (x - m);
+  CHECK(std::fabs(m) < 0.01);
+  CHECK(std::sqrt(s / big.size()) == doctest::Approx(1.0).epsilon(0.01));
+}
+
+TEST_CASE("bf16 rounding emulation rounds act outputs to bf16") {
+  auto b = ops::make_cpu_backend({.round_bf16 = true});
+  std::vector<float> src = {1.0f + 1.0f / 512.0f, 3.14159f}, dst(2);
+  b->convert(view(dst, {2}), view(src, {2}));
+  CHECK(dst[0] == 1.0f);  // ties to even
+  CHECK(dst[1] == round_bf16(3.14159f));
+  CHECK(dst[1] != 3.14159f);
+}
+
+TEST_CASE("results do not depend on the number of threads") {
+  auto one = ops::make_cpu_backend({.threads = 1});
+  auto many = ops::make_cpu_backend({.threads = 3});
+  const int N = 37, IC = 19, OC = 23;
+  auto x = random_values(N * IC, 5), w = random_values(OC * IC, 6), dout = random_values(N * OC, 7);
+  std::vector<float> dw1(OC * IC, 0.0f), dw2(OC * IC, 0.0f), dx1(N * IC), dx2(N * IC);
+  one->linear_backward({view(dx1, {N, IC}), view(dw1, {OC, IC}), {}, view(dout, {N, OC}), view(x, {N, IC}), view(w, {OC, IC})});
+  many->linear_backward({view(dx2, {N, IC}), view(dw2, {OC, IC}), {}, view(dout, {N, OC}), view(x, {N, IC}), view(w, {OC, IC})});
+  CHECK(dw1 == dw2);
+  CHECK(dx1 == dx2);
+}

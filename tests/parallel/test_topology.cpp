@@ -1,0 +1,72 @@
+#include <doctest/doctest.h>
+
+#include <set>
+
+#include "kiln/engine/error.hpp"
+#include "kiln/parallel/topology.hpp"
+
+using kiln::parallel::Axis;
+using kiln::parallel::Topology;
+
+TEST_CASE("world 8 with tp 4 gives Megatron's groups") {
+  Topology t(8, 4, 1, 1, 1, 0);
+  CHECK(t.sizes().dp == 2);
+  CHECK(t.tp_group(0) == std::vector<int>{0, 1, 2, 3});
+  CHECK(t.tp_group(6) == std::vector<int>{4, 5, 6, 7});
+  CHECK(t.dp_group(0) == std::vector<int>{0, 4});
+  CHECK(t.dp_group(3) == std::vector<int>{3, 7});
+  CHECK(t.all_groups({Axis::dp}) == std::vector<std::vector<int>>{{0, 4}, {1, 5}, {2, 6}, {3, 7}});
+}
+
+TEST_CASE("groups match a brute-force enumeration for many shapes") {
+  int shapes = 0;
+  for (int world = 1; world <= 48; ++world)
+    for (int tp = 1; tp <= world; ++tp)
+      for (int pp = 1; tp * pp <= world; ++pp)
+        for (int cp = 1; tp * pp * cp <= world; cp *= 2)
+          for (int ep = 1; tp * pp * cp * ep <= world; ep += 2) {
+            if (world % (tp * pp * cp * ep)) continue;
+            Topology t(world, tp, pp, cp, ep, 0);
+            const int dp = world / (tp * pp * cp * ep);
+            ++shapes;
+            // Brute force: decode each rank with tp fastest, then cp, ep, dp, pp.
+            for (int r = 0; r < world; ++r) {
+              int x = r;
+              int c_tp = x % tp; x /= tp;
+              int c_cp = x % cp; x /= cp;
+              int c_ep = x % ep; x /= ep;
+              int c_dp = x % dp; x /= dp;
+              int c_pp = x;
+              auto c = t.coords(r);
+              REQUIRE(c.tp == c_tp);
+              REQUIRE(c.cp == c_cp);
+              REQUIRE(c.ep == c_ep);
+              REQUIRE(c.dp == c_dp);
+              REQUIRE(c.pp == c_pp);
+              REQUIRE(t.rank(c) == r);
+              std::vector<int> tpg, dpg;
+              for (int q = 0; q < world; ++q) {
+                auto o = t.coords(q);
+                if (o.cp == c.cp && o.ep == c.ep && o.dp == c.dp && o.pp == c.pp) tpg.push_back(q);
+                if (o.tp == c.tp && o.cp == c.cp && o.ep == c.ep && o.pp == c.pp) dpg.push_back(q);
+              }
+              REQUIRE(t.tp_group(r) == tpg);
+              REQUIRE(t.dp_group(r) == dpg);
+            }
+            // every rank in exactly one group of each kind
+            for (Axis a : {Axis::tp, Axis::cp, Axis::ep, Axis::dp, Axis::pp}) {
+              std::multiset<int> all;
+              for (auto& g : t.all_groups({a})) all.insert(g.begin(), g.end());
+              REQUIRE(all.size() == static_cast<std::size_t>(world));
+              REQUIRE(std::set<int>(all.begin(), all.end()).size() == static_cast<std::size_t>(world));
+            }
+          }
+  CHECK(shapes > 100);
+}
+
+TEST_CASE("shapes that do not fit are errors naming the sizes") {
+  CHECK_THROWS_WITH_AS(Topology(8, 3, 1, 1, 1, 0), doctest::Contains("world size 8 is not divisible by tp*pp*cp*ep"),
+                       kiln::Error);
+  CHECK_THROWS_WITH_AS(Topology(8, 2, 1, 1, 1, 3), doctest::Contains("does not match the world size 8"), kiln::Error);
+  CHECK_THROWS_WITH_AS(Topology(8, 0, 1, 1, 1, 0), doctest::Contains("parallel.tp must be positive"), kiln::Error);
+}
