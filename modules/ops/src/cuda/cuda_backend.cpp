@@ -1,6 +1,7 @@
 #include "cuda_backend.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -226,6 +227,14 @@ void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   check_dev(a.dwpe, DType::f32, "embedding_backward dwpe");
   check_dev(a.dout, DType::bf16, "embedding_backward dout");
   KILN_CHECK(a.tokens_host, "embedding_backward needs the tokens on the host");
+  KILN_CHECK(a.T > 0 && N % a.T == 0 && a.dwpe.size(0) >= a.T, "embedding_backward: T=", a.T, " N=", N);
+  KILN_CHECK(a.dwte.size(1) == C && a.dwpe.size(1) == C, "embedding_backward: ", a.dwte.str(), " ", a.dwpe.str(),
+             " vs C=", C);
+  // The kernel writes dwte rows by token id: an id outside the table would write out of bounds.
+  const std::int64_t V = a.dwte.size(0);
+  for (int n = 0; n < N; ++n)
+    KILN_CHECK(a.tokens_host[n] >= 0 && a.tokens_host[n] < V, "token ", a.tokens_host[n], " at position ", n,
+               " outside the vocabulary of ", V);
   // Bucket positions by token on the host (stable), so the kernel sums each token's rows in order.
   std::vector<std::int32_t> table(static_cast<std::size_t>(3 * N + 1));
   std::int32_t* order = table.data();
@@ -253,6 +262,8 @@ void CudaBackend::layernorm_forward(const LayerNormForward& a) {
   check_dev(a.x, DType::bf16, "layernorm_forward x");
   check_dev(a.mean, DType::f32, "layernorm_forward mean");
   check_dev(a.rstd, DType::f32, "layernorm_forward rstd");
+  check_dev(a.weight, DType::bf16, "layernorm_forward weight");
+  check_dev(a.bias, DType::bf16, "layernorm_forward bias");
   cuda::layernorm_forward(dptr<bf16>(a.out), dptr<float>(a.mean), dptr<float>(a.rstd), dptr<bf16>(a.x),
                           dptr<bf16>(a.weight), dptr<bf16>(a.bias), N, C, a.eps, stream_);
 }
@@ -264,6 +275,10 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
   check_dev(a.dweight, DType::f32, "layernorm_backward dweight");
   check_dev(a.dbias, DType::f32, "layernorm_backward dbias");
   check_dev(a.dout, DType::bf16, "layernorm_backward dout");
+  check_dev(a.x, DType::bf16, "layernorm_backward x");
+  check_dev(a.weight, DType::bf16, "layernorm_backward weight");
+  check_dev(a.mean, DType::f32, "layernorm_backward mean");
+  check_dev(a.rstd, DType::f32, "layernorm_backward rstd");
   float* scratch = scratch_floats(cuda::layernorm_backward_scratch(N, C));
   cuda::layernorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), dptr<float>(a.dbias), scratch,
                            dptr<bf16>(a.dout), dptr<bf16>(a.x), dptr<bf16>(a.weight), dptr<float>(a.mean),
@@ -286,12 +301,16 @@ void CudaBackend::linear_forward(const LinearForward& a) {
   g.B = dptr<bf16>(a.weight);
   g.trans_b = true;  // out = x @ W^T
   g.D = a.out.data;
+  if (a.bias) {
+    check_dev(a.bias, DType::bf16, "linear_forward bias");
+    KILN_CHECK(a.bias.numel() == OC, "linear_forward bias ", a.bias.str(), " vs OC=", OC);
+  }
   if (a.pre_gelu) {
     check_dev(a.pre_gelu, DType::bf16, "linear_forward pre_gelu");
-    KILN_CHECK(a.bias, "linear_forward: the GELU epilogue needs a bias");
-    g.epilogue = cuda::Epilogue::gelu_aux_bias;
+    KILN_CHECK(a.pre_gelu.numel() == a.out.numel(), "linear_forward pre_gelu ", a.pre_gelu.str());
+    g.epilogue = cuda::Epilogue::gelu_aux_bias;  // without a bias, cuBLASLt's GELU_AUX
     g.aux = dptr<bf16>(a.pre_gelu);
-    g.bias = dptr<bf16>(a.bias);
+    g.bias = a.bias ? dptr<bf16>(a.bias) : nullptr;
   } else if (a.bias) {
     g.epilogue = cuda::Epilogue::bias;
     g.bias = dptr<bf16>(a.bias);
@@ -401,14 +420,20 @@ void CudaBackend::adamw(const AdamW& a) {
   check_dev(a.m, DType::f32, "adamw m");
   check_dev(a.v, DType::f32, "adamw v");
   if (a.params_act) check_dev(a.params_act, DType::bf16, "adamw params_act");
-  // The segment table is tiny; upload it with every call (stream-ordered staging).
+  // The segment table is tiny; upload it with every call (stream-ordered staging). The kernel finds
+  // an element's segment by binary search, so the table is sorted and must tile [0, P) exactly.
   std::vector<cuda::AdamWSegmentDev> table;
+  for (auto& s : a.segments)
+    if (s.count > 0) table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f});
+  std::sort(table.begin(), table.end(), [](auto& x, auto& y) { return x.offset < y.offset; });
   std::int64_t covered = 0;
-  for (auto& s : a.segments) {
-    table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f});
+  for (auto& s : table) {
+    KILN_CHECK(s.offset == covered, "adamw segments must tile [0, ", P, "): a segment starts at ", s.offset,
+               " where ", covered, " was expected");
     covered += s.count;
   }
   KILN_CHECK(covered == P, "adamw segments cover ", covered, " of ", P, " elements");
+  if (P == 0) return;
   auto* segments = static_cast<const cuda::AdamWSegmentDev*>(upload(table.data(), table.size() * sizeof(table[0]), 1));
   const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(a.step));
   const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(a.step));

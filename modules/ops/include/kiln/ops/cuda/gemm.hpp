@@ -37,8 +37,8 @@ struct GemmDesc {
 
 class GemmRunner {
  public:
-  GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t workspace_bytes)
-      : handle_(handle), workspace_(workspace), workspace_bytes_(workspace_bytes) {}
+  // Out of line (gemm.cpp), where Plan is complete: a constructor may destroy plans_ on unwinding.
+  GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t workspace_bytes);
   ~GemmRunner();
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;

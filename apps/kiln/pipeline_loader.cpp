@@ -1,0 +1,25 @@
+#include "commands.hpp"
+#include "kiln/builtin.hpp"
+#include "kiln/engine/engine_module.hpp"
+
+namespace kiln::app {
+
+std::unique_ptr<LoadedPipeline> load_pipeline(const std::string& file, const std::vector<std::string>& sets) {
+  auto p = std::make_unique<LoadedPipeline>();
+  register_builtin_modules(p->registry);
+  p->plugins = std::make_unique<PluginLoader>();
+  config::Node doc = config::load_document(file, sets);
+  // Plugins first: their modules' sections can only be read once they are registered.
+  auto engine = std::any_cast<EngineConfig>(config::read_engine_section(doc, p->registry, file));
+  for (auto& lib : engine.plugins) {
+    try {
+      p->plugins->load(lib, p->registry);
+    } catch (const Error& e) {
+      throw ConfigError(cat(file, ": engine.plugins: ", e.what()));
+    }
+  }
+  p->config = config::resolve(doc, file, p->registry);
+  return p;
+}
+
+}  // namespace kiln::app

@@ -1,0 +1,46 @@
+#pragma once
+// Streaming training windows: every window of T+1 tokens that starts at a multiple of T inside a
+// shard is one sample (inputs = first T tokens, targets = last T). A seeded permutation per epoch
+// orders them; the position (samples consumed) is all that is needed to resume exactly.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kiln/data/shard.hpp"
+
+namespace kiln::data {
+
+class WindowIndex {
+ public:
+  // Throws an error naming the files if no window of T+1 tokens fits.
+  WindowIndex(std::vector<TokenShard> shards, int T);
+  std::uint64_t windows() const { return total_; }
+  int seq_len() const { return T_; }
+  // Writes window w's T inputs and T targets; throws if a token is >= vocab_limit (when > 0).
+  void read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit = 0) const;
+  const std::vector<TokenShard>& shards() const { return shards_; }
+
+ private:
+  std::vector<TokenShard> shards_;
+  std::vector<std::uint64_t> first_;  // first window of each shard
+  std::uint64_t total_ = 0;
+  int T_;
+};
+
+// Sample i of the run is window perm_e[i mod W] with e = i / W; perm_e is a Fisher-Yates shuffle
+// driven by Philox keyed with (seed, e), identical on every platform and every rank.
+class SampleOrder {
+ public:
+  SampleOrder(std::uint64_t windows, std::uint64_t seed, bool shuffle);
+  std::uint64_t window(std::uint64_t sample);
+  std::uint64_t epoch_of(std::uint64_t sample) const { return sample / windows_; }
+
+ private:
+  void build(std::uint64_t epoch);
+  std::uint64_t windows_, seed_;
+  bool shuffle_;
+  std::uint64_t epoch_ = ~0ull;
+  std::vector<std::uint64_t> perm_;
+};
+
+}  // namespace kiln::data

@@ -1,0 +1,66 @@
+#include "kiln/data/loader.hpp"
+
+#include <algorithm>
+#include <numeric>
+
+#include "kiln/engine/error.hpp"
+#include "kiln/rng/philox.hpp"
+
+namespace kiln::data {
+
+WindowIndex::WindowIndex(std::vector<TokenShard> shards, int T) : shards_(std::move(shards)), T_(T) {
+  KILN_CHECK(T > 0, "sequence length must be positive");
+  for (auto& s : shards_) {
+    first_.push_back(total_);
+    if (s.size() >= static_cast<std::size_t>(T) + 1) total_ += (s.size() - 1) / T;
+  }
+  if (total_ == 0) {
+    std::string names;
+    for (auto& s : shards_) names += cat(names.empty() ? "" : ", ", s.path(), " (", s.size(), " tokens)");
+    KILN_THROW("no window of ", T + 1, " tokens fits in ", names);
+  }
+}
+
+void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit) const {
+  KILN_CHECK(w < total_, "window ", w, " of ", total_);
+  std::size_t s = static_cast<std::size_t>(std::upper_bound(first_.begin(), first_.end(), w) - first_.begin()) - 1;
+  // Skip shards too short to hold a window (their first_ equals the next one's).
+  while (s + 1 < first_.size() && first_[s + 1] <= w) ++s;
+  const auto tok = shards_[s].tokens();
+  const std::size_t start = static_cast<std::size_t>(w - first_[s]) * T_;
+  for (int t = 0; t < T_; ++t) {
+    inputs[t] = tok[start + t];
+    targets[t] = tok[start + t + 1];
+  }
+  if (vocab_limit > 0)
+    for (int t = 0; t <= T_; ++t)
+      if (tok[start + t] >= vocab_limit)
+        KILN_THROW(shards_[s].path(), ": token ", tok[start + t], " at position ", start + t,
+                   " is outside the model's vocabulary of ", vocab_limit);
+}
+
+SampleOrder::SampleOrder(std::uint64_t windows, std::uint64_t seed, bool shuffle)
+    : windows_(windows), seed_(seed), shuffle_(shuffle) {
+  KILN_CHECK(windows > 0, "no samples");
+}
+
+std::uint64_t SampleOrder::window(std::uint64_t sample) {
+  const std::uint64_t e = sample / windows_;
+  if (!shuffle_) return sample % windows_;
+  if (e != epoch_) build(e);
+  return perm_[sample % windows_];
+}
+
+void SampleOrder::build(std::uint64_t epoch) {
+  perm_.resize(windows_);
+  std::iota(perm_.begin(), perm_.end(), 0ull);
+  const std::uint64_t key = seed_ ^ (0x9e3779b97f4a7c15ull * (epoch + 1));
+  for (std::uint64_t i = windows_ - 1; i > 0; --i) {
+    rng::Philox4 b = rng::philox_block(key, i);
+    const std::uint64_t r = (static_cast<std::uint64_t>(b.v[0]) << 32) | b.v[1];
+    std::swap(perm_[i], perm_[r % (i + 1)]);  // modulo bias below 2^-30 for any realistic size
+  }
+  epoch_ = epoch;
+}
+
+}  // namespace kiln::data

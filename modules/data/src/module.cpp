@@ -1,0 +1,108 @@
+#include "kiln/data/module.hpp"
+
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/parallel/module.hpp"
+#include "kiln/rng/philox.hpp"
+#include "kiln/rng/seed_policy.hpp"
+#include "kiln/train/train.hpp"
+
+namespace kiln::data {
+
+namespace {
+
+std::unique_ptr<WindowIndex> open_split(const std::string& pattern, ShardFormat format, int T, const char* what) {
+  std::vector<TokenShard> shards;
+  for (auto& path : expand_glob(pattern, what)) shards.emplace_back(path, format);
+  return std::make_unique<WindowIndex>(std::move(shards), T);
+}
+
+// Fills `b` with `count` samples starting at global sample `first`.
+void fill(train::Batch& b, DataState& st, std::uint64_t first, int count, int T) {
+  b.B = count;
+  b.T = T;
+  b.inputs.resize(static_cast<std::size_t>(count) * T);
+  b.targets.resize(b.inputs.size());
+  for (int i = 0; i < count; ++i)
+    st.train->read(st.order->window(first + i), b.inputs.data() + i * T, b.targets.data() + i * T);
+}
+
+void fill_synthetic(train::Batch& b, std::uint64_t seed, std::uint64_t first, int count, int T, int vocab) {
+  b.B = count;
+  b.T = T;
+  b.inputs.resize(static_cast<std::size_t>(count) * T);
+  b.targets.resize(b.inputs.size());
+  for (int i = 0; i < count; ++i)
+    for (int t = 0; t <= T; ++t) {
+      auto tok = static_cast<std::int32_t>(rng::philox_u32(seed, (first + i) * (T + 1), t) % vocab);
+      if (t < T) b.inputs[i * T + t] = tok;
+      if (t > 0) b.targets[i * T + t - 1] = tok;
+    }
+}
+
+void install(World& w, const DataConfig& cfg) {
+  const auto& tc = w.resource<train::TrainConfig>();
+  const int T = static_cast<int>(tc.seq_len);
+  auto& st = w.emplace_resource<DataState>();
+  const std::uint64_t data_seed = rng::mix64(tc.seed ^ 0x64617461ull);  // "data"
+  if (cfg.synthetic_vocab == 0) {
+    st.train = open_split(cfg.train_files, cfg.format, T, "data.train_files");
+    st.order = std::make_unique<SampleOrder>(st.train->windows(), data_seed, cfg.shuffle);
+  }
+
+  w.systems().add({"data.load_validation", Phase::setup, [cfg, T, data_seed](World& world) {
+                     if (cfg.val_files.empty() || cfg.val_batches == 0) return;
+                     auto index = open_split(cfg.val_files, cfg.format, T, "data.val_files");
+                     const auto& ts = world.resource<train::TrainState>();
+                     const auto& par = world.resource<parallel::ParallelState>();
+                     auto& val = world.resource<train::ValidationSet>();
+                     // Each DP rank evaluates its own val_batches micro-batches, in file order.
+                     const int mbs = ts.micro_batch_size;
+                     const std::uint64_t per_rank = static_cast<std::uint64_t>(cfg.val_batches) * mbs;
+                     const std::uint64_t base = per_rank * par.coords.dp;
+                     for (int b = 0; b < cfg.val_batches; ++b) {
+                       train::Batch batch;
+                       batch.B = mbs;
+                       batch.T = T;
+                       batch.inputs.resize(static_cast<std::size_t>(mbs) * T);
+                       batch.targets.resize(batch.inputs.size());
+                       for (int i = 0; i < mbs; ++i)
+                         index->read((base + b * mbs + i) % index->windows(), batch.inputs.data() + i * T,
+                                     batch.targets.data() + i * T);
+                       val.batches.push_back(std::move(batch));
+                     }
+                     (void)data_seed;
+                   }});
+
+  w.systems().add({"data.next_batch", Phase::data, [cfg, T, data_seed](World& world) {
+                     auto& st = world.resource<DataState>();
+                     const auto& ts = world.resource<train::TrainState>();
+                     const auto& par = world.resource<parallel::ParallelState>();
+                     const auto& ctl = world.resource<RunControl>();
+                     const auto& tc = world.resource<train::TrainConfig>();
+                     // The step's global batch is samples [position, position + batch_size); DP rank d
+                     // takes the d-th slice of it, one micro-batch at a time.
+                     const std::uint64_t per_rank = static_cast<std::uint64_t>(tc.batch_size / par.dp_size());
+                     const std::uint64_t first = st.position + per_rank * par.coords.dp +
+                                                 static_cast<std::uint64_t>(ctl.micro_batch) * ts.micro_batch_size;
+                     auto& batch = world.resource<train::Batch>();
+                     if (cfg.synthetic_vocab > 0)
+                       fill_synthetic(batch, data_seed, first, ts.micro_batch_size, T, cfg.synthetic_vocab);
+                     else
+                       fill(batch, st, first, ts.micro_batch_size, T);
+                     batch.global_index = static_cast<std::int64_t>(first - st.position);
+                   }});
+
+  w.systems().add({"data.advance", Phase::step_end, [](World& world) {
+                     world.resource<DataState>().position +=
+                         static_cast<std::uint64_t>(world.resource<train::TrainConfig>().batch_size);
+                   }});
+}
+
+}  // namespace
+
+void register_module(ModuleRegistry& registry) {
+  registry.add(make_module<DataConfig>("data", "token shards: seeded training windows and a fixed validation set",
+                                       {"train", "parallel"}, install));
+}
+
+}  // namespace kiln::data

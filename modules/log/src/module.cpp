@@ -1,0 +1,86 @@
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/log/log.hpp"
+#include "kiln/train/train.hpp"
+
+namespace kiln::log {
+
+std::string format_step_line(std::int64_t step, std::int64_t steps, double loss, double lr, double grad_norm,
+                             double tokens_per_s, double mfu, double step_ms, std::optional<double> val_loss) {
+  char buf[256];
+  const int width = static_cast<int>(std::to_string(steps).size());
+  std::string tps = tokens_per_s >= 1e6   ? cat(std::round(tokens_per_s / 1e4) / 100, "M")
+                    : tokens_per_s >= 1e3 ? cat(std::round(tokens_per_s / 1e2) / 10, "k")
+                                          : cat(std::round(tokens_per_s));
+  std::string mfu_text = mfu > 0 ? cat(std::round(mfu * 1000) / 10, "%") : "-";
+  std::snprintf(buf, sizeof buf, "step %*lld/%lld | loss %.4f | lr %.2e | norm %.4f | %s tok/s | MFU %s | %.2f ms",
+                width, static_cast<long long>(step), static_cast<long long>(steps), loss, lr, grad_norm, tps.c_str(),
+                mfu_text.c_str(), step_ms);
+  std::string line = buf;
+  if (val_loss) {
+    std::snprintf(buf, sizeof buf, " | val %.4f", *val_loss);
+    line += buf;
+  }
+  return line;
+}
+
+namespace {
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+struct MetricsFile {
+  std::unique_ptr<std::ofstream> out;
+};
+
+void install(World& w, const LogConfig& cfg) {
+  const bool rank0 = w.resource<RankInfo>().rank == 0;
+  auto& mf = w.emplace_resource<MetricsFile>();
+  if (cfg.metrics && rank0) {
+    mf.out = std::make_unique<std::ofstream>(*cfg.metrics, std::ios::trunc);
+    if (!*mf.out) KILN_THROW("log.metrics: cannot open '", *cfg.metrics, "' for writing");
+  }
+  w.systems().add({"log.step",
+                   Phase::step_end,
+                   [cfg, rank0](World& world) {
+                     auto& ts = world.resource<train::TrainState>();
+                     const auto steps = world.resource<train::TrainConfig>().steps;
+                     const bool last = ts.step >= steps;
+                     if (cfg.val_every > 0 && (ts.step % cfg.val_every == 0 || last))
+                       world.events().publish(train::EvaluationRequested{ts.step});
+                     if (!rank0) return;
+                     if (ts.step == 1 || last || ts.step % cfg.every == 0 || ts.val_loss)
+                       std::cout << format_step_line(ts.step, steps, ts.loss, ts.lr, ts.grad_norm, ts.tokens_per_s,
+                                                     ts.mfu, ts.step_ms, ts.val_loss)
+                                 << std::endl;
+                     auto& mf = world.resource<MetricsFile>();
+                     if (mf.out) {
+                       *mf.out << "{\"step\": " << ts.step << ", \"loss\": " << json_number(ts.loss)
+                               << ", \"lr\": " << json_number(ts.lr) << ", \"grad_norm\": " << json_number(ts.grad_norm)
+                               << ", \"tokens_per_s\": " << json_number(ts.tokens_per_s)
+                               << ", \"step_ms\": " << json_number(ts.step_ms) << ", \"mfu\": " << json_number(ts.mfu)
+                               << ", \"tokens\": " << ts.tokens_seen;
+                       if (ts.val_loss) *mf.out << ", \"val_loss\": " << json_number(*ts.val_loss);
+                       *mf.out << "}\n";
+                       mf.out->flush();
+                     }
+                   },
+                   {"train.step_end"}});
+}
+
+}  // namespace
+
+void register_module(ModuleRegistry& registry) {
+  registry.add(make_module<LogConfig>("log", "per-step log lines and a JSONL metrics file", {"train"}, install));
+}
+
+}  // namespace kiln::log

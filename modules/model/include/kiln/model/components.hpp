@@ -1,0 +1,46 @@
+#pragma once
+// Components the model attaches to its entities. Other modules add their own components to the same
+// entities (FP8 meta on Linear entities, shard specs on parameters, recompute policies on layers)
+// without the model knowing them.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kiln/engine/world.hpp"
+#include "kiln/tensor/tensor.hpp"
+
+namespace kiln::model {
+
+// A parameter: where it lives in the flat buffers and how it is initialised.
+struct Param {
+  std::string name;          // e.g. "blocks.3.mlp.fc.weight"
+  Shape shape;
+  std::int64_t offset = 0;   // element offset in ParamStore's flat buffers (aligned)
+  std::int64_t numel = 0;
+  bool weight_decay = false;  // matrices decay; biases, norms and position embeddings do not
+  float init_std = 0;         // > 0: normal(0, init_std); else the constant init_value
+  float init_value = 0;
+  int unit = 0;               // the layer (FSDP unit) owning it: 0 embeddings, 1..L blocks, L+1 final norm
+};
+
+enum class LayerKind { embedding, block, final_norm };
+
+// A layer: a unit of forward/backward and of parameter sharding.
+struct Layer {
+  int unit = 0;       // 0 .. L+1
+  int block = -1;     // block index for LayerKind::block
+  LayerKind kind = LayerKind::block;
+  std::vector<Entity> params;
+};
+
+// A linear layer (a GEMM): weight [out, in] and optional bias.
+struct Linear {
+  std::string role;  // "qkv", "attn_proj", "fc", "fc_proj", "lm_head"
+  int unit = 0;
+  Entity weight{};
+  std::optional<Entity> bias;
+  int in = 0, out = 0;
+};
+
+}  // namespace kiln::model

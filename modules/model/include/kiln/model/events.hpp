@@ -1,0 +1,15 @@
+#pragma once
+// Events the model publishes; FSDP gathers/frees on them, data parallelism starts gradient buckets
+// on LayerBackwardEnd, activation checkpointing saves and recomputes on them.
+#include <cstdint>
+
+namespace kiln::model {
+
+struct LayerForwardBegin { int unit; };
+struct LayerForwardEnd { int unit; };
+struct LayerBackwardBegin { int unit; };
+struct LayerBackwardEnd { int unit; };  // the unit's parameter gradients are complete for this micro-batch
+struct ForwardEnd { int micro_batch; };
+struct BackwardEnd { int micro_batch; };
+
+}  // namespace kiln::model

@@ -1,0 +1,82 @@
+#pragma once
+// The GPT-2 model: token + learned position embeddings, L pre-LayerNorm blocks (causal multi-head
+// attention, 4x GELU MLP, all linears with bias), final LayerNorm, LM head tied to the token
+// embedding, softmax cross-entropy. Explicit forward and backward per layer; every tensor op goes
+// through the backend interface, so the same code runs on CUDA and on the CPU.
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "kiln/engine/world.hpp"
+#include "kiln/model/arena.hpp"
+#include "kiln/model/components.hpp"
+#include "kiln/model/config.hpp"
+#include "kiln/model/params.hpp"
+#include "kiln/ops/backend.hpp"
+#include "kiln/rng/tracker.hpp"
+#include "kiln/train/train.hpp"
+
+namespace kiln::model {
+
+class GptModel {
+ public:
+  // Creates the parameter entities and the ParamStore resource in `world`; allocates activations
+  // for micro-batches of B sequences of T tokens, with room for `micro_batches` loss slots.
+  GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro_batches);
+
+  // Fills the master weights from the tracker's default state (layout-invariant draws) and refreshes
+  // the compute copy.
+  void initialise(rng::RngStatesTracker& tracker);
+  // One micro-batch forward; the per-token losses go to loss slot `slot`. With `training`, draws
+  // dropout masks from the tracker and prepares the backward (the logits become dlogits).
+  void forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker);
+  // Backward of the last training forward; accumulates into the gradient buffer.
+  void backward(const train::Batch& batch);
+  // Mean loss over the first `slots` loss slots (synchronises).
+  double mean_loss(int slots);
+  // Mean validation loss over the batches (forward only, no dropout; uses slot 0).
+  double evaluate(const std::vector<train::Batch>& batches);
+  // Model FLOPs per trained token (see docs/PERF.md for the formula).
+  double flops_per_token() const;
+  std::int64_t parameter_count() const;
+  // The dloss every token's loss gets: 1 / tokens in the global batch.
+  void set_loss_scale(float s) { dloss_ = s; }
+
+ private:
+  struct BlockWeights {
+    TensorView ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fcp_w, fcp_b;
+  };
+  struct BlockActs {
+    TensorView ln1_mean, ln1_rstd, ln1, qkv, atty, lse, res2, ln2_mean, ln2_rstd, ln2, fc_pre, fc;
+    rng::PhiloxArgs attn_rng, attn_drop_rng, mlp_drop_rng;
+  };
+  Entity add_param(const std::string& name, Shape shape, int unit, bool decay, float std, float value,
+                   std::vector<Entity>& layer_params);
+  void add_linear(const std::string& name, const std::string& role, int unit, Entity w, std::optional<Entity> b,
+                  int in, int out);
+  BlockWeights block_weights(int l, bool grads) const;
+  TensorView tensor(Entity e, bool grad) const;
+  ops::DropoutArgs hidden_dropout(float p, const rng::PhiloxArgs& r) const;
+
+  World& world_;
+  ModelConfig cfg_;
+  ops::Backend& be_;
+  int B_, T_, slots_;
+  int C_, H_, Vp_, L_;
+  float dloss_ = 1.0f;
+  std::vector<Entity> layers_;  // unit -> layer entity
+  Entity wte_{}, wpe_{}, lnf_w_{}, lnf_b_{};
+  std::vector<std::array<Entity, 12>> block_params_;
+
+  Arena arena_;
+  TensorView tokens_, targets_, losses_;
+  std::vector<TensorView> res_;  // L+1 residual streams: res_[l] is block l's input
+  std::vector<BlockActs> acts_;
+  TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
+  // backward scratch
+  TensorView dres_, dtmp_, datty_, dln_, dqkv_, dfc_;
+  bool have_forward_ = false;
+};
+
+}  // namespace kiln::model

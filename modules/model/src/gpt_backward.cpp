@@ -1,0 +1,59 @@
+// GptModel::backward: the forward in reverse, one layer at a time.
+#include <cmath>
+
+#include "kiln/engine/error.hpp"
+#include "kiln/model/events.hpp"
+#include "kiln/model/gpt.hpp"
+
+namespace kiln::model {
+
+void GptModel::backward(const train::Batch& batch) {
+  KILN_CHECK(have_forward_, "backward without a training forward");
+  have_forward_ = false;
+  const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
+  const float p = cfg_.dropout;
+  const int D = C_ / H_;
+  auto& bus = world_.events();
+
+  // LM head (tied to wte) and the final LayerNorm. cross_entropy already left dlogits in logits_.
+  bus.publish(LayerBackwardBegin{L_ + 1});
+  be_.linear_backward({dln_, tensor(wte_, true), {}, logits_, lnf_, tensor(wte_, false), {}});
+  be_.zero(dres_);
+  be_.layernorm_backward({dres_, tensor(lnf_w_, true), tensor(lnf_b_, true), dln_, res_[L_], tensor(lnf_w_, false),
+                          lnf_mean_, lnf_rstd_});
+  bus.publish(LayerBackwardEnd{L_ + 1});
+
+  for (int l = L_ - 1; l >= 0; --l) {
+    bus.publish(LayerBackwardBegin{l + 1});
+    auto w = block_weights(l, false);
+    auto g = block_weights(l, true);
+    auto& a = acts_[static_cast<std::size_t>(l)];
+    // MLP branch: res[l+1] = res2 + dropout(fc_proj(gelu(fc(ln2(res2)))))
+    TensorView dmlp = dres_;
+    if (p > 0) {
+      be_.dropout_backward({dtmp_, dres_, hidden_dropout(p, a.mlp_drop_rng)});
+      dmlp = dtmp_;
+    }
+    be_.linear_backward({dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, a.fc_pre});
+    be_.linear_backward({dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}});
+    be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});
+    // Attention branch: res2 = res[l] + dropout(proj(attention(qkv(ln1(res[l])))))
+    TensorView dproj = dres_;
+    if (p > 0) {
+      be_.dropout_backward({dtmp_, dres_, hidden_dropout(p, a.attn_drop_rng)});
+      dproj = dtmp_;
+    }
+    be_.linear_backward({datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_}), w.proj_w, {}});
+    be_.attention_backward({dqkv_.reshape({B_, T_, 3, H_, D}), datty_.reshape({B_, T_, H_, D}), a.atty, a.lse, a.qkv,
+                            1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, 0, H_});
+    be_.linear_backward({dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}});
+    be_.layernorm_backward({dres_, g.ln1_w, g.ln1_b, dln_, res_[l], w.ln1_w, a.ln1_mean, a.ln1_rstd});
+    bus.publish(LayerBackwardEnd{l + 1});
+  }
+
+  bus.publish(LayerBackwardBegin{0});
+  be_.embedding_backward({tensor(wte_, true), tensor(wpe_, true), dres_, tokens_, batch.inputs.data(), T_});
+  bus.publish(LayerBackwardEnd{0});
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,91 @@
+// GptModel::forward and evaluation.
+#include <cmath>
+
+#include "kiln/engine/error.hpp"
+#include "kiln/model/events.hpp"
+#include "kiln/model/gpt.hpp"
+
+namespace kiln::model {
+
+void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker) {
+  KILN_CHECK(batch.B == B_ && batch.T == T_, "batch of ", batch.B, "x", batch.T, " but the model was built for ", B_,
+             "x", T_);
+  KILN_CHECK(slot >= 0 && slot < slots_, "loss slot ", slot, " of ", slots_);
+  const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
+  for (std::int64_t n = 0; n < N; ++n) {
+    if (batch.inputs[n] < 0 || batch.inputs[n] >= cfg_.vocab_size)
+      KILN_THROW("input token ", batch.inputs[n], " at position ", n, " is outside model.vocab_size = ", cfg_.vocab_size);
+    if (batch.targets[n] < -1 || batch.targets[n] >= cfg_.vocab_size)
+      KILN_THROW("target token ", batch.targets[n], " at position ", n, " is outside model.vocab_size = ",
+                 cfg_.vocab_size);
+  }
+  be_.copy(tokens_, TensorView(const_cast<std::int32_t*>(batch.inputs.data()), {N}, DType::i32, Device::cpu));
+  be_.copy(targets_, TensorView(const_cast<std::int32_t*>(batch.targets.data()), {N}, DType::i32, Device::cpu));
+
+  auto& bus = world_.events();
+  const float p = training ? cfg_.dropout : 0.0f;
+  const int D = C_ / H_;
+
+  bus.publish(LayerForwardBegin{0});
+  be_.embedding_forward({res_[0], tokens_, tensor(wte_, false), tensor(wpe_, false), T_});
+  bus.publish(LayerForwardEnd{0});
+
+  for (int l = 0; l < L_; ++l) {
+    bus.publish(LayerForwardBegin{l + 1});
+    auto w = block_weights(l, false);
+    auto& a = acts_[static_cast<std::size_t>(l)];
+    // Dropout draws: attention probabilities are sharded by heads under tensor parallelism, so they
+    // come from the model-parallel state; the hidden outputs are replicated and use the default one.
+    a.attn_rng = a.attn_drop_rng = a.mlp_drop_rng = rng::PhiloxArgs{};
+    if (p > 0) {
+      KILN_CHECK(tracker, "dropout needs the RNG tracker");
+      {
+        auto scope = tracker->fork(rng::kModelParallelRng);
+        a.attn_rng = tracker->draw(static_cast<std::uint64_t>(B_) * H_ * T_ * T_);
+      }
+      a.attn_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
+      a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
+    }
+    be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
+    be_.linear_forward({a.qkv.reshape({N, 3 * C_}), {}, a.ln1, w.qkv_w, w.qkv_b});
+    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, 0, H_});
+    be_.linear_forward({scratch_c_, {}, a.atty.reshape({N, C_}), w.proj_w, w.proj_b});
+    be_.residual_forward({a.res2, res_[l], scratch_c_, hidden_dropout(p, a.attn_drop_rng)});
+    be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+    be_.linear_forward({a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
+    be_.linear_forward({scratch_c_, {}, a.fc, w.fcp_w, w.fcp_b});
+    be_.residual_forward({res_[l + 1], a.res2, scratch_c_, hidden_dropout(p, a.mlp_drop_rng)});
+    bus.publish(LayerForwardEnd{l + 1});
+  }
+
+  bus.publish(LayerForwardBegin{L_ + 1});
+  be_.layernorm_forward({lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false), tensor(lnf_b_, false),
+                         cfg_.ln_eps});
+  be_.linear_forward({logits_, {}, lnf_, tensor(wte_, false), {}});
+  be_.cross_entropy({losses_.rows(slot, 1).reshape({N}), logits_, targets_, cfg_.vocab_size, dloss_});
+  bus.publish(LayerForwardEnd{L_ + 1});
+  have_forward_ = training;
+}
+
+double GptModel::mean_loss(int slots) {
+  KILN_CHECK(slots > 0 && slots <= slots_, "mean over ", slots, " loss slots of ", slots_);
+  const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
+  std::vector<float> host(static_cast<std::size_t>(slots * N));
+  be_.copy(TensorView(host.data(), {slots * N}, DType::f32, Device::cpu), losses_.rows(0, slots).reshape({slots * N}));
+  be_.synchronize();
+  double sum = 0;
+  for (float v : host) sum += v;
+  return sum / static_cast<double>(host.size());
+}
+
+double GptModel::evaluate(const std::vector<train::Batch>& batches) {
+  KILN_CHECK(!batches.empty(), "no validation batches");
+  double total = 0;
+  for (auto& b : batches) {
+    forward(b, 0, false, nullptr);
+    total += mean_loss(1);
+  }
+  return total / static_cast<double>(batches.size());
+}
+
+}  // namespace kiln::model

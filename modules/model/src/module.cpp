@@ -1,0 +1,82 @@
+#include "kiln/model/module.hpp"
+
+#include <cmath>
+#include <iostream>
+
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/ops/module.hpp"
+#include "kiln/parallel/module.hpp"
+#include "kiln/rng/module.hpp"
+#include "kiln/train/train.hpp"
+
+namespace kiln::model {
+
+namespace {
+
+// Subscriptions live as long as the World.
+struct ModelHooks {
+  Subscription evaluate;
+};
+
+void install(World& w, const ModelConfig& cfg) {
+  const auto& par = w.resource<parallel::ParallelState>();
+  const auto& file = w.resource<RankInfo>().pipeline_file;
+  if (par.tp_size() > 1)
+    throw ConfigError(cat(file, ": parallel.tp = ", par.tp_size(), ": tensor parallelism is not implemented yet"));
+  const auto& tc = w.resource<train::TrainConfig>();
+  if (tc.seq_len > cfg.max_seq_len)
+    throw ConfigError(cat(file, ": train.seq_len = ", tc.seq_len, " exceeds model.max_seq_len = ", cfg.max_seq_len));
+  auto& ts = w.resource<train::TrainState>();
+  auto& model = w.emplace_resource<GptModel>(w, cfg, ts.micro_batch_size, static_cast<int>(tc.seq_len),
+                                             ts.micro_batches);
+  model.set_loss_scale(1.0f / static_cast<float>(tc.batch_size * tc.seq_len));
+  ts.flops_per_token = model.flops_per_token();
+  ts.peak_flops = w.resource<ops::ActiveBackend>().get().peak_bf16_flops();
+
+  auto& hooks = w.emplace_resource<ModelHooks>();
+  hooks.evaluate = w.events().subscribe<train::EvaluationRequested>([&w](const train::EvaluationRequested&) {
+    auto& val = w.resource<train::ValidationSet>();
+    if (val.batches.empty())
+      KILN_THROW("a validation loss was requested (log.val_every) but there is no validation data (data.val_files)");
+    w.resource<train::TrainState>().val_loss = w.resource<GptModel>().evaluate(val.batches);
+  });
+
+  w.systems().add({"model.init", Phase::setup, [](World& world) {
+                     auto& m = world.resource<GptModel>();
+                     m.initialise(world.resource<rng::RngStatesTracker>());
+                     if (world.resource<RankInfo>().rank == 0)
+                       std::cout << "model: " << m.parameter_count() << " parameters on "
+                                 << world.resource<ops::ActiveBackend>().get().name() << "\n";
+                   }});
+  w.systems().add({"model.zero_grad", Phase::step_begin, [](World& world) {
+                     auto& store = world.resource<ParamStore>();
+                     world.resource<ops::ActiveBackend>().get().zero(store.grads_flat());
+                   }});
+  w.systems().add({"model.forward", Phase::forward, [](World& world) {
+                     world.resource<GptModel>().forward(world.resource<train::Batch>(),
+                                                        world.resource<RunControl>().micro_batch, true,
+                                                        &world.resource<rng::RngStatesTracker>());
+                   }});
+  w.systems().add({"model.backward", Phase::backward, [](World& world) {
+                     world.resource<GptModel>().backward(world.resource<train::Batch>());
+                   }});
+  w.systems().add({"model.loss", Phase::step_end,
+                   [](World& world) {
+                     auto& ts = world.resource<train::TrainState>();
+                     ts.loss = world.resource<GptModel>().mean_loss(ts.micro_batches);
+                     if (!std::isfinite(ts.loss))
+                       KILN_THROW("step ", world.resource<RunControl>().step, ": the loss is ", ts.loss,
+                                  " (non-finite); stopping");
+                   },
+                   {},
+                   {"train.step_end"}});
+}
+
+}  // namespace
+
+void register_module(ModuleRegistry& registry) {
+  registry.add(make_module<ModelConfig>("model", "the GPT-2 transformer: entities, flat parameters, forward/backward",
+                                        {"backend", "train", "rng", "parallel"}, install));
+}
+
+}  // namespace kiln::model

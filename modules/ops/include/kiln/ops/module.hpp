@@ -1,0 +1,36 @@
+#pragma once
+// The "backend" module: picks the compute backend from `[engine] device` and owns it for the World.
+#include <memory>
+
+#include "kiln/engine/config/reflect.hpp"
+#include "kiln/engine/module.hpp"
+#include "kiln/ops/backend.hpp"
+
+namespace kiln::ops {
+
+struct BackendConfig {
+  int cpu_threads = 0;
+  bool cpu_round_bf16 = false;
+  bool profile = false;
+  int cuda_device = -1;
+};
+KILN_CONFIG(BackendConfig,
+            (cpu_threads, "CPU backend threads per rank; 0 = hardware threads / local ranks"),
+            (cpu_round_bf16, "CPU backend: round activations to bf16 where the CUDA backend stores bf16"),
+            (profile, "time every op with CUDA events (or host clocks) and print a breakdown at the end"),
+            (cuda_device, "GPU index; -1 = the rank's local rank"))
+
+// World resource: the backend every module computes with.
+struct ActiveBackend {
+  std::unique_ptr<Backend> backend;
+  Backend& get() const { return *backend; }
+};
+
+// How many ranks of this process share the CPU (the launcher sets it for thread ranks).
+struct LocalRanks {
+  int count = 1;
+};
+
+void register_module(ModuleRegistry& registry);
+
+}  // namespace kiln::ops

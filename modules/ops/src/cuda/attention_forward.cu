@@ -1,0 +1,300 @@
+// Causal flash-attention forward (FlashAttention-2 style) on mma.sync m16n8k16 bf16 tensor cores.
+//
+// One block per (batch*head, 128-query block). Each warp owns 16 * MT query rows and keeps their Q
+// fragments in registers; K and V tiles of 32 or 64 keys stream through a double-buffered cp.async
+// pipeline in padded (bank-conflict-free) shared memory. Scores, online softmax (exp2, running
+// max and row sums in fp32) and the P V product never leave registers: the score accumulators are
+// repacked to bf16 as the A operand of the next mma. Key tiles after the block's last row are
+// never loaded, and a warp skips tiles that are entirely above its rows; only tiles crossing the
+// diagonal (or T) pay for the mask.
+#include <type_traits>
+
+#include "attention_common.cuh"
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::cuda {
+namespace attn {
+namespace {
+
+template <int D_, int MT_, int WARPS_, int BN_>
+struct FwdCfg {
+  static constexpr int D = D_, MT = MT_, WARPS = WARPS_, NT = 32 * WARPS;
+  static constexpr int BM = 16 * MT * WARPS;  // query rows per block
+  static constexpr int BN = BN_;              // keys per tile (a multiple of 32: dropout draws 32-key runs)
+  static constexpr int kSmem = (BM + 4 * BN) * kPad<D> * 2;  // Q, then K and V double-buffered
+};
+// Two m-tiles per warp halve the shared-memory traffic per mma (each K/V fragment feeds two mmas);
+// 32-key tiles keep that within the register file at D = 64 (ptxas: no spills). At D = 128 two
+// m-tiles do not fit, so there 8 warps keep one m-tile each. Every block has 128 query rows, which
+// halves the K/V re-reads from L2 compared with 64-row blocks.
+template <int D>
+struct FwdTraits;
+template <>
+struct FwdTraits<16> {
+  using Cfg = FwdCfg<16, 2, 4, 64>;
+};
+template <>
+struct FwdTraits<32> {
+  using Cfg = FwdCfg<32, 2, 4, 32>;
+};
+template <>
+struct FwdTraits<64> {
+  using Cfg = FwdCfg<64, 2, 4, 32>;
+};
+template <>
+struct FwdTraits<128> {
+  using Cfg = FwdCfg<128, 1, 8, 64>;
+};
+
+template <class C, bool DROPOUT>
+__global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse,
+                                                                   const bf16* __restrict__ qkv, const Problem pb) {
+  constexpr int D = C::D, MT = C::MT, BM = C::BM, BN = C::BN, NT = C::NT, P = kPad<D>;
+  constexpr int KS = D / 16;   // k-steps over the head dimension
+  constexpr int NTL = BN / 8;  // score n-tiles per key tile
+  constexpr int DT = D / 8;    // output n-tiles
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem);
+  bf16* sK = sQ + BM * P;
+  bf16* sV = sK + 2 * BN * P;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int T = pb.T, H = pb.H;
+  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest (last) query blocks start first
+  const int wr0 = q0 + warp * 16 * MT;                // first query row of this warp
+  const std::int64_t ld = 3LL * H * D;                // token stride of qkv
+  const bf16* gQ = qkv + static_cast<std::int64_t>(b) * T * ld + h * D;
+  const bf16* gK = gQ + H * D;
+  const bf16* gV = gK + H * D;
+  const int n_tiles = (min(q0 + BM, T) + BN - 1) / BN;  // keys [0, last row of the block]
+
+  load_tile<D, BM, NT>(sQ, gQ, ld, q0, T, tid);
+  load_tile<D, BN, NT>(sK, gK, ld, 0, T, tid);
+  load_tile<D, BN, NT>(sV, gV, ld, 0, T, tid);
+  cp_async_commit();
+
+  std::uint32_t qf[MT][KS][4];
+  float o[MT][DT][4];
+  float m[MT][2], l[MT][2];  // running max (log2 units) and this thread's partial row sums
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.0f;
+  }
+
+  // Dropout: n of (row, key 0) for the two rows each thread holds per m-tile.
+  std::uint64_t row_n[MT][2] = {};
+  std::uint64_t seed = 0, start = 0;
+  const bool aligned = (T & 3) == 0;
+  if constexpr (DROPOUT) {
+    seed = pb.rng.seed;
+    start = pb.rng.start();
+    const std::uint64_t bhg = static_cast<std::uint64_t>(b) * pb.heads_total + pb.head_offset + h;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        row_n[mt][hr] = (bhg * T + static_cast<std::uint64_t>(wr0 + mt * 16 + g + 8 * hr)) * T;
+  }
+
+  const std::uint32_t k_frag = smem_addr(sK) + frag_b_offset<D>(lane) * 2;
+  const std::uint32_t v_frag = smem_addr(sV) + frag_bt_offset<D>(lane) * 2;
+
+  // One key tile: S = Q K^T, mask, online softmax, (dropout), O += P V.
+  auto tile = [&](auto masked, int stage, int kv0) {
+    constexpr bool MASK = decltype(masked)::value;
+    float s[MT][NTL][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+    const std::uint32_t kb = k_frag + stage * BN * P * 2;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        std::uint32_t f[4];
+        ldsm_x4(f, kb + (np * 16 * P + ks * 16) * 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma(s[mt][2 * np], qf[mt][ks], f[0], f[1]);
+          mma(s[mt][2 * np + 1], qf[mt][ks], f[2], f[3]);
+        }
+      }
+    if constexpr (MASK) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = wr0 + mt * 16 + g + ((e >> 1) << 3);
+            const int col = kv0 + nt * 8 + 2 * t + (e & 1);
+            if (col > row) s[mt][nt][e] = -INFINITY;
+          }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NTL; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[mt][hr], mx * pb.scale_log2);
+        const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays at 0
+        const float corr = ex2(m[mt][hr] - base);
+        m[mt][hr] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[mt][nt][2 * hr + e];
+            x = ex2(fmaf(x, pb.scale_log2, -base));
+            sum += x;
+          }
+        l[mt][hr] = l[mt][hr] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[mt][dt][2 * hr] *= corr;
+          o[mt][dt][2 * hr + 1] *= corr;
+        }
+      }
+    if constexpr (DROPOUT) {  // after the row sums: normalisation uses the undropped probabilities
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+          for (int c = 0; c < BN / 32; ++c) {
+            const std::uint32_t bits =
+                keep_bits_row32(seed, start, row_n[mt][hr] + kv0 + 32 * c, pb.threshold, t, aligned);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (!((bits >> (q * 8 + 2 * t + e)) & 1u)) s[mt][4 * c + q][2 * hr + e] = 0.0f;
+          }
+    }
+    const std::uint32_t vb = v_frag + stage * BN * P * 2;
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      std::uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = pack_bf16(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+        pa[mt][1] = pack_bf16(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+        pa[mt][2] = pack_bf16(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+        pa[mt][3] = pack_bf16(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        std::uint32_t f[4];
+        ldsm_x4_t(f, vb + (ks * 16 * P + dp * 16) * 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma(o[mt][2 * dp], pa[mt], f[0], f[1]);
+          mma(o[mt][2 * dp + 1], pa[mt], f[2], f[3]);
+        }
+      }
+    }
+  };
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1;
+    if (it + 1 < n_tiles) {  // prefetch the next tile into the other stage (freed by the last barrier)
+      load_tile<D, BN, NT>(sK + (stage ^ 1) * BN * P, gK, ld, (it + 1) * BN, T, tid);
+      load_tile<D, BN, NT>(sV + (stage ^ 1) * BN * P, gV, ld, (it + 1) * BN, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (it == 0) {
+      const std::uint32_t qa = smem_addr(sQ + warp * 16 * MT * P) + frag_a_offset<D>(lane) * 2;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) ldsm_x4(qf[mt][ks], qa + (mt * 16 * P + ks * 16) * 2);
+    }
+    const int kv0 = it * BN;
+    if (kv0 <= wr0 + 16 * MT - 1) {  // else every key of the tile lies after every row of this warp
+      if (kv0 + BN - 1 > wr0)
+        tile(std::true_type{}, stage, kv0);
+      else
+        tile(std::false_type{}, stage, kv0);
+    }
+    __syncthreads();
+  }
+
+  // Epilogue: full row sums, lse, O / l (times 1 / (1 - p)), staged through this warp's own Q rows
+  // so the global stores are 16 bytes wide.
+  bf16* sO = sQ + warp * 16 * MT * P;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float sum = l[mt][hr];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = wr0 + mt * 16 + g + 8 * hr;
+      if (t == 0 && row < T) lse[static_cast<std::int64_t>(bh) * T + row] = m[mt][hr] * kLn2 + logf(sum);
+      const float inv = pb.keep_scale / sum;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<std::uint32_t*>(sO + (mt * 16 + g + 8 * hr) * P + dt * 8 + 2 * t) =
+            pack_bf16(o[mt][dt][2 * hr] * inv, o[mt][dt][2 * hr + 1] * inv);
+    }
+  __syncwarp();
+  store_rows<D, 16 * MT>(out + (static_cast<std::int64_t>(b) * T * H + h) * D, static_cast<std::int64_t>(H) * D,
+                         wr0, T, sO, lane);
+}
+
+template <int D, bool DROPOUT>
+void launch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
+  using C = typename FwdTraits<D>::Cfg;
+  auto kernel = attention_forward_kernel<C, DROPOUT>;
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  const dim3 grid(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + C::BM - 1) / C::BM));
+  kernel<<<grid, C::NT, C::kSmem, s>>>(out, lse, qkv, pb);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+template <int D>
+void dispatch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, bool dropout, cudaStream_t s) {
+  if (dropout)
+    launch_forward<D, true>(out, lse, qkv, pb, s);
+  else
+    launch_forward<D, false>(out, lse, qkv, pb, s);
+}
+
+}  // namespace
+}  // namespace attn
+
+void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
+                       rng::PhiloxArgs rng, int head_offset, int heads_total, cudaStream_t s) {
+  const attn::Problem pb =
+      attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, "attention_forward");
+  if (static_cast<std::int64_t>(B) * T * H == 0) return;
+  KILN_CHECK(attn::aligned16(out) && attn::aligned16(qkv), "attention_forward: qkv and out must be 16-byte aligned");
+  KILN_CHECK(static_cast<std::int64_t>(B) * H <= 0x7fffffff, "attention_forward: B * H = ", static_cast<std::int64_t>(B) * H, " is too large");
+  const bool drop = dropout > 0;
+  switch (D) {
+    case 16: attn::dispatch_forward<16>(out, lse, qkv, pb, drop, s); break;
+    case 32: attn::dispatch_forward<32>(out, lse, qkv, pb, drop, s); break;
+    case 64: attn::dispatch_forward<64>(out, lse, qkv, pb, drop, s); break;
+    default: attn::dispatch_forward<128>(out, lse, qkv, pb, drop, s); break;
+  }
+}
+
+}  // namespace kiln::cuda

@@ -1,0 +1,85 @@
+#pragma once
+// Device helpers shared by kiln's CUDA kernels: 16-byte packs of 8 bf16, warp reductions, grid
+// sizing, and the fixed-order column reduction used by the deterministic two-stage reductions.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kiln/ops/cuda/launchers.hpp"
+
+namespace kiln::cuda {
+
+constexpr int kWarp = 32;
+
+// ---- 8 bf16 <-> one 16-byte word ----
+// bf16 -> f32 is exact: the bf16 bits are the high half of the float.
+__device__ __forceinline__ void unpack8(uint4 u, float f[8]) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // round to nearest even, like round_bf16()
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+}
+
+__device__ __forceinline__ uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ void store16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+__device__ __forceinline__ void load8(const bf16* p, float f[8]) { unpack8(load16(p), f); }
+__device__ __forceinline__ void store8(bf16* p, const float f[8]) { store16(p, pack8(f)); }
+
+// 8 f32 as two float4.
+__device__ __forceinline__ void load8(const float* p, float f[8]) {
+  float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ __forceinline__ void store8(float* p, const float f[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+// ---- reductions (butterfly: every lane ends with the same, order-fixed result) ----
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- host helpers ----
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// Blocks for a grid-stride loop over `work` items: enough to fill any current GPU many times over,
+// few enough that each thread does a handful of iterations.
+inline unsigned grid_for(std::int64_t work, int threads, std::int64_t cap = 16384) {
+  return static_cast<unsigned>(std::clamp<std::int64_t>(ceil_div(work, threads), 1, cap));
+}
+
+// out[w] += sum over p < P of partials[p * ld + w] for w < W, always summed in the same order
+// (strided sequential sums, then a fixed tree): the second stage of kiln's deterministic
+// reductions. Defined in bias_grad.cu.
+void reduce_partials(float* out, const float* partials, int P, int W, int ld, cudaStream_t s);
+
+}  // namespace kiln::cuda

@@ -1,0 +1,199 @@
+// Softmax cross-entropy fused with its backward: one block per row. Pass 1 keeps an online
+// (max, sum of exp) over the first vocab_real logits; pass 2 overwrites the row with
+// (softmax - onehot) * dloss in bf16 and zeros in the padding. When the row fits, pass 2 reads the
+// logits from registers, so the row is read from memory once and written once.
+#include "common.cuh"
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxThreads = 1024;
+
+struct Online {
+  float m = -INFINITY;  // running max
+  float s = 0;          // sum of exp(x - m)
+};
+
+__device__ __forceinline__ void combine(Online& a, const Online& b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return;  // both empty
+  a.s = a.s * exp2f((a.m - m) * kLog2e) + b.s * exp2f((b.m - m) * kLog2e);
+  a.m = m;
+}
+
+// Adds the elements of a chunk below vocab_real (base is the chunk's first column).
+__device__ __forceinline__ void add_chunk(Online& o, const float f[8], int base, int Vr) {
+  float cm = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (base + k < Vr) cm = fmaxf(cm, f[k]);
+  if (cm == -INFINITY) return;
+  if (cm > o.m) {
+    o.s *= exp2f((o.m - cm) * kLog2e);
+    o.m = cm;
+  }
+  const float ml = o.m * kLog2e;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (base + k < Vr) o.s += exp2f(fmaf(f[k], kLog2e, -ml));
+}
+
+__device__ __forceinline__ float grad(float x, int idx, int Vr, int t, float lse_l2, float dloss) {
+  if (idx >= Vr) return 0.0f;
+  const float prob = exp2f(fmaf(x, kLog2e, -lse_l2));
+  return (prob - (idx == t ? 1.0f : 0.0f)) * dloss;
+}
+
+// Butterfly within warps (commutative combine, so all lanes agree), then warps in order.
+__device__ __forceinline__ Online block_combine(Online o, Online* sm) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off /= 2) {
+    Online other{__shfl_xor_sync(0xffffffffu, o.m, off), __shfl_xor_sync(0xffffffffu, o.s, off)};
+    combine(o, other);
+  }
+  if (threadIdx.x % kWarp == 0) sm[threadIdx.x / kWarp] = o;
+  __syncthreads();
+  Online r = sm[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / kWarp); ++w) combine(r, sm[w]);
+  return r;
+}
+
+// Rows of ignored targets: loss 0, gradient 0, the logits are not read.
+template <bool VEC>
+__device__ void zero_row(float* losses, bf16* lr, std::int64_t row, int V) {
+  if constexpr (VEC) {
+    for (int q = threadIdx.x; q < V / 8; q += blockDim.x) store16(lr + q * 8, make_uint4(0, 0, 0, 0));
+  } else {
+    for (int v = threadIdx.x; v < V; v += blockDim.x) lr[v] = __float2bfloat16_rn(0.0f);
+  }
+  if (threadIdx.x == 0) losses[row] = 0;
+}
+
+// V % 8 == 0, V / 8 <= CACHE * blockDim.x: thread t caches chunks t, t + blockDim.x, ...
+template <int CACHE>
+__global__ __launch_bounds__(kMaxThreads) void ce_cached(float* losses, bf16* logits, const std::int32_t* targets, int V,
+                                                          int Vr, float dloss) {
+  __shared__ Online sm[kMaxThreads / kWarp];
+  const std::int64_t row = blockIdx.x;
+  bf16* lr = logits + row * V;
+  const int t = targets[row];
+  if (t < 0) return zero_row<true>(losses, lr, row, V);
+  const int chunks = V / 8;
+  uint4 cache[CACHE];
+#pragma unroll
+  for (int j = 0; j < CACHE; ++j) {
+    const int q = threadIdx.x + j * blockDim.x;
+    cache[j] = q < chunks ? load16(lr + q * 8) : make_uint4(0, 0, 0, 0);
+  }
+  // Read before the barrier in block_combine, hence before any thread overwrites the row.
+  const float xt = threadIdx.x == 0 ? __bfloat162float(lr[t]) : 0.0f;
+  Online o;
+#pragma unroll
+  for (int j = 0; j < CACHE; ++j) {
+    const int q = threadIdx.x + j * blockDim.x;
+    if (q >= chunks) continue;
+    float f[8];
+    unpack8(cache[j], f);
+    add_chunk(o, f, q * 8, Vr);
+  }
+  o = block_combine(o, sm);
+  const float lse = o.m + logf(o.s);
+  if (threadIdx.x == 0) losses[row] = lse - xt;
+  const float lse_l2 = lse * kLog2e;
+#pragma unroll
+  for (int j = 0; j < CACHE; ++j) {
+    const int q = threadIdx.x + j * blockDim.x;
+    if (q >= chunks) continue;
+    float f[8];
+    unpack8(cache[j], f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = grad(f[k], q * 8 + k, Vr, t, lse_l2, dloss);
+    store8(lr + q * 8, f);
+  }
+}
+
+// V % 8 == 0 but too long to cache: the row is read twice (the second read mostly from L2).
+constexpr int kStreamThreads = 512;
+__global__ __launch_bounds__(kStreamThreads) void ce_stream(float* losses, bf16* logits, const std::int32_t* targets,
+                                                            int V, int Vr, float dloss) {
+  __shared__ Online sm[kStreamThreads / kWarp];
+  const std::int64_t row = blockIdx.x;
+  bf16* lr = logits + row * V;
+  const int t = targets[row];
+  if (t < 0) return zero_row<true>(losses, lr, row, V);
+  const int chunks = V / 8;
+  const float xt = threadIdx.x == 0 ? __bfloat162float(lr[t]) : 0.0f;
+  Online o;
+#pragma unroll 4
+  for (int q = threadIdx.x; q < chunks; q += blockDim.x) {
+    float f[8];
+    load8(lr + q * 8, f);
+    add_chunk(o, f, q * 8, Vr);
+  }
+  o = block_combine(o, sm);
+  const float lse = o.m + logf(o.s);
+  if (threadIdx.x == 0) losses[row] = lse - xt;
+  const float lse_l2 = lse * kLog2e;
+#pragma unroll 4
+  for (int q = threadIdx.x; q < chunks; q += blockDim.x) {
+    float f[8];
+    load8(lr + q * 8, f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = grad(f[k], q * 8 + k, Vr, t, lse_l2, dloss);
+    store8(lr + q * 8, f);
+  }
+}
+
+// Any V (e.g. odd sizes): element by element.
+constexpr int kScalarThreads = 256;
+__global__ __launch_bounds__(kScalarThreads) void ce_scalar(float* losses, bf16* logits, const std::int32_t* targets,
+                                                            int V, int Vr, float dloss) {
+  __shared__ Online sm[kScalarThreads / kWarp];
+  const std::int64_t row = blockIdx.x;
+  bf16* lr = logits + row * V;
+  const int t = targets[row];
+  if (t < 0) return zero_row<false>(losses, lr, row, V);
+  const float xt = threadIdx.x == 0 ? __bfloat162float(lr[t]) : 0.0f;
+  Online o;
+  for (int v = threadIdx.x; v < Vr; v += blockDim.x) combine(o, Online{__bfloat162float(lr[v]), 1.0f});
+  o = block_combine(o, sm);
+  const float lse = o.m + logf(o.s);
+  if (threadIdx.x == 0) losses[row] = lse - xt;
+  const float lse_l2 = lse * kLog2e;
+  for (int v = threadIdx.x; v < V; v += blockDim.x)
+    lr[v] = __float2bfloat16_rn(grad(__bfloat162float(lr[v]), v, Vr, t, lse_l2, dloss));
+}
+
+template <int CACHE>
+void launch_cached(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int Vr, float dloss,
+                   cudaStream_t s) {
+  const int threads = static_cast<int>(ceil_div(ceil_div(V / 8, CACHE), kWarp) * kWarp);
+  ce_cached<CACHE><<<N, threads, 0, s>>>(losses, logits, targets, V, Vr, dloss);
+}
+
+}  // namespace
+
+void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real, float dloss,
+                   cudaStream_t s) {
+  if (N <= 0 || V <= 0) return;
+  KILN_CHECK(vocab_real > 0 && vocab_real <= V, "cross_entropy: vocab_real ", vocab_real, " vs V ", V);
+  const std::int64_t chunks = V / 8;
+  if (V % 8 != 0 || !aligned16(logits)) {
+    ce_scalar<<<N, kScalarThreads, 0, s>>>(losses, logits, targets, V, vocab_real, dloss);
+  } else if (chunks <= kMaxThreads * 1) {
+    launch_cached<1>(losses, logits, targets, N, V, vocab_real, dloss, s);
+  } else if (chunks <= kMaxThreads * 2) {
+    launch_cached<2>(losses, logits, targets, N, V, vocab_real, dloss, s);
+  } else if (chunks <= kMaxThreads * 4) {
+    launch_cached<4>(losses, logits, targets, N, V, vocab_real, dloss, s);
+  } else if (chunks <= kMaxThreads * 8) {
+    launch_cached<8>(losses, logits, targets, N, V, vocab_real, dloss, s);
+  } else {
+    ce_stream<<<N, kStreamThreads, 0, s>>>(losses, logits, targets, V, vocab_real, dloss);
+  }
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln::cuda

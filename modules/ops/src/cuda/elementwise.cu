@@ -1,0 +1,173 @@
+// Elementwise and utility kernels: dtype conversion, fill, Philox normal init, sum of squares, and the
+// unfused GEMM epilogues used when cuBLASLt cannot fuse one (gemm.cpp).
+#include "common.cuh"
+#include "kiln/ops/formulas.hpp"
+#include "kiln/rng/philox.hpp"
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Grid-stride over chunks of 8 elements; `vec` (both pointers 16-byte aligned) enables 16-byte
+// accesses, and the last, partial chunk goes element by element, so any n works.
+__global__ void f32_to_bf16_kernel(bf16* dst, const float* src, std::int64_t n, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < n; i += stride * 8) {
+    if (vec && i + 8 <= n) {
+      float f[8];
+      load8(src + i, f);
+      store8(dst + i, f);
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 8; ++j) dst[j] = __float2bfloat16_rn(src[j]);
+    }
+  }
+}
+
+__global__ void bf16_to_f32_kernel(float* dst, const bf16* src, std::int64_t n, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < n; i += stride * 8) {
+    if (vec && i + 8 <= n) {
+      float f[8];
+      load8(src + i, f);
+      store8(dst + i, f);
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 8; ++j) dst[j] = __bfloat162float(src[j]);
+    }
+  }
+}
+
+__global__ void fill_kernel(float* dst, float value, std::int64_t n, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n; i += stride * 4) {
+    if (vec && i + 4 <= n) {
+      *reinterpret_cast<float4*>(dst + i) = make_float4(value, value, value, value);
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 4; ++j) dst[j] = value;
+    }
+  }
+}
+
+// One thread per Philox block: its 4 words give 4 normals (two Box-Muller pairs), the arithmetic
+// of rng::philox_normal step by step (all explicitly rounded), so the bits equal the CPU's.
+__global__ void init_normal_kernel(float* dst, std::int64_t n, float stddev, rng::PhiloxArgs r, std::int64_t g0) {
+  const std::uint64_t start = r.start();  // on the device: reads offset_ptr in graph-safe mode
+  const std::int64_t b0 = g0 / 4, b1 = (g0 + n + 3) / 4;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t b = b0 + static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < b1; b += stride) {
+    const rng::Philox4 w = rng::philox_block(r.seed, start + static_cast<std::uint64_t>(b));
+    float z[4];
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      const float u1 = rng::u32_to_uniform_pos(w.v[2 * pair]);
+      const float u2 = rng::u32_to_uniform(w.v[2 * pair + 1]);
+      const float radius = rng::sqrt_rn(rng::mul_rn(-2.0f, rng::portable_log(u1)));
+      float s, c;
+      rng::portable_sincos_2pi(u2, s, c);
+      z[2 * pair] = rng::mul_rn(radius, c);
+      z[2 * pair + 1] = rng::mul_rn(radius, s);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const std::int64_t e = 4 * b + k - g0;
+      if (e >= 0 && e < n) dst[e] = rng::mul_rn(stddev, z[k]);
+    }
+  }
+}
+
+// Fixed blocking: the grid size is a function of n only, each thread walks a fixed set of float4s
+// and sums in double, then a fixed-order block reduction writes one partial per block.
+constexpr std::int64_t kSumPerBlock = 8192;
+constexpr std::int64_t kSumMaxBlocks = 1024;
+
+__global__ void sum_squares_kernel(float* partials, const float* x, std::int64_t n, bool vec) {
+  __shared__ double warp_totals[kThreads / kWarp];
+  double acc = 0;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n; i += stride * 4) {
+    if (vec && i + 4 <= n) {
+      const float4 v = *reinterpret_cast<const float4*>(x + i);
+      acc += double(v.x) * v.x;
+      acc += double(v.y) * v.y;
+      acc += double(v.z) * v.z;
+      acc += double(v.w) * v.w;
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 4; ++j) acc += double(x[j]) * x[j];
+    }
+  }
+  acc = warp_sum(acc);
+  if (threadIdx.x % kWarp == 0) warp_totals[threadIdx.x / kWarp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0;
+    for (int w = 0; w < kThreads / kWarp; ++w) total += warp_totals[w];
+    partials[blockIdx.x] = static_cast<float>(total);
+  }
+}
+
+// Unfused epilogues on a row-major [M, N] bf16 matrix (see gemm.cpp).
+__global__ void gemm_epilogue_kernel(bf16* d, const bf16* aux, const bf16* bias, std::int64_t M, std::int64_t N,
+                                     int mode) {
+  const std::int64_t total = M * N, stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    float v;
+    if (mode == 0) v = __bfloat162float(d[i]) + __bfloat162float(bias[i % N]);   // bias
+    else if (mode == 1) v = ops::gelu(__bfloat162float(aux[i]));                    // gelu of the stored pre-activation
+    else v = __bfloat162float(d[i]) * ops::gelu_grad(__bfloat162float(aux[i]));     // dgelu
+    d[i] = __float2bfloat16_rn(v);
+  }
+}
+
+}  // namespace
+
+void convert_f32_to_bf16(bf16* dst, const float* src, std::int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  f32_to_bf16_kernel<<<grid_for(ceil_div(n, 8), kThreads), kThreads, 0, s>>>(dst, src, n, aligned16(dst) && aligned16(src));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void convert_bf16_to_f32(float* dst, const bf16* src, std::int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  bf16_to_f32_kernel<<<grid_for(ceil_div(n, 8), kThreads), kThreads, 0, s>>>(dst, src, n, aligned16(dst) && aligned16(src));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  fill_kernel<<<grid_for(ceil_div(n, 4), kThreads), kThreads, 0, s>>>(dst, value, n, aligned16(dst));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void init_normal_f32(float* dst, std::int64_t n, float stddev, rng::PhiloxArgs rng, std::int64_t global_offset,
+                     cudaStream_t s) {
+  if (n <= 0) return;
+  KILN_CHECK(global_offset >= 0, "init_normal: negative global offset ", global_offset);
+  const std::int64_t blocks = (global_offset + n + 3) / 4 - global_offset / 4;
+  init_normal_kernel<<<grid_for(blocks, kThreads), kThreads, 0, s>>>(dst, n, stddev, rng, global_offset);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+std::int64_t sum_squares_partials(std::int64_t n) {
+  if (n <= 0) return 0;
+  return std::min(ceil_div(n, kSumPerBlock), kSumMaxBlocks);
+}
+
+void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s) {
+  const std::int64_t blocks = sum_squares_partials(n);
+  if (blocks == 0) return;
+  sum_squares_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(partials, x, n, aligned16(x));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+namespace detail {
+// mode 0: d += bias (per column); 1: d = gelu(aux); 2: d *= gelu'(aux). Declared in gemm.cpp.
+void gemm_epilogue_fallback(bf16* d, const bf16* aux, const bf16* bias, std::int64_t M, std::int64_t N, int mode,
+                            cudaStream_t s) {
+  if (M <= 0 || N <= 0) return;
+  gemm_epilogue_kernel<<<grid_for(M * N, kThreads), kThreads, 0, s>>>(d, aux, bias, M, N, mode);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+}  // namespace detail
+
+}  // namespace kiln::cuda

@@ -1,0 +1,60 @@
+#pragma once
+// The "optim" module: fused AdamW over the flat parameter buffer (decoupled weight decay on
+// matrices only), a cosine schedule with linear warm-up, global gradient-norm clipping, and a
+// check that stops the run on a non-finite gradient, naming the tensor.
+#include <boost/describe/enum.hpp>
+#include <cstdint>
+
+#include "kiln/engine/config/reflect.hpp"
+#include "kiln/engine/module.hpp"
+#include "kiln/tensor/buffer.hpp"
+
+namespace kiln::optim {
+
+enum class Schedule { cosine, constant };
+BOOST_DESCRIBE_ENUM(Schedule, cosine, constant)
+
+struct OptimConfig {
+  float lr = 6e-4f;
+  float min_lr_ratio = 0.1f;
+  std::int64_t warmup_steps = 0;
+  Schedule schedule = Schedule::cosine;
+  float weight_decay = 0.1f;
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float grad_clip = 1.0f;
+  void validate(config::Checks& c) const {
+    c.expect(lr > 0, "lr", "must be positive");
+    c.expect(min_lr_ratio >= 0 && min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]");
+    c.expect(warmup_steps >= 0, "warmup_steps", "must be >= 0");
+    c.expect(weight_decay >= 0, "weight_decay", "must be >= 0");
+    c.expect(beta1 >= 0 && beta1 < 1, "beta1", "must be in [0, 1)");
+    c.expect(beta2 >= 0 && beta2 < 1, "beta2", "must be in [0, 1)");
+    c.expect(eps > 0, "eps", "must be positive");
+    c.expect(grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)");
+  }
+};
+KILN_CONFIG(OptimConfig,
+            (lr, "peak learning rate"),
+            (min_lr_ratio, "the cosine schedule decays to lr * min_lr_ratio at train.steps"),
+            (warmup_steps, "linear warm-up steps from 0 to lr"),
+            (schedule, "learning-rate schedule after warm-up: cosine or constant"),
+            (weight_decay, "decoupled weight decay on weight matrices and embeddings (not biases or norms)"),
+            (beta1, "AdamW first-moment decay"),
+            (beta2, "AdamW second-moment decay"),
+            (eps, "AdamW epsilon"),
+            (grad_clip, "clip the global gradient norm to this; 0 = no clipping"))
+
+// Learning rate at `step` (counted from 1) of `total` steps.
+double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t total);
+
+// World resource: AdamW moments, flat f32 buffers with the parameter layout.
+struct OptimState {
+  Buffer m, v;
+  std::int64_t steps_taken = 0;
+};
+
+void register_module(ModuleRegistry& registry);
+
+}  // namespace kiln::optim

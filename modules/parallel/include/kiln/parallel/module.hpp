@@ -1,0 +1,41 @@
+#pragma once
+// The "parallel" module: the job's topology and this rank's place in it.
+#include "kiln/engine/config/reflect.hpp"
+#include "kiln/engine/module.hpp"
+#include "kiln/parallel/topology.hpp"
+
+namespace kiln::parallel {
+
+struct ParallelConfig {
+  int tp = 1;
+  int pp = 1;
+  int cp = 1;
+  int ep = 1;
+  int dp = 0;
+  void validate(config::Checks& c) const {
+    c.expect(tp > 0, "tp", "must be positive");
+    c.expect(pp > 0, "pp", "must be positive");
+    c.expect(cp > 0, "cp", "must be positive");
+    c.expect(ep > 0, "ep", "must be positive");
+    c.expect(dp >= 0, "dp", "must be positive, or 0 to derive it from the world size");
+  }
+};
+KILN_CONFIG(ParallelConfig,
+            (tp, "tensor-parallel size"),
+            (pp, "pipeline-parallel size (ranks only; pipeline execution is not implemented yet)"),
+            (cp, "context-parallel size (ranks only)"),
+            (ep, "expert-parallel size (ranks only)"),
+            (dp, "data-parallel size; 0 = world size / (tp * pp * cp * ep)"))
+
+// World resource: the topology and this rank's coordinates.
+struct ParallelState {
+  Topology topology;
+  int rank = 0;
+  Coords coords;
+  int tp_size() const { return topology.sizes().tp; }
+  int dp_size() const { return topology.sizes().dp; }
+};
+
+void register_module(ModuleRegistry& registry);
+
+}  // namespace kiln::parallel

@@ -1,0 +1,78 @@
+#pragma once
+// The "train" module: the step loop's shape (steps, global batch, micro-batches, sequence length,
+// master seed), the state every other module reports into, and the batch the data module fills.
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "kiln/engine/config/reflect.hpp"
+#include "kiln/engine/module.hpp"
+
+namespace kiln::train {
+
+struct TrainConfig {
+  std::int64_t steps = 100;
+  std::uint64_t seed = 1337;
+  std::int64_t batch_size = 8;
+  std::int64_t micro_batch_size = 0;
+  std::int64_t seq_len = 1024;
+  void validate(config::Checks& c) const {
+    c.expect(steps >= 0, "steps", "must be >= 0");
+    c.expect(batch_size > 0, "batch_size", "must be positive");
+    c.expect(micro_batch_size >= 0, "micro_batch_size", "must be >= 0 (0: the whole per-rank batch at once)");
+    c.expect(micro_batch_size == 0 || batch_size % micro_batch_size == 0, "micro_batch_size",
+             "must divide train.batch_size");
+    c.expect(seq_len > 0, "seq_len", "must be positive");
+  }
+};
+KILN_CONFIG(TrainConfig,
+            (steps, "optimizer steps to run"),
+            (seed, "master seed: weights, dropout and data order derive from it"),
+            (batch_size, "global batch in sequences, whatever the number of ranks"),
+            (micro_batch_size, "sequences per forward/backward on one rank; 0 = batch_size / dp"),
+            (seq_len, "tokens per sequence"))
+
+// The micro-batch in flight on this rank: B sequences of T tokens and their targets (host memory;
+// the model uploads them). Filled in the data phase.
+struct Batch {
+  int B = 0, T = 0;
+  std::vector<std::int32_t> inputs;   // [B * T]
+  std::vector<std::int32_t> targets;  // [B * T]
+  std::int64_t global_index = 0;      // index of the first sequence in the global batch of the step
+};
+
+// A fixed set of validation micro-batches, prepared once by the data module.
+struct ValidationSet {
+  std::vector<Batch> batches;
+};
+
+// Asks for a validation loss now (the model answers by filling TrainState::val_loss).
+struct EvaluationRequested {
+  std::int64_t step = 0;
+};
+
+// What the step reports: written by the modules that know (model: loss, flops; optimizer: lr,
+// grad norm; train: timing), read by the log module.
+struct TrainState {
+  std::int64_t step = 0;
+  std::int64_t tokens_seen = 0;
+  std::int64_t tokens_per_step = 0;
+  int micro_batches = 1;
+  int micro_batch_size = 0;
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  std::optional<double> val_loss;
+  double step_ms = 0;
+  double tokens_per_s = 0;
+  double flops_per_token = 0;  // model FLOPs per trained token (see docs/PERF.md)
+  double peak_flops = 0;       // of this rank's device, 0 if unknown
+  double mfu = 0;              // flops_per_token * tokens_per_s / (peak_flops * ranks)
+  int ranks = 1;
+  std::chrono::steady_clock::time_point step_start;
+};
+
+void register_module(ModuleRegistry& registry);
+
+}  // namespace kiln::train

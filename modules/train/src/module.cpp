@@ -1,0 +1,59 @@
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/parallel/module.hpp"
+#include "kiln/train/train.hpp"
+
+namespace kiln::train {
+
+namespace {
+void install(World& w, const TrainConfig& cfg) {
+  const auto& par = w.resource<parallel::ParallelState>();
+  const std::int64_t dp = par.dp_size();
+  const auto& file = w.resource<RankInfo>().pipeline_file;
+  if (cfg.batch_size % dp != 0)
+    throw ConfigError(cat(file, ": train.batch_size = ", cfg.batch_size, " is not divisible by the ", dp,
+                          " data-parallel ranks"));
+  const std::int64_t per_rank = cfg.batch_size / dp;
+  const std::int64_t mbs = cfg.micro_batch_size > 0 ? cfg.micro_batch_size : per_rank;
+  if (per_rank % mbs != 0)
+    throw ConfigError(cat(file, ": train.micro_batch_size = ", mbs, " does not divide the per-rank batch of ", per_rank,
+                          " sequences (train.batch_size ", cfg.batch_size, " / dp ", dp, ")"));
+  auto& st = w.emplace_resource<TrainState>();
+  st.micro_batch_size = static_cast<int>(mbs);
+  st.micro_batches = static_cast<int>(per_rank / mbs);
+  st.tokens_per_step = cfg.batch_size * cfg.seq_len;
+  st.ranks = par.topology.world();
+  w.emplace_resource<Batch>();
+  w.emplace_resource<ValidationSet>();
+
+  w.systems().add({"train.setup", Phase::setup, [](World& world) {
+                     auto& ctl = world.resource<RunControl>();
+                     auto& st = world.resource<TrainState>();
+                     ctl.micro_batches = st.micro_batches;
+                     const auto& c = world.resource<TrainConfig>();
+                     if (ctl.step >= c.steps) ctl.request_stop("train.steps reached");
+                   }});
+  w.systems().add({"train.step_begin", Phase::step_begin, [](World& world) {
+                     auto& st = world.resource<TrainState>();
+                     st.step = world.resource<RunControl>().step;
+                     st.val_loss.reset();
+                     st.step_start = std::chrono::steady_clock::now();
+                   }});
+  w.systems().add({"train.step_end", Phase::step_end, [](World& world) {
+                     auto& st = world.resource<TrainState>();
+                     auto now = std::chrono::steady_clock::now();
+                     st.step_ms = std::chrono::duration<double, std::milli>(now - st.step_start).count();
+                     st.tokens_seen += st.tokens_per_step;
+                     st.tokens_per_s = st.tokens_per_step / (st.step_ms / 1000.0);
+                     st.mfu = st.peak_flops > 0 ? st.flops_per_token * st.tokens_per_s / (st.peak_flops * st.ranks) : 0;
+                     auto& ctl = world.resource<RunControl>();
+                     if (ctl.step >= world.resource<TrainConfig>().steps) ctl.request_stop("train.steps reached");
+                   }});
+}
+}  // namespace
+
+void register_module(ModuleRegistry& registry) {
+  registry.add(make_module<TrainConfig>("train", "the training loop: steps, batch sizes, sequence length, master seed",
+                                        {"parallel"}, install));
+}
+
+}  // namespace kiln::train

@@ -1,0 +1,478 @@
+// The CUDA backend's non-attention ops against the CPU reference (bf16-rounding emulated), on
+// random data at awkward sizes. Every output is poisoned first, so an unwritten element fails.
+//
+// Tolerances (relative L2 error, ||gpu - cpu|| / ||cpu||):
+//  - bf16 outputs: 1e-2 (one bf16 rounding is ~2e-3 relative; GEMM accumulation order differs).
+//  - f32 statistics (mean, rstd, losses): 1e-5 (same math, different summation order).
+//  - f32 gradients accumulated from bf16 inputs: 1e-3 (summation order over up to N terms).
+//  - Philox draws, conversions, dropout masks, residual adds: bit-identical by construction.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "kiln/ops/backend.hpp"
+#include "op_harness.hpp"
+
+using namespace kiln;
+using test::Dual;
+using test::Kind;
+using test::random_ints;
+using test::random_values;
+
+namespace {
+
+// One side of the pair: picks the backend and the matching view of each Dual.
+struct Side {
+  test::BackendPair& pair;
+  bool gpu;
+  ops::Backend& b() const { return gpu ? *pair.gpu : *pair.cpu; }
+  TensorView operator()(const Dual& d) const { return gpu ? d.gpu() : d.cpu(); }
+};
+
+// Runs f on the CPU side, then on the GPU side, and waits for the GPU.
+void on_both(test::BackendPair& p, const std::function<void(const Side&)>& f) {
+  f(Side{p, false});
+  f(Side{p, true});
+  p.gpu->synchronize();
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Number of positions whose values differ bit for bit.
+std::size_t mismatches(const std::vector<float>& a, const std::vector<float>& b) {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) n += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  return n;
+}
+
+Dual act(test::BackendPair& p, Shape s, std::uint64_t seed, float scale = 1.0f, float shift = 0.0f) {
+  Dual d(p, Kind::act, s);
+  d.set(random_values(static_cast<std::size_t>(s.numel()), seed, scale, shift));
+  return d;
+}
+Dual f32(test::BackendPair& p, Shape s, std::uint64_t seed, float scale = 1.0f, float shift = 0.0f) {
+  Dual d(p, Kind::f32, s);
+  d.set(random_values(static_cast<std::size_t>(s.numel()), seed, scale, shift));
+  return d;
+}
+Dual poisoned(test::BackendPair& p, Kind k, Shape s) {
+  Dual d(p, k, s);
+  d.poison();
+  return d;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// linear (cuBLASLt)
+
+TEST_CASE("cuda linear_forward matches the CPU: no bias, bias, GELU epilogue") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333, IC = 72;
+  // OC = 216: the fused cuBLASLt epilogues; OC = 100: the aux ld is not a multiple of 8, so the
+  // GELU epilogue runs unfused (plain GEMM + kernel).
+  for (int OC : {216, 100}) {
+    INFO("OC = " << OC);
+    auto x = act(p, {N, IC}, 11);
+    auto w = act(p, {OC, IC}, 12, 0.1f);
+    auto bias = act(p, {OC}, 13, 0.5f);
+    {
+      auto out = poisoned(p, Kind::act, {N, OC});
+      on_both(p, [&](const Side& s) { s.b().linear_forward({s(out), {}, s(x), s(w), {}}); });
+      KILN_CHECK_CLOSE(out, 1e-2);
+    }
+    {
+      auto out = poisoned(p, Kind::act, {N, OC});
+      on_both(p, [&](const Side& s) { s.b().linear_forward({s(out), {}, s(x), s(w), s(bias)}); });
+      KILN_CHECK_CLOSE(out, 1e-2);
+    }
+    {
+      auto out = poisoned(p, Kind::act, {N, OC});
+      auto pre = poisoned(p, Kind::act, {N, OC});
+      on_both(p, [&](const Side& s) { s.b().linear_forward({s(out), s(pre), s(x), s(w), s(bias)}); });
+      KILN_CHECK_CLOSE(pre, 1e-2);
+      KILN_CHECK_CLOSE(out, 1e-2);
+    }
+    {  // GELU without a bias (cuBLASLt's GELU_AUX)
+      auto out = poisoned(p, Kind::act, {N, OC});
+      auto pre = poisoned(p, Kind::act, {N, OC});
+      on_both(p, [&](const Side& s) { s.b().linear_forward({s(out), s(pre), s(x), s(w), {}}); });
+      KILN_CHECK_CLOSE(pre, 1e-2);
+      KILN_CHECK_CLOSE(out, 1e-2);
+    }
+  }
+}
+
+TEST_CASE("cuda linear_backward matches the CPU: dx, dx with dgelu, dweight and dbias accumulated") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333, OC = 216;
+  // IC = 72: fused DGELU epilogue; IC = 100: dx's ld is not a multiple of 8, dgelu runs unfused.
+  for (int IC : {72, 100}) {
+    INFO("IC = " << IC);
+    auto x = act(p, {N, IC}, 21);
+    auto w = act(p, {OC, IC}, 22, 0.1f);
+    auto dout = act(p, {N, OC}, 23);
+    auto pre = act(p, {N, IC}, 24, 2.0f);
+    for (bool gelu : {false, true}) {
+      INFO("dgelu " << gelu);
+      auto dx = poisoned(p, Kind::act, {N, IC});
+      auto dw = f32(p, {OC, IC}, 25);   // non-zero start: dweight is accumulated
+      auto db = f32(p, {OC}, 26, 3.0f);  // likewise dbias
+      on_both(p, [&](const Side& s) {
+        ops::LinearBackward a;
+        a.dx = s(dx);
+        a.dweight = s(dw);
+        a.dbias = s(db);
+        a.dout = s(dout);
+        a.x = s(x);
+        a.weight = s(w);
+        if (gelu) a.dx_gelu_pre = s(pre);
+        s.b().linear_backward(a);
+      });
+      KILN_CHECK_CLOSE(dx, 1e-2);
+      KILN_CHECK_CLOSE(dw, 1e-3);
+      KILN_CHECK_CLOSE(db, 1e-3);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// layernorm
+
+TEST_CASE("cuda layernorm forward and backward match the CPU") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333;
+  // 72: vectorised paths; 75: C % 8 != 0, generic paths; 2048: 8 chunks per lane in registers.
+  for (int C : {72, 75, 2048}) {
+    INFO("C = " << C);
+    auto x = act(p, {N, C}, 31, 2.0f, 0.5f);
+    auto w = act(p, {C}, 32, 0.3f, 1.0f);
+    auto b = act(p, {C}, 33, 0.3f);
+    auto out = poisoned(p, Kind::act, {N, C});
+    auto mean = poisoned(p, Kind::f32, {N});
+    auto rstd = poisoned(p, Kind::f32, {N});
+    on_both(p, [&](const Side& s) { s.b().layernorm_forward({s(out), s(mean), s(rstd), s(x), s(w), s(b), 1e-5f}); });
+    KILN_CHECK_CLOSE(out, 1e-2);
+    KILN_CHECK_CLOSE(mean, 1e-5);
+    KILN_CHECK_CLOSE(rstd, 1e-5);
+
+    // Backward from the CPU's statistics on both sides, so only the backward itself is compared.
+    mean.set(mean.cpu_values());
+    rstd.set(rstd.cpu_values());
+    auto dout = act(p, {N, C}, 34);
+    auto dx = act(p, {N, C}, 35);  // non-zero start: dx is accumulated
+    auto dw = f32(p, {C}, 36);
+    auto db = f32(p, {C}, 37);
+    on_both(p, [&](const Side& s) {
+      s.b().layernorm_backward({s(dx), s(dw), s(db), s(dout), s(x), s(w), s(mean), s(rstd)});
+    });
+    KILN_CHECK_CLOSE(dx, 1e-2);
+    KILN_CHECK_CLOSE(dw, 1e-3);
+    KILN_CHECK_CLOSE(db, 1e-3);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// embedding
+
+TEST_CASE("cuda embedding forward and backward match the CPU (repeated tokens)") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int T = 111, B = 3, N = B * T, V = 517, Tmax = 128;
+  for (int C : {72, 36}) {  // 36: C % 8 != 0, element-wise paths
+    INFO("C = " << C);
+    auto tok_host = random_ints(N, 41, 0, 40);  // 40 distinct ids over 333 positions: many repeats
+    tok_host[5] = V - 1;
+    Dual tokens(p, Kind::i32, {N});
+    tokens.set_ints(tok_host);
+    auto wte = act(p, {V, C}, 42);
+    auto wpe = act(p, {Tmax, C}, 43);
+    auto out = poisoned(p, Kind::act, {N, C});
+    on_both(p, [&](const Side& s) { s.b().embedding_forward({s(out), s(tokens), s(wte), s(wpe), T}); });
+    KILN_CHECK_CLOSE(out, 1e-2);
+
+    auto dout = act(p, {N, C}, 44);
+    auto dwte = f32(p, {V, C}, 45);  // non-zero starts: accumulated
+    auto dwpe = f32(p, {Tmax, C}, 46);
+    on_both(p, [&](const Side& s) {
+      s.b().embedding_backward({s(dwte), s(dwpe), s(dout), s(tokens), tok_host.data(), T});
+    });
+    // The GPU adds each token's rows in position order onto the old value, the CPU's order of
+    // additions: the results are bit-identical by construction; 1e-6 leaves room only for that.
+    KILN_CHECK_CLOSE(dwte, 1e-6);
+    KILN_CHECK_CLOSE(dwpe, 1e-6);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// residual and dropout
+
+namespace {
+ops::DropoutArgs dropout_args(float prob) {
+  ops::DropoutArgs d;
+  d.p = prob;
+  d.rng = {0x1234abcdull, 977, nullptr};
+  d.row_offset = 3;  // odd offsets: chunks start at every position within a Philox block
+  d.col_offset = 5;
+  return d;
+}
+}  // namespace
+
+TEST_CASE("cuda residual_forward matches the CPU with and without dropout") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333;
+  for (int C : {72, 75}) {
+    for (float prob : {0.0f, 0.1f}) {
+      INFO("C = " << C << ", p = " << prob);
+      auto res = act(p, {N, C}, 51);
+      auto x = act(p, {N, C}, 52);
+      auto out = poisoned(p, Kind::act, {N, C});
+      auto d = dropout_args(prob);
+      d.cols_total = C + 13;  // a column shard of a wider tensor
+      on_both(p, [&](const Side& s) { s.b().residual_forward({s(out), s(res), s(x), d}); });
+      // Same rounded fp32 operations on both sides: identical bits.
+      CHECK(mismatches(out.gpu_values(), out.cpu_values()) == 0);
+      KILN_CHECK_CLOSE(out, 1e-6);
+    }
+  }
+}
+
+TEST_CASE("cuda residual_forward in place (out aliases residual)") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 64, C = 72;
+  auto res = act(p, {N, C}, 53);
+  auto x = act(p, {N, C}, 54);
+  on_both(p, [&](const Side& s) { s.b().residual_forward({s(res), s(res), s(x), dropout_args(0.2f)}); });
+  CHECK(mismatches(res.gpu_values(), res.cpu_values()) == 0);
+}
+
+TEST_CASE("cuda dropout_backward: the zero pattern and values match the CPU exactly") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333;
+  for (int C : {72, 75}) {
+    for (bool in_place : {false, true}) {
+      INFO("C = " << C << ", in place " << in_place);
+      auto dout = act(p, {N, C}, 61);  // random normals: no zeros, so zeros are exactly the drops
+      auto dx = poisoned(p, Kind::act, {N, C});
+      auto d = dropout_args(0.25f);
+      on_both(p, [&](const Side& s) {
+        s.b().dropout_backward({in_place ? s(dout) : s(dx), s(dout), d});
+      });
+      const Dual& result = in_place ? dout : dx;
+      auto g = result.gpu_values(), c = result.cpu_values();
+      std::size_t zeros = 0, pattern_mismatch = 0;
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        zeros += c[i] == 0.0f;
+        pattern_mismatch += (g[i] == 0.0f) != (c[i] == 0.0f);
+      }
+      CHECK(pattern_mismatch == 0);
+      CHECK(mismatches(g, c) == 0);
+      // About a quarter dropped.
+      CHECK(zeros > g.size() / 5);
+      CHECK(zeros < g.size() * 3 / 10);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cross-entropy
+
+TEST_CASE("cuda cross_entropy matches the CPU: losses, dlogits, padded vocabulary, ignored rows") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  struct Case {
+    int N, V, Vr;
+  };
+  // 517: odd V (element-wise kernel); 1032: cached in registers; 66000: too long to cache.
+  for (auto [N, V, Vr] : {Case{37, 517, 500}, Case{37, 1032, 1000}, Case{5, 66000, 65990}}) {
+    INFO("N = " << N << ", V = " << V << ", vocab_real = " << Vr);
+    auto logits = act(p, {N, V}, 71, 2.0f);
+    auto t = random_ints(N, 72, 0, Vr);
+    t[1] = -1;      // ignored row
+    t[2] = Vr - 1;  // the last real column
+    Dual targets(p, Kind::i32, {N});
+    targets.set_ints(t);
+    auto losses = poisoned(p, Kind::f32, {N});
+    const float dloss = 1.0f / N;
+    on_both(p, [&](const Side& s) { s.b().cross_entropy({s(losses), s(logits), s(targets), Vr, dloss}); });
+    KILN_CHECK_CLOSE(losses, 1e-5);
+    KILN_CHECK_CLOSE(logits, 1e-2);
+    auto g = logits.gpu_values();
+    auto l = losses.gpu_values();
+    CHECK(l[1] == 0.0f);
+    bool zero_row = true, zero_pad = true;
+    for (int v = 0; v < V; ++v) zero_row &= g[static_cast<std::size_t>(V) + v] == 0.0f;
+    for (int n = 0; n < N; ++n)
+      for (int v = Vr; v < V; ++v) zero_pad &= g[static_cast<std::size_t>(n) * V + v] == 0.0f;
+    CHECK(zero_row);
+    CHECK(zero_pad);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// adamw
+
+TEST_CASE("cuda adamw matches the CPU: params, moments, bf16 copy, decay per segment") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int P = 1037;  // not a multiple of 4: a scalar tail
+  auto params = f32(p, {P}, 81);
+  auto grads = f32(p, {P}, 82, 0.1f);
+  auto m = f32(p, {P}, 83, 0.01f);
+  Dual v(p, Kind::f32, {P});
+  auto vv = random_values(P, 84, 1e-3f);
+  for (auto& e : vv) e = std::fabs(e) + 1e-6f;  // second moments are positive
+  v.set(vv);
+  auto pact = poisoned(p, Kind::act, {P});
+  on_both(p, [&](const Side& s) {
+    ops::AdamW a;
+    a.params = s(params);
+    a.params_act = s(pact);
+    a.grads = s(grads);
+    a.m = s(m);
+    a.v = s(v);
+    // Out of order, and a one-element segment inside a 4-element vector.
+    a.segments = {{601, 436, true}, {0, 600, true}, {600, 1, false}};
+    a.lr = 1e-2f;
+    a.weight_decay = 0.1f;
+    a.grad_scale = 0.7f;
+    a.step = 3;
+    s.b().adamw(a);
+  });
+  // The same formula; only FMA contraction differs: f32 results agree to ~1e-7.
+  KILN_CHECK_CLOSE(params, 1e-6);
+  KILN_CHECK_CLOSE(m, 1e-6);
+  KILN_CHECK_CLOSE(v, 1e-6);
+  KILN_CHECK_CLOSE(pact, 1e-2);
+}
+
+TEST_CASE("cuda adamw with two segments, with and without decay") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int P = 4099;
+  auto params = f32(p, {P}, 85);
+  auto grads = f32(p, {P}, 86, 0.1f);
+  Dual m(p, Kind::f32, {P}), v(p, Kind::f32, {P});
+  m.set(std::vector<float>(P, 0.0f));
+  v.set(std::vector<float>(P, 0.0f));
+  on_both(p, [&](const Side& s) {
+    ops::AdamW a;
+    a.params = s(params);
+    a.grads = s(grads);
+    a.m = s(m);
+    a.v = s(v);
+    a.segments = {{0, 3000, true}, {3000, P - 3000, false}};
+    a.lr = 3e-3f;
+    a.weight_decay = 0.5f;
+    a.grad_scale = 2.0f;
+    a.step = 1;
+    s.b().adamw(a);
+  });
+  KILN_CHECK_CLOSE(params, 1e-6);
+  KILN_CHECK_CLOSE(m, 1e-6);
+  KILN_CHECK_CLOSE(v, 1e-6);
+}
+
+// ---------------------------------------------------------------------------------------------
+// utilities
+
+TEST_CASE("cuda init_normal is bit-identical to the CPU") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  for (std::int64_t offset : {0, 3, 1001}) {
+    INFO("global offset " << offset);
+    auto d = poisoned(p, Kind::f32, {1001});
+    rng::PhiloxArgs r{0xfeedbeefull, 12345, nullptr};
+    on_both(p, [&](const Side& s) { s.b().init_normal(s(d), 0.02f, r, offset); });
+    CHECK(same_bits(d.gpu_values(), d.cpu_values()));
+  }
+}
+
+TEST_CASE("cuda fill and convert (both ways) match the CPU exactly") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int n = 1001;  // not a multiple of 8: a scalar tail
+  auto src = f32(p, {n}, 91, 3.0f);
+  auto as_act = poisoned(p, Kind::act, {n});
+  on_both(p, [&](const Side& s) { s.b().convert(s(as_act), s(src)); });
+  CHECK(same_bits(as_act.gpu_values(), as_act.cpu_values()));
+
+  auto back = poisoned(p, Kind::f32, {n});
+  on_both(p, [&](const Side& s) { s.b().convert(s(back), s(as_act)); });
+  CHECK(same_bits(back.gpu_values(), back.cpu_values()));
+
+  auto filled = poisoned(p, Kind::f32, {n});
+  on_both(p, [&](const Side& s) { s.b().fill(s(filled), -0.375f); });
+  CHECK(same_bits(filled.gpu_values(), filled.cpu_values()));
+}
+
+TEST_CASE("cuda sum_squares matches the CPU to 1e-6 relative") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  for (int n : {1, 1001, 100003, 3000001}) {
+    INFO("n = " << n);
+    auto x = f32(p, {n}, 92, 2.0f, 0.1f);
+    const double cpu = p.cpu->sum_squares(x.cpu());
+    const double gpu = p.gpu->sum_squares(x.gpu());
+    CHECK(std::fabs(gpu - cpu) <= 1e-6 * cpu);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// determinism: the same inputs give the same bits
+
+TEST_CASE("cuda backward reductions are deterministic (embedding, layernorm, linear with bias)") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int T = 128, B = 4, N = B * T, C = 72, V = 300, OC = 216;
+  auto tok_host = random_ints(N, 101, 0, 20);
+  Dual tokens(p, Kind::i32, {N});
+  tokens.set_ints(tok_host);
+  auto dout = act(p, {N, C}, 102);
+  auto x = act(p, {N, C}, 103);
+  auto w = act(p, {C}, 104, 0.3f, 1.0f);
+  auto mean = f32(p, {N}, 105, 0.1f);
+  auto rstd = f32(p, {N}, 106, 0.1f, 1.0f);
+  auto lin_dout = act(p, {N, OC}, 107);
+  auto lin_w = act(p, {OC, C}, 108, 0.1f);
+  auto dwte = f32(p, {V, C}, 109), dwpe = f32(p, {T, C}, 110);
+  auto ln_dx = act(p, {N, C}, 111), ln_dw = f32(p, {C}, 112), ln_db = f32(p, {C}, 113);
+  auto lin_dx = poisoned(p, Kind::act, {N, C});
+  auto lin_dw = f32(p, {OC, C}, 114), lin_db = f32(p, {OC}, 115);
+  std::vector<Dual*> outputs = {&dwte, &dwpe, &ln_dx, &ln_dw, &ln_db, &lin_dx, &lin_dw, &lin_db};
+  // Remember the starting values, then run twice from them.
+  std::vector<std::vector<float>> start;
+  for (auto* d : outputs) start.push_back(d->cpu_values());
+  std::vector<std::vector<float>> first;
+  for (int run = 0; run < 2; ++run) {
+    for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i]->set(start[i]);
+    auto& g = *p.gpu;
+    g.embedding_backward({dwte.gpu(), dwpe.gpu(), dout.gpu(), tokens.gpu(), tok_host.data(), T});
+    g.layernorm_backward({ln_dx.gpu(), ln_dw.gpu(), ln_db.gpu(), dout.gpu(), x.gpu(), w.gpu(), mean.gpu(), rstd.gpu()});
+    ops::LinearBackward lb;
+    lb.dx = lin_dx.gpu();
+    lb.dweight = lin_dw.gpu();
+    lb.dbias = lin_db.gpu();
+    lb.dout = lin_dout.gpu();
+    lb.x = x.gpu();
+    lb.weight = lin_w.gpu();
+    g.linear_backward(lb);
+    g.synchronize();
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      auto values = outputs[i]->gpu_values();
+      if (run == 0) first.push_back(values);
+      else CHECK(same_bits(values, first[i]));
+    }
+  }
+}
