@@ -27,6 +27,8 @@ int cmd_run(const Args& args) {
   po::notify(vm);
   if (file.empty()) throw po::error("a pipeline FILE is required");
   auto p = load_pipeline(file, sets);
+  if (!p->config.enabled("train"))
+    throw ConfigError(cat(file, ": kiln run needs a [train] section (train.steps says how long to run)"));
   World world;
   world.emplace_resource<RankInfo>(RankInfo{0, 1, 0, file});
   install_pipeline(world, p->config, p->registry);

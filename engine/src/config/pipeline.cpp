@@ -57,6 +57,11 @@ Override parse_override(std::string_view arg) {
 
 Node load_document(const std::string& file, const std::vector<std::string>& set_args) {
   Node doc = file.empty() ? Node{} : parse_toml_file(file);
+  apply_overrides(doc, set_args);
+  return doc;
+}
+
+void apply_overrides(Node& doc, const std::vector<std::string>& set_args) {
   for (auto& arg : set_args) {
     Override o = parse_override(arg);
     Source src{"--set " + o.text, 0, 0};
@@ -82,7 +87,6 @@ Node load_document(const std::string& file, const std::vector<std::string>& set_
       cur->table.emplace_back(o.path.back(), std::move(value));
     }
   }
-  return doc;
 }
 
 std::any read_engine_section(const Node& doc, const ModuleRegistry& registry, const std::string& file) {

@@ -60,14 +60,18 @@ void install(World& w, const ModelConfig& cfg) {
   w.systems().add({"model.backward", Phase::backward, [](World& world) {
                      world.resource<GptModel>().backward(world.resource<train::Batch>());
                    }});
-  w.systems().add({"model.loss", Phase::step_end,
-                   [](World& world) {
+  // The loss is read (and checked) right after the backward pass, before the optimizer touches
+  // the weights, so a non-finite loss is reported as such rather than as non-finite gradients.
+  w.systems().add({"model.loss", Phase::grad_sync, [](World& world) {
                      auto& ts = world.resource<train::TrainState>();
                      ts.loss = world.resource<GptModel>().mean_loss(ts.micro_batches);
                      if (!std::isfinite(ts.loss))
                        KILN_THROW("step ", world.resource<RunControl>().step, ": the loss is ", ts.loss,
                                   " (non-finite); stopping");
-                   },
+                   }});
+  // The step's device work (the optimizer) finishes before the step timer stops.
+  w.systems().add({"model.sync", Phase::step_end,
+                   [](World& world) { world.resource<ops::ActiveBackend>().get().synchronize(); },
                    {},
                    {"train.step_end"}});
 }

@@ -260,6 +260,9 @@ __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restri
                          wr0, T, sO, lane);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------
 template <int D, bool DROPOUT>
 void launch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
   using C = typename FwdTraits<D>::Cfg;

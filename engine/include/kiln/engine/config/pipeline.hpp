@@ -24,6 +24,9 @@ struct Override {
 // Parses "section.key=value" (nested: "section.sub.key=value"); throws ConfigError if malformed.
 Override parse_override(std::string_view arg);
 
+// Applies `--set section.key=value` overrides to a document; throws ConfigError if malformed.
+void apply_overrides(Node& doc, const std::vector<std::string>& set_args);
+
 // The file (or an empty document if `file` is empty) with the overrides applied.
 Node load_document(const std::string& file, const std::vector<std::string>& set_args);
 

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# End-to-end checks of the kiln runner: exit codes, error messages naming file:line:column, the
+# config round trip, plugins, the topology view and a short training run.
+# usage: cli_test.sh KILN SOURCE_DIR PLUGIN_LIB
+set -u
+KILN=$1
+SRC=$2
+PLUGIN=$3
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+failures=0
+
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+# expect RC PATTERN -- command...: runs the command, checks its exit code and that its output matches.
+expect() {
+  local want_rc=$1 pattern=$2
+  shift 3
+  local out rc
+  out=$("$@" 2>&1)
+  rc=$?
+  if [ "$rc" != "$want_rc" ]; then fail "'$*' exited $rc, expected $want_rc. Output:"$'\n'"$out"; return; fi
+  if ! grep -qF -- "$pattern" <<<"$out"; then fail "'$*' output lacks '$pattern'. Output:"$'\n'"$out"; fi
+}
+
+cd "$TMP"
+mkdir data
+printf 'the cat sat on the mat.\nthe dog ran to a tree.\n%.0s' $(seq 1 400) > corpus.txt
+expect 0 "validation tokens" -- "$KILN" tokenize corpus.txt -o data/tiny --val-fraction 0.2
+
+cat > tiny.toml <<TOML
+[engine]
+device = "cpu"
+[train]
+steps = 5
+batch_size = 4
+seq_len = 16
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 16
+vocab_size = 256
+max_seq_len = 16
+[optim]
+[data]
+train_files = "data/tiny/train_*.bin"
+val_files = "data/tiny/val_*.bin"
+val_batches = 2
+[log]
+every = 1
+val_every = 5
+metrics = "metrics.jsonl"
+TOML
+
+# A short training run, its step lines and its metrics file.
+expect 0 "step 5/5" -- "$KILN" run tiny.toml
+expect 0 "| val " -- "$KILN" run tiny.toml
+[ "$(wc -l < metrics.jsonl)" = 5 ] || fail "metrics.jsonl has $(wc -l < metrics.jsonl) lines, expected 5"
+grep -q '"val_loss"' metrics.jsonl || fail "metrics.jsonl has no val_loss"
+for key in step loss lr grad_norm tokens_per_s step_ms; do
+  grep -q "\"$key\":" metrics.jsonl || fail "metrics.jsonl lacks $key"
+done
+
+# The effective config prints as TOML that reads back to the same text.
+"$KILN" config "$SRC/pipelines/tiny-cpu.toml" > a.toml || fail "kiln config tiny-cpu.toml"
+"$KILN" config a.toml > b.toml || fail "kiln config a.toml"
+cmp -s a.toml b.toml || fail "kiln config output does not round trip: $(diff a.toml b.toml | head)"
+grep -q '^# number of\|^# optimizer steps to run' a.toml || fail "kiln config prints no docs"
+expect 0 "steps = 7" -- "$KILN" config "$SRC/pipelines/tiny-cpu.toml" --set train.steps=7
+
+# Every config error: exit code 2, the file:line:column (or the --set) and the key named.
+printf '[train]\nstpes = 3\n' > unknown.toml
+expect 2 "unknown.toml:2:1: unknown key 'stpes' in [train]; did you mean 'steps'?" -- "$KILN" config unknown.toml
+printf '[trian]\n' > section.toml
+expect 2 "section.toml:1:2: unknown section [trian]; did you mean [train]?" -- "$KILN" config section.toml
+printf '[train]\nsteps = "ten"\n' > type.toml
+expect 2 "type.toml:2:1: train.steps: expected an integer, got string \"ten\"" -- "$KILN" config type.toml
+printf '[engine]\ndevice = "gpu"\n' > enum.toml
+expect 2 "enum.toml:2:1: engine.device: 'gpu' is not one of: auto, cuda, cpu" -- "$KILN" config enum.toml
+printf '[train]\nsteps = -3\n' > invalid.toml
+expect 2 "invalid.toml:2:1: train.steps: must be >= 0" -- "$KILN" config invalid.toml
+printf '[train]\nsteps = \n' > syntax.toml
+expect 2 "syntax.toml:2:" -- "$KILN" config syntax.toml
+expect 2 "nope.toml: pipeline file not found" -- "$KILN" config nope.toml
+expect 2 "expected section.key=value" -- "$KILN" config tiny.toml --set train.steps
+expect 2 "--set train.steps=x: train.steps: 'x' is not a valid value" -- "$KILN" run tiny.toml --set train.steps=x
+expect 2 "train.seq_len = 16 exceeds" -- "$KILN" run tiny.toml --set model.max_seq_len=8
+printf '[engine]\n' > notrain.toml
+expect 2 "needs a [train] section" -- "$KILN" run notrain.toml
+
+# Data errors name the file.
+expect 1 "data.train_files = \"missing/*.bin\": no file matches" -- "$KILN" run tiny.toml --set data.train_files=missing/*.bin
+head -c 2000 data/tiny/train_000000.bin > data/tiny/cut.bin
+expect 1 "cut.bin: llm.c shard header says" -- "$KILN" run tiny.toml --set data.train_files=data/tiny/cut.bin
+
+# Modules, topology, plugins, help, unknown commands.
+expect 0 "[model] the GPT-2 transformer" -- "$KILN" modules
+expect 0 "n_layer" -- "$KILN" modules
+expect 0 "tp groups: [0,1,2,3] [4,5,6,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
+expect 0 "dp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
+expect 2 "world size 6 is not divisible by tp*pp*cp*ep = 4*1*1*1" -- "$KILN" topology tiny.toml --world 6 --set parallel.tp=4
+cat > plugin.toml <<TOML
+[engine]
+plugins = ["$PLUGIN"]
+[train]
+steps = 2
+[greeter]
+greeting = "hi"
+TOML
+expect 0 "[greeter]" -- "$KILN" config plugin.toml
+expect 0 "done: train.steps reached" -- "$KILN" run plugin.toml
+expect 0 "greeter" -- "$KILN" modules --plugin "$PLUGIN"
+printf '[engine]\nplugins = ["./libnope.so"]\n[train]\n' > badplugin.toml
+expect 2 "badplugin.toml: engine.plugins: cannot load plugin './libnope.so'" -- "$KILN" config badplugin.toml
+for cmd in run config modules topology tokenize; do expect 0 "kiln $cmd" -- "$KILN" $cmd --help; done
+expect 2 "unknown command 'frobnicate'" -- "$KILN" frobnicate
+expect 2 "--world N" -- "$KILN" topology tiny.toml
+
+if [ "$failures" != 0 ]; then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all CLI checks passed"

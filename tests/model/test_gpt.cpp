@@ -1,0 +1,240 @@
+// The GPT model on the CPU backend: whole-model gradients, gradient accumulation, training, and
+// the non-finite checks.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "kiln/data/tokenizer.hpp"
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/model/gpt.hpp"
+#include "kiln/model/params.hpp"
+#include "kiln/ops/module.hpp"
+#include "kiln_test.hpp"
+#include "model_fixture.hpp"
+
+using namespace kiln;
+
+namespace {
+
+const char* kTiny = R"(
+[engine]
+device = "cpu"
+[backend]
+cpu_threads = 2
+[train]
+steps = 1
+seed = 7
+batch_size = 2
+seq_len = 8
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 16
+vocab_size = 40
+max_seq_len = 8
+[optim]
+[data]
+synthetic_vocab = 40
+)";
+
+// Runs one step's phases up to and including the backward pass (no optimizer).
+void forward_backward_step(World& w) {
+  auto& ctl = w.resource<RunControl>();
+  ++ctl.step;
+  w.systems().run(Phase::step_begin, w);
+  for (ctl.micro_batch = 0; ctl.micro_batch < ctl.micro_batches; ++ctl.micro_batch) {
+    w.systems().run(Phase::data, w);
+    w.systems().run(Phase::forward, w);
+    w.systems().run(Phase::backward, w);
+  }
+}
+
+std::vector<float> to_host(ops::Backend& be, const TensorView& v) {
+  std::vector<float> h(static_cast<std::size_t>(v.numel()));
+  be.copy(TensorView(h.data(), {v.numel()}, DType::f32, Device::cpu), v);
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("whole-model gradients match finite differences on a tiny model, with and without dropout") {
+  for (float dropout : {0.0f, 0.2f}) {
+    test::Pipeline p(kTiny, {"model.dropout=" + std::to_string(dropout)});
+    World& w = *p.world;
+    w.systems().run(Phase::setup, w);
+    auto& ctl = w.resource<RunControl>();
+    ctl.step = 1;
+    w.systems().run(Phase::data, w);
+    auto& batch = w.resource<train::Batch>();
+    auto& model = w.resource<model::GptModel>();
+    auto& store = w.resource<model::ParamStore>();
+    auto& be = w.resource<ops::ActiveBackend>().get();
+    auto& tracker = w.resource<rng::RngStatesTracker>();
+    const auto snapshot = tracker.get_states();
+
+    be.zero(store.grads_flat());
+    model.forward(batch, 0, true, &tracker);
+    model.backward(batch);
+    const auto grads = to_host(be, store.grads_flat());
+
+    float* master = store.master_flat().as<float>();
+    auto loss = [&] {
+      tracker.set_states(snapshot);  // the same dropout masks every time
+      be.convert(store.compute_flat(), store.master_flat());
+      model.forward(batch, 0, true, &tracker);
+      return model.mean_loss(1);
+    };
+    for (Entity e : store.order) {
+      const auto& prm = w.get<model::Param>(e);
+      double gmax = 1e-7;
+      for (std::int64_t i = 0; i < prm.numel; ++i) gmax = std::max(gmax, std::fabs(double(grads[prm.offset + i])));
+      double worst = 0;
+      const std::int64_t step = std::max<std::int64_t>(1, prm.numel / 6);
+      for (std::int64_t i = 0; i < prm.numel; i += step) {
+        float& x = master[prm.offset + i];
+        const float saved = x;
+        const float h = 1e-2f;
+        x = saved + h;
+        const double lp = loss();
+        x = saved - h;
+        const double lm = loss();
+        x = saved;
+        worst = std::max(worst, std::fabs((lp - lm) / (2 * h) - grads[prm.offset + i]) / gmax);
+      }
+      INFO("dropout " << dropout << " parameter " << prm.name << ": worst error / max|grad| = " << worst);
+      CHECK(worst < 2e-2);
+    }
+  }
+}
+
+TEST_CASE("gradient accumulation over micro-batches equals one batch") {
+  test::Pipeline one(kTiny, {"train.batch_size=4", "train.micro_batch_size=4"});
+  test::Pipeline four(kTiny, {"train.batch_size=4", "train.micro_batch_size=1"});
+  for (auto* p : {&one, &four}) {
+    p->world->systems().run(Phase::setup, *p->world);
+    forward_backward_step(*p->world);
+  }
+  CHECK(four.world->resource<RunControl>().micro_batches == 4);
+  auto g1 = to_host(one.world->resource<ops::ActiveBackend>().get(),
+                    one.world->resource<model::ParamStore>().grads_flat());
+  auto g4 = to_host(four.world->resource<ops::ActiveBackend>().get(),
+                    four.world->resource<model::ParamStore>().grads_flat());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < g1.size(); ++i) {
+    num += double(g1[i] - g4[i]) * (g1[i] - g4[i]);
+    den += double(g1[i]) * g1[i];
+  }
+  CHECK(std::sqrt(num / den) < 1e-5);
+  CHECK(one.world->resource<model::GptModel>().mean_loss(1) ==
+        doctest::Approx(four.world->resource<model::GptModel>().mean_loss(4)).epsilon(1e-5));
+}
+
+TEST_CASE("training on the CPU lowers the loss by more than 2 nats in 80 steps") {
+  test::TempDir dir("train");
+  std::string text;
+  const char* words[] = {"the cat", "a dog", "the bird", "my fish"};
+  const char* verbs[] = {" sat on", " ran to", " looked at", " jumped over"};
+  const char* things[] = {" the mat.\n", " a tree.\n", " the house.\n", " my hat.\n"};
+  for (int i = 0; i < 4000; ++i) text += std::string(words[i % 4]) + verbs[(i / 4) % 4] + things[(i / 16) % 4];
+  auto src = dir.file("corpus.txt", text);
+  data::tokenize_files({src}, (dir.path() / "shards").string(), {.val_fraction = 0.1});
+  test::Pipeline p(R"(
+[engine]
+device = "cpu"
+[train]
+steps = 80
+batch_size = 8
+seq_len = 32
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 32
+vocab_size = 256
+max_seq_len = 32
+[optim]
+lr = 3e-3
+warmup_steps = 10
+[log]
+every = 1000
+)",
+                   {"data.train_files=" + (dir.path() / "shards/train_*.bin").string()});
+  auto& w = *p.world;
+  std::vector<double> losses;
+  auto sub = w.events().subscribe<train::EvaluationRequested>([](auto&) {});
+  w.systems().add({"test.record", Phase::step_end, [&losses](World& world) {
+                     losses.push_back(world.resource<train::TrainState>().loss);
+                   },
+                   {"train.step_end"}});
+  p.run();
+  REQUIRE(losses.size() == 80);
+  INFO("first loss " << losses.front() << ", last loss " << losses.back());
+  CHECK(losses.front() > 5.0);  // about ln(256) = 5.55 at initialisation
+  CHECK(losses.back() < losses.front() - 2.0);
+}
+
+namespace poison {
+struct PoisonConfig {
+  std::int64_t at_step = 2;
+  bool gradient = false;
+};
+KILN_CONFIG(PoisonConfig, (at_step, "step to poison"), (gradient, "poison a gradient instead of a weight"))
+
+void add(ModuleRegistry& reg) {
+  reg.add(make_module<PoisonConfig>("poison", "writes a NaN into the model", {"model"},
+                                    [](World& w, const PoisonConfig& cfg) {
+                                      auto find = [&w](const std::string& name) {
+                                        for (Entity e : w.view<model::Param>())
+                                          if (w.get<model::Param>(e).name == name) return e;
+                                        KILN_THROW("no parameter ", name);
+                                      };
+                                      auto poison_param = [cfg, find](World& world) {
+                                        if (world.resource<RunControl>().step != cfg.at_step) return;
+                                        auto& store = world.resource<model::ParamStore>();
+                                        auto& prm = world.get<model::Param>(find("blocks.1.mlp.fc.bias"));
+                                        TensorView v = cfg.gradient ? store.grad_view(prm) : store.compute_view(prm);
+                                        v.as<float>()[3] = cfg.gradient ? INFINITY : NAN;
+                                      };
+                                      if (cfg.gradient)
+                                        w.systems().add({"poison.grad", Phase::backward, poison_param, {"model.backward"}});
+                                      else
+                                        w.systems().add({"poison.weight", Phase::forward, poison_param, {}, {"model.forward"}});
+                                    }));
+}
+}  // namespace poison
+
+TEST_CASE("a non-finite loss stops the run naming the step") {
+  test::Pipeline p(kTiny, {"train.steps=5", "poison.at_step=3"}, poison::add);
+  CHECK_THROWS_WITH_AS(p.run(), doctest::Contains("step 3: the loss is nan"), Error);
+  CHECK(p.world->resource<RunControl>().step == 3);
+}
+
+TEST_CASE("a non-finite gradient stops the run naming the tensor") {
+  test::Pipeline p(kTiny, {"train.steps=5", "poison.at_step=2", "poison.gradient=true"}, poison::add);
+  CHECK_THROWS_WITH_AS(p.run(), doctest::Contains("step 2: non-finite gradient in 'blocks.1.mlp.fc.bias'"), Error);
+}
+
+TEST_CASE("parameters are entities with layout, decay and unit components") {
+  test::Pipeline p(kTiny);
+  auto& w = *p.world;
+  auto& store = w.resource<model::ParamStore>();
+  std::int64_t prev_end = 0;
+  int linears = 0;
+  for (Entity e : store.order) {
+    const auto& prm = w.get<model::Param>(e);
+    CHECK(prm.offset % model::kParamAlign == 0);
+    CHECK(prm.offset >= prev_end);
+    prev_end = prm.offset + prm.numel;
+    const bool is_matrix = prm.shape.ndim == 2;
+    CHECK(prm.weight_decay == is_matrix);
+  }
+  CHECK(prev_end <= store.total);
+  for (Entity e : w.view<model::Linear>()) {
+    (void)e;
+    ++linears;
+  }
+  CHECK(linears == 2 * 4 + 1);
+  CHECK(w.view<model::Layer>().size() == 4);  // embeddings, 2 blocks, final norm
+  // Padded vocabulary: 40 -> 128.
+  CHECK(w.get<model::Param>(store.order[0]).shape == Shape{128, 16});
+}
