@@ -130,6 +130,20 @@ TEST_CASE("gradient accumulation over micro-batches equals one batch") {
         doctest::Approx(four.world->resource<model::GptModel>().mean_loss(4)).epsilon(1e-5));
 }
 
+TEST_CASE("recomputing LayerNorm and GELU outputs in the backward pass gives the same gradients") {
+  test::Pipeline keep(kTiny, {"model.recompute_norm_gelu=false", "model.dropout=0.1"});
+  test::Pipeline recompute(kTiny, {"model.recompute_norm_gelu=true", "model.dropout=0.1"});
+  for (auto* p : {&keep, &recompute}) {
+    p->world->systems().run(Phase::setup, *p->world);
+    forward_backward_step(*p->world);
+  }
+  auto g1 = to_host(keep.world->resource<ops::ActiveBackend>().get(),
+                    keep.world->resource<model::ParamStore>().grads_flat());
+  auto g2 = to_host(recompute.world->resource<ops::ActiveBackend>().get(),
+                    recompute.world->resource<model::ParamStore>().grads_flat());
+  CHECK(g1 == g2);
+}
+
 TEST_CASE("training on the CPU lowers the loss by more than 2 nats in 80 steps") {
   test::TempDir dir("train");
   std::string text;

@@ -34,6 +34,10 @@ void GptModel::backward(const train::Batch& batch) {
       be_.dropout_backward({dtmp_, dres_, hidden_dropout(p, a.mlp_drop_rng)});
       dmlp = dtmp_;
     }
+    if (cfg_.recompute_norm_gelu) {
+      be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+      be_.gelu_forward({a.fc, a.fc_pre});
+    }
     be_.linear_backward({dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, a.fc_pre});
     be_.linear_backward({dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}});
     be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});
@@ -46,6 +50,8 @@ void GptModel::backward(const train::Batch& batch) {
     be_.linear_backward({datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_}), w.proj_w, {}});
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, H_, D}), datty_.reshape({B_, T_, H_, D}), a.atty, a.lse, a.qkv,
                             1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, 0, H_});
+    if (cfg_.recompute_norm_gelu)
+      be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
     be_.linear_backward({dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}});
     be_.layernorm_backward({dres_, g.ln1_w, g.ln1_b, dln_, res_[l], w.ln1_w, a.ln1_mean, a.ln1_rstd});
     bus.publish(LayerBackwardEnd{l + 1});

@@ -32,6 +32,7 @@ class CpuBackend final : public Backend {
   void layernorm_backward(const LayerNormBackward& a) override;
   void linear_forward(const LinearForward& a) override;
   void linear_backward(const LinearBackward& a) override;
+  void gelu_forward(const GeluForward& a) override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
   void residual_forward(const ResidualForward& a) override;
@@ -43,6 +44,7 @@ class CpuBackend final : public Backend {
   std::vector<OpTime> op_times() override;
   void reset_op_times() override { times_.clear(); }
   void* stream() const override { return nullptr; }
+  std::size_t device_memory_in_use() const override { return 0; }
 
   // Rounds a value the way the CUDA backend stores act tensors (identity without round_bf16).
   float store(float v) const { return round_ ? round_bf16(v) : v; }

@@ -76,4 +76,16 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
   }
 }
 
+void CpuBackend::gelu_forward(const GeluForward& a) {
+  Timer timer(*this, "gelu_forward");
+  KILN_CHECK(a.out.numel() == a.x.numel() && a.out.dtype == DType::f32 && a.x.dtype == DType::f32 &&
+                 a.out.contiguous() && a.x.contiguous(),
+             "gelu_forward ", a.x.str(), " -> ", a.out.str());
+  const float* x = a.x.as<float>();
+  float* out = a.out.as<float>();
+  const std::int64_t n = a.x.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = store(gelu(x[i]));
+}
+
 }  // namespace kiln::ops::cpu

@@ -16,6 +16,7 @@ struct ModelConfig {
   float dropout = 0.0f;
   float init_std = 0.02f;
   float ln_eps = 1e-5f;
+  bool recompute_norm_gelu = true;
   void validate(config::Checks& c) const {
     c.expect(n_layer > 0, "n_layer", "must be positive");
     c.expect(n_head > 0, "n_head", "must be positive");
@@ -39,6 +40,9 @@ KILN_CONFIG(ModelConfig,
             (vocab_multiple, "the embedding and LM head are padded to a multiple of this"),
             (dropout, "dropout probability on attention probabilities and on the blocks' hidden outputs"),
             (init_std, "standard deviation of the normal weight initialisation"),
-            (ln_eps, "LayerNorm epsilon"))
+            (ln_eps, "LayerNorm epsilon"),
+            (recompute_norm_gelu,
+             "recompute LayerNorm outputs and GELU activations in the backward pass instead of keeping them "
+             "(6 of 16 saved values per token and layer)"))
 
 }  // namespace kiln::model

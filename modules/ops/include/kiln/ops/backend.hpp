@@ -80,6 +80,12 @@ struct LinearForward {
   TensorView weight;    // [OC, IC] act
   TensorView bias;      // [OC] act, optional
 };
+// out = gelu(x), elementwise (recomputes a GELU output in the backward pass instead of storing it).
+struct GeluForward {
+  TensorView out;  // act, any shape
+  TensorView x;    // act, same element count
+};
+
 struct LinearBackward {
   TensorView dx;           // [N, IC] act = dout @ weight; optional (skipped when empty)
   TensorView dweight;      // [OC, IC] f32, accumulated: += dout^T @ x
@@ -193,6 +199,7 @@ class Backend {
   virtual void layernorm_backward(const LayerNormBackward& a) = 0;
   virtual void linear_forward(const LinearForward& a) = 0;
   virtual void linear_backward(const LinearBackward& a) = 0;
+  virtual void gelu_forward(const GeluForward& a) = 0;
   virtual void attention_forward(const AttentionForward& a) = 0;
   virtual void attention_backward(const AttentionBackward& a) = 0;
   virtual void residual_forward(const ResidualForward& a) = 0;
@@ -212,6 +219,8 @@ class Backend {
   virtual void reset_op_times() = 0;
   // The CUDA stream of the compute work (cudaStream_t), or nullptr on CPU.
   virtual void* stream() const = 0;
+  // Device memory this backend's process has taken since the backend was made (bytes); 0 on CPU.
+  virtual std::size_t device_memory_in_use() const = 0;
 };
 
 struct CpuOptions {
