@@ -75,6 +75,13 @@ void install(World& w, const LogConfig& cfg) {
                      }
                    },
                    {"train.step_end"}});
+  w.systems().add({"log.summary", Phase::shutdown, [rank0](World& world) {
+                     if (!rank0) return;
+                     const auto& ts = world.resource<train::TrainState>();
+                     if (ts.peak_device_memory > 0)
+                       std::printf("peak device memory %.2f GiB (rank 0)\n",
+                                   static_cast<double>(ts.peak_device_memory) / (1024.0 * 1024.0 * 1024.0));
+                   }});
 }
 
 }  // namespace

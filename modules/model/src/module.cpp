@@ -1,5 +1,6 @@
 #include "kiln/model/module.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 
@@ -71,7 +72,12 @@ void install(World& w, const ModelConfig& cfg) {
                    }});
   // The step's device work (the optimizer) finishes before the step timer stops.
   w.systems().add({"model.sync", Phase::step_end,
-                   [](World& world) { world.resource<ops::ActiveBackend>().get().synchronize(); },
+                   [](World& world) {
+                     auto& be = world.resource<ops::ActiveBackend>().get();
+                     be.synchronize();
+                     auto& ts = world.resource<train::TrainState>();
+                     ts.peak_device_memory = std::max(ts.peak_device_memory, be.device_memory_in_use());
+                   },
                    {},
                    {"train.step_end"}});
 }

@@ -25,20 +25,28 @@ void install(World& w, const BackendConfig& cfg) {
   }
   b->set_profiling(cfg.profile);
   w.emplace_resource<ActiveBackend>(ActiveBackend{std::move(b)});
-  if (cfg.profile)
+  if (cfg.profile) {
+    // The first step (plan selection, first-touch allocations) is left out of the breakdown.
+    w.systems().add({"backend.profile_warmup", Phase::step_end, [](World& world) {
+                       if (world.resource<RunControl>().step == 1) world.resource<ActiveBackend>().get().reset_op_times();
+                     }});
     w.systems().add({"backend.profile_report", Phase::shutdown, [](World& world) {
                        if (world.resource<RankInfo>().rank != 0) return;
+                       const auto steps = std::max<std::int64_t>(1, world.resource<RunControl>().step - 1);
                        auto times = world.resource<ActiveBackend>().get().op_times();
                        double total = 0;
                        for (auto& t : times) total += t.ms;
-                       std::cout << "op time breakdown (all steps, rank 0):\n"
-                                 << "  op                          calls    total ms   share\n";
+                       std::cout << "op time breakdown per step (rank 0, mean of steps 2.." << steps + 1 << "):\n"
+                                 << "  op                          calls/step   ms/step   share\n";
                        for (auto& t : times)
-                         std::cout << "  " << std::left << std::setw(26) << t.op << std::right << std::setw(8)
-                                   << t.calls << std::setw(12) << std::fixed << std::setprecision(2) << t.ms
-                                   << std::setw(7) << std::setprecision(1) << 100.0 * t.ms / std::max(total, 1e-9)
-                                   << "%\n";
+                         std::cout << "  " << std::left << std::setw(26) << t.op << std::right << std::setw(12)
+                                   << std::fixed << std::setprecision(1) << double(t.calls) / steps << std::setw(10)
+                                   << std::setprecision(3) << t.ms / steps << std::setw(7) << std::setprecision(1)
+                                   << 100.0 * t.ms / std::max(total, 1e-9) << "%\n";
+                       std::cout << "  " << std::left << std::setw(38) << "total (ops only)" << std::right << std::setw(10)
+                                 << std::setprecision(3) << total / steps << "\n";
                      }});
+  }
 }
 }  // namespace
 

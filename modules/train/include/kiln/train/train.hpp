@@ -70,6 +70,7 @@ struct TrainState {
   double peak_flops = 0;       // of this rank's device, 0 if unknown
   double mfu = 0;              // flops_per_token * tokens_per_s / (peak_flops * ranks)
   int ranks = 1;
+  std::size_t peak_device_memory = 0;  // bytes this rank's device has taken, highest seen at a step end
   std::chrono::steady_clock::time_point step_start;
 };
 

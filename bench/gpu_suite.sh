@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Everything one GPU session needs, in one call, building nothing: GPU op tests, kernel benchmarks,
+# and end-to-end training throughput of gpt2-124m and gpt-1.3b with a per-op breakdown.
+# usage (on the GPU machine, from the repository root):  bash bench/gpu_suite.sh BUILD_DIR [quick]
+# Logs go to $OUT (or ./gpu-logs); a summary table is printed last.
+set -uo pipefail
+B=${1:-.devbuild}
+MODE=${2:-full}
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0
+summary=()
+note() { summary+=("$1"); }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+note "device: $(tail -1 "$OUT/gpu.txt")"
+
+run_tests() {
+  local exe=$1
+  [ -x "$B/bin/$exe" ] || { note "$exe: not built"; return; }
+  timeout 300 "$B/bin/$exe" > "$OUT/$exe.log" 2>&1
+  local rc=$?
+  note "$exe: rc=$rc $(grep -E '^\[doctest\] test cases' "$OUT/$exe.log" | tail -1)"
+}
+run_tests test_cuda_ops
+run_tests test_gpu_model
+
+if [ "$MODE" != "tests" ]; then
+  timeout 240 "$B/bin/bench_kernels" > "$OUT/bench_kernels.log" 2>&1; note "bench_kernels rc=$?"
+  timeout 240 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
+  train() {  # name pipeline steps extra-args...
+    local name=$1 pipe=$2 steps=$3
+    shift 3
+    timeout 300 "$B/bin/kiln" run "$pipe" --set data.synthetic_vocab=50257 --set train.steps="$steps" \
+      --set log.val_every=0 --set log.every=5 --set log.metrics="$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
+    note "$name rc=$? $(grep -E 'peak device memory' "$OUT/$name.log")"
+  }
+  train gpt2-124m pipelines/gpt2-124m.toml 60
+  train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set backend.profile=true
+  if [ "$MODE" = "full" ]; then
+    train gpt-1.3b pipelines/gpt-1.3b.toml 30
+    train gpt-1.3b-profile pipelines/gpt-1.3b.toml 8 --set backend.profile=true
+  fi
+fi
+
+echo "================ summary ================"
+for line in "${summary[@]}"; do echo "$line"; done
+python3 - "$OUT" <<'PY'
+import json, statistics, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+print(f"{'run':<12} {'steps':>5} {'tok/s (median)':>15} {'ms/step':>9} {'MFU':>6} {'final loss':>10}")
+for name in ["gpt2-124m", "gpt-1.3b"]:
+    p = out / f"{name}.jsonl"
+    if not p.exists():
+        continue
+    rows = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    steady = rows[len(rows) // 4:] or rows
+    tps = statistics.median(r["tokens_per_s"] for r in steady)
+    ms = statistics.median(r["step_ms"] for r in steady)
+    mfu = statistics.median(r["mfu"] for r in steady)
+    print(f"{name:<12} {len(rows):>5} {tps:>15,.0f} {ms:>9.2f} {100*mfu:>5.1f}% {rows[-1]['loss']:>10.4f}")
+PY
+for f in "$OUT"/*.log; do
+  if grep -qE "FAILED|ERROR|error:" "$f"; then echo "--- problems in $f:"; grep -E "FAILED|ERROR|error:" "$f" | head -15; fi
+done
