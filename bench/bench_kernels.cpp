@@ -196,6 +196,9 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
         timer.median_ms([&] { cuda::residual_forward(out, res, x, N, C, drop, s); }), 3 * nc2);
     row("dropout_backward 0.1", dims({N, C}),
         timer.median_ms([&] { cuda::dropout_backward(dx, dout, N, C, drop, s); }), 2 * nc2);
+    const std::int64_t n4 = 4 * n;  // the MLP activation, recomputed by gelu_forward in the backward
+    bf16 *pre = buf.act(n4), *act4 = buf.act(n4);
+    row("gelu_forward", dims({N, 4 * C}), timer.median_ms([&] { cuda::gelu_forward(act4, pre, n4, s); }), 4.0 * n4);
   }
 
   // ---- bias gradient ----

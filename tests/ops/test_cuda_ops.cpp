@@ -143,6 +143,18 @@ TEST_CASE("cuda linear_backward matches the CPU: dx, dx with dgelu, dweight and 
   }
 }
 
+TEST_CASE("cuda gelu_forward matches the CPU (also in place)") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int n = 1001;  // not a multiple of 8: a scalar tail
+  auto x = act(p, {n}, 27, 2.0f);
+  auto out = poisoned(p, Kind::act, {n});
+  on_both(p, [&](const Side& s) { s.b().gelu_forward({s(out), s(x)}); });
+  KILN_CHECK_CLOSE(out, 1e-2);  // same formula; only tanhf's last bits may differ before rounding
+  on_both(p, [&](const Side& s) { s.b().gelu_forward({s(x), s(x)}); });
+  KILN_CHECK_CLOSE(x, 1e-2);
+}
+
 // ---------------------------------------------------------------------------------------------
 // layernorm
 

@@ -46,6 +46,8 @@ int as_int(std::int64_t v, const char* what) {
 
 CudaBackend::CudaBackend(int device) : device_(device) {
   KILN_CUDA_CHECK(cudaSetDevice(device));
+  std::size_t total = 0;
+  KILN_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total));
   cudaDeviceProp prop{};
   KILN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   name_ = cat("cuda:", device, " ", prop.name);
@@ -357,6 +359,25 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
     float* scratch = scratch_floats(cuda::bias_grad_scratch(N, OC));
     cuda::bias_grad(dptr<float>(a.dbias), scratch, dptr<bf16>(a.dout), N, OC, stream_);
   }
+}
+
+void CudaBackend::gelu_forward(const GeluForward& a) {
+  Timer t(*this, "gelu_forward");
+  check_dev(a.out, DType::bf16, "gelu_forward out");
+  check_dev(a.x, DType::bf16, "gelu_forward x");
+  KILN_CHECK(a.out.numel() == a.x.numel(), "gelu_forward ", a.x.str(), " -> ", a.out.str());
+  cuda::gelu_forward(dptr<bf16>(a.out), dptr<bf16>(a.x), a.x.numel(), stream_);
+}
+
+std::size_t CudaBackend::device_memory_in_use() const {
+  // Device-wide free memory is all CUDA reports; its drop since construction is what this process
+  // (mostly this backend and its model) has taken, other processes on the GPU aside.
+  std::size_t free_now = 0, total = 0;
+  if (cudaMemGetInfo(&free_now, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return free_at_start_ > free_now ? free_at_start_ - free_now : 0;
 }
 
 void CudaBackend::attention_forward(const AttentionForward& a) {

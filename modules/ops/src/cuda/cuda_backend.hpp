@@ -39,6 +39,7 @@ class CudaBackend final : public Backend {
   void layernorm_backward(const LayerNormBackward& a) override;
   void linear_forward(const LinearForward& a) override;
   void linear_backward(const LinearBackward& a) override;
+  void gelu_forward(const GeluForward& a) override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
   void residual_forward(const ResidualForward& a) override;
@@ -50,6 +51,7 @@ class CudaBackend final : public Backend {
   std::vector<OpTime> op_times() override;
   void reset_op_times() override;
   void* stream() const override { return stream_; }
+  std::size_t device_memory_in_use() const override;
 
  private:
   // Records CUDA events around one op while profiling.
@@ -68,6 +70,7 @@ class CudaBackend final : public Backend {
   void* upload(const void* host, std::size_t bytes, int slot);
 
   int device_;
+  std::size_t free_at_start_ = 0;  // cudaMemGetInfo's free bytes when the backend was made
   std::string name_;
   double peak_flops_ = 0;
   cudaStream_t stream_ = nullptr;

@@ -49,6 +49,23 @@ __global__ void fill_kernel(float* dst, float value, std::int64_t n, bool vec) {
   }
 }
 
+// GELU of chunks of 8 bf16 (the same ops::gelu as the CPU); out may alias x (each thread reads
+// its chunk before writing it).
+__global__ void gelu_kernel(bf16* out, const bf16* x, std::int64_t n, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < n; i += stride * 8) {
+    if (vec && i + 8 <= n) {
+      float f[8];
+      load8(x + i, f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = ops::gelu(f[k]);
+      store8(out + i, f);
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 8; ++j) out[j] = __float2bfloat16_rn(ops::gelu(__bfloat162float(x[j])));
+    }
+  }
+}
+
 // One thread per Philox block: its 4 words give 4 normals (two Box-Muller pairs), the arithmetic
 // of rng::philox_normal step by step (all explicitly rounded), so the bits equal the CPU's.
 __global__ void init_normal_kernel(float* dst, std::int64_t n, float stddev, rng::PhiloxArgs r, std::int64_t g0) {
@@ -136,6 +153,12 @@ void convert_bf16_to_f32(float* dst, const bf16* src, std::int64_t n, cudaStream
 void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s) {
   if (n <= 0) return;
   fill_kernel<<<grid_for(ceil_div(n, 4), kThreads), kThreads, 0, s>>>(dst, value, n, aligned16(dst));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void gelu_forward(bf16* out, const bf16* x, std::int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  gelu_kernel<<<grid_for(ceil_div(n, 8), kThreads), kThreads, 0, s>>>(out, x, n, aligned16(out) && aligned16(x));
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -76,7 +76,6 @@ struct GemmRunner::Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (our B), B (our A), C = D
   cublasLtMatmulAlgo_t algo{};
   bool fused = true;  // false: cuBLASLt cannot fuse this epilogue; run a plain GEMM and a kernel
-  int align = 16;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -98,7 +97,7 @@ GemmRunner::GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t wor
 GemmRunner::~GemmRunner() = default;
 
 GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g) {
-  int align = std::min({alignment_of(g.A), alignment_of(g.B), alignment_of(g.D), alignment_of(g.bias),
+  const int align = std::min({alignment_of(g.A), alignment_of(g.B), alignment_of(g.D), alignment_of(g.bias),
                         alignment_of(g.aux)});
   // Key: the epilogue, whether there is a bias, and the alignment class (16 or less).
   const int code = static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0) | (align << 8);
@@ -106,7 +105,6 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g) {
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
 
   auto p = std::make_unique<Plan>();
-  p->align = align;
   // The aux matrix's ld (N in the row-major view) must be a multiple of 8 (cuBLASLt docs of
   // CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD); we also ask for 16-byte-aligned aux and bias pointers.
   if (uses_aux(g.epilogue) && (g.N % 8 != 0 || align < 16)) {
@@ -161,8 +159,11 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g) {
       p->fused = false;
       return *plans_.emplace(key, std::move(p)).first->second;
     }
-    KILN_THROW("cuBLASLt has no algorithm for ", shape_of(g), " (alignment ", align, " bytes, workspace ",
-               workspace_bytes_, " bytes): ", cublasLtGetStatusName(st == CUBLAS_STATUS_SUCCESS ? result.state : st));
+    const char* why = st != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(st)
+                      : found == 0                ? "the heuristic returned no algorithm"
+                                                  : cublasLtGetStatusName(result.state);
+    KILN_THROW("cuBLASLt has no algorithm for ", shape_of(g), " (pointer alignment ", align, " bytes, workspace ",
+               workspace_bytes_, " bytes): ", why);
   }
   p->algo = result.algo;
   return *plans_.emplace(key, std::move(p)).first->second;

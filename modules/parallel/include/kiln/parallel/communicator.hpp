@@ -1,0 +1,40 @@
+#pragma once
+// Collective communication over one group of ranks. Two implementations: NCCL (GPUs) and
+// in-process (ranks as threads in one process, for the CPU backend and tests). FP8 amax reductions,
+// tensor-parallel activations and data-parallel gradients all go through this interface.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kiln/tensor/tensor.hpp"
+
+namespace kiln::parallel {
+
+enum class ReduceOp { sum, avg, max };
+const char* reduce_op_name(ReduceOp op);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;  // index in the group
+  virtual int size() const = 0;
+  virtual const std::string& name() const = 0;           // "tp", "dp", "world": used in messages
+  virtual const std::vector<int>& members() const = 0;   // global ranks, in group order
+
+  // All operations are asynchronous on `stream` (a cudaStream_t for device buffers; nullptr for host
+  // buffers, where they complete before returning). Buffers are f32, bf16 or i32, contiguous.
+  // In place: buf = op over the group of buf.
+  virtual void all_reduce(const TensorView& buf, ReduceOp op, void* stream) = 0;
+  // out = concatenation of every rank's `in`, in group order; out.numel() == size() * in.numel().
+  virtual void all_gather(const TensorView& out, const TensorView& in, void* stream) = 0;
+  // out = the rank-th chunk of op over the group of `in`; in.numel() == size() * out.numel().
+  virtual void reduce_scatter(const TensorView& out, const TensorView& in, ReduceOp op, void* stream) = 0;
+  virtual void broadcast(const TensorView& buf, int root, void* stream) = 0;
+  // Blocks the host until every rank of the group arrives.
+  virtual void barrier() = 0;
+};
+
+// A group of one rank: every collective is the identity (or a copy).
+std::unique_ptr<Communicator> make_self_communicator(const std::string& name, int global_rank);
+
+}  // namespace kiln::parallel

@@ -1,0 +1,298 @@
+#include "kiln/parallel/in_process.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kiln/engine/error.hpp"
+#include "kiln/tensor/bf16.hpp"
+
+#ifdef KILN_WITH_CUDA
+#include "kiln/tensor/cuda_check.hpp"
+#endif
+
+namespace kiln::parallel {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+  }
+  return "?";
+}
+
+struct InProcessHub::Group {
+  std::vector<int> members;
+  std::mutex m;
+  std::condition_variable cv;
+  std::uint64_t generation = 0;
+  int arrived = 0;
+  std::vector<bool> present;
+  std::vector<const void*> in;
+  std::vector<std::string> op;  // what each rank called, to catch mismatched collectives
+};
+
+namespace {
+
+// Reads element i of a buffer as float / writes it back, for the dtypes collectives accept.
+float load(const void* p, DType t, std::int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::bf16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case DType::i32: return static_cast<float>(static_cast<const std::int32_t*>(p)[i]);
+    default: KILN_THROW("collectives support f32, bf16 and i32, not ", name_of(t));
+  }
+}
+
+}  // namespace
+
+class InProcessCommunicator final : public Communicator {
+ public:
+  InProcessCommunicator(std::shared_ptr<InProcessHub> hub, std::shared_ptr<InProcessHub::Group> g, std::string name,
+                        int me, int global_rank)
+      : hub_(std::move(hub)), g_(std::move(g)), name_(std::move(name)), me_(me), global_(global_rank) {}
+
+  int rank() const override { return me_; }
+  int size() const override { return static_cast<int>(g_->members.size()); }
+  const std::string& name() const override { return name_; }
+  const std::vector<int>& members() const override { return g_->members; }
+
+  void all_reduce(const TensorView& buf, ReduceOp op, void* stream) override {
+    check(buf, stream, "all_reduce");
+    const std::string what = cat("all_reduce(", reduce_op_name(op), ", ", buf.str(), ")");
+    enter(buf.data, what);
+    std::vector<float> result = reduce(buf.dtype, buf.numel(), 0, op);
+    sync(what);
+    store(buf, result);
+  }
+
+  void all_gather(const TensorView& out, const TensorView& in, void* stream) override {
+    check(in, stream, "all_gather");
+    check(out, stream, "all_gather");
+    KILN_CHECK(out.dtype == in.dtype && out.numel() == in.numel() * size(), name_, " all_gather: out ", out.str(),
+               " must hold ", size(), " x ", in.str());
+    const std::string what = cat("all_gather(", in.str(), ")");
+    enter(in.data, what);
+    const std::size_t bytes = in.bytes();
+    for (int r = 0; r < size(); ++r)
+      std::memcpy(static_cast<char*>(out.data) + r * bytes, g_->in[static_cast<std::size_t>(r)], bytes);
+    sync(what);
+  }
+
+  void reduce_scatter(const TensorView& out, const TensorView& in, ReduceOp op, void* stream) override {
+    check(in, stream, "reduce_scatter");
+    check(out, stream, "reduce_scatter");
+    KILN_CHECK(out.dtype == in.dtype && in.numel() == out.numel() * size(), name_, " reduce_scatter: in ", in.str(),
+               " must hold ", size(), " x ", out.str());
+    const std::string what = cat("reduce_scatter(", reduce_op_name(op), ", ", in.str(), ")");
+    enter(in.data, what);
+    std::vector<float> result = reduce(in.dtype, out.numel(), out.numel() * me_, op);
+    sync(what);
+    store(out, result);
+  }
+
+  void broadcast(const TensorView& buf, int root, void* stream) override {
+    check(buf, stream, "broadcast");
+    KILN_CHECK(root >= 0 && root < size(), name_, " broadcast: root ", root, " outside the group of ", size());
+    const std::string what = cat("broadcast(root ", root, ", ", buf.str(), ")");
+    enter(buf.data, what);
+    if (me_ != root) std::memcpy(buf.data, g_->in[static_cast<std::size_t>(root)], buf.bytes());
+    sync(what);
+  }
+
+  void barrier() override {
+    enter(nullptr, "barrier");
+  }
+
+ private:
+  void check(const TensorView& t, void* stream, const char* op) const {
+    if (t.device != Device::cpu || stream)
+      KILN_THROW("rank ", global_, ": the in-process communicator '", name_, "' works on host memory (", op, " of ",
+                 t.str(), ")");
+    KILN_CHECK(t.contiguous(), name_, " ", op, " needs a contiguous tensor, got ", t.str());
+  }
+
+  // Publishes this rank's input and waits for the whole group; the last rank to arrive checks that
+  // everyone called the same collective (under the lock, before anyone can move on).
+  void enter(const void* in, const std::string& what) {
+    {
+      std::lock_guard lk(g_->m);
+      g_->in[static_cast<std::size_t>(me_)] = in;
+      g_->op[static_cast<std::size_t>(me_)] = what;
+    }
+    sync(what, true);
+  }
+
+  // A generation barrier over the group, failing on abort or timeout.
+  void sync(const std::string& what, bool check_ops = false) {
+    std::unique_lock lk(g_->m);
+    const std::uint64_t gen = g_->generation;
+    g_->present[static_cast<std::size_t>(me_)] = true;
+    if (++g_->arrived == size()) {
+      if (check_ops)
+        for (int r = 0; r < size(); ++r)
+          if (g_->op[static_cast<std::size_t>(r)] != what) {
+            auto msg = cat("mismatched collectives in group '", name_, "': rank ", global_, " called ", what,
+                           ", rank ", g_->members[static_cast<std::size_t>(r)], " called ",
+                           g_->op[static_cast<std::size_t>(r)]);
+            lk.unlock();
+            hub_->abort(msg);
+            KILN_THROW("rank ", global_, ": ", msg);
+          }
+      g_->arrived = 0;
+      std::fill(g_->present.begin(), g_->present.end(), false);
+      ++g_->generation;
+      g_->cv.notify_all();
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + hub_->timeout_;
+    while (g_->generation == gen) {
+      if (hub_->aborted())
+        KILN_THROW("rank ", global_, ": stopped in ", name_, " ", what, " because ", hub_->abort_reason());
+      if (g_->cv.wait_until(lk, deadline) == std::cv_status::timeout && g_->generation == gen) {
+        std::string missing;
+        for (std::size_t r = 0; r < g_->members.size(); ++r)
+          if (!g_->present[r]) missing += cat(missing.empty() ? "" : ", ", g_->members[r]);
+        auto msg = cat("rank ", global_, ": timed out after ",
+                       std::chrono::duration<double>(hub_->timeout_).count(), " s in ", name_, " ", what,
+                       " waiting for rank(s) ", missing);
+        lk.unlock();
+        hub_->abort(msg);
+        KILN_THROW(msg);
+      }
+    }
+  }
+
+  std::vector<float> reduce(DType t, std::int64_t n, std::int64_t offset, ReduceOp op) const {
+    std::vector<float> acc(static_cast<std::size_t>(n));
+    for (int r = 0; r < size(); ++r) {
+      const void* src = g_->in[static_cast<std::size_t>(r)];
+      for (std::int64_t i = 0; i < n; ++i) {
+        float v = load(src, t, offset + i);
+        if (r == 0)
+          acc[i] = v;
+        else
+          acc[i] = op == ReduceOp::max ? std::max(acc[i], v) : acc[i] + v;
+      }
+    }
+    if (op == ReduceOp::avg)
+      for (auto& v : acc) v /= static_cast<float>(size());
+    return acc;
+  }
+
+  static void store(const TensorView& dst, const std::vector<float>& v) {
+    const auto n = static_cast<std::int64_t>(v.size());
+    switch (dst.dtype) {
+      case DType::f32: std::copy(v.begin(), v.end(), dst.as<float>()); break;
+      case DType::bf16:
+        for (std::int64_t i = 0; i < n; ++i) dst.as<std::uint16_t>()[i] = float_to_bf16_bits(v[i]);
+        break;
+      case DType::i32:
+        for (std::int64_t i = 0; i < n; ++i) dst.as<std::int32_t>()[i] = static_cast<std::int32_t>(v[i]);
+        break;
+      default: KILN_THROW("collectives support f32, bf16 and i32, not ", name_of(dst.dtype));
+    }
+  }
+
+  std::shared_ptr<InProcessHub> hub_;
+  std::shared_ptr<InProcessHub::Group> g_;
+  std::string name_;
+  int me_, global_;
+};
+
+InProcessHub::InProcessHub(int world_size, std::chrono::milliseconds timeout)
+    : world_size_(world_size), timeout_(timeout) {}
+
+std::unique_ptr<Communicator> InProcessHub::communicator(const std::string& name, const std::vector<int>& members,
+                                                         int global_rank) {
+  auto it = std::find(members.begin(), members.end(), global_rank);
+  KILN_CHECK(it != members.end(), "rank ", global_rank, " is not a member of group '", name, "'");
+  std::shared_ptr<Group> g;
+  {
+    std::lock_guard lk(mutex_);
+    auto& slot = groups_[members];
+    if (!slot) {
+      slot = std::make_shared<Group>();
+      slot->members = members;
+      slot->present.assign(members.size(), false);
+      slot->in.assign(members.size(), nullptr);
+      slot->op.assign(members.size(), "");
+      all_groups_.push_back(slot);
+    }
+    g = slot;
+  }
+  return std::make_unique<InProcessCommunicator>(shared_from_this(), g, name,
+                                                 static_cast<int>(it - members.begin()), global_rank);
+}
+
+void InProcessHub::abort(const std::string& reason) {
+  std::vector<std::shared_ptr<Group>> groups;
+  {
+    std::lock_guard lk(mutex_);
+    if (aborted_) return;
+    aborted_ = true;
+    reason_ = reason;
+    for (auto& w : all_groups_)
+      if (auto g = w.lock()) groups.push_back(g);
+  }
+  for (auto& g : groups) {
+    std::lock_guard lk(g->m);  // no waiter can miss the wake-up between its check and its wait
+    g->cv.notify_all();
+  }
+}
+
+bool InProcessHub::aborted() const {
+  std::lock_guard lk(mutex_);
+  return aborted_;
+}
+
+std::string InProcessHub::abort_reason() const {
+  std::lock_guard lk(mutex_);
+  return reason_;
+}
+
+// ---- the group of one ----
+
+namespace {
+class SelfCommunicator final : public Communicator {
+ public:
+  SelfCommunicator(std::string name, int global_rank) : name_(std::move(name)), members_{global_rank} {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const std::string& name() const override { return name_; }
+  const std::vector<int>& members() const override { return members_; }
+  void all_reduce(const TensorView&, ReduceOp, void*) override {}
+  void all_gather(const TensorView& out, const TensorView& in, void* stream) override { copy(out, in, stream); }
+  void reduce_scatter(const TensorView& out, const TensorView& in, ReduceOp, void* stream) override {
+    copy(out, in, stream);
+  }
+  void broadcast(const TensorView&, int, void*) override {}
+  void barrier() override {}
+
+ private:
+  // With one rank, gathering or scattering is a copy (nothing at all when out is in).
+  static void copy(const TensorView& out, const TensorView& in, void* stream) {
+    KILN_CHECK(out.numel() == in.numel() && out.dtype == in.dtype, "one-rank collective: ", in.str(), " -> ",
+               out.str());
+    if (out.data == in.data) return;
+    if (out.device == Device::cpu && in.device == Device::cpu) {
+      std::memmove(out.data, in.data, in.bytes());
+      return;
+    }
+#ifdef KILN_WITH_CUDA
+    KILN_CUDA_CHECK(cudaMemcpyAsync(out.data, in.data, in.bytes(), cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+#else
+    (void)stream;
+    KILN_THROW("device buffers need a CUDA build");
+#endif
+  }
+  std::string name_;
+  std::vector<int> members_;
+};
+}  // namespace
+
+std::unique_ptr<Communicator> make_self_communicator(const std::string& name, int global_rank) {
+  return std::make_unique<SelfCommunicator>(name, global_rank);
+}
+
+}  // namespace kiln::parallel
