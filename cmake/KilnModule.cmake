@@ -4,6 +4,18 @@
 function(kiln_add_library name)
   cmake_parse_arguments(M "" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   set(target kiln_${name})
+  if(NOT M_SOURCES)
+    # Header-only module.
+    add_library(${target} INTERFACE)
+    add_library(kiln::${name} ALIAS ${target})
+    set_target_properties(${target} PROPERTIES EXPORT_NAME ${name})
+    target_include_directories(${target} INTERFACE
+      $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+    target_link_libraries(${target} INTERFACE ${M_DEPS})
+    install(TARGETS ${target} EXPORT kilnTargets)
+    install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+    return()
+  endif()
   add_library(${target} ${M_SOURCES})
   if(KILN_WITH_CUDA AND M_CUDA_SOURCES)
     target_sources(${target} PRIVATE ${M_CUDA_SOURCES})

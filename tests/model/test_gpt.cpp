@@ -8,7 +8,7 @@
 #include "kiln/data/tokenizer.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/model/gpt.hpp"
-#include "kiln/model/params.hpp"
+#include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln_test.hpp"
 #include "model_fixture.hpp"
@@ -68,7 +68,7 @@ TEST_CASE("whole-model gradients match finite differences on a tiny model, with 
     w.systems().run(Phase::data, w);
     auto& batch = w.resource<train::Batch>();
     auto& model = w.resource<model::GptModel>();
-    auto& store = w.resource<model::ParamStore>();
+    auto& store = w.resource<nn::ParamStore>();
     auto& be = w.resource<ops::ActiveBackend>().get();
     auto& tracker = w.resource<rng::RngStatesTracker>();
     const auto snapshot = tracker.get_states();
@@ -86,7 +86,7 @@ TEST_CASE("whole-model gradients match finite differences on a tiny model, with 
       return model.mean_loss(1);
     };
     for (Entity e : store.order) {
-      const auto& prm = w.get<model::Param>(e);
+      const auto& prm = w.get<nn::Param>(e);
       double gmax = 1e-7;
       for (std::int64_t i = 0; i < prm.numel; ++i) gmax = std::max(gmax, std::fabs(double(grads[prm.offset + i])));
       double worst = 0;
@@ -117,9 +117,9 @@ TEST_CASE("gradient accumulation over micro-batches equals one batch") {
   }
   CHECK(four.world->resource<RunControl>().micro_batches == 4);
   auto g1 = to_host(one.world->resource<ops::ActiveBackend>().get(),
-                    one.world->resource<model::ParamStore>().grads_flat());
+                    one.world->resource<nn::ParamStore>().grads_flat());
   auto g4 = to_host(four.world->resource<ops::ActiveBackend>().get(),
-                    four.world->resource<model::ParamStore>().grads_flat());
+                    four.world->resource<nn::ParamStore>().grads_flat());
   double num = 0, den = 0;
   for (std::size_t i = 0; i < g1.size(); ++i) {
     num += double(g1[i] - g4[i]) * (g1[i] - g4[i]);
@@ -138,9 +138,9 @@ TEST_CASE("recomputing LayerNorm and GELU outputs in the backward pass gives the
     forward_backward_step(*p->world);
   }
   auto g1 = to_host(keep.world->resource<ops::ActiveBackend>().get(),
-                    keep.world->resource<model::ParamStore>().grads_flat());
+                    keep.world->resource<nn::ParamStore>().grads_flat());
   auto g2 = to_host(recompute.world->resource<ops::ActiveBackend>().get(),
-                    recompute.world->resource<model::ParamStore>().grads_flat());
+                    recompute.world->resource<nn::ParamStore>().grads_flat());
   CHECK(g1 == g2);
 }
 
@@ -198,14 +198,14 @@ void add(ModuleRegistry& reg) {
   reg.add(make_module<PoisonConfig>("poison", "writes a NaN into the model", {"model"},
                                     [](World& w, const PoisonConfig& cfg) {
                                       auto find = [&w](const std::string& name) {
-                                        for (Entity e : w.view<model::Param>())
-                                          if (w.get<model::Param>(e).name == name) return e;
+                                        for (Entity e : w.view<nn::Param>())
+                                          if (w.get<nn::Param>(e).name == name) return e;
                                         KILN_THROW("no parameter ", name);
                                       };
                                       auto poison_param = [cfg, find](World& world) {
                                         if (world.resource<RunControl>().step != cfg.at_step) return;
-                                        auto& store = world.resource<model::ParamStore>();
-                                        auto& prm = world.get<model::Param>(find("blocks.1.mlp.fc.bias"));
+                                        auto& store = world.resource<nn::ParamStore>();
+                                        auto& prm = world.get<nn::Param>(find("blocks.1.mlp.fc.bias"));
                                         TensorView v = cfg.gradient ? store.grad_view(prm) : store.compute_view(prm);
                                         v.as<float>()[3] = cfg.gradient ? INFINITY : NAN;
                                       };
@@ -231,24 +231,24 @@ TEST_CASE("a non-finite gradient stops the run naming the tensor") {
 TEST_CASE("parameters are entities with layout, decay and unit components") {
   test::Pipeline p(kTiny);
   auto& w = *p.world;
-  auto& store = w.resource<model::ParamStore>();
+  auto& store = w.resource<nn::ParamStore>();
   std::int64_t prev_end = 0;
   int linears = 0;
   for (Entity e : store.order) {
-    const auto& prm = w.get<model::Param>(e);
-    CHECK(prm.offset % model::kParamAlign == 0);
+    const auto& prm = w.get<nn::Param>(e);
+    CHECK(prm.offset % nn::kParamAlign == 0);
     CHECK(prm.offset >= prev_end);
     prev_end = prm.offset + prm.numel;
     const bool is_matrix = prm.shape.ndim == 2;
     CHECK(prm.weight_decay == is_matrix);
   }
   CHECK(prev_end <= store.total);
-  for (Entity e : w.view<model::Linear>()) {
+  for (Entity e : w.view<nn::Linear>()) {
     (void)e;
     ++linears;
   }
   CHECK(linears == 2 * 4 + 1);
-  CHECK(w.view<model::Layer>().size() == 4);  // embeddings, 2 blocks, final norm
+  CHECK(w.view<nn::Layer>().size() == 4);  // embeddings, 2 blocks, final norm
   // Padded vocabulary: 40 -> 128.
-  CHECK(w.get<model::Param>(store.order[0]).shape == Shape{128, 16});
+  CHECK(w.get<nn::Param>(store.order[0]).shape == Shape{128, 16});
 }

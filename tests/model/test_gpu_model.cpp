@@ -7,7 +7,7 @@
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/model/gpt.hpp"
-#include "kiln/model/params.hpp"
+#include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln_test.hpp"
 #include "model_fixture.hpp"
@@ -35,7 +35,7 @@ synthetic_vocab = 300
 
 std::vector<float> grads_of(World& w) {
   auto& be = w.resource<ops::ActiveBackend>().get();
-  auto flat = w.resource<model::ParamStore>().grads_flat();
+  auto flat = w.resource<nn::ParamStore>().grads_flat();
   std::vector<float> h(static_cast<std::size_t>(flat.numel()));
   be.copy(TensorView(h.data(), {flat.numel()}, DType::f32, Device::cpu), flat);
   return h;
@@ -85,7 +85,7 @@ TEST_CASE("CUDA weight initialisation is bit-identical to the CPU's") {
   for (auto* p : {&cpu, &gpu}) p->world->systems().run(Phase::setup, *p->world);
   auto master = [](World& w) {
     auto& be = w.resource<ops::ActiveBackend>().get();
-    auto flat = w.resource<model::ParamStore>().master_flat();
+    auto flat = w.resource<nn::ParamStore>().master_flat();
     std::vector<float> h(static_cast<std::size_t>(flat.numel()));
     be.copy(TensorView(h.data(), {flat.numel()}, DType::f32, Device::cpu), flat);
     return h;

@@ -140,7 +140,7 @@ Entity GptModel::add_param(const std::string& name, Shape shape, int unit, bool 
   p.init_std = std;
   p.init_value = value;
   p.unit = unit;
-  store.total += (p.numel + kParamAlign - 1) / kParamAlign * kParamAlign;
+  store.total += (p.numel + nn::kParamAlign - 1) / nn::kParamAlign * nn::kParamAlign;
   Entity e = world_.create(name);
   world_.emplace<Param>(e, std::move(p));
   store.order.push_back(e);

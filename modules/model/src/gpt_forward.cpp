@@ -2,7 +2,7 @@
 #include <cmath>
 
 #include "kiln/engine/error.hpp"
-#include "kiln/model/events.hpp"
+#include "kiln/nn/events.hpp"
 #include "kiln/model/gpt.hpp"
 
 namespace kiln::model {

@@ -2,7 +2,7 @@
 #include <numbers>
 
 #include "kiln/engine/engine_module.hpp"
-#include "kiln/model/params.hpp"
+#include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/optim/optim.hpp"
 #include "kiln/train/train.hpp"
@@ -23,11 +23,11 @@ namespace {
 
 // Decay segments covering the whole flat buffer: each parameter, and its alignment padding (no decay).
 std::vector<ops::AdamWSegment> segments(World& w) {
-  const auto& store = w.resource<model::ParamStore>();
+  const auto& store = w.resource<nn::ParamStore>();
   std::vector<ops::AdamWSegment> out;
   std::int64_t at = 0;
   for (Entity e : store.order) {
-    const auto& p = w.get<model::Param>(e);
+    const auto& p = w.get<nn::Param>(e);
     if (p.offset > at) out.push_back({at, p.offset - at, false});
     out.push_back({p.offset, p.numel, p.weight_decay});
     at = p.offset + p.numel;
@@ -38,10 +38,10 @@ std::vector<ops::AdamWSegment> segments(World& w) {
 
 // Names the parameters whose gradient is not finite (slow path, only after a failure).
 std::string non_finite_gradients(World& w, ops::Backend& be) {
-  const auto& store = w.resource<model::ParamStore>();
+  const auto& store = w.resource<nn::ParamStore>();
   std::string names;
   for (Entity e : store.order) {
-    const auto& p = w.get<model::Param>(e);
+    const auto& p = w.get<nn::Param>(e);
     double s = be.sum_squares(store.grad_view(p).reshape({p.numel}));
     if (!std::isfinite(s)) names += (names.empty() ? "'" : ", '") + p.name + "'";
   }
@@ -50,7 +50,7 @@ std::string non_finite_gradients(World& w, ops::Backend& be) {
 
 void install(World& w, const OptimConfig& cfg) {
   auto& be = w.resource<ops::ActiveBackend>().get();
-  const auto& store = w.resource<model::ParamStore>();
+  const auto& store = w.resource<nn::ParamStore>();
   auto& st = w.emplace_resource<OptimState>();
   st.m = be.alloc(static_cast<std::size_t>(store.total) * 4);
   st.v = be.alloc(static_cast<std::size_t>(store.total) * 4);
@@ -60,7 +60,7 @@ void install(World& w, const OptimConfig& cfg) {
 
   w.systems().add({"optim.step", Phase::optimizer, [cfg, segs](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
-                     auto& store = world.resource<model::ParamStore>();
+                     auto& store = world.resource<nn::ParamStore>();
                      auto& st = world.resource<OptimState>();
                      auto& ts = world.resource<train::TrainState>();
                      const auto step = world.resource<RunControl>().step;

@@ -33,13 +33,11 @@ __global__ void __launch_bounds__(256) attention_dsum_kernel(float* __restrict__
   if (row < rows) {
     const uint4 x = *reinterpret_cast<const uint4*>(dout + row * D + part * 8);
     const uint4 y = *reinterpret_cast<const uint4*>(out + row * D + part * 8);
-    const __nv_bfloat162* xs = reinterpret_cast<const __nv_bfloat162*>(&x);
-    const __nv_bfloat162* ys = reinterpret_cast<const __nv_bfloat162*>(&y);
+    const std::uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 a = __bfloat1622float2(xs[k]), c = __bfloat1622float2(ys[k]);
-      acc = fmaf(a.x, c.x, acc);
-      acc = fmaf(a.y, c.y, acc);
+    for (int k = 0; k < 4; ++k) {  // a bf16 is the top half of a float
+      acc = fmaf(bits_float(xs[k] << 16), bits_float(ys[k] << 16), acc);
+      acc = fmaf(bits_float(xs[k] & 0xffff0000u), bits_float(ys[k] & 0xffff0000u), acc);
     }
   }
 #pragma unroll

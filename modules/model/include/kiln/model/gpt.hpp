@@ -10,14 +10,25 @@
 
 #include "kiln/engine/world.hpp"
 #include "kiln/model/arena.hpp"
-#include "kiln/model/components.hpp"
+#include "kiln/nn/components.hpp"
+#include "kiln/nn/events.hpp"
 #include "kiln/model/config.hpp"
-#include "kiln/model/params.hpp"
+#include "kiln/nn/param_store.hpp"
 #include "kiln/ops/backend.hpp"
 #include "kiln/rng/tracker.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::model {
+
+using nn::Layer;
+using nn::LayerKind;
+using nn::Linear;
+using nn::Param;
+using nn::ParamStore;
+using nn::LayerForwardBegin;
+using nn::LayerForwardEnd;
+using nn::LayerBackwardBegin;
+using nn::LayerBackwardEnd;
 
 class GptModel {
  public:

@@ -10,7 +10,7 @@
 #include "kiln/engine/world.hpp"
 #include "kiln/tensor/tensor.hpp"
 
-namespace kiln::model {
+namespace kiln::nn {
 
 // A parameter: where it lives in the flat buffers and how it is initialised.
 struct Param {
@@ -43,4 +43,4 @@ struct Linear {
   int in = 0, out = 0;
 };
 
-}  // namespace kiln::model
+}  // namespace kiln::nn

@@ -4,11 +4,10 @@
 #include <vector>
 
 #include "kiln/engine/world.hpp"
-#include "kiln/model/components.hpp"
-#include "kiln/ops/backend.hpp"
+#include "kiln/nn/components.hpp"
 #include "kiln/tensor/buffer.hpp"
 
-namespace kiln::model {
+namespace kiln::nn {
 
 inline constexpr std::int64_t kParamAlign = 64;  // elements: 256-byte aligned f32, 128-byte bf16
 
@@ -33,4 +32,4 @@ struct ParamStore {
   }
 };
 
-}  // namespace kiln::model
+}  // namespace kiln::nn

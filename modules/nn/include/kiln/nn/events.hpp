@@ -3,7 +3,7 @@
 // on LayerBackwardEnd, activation checkpointing saves and recomputes on them.
 #include <cstdint>
 
-namespace kiln::model {
+namespace kiln::nn {
 
 struct LayerForwardBegin { int unit; };
 struct LayerForwardEnd { int unit; };
@@ -12,4 +12,4 @@ struct LayerBackwardEnd { int unit; };  // the unit's parameter gradients are co
 struct ForwardEnd { int micro_batch; };
 struct BackwardEnd { int micro_batch; };
 
-}  // namespace kiln::model
+}  // namespace kiln::nn
