@@ -19,7 +19,7 @@ note "device: $(tail -1 "$OUT/gpu.txt")"
 run_tests() {
   local exe=$1
   [ -x "$B/bin/$exe" ] || { note "$exe: not built"; return; }
-  timeout 300 "$B/bin/$exe" > "$OUT/$exe.log" 2>&1
+  timeout 150 "$B/bin/$exe" > "$OUT/$exe.log" 2>&1
   local rc=$?
   note "$exe: rc=$rc $(grep -E '^\[doctest\] test cases' "$OUT/$exe.log" | tail -1)"
 }
@@ -27,12 +27,12 @@ run_tests test_cuda_ops
 run_tests test_gpu_model
 
 if [ "$MODE" != "tests" ]; then
-  timeout 240 "$B/bin/bench_kernels" > "$OUT/bench_kernels.log" 2>&1; note "bench_kernels rc=$?"
-  timeout 240 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
+  timeout 100 "$B/bin/bench_kernels" > "$OUT/bench_kernels.log" 2>&1; note "bench_kernels rc=$?"
+  timeout 100 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
   train() {  # name pipeline steps extra-args...
     local name=$1 pipe=$2 steps=$3
     shift 3
-    timeout 300 "$B/bin/kiln" run "$pipe" --set data.synthetic_vocab=50257 --set train.steps="$steps" \
+    timeout 120 "$B/bin/kiln" run "$pipe" --set data.synthetic_vocab=50257 --set train.steps="$steps" \
       --set log.val_every=0 --set log.every=5 --set log.metrics="$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
     note "$name rc=$? $(grep -E 'peak device memory' "$OUT/$name.log")"
   }
