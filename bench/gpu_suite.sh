@@ -23,22 +23,28 @@ run_tests() {
   local rc=$?
   note "$exe: rc=$rc $(grep -E '^\[doctest\] test cases' "$OUT/$exe.log" | tail -1)"
 }
-run_tests test_cuda_ops
-run_tests test_gpu_model
+if [ "$MODE" != "train" ]; then
+  run_tests test_cuda_ops
+  run_tests test_gpu_model
+fi
 
-if [ "$MODE" != "tests" ]; then
+if [ "$MODE" = "train" ]; then
+  :
+elif [ "$MODE" != "tests" ]; then
   timeout 100 "$B/bin/bench_kernels" > "$OUT/bench_kernels.log" 2>&1; note "bench_kernels rc=$?"
   timeout 100 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
+fi
+if [ "$MODE" != "tests" ]; then
   train() {  # name pipeline steps extra-args...
     local name=$1 pipe=$2 steps=$3
     shift 3
-    timeout 120 "$B/bin/kiln" run "$pipe" --set data.synthetic_vocab=50257 --set train.steps="$steps" \
-      --set log.val_every=0 --set log.every=5 --set log.metrics="$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
+    timeout 120 "$B/bin/kiln" run "$pipe" --set data.synthetic_vocab=50257 --set 'data.val_files=""' \
+      --set train.steps="$steps" --set log.val_every=0 --set log.every=5 --set log.metrics="$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
     note "$name rc=$? $(grep -E 'peak device memory' "$OUT/$name.log")"
   }
   train gpt2-124m pipelines/gpt2-124m.toml 60
   train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set backend.profile=true
-  if [ "$MODE" = "full" ]; then
+  if [ "$MODE" = "full" ] || [ "$MODE" = "train" ]; then
     train gpt-1.3b pipelines/gpt-1.3b.toml 30
     train gpt-1.3b-profile pipelines/gpt-1.3b.toml 8 --set backend.profile=true
   fi
@@ -64,3 +70,9 @@ PY
 for f in "$OUT"/*.log; do
   if grep -qE "FAILED|ERROR|error:" "$f"; then echo "--- problems in $f:"; grep -E "FAILED|ERROR|error:" "$f" | head -15; fi
 done
+# The device returns at most 8 files: fold the logs into one.
+for f in "$OUT"/gpu.txt "$OUT"/*.log; do
+  echo "===== $(basename "$f")"
+  cat "$f"
+done > "$OUT/all-logs.txt"
+rm -f "$OUT"/*.log "$OUT"/gpu.txt "$OUT"/*-profile.jsonl
