@@ -18,6 +18,7 @@
 #include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "../modules/ops/src/cuda/cross_entropy_variants.hpp"
 
 namespace kiln::bench {
 namespace {
@@ -221,6 +222,13 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     row("cross_entropy (1 read + 1 write)", dims({N, V}),
         timer.median_ms([&] { cuda::cross_entropy(losses, logits, tgt, N, V, Vr, 1.0f / N, s); }),
         2.0 * 2.0 * N * V);
+    const char* names[] = {"", "  ce: registers", "  ce: stream 512", "  ce: shared mem 512", "", "  ce: stream 256",
+                           "  ce: shared mem 256"};
+    for (int variant : {1, 2, 5, 3, 6})
+      row(names[variant], dims({N, V}), timer.median_ms([&] {
+            cuda::cross_entropy_variant(variant, losses, logits, tgt, N, V, Vr, 1.0f / N, s);
+          }),
+          2.0 * 2.0 * N * V);
   }
 
   // ---- adamw over all parameters ----
@@ -255,6 +263,7 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
       {"dW fc dout^T@x (f32 +=)", 4 * C, C, N, true, false, true, cuda::Epilogue::none},
       {"dW qkv dout^T@x (f32 +=)", 3 * C, C, N, true, false, true, cuda::Epilogue::none},
       {"dW lm_head dlogits^T@x (f32 +=)", V, C, N, true, false, true, cuda::Epilogue::none},
+      {"dW proj (f32 +=)", C, 4 * C, N, true, false, true, cuda::Epilogue::none},
   };
   for (const auto& e : gemms) {
     cuda::GemmDesc g;
@@ -273,6 +282,7 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     if (e.epi == cuda::Epilogue::bias || e.epi == cuda::Epilogue::gelu_aux_bias) g.bias = buf.act(e.N);
     if (e.epi == cuda::Epilogue::gelu_aux_bias || e.epi == cuda::Epilogue::dgelu)
       g.aux = buf.act(static_cast<std::int64_t>(e.M) * e.N);
+
     const double a = 2.0 * e.M * e.K, b = 2.0 * e.K * e.N, d = (e.f32acc ? 8.0 : 2.0) * e.M * e.N;
     const double aux = g.aux ? 2.0 * e.M * e.N : 0.0;
     row(std::string("gemm ") + e.op, "M=" + std::to_string(e.M) + " N=" + std::to_string(e.N) + " K=" +
