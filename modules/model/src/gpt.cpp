@@ -23,9 +23,17 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
       Vp_(cfg.padded_vocab()),
       L_(cfg.n_layer) {
   KILN_CHECK(T <= cfg.max_seq_len, "train.seq_len ", T, " exceeds model.max_seq_len ", cfg.max_seq_len);
+  auto& comms = world_.resource<parallel::Communicators>();
+  tp_comm_ = comms.tp.get();
+  dp_comm_ = comms.dp.get();
+  tp_ = tp_comm_->size();
+  tp_rank_ = tp_comm_->rank();
+  KILN_CHECK(H_ % tp_ == 0 && C_ % tp_ == 0, "model.n_head ", H_, " and model.n_embd ", C_,
+             " must be divisible by parallel.tp = ", tp_);
+  Hl_ = H_ / tp_;
   const float std = cfg.init_std;
   const float proj_std = std / std::sqrt(2.0f * L_);  // GPT-2: residual projections scaled by 1/sqrt(2L)
-  const int C = C_;
+  const std::int64_t C = C_, Cl = C_ / tp_, r = tp_rank_;
   world_.emplace_resource<ParamStore>();
 
   auto make_layer = [&](int unit, LayerKind kind, int block, const std::string& name) {
@@ -34,40 +42,60 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     layers_.push_back(e);
     return e;
   };
+  // Shards of this TP rank: `parts` equal row blocks of `rows` rows each (q, k, v: 3 parts) of which
+  // this rank takes its 1/tp slice of every part; or its 1/tp slice of the columns.
+  auto rows_of = [&](std::int64_t parts, std::int64_t rows) {
+    nn::TensorShard s;
+    if (tp_ == 1) return s;
+    s.dim = 0;
+    for (std::int64_t q = 0; q < parts; ++q) s.ranges.push_back({q * rows + r * rows / tp_, q * rows + (r + 1) * rows / tp_});
+    return s;
+  };
+  auto cols_of = [&](std::int64_t cols) {
+    nn::TensorShard s;
+    if (tp_ == 1) return s;
+    s.dim = 1;
+    s.ranges.push_back({r * cols / tp_, (r + 1) * cols / tp_});
+    return s;
+  };
+  const nn::TensorShard whole;
 
   // Unit 0: embeddings. The LM head reuses wte.
   Entity emb = make_layer(0, LayerKind::embedding, -1, "embeddings");
   auto& emb_params = world_.get<Layer>(emb).params;
-  wte_ = add_param("wte", {Vp_, C}, 0, true, std, 0, emb_params);
-  wpe_ = add_param("wpe", {cfg.max_seq_len, C}, 0, true, std, 0, emb_params);
+  wte_ = add_param("wte", {Vp_, C}, whole, 0, true, std, 0, emb_params);
+  wpe_ = add_param("wpe", {cfg.max_seq_len, C}, whole, 0, true, std, 0, emb_params);
 
   for (int l = 0; l < L_; ++l) {
     const std::string p = "blocks." + std::to_string(l) + ".";
-    Entity layer = make_layer(l + 1, LayerKind::block, l, "blocks." + std::to_string(l));
+    const int unit = l + 1;
+    Entity layer = make_layer(unit, LayerKind::block, l, "blocks." + std::to_string(l));
     auto& lp = world_.get<Layer>(layer).params;
     std::array<Entity, 12> e{};
-    e[kLn1W] = add_param(p + "ln_1.weight", {C}, l + 1, false, 0, 1.0f, lp);
-    e[kLn1B] = add_param(p + "ln_1.bias", {C}, l + 1, false, 0, 0.0f, lp);
-    e[kQkvW] = add_param(p + "attn.qkv.weight", {3 * C, C}, l + 1, true, std, 0, lp);
-    e[kQkvB] = add_param(p + "attn.qkv.bias", {3 * C}, l + 1, false, 0, 0.0f, lp);
-    e[kProjW] = add_param(p + "attn.proj.weight", {C, C}, l + 1, true, proj_std, 0, lp);
-    e[kProjB] = add_param(p + "attn.proj.bias", {C}, l + 1, false, 0, 0.0f, lp);
-    e[kLn2W] = add_param(p + "ln_2.weight", {C}, l + 1, false, 0, 1.0f, lp);
-    e[kLn2B] = add_param(p + "ln_2.bias", {C}, l + 1, false, 0, 0.0f, lp);
-    e[kFcW] = add_param(p + "mlp.fc.weight", {4 * C, C}, l + 1, true, std, 0, lp);
-    e[kFcB] = add_param(p + "mlp.fc.bias", {4 * C}, l + 1, false, 0, 0.0f, lp);
-    e[kFcpW] = add_param(p + "mlp.proj.weight", {C, 4 * C}, l + 1, true, proj_std, 0, lp);
-    e[kFcpB] = add_param(p + "mlp.proj.bias", {C}, l + 1, false, 0, 0.0f, lp);
+    // Column-parallel: QKV (heads split, per q/k/v) and FC1 (hidden split); row-parallel: the
+    // attention projection and FC2 (input split; their biases are replicated).
+    e[kLn1W] = add_param(p + "ln_1.weight", {C}, whole, unit, false, 0, 1.0f, lp);
+    e[kLn1B] = add_param(p + "ln_1.bias", {C}, whole, unit, false, 0, 0.0f, lp);
+    e[kQkvW] = add_param(p + "attn.qkv.weight", {3 * C, C}, rows_of(3, C), unit, true, std, 0, lp);
+    e[kQkvB] = add_param(p + "attn.qkv.bias", {3 * C}, rows_of(3, C), unit, false, 0, 0.0f, lp);
+    e[kProjW] = add_param(p + "attn.proj.weight", {C, C}, cols_of(C), unit, true, proj_std, 0, lp);
+    e[kProjB] = add_param(p + "attn.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
+    e[kLn2W] = add_param(p + "ln_2.weight", {C}, whole, unit, false, 0, 1.0f, lp);
+    e[kLn2B] = add_param(p + "ln_2.bias", {C}, whole, unit, false, 0, 0.0f, lp);
+    e[kFcW] = add_param(p + "mlp.fc.weight", {4 * C, C}, rows_of(1, 4 * C), unit, true, std, 0, lp);
+    e[kFcB] = add_param(p + "mlp.fc.bias", {4 * C}, rows_of(1, 4 * C), unit, false, 0, 0.0f, lp);
+    e[kFcpW] = add_param(p + "mlp.proj.weight", {C, 4 * C}, cols_of(4 * C), unit, true, proj_std, 0, lp);
+    e[kFcpB] = add_param(p + "mlp.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
     block_params_.push_back(e);
-    add_linear(p + "attn.qkv", "qkv", l + 1, e[kQkvW], e[kQkvB], C, 3 * C);
-    add_linear(p + "attn.proj", "attn_proj", l + 1, e[kProjW], e[kProjB], C, C);
-    add_linear(p + "mlp.fc", "fc", l + 1, e[kFcW], e[kFcB], C, 4 * C);
-    add_linear(p + "mlp.proj", "fc_proj", l + 1, e[kFcpW], e[kFcpB], 4 * C, C);
+    add_linear(p + "attn.qkv", "qkv", unit, e[kQkvW], e[kQkvB], C, 3 * Cl);
+    add_linear(p + "attn.proj", "attn_proj", unit, e[kProjW], e[kProjB], Cl, C);
+    add_linear(p + "mlp.fc", "fc", unit, e[kFcW], e[kFcB], C, 4 * Cl);
+    add_linear(p + "mlp.proj", "fc_proj", unit, e[kFcpW], e[kFcpB], 4 * Cl, C);
   }
   Entity fin = make_layer(L_ + 1, LayerKind::final_norm, -1, "ln_f");
   auto& fp = world_.get<Layer>(fin).params;
-  lnf_w_ = add_param("ln_f.weight", {C}, L_ + 1, false, 0, 1.0f, fp);
-  lnf_b_ = add_param("ln_f.bias", {C}, L_ + 1, false, 0, 0.0f, fp);
+  lnf_w_ = add_param("ln_f.weight", {C}, whole, L_ + 1, false, 0, 1.0f, fp);
+  lnf_b_ = add_param("ln_f.bias", {C}, whole, L_ + 1, false, 0, 0.0f, fp);
   add_linear("lm_head", "lm_head", L_ + 1, wte_, std::nullopt, C, Vp_);
 
   // The flat buffers.
@@ -76,6 +104,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   store.master = be_.alloc(static_cast<std::size_t>(store.total) * 4);
   store.compute = be_.alloc(static_cast<std::size_t>(store.total) * size_of(store.act));
   store.grads = be_.alloc(static_cast<std::size_t>(store.total) * 4);
+  store.stream = be_.stream();
   be_.zero(store.master_flat());  // alignment padding stays zero
   be_.zero(store.grads_flat());
 
@@ -93,21 +122,21 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   const bool keep = !cfg.recompute_norm_gelu;
   if (!keep) {
     arena_.request(&ln_shared_, act, {N, C});
-    arena_.request(&fc_shared_, act, {N, 4 * C});
+    arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
   }
   for (auto& a : acts_) {
     arena_.request(&a.ln1_mean, DType::f32, {N});
     arena_.request(&a.ln1_rstd, DType::f32, {N});
     if (keep) arena_.request(&a.ln1, act, {N, C});
-    arena_.request(&a.qkv, act, {B, T, 3, H_, C / H_});
-    arena_.request(&a.atty, act, {B, T, H_, C / H_});
-    arena_.request(&a.lse, DType::f32, {B, H_, T});
+    arena_.request(&a.qkv, act, {B, T, 3, Hl_, C / H_});
+    arena_.request(&a.atty, act, {B, T, Hl_, C / H_});
+    arena_.request(&a.lse, DType::f32, {B, Hl_, T});
     arena_.request(&a.res2, act, {N, C});
     arena_.request(&a.ln2_mean, DType::f32, {N});
     arena_.request(&a.ln2_rstd, DType::f32, {N});
     if (keep) arena_.request(&a.ln2, act, {N, C});
-    arena_.request(&a.fc_pre, act, {N, 4 * C});
-    if (keep) arena_.request(&a.fc, act, {N, 4 * C});
+    arena_.request(&a.fc_pre, act, {N, 4 * C / tp_});
+    if (keep) arena_.request(&a.fc, act, {N, 4 * C / tp_});
   }
   arena_.request(&lnf_, act, {N, C});
   arena_.request(&lnf_mean_, DType::f32, {N});
@@ -116,10 +145,10 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   arena_.request(&scratch_c_, act, {N, C});
   arena_.request(&dres_, act, {N, C});
   arena_.request(&dtmp_, act, {N, C});
-  arena_.request(&datty_, act, {N, C});
+  arena_.request(&datty_, act, {N, C / tp_});
   arena_.request(&dln_, act, {N, C});
-  arena_.request(&dqkv_, act, {N, 3 * C});
-  arena_.request(&dfc_, act, {N, 4 * C});
+  arena_.request(&dqkv_, act, {N, 3 * C / tp_});
+  arena_.request(&dfc_, act, {N, 4 * C / tp_});
   arena_.allocate(be_);
   if (!keep)
     for (auto& a : acts_) {
@@ -128,13 +157,16 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     }
 }
 
-Entity GptModel::add_param(const std::string& name, Shape shape, int unit, bool decay, float std, float value,
-                           std::vector<Entity>& layer_params) {
+Entity GptModel::add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit,
+                           bool decay, float std, float value, std::vector<Entity>& layer_params) {
   auto& store = world_.resource<ParamStore>();
   Param p;
   p.name = name;
-  p.shape = shape;
-  p.numel = shape.numel();
+  p.global_shape = global_shape;
+  p.shard = shard;
+  p.shape = global_shape;
+  if (shard.sharded()) p.shape.dims[shard.dim] = shard.extent();
+  p.numel = p.shape.numel();
   p.offset = store.total;
   p.weight_decay = decay;
   p.init_std = std;
@@ -159,15 +191,40 @@ void GptModel::initialise(rng::RngStatesTracker& tracker) {
     const auto& p = world_.get<Param>(e);
     TensorView v = store.master_view(p).reshape({p.numel});
     if (p.init_std > 0) {
-      // One draw of the whole logical tensor from the default state: element i of the parameter is
-      // Philox element i of the draw, whatever part of it a rank holds.
-      auto r = tracker.draw(static_cast<std::uint64_t>(p.numel));
-      be_.init_normal(v, p.init_std, r, 0);
+      // One draw of the whole logical tensor from the default state: element i of the logical
+      // tensor is Philox element i of the draw, whatever part of it this rank holds.
+      auto r = tracker.draw(static_cast<std::uint64_t>(p.global_shape.numel()));
+      init_shard(v, p, r);
     } else {
       be_.fill(v, p.init_value);
     }
   }
   be_.convert(store.compute_flat(), store.master_flat());
+}
+
+void GptModel::init_shard(const TensorView& local, const Param& p, const rng::PhiloxArgs& r) {
+  if (!p.shard.sharded()) {
+    be_.init_normal(local, p.init_std, r, 0);
+    return;
+  }
+  const std::int64_t cols = p.global_shape.ndim > 1 ? p.global_shape[1] : 1;
+  const std::int64_t local_cols = p.shape.ndim > 1 ? p.shape[1] : 1;
+  if (p.shard.dim == 0) {
+    std::int64_t at = 0;
+    for (auto [b, e] : p.shard.ranges) {  // whole rows: one contiguous global block per range
+      const std::int64_t n = (e - b) * cols;
+      be_.init_normal(local.flat_slice(at, n), p.init_std, r, b * cols);
+      at += n;
+    }
+    return;
+  }
+  for (std::int64_t row = 0; row < p.shape[0]; ++row) {  // column ranges: one block per row and range
+    std::int64_t c0 = 0;
+    for (auto [b, e] : p.shard.ranges) {
+      be_.init_normal(local.flat_slice(row * local_cols + c0, e - b), p.init_std, r, row * cols + b);
+      c0 += e - b;
+    }
+  }
 }
 
 TensorView GptModel::tensor(Entity e, bool grad) const {

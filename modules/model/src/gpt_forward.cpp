@@ -47,13 +47,18 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
       a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
     }
     be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
-    be_.linear_forward({a.qkv.reshape({N, 3 * C_}), {}, a.ln1, w.qkv_w, w.qkv_b});
-    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, 0, H_});
-    be_.linear_forward({scratch_c_, {}, a.atty.reshape({N, C_}), w.proj_w, w.proj_b});
+    // Column-parallel QKV: this rank's heads; attention on them (global head index for dropout).
+    be_.linear_forward({a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b});
+    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
+                           tp_rank_ * Hl_, H_});
+    // Row-parallel projection: partial sums, the bias added once (on TP rank 0), then all-reduced.
+    be_.linear_forward({scratch_c_, {}, a.atty.reshape({N, C_ / tp_}), w.proj_w, row_parallel_bias(w.proj_b)});
+    tp_all_reduce(scratch_c_);
     be_.residual_forward({a.res2, res_[l], scratch_c_, hidden_dropout(p, a.attn_drop_rng)});
     be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
     be_.linear_forward({a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
-    be_.linear_forward({scratch_c_, {}, a.fc, w.fcp_w, w.fcp_b});
+    be_.linear_forward({scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)});
+    tp_all_reduce(scratch_c_);
     be_.residual_forward({res_[l + 1], a.res2, scratch_c_, hidden_dropout(p, a.mlp_drop_rng)});
     bus.publish(LayerForwardEnd{l + 1});
   }
@@ -67,6 +72,12 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   have_forward_ = training;
 }
 
+TensorView GptModel::row_parallel_bias(const TensorView& bias) const { return tp_rank_ == 0 ? bias : TensorView{}; }
+
+void GptModel::tp_all_reduce(const TensorView& t) {
+  if (tp_ > 1) tp_comm_->all_reduce(t, parallel::ReduceOp::sum, be_.stream());
+}
+
 double GptModel::mean_loss(int slots) {
   KILN_CHECK(slots > 0 && slots <= slots_, "mean over ", slots, " loss slots of ", slots_);
   const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
@@ -75,7 +86,13 @@ double GptModel::mean_loss(int slots) {
   be_.synchronize();
   double sum = 0;
   for (float v : host) sum += v;
-  return sum / static_cast<double>(host.size());
+  double mean = sum / static_cast<double>(host.size());
+  if (dp_comm_->size() > 1) {  // every DP rank saw a different slice of the global batch
+    float m = static_cast<float>(mean);
+    dp_comm_->all_reduce(TensorView(&m, {1}, DType::f32, Device::cpu), parallel::ReduceOp::avg, nullptr);
+    mean = m;
+  }
+  return mean;
 }
 
 double GptModel::evaluate(const std::vector<train::Batch>& batches) {

@@ -22,8 +22,10 @@ struct ModelHooks {
 void install(World& w, const ModelConfig& cfg) {
   const auto& par = w.resource<parallel::ParallelState>();
   const auto& file = w.resource<RankInfo>().pipeline_file;
-  if (par.tp_size() > 1)
-    throw ConfigError(cat(file, ": parallel.tp = ", par.tp_size(), ": tensor parallelism is not implemented yet"));
+  const int tp = par.tp_size();
+  if (cfg.n_head % tp != 0 || cfg.n_embd % tp != 0)
+    throw ConfigError(cat(file, ": model.n_head = ", cfg.n_head, " and model.n_embd = ", cfg.n_embd,
+                          " must both be divisible by parallel.tp = ", tp));
   const auto& tc = w.resource<train::TrainConfig>();
   if (tc.seq_len > cfg.max_seq_len)
     throw ConfigError(cat(file, ": train.seq_len = ", tc.seq_len, " exceeds model.max_seq_len = ", cfg.max_seq_len));

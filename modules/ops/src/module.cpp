@@ -18,7 +18,7 @@ void install(World& w, const BackendConfig& cfg) {
   if (use_cuda) {
     b = make_cuda_backend(cfg.cuda_device >= 0 ? cfg.cuda_device : rank.local_rank);
   } else {
-    int local = w.has_resource<LocalRanks>() ? w.resource<LocalRanks>().count : 1;
+    int local = rank.local_world_size;
     int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     int threads = cfg.cpu_threads > 0 ? cfg.cpu_threads : std::max(1, hw / std::max(1, local));
     b = make_cpu_backend({.round_bf16 = cfg.cpu_round_bf16, .threads = threads});

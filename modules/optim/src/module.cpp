@@ -5,6 +5,7 @@
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/optim/optim.hpp"
+#include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::optim {
@@ -36,6 +37,24 @@ std::vector<ops::AdamWSegment> segments(World& w) {
   return out;
 }
 
+// The squared norm of the whole (logical) gradient. With tensor parallelism a rank holds shards of
+// some parameters and full copies of the others: the shards' squares are summed over the TP group,
+// the replicated parameters counted once (each rank adds 1/tp of theirs before the all-reduce).
+double global_sum_squares(World& w, ops::Backend& be) {
+  const auto& store = w.resource<nn::ParamStore>();
+  auto& tp = *w.resource<parallel::Communicators>().tp;
+  if (tp.size() == 1) return be.sum_squares(store.grads_flat());
+  double local = 0;
+  for (Entity e : store.order) {
+    const auto& p = w.get<nn::Param>(e);
+    const double s = be.sum_squares(store.grad_view(p).reshape({p.numel}));
+    local += p.shard.sharded() ? s : s / tp.size();
+  }
+  float v = static_cast<float>(local);
+  tp.all_reduce(TensorView(&v, {1}, DType::f32, Device::cpu), parallel::ReduceOp::sum, nullptr);
+  return v;
+}
+
 // Names the parameters whose gradient is not finite (slow path, only after a failure).
 std::string non_finite_gradients(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
@@ -64,7 +83,7 @@ void install(World& w, const OptimConfig& cfg) {
                      auto& st = world.resource<OptimState>();
                      auto& ts = world.resource<train::TrainState>();
                      const auto step = world.resource<RunControl>().step;
-                     const double norm = std::sqrt(be.sum_squares(store.grads_flat()));
+                     const double norm = std::sqrt(global_sum_squares(world, be));
                      if (!std::isfinite(norm))
                        KILN_THROW("step ", step, ": non-finite gradient in ", non_finite_gradients(world, be),
                                   "; stopping");

@@ -1,23 +1,55 @@
 #include "kiln/parallel/module.hpp"
 
 #include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/param_store.hpp"
 
 namespace kiln::parallel {
 
+namespace {
+
+void install(World& w, const ParallelConfig& cfg) {
+  const auto& r = w.resource<RankInfo>();
+  Topology topo = [&] {
+    try {
+      return Topology(r.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp);
+    } catch (const Error& e) {
+      throw ConfigError(cat(r.pipeline_file, ": [parallel] ", e.what()));
+    }
+  }();
+  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank)});
+
+  auto& comms = w.emplace_resource<Communicators>();
+  auto* launch = w.try_resource<LaunchContext>();
+  auto make = [&](const std::string& name, std::vector<int> members) -> std::unique_ptr<Communicator> {
+    if (members.size() == 1) return make_self_communicator(name, r.rank);
+    if (!launch || !launch->hub)
+      KILN_THROW("rank ", r.rank, ": a ", members.size(), "-rank '", name,
+                 "' group needs a launcher (kiln run --nproc N)");
+    return launch->hub->communicator(name, members, r.rank);
+  };
+  std::vector<int> all(topo.world());
+  for (int i = 0; i < topo.world(); ++i) all[i] = i;
+  comms.world = make("world", all);
+  comms.tp = make("tp", topo.tp_group(r.rank));
+  comms.dp = make("dp", topo.dp_group(r.rank));
+  comms.tp_dp = make("tp_dp", topo.group(r.rank, {Axis::tp, Axis::dp}));
+
+  // Data parallelism: every DP rank computed the gradients of its slice of the global batch, with
+  // the loss scaled by 1 / (tokens in the global batch), so summing them gives the batch gradient.
+  // Registered whatever the DP size, so other systems can order themselves after it.
+  w.systems().add({"parallel.dp_grad_sync", Phase::grad_sync, [](World& world) {
+                     auto& c = world.resource<Communicators>();
+                     if (c.dp->size() == 1) return;
+                     auto& grads = world.resource<nn::ParamStore>();
+                     c.dp->all_reduce(grads.grads_flat(), ReduceOp::sum, grads.stream);
+                   }});
+}
+
+}  // namespace
+
 void register_module(ModuleRegistry& registry) {
   registry.add(make_module<ParallelConfig>(
-      "parallel", "topology: tensor, pipeline, context, expert and data parallel groups", {},
-      [](World& w, const ParallelConfig& cfg) {
-        const auto& r = w.resource<RankInfo>();
-        Topology topo = [&] {
-          try {
-            return Topology(r.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp);
-          } catch (const Error& e) {
-            throw ConfigError(cat(r.pipeline_file, ": [parallel] ", e.what()));
-          }
-        }();
-        w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank)});
-      }));
+      "parallel", "topology, communicators and data-parallel gradient averaging", {}, install));
 }
 
 }  // namespace kiln::parallel

@@ -43,6 +43,7 @@ struct RankInfo {
   int world_size = 1;
   int local_rank = 0;
   std::string pipeline_file;
+  int local_world_size = 1;  // ranks sharing this machine (threads of one process, or local processes)
 };
 
 void register_engine_module(ModuleRegistry& registry);

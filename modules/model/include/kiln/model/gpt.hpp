@@ -15,6 +15,7 @@
 #include "kiln/model/config.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/backend.hpp"
+#include "kiln/parallel/module.hpp"
 #include "kiln/rng/tracker.hpp"
 #include "kiln/train/train.hpp"
 
@@ -62,19 +63,27 @@ class GptModel {
     TensorView ln1_mean, ln1_rstd, ln1, qkv, atty, lse, res2, ln2_mean, ln2_rstd, ln2, fc_pre, fc;
     rng::PhiloxArgs attn_rng, attn_drop_rng, mlp_drop_rng;
   };
-  Entity add_param(const std::string& name, Shape shape, int unit, bool decay, float std, float value,
-                   std::vector<Entity>& layer_params);
+  Entity add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit, bool decay,
+                   float std, float value, std::vector<Entity>& layer_params);
+  // Draws this rank's part of a parameter: each element from its index in the logical tensor.
+  void init_shard(const TensorView& local, const Param& p, const rng::PhiloxArgs& r);
   void add_linear(const std::string& name, const std::string& role, int unit, Entity w, std::optional<Entity> b,
                   int in, int out);
   BlockWeights block_weights(int l, bool grads) const;
   TensorView tensor(Entity e, bool grad) const;
   ops::DropoutArgs hidden_dropout(float p, const rng::PhiloxArgs& r) const;
+  // Row-parallel layers add their (replicated) bias on TP rank 0 only, before the all-reduce.
+  TensorView row_parallel_bias(const TensorView& bias) const;
+  void tp_all_reduce(const TensorView& t);
 
   World& world_;
   ModelConfig cfg_;
   ops::Backend& be_;
   int B_, T_, slots_;
   int C_, H_, Vp_, L_;
+  int tp_ = 1, tp_rank_ = 0, Hl_ = 0;  // tensor parallelism: group size, rank, local heads
+  parallel::Communicator* tp_comm_ = nullptr;
+  parallel::Communicator* dp_comm_ = nullptr;
   float dloss_ = 1.0f;
   std::vector<Entity> layers_;  // unit -> layer entity
   Entity wte_{}, wpe_{}, lnf_w_{}, lnf_b_{};

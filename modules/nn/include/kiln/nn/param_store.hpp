@@ -18,6 +18,7 @@ struct ParamStore {
   Buffer compute;             // act dtype
   Buffer grads;               // f32
   DType act = DType::f32;
+  void* stream = nullptr;     // the compute stream (cudaStream_t) that writes them; collectives use it
 
   TensorView master_flat() const { return master.view(DType::f32, {total}); }
   TensorView compute_flat() const { return compute.view(act, {total}); }

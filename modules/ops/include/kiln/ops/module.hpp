@@ -26,11 +26,6 @@ struct ActiveBackend {
   Backend& get() const { return *backend; }
 };
 
-// How many ranks of this process share the CPU (the launcher sets it for thread ranks).
-struct LocalRanks {
-  int count = 1;
-};
-
 void register_module(ModuleRegistry& registry);
 
 }  // namespace kiln::ops

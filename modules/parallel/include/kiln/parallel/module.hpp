@@ -1,7 +1,11 @@
 #pragma once
 // The "parallel" module: the job's topology and this rank's place in it.
+#include <memory>
+
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
+#include "kiln/parallel/communicator.hpp"
+#include "kiln/parallel/in_process.hpp"
 #include "kiln/parallel/topology.hpp"
 
 namespace kiln::parallel {
@@ -12,7 +16,9 @@ struct ParallelConfig {
   int cp = 1;
   int ep = 1;
   int dp = 0;
+  double timeout_s = 300;
   void validate(config::Checks& c) const {
+    c.expect(timeout_s > 0, "timeout_s", "must be positive");
     c.expect(tp > 0, "tp", "must be positive");
     c.expect(pp > 0, "pp", "must be positive");
     c.expect(cp > 0, "cp", "must be positive");
@@ -25,7 +31,8 @@ KILN_CONFIG(ParallelConfig,
             (pp, "pipeline-parallel size (ranks only; pipeline execution is not implemented yet)"),
             (cp, "context-parallel size (ranks only)"),
             (ep, "expert-parallel size (ranks only)"),
-            (dp, "data-parallel size; 0 = world size / (tp * pp * cp * ep)"))
+            (dp, "data-parallel size; 0 = world size / (tp * pp * cp * ep)"),
+            (timeout_s, "a collective waiting longer than this for another rank stops the run, naming it"))
 
 // World resource: the topology and this rank's coordinates.
 struct ParallelState {
@@ -34,6 +41,17 @@ struct ParallelState {
   Coords coords;
   int tp_size() const { return topology.sizes().tp; }
   int dp_size() const { return topology.sizes().dp; }
+};
+
+// How this World's rank reaches the others, set by the launcher before modules are installed: an
+// in-process hub when ranks are threads of one process. Without one, the job must have one rank.
+struct LaunchContext {
+  std::shared_ptr<InProcessHub> hub;
+};
+
+// World resource: this rank's communicators, one per kind of group.
+struct Communicators {
+  std::unique_ptr<Communicator> world, tp, dp, tp_dp;
 };
 
 void register_module(ModuleRegistry& registry);
