@@ -87,16 +87,16 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     e[kFcpW] = add_param(p + "mlp.proj.weight", {C, 4 * C}, cols_of(4 * C), unit, true, proj_std, 0, lp);
     e[kFcpB] = add_param(p + "mlp.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
     block_params_.push_back(e);
-    add_linear(p + "attn.qkv", "qkv", unit, e[kQkvW], e[kQkvB], C, 3 * Cl);
-    add_linear(p + "attn.proj", "attn_proj", unit, e[kProjW], e[kProjB], Cl, C);
-    add_linear(p + "mlp.fc", "fc", unit, e[kFcW], e[kFcB], C, 4 * Cl);
-    add_linear(p + "mlp.proj", "fc_proj", unit, e[kFcpW], e[kFcpB], 4 * Cl, C);
+    block_linears_.push_back({add_linear(p + "attn.qkv", "qkv", unit, e[kQkvW], e[kQkvB], C, 3 * Cl),
+                              add_linear(p + "attn.proj", "attn_proj", unit, e[kProjW], e[kProjB], Cl, C),
+                              add_linear(p + "mlp.fc", "fc", unit, e[kFcW], e[kFcB], C, 4 * Cl),
+                              add_linear(p + "mlp.proj", "fc_proj", unit, e[kFcpW], e[kFcpB], 4 * Cl, C)});
   }
   Entity fin = make_layer(L_ + 1, LayerKind::final_norm, -1, "ln_f");
   auto& fp = world_.get<Layer>(fin).params;
   lnf_w_ = add_param("ln_f.weight", {C}, whole, L_ + 1, false, 0, 1.0f, fp);
   lnf_b_ = add_param("ln_f.bias", {C}, whole, L_ + 1, false, 0, 0.0f, fp);
-  add_linear("lm_head", "lm_head", L_ + 1, wte_, std::nullopt, C, Vp_);
+  lm_head_ = add_linear("lm_head", "lm_head", L_ + 1, wte_, std::nullopt, C, Vp_);
 
   // The flat buffers.
   auto& store = world_.resource<ParamStore>();
@@ -180,9 +180,25 @@ Entity GptModel::add_param(const std::string& name, Shape global_shape, const nn
   return e;
 }
 
-void GptModel::add_linear(const std::string& name, const std::string& role, int unit, Entity w,
-                          std::optional<Entity> b, int in, int out) {
-  world_.emplace<Linear>(world_.create(name), Linear{role, unit, w, b, in, out});
+Entity GptModel::add_linear(const std::string& name, const std::string& role, int unit, Entity w,
+                            std::optional<Entity> b, int in, int out) {
+  Entity e = world_.create(name);
+  world_.emplace<Linear>(e, Linear{role, unit, w, b, in, out});
+  return e;
+}
+
+void GptModel::linear_forward(Entity linear, const ops::LinearForward& a) {
+  if (auto* impl = world_.try_get<ops::LinearImpl>(linear))
+    impl->forward(a);
+  else
+    be_.linear_forward(a);
+}
+
+void GptModel::linear_backward(Entity linear, const ops::LinearBackward& a) {
+  if (auto* impl = world_.try_get<ops::LinearImpl>(linear))
+    impl->backward(a);
+  else
+    be_.linear_backward(a);
 }
 
 void GptModel::initialise(rng::RngStatesTracker& tracker) {

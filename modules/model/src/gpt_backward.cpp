@@ -17,7 +17,7 @@ void GptModel::backward(const train::Batch& batch) {
 
   // LM head (tied to wte) and the final LayerNorm. cross_entropy already left dlogits in logits_.
   bus.publish(LayerBackwardBegin{L_ + 1});
-  be_.linear_backward({dln_, tensor(wte_, true), {}, logits_, lnf_, tensor(wte_, false), {}});
+  linear_backward(lm_head_, {dln_, tensor(wte_, true), {}, logits_, lnf_, tensor(wte_, false), {}});
   be_.zero(dres_);
   be_.layernorm_backward({dres_, tensor(lnf_w_, true), tensor(lnf_b_, true), dln_, res_[L_], tensor(lnf_w_, false),
                           lnf_mean_, lnf_rstd_});
@@ -28,6 +28,7 @@ void GptModel::backward(const train::Batch& batch) {
     auto w = block_weights(l, false);
     auto g = block_weights(l, true);
     auto& a = acts_[static_cast<std::size_t>(l)];
+    const auto& lin = block_linears_[static_cast<std::size_t>(l)];
     // MLP branch: res[l+1] = res2 + dropout(fc_proj(gelu(fc(ln2(res2)))))
     TensorView dmlp = dres_;
     if (p > 0) {
@@ -38,8 +39,8 @@ void GptModel::backward(const train::Batch& batch) {
       be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
       be_.gelu_forward({a.fc, a.fc_pre});
     }
-    be_.linear_backward({dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, a.fc_pre});
-    be_.linear_backward({dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}});
+    linear_backward(lin[3], {dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, a.fc_pre});
+    linear_backward(lin[2], {dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}});
     tp_all_reduce(dln_);  // column-parallel FC1: each rank holds part of the input gradient
     be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});
     // Attention branch: res2 = res[l] + dropout(proj(attention(qkv(ln1(res[l])))))
@@ -48,12 +49,12 @@ void GptModel::backward(const train::Batch& batch) {
       be_.dropout_backward({dtmp_, dres_, hidden_dropout(p, a.attn_drop_rng)});
       dproj = dtmp_;
     }
-    be_.linear_backward({datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_ / tp_}), w.proj_w, {}});
+    linear_backward(lin[1], {datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_ / tp_}), w.proj_w, {}});
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, Hl_, D}), datty_.reshape({B_, T_, Hl_, D}), a.atty, a.lse, a.qkv,
                             1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, tp_rank_ * Hl_, H_});
     if (cfg_.recompute_norm_gelu)
       be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
-    be_.linear_backward({dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}});
+    linear_backward(lin[0], {dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}});
     tp_all_reduce(dln_);  // column-parallel QKV likewise
     be_.layernorm_backward({dres_, g.ln1_w, g.ln1_b, dln_, res_[l], w.ln1_w, a.ln1_mean, a.ln1_rstd});
     bus.publish(LayerBackwardEnd{l + 1});

@@ -48,16 +48,17 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
     }
     be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
     // Column-parallel QKV: this rank's heads; attention on them (global head index for dropout).
-    be_.linear_forward({a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b});
+    const auto& lin = block_linears_[static_cast<std::size_t>(l)];
+    linear_forward(lin[0], {a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b});
     be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
                            tp_rank_ * Hl_, H_});
     // Row-parallel projection: partial sums, the bias added once (on TP rank 0), then all-reduced.
-    be_.linear_forward({scratch_c_, {}, a.atty.reshape({N, C_ / tp_}), w.proj_w, row_parallel_bias(w.proj_b)});
+    linear_forward(lin[1], {scratch_c_, {}, a.atty.reshape({N, C_ / tp_}), w.proj_w, row_parallel_bias(w.proj_b)});
     tp_all_reduce(scratch_c_);
     be_.residual_forward({a.res2, res_[l], scratch_c_, hidden_dropout(p, a.attn_drop_rng)});
     be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
-    be_.linear_forward({a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
-    be_.linear_forward({scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)});
+    linear_forward(lin[2], {a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
+    linear_forward(lin[3], {scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)});
     tp_all_reduce(scratch_c_);
     be_.residual_forward({res_[l + 1], a.res2, scratch_c_, hidden_dropout(p, a.mlp_drop_rng)});
     bus.publish(LayerForwardEnd{l + 1});
@@ -66,7 +67,7 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   bus.publish(LayerForwardBegin{L_ + 1});
   be_.layernorm_forward({lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false), tensor(lnf_b_, false),
                          cfg_.ln_eps});
-  be_.linear_forward({logits_, {}, lnf_, tensor(wte_, false), {}});
+  linear_forward(lm_head_, {logits_, {}, lnf_, tensor(wte_, false), {}});
   be_.cross_entropy({losses_.rows(slot, 1).reshape({N}), logits_, targets_, cfg_.vocab_size, dloss_});
   bus.publish(LayerForwardEnd{L_ + 1});
   have_forward_ = training;

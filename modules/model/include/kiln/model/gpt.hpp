@@ -15,6 +15,7 @@
 #include "kiln/model/config.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/linear_impl.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/rng/tracker.hpp"
 #include "kiln/train/train.hpp"
@@ -67,8 +68,11 @@ class GptModel {
                    float std, float value, std::vector<Entity>& layer_params);
   // Draws this rank's part of a parameter: each element from its index in the logical tensor.
   void init_shard(const TensorView& local, const Param& p, const rng::PhiloxArgs& r);
-  void add_linear(const std::string& name, const std::string& role, int unit, Entity w, std::optional<Entity> b,
-                  int in, int out);
+  Entity add_linear(const std::string& name, const std::string& role, int unit, Entity w, std::optional<Entity> b,
+                    int in, int out);
+  // The backend's linear ops, or the ops::LinearImpl a module attached to that linear entity.
+  void linear_forward(Entity linear, const ops::LinearForward& a);
+  void linear_backward(Entity linear, const ops::LinearBackward& a);
   BlockWeights block_weights(int l, bool grads) const;
   TensorView tensor(Entity e, bool grad) const;
   ops::DropoutArgs hidden_dropout(float p, const rng::PhiloxArgs& r) const;
@@ -88,6 +92,8 @@ class GptModel {
   std::vector<Entity> layers_;  // unit -> layer entity
   Entity wte_{}, wpe_{}, lnf_w_{}, lnf_b_{};
   std::vector<std::array<Entity, 12>> block_params_;
+  std::vector<std::array<Entity, 4>> block_linears_;  // qkv, attn_proj, fc, fc_proj
+  Entity lm_head_{};
 
   Arena arena_;
   TensorView tokens_, targets_, losses_;
