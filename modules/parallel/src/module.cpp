@@ -3,6 +3,10 @@
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/param_store.hpp"
 
+#ifdef KILN_WITH_CUDA
+#include "kiln/parallel/nccl.hpp"
+#endif
+
 namespace kiln::parallel {
 
 namespace {
@@ -20,19 +24,28 @@ void install(World& w, const ParallelConfig& cfg) {
 
   auto& comms = w.emplace_resource<Communicators>();
   auto* launch = w.try_resource<LaunchContext>();
-  auto make = [&](const std::string& name, std::vector<int> members) -> std::unique_ptr<Communicator> {
+  // Every rank creates its groups in the same order (NCCL splits are collective over the world).
+  auto make = [&](const std::string& name, std::initializer_list<Axis> axes) -> std::unique_ptr<Communicator> {
+    const std::vector<int> members = topo.group(r.rank, axes);
     if (members.size() == 1) return make_self_communicator(name, r.rank);
+#ifdef KILN_WITH_CUDA
+    if (launch && launch->nccl) return launch->nccl->group(name, topo.group_index(r.rank, axes), members);
+#endif
     if (!launch || !launch->hub)
       KILN_THROW("rank ", r.rank, ": a ", members.size(), "-rank '", name,
                  "' group needs a launcher (kiln run --nproc N)");
     return launch->hub->communicator(name, members, r.rank);
   };
-  std::vector<int> all(topo.world());
-  for (int i = 0; i < topo.world(); ++i) all[i] = i;
-  comms.world = make("world", all);
-  comms.tp = make("tp", topo.tp_group(r.rank));
-  comms.dp = make("dp", topo.dp_group(r.rank));
-  comms.tp_dp = make("tp_dp", topo.group(r.rank, {Axis::tp, Axis::dp}));
+  comms.world = make("world", {Axis::tp, Axis::cp, Axis::ep, Axis::dp, Axis::pp});
+  comms.tp = make("tp", {Axis::tp});
+  comms.dp = make("dp", {Axis::dp});
+  comms.tp_dp = make("tp_dp", {Axis::tp, Axis::dp});
+#ifdef KILN_WITH_CUDA
+  // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
+  if (launch && launch->nccl)
+    w.systems().add({"parallel.check", Phase::step_end,
+                     [nccl = launch->nccl](World&) { nccl->check(); }});
+#endif
 
   // Data parallelism: every DP rank computed the gradients of its slice of the global batch, with
   // the loss scaled by 1 / (tokens in the global batch), so summing them gives the batch gradient.

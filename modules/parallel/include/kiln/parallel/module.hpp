@@ -43,10 +43,14 @@ struct ParallelState {
   int dp_size() const { return topology.sizes().dp; }
 };
 
+class NcclWorld;
+
 // How this World's rank reaches the others, set by the launcher before modules are installed: an
-// in-process hub when ranks are threads of one process. Without one, the job must have one rank.
+// in-process hub when ranks are threads of one process, NCCL when they are processes (one per GPU).
+// Without either, the job must have one rank.
 struct LaunchContext {
   std::shared_ptr<InProcessHub> hub;
+  std::shared_ptr<NcclWorld> nccl;
 };
 
 // World resource: this rank's communicators, one per kind of group.
