@@ -1,6 +1,7 @@
 #pragma once
 // Device helpers shared by the flash-attention forward and backward kernels (sm_80+ instructions:
-// cp.async, ldmatrix, mma.sync m16n8k16 bf16 -> f32), plus the host-side argument checks.
+// cp.async, ldmatrix, mma.sync m16n8k16 bf16 -> f32; sm_90a: wgmma for the forward), plus the
+// host-side argument checks.
 //
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4), which the kernels rely on:
 //   A 16x16 (row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -155,6 +156,119 @@ __device__ __forceinline__ void store_rows(bf16* g, std::int64_t ld, int row0, i
             *reinterpret_cast<const uint4*>(smem + r * kPad<D> + k * 8);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hopper warpgroup MMA (sm_90a): the forward's tensor-core path
+// ---------------------------------------------------------------------------------------------
+// Operands in shared memory use the 128-byte swizzle: a tile of R rows x 64 bf16 (128 bytes a row)
+// stores the 16-byte unit u of row r at r * 128 + ((u ^ (r % 8)) * 16), from a 1024-byte aligned
+// base; wider rows are split into such 64-column chunks. The hardware applies the same XOR to
+// the address bits, so a k-step inside a chunk just moves the start address by 32 bytes.
+// Descriptor (PTX "matrix descriptor"): start >> 4, leading byte offset >> 4 at bit 16, stride
+// byte offset >> 4 at bit 32, swizzle mode 1 (128 B) at bit 62. For a K-major operand the stride
+// offset is the step between 8-row groups (1024) and the leading offset is unused; for an
+// MN-major operand (V in P V) the leading offset steps between 64-column chunks along N and the
+// stride offset between groups of 8 k-rows (1024).
+__device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr, std::uint32_t lead) {
+  return static_cast<std::uint64_t>((addr & 0x3ffff) >> 4) | static_cast<std::uint64_t>(lead >> 4) << 16 |
+         static_cast<std::uint64_t>(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// Rows [row0, row0 + ROWS) of a row-strided [T, D] bf16 matrix into 128-byte-swizzled chunks at
+// `base` (chunk c holds columns 64c .. 64c + 63 of all ROWS rows). Rows >= T are zero-filled.
+template <int D, int ROWS, int NT>
+__device__ __forceinline__ void load_tile_sw128(std::uint32_t base, const bf16* g, std::int64_t ld, int row0, int T,
+                                                int tid) {
+  constexpr int kUnits = D / 8;  // 16-byte units per row
+  constexpr int kTotal = ROWS * kUnits;
+#pragma unroll
+  for (int i = 0; i < (kTotal + NT - 1) / NT; ++i) {
+    const int c = tid + i * NT;
+    if (kTotal % NT == 0 || c < kTotal) {
+      const int r = c / kUnits, u = c % kUnits;
+      const int t = row0 + r;
+      const bool ok = t < T;
+      const bf16* src = ok ? g + static_cast<std::int64_t>(t) * ld + u * 8 : g;
+      cp_async16(base + (u >> 3) * ROWS * 128 + r * 128 + (((u & 7) ^ (r & 7)) << 4), src, ok);
+    }
+  }
+}
+
+// Makes this thread's completed cp.async writes visible to the tensor cores' (async proxy) reads;
+// a barrier must follow before other threads' wgmma read them.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of wgmma accumulators across the asynchronous MMA.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R][4]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// d (64 x N, f32, accumulator layout of m64nNk16: warp w of the group holds rows 16w .. 16w + 15
+// exactly as an mma.sync C fragment, n-tile i in d[i]) = (accumulate ? d : 0) + A B, with A
+// (64 x 16) and B (16 x N, K-major) from shared memory.
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], std::uint64_t a, std::uint64_t b, int accumulate);
+// d += A B with A (64 x 16) from registers in the mma.sync A layout (warp w: rows 16w ..) and B
+// MN-major in shared memory.
+template <int N>
+__device__ __forceinline__ void wgmma_rs_nmajor(float (&d)[N / 8][4], const std::uint32_t (&a)[4], std::uint64_t b);
+template <>
+__device__ __forceinline__ void wgmma_ss<64>(float (&d)[8][4], std::uint64_t a, std::uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, "
+      "1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs_nmajor<64>(float (&d)[8][4], const std::uint32_t (&a)[4], std::uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, "
+      "%35}, %36, 1, 1, 1, 1;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs_nmajor<128>(float (&d)[16][4], const std::uint32_t (&a)[4], std::uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
+        "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]),
+        "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]),
+        "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 // ---------------------------------------------------------------------------------------------

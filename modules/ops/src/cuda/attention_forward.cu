@@ -1,12 +1,14 @@
-// Causal flash-attention forward (FlashAttention-2 style) on mma.sync m16n8k16 bf16 tensor cores.
+// Causal flash-attention forward (FlashAttention-2 style), two tensor-core paths:
+//   * D = 64, 128: Hopper warpgroup MMA (wgmma, sm_90a), see attention_forward_wgmma_kernel.
+//   * D = 16, 32: mma.sync m16n8k16 (their rows are too narrow for the 128-byte wgmma layout).
 //
-// One block per (batch*head, 128-query block). Each warp owns 16 * MT query rows and keeps their Q
-// fragments in registers; K and V tiles of 32 or 64 keys stream through a double-buffered cp.async
-// pipeline in padded (bank-conflict-free) shared memory. Scores, online softmax (exp2, running
-// max and row sums in fp32) and the P V product never leave registers: the score accumulators are
-// repacked to bf16 as the A operand of the next mma. Key tiles after the block's last row are
-// never loaded, and a warp skips tiles that are entirely above its rows; only tiles crossing the
-// diagonal (or T) pay for the mask.
+// mma.sync kernel: one block per (batch*head, 128-query block). Each warp owns 16 * MT query rows
+// and keeps their Q fragments in registers; K and V tiles of 32 or 64 keys stream through a
+// double-buffered cp.async pipeline in padded (bank-conflict-free) shared memory. Scores, online
+// softmax (exp2, running max and row sums in fp32) and the P V product never leave registers: the
+// score accumulators are repacked to bf16 as the A operand of the next mma. Key tiles after the
+// block's last row are never loaded, and a warp skips tiles that are entirely above its rows; only
+// tiles crossing the diagonal (or T) pay for the mask.
 #include <type_traits>
 
 #include "attention_common.cuh"
@@ -23,10 +25,8 @@ struct FwdCfg {
   static constexpr int BN = BN_;              // keys per tile (a multiple of 32: dropout draws 32-key runs)
   static constexpr int kSmem = (BM + 4 * BN) * kPad<D> * 2;  // Q, then K and V double-buffered
 };
-// Two m-tiles per warp halve the shared-memory traffic per mma (each K/V fragment feeds two mmas);
-// 32-key tiles keep that within the register file at D = 64 (ptxas: no spills). At D = 128 two
-// m-tiles do not fit, so there 8 warps keep one m-tile each. Every block has 128 query rows, which
-// halves the K/V re-reads from L2 compared with 64-row blocks.
+// Two m-tiles per warp halve the shared-memory traffic per mma (each K/V fragment feeds two mmas).
+// Every block has 128 query rows, which halves the K/V re-reads from L2 compared with 64-row blocks.
 template <int D>
 struct FwdTraits;
 template <>
@@ -36,14 +36,6 @@ struct FwdTraits<16> {
 template <>
 struct FwdTraits<32> {
   using Cfg = FwdCfg<32, 2, 4, 32>;
-};
-template <>
-struct FwdTraits<64> {
-  using Cfg = FwdCfg<64, 2, 4, 32>;
-};
-template <>
-struct FwdTraits<128> {
-  using Cfg = FwdCfg<128, 1, 8, 64>;
 };
 
 template <class C, bool DROPOUT>
@@ -261,11 +253,200 @@ __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restri
 }
 
 // ---------------------------------------------------------------------------------------------
+// wgmma kernel (D = 64, 128)
+// ---------------------------------------------------------------------------------------------
+// Each warpgroup (4 warps) owns 64 query rows; the block's NWG warpgroups share K and V tiles of
+// 64 keys, double-buffered through cp.async into 128-byte-swizzled shared memory. S = Q K^T
+// (m64n64k16, both operands in shared memory) and O += P V (m64nDk16, P from registers, V
+// MN-major) run on the asynchronous warpgroup MMA; the softmax between them is the mma.sync
+// kernel's, since the wgmma accumulator fragments have the mma.sync layout. Softmax and MMA
+// overlap across the warpgroups resident on a multiprocessor (measured on an H200: issuing the
+// next tile's S before the softmax, with three K/V stages, was no faster; nor were 128-key tiles
+// or 1, 3 or 4 warpgroups per block without dropout).
+template <int D_, int NWG_>
+struct FwdWgCfg {
+  static constexpr int D = D_, NWG = NWG_, NT = 128 * NWG;
+  static constexpr int BM = 64 * NWG;  // query rows per block
+  static constexpr int BN = 64;        // keys per tile
+  static constexpr int kQBytes = BM * D * 2, kKVBytes = BN * D * 2;
+  static constexpr int kSmem = kQBytes + 4 * kKVBytes + 1024;  // + slack to align the swizzle atoms
+  static_assert(D % 64 == 0, "rows are whole 128-byte swizzle chunks");
+};
+// Two warpgroups per block: 119 (D = 64) and 165 (D = 128) registers, so two blocks (D = 64) or
+// one block per multiprocessor. Dropout's Philox state costs registers (150 at D = 64 would leave
+// one block per SM): there one warpgroup per block fits three (D = 64) or two (D = 128) blocks.
+template <int D, bool DROPOUT>
+struct FwdWgTraits {
+  using Cfg = FwdWgCfg<D, DROPOUT ? 1 : 2>;
+};
+
+// (The explicit 1 block per SM in the launch bounds keeps ptxas from capping registers for an
+// occupancy of its own choosing, which spilled.)
+template <class C, bool DROPOUT>
+__global__ void __launch_bounds__(C::NT, 1)
+    attention_forward_wgmma_kernel(bf16* __restrict__ out, float* __restrict__ lse, const bf16* __restrict__ qkv,
+                                   const Problem pb) {
+  constexpr int D = C::D, BM = C::BM, BN = C::BN, NT = C::NT;
+  constexpr int NTL = BN / 8;  // score n-tiles per key tile
+  constexpr int DT = D / 8;    // output n-tiles
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const std::uint32_t sQ = (smem_addr(smem) + 1023u) & ~1023u;  // [D / 64][BM][128 B]
+  const std::uint32_t sK = sQ + C::kQBytes;                       // [2][D / 64][BN][128 B]
+  const std::uint32_t sV = sK + 2 * C::kKVBytes;                  // [2][D / 64][BN][128 B]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t = lane & 3;
+  const int T = pb.T, H = pb.H;
+  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest (last) query blocks start first
+  const int wg0 = q0 + wg * 64;                      // first query row of this warpgroup
+  const int wr0 = wg0 + (warp & 3) * 16;             // first query row of this warp
+  const std::int64_t ld = 3LL * H * D;
+  const bf16* gQ = qkv + static_cast<std::int64_t>(b) * T * ld + h * D;
+  const bf16* gK = gQ + H * D;
+  const bf16* gV = gK + H * D;
+  const int n_tiles = (min(q0 + BM, T) + BN - 1) / BN;
+
+  load_tile_sw128<D, BM, NT>(sQ, gQ, ld, q0, T, tid);
+  load_tile_sw128<D, BN, NT>(sK, gK, ld, 0, T, tid);
+  load_tile_sw128<D, BN, NT>(sV, gV, ld, 0, T, tid);
+  cp_async_commit();
+
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  std::uint64_t row_n[2] = {};
+  std::uint64_t seed = 0, start = 0;
+  const bool aligned = (T & 3) == 0;
+  if constexpr (DROPOUT) {
+    seed = pb.rng.seed;
+    start = pb.rng.start();
+    const std::uint64_t bhg = static_cast<std::uint64_t>(b) * pb.heads_total + pb.head_offset + h;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) row_n[hr] = (bhg * T + static_cast<std::uint64_t>(wr0 + g + 8 * hr)) * T;
+  }
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // tile `it` is in; every warpgroup is done with tile it - 1 (the other stage)
+    if (it + 1 < n_tiles) {
+      load_tile_sw128<D, BN, NT>(sK + (stage ^ 1) * C::kKVBytes, gK, ld, (it + 1) * BN, T, tid);
+      load_tile_sw128<D, BN, NT>(sV + (stage ^ 1) * C::kKVBytes, gV, ld, (it + 1) * BN, T, tid);
+      cp_async_commit();
+    }
+    const int kv0 = it * BN;
+    if (kv0 > wg0 + 63) continue;  // every key after every row of this warpgroup (uniform in it)
+
+    // S = Q K^T
+    float s[NTL][4];
+    const std::uint32_t kst = sK + stage * C::kKVBytes, vst = sV + stage * C::kKVBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      wgmma_ss<BN>(s, sw128_desc(sQ + (ks >> 2) * BM * 128 + wg * 64 * 128 + (ks & 3) * 32, 16),
+                   sw128_desc(kst + (ks >> 2) * BN * 128 + (ks & 3) * 32, 16), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    if (kv0 + BN - 1 > wr0) {  // the tile crosses this warp's diagonal (or T)
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = wr0 + g + ((e >> 1) << 3);
+          const int col = kv0 + nt * 8 + 2 * t + (e & 1);
+          if (col > row) s[nt][e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hr], s[nt][2 * hr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[hr], mx * pb.scale_log2);
+      const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays at 0
+      const float corr = ex2(m[hr] - base);
+      m[hr] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nt][2 * hr + e];
+          x = ex2(fmaf(x, pb.scale_log2, -base));
+          sum += x;
+        }
+      l[hr] = l[hr] * corr + sum;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        o[dt][2 * hr] *= corr;
+        o[dt][2 * hr + 1] *= corr;
+      }
+    }
+    if constexpr (DROPOUT) {  // after the row sums: normalisation uses the undropped probabilities
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int c = 0; c < BN / 32; ++c) {
+          const std::uint32_t bits = keep_bits_row32(seed, start, row_n[hr] + kv0 + 32 * c, pb.threshold, t, aligned);
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!((bits >> (q * 8 + 2 * t + e)) & 1u)) s[4 * c + q][2 * hr + e] = 0.0f;
+        }
+    }
+
+    // O += P V
+    std::uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      pa[ks][0] = pack_bf16(s[2 * ks][0], s[2 * ks][1]);
+      pa[ks][1] = pack_bf16(s[2 * ks][2], s[2 * ks][3]);
+      pa[ks][2] = pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+      pa[ks][3] = pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+    }
+    fence_regs(o);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) wgmma_rs_nmajor<D>(o, pa[ks], sw128_desc(vst + ks * 16 * 128, BN * 128));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+
+  // Epilogue: full row sums, lse, O / l (times 1 / (1 - p)).
+  bf16* gO = out + (static_cast<std::int64_t>(b) * T * H + h) * D;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float sum = l[hr];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = wr0 + g + 8 * hr;
+    if (row < T) {
+      if (t == 0) lse[static_cast<std::int64_t>(bh) * T + row] = m[hr] * kLn2 + logf(sum);
+      const float inv = pb.keep_scale / sum;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<std::uint32_t*>(gO + static_cast<std::int64_t>(row) * H * D + dt * 8 + 2 * t) =
+            pack_bf16(o[dt][2 * hr] * inv, o[dt][2 * hr + 1] * inv);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------
-template <int D, bool DROPOUT>
+template <class C, bool DROPOUT>
 void launch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
-  using C = typename FwdTraits<D>::Cfg;
   auto kernel = attention_forward_kernel<C, DROPOUT>;
   KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
   const dim3 grid(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + C::BM - 1) / C::BM));
@@ -273,12 +454,29 @@ void launch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, c
   KILN_CUDA_LAUNCH_CHECK();
 }
 
+template <class C, bool DROPOUT>
+void launch_forward_wgmma(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
+  auto kernel = attention_forward_wgmma_kernel<C, DROPOUT>;
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  const dim3 grid(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + C::BM - 1) / C::BM));
+  kernel<<<grid, C::NT, C::kSmem, s>>>(out, lse, qkv, pb);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+template <int D, bool DROPOUT>
+void run_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
+  if constexpr (D >= 64)
+    launch_forward_wgmma<typename FwdWgTraits<D, DROPOUT>::Cfg, DROPOUT>(out, lse, qkv, pb, s);
+  else
+    launch_forward<typename FwdTraits<D>::Cfg, DROPOUT>(out, lse, qkv, pb, s);
+}
+
 template <int D>
 void dispatch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, bool dropout, cudaStream_t s) {
   if (dropout)
-    launch_forward<D, true>(out, lse, qkv, pb, s);
+    run_forward<D, true>(out, lse, qkv, pb, s);
   else
-    launch_forward<D, false>(out, lse, qkv, pb, s);
+    run_forward<D, false>(out, lse, qkv, pb, s);
 }
 
 }  // namespace
