@@ -131,8 +131,8 @@ TEST_CASE("gradient accumulation over micro-batches equals one batch") {
 }
 
 TEST_CASE("recomputing LayerNorm and GELU outputs in the backward pass gives the same gradients") {
-  test::Pipeline keep(kTiny, {"model.recompute_norm_gelu=false", "model.dropout=0.1"});
-  test::Pipeline recompute(kTiny, {"model.recompute_norm_gelu=true", "model.dropout=0.1"});
+  test::Pipeline keep(kTiny, {"model.recompute_norm=false", "model.recompute_gelu=false", "model.dropout=0.1"});
+  test::Pipeline recompute(kTiny, {"model.recompute_norm=true", "model.recompute_gelu=true", "model.dropout=0.1"});
   for (auto* p : {&keep, &recompute}) {
     p->world->systems().run(Phase::setup, *p->world);
     forward_backward_step(*p->world);

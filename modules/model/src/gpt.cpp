@@ -117,26 +117,24 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   res_.resize(L_ + 1);
   acts_.resize(L_);
   for (auto& r : res_) arena_.request(&r, act, {N, C});
-  // With recompute_norm_gelu, every block's LayerNorm outputs and GELU output share one scratch
-  // tensor each, refilled in the backward pass.
-  const bool keep = !cfg.recompute_norm_gelu;
-  if (!keep) {
-    arena_.request(&ln_shared_, act, {N, C});
-    arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
-  }
+  // Recomputed activations (LayerNorm outputs, GELU output) of every block share one scratch tensor
+  // each, refilled in the backward pass.
+  const bool keep_ln = !cfg.recompute_norm, keep_fc = !cfg.recompute_gelu;
+  if (!keep_ln) arena_.request(&ln_shared_, act, {N, C});
+  if (!keep_fc) arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
   for (auto& a : acts_) {
     arena_.request(&a.ln1_mean, DType::f32, {N});
     arena_.request(&a.ln1_rstd, DType::f32, {N});
-    if (keep) arena_.request(&a.ln1, act, {N, C});
+    if (keep_ln) arena_.request(&a.ln1, act, {N, C});
     arena_.request(&a.qkv, act, {B, T, 3, Hl_, C / H_});
     arena_.request(&a.atty, act, {B, T, Hl_, C / H_});
     arena_.request(&a.lse, DType::f32, {B, Hl_, T});
     arena_.request(&a.res2, act, {N, C});
     arena_.request(&a.ln2_mean, DType::f32, {N});
     arena_.request(&a.ln2_rstd, DType::f32, {N});
-    if (keep) arena_.request(&a.ln2, act, {N, C});
+    if (keep_ln) arena_.request(&a.ln2, act, {N, C});
     arena_.request(&a.fc_pre, act, {N, 4 * C / tp_});
-    if (keep) arena_.request(&a.fc, act, {N, 4 * C / tp_});
+    if (keep_fc) arena_.request(&a.fc, act, {N, 4 * C / tp_});
   }
   arena_.request(&lnf_, act, {N, C});
   arena_.request(&lnf_mean_, DType::f32, {N});
@@ -150,11 +148,10 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   arena_.request(&dqkv_, act, {N, 3 * C / tp_});
   arena_.request(&dfc_, act, {N, 4 * C / tp_});
   arena_.allocate(be_);
-  if (!keep)
-    for (auto& a : acts_) {
-      a.ln1 = a.ln2 = ln_shared_;
-      a.fc = fc_shared_;
-    }
+  for (auto& a : acts_) {
+    if (!keep_ln) a.ln1 = a.ln2 = ln_shared_;
+    if (!keep_fc) a.fc = fc_shared_;
+  }
 }
 
 Entity GptModel::add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit,

@@ -35,10 +35,9 @@ void GptModel::backward(const train::Batch& batch) {
       be_.dropout_backward({dtmp_, dres_, hidden_dropout(p, a.mlp_drop_rng)});
       dmlp = dtmp_;
     }
-    if (cfg_.recompute_norm_gelu) {
+    if (cfg_.recompute_norm)
       be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
-      be_.gelu_forward({a.fc, a.fc_pre});
-    }
+    if (cfg_.recompute_gelu) be_.gelu_forward({a.fc, a.fc_pre});
     linear_backward(lin[3], {dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, a.fc_pre});
     linear_backward(lin[2], {dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}});
     tp_all_reduce(dln_);  // column-parallel FC1: each rank holds part of the input gradient
@@ -52,7 +51,7 @@ void GptModel::backward(const train::Batch& batch) {
     linear_backward(lin[1], {datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_ / tp_}), w.proj_w, {}});
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, Hl_, D}), datty_.reshape({B_, T_, Hl_, D}), a.atty, a.lse, a.qkv,
                             1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, tp_rank_ * Hl_, H_});
-    if (cfg_.recompute_norm_gelu)
+    if (cfg_.recompute_norm)
       be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
     linear_backward(lin[0], {dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}});
     tp_all_reduce(dln_);  // column-parallel QKV likewise

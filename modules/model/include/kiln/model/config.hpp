@@ -16,7 +16,8 @@ struct ModelConfig {
   float dropout = 0.0f;
   float init_std = 0.02f;
   float ln_eps = 1e-5f;
-  bool recompute_norm_gelu = true;
+  bool recompute_norm = true;
+  bool recompute_gelu = true;
   void validate(config::Checks& c) const {
     c.expect(n_layer > 0, "n_layer", "must be positive");
     c.expect(n_head > 0, "n_head", "must be positive");
@@ -41,8 +42,11 @@ KILN_CONFIG(ModelConfig,
             (dropout, "dropout probability on attention probabilities and on the blocks' hidden outputs"),
             (init_std, "standard deviation of the normal weight initialisation"),
             (ln_eps, "LayerNorm epsilon"),
-            (recompute_norm_gelu,
-             "recompute LayerNorm outputs and GELU activations in the backward pass instead of keeping them "
-             "(6 of 16 saved values per token and layer)"))
+            (recompute_norm,
+             "recompute the blocks' LayerNorm outputs in the backward pass instead of keeping them (2 of 16 "
+             "saved values per token and layer)"),
+            (recompute_gelu,
+             "recompute the GELU activations in the backward pass instead of keeping them (4 of 16 saved values "
+             "per token and layer)"))
 
 }  // namespace kiln::model

@@ -100,7 +100,7 @@ class GptModel {
   std::vector<TensorView> res_;  // L+1 residual streams: res_[l] is block l's input
   std::vector<BlockActs> acts_;
   TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
-  TensorView ln_shared_, fc_shared_;  // recompute_norm_gelu: the blocks' LayerNorm and GELU outputs
+  TensorView ln_shared_, fc_shared_;  // recompute_norm / recompute_gelu: the blocks' LayerNorm and GELU outputs
   // backward scratch
   TensorView dres_, dtmp_, datty_, dln_, dqkv_, dfc_;
   bool have_forward_ = false;
