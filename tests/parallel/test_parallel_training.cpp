@@ -145,12 +145,33 @@ TEST_CASE("tensor and data parallel runs on CPU threads match the single-rank ru
   compare(run(2, {}), single, "dp=2");
   compare(run(4, {"parallel.tp=2"}), single, "tp=2 x dp=2");
   compare(run(4, {"parallel.tp=2", "train.micro_batch_size=2"}), single, "tp=2 x dp=2 with 2 micro-batches");
+  compare(run(2, {"parallel.tp=2", "parallel.sequence_parallel=true"}), single, "tp=2, sequence parallel");
+  compare(run(4, {"parallel.tp=4", "parallel.sequence_parallel=true"}), single, "tp=4, sequence parallel");
+  compare(run(4, {"parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2"}), single,
+          "tp=2 x dp=2, sequence parallel, 2 micro-batches");
 }
 
 TEST_CASE("with dropout, tensor parallel runs match the single-rank run (layout-invariant masks)") {
   const Trace single = run(1, {"model.dropout=0.1"});
   compare(run(2, {"parallel.tp=2", "model.dropout=0.1"}), single, "tp=2, dropout 0.1");
   compare(run(4, {"parallel.tp=4", "model.dropout=0.1"}), single, "tp=4, dropout 0.1");
+  compare(run(2, {"parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1"}), single,
+          "tp=2, sequence parallel, dropout 0.1");
+}
+
+TEST_CASE("sequence parallelism keeps only this rank's tokens in the residual stream") {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+  config::apply_overrides(doc, {"parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=1"});
+  auto cfg = config::resolve(doc, "tiny.toml", reg);
+  int partial = 0;
+  auto outcomes = parallel::run_thread_ranks(2, cfg, reg, {}, [&partial](World& w) {
+    if (w.resource<RankInfo>().rank != 0) return;
+    for (Entity e : w.view<nn::Param>()) partial += w.get<nn::Param>(e).tp_partial_grad;
+  });
+  for (auto& o : outcomes) REQUIRE(o.ok);
+  CHECK(partial == 2 * 2 * 2 + 2);  // ln_1 and ln_2 of 2 blocks (weight and bias), and ln_f
 }
 
 TEST_CASE("a failing rank stops a CPU run and the others name it") {

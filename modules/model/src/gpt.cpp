@@ -31,6 +31,11 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   KILN_CHECK(H_ % tp_ == 0 && C_ % tp_ == 0, "model.n_head ", H_, " and model.n_embd ", C_,
              " must be divisible by parallel.tp = ", tp_);
   Hl_ = H_ / tp_;
+  const std::int64_t tokens = static_cast<std::int64_t>(B) * T;
+  sp_ = tp_ > 1 && world_.resource<parallel::ParallelState>().sequence_parallel;
+  KILN_CHECK(!sp_ || tokens % tp_ == 0, "sequence parallelism needs the tokens of a micro-batch (", tokens,
+             ") to be divisible by parallel.tp = ", tp_);
+  Nl_ = sp_ ? tokens / tp_ : tokens;
   const float std = cfg.init_std;
   const float proj_std = std / std::sqrt(2.0f * L_);  // GPT-2: residual projections scaled by 1/sqrt(2L)
   const std::int64_t C = C_, Cl = C_ / tp_, r = tp_rank_;
@@ -98,6 +103,13 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   lnf_b_ = add_param("ln_f.bias", {C}, whole, L_ + 1, false, 0, 0.0f, fp);
   lm_head_ = add_linear("lm_head", "lm_head", L_ + 1, wte_, std::nullopt, C, Vp_);
 
+  // Under sequence parallelism the LayerNorms see only this rank's tokens.
+  if (sp_)
+    for (Entity e : world_.view<Param>()) {
+      auto& p = world_.get<Param>(e);
+      if (p.name.find("ln_") != std::string::npos) p.tp_partial_grad = true;
+    }
+
   // The flat buffers.
   auto& store = world_.resource<ParamStore>();
   store.act = be_.act_dtype();
@@ -116,33 +128,40 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   arena_.request(&losses_, DType::f32, {static_cast<std::int64_t>(slots_), N});
   res_.resize(L_ + 1);
   acts_.resize(L_);
-  for (auto& r : res_) arena_.request(&r, act, {N, C});
+  // With sequence parallelism the residual stream, LayerNorm statistics and the tensors outside the
+  // TP regions hold this rank's Nl rows; the rest (inputs of the TP regions) hold all N.
+  const std::int64_t Nl = Nl_;
+  for (auto& r : res_) arena_.request(&r, act, {Nl, C});
   // Recomputed activations (LayerNorm outputs, GELU output) of every block share one scratch tensor
   // each, refilled in the backward pass.
   const bool keep_ln = !cfg.recompute_norm, keep_fc = !cfg.recompute_gelu;
   if (!keep_ln) arena_.request(&ln_shared_, act, {N, C});
   if (!keep_fc) arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
   for (auto& a : acts_) {
-    arena_.request(&a.ln1_mean, DType::f32, {N});
-    arena_.request(&a.ln1_rstd, DType::f32, {N});
+    arena_.request(&a.ln1_mean, DType::f32, {Nl});
+    arena_.request(&a.ln1_rstd, DType::f32, {Nl});
     if (keep_ln) arena_.request(&a.ln1, act, {N, C});
     arena_.request(&a.qkv, act, {B, T, 3, Hl_, C / H_});
     arena_.request(&a.atty, act, {B, T, Hl_, C / H_});
     arena_.request(&a.lse, DType::f32, {B, Hl_, T});
-    arena_.request(&a.res2, act, {N, C});
-    arena_.request(&a.ln2_mean, DType::f32, {N});
-    arena_.request(&a.ln2_rstd, DType::f32, {N});
+    arena_.request(&a.res2, act, {Nl, C});
+    arena_.request(&a.ln2_mean, DType::f32, {Nl});
+    arena_.request(&a.ln2_rstd, DType::f32, {Nl});
     if (keep_ln) arena_.request(&a.ln2, act, {N, C});
     arena_.request(&a.fc_pre, act, {N, 4 * C / tp_});
     if (keep_fc) arena_.request(&a.fc, act, {N, 4 * C / tp_});
   }
   arena_.request(&lnf_, act, {N, C});
-  arena_.request(&lnf_mean_, DType::f32, {N});
-  arena_.request(&lnf_rstd_, DType::f32, {N});
+  arena_.request(&lnf_mean_, DType::f32, {Nl});
+  arena_.request(&lnf_rstd_, DType::f32, {Nl});
   arena_.request(&logits_, act, {N, Vp_});
   arena_.request(&scratch_c_, act, {N, C});
-  arena_.request(&dres_, act, {N, C});
-  arena_.request(&dtmp_, act, {N, C});
+  arena_.request(&dres_, act, {Nl, C});
+  arena_.request(&dtmp_, act, {Nl, C});
+  if (sp_) {
+    arena_.request(&local_c_, act, {Nl, C});
+    arena_.request(&full_c_, act, {N, C});
+  }
   arena_.request(&datty_, act, {N, C / tp_});
   arena_.request(&dln_, act, {N, C});
   arena_.request(&dqkv_, act, {N, 3 * C / tp_});
@@ -152,6 +171,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     if (!keep_ln) a.ln1 = a.ln2 = ln_shared_;
     if (!keep_fc) a.fc = fc_shared_;
   }
+  if (!sp_) local_c_ = full_c_ = scratch_c_;  // without sequence parallelism local is full
 }
 
 Entity GptModel::add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit,
@@ -256,6 +276,7 @@ GptModel::BlockWeights GptModel::block_weights(int l, bool grads) const {
 ops::DropoutArgs GptModel::hidden_dropout(float p, const rng::PhiloxArgs& r) const {
   ops::DropoutArgs d;
   d.p = p;
+  d.row_offset = sp_ ? static_cast<std::int64_t>(tp_rank_) * Nl_ : 0;  // this rank's rows of the [N, C] tensor
   d.rng = r;
   return d;
 }

@@ -2,7 +2,6 @@
 #include <cmath>
 
 #include "kiln/engine/error.hpp"
-#include "kiln/nn/events.hpp"
 #include "kiln/model/gpt.hpp"
 
 namespace kiln::model {
@@ -14,13 +13,17 @@ void GptModel::backward(const train::Batch& batch) {
   const float p = cfg_.dropout;
   const int D = C_ / H_;
   auto& bus = world_.events();
+  // Under sequence parallelism the residual-stream gradient dres_ holds this rank's rows: it is
+  // gathered before each row-parallel layer, and the column-parallel layers' input gradients are
+  // reduce-scattered back (without SP: used as is, and all-reduced).
+  const TensorView dln_local = sp_ ? local_c_ : dln_;
 
   // LM head (tied to wte) and the final LayerNorm. cross_entropy already left dlogits in logits_.
   bus.publish(LayerBackwardBegin{L_ + 1});
   linear_backward(lm_head_, {dln_, tensor(wte_, true), {}, logits_, lnf_, tensor(wte_, false), {}});
   be_.zero(dres_);
-  be_.layernorm_backward({dres_, tensor(lnf_w_, true), tensor(lnf_b_, true), dln_, res_[L_], tensor(lnf_w_, false),
-                          lnf_mean_, lnf_rstd_});
+  be_.layernorm_backward({dres_, tensor(lnf_w_, true), tensor(lnf_b_, true), my_rows(dln_), res_[L_],
+                          tensor(lnf_w_, false), lnf_mean_, lnf_rstd_});
   bus.publish(LayerBackwardEnd{L_ + 1});
 
   for (int l = L_ - 1; l >= 0; --l) {
@@ -35,32 +38,49 @@ void GptModel::backward(const train::Batch& batch) {
       be_.dropout_backward({dtmp_, dres_, hidden_dropout(p, a.mlp_drop_rng)});
       dmlp = dtmp_;
     }
-    if (cfg_.recompute_norm)
-      be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+    if (sp_) {
+      gather_rows(full_c_, dmlp);
+      dmlp = full_c_;
+    }
+    if (cfg_.recompute_norm) {
+      be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+      gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
+    }
     if (cfg_.recompute_gelu) be_.gelu_forward({a.fc, a.fc_pre});
     linear_backward(lin[3], {dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, a.fc_pre});
     linear_backward(lin[2], {dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}});
-    tp_all_reduce(dln_);  // column-parallel FC1: each rank holds part of the input gradient
-    be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});
+    reduce_rows(dln_local, dln_);  // column-parallel FC1: each rank holds part of the input gradient
+    be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_local, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});
     // Attention branch: res2 = res[l] + dropout(proj(attention(qkv(ln1(res[l])))))
     TensorView dproj = dres_;
     if (p > 0) {
       be_.dropout_backward({dtmp_, dres_, hidden_dropout(p, a.attn_drop_rng)});
       dproj = dtmp_;
     }
+    if (sp_) {
+      gather_rows(full_c_, dproj);
+      dproj = full_c_;
+    }
     linear_backward(lin[1], {datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_ / tp_}), w.proj_w, {}});
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, Hl_, D}), datty_.reshape({B_, T_, Hl_, D}), a.atty, a.lse, a.qkv,
                             1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, tp_rank_ * Hl_, H_});
-    if (cfg_.recompute_norm)
-      be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
+    if (cfg_.recompute_norm) {
+      be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
+      gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
+    }
     linear_backward(lin[0], {dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}});
-    tp_all_reduce(dln_);  // column-parallel QKV likewise
-    be_.layernorm_backward({dres_, g.ln1_w, g.ln1_b, dln_, res_[l], w.ln1_w, a.ln1_mean, a.ln1_rstd});
+    reduce_rows(dln_local, dln_);  // column-parallel QKV likewise
+    be_.layernorm_backward({dres_, g.ln1_w, g.ln1_b, dln_local, res_[l], w.ln1_w, a.ln1_mean, a.ln1_rstd});
     bus.publish(LayerBackwardEnd{l + 1});
   }
 
   bus.publish(LayerBackwardBegin{0});
-  be_.embedding_backward({tensor(wte_, true), tensor(wpe_, true), dres_, tokens_, batch.inputs.data(), T_});
+  TensorView demb = dres_;
+  if (sp_) {
+    gather_rows(full_c_, dres_);
+    demb = full_c_;
+  }
+  be_.embedding_backward({tensor(wte_, true), tensor(wpe_, true), demb, tokens_, batch.inputs.data(), T_});
   bus.publish(LayerBackwardEnd{0});
 }
 

@@ -26,8 +26,10 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   const float p = training ? cfg_.dropout : 0.0f;
   const int D = C_ / H_;
 
+  // The embeddings are replicated: every rank computes all rows and keeps its own (SP).
   bus.publish(LayerForwardBegin{0});
-  be_.embedding_forward({res_[0], tokens_, tensor(wte_, false), tensor(wpe_, false), T_});
+  be_.embedding_forward({sp_ ? full_c_ : res_[0], tokens_, tensor(wte_, false), tensor(wpe_, false), T_});
+  if (sp_) be_.copy(res_[0], my_rows(full_c_));
   bus.publish(LayerForwardEnd{0});
 
   for (int l = 0; l < L_; ++l) {
@@ -46,27 +48,32 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
       a.attn_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
       a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
     }
-    be_.layernorm_forward({a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
+    // LayerNorm on this rank's rows, gathered for the column-parallel QKV.
+    be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
+    gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
     // Column-parallel QKV: this rank's heads; attention on them (global head index for dropout).
     const auto& lin = block_linears_[static_cast<std::size_t>(l)];
     linear_forward(lin[0], {a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b});
     be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
                            tp_rank_ * Hl_, H_});
-    // Row-parallel projection: partial sums, the bias added once (on TP rank 0), then all-reduced.
+    // Row-parallel projection: partial sums, the bias added once (on TP rank 0), then summed over
+    // TP (all-reduce, or reduce-scatter to this rank's rows under SP).
     linear_forward(lin[1], {scratch_c_, {}, a.atty.reshape({N, C_ / tp_}), w.proj_w, row_parallel_bias(w.proj_b)});
-    tp_all_reduce(scratch_c_);
-    be_.residual_forward({a.res2, res_[l], scratch_c_, hidden_dropout(p, a.attn_drop_rng)});
-    be_.layernorm_forward({a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+    reduce_rows(local_c_, scratch_c_);
+    be_.residual_forward({a.res2, res_[l], local_c_, hidden_dropout(p, a.attn_drop_rng)});
+    be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+    gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
     linear_forward(lin[2], {a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
     linear_forward(lin[3], {scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)});
-    tp_all_reduce(scratch_c_);
-    be_.residual_forward({res_[l + 1], a.res2, scratch_c_, hidden_dropout(p, a.mlp_drop_rng)});
+    reduce_rows(local_c_, scratch_c_);
+    be_.residual_forward({res_[l + 1], a.res2, local_c_, hidden_dropout(p, a.mlp_drop_rng)});
     bus.publish(LayerForwardEnd{l + 1});
   }
 
   bus.publish(LayerForwardBegin{L_ + 1});
-  be_.layernorm_forward({lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false), tensor(lnf_b_, false),
-                         cfg_.ln_eps});
+  be_.layernorm_forward({sp_ ? local_c_ : lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false),
+                         tensor(lnf_b_, false), cfg_.ln_eps});
+  gather_rows(lnf_, sp_ ? local_c_ : lnf_);
   linear_forward(lm_head_, {logits_, {}, lnf_, tensor(wte_, false), {}});
   be_.cross_entropy({losses_.rows(slot, 1).reshape({N}), logits_, targets_, cfg_.vocab_size, dloss_});
   bus.publish(LayerForwardEnd{L_ + 1});
@@ -77,6 +84,26 @@ TensorView GptModel::row_parallel_bias(const TensorView& bias) const { return tp
 
 void GptModel::tp_all_reduce(const TensorView& t) {
   if (tp_ > 1) tp_comm_->all_reduce(t, parallel::ReduceOp::sum, be_.stream());
+}
+
+void GptModel::gather_rows(const TensorView& full, const TensorView& local) {
+  if (sp_)
+    tp_comm_->all_gather(full, local, be_.stream());
+  else
+    KILN_CHECK(full.data == local.data, "gather_rows without sequence parallelism needs one tensor");
+}
+
+void GptModel::reduce_rows(const TensorView& local, const TensorView& full) {
+  if (sp_) {
+    tp_comm_->reduce_scatter(local, full, parallel::ReduceOp::sum, be_.stream());
+    return;
+  }
+  KILN_CHECK(full.data == local.data, "reduce_rows without sequence parallelism needs one tensor");
+  tp_all_reduce(full);
+}
+
+TensorView GptModel::my_rows(const TensorView& full) const {
+  return sp_ ? full.rows(static_cast<std::int64_t>(tp_rank_) * Nl_, Nl_) : full;
 }
 
 double GptModel::mean_loss(int slots) {

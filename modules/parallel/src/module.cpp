@@ -20,7 +20,7 @@ void install(World& w, const ParallelConfig& cfg) {
       throw ConfigError(cat(r.pipeline_file, ": [parallel] ", e.what()));
     }
   }();
-  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank)});
+  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank), cfg.sequence_parallel});
 
   auto& comms = w.emplace_resource<Communicators>();
   auto* launch = w.try_resource<LaunchContext>();
@@ -46,6 +46,22 @@ void install(World& w, const ParallelConfig& cfg) {
     w.systems().add({"parallel.check", Phase::step_end,
                      [nccl = launch->nccl](World&) { nccl->check(); }});
 #endif
+
+  // Sequence parallelism: parameters replicated over TP but fed by this rank's tokens only have
+  // partial gradients; they are summed over the TP group once per step, before the DP sync.
+  w.systems().add({"parallel.tp_grad_sync", Phase::grad_sync,
+                   [](World& world) {
+                     auto& c = world.resource<Communicators>();
+                     if (c.tp->size() == 1) return;
+                     auto& store = world.resource<nn::ParamStore>();
+                     for (Entity e : store.order) {
+                       const auto& p = world.get<nn::Param>(e);
+                       if (p.tp_partial_grad)
+                         c.tp->all_reduce(store.grad_view(p).reshape({p.numel}), ReduceOp::sum, store.stream);
+                     }
+                   },
+                   {},
+                   {"parallel.dp_grad_sync"}});
 
   // Data parallelism: every DP rank computed the gradients of its slice of the global batch, with
   // the loss scaled by 1 / (tokens in the global batch), so summing them gives the batch gradient.

@@ -79,6 +79,14 @@ class GptModel {
   // Row-parallel layers add their (replicated) bias on TP rank 0 only, before the all-reduce.
   TensorView row_parallel_bias(const TensorView& bias) const;
   void tp_all_reduce(const TensorView& t);
+  // Entering a TP region: `full` [N, C] = the rows of every rank (all-gather), or a copy-free no-op
+  // without sequence parallelism (then local is full).
+  void gather_rows(const TensorView& full, const TensorView& local);
+  // Leaving a TP region: the partial sums in `full` [N, C] summed over TP, this rank's rows into
+  // `local` (reduce-scatter), or an all-reduce in place without sequence parallelism.
+  void reduce_rows(const TensorView& local, const TensorView& full);
+  // This rank's rows of a full [N, C] tensor.
+  TensorView my_rows(const TensorView& full) const;
 
   World& world_;
   ModelConfig cfg_;
@@ -86,6 +94,8 @@ class GptModel {
   int B_, T_, slots_;
   int C_, H_, Vp_, L_;
   int tp_ = 1, tp_rank_ = 0, Hl_ = 0;  // tensor parallelism: group size, rank, local heads
+  bool sp_ = false;                    // sequence parallelism
+  std::int64_t Nl_ = 0;                // this rank's tokens outside the TP regions (N without SP)
   parallel::Communicator* tp_comm_ = nullptr;
   parallel::Communicator* dp_comm_ = nullptr;
   float dloss_ = 1.0f;
@@ -100,6 +110,7 @@ class GptModel {
   std::vector<TensorView> res_;  // L+1 residual streams: res_[l] is block l's input
   std::vector<BlockActs> acts_;
   TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
+  TensorView local_c_, full_c_;  // SP: [Nl, C] and [N, C] scratch (both scratch_c_ without SP)
   TensorView ln_shared_, fc_shared_;  // recompute_norm / recompute_gelu: the blocks' LayerNorm and GELU outputs
   // backward scratch
   TensorView dres_, dtmp_, datty_, dln_, dqkv_, dfc_;

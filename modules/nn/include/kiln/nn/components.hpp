@@ -38,6 +38,9 @@ struct Param {
   float init_std = 0;         // > 0: normal(0, init_std); else the constant init_value
   float init_value = 0;
   int unit = 0;               // the layer (FSDP unit) owning it: 0 embeddings, 1..L blocks, L+1 final norm
+  // Replicated over the TP group but computed from this rank's rows only (sequence parallelism):
+  // each rank's gradient is a partial sum, to be summed over the TP group once per step.
+  bool tp_partial_grad = false;
 };
 
 enum class LayerKind { embedding, block, final_norm };

@@ -16,6 +16,7 @@ struct ParallelConfig {
   int cp = 1;
   int ep = 1;
   int dp = 0;
+  bool sequence_parallel = false;
   double timeout_s = 300;
   void validate(config::Checks& c) const {
     c.expect(timeout_s > 0, "timeout_s", "must be positive");
@@ -32,6 +33,9 @@ KILN_CONFIG(ParallelConfig,
             (cp, "context-parallel size (ranks only)"),
             (ep, "expert-parallel size (ranks only)"),
             (dp, "data-parallel size; 0 = world size / (tp * pp * cp * ep)"),
+            (sequence_parallel,
+             "outside the tensor-parallel regions each TP rank keeps 1/tp of the tokens (LayerNorm, dropout and "
+             "residuals on sequence shards; all-gather before and reduce-scatter after each TP region)"),
             (timeout_s, "a collective waiting longer than this for another rank stops the run, naming it"))
 
 // World resource: the topology and this rank's coordinates.
@@ -39,6 +43,7 @@ struct ParallelState {
   Topology topology;
   int rank = 0;
   Coords coords;
+  bool sequence_parallel = false;
   int tp_size() const { return topology.sizes().tp; }
   int dp_size() const { return topology.sizes().dp; }
 };
