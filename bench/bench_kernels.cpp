@@ -207,7 +207,10 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     bf16* dout = buf.act(static_cast<std::int64_t>(N) * OC);
     float* dbias = buf.f32(OC);
     float* scratch = buf.f32(cuda::bias_grad_scratch(N, OC));
-    row("bias_grad", dims({N, OC}), timer.median_ms([&] { cuda::bias_grad(dbias, scratch, dout, N, OC, s); }),
+    auto* tickets = reinterpret_cast<unsigned*>(buf.f32(cuda::bias_grad_tickets(OC)));
+    KILN_CUDA_CHECK(cudaMemsetAsync(tickets, 0, cuda::bias_grad_tickets(OC) * sizeof(unsigned), s));
+    row("bias_grad", dims({N, OC}),
+        timer.median_ms([&] { cuda::bias_grad(dbias, scratch, tickets, dout, N, OC, s); }),
         2.0 * N * OC);
   }
 

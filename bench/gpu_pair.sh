@@ -21,10 +21,21 @@ run() {  # name steps [args...]
   echo "$name rc=$?"
 }
 nvidia-smi -L >> "$log"
+echo "===== collectives" >> "$log"
+timeout 200 "$B/bin/bench_collectives" --nproc 2 > "$OUT/collectives.txt" 2>&1
+echo "collectives rc=$?"
+cat "$OUT/collectives.txt" >> "$log"
+
 run one 30
 run tp2 30 --nproc 2 --set parallel.tp=2
-run dp2 30 --nproc 2
+run tp2-sp 30 --nproc 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
+run dp2 30 --nproc 2 --set train.batch_size=32
 run tp2-mb 30 --nproc 2 --set parallel.tp=2 --set train.micro_batch_size=8
+big=(--set model.n_layer=24 --set model.n_head=16 --set model.n_embd=2048 --set train.batch_size=8
+     --set model.recompute_gelu=true)
+run 1.3b-one 16 "${big[@]}"
+run 1.3b-tp2 16 "${big[@]}" --nproc 2 --set parallel.tp=2
+run 1.3b-tp2-sp 16 "${big[@]}" --nproc 2 --set parallel.tp=2 --set parallel.sequence_parallel=true
 
 # Kill rank 1 with SIGKILL once training is under way; rank 0 must stop soon, naming it.
 kill_log="$OUT/kill-log.txt"
@@ -51,16 +62,26 @@ out = pathlib.Path(sys.argv[1])
 def load(n):
     p = out / f"{n}.jsonl"
     return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
-one = load("one")
-print(f"{'run':<8} {'tok/s':>10} {'ms/step':>9} {'max |dloss|/loss vs 1 GPU':>26}")
-for n in ["one", "tp2", "dp2", "tp2-mb"]:
+logs = (out / "pair-logs.txt").read_text().split("===== ")
+mem = {}
+for chunk in logs:
+    name = chunk.split("\n", 1)[0].strip()
+    for line in chunk.splitlines():
+        if "peak device memory" in line:
+            mem[name] = line.split("memory ")[1].split(" GiB")[0]
+print(f"{'run':<12} {'tok/s':>10} {'per GPU':>9} {'ms/step':>9} {'GiB/GPU':>8} {'max |dloss|/loss vs 1 GPU':>26}")
+for n, ref, gpus in [("one", "one", 1), ("tp2", "one", 2), ("tp2-sp", "one", 2), ("dp2", None, 2), ("tp2-mb", "one", 2),
+                     ("1.3b-one", "1.3b-one", 1), ("1.3b-tp2", "1.3b-one", 2), ("1.3b-tp2-sp", "1.3b-one", 2)]:
     r = load(n)
     if not r:
-        print(f"{n:<8} (no metrics)"); continue
+        print(f"{n:<12} (no metrics)"); continue
     st = r[len(r) // 3:]
-    d = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(r, one)) if one else float("nan")
-    print(f"{n:<8} {statistics.median(x['tokens_per_s'] for x in st):>10,.0f} {statistics.median(x['step_ms'] for x in st):>9.2f} {d:>26.2e}")
+    base = load(ref) if ref else []
+    d = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(r, base)) if base else float("nan")
+    tps = statistics.median(x['tokens_per_s'] for x in st)
+    print(f"{n:<12} {tps:>10,.0f} {tps/gpus:>9,.0f} {statistics.median(x['step_ms'] for x in st):>9.2f} {mem.get(n, '?'):>8} {d:>26.2e}")
 PY
+cat "$OUT/collectives.txt"
 echo "--- the killed run's messages:"
 grep -vE "^step|^model" "$kill_log" | tail -8
 echo "===== kill" >> "$log"

@@ -2,6 +2,7 @@
 
 #include "kiln/data/module.hpp"
 #include "kiln/engine/engine_module.hpp"
+#include "kiln/fp8/module.hpp"
 #include "kiln/log/log.hpp"
 #include "kiln/model/module.hpp"
 #include "kiln/ops/module.hpp"
@@ -22,6 +23,7 @@ void register_builtin_modules(ModuleRegistry& registry) {
   model::register_module(registry);
   optim::register_module(registry);
   log::register_module(registry);
+  fp8::register_module(registry);
 }
 
 }  // namespace kiln

@@ -1,27 +1,36 @@
-// dbias[o] += sum_n dout[n, o] by a deterministic two-stage reduction, and that second stage
-// (reduce_partials), shared with layernorm_backward.
+// dbias[o] += sum_n dout[n, o] by a deterministic reduction in one launch, and reduce_partials (the
+// second stage of layernorm_backward's reduction).
 #include "common.cuh"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::cuda {
 namespace {
 
-// Stage 1: blocks of (32 column chunks of 8, 8 row groups) over a fixed range of rows. Row group g
-// sums rows g, g + 8, ... of the range in order, then a fixed tree over the 8 groups gives the
-// block's partial. The row ranges depend on N only.
+// One launch. Blocks of (32 column chunks of 8, 8 row groups) each sum a fixed range of rows: row
+// group g sums rows g, g + 8, ... of the range in order, a fixed tree over the 8 groups gives the
+// block's partial. The last block of a column strip to finish (an atomic ticket) then adds the
+// partials of every row range in index order: the result does not depend on which block finished
+// last. Row ranges depend on N, the columns and the SM count, so a GPU model always sums the same way.
 constexpr int kLanes = 32, kGroups = 8;
-constexpr int kMaxRowBlocks = 128, kMinRows = 32;
 
-int rows_per_block(int N) {
-  const std::int64_t r = std::max<std::int64_t>(kMinRows, ceil_div(std::max(N, 1), kMaxRowBlocks));
-  return static_cast<int>(ceil_div(r, kGroups) * kGroups);
+struct Split {
+  int rows_per_block, row_blocks;
+};
+Split split_rows(int N, int OC, int sms) {
+  const int col_blocks = static_cast<int>(ceil_div(ceil_div(std::max(OC, 1), 8), kLanes));
+  // About four blocks per SM in all, each thread summing at least 8 rows.
+  const std::int64_t want = std::max<std::int64_t>(1, ceil_div(4 * sms, col_blocks));
+  std::int64_t rpb = std::max<std::int64_t>(8 * kGroups, ceil_div(std::max(N, 1), want));
+  rpb = ceil_div(rpb, kGroups) * kGroups;
+  return {static_cast<int>(rpb), static_cast<int>(ceil_div(std::max(N, 1), rpb))};
 }
-int row_blocks(int N) { return static_cast<int>(ceil_div(std::max(N, 1), rows_per_block(N))); }
 
 template <bool VEC>
-__global__ __launch_bounds__(kLanes* kGroups) void bias_grad_partials(float* partials, const bf16* dout, int N, int OC,
-                                                                      int rpb) {
+__global__ __launch_bounds__(kLanes* kGroups) void bias_grad_kernel(float* dbias, float* partials, unsigned* tickets,
+                                                                    const bf16* dout, int N, int OC, int rpb,
+                                                                    int row_blocks) {
   __shared__ float sm[kGroups][kLanes * 8 + 4];
+  __shared__ bool last;
   const int tx = threadIdx.x, g = threadIdx.y;
   const int c = (blockIdx.x * kLanes + tx) * 8, valid = OC - c;
   const int r0 = blockIdx.y * rpb, r1 = min(N, r0 + rpb);
@@ -75,6 +84,21 @@ __global__ __launch_bounds__(kLanes* kGroups) void bias_grad_partials(float* par
     for (int k = 0; k < 8; ++k)
       if (k < valid) out[k] = sm[0][tx * 8 + k];
   }
+  // Publish the partial, then take a ticket; the block holding the last one finishes the strip.
+  __threadfence();
+  __syncthreads();
+  const int tid = g * kLanes + tx;
+  if (tid == 0) last = atomicAdd(&tickets[blockIdx.x], 1u) == static_cast<unsigned>(row_blocks - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int col = blockIdx.x * kLanes * 8 + tid;  // 256 threads, one column each
+  if (col < OC) {
+    float sum = 0;
+    for (int p = 0; p < row_blocks; ++p) sum += __ldcg(partials + static_cast<std::int64_t>(p) * OC + col);
+    dbias[col] += sum;
+  }
+  if (tid == 0) tickets[blockIdx.x] = 0;  // ready for the next call
 }
 
 // Stage 2: blocks of (8 columns, 32 groups); group g sums partials g, g + 32, ... in order, then a
@@ -110,21 +134,33 @@ void reduce_partials(float* out, const float* partials, int P, int W, int ld, cu
   KILN_CUDA_LAUNCH_CHECK();
 }
 
+namespace {
+int sm_count() {
+  int device = 0, sms = 0;
+  KILN_CUDA_CHECK(cudaGetDevice(&device));
+  KILN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+}  // namespace
+
 std::int64_t bias_grad_scratch(int N, int OC) {
-  return static_cast<std::int64_t>(row_blocks(N)) * std::max(OC, 1);
+  return static_cast<std::int64_t>(split_rows(N, OC, sm_count()).row_blocks) * std::max(OC, 1);
 }
 
-void bias_grad(float* dbias, float* scratch, const bf16* dout, int N, int OC, cudaStream_t s) {
+std::int64_t bias_grad_tickets(int OC) { return ceil_div(ceil_div(std::max(OC, 1), 8), kLanes); }
+
+void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s) {
   if (N <= 0 || OC <= 0) return;
-  const int rpb = rows_per_block(N), blocks = row_blocks(N);
-  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(OC, 8), kLanes)), static_cast<unsigned>(blocks));
+  const Split sp = split_rows(N, OC, sm_count());
+  const dim3 grid(static_cast<unsigned>(bias_grad_tickets(OC)), static_cast<unsigned>(sp.row_blocks));
   const dim3 block(kLanes, kGroups);
   if (OC % 8 == 0 && aligned16(dout))
-    bias_grad_partials<true><<<grid, block, 0, s>>>(scratch, dout, N, OC, rpb);
+    bias_grad_kernel<true><<<grid, block, 0, s>>>(dbias, scratch, tickets, dout, N, OC, sp.rows_per_block,
+                                                  sp.row_blocks);
   else
-    bias_grad_partials<false><<<grid, block, 0, s>>>(scratch, dout, N, OC, rpb);
+    bias_grad_kernel<false><<<grid, block, 0, s>>>(dbias, scratch, tickets, dout, N, OC, sp.rows_per_block,
+                                                   sp.row_blocks);
   KILN_CUDA_LAUNCH_CHECK();
-  reduce_partials(dbias, scratch, blocks, OC, OC, s);
 }
 
 }  // namespace kiln::cuda

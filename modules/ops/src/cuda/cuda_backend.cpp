@@ -135,6 +135,16 @@ float* CudaBackend::scratch_floats(std::int64_t n) {
   return static_cast<float*>(scratch_.data());
 }
 
+unsigned* CudaBackend::tickets(std::int64_t n) {
+  const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(unsigned);
+  if (tickets_.bytes() < bytes) {
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    tickets_ = Buffer(Device::cuda, std::max<std::size_t>(bytes, 4096));
+    KILN_CUDA_CHECK(cudaMemsetAsync(tickets_.data(), 0, tickets_.bytes(), stream_));
+  }
+  return static_cast<unsigned*>(tickets_.data());
+}
+
 void* CudaBackend::upload(const void* host, std::size_t bytes, int slot) {
   auto& s = staging_[slot];
   if (s.bytes < bytes) {
@@ -357,7 +367,8 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   if (a.dbias) {
     check_dev(a.dbias, DType::f32, "linear_backward dbias");
     float* scratch = scratch_floats(cuda::bias_grad_scratch(N, OC));
-    cuda::bias_grad(dptr<float>(a.dbias), scratch, dptr<bf16>(a.dout), N, OC, stream_);
+    cuda::bias_grad(dptr<float>(a.dbias), scratch, tickets(cuda::bias_grad_tickets(OC)), dptr<bf16>(a.dout), N, OC,
+                    stream_);
   }
 }
 

@@ -66,6 +66,8 @@ class CudaBackend final : public Backend {
   };
   // Device scratch memory for temporaries of one op, grown on demand (stream-ordered).
   float* scratch_floats(std::int64_t n);
+  // Counters that kernels leave zero (e.g. bias_grad's tickets), zeroed once.
+  unsigned* tickets(std::int64_t n);
   // Pinned host staging + device copy of small per-call tables.
   void* upload(const void* host, std::size_t bytes, int slot);
 
@@ -78,6 +80,7 @@ class CudaBackend final : public Backend {
   Buffer workspace_;
   std::unique_ptr<cuda::GemmRunner> gemm_;
   Buffer scratch_;
+  Buffer tickets_;
   struct Staging {
     void* host = nullptr;
     Buffer device;

@@ -52,9 +52,11 @@ void residual_forward(bf16* out, const bf16* residual, const bf16* x, int N, int
 void dropout_backward(bf16* dx, const bf16* dout, int N, int C, const ops::DropoutArgs& d, cudaStream_t s);
 
 // ---- linear helpers (the GEMMs themselves go through cuBLASLt, see gemm.hpp) ----
-// dbias[o] += sum_n dout[n, o]; `scratch` holds bias_grad_scratch(N, OC) floats.
+// dbias[o] += sum_n dout[n, o]; `scratch` holds bias_grad_scratch(N, OC) floats; `tickets` holds
+// bias_grad_tickets(OC) counters that are zero on entry and left zero (keep one zeroed buffer).
 std::int64_t bias_grad_scratch(int N, int OC);
-void bias_grad(float* dbias, float* scratch, const bf16* dout, int N, int OC, cudaStream_t s);
+std::int64_t bias_grad_tickets(int OC);
+void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s);
 
 // ---- attention (flash-style, causal, deterministic backward) ----
 // q, k, v interleaved as qkv [B, T, 3, H, D]; out [B, T, H, D]; lse [B, H, T]. D in {16, 32, 64, 128}.

@@ -1,0 +1,228 @@
+// FP8 benchmark on one GPU.
+//  1. The quantisation kernels at GPT-2 124M (N=16384 tokens, C=768) and 1.3B (N=8192, C=2048)
+//     sizes: achieved GB/s (bytes read + written) against a device-to-device copy of the same
+//     tensor (the bandwidth ceiling, ~4.3 TB/s on an H200).
+//  2. GEMM TFLOP/s, cuBLASLt FP8 against kiln's bf16 runner, at the model's linear-layer shapes
+//     (forward, dgrad, wgrad) and at M x N x K = 16384 x 8192 x 2048 (reference on an H200: FP8
+//     1,255 TFLOP/s, bf16 726).
+// Each entry: warm-up, then the median of CUDA-event timings of single calls, L2 flushed before each.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kiln/fp8/cuda/gemm.hpp"
+#include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/gemm.hpp"
+#include "kiln/ops/cuda/launchers.hpp"
+#include "kiln/tensor/buffer.hpp"
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::bench {
+namespace {
+
+constexpr int kWarmup = 3, kIters = 20;
+
+class Timer {
+ public:
+  explicit Timer(cudaStream_t s) : s_(s), flush_(Device::cuda, 256u << 20) {
+    KILN_CUDA_CHECK(cudaEventCreate(&a_));
+    KILN_CUDA_CHECK(cudaEventCreate(&b_));
+  }
+  ~Timer() {
+    cudaEventDestroy(a_);
+    cudaEventDestroy(b_);
+  }
+  double median_ms(const std::function<void()>& f) {
+    for (int i = 0; i < kWarmup; ++i) f();
+    std::vector<float> t;
+    for (int i = 0; i < kIters; ++i) {
+      KILN_CUDA_CHECK(cudaMemsetAsync(flush_.data(), i, flush_.bytes(), s_));  // evict L2
+      KILN_CUDA_CHECK(cudaEventRecord(a_, s_));
+      f();
+      KILN_CUDA_CHECK(cudaEventRecord(b_, s_));
+      KILN_CUDA_CHECK(cudaEventSynchronize(b_));
+      float ms = 0;
+      KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+
+ private:
+  cudaStream_t s_;
+  Buffer flush_;
+  cudaEvent_t a_, b_;
+};
+
+// A device buffer of bf16 N(0, std) values (through an f32 staging copy), or of FP8 codes.
+Buffer bf16_buffer(std::int64_t n, float std, cudaStream_t s) {
+  std::vector<float> h(static_cast<std::size_t>(n));
+  std::mt19937 gen(static_cast<unsigned>(n));
+  std::normal_distribution<float> d(0.0f, std);
+  for (auto& v : h) v = d(gen);
+  Buffer f32(Device::cuda, h.size() * 4), out(Device::cuda, h.size() * 2);
+  KILN_CUDA_CHECK(cudaMemcpy(f32.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+  cuda::convert_f32_to_bf16(static_cast<cuda::bf16*>(out.data()), static_cast<float*>(f32.data()), n, s);
+  KILN_CUDA_CHECK(cudaStreamSynchronize(s));
+  return out;
+}
+
+std::string dims(std::int64_t a, std::int64_t b) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "[%lld,%lld]", static_cast<long long>(a), static_cast<long long>(b));
+  return buf;
+}
+
+std::string mnk(std::int64_t m, std::int64_t n, std::int64_t k) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%lldx%lldx%lld", static_cast<long long>(m), static_cast<long long>(n),
+                static_cast<long long>(k));
+  return buf;
+}
+
+void quantize_table(Timer& timer, cudaStream_t s, const Buffer& scales) {
+  std::printf("\n%-44s %-14s %9s %9s %9s\n", "quantize (bf16 in)", "shape", "ms", "GB/s", "copy GB/s");
+  struct Size {
+    const char* model;
+    std::int64_t N, C;
+  };
+  const float* scale = static_cast<const float*>(scales.data());
+  float* amax = static_cast<float*>(scales.data()) + 1;
+  for (const Size& m : {Size{"124M", 16384, 768}, Size{"1.3B", 8192, 2048}}) {
+    struct Entry {
+      std::string what;
+      std::int64_t rows, cols;
+      bool row, col;
+    };
+    const std::int64_t N = m.N, C = m.C;
+    const Entry entries[] = {
+        {"x -> rowwise e4m3 + amax (forward)", N, C, true, false},
+        {"x -> colwise e4m3 (backward, wgrad)", N, C, false, true},
+        {"dout -> rowwise + colwise e5m2 + amax", N, C, true, true},
+        {"fc x -> rowwise e4m3 + amax", N, 4 * C, true, false},
+        {"fc dout -> rowwise + colwise e5m2 + amax", N, 4 * C, true, true},
+        {"W_qkv -> rowwise + colwise e4m3 + amax", 3 * C, C, true, true},
+        {"W_fc -> rowwise + colwise e4m3 + amax", 4 * C, C, true, true},
+    };
+    for (const Entry& e : entries) {
+      const std::int64_t n = e.rows * e.cols;
+      Buffer x = bf16_buffer(n, 1.0f, s), row(Device::cuda, static_cast<std::size_t>(n)),
+             col(Device::cuda, static_cast<std::size_t>(n)), copy(Device::cuda, static_cast<std::size_t>(n) * 2);
+      const fp8::Format f = e.col && e.row && e.what.find("dout") != std::string::npos ? fp8::Format::e5m2 : fp8::Format::e4m3;
+      const bool want_amax = e.what.find("amax") != std::string::npos;
+      const double ms = timer.median_ms([&] {
+        fp8::cuda::cast_transpose(x.data(), DType::bf16, e.row ? static_cast<std::uint8_t*>(row.data()) : nullptr,
+                                  e.col ? static_cast<std::uint8_t*>(col.data()) : nullptr, f, scale,
+                                  want_amax ? amax : nullptr, e.rows, e.cols, s);
+      });
+      const double copy_ms = timer.median_ms(
+          [&] { KILN_CUDA_CHECK(cudaMemcpyAsync(copy.data(), x.data(), static_cast<std::size_t>(n) * 2, cudaMemcpyDeviceToDevice, s)); });
+      const double bytes = 2.0 * n + double(n) * ((e.row ? 1 : 0) + (e.col ? 1 : 0));
+      std::printf("%-5s %-38s %-14s %9.4f %9.1f %9.1f\n", m.model, e.what.c_str(), dims(e.rows, e.cols).c_str(), ms,
+                  bytes / (ms * 1e-3) / 1e9, 4.0 * n / (copy_ms * 1e-3) / 1e9);
+    }
+    Buffer x = bf16_buffer(N * 4 * C, 1.0f, s);
+    const double ms = timer.median_ms([&] { fp8::cuda::amax(x.data(), DType::bf16, N * 4 * C, amax, s); });
+    std::printf("%-5s %-38s %-14s %9.4f %9.1f\n", m.model, "amax only (current scaling)", dims(N, 4 * C).c_str(), ms,
+                2.0 * N * 4 * C / (ms * 1e-3) / 1e9);
+  }
+}
+
+void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes,
+                const Buffer& scales) {
+  cuda::GemmRunner bf16(lt, ws, ws_bytes);
+  fp8::cuda::Fp8GemmRunner f8(lt, ws, ws_bytes);
+  std::printf("\n%-34s %-22s %10s %10s %10s %8s\n", "GEMM (D = X Y^T, M x N x K)", "shape", "bf16 TF/s", "fp8 TF/s",
+              "fp8 fast", "speedup");
+  struct Shape3 {
+    std::string what;
+    std::int64_t M, N, K;
+    bool wgrad;  // D f32 accumulated, E5M2 x E4M3
+    bool dgrad;  // E5M2 x E4M3
+  };
+  std::vector<Shape3> shapes;
+  for (auto [model, N, C] : {std::tuple<const char*, std::int64_t, std::int64_t>{"124M", 16384, 768}, {"1.3B", 8192, 2048}}) {
+    const std::string m = model;
+    shapes.push_back({m + " qkv fwd", N, 3 * C, C, false, false});
+    shapes.push_back({m + " attn_proj fwd", N, C, C, false, false});
+    shapes.push_back({m + " fc fwd", N, 4 * C, C, false, false});
+    shapes.push_back({m + " fc_proj fwd", N, C, 4 * C, false, false});
+    shapes.push_back({m + " fc dgrad", N, C, 4 * C, false, true});
+    shapes.push_back({m + " fc_proj dgrad", N, 4 * C, C, false, true});
+    shapes.push_back({m + " fc wgrad", 4 * C, C, N, true, false});
+    shapes.push_back({m + " qkv wgrad", 3 * C, C, N, true, false});
+  }
+  shapes.push_back({"square-ish reference", 16384, 8192, 2048, false, false});
+  const float* si = static_cast<const float*>(scales.data());
+  for (const auto& sh : shapes) {
+    const std::int64_t M = sh.M, N = sh.N, K = sh.K;
+    Buffer xa = bf16_buffer(M * K, 1.0f, s), ya = bf16_buffer(N * K, 0.02f, s);
+    Buffer xq(Device::cuda, static_cast<std::size_t>(M * K)), yq(Device::cuda, static_cast<std::size_t>(N * K));
+    KILN_CUDA_CHECK(cudaMemsetAsync(xq.data(), 0x31, xq.bytes(), s));
+    KILN_CUDA_CHECK(cudaMemsetAsync(yq.data(), 0x29, yq.bytes(), s));
+    Buffer d(Device::cuda, static_cast<std::size_t>(M * N) * 4);
+    KILN_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.bytes(), s));
+    cuda::GemmDesc g;  // the same product in bf16: D[M, N] = X[M, K] Y[N, K]^T
+    g.M = static_cast<int>(M);
+    g.N = static_cast<int>(N);
+    g.K = static_cast<int>(K);
+    g.A = static_cast<const cuda::bf16*>(xa.data());
+    g.B = static_cast<const cuda::bf16*>(ya.data());
+    g.trans_b = true;
+    g.D = d.data();
+    g.d_f32 = sh.wgrad;
+    g.accumulate = sh.wgrad;
+    const double bf_ms = timer.median_ms([&] { bf16.run(g, s); });
+    fp8::GemmArgs a;
+    a.x = TensorView(xq.data(), {M, K}, sh.wgrad || sh.dgrad ? DType::e5m2 : DType::e4m3, Device::cuda);
+    a.y = TensorView(yq.data(), {N, K}, DType::e4m3, Device::cuda);
+    a.x_scale_inv = si;
+    a.y_scale_inv = si;
+    a.d = TensorView(d.data(), {M, N}, sh.wgrad ? DType::f32 : DType::bf16, Device::cuda);
+    a.accumulate = sh.wgrad;
+    const double f8_ms = timer.median_ms([&] { f8.run(a, s); });
+    a.fast_accum = true;
+    const double fast_ms = timer.median_ms([&] { f8.run(a, s); });
+    const double flops = 2.0 * M * N * K;
+    std::printf("%-34s %-22s %10.1f %10.1f %10.1f %7.2fx\n", sh.what.c_str(),
+                mnk(M, N, K).c_str(),
+                flops / (bf_ms * 1e-3) / 1e12, flops / (f8_ms * 1e-3) / 1e12, flops / (fast_ms * 1e-3) / 1e12,
+                bf_ms / std::min(f8_ms, fast_ms));
+  }
+}
+
+}  // namespace
+}  // namespace kiln::bench
+
+int main() {
+  using namespace kiln;
+  try {
+    cudaStream_t s;
+    KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaDeviceProp prop{};
+    KILN_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("kiln FP8 benchmark on %s (median of %d calls, L2 flushed)\n", prop.name, bench::kIters);
+    bench::Timer timer(s);
+    Buffer scales(Device::cuda, 256);
+    const float init[2] = {1.0f, 0.0f};  // scale (and scale_inv) 1, amax 0
+    KILN_CUDA_CHECK(cudaMemcpy(scales.data(), init, sizeof(init), cudaMemcpyHostToDevice));
+    bench::quantize_table(timer, s, scales);
+    cublasLtHandle_t lt;
+    KILN_CUBLAS_CHECK(cublasLtCreate(&lt));
+    constexpr std::size_t kWs = 32u << 20;
+    Buffer ws(Device::cuda, kWs);
+    bench::gemm_table(timer, s, lt, ws.data(), kWs, scales);
+    cublasLtDestroy(lt);
+    cudaStreamDestroy(s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_fp8: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

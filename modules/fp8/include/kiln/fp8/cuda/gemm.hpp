@@ -1,0 +1,45 @@
+#pragma once
+// FP8 GEMMs through cuBLASLt (kiln::fp8::GemmArgs: D[M, N] = deq(X)[M, K] @ deq(Y)[N, K]^T).
+//
+// Hopper runs FP8 only in the "TN" layout: cuBLASLt's A transposed, B not, i.e. both operands
+// with K contiguous. kiln's row-major D[M, N] is cuBLASLt's column-major D^T [N, M], computed as
+// op(A) op(B) with A = Y (stored K x N column-major, ld K, op T) and B = X (stored K x M, ld K, op N).
+// The operand scales are A_SCALE_POINTER = Y's scale_inv and B_SCALE_POINTER = X's scale_inv; D is
+// bf16 (C = D, beta 0) or f32 accumulated (C = D, beta 1). The bias is cuBLASLt's per-row bias of
+// D^T (bf16). Epilogues cuBLASLt has no FP8 algorithm for run as a plain GEMM plus an
+// elementwise kernel. Fast accumulation only where GemmArgs asks (the forward pass).
+//
+// Plans (descriptors, layouts, the heuristic's first algorithm) are cached per shape, types and
+// epilogue, so a shape always runs the same kernel (deterministic results).
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include "kiln/fp8/ops.hpp"
+
+namespace kiln::fp8::cuda {
+
+class Fp8GemmRunner {
+ public:
+  Fp8GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t workspace_bytes);
+  ~Fp8GemmRunner();
+  Fp8GemmRunner(const Fp8GemmRunner&) = delete;
+  Fp8GemmRunner& operator=(const Fp8GemmRunner&) = delete;
+  void run(const GemmArgs& g, cudaStream_t stream);
+
+ private:
+  struct Plan;
+  // M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, int, int, int, bool, int, bool>;
+  Plan& plan(const GemmArgs& g);
+  cublasLtHandle_t handle_;
+  void* workspace_;
+  std::size_t workspace_bytes_;
+  Buffer one_;  // a device 1.0f: the scale pointers the heuristic is shown
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace kiln::fp8::cuda

@@ -1,0 +1,41 @@
+#pragma once
+// CUDA launchers of the FP8 kernels: host functions taking device pointers and an explicit stream,
+// usable without the rest of kiln::fp8. Each checks its launch and throws kiln::Error on failure.
+// Inputs `x` are bf16 (DType::bf16) or f32 (DType::f32), contiguous, row-major.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kiln/fp8/format.hpp"
+#include "kiln/fp8/ops.hpp"
+#include "kiln/tensor/dtype.hpp"
+
+namespace kiln::fp8::cuda {
+
+// The fused cast + transpose + amax: reads x [rows, cols] once and writes rowwise [rows, cols]
+// and/or colwise [cols, rows] (either may be null) as encode(x * *scale) in `f`; max-accumulates
+// max |x| into *amax unless null. 16-byte accesses when rows and cols are multiples of 16 and the
+// pointers 16-byte aligned; a plain elementwise kernel otherwise.
+void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                    const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+
+// *amax = max(*amax, max |x|) over n elements (NaN propagates).
+void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s);
+
+// *scale = compute_scale(fp8_max, *amax, margin, *scale); *scale_inv = 1 / *scale (one thread).
+void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin, cudaStream_t s);
+
+// out[i] = decode(q[i]) * *scale_inv.
+void dequantize(float* out, const std::uint8_t* q, Format f, std::int64_t n, const float* scale_inv, cudaStream_t s);
+
+// The delayed-scaling update of every slot (DelayedUpdateArgs): one kernel, one thread per slot.
+void delayed_update(const DelayedUpdateArgs& a, cudaStream_t s);
+
+// Epilogues cuBLASLt does not fuse with FP8 inputs, on a row-major bf16 d [M, N]:
+enum class EpilogueKernel { add_bias, gelu, dgelu };
+//   add_bias: d += bias[n];  gelu: d = gelu(aux);  dgelu: d *= gelu'(aux)   (aux bf16 [M, N])
+void gemm_epilogue(__nv_bfloat16* d, const __nv_bfloat16* aux, const __nv_bfloat16* bias, std::int64_t M,
+                   std::int64_t N, EpilogueKernel mode, cudaStream_t s);
+
+}  // namespace kiln::fp8::cuda

@@ -1,0 +1,88 @@
+#pragma once
+// A linear layer whose three GEMMs run in FP8, with the contract of ops::LinearForward /
+// LinearBackward (bias; GELU epilogue writing pre_gelu; dx with dgelu; dweight, dbias accumulated in
+// f32). Device-agnostic: it only calls Fp8Ops.
+//
+//   forward  out[N, OC]  = x[N, IC] @ W[OC, IC]^T        X = x rowwise,   Y = W rowwise   (E4M3 x E4M3)
+//   dgrad    dx[N, IC]   = dout[N, OC] @ W[OC, IC]        X = dout rowwise, Y = W colwise (E5M2 x E4M3 hybrid)
+//   wgrad    dW[OC, IC] += dout^T[OC, N] @ x[N, IC]       X = dout colwise, Y = x colwise (E5M2 x E4M3 hybrid)
+//
+// Scales (per tensor, slots of an Fp8MetaStore): the weight's FP8 copies (rowwise and colwise) are
+// made once per weight version and reused by every micro-batch and by the backward pass. The input
+// is quantised in the forward pass (rowwise) and again, with the same scale, in the backward pass
+// (colwise only), so no FP8 activation is kept between the passes. The grad_output is quantised once
+// in the backward pass into both copies.
+//
+// Replays: a forward run again on the same input (activation recompute) uses the same scales and,
+// under delayed scaling, max-accumulates the same amaxes into this step's history row, which is
+// idempotent; nothing here rolls or updates the history (Fp8MetaStore::update does, once per step).
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "kiln/fp8/meta.hpp"
+#include "kiln/fp8/ops.hpp"
+#include "kiln/ops/backend.hpp"
+
+namespace kiln::fp8 {
+
+// Scratch memory for the quantised activations and gradients of the linear layers that share one
+// Fp8Ops (they run one after another on its stream, so they can share it). Grows on demand.
+class Fp8Workspace {
+ public:
+  enum Use { input_rowwise, input_colwise, grad_rowwise, grad_colwise, kUses };
+  explicit Fp8Workspace(Fp8Ops& ops) : ops_(ops) {}
+  // At least `bytes` for this use; growing waits for the work that may still read the old buffer.
+  void* get(Use use, std::size_t bytes);
+
+ private:
+  Fp8Ops& ops_;
+  std::array<Buffer, kUses> bufs_;
+};
+
+class Fp8Linear {
+ public:
+  // Uses slots first_slot + TensorRole of `meta`; their formats decide the FP8 types.
+  Fp8Linear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace, const Fp8Recipe& recipe,
+            std::string name = "linear");
+
+  // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
+  // weight is another tensor). Bump the version whenever the weight values change.
+  void forward(const ops::LinearForward& a, std::int64_t weight_version);
+  void backward(const ops::LinearBackward& a);
+
+  // Forward on an input its producer already quantised (e.g. a LayerNorm writing FP8): `x.rowwise`
+  // [N, IC] in input_slot().format, quantised with *input_slot().scale; under delayed scaling the
+  // producer also max-accumulates max|x| into *input_slot().amax. `a.x` still names the
+  // high-precision input, which the backward pass reads.
+  void forward_quantized(const Fp8TensorView& x, const ops::LinearForward& a, std::int64_t weight_version);
+
+  ScalingSlot slot(TensorRole r) const { return meta_.slot(first_slot_ + static_cast<int>(r)); }
+  void invalidate_weight() { cache_.valid = false; }
+  const std::string& name() const { return name_; }
+
+ private:
+  // Makes slot s's scale valid for quantising t; returns where the quantisation records its amax
+  // (nullptr when the amax is already recorded or not wanted).
+  float* prepare_scale(const ScalingSlot& s, const TensorView& t);
+  void ensure_weight(const TensorView& w, std::int64_t version);
+  bool weight_cached(const TensorView& w) const;
+  void gemm_forward(const TensorView& xq, const ops::LinearForward& a);
+  Fp8TensorView view(const ScalingSlot& s, void* rowwise, void* colwise, std::int64_t rows, std::int64_t cols) const;
+
+  Fp8Ops& ops_;
+  Fp8MetaStore& meta_;
+  int first_slot_;
+  Fp8Workspace& ws_;
+  Fp8Recipe recipe_;
+  std::string name_;
+  struct WeightCache {
+    Buffer rowwise, colwise;  // [OC, IC] and [IC, OC]
+    bool valid = false;
+    std::int64_t version = 0;
+    const void* source = nullptr;
+    std::int64_t rows = 0, cols = 0;
+  } cache_;
+};
+
+}  // namespace kiln::fp8

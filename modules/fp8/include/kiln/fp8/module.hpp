@@ -1,0 +1,78 @@
+#pragma once
+// The "fp8" module: `--set fp8.enabled=true` runs a pipeline's linear layers as FP8 GEMMs, on the
+// CUDA backend (cuBLASLt FP8) and on the CPU backend (the bit-exact emulation).
+//
+// Install: each selected nn::Linear entity gets an Fp8Meta component (its slots in the rank's
+// Fp8MetaStore) and an ops::LinearImpl that calls its Fp8Linear. Systems, in Phase::optimizer
+// (after the last backward of the step, before the next forward):
+//   fp8.amax_reduce   one all-reduce (max) of all this step's amaxes over fp8.amax_group (delayed)
+//   fp8.scale_update  the delayed update of every scale and the history roll, one kernel (delayed)
+//   fp8.weights_changed  marks the cached FP8 weights stale (the optimizer changed the weights)
+// Anything else that changes the weights (a checkpoint load) calls Fp8State::invalidate_weights().
+#include <memory>
+#include <vector>
+
+#include "kiln/engine/config/reflect.hpp"
+#include "kiln/engine/module.hpp"
+#include "kiln/fp8/linear.hpp"
+#include "kiln/fp8/meta.hpp"
+#include "kiln/fp8/ops.hpp"
+#include "kiln/fp8/recipe.hpp"
+#include "kiln/parallel/communicator.hpp"
+
+namespace kiln::fp8 {
+
+enum class AmaxGroup { tp, tp_dp, world };
+BOOST_DESCRIBE_ENUM(AmaxGroup, tp, tp_dp, world)
+
+struct Fp8Config {
+  bool enabled = false;
+  RecipeKind recipe = RecipeKind::delayed;
+  int amax_history_len = 1024;
+  AmaxAlgo amax_compute_algo = AmaxAlgo::max;
+  int margin = 0;
+  FormatPolicy format = FormatPolicy::hybrid;
+  bool first_last_bf16 = false;
+  bool lm_head = false;
+  AmaxGroup amax_group = AmaxGroup::tp_dp;
+  bool forward_fast_accum = true;
+  void validate(config::Checks& c) const {
+    c.expect(amax_history_len >= 1, "amax_history_len", "must be at least 1");
+    c.expect(margin >= 0 && margin <= 100, "margin", "must be in 0..100");
+  }
+};
+KILN_CONFIG(Fp8Config,
+            (enabled, "run the linear layers' GEMMs in FP8 (false: the module installs nothing)"),
+            (recipe, "scaling recipe: delayed (amax history) or current (amax of the tensor itself)"),
+            (amax_history_len, "delayed scaling: steps of amax history per tensor"),
+            (amax_compute_algo, "delayed scaling: amax from the history's max or its most_recent entry"),
+            (margin, "scale = fp8_max / amax / 2^margin"),
+            (format, "hybrid: E4M3 forward, E5M2 gradients; e4m3: E4M3 everywhere"),
+            (first_last_bf16, "keep the first and the last transformer block in bf16"),
+            (lm_head, "run the LM head in FP8 too"),
+            (amax_group, "ranks that share scales (one all-reduce of the amaxes per step): tp, tp_dp or world"),
+            (forward_fast_accum, "FP8 fast accumulation in the forward GEMMs (backward GEMMs never use it)"))
+
+// World resource: this rank's FP8 machinery.
+struct Fp8State {
+  Fp8Recipe recipe;
+  std::unique_ptr<Fp8Ops> ops;
+  std::unique_ptr<Fp8MetaStore> meta;
+  std::unique_ptr<Fp8Workspace> workspace;
+  std::vector<Entity> entities;                      // the FP8 Linear entities, in entity order
+  std::vector<std::unique_ptr<Fp8Linear>> linears;   // their layers, same order
+  std::int64_t weights_version = 0;                  // the cached FP8 weights are of this version
+  parallel::Communicator* amax_comm = nullptr;
+  bool amax_via_host = false;  // the communicator takes host memory only (in-process ranks)
+  std::int64_t updates = 0;    // delayed updates done
+  void invalidate_weights() { ++weights_version; }
+};
+
+// Published after a step's amaxes were reduced and every scale updated (delayed scaling).
+struct AmaxReduced {
+  std::int64_t step = 0;
+};
+
+void register_module(ModuleRegistry& registry);
+
+}  // namespace kiln::fp8

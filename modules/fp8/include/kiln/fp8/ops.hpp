@@ -1,0 +1,88 @@
+#pragma once
+// The FP8 operations, with two implementations like the compute backends: CUDA (kernels and
+// cuBLASLt FP8 GEMMs on one stream) and CPU (the emulation: bit-exact casts, GEMMs of the
+// dequantised values in fp32). Everything above this interface (Fp8Linear, the scaling update,
+// the engine module) is shared by both.
+//
+// Conventions: "act" is the activation dtype of the device (bf16 on CUDA, f32 on the CPU);
+// tensors are contiguous and row-major; scale pointers (scale, scale_inv, amax) point to single
+// floats in the device's memory; operations are asynchronous on the CUDA stream and deterministic.
+#include <cstdint>
+#include <memory>
+
+#include "kiln/fp8/recipe.hpp"
+#include "kiln/fp8/tensor.hpp"
+#include "kiln/tensor/buffer.hpp"
+
+namespace kiln::fp8 {
+
+enum class Epilogue { none, bias, gelu, dgelu };
+
+// D[M, N] = deq(X)[M, K] @ deq(Y)[N, K]^T with deq(q) = decode(q) * scale_inv. Both operands have K
+// contiguous, as Hopper's FP8 tensor cores require. Epilogues (D bf16/act, written):
+//   bias:  D = result + bias
+//   gelu:  aux = result (+ bias, if given); D = gelu(aux)           (aux: the pre-activation)
+//   dgelu: D = result * gelu'(aux)                                  (aux: the forward pre-activation)
+struct GemmArgs {
+  TensorView x;                         // [M, K] e4m3/e5m2
+  const float* x_scale_inv = nullptr;
+  TensorView y;                         // [N, K] e4m3/e5m2 (not both e5m2)
+  const float* y_scale_inv = nullptr;
+  TensorView d;                         // [M, N] act (written), or f32 with accumulate (D += result)
+  bool accumulate = false;
+  Epilogue epilogue = Epilogue::none;
+  TensorView bias;                      // [N] act: bias, or gelu with bias
+  TensorView aux;                       // [M, N] act: gelu (written) and dgelu (read)
+  bool fast_accum = false;              // FP8 fast accumulation (forward only)
+};
+
+// The delayed-scaling update of every slot at once: per slot i,
+//   amax = max over the history rows (algo max) or row 0 (most_recent);
+//   scale[i] = compute_scale(fp8_max[i], amax, margin, scale[i]); scale_inv[i] = 1 / scale[i];
+// then the history rolls: row h <- row h-1, row 0 <- 0 (row 0 is the step being recorded).
+struct DelayedUpdateArgs {
+  float* history = nullptr;    // [len, n]
+  float* scale = nullptr;      // [n]
+  float* scale_inv = nullptr;  // [n]
+  const float* fp8_max = nullptr;  // [n]
+  int len = 0, n = 0;
+  AmaxAlgo algo = AmaxAlgo::max;
+  int margin = 0;
+};
+
+class Fp8Ops {
+ public:
+  virtual ~Fp8Ops() = default;
+  virtual Device device() const = 0;
+  virtual DType act_dtype() const = 0;
+  virtual Buffer alloc(std::size_t bytes) = 0;
+  // Copies bytes between any two devices (synchronises when the destination is host memory).
+  virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual void zero(void* dst, std::size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // *amax = max(*amax, max |x|) over an act or f32 tensor (NaN propagates).
+  virtual void amax(const TensorView& x, float* amax) = 0;
+  // Current scaling: *scale = compute_scale(fp8_max, *amax, margin, *scale), *scale_inv = 1 / *scale.
+  virtual void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin) = 0;
+  // Quantises x ([rows, cols], act or f32) with *out.scale into out.rowwise and/or out.colwise (the
+  // transpose), reading x once; max-accumulates max |x| into *amax unless it is null.
+  virtual void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) = 0;
+  // out (f32, same shape) = decode(q) * *scale_inv.
+  virtual void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) = 0;
+  virtual void gemm(const GemmArgs& g) = 0;
+  // dbias[n] += sum over m of dy[m, n] (dy act, dbias f32).
+  virtual void bias_grad(const TensorView& dbias, const TensorView& dy) = 0;
+  virtual void update_delayed(const DelayedUpdateArgs& a) = 0;
+};
+
+struct CpuOpsOptions {
+  bool round_bf16 = false;  // round act outputs to bf16, as the CUDA side stores them
+  int threads = 0;          // 0: all hardware threads
+};
+std::unique_ptr<Fp8Ops> make_cpu_ops(const CpuOpsOptions& options = {});
+// FP8 operations on the current CUDA device, on `stream` (a cudaStream_t; nullptr = the legacy
+// default stream). Throws in a build without CUDA.
+std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream);
+
+}  // namespace kiln::fp8

@@ -1,0 +1,192 @@
+// The CPU emulation of the FP8 operations: the same encode() the CUDA cast matches bit for bit, and
+// GEMMs of the dequantised values in fp32 (what the GPU computes, up to accumulation order). Loops
+// are parallel over independent outputs only, so results do not depend on the thread count.
+#include <omp.h>
+
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "kiln/engine/error.hpp"
+#include "kiln/fp8/ops.hpp"
+#include "kiln/ops/formulas.hpp"
+
+namespace kiln::fp8 {
+
+namespace {
+
+constexpr std::int64_t kParallelWork = 1 << 15;  // elements (or multiply-adds) worth a parallel loop
+
+float load(const TensorView& t, std::int64_t i) {
+  return t.dtype == DType::bf16 ? bf16_bits_to_float(t.as<std::uint16_t>()[i]) : t.as<float>()[i];
+}
+
+void expect_input(const TensorView& t, const char* what) {
+  if (t.device != Device::cpu || (t.dtype != DType::f32 && t.dtype != DType::bf16) || !t.contiguous())
+    KILN_THROW(what, ": expected a contiguous f32 or bf16 host tensor, got ", t.str());
+}
+
+Format format_of(const TensorView& t, const char* what) {
+  if (t.dtype == DType::e4m3) return Format::e4m3;
+  if (t.dtype == DType::e5m2) return Format::e5m2;
+  KILN_THROW(what, ": expected an e4m3 or e5m2 tensor, got ", t.str());
+}
+
+class CpuOps final : public Fp8Ops {
+ public:
+  explicit CpuOps(const CpuOpsOptions& o)
+      : round_(o.round_bf16), threads_(o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) {}
+
+  Device device() const override { return Device::cpu; }
+  DType act_dtype() const override { return DType::f32; }
+  Buffer alloc(std::size_t bytes) override { return Buffer(Device::cpu, bytes); }
+  void copy(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void zero(void* dst, std::size_t bytes) override { std::memset(dst, 0, bytes); }
+  void synchronize() override {}
+
+  void amax(const TensorView& x, float* amax) override {
+    expect_input(x, "fp8 amax x");
+    *amax = amax_max(*amax, max_abs(x));
+  }
+
+  void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin) override {
+    *scale = compute_scale(fp8_max, *amax, margin, *scale);
+    *scale_inv = reciprocal(*scale);
+  }
+
+  void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
+    expect_input(x, "fp8 quantize x");
+    KILN_CHECK(x.ndim() == 2, "fp8 quantize: x must be 2-D [rows, cols], got ", x.str());
+    KILN_CHECK(out.scale, "fp8 quantize: no scale");
+    const std::int64_t R = x.size(0), C = x.size(1);
+    if (out.rowwise)
+      KILN_CHECK(out.rowwise.dtype == dtype_of(out.format) && out.rowwise.shape == Shape({R, C}),
+                 "fp8 quantize: rowwise ", out.rowwise.str(), " for x ", x.str());
+    if (out.colwise)
+      KILN_CHECK(out.colwise.dtype == dtype_of(out.format) && out.colwise.shape == Shape({C, R}),
+                 "fp8 quantize: colwise ", out.colwise.str(), " for x ", x.str());
+    const float s = *out.scale;
+    const Format f = out.format;
+    std::uint8_t* row = out.rowwise ? out.rowwise.as<std::uint8_t>() : nullptr;
+    std::uint8_t* col = out.colwise ? out.colwise.as<std::uint8_t>() : nullptr;
+#pragma omp parallel for num_threads(threads_) schedule(static) if (R * C >= kParallelWork)
+    for (std::int64_t r = 0; r < R; ++r)
+      for (std::int64_t c = 0; c < C; ++c) {
+        const std::uint8_t q = fp8::quantize(load(x, r * C + c), s, f);
+        if (row) row[r * C + c] = q;
+        if (col) col[c * R + r] = q;
+      }
+    if (amax) *amax = amax_max(*amax, max_abs(x));
+  }
+
+  void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {
+    const Format f = format_of(q, "fp8 dequantize q");
+    KILN_CHECK(out.dtype == DType::f32 && out.numel() == q.numel(), "fp8 dequantize ", q.str(), " -> ", out.str());
+    const std::uint8_t* in = q.as<std::uint8_t>();
+    float* o = out.as<float>();
+    const float si = *scale_inv;
+    for (std::int64_t i = 0; i < q.numel(); ++i) o[i] = decode(in[i], f) * si;
+  }
+
+  void gemm(const GemmArgs& g) override {
+    const Format fx = format_of(g.x, "fp8 gemm x"), fy = format_of(g.y, "fp8 gemm y");
+    KILN_CHECK(fx == Format::e4m3 || fy == Format::e4m3, "fp8 gemm: E5M2 x E5M2 products are not supported");
+    KILN_CHECK(g.x.ndim() == 2 && g.y.ndim() == 2 && g.x.size(1) == g.y.size(1), "fp8 gemm: x ", g.x.str(), " and y ",
+               g.y.str(), " must share K (the inner dimension)");
+    const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
+    KILN_CHECK(g.d.dtype == DType::f32 && g.d.shape == Shape({M, N}) && g.d.contiguous(), "fp8 gemm: d ", g.d.str(),
+               " for [", M, ",", N, "]");
+    KILN_CHECK(g.x_scale_inv && g.y_scale_inv, "fp8 gemm: missing operand scales");
+    KILN_CHECK(!g.accumulate || g.epilogue == Epilogue::none, "fp8 gemm: epilogues write D, they do not accumulate");
+    if (g.bias) KILN_CHECK(g.bias.dtype == DType::f32 && g.bias.numel() == N, "fp8 gemm: bias ", g.bias.str());
+    const bool uses_aux = g.epilogue == Epilogue::gelu || g.epilogue == Epilogue::dgelu;
+    if (uses_aux)
+      KILN_CHECK(g.aux.dtype == DType::f32 && g.aux.shape == Shape({M, N}), "fp8 gemm: aux ", g.aux.str());
+    const std::vector<float> xd = dequantized(g.x, fx, *g.x_scale_inv);
+    const std::vector<float> yd = dequantized(g.y, fy, *g.y_scale_inv);
+    float* d = g.d.as<float>();
+    const float* bias = (g.epilogue == Epilogue::bias || g.epilogue == Epilogue::gelu) && g.bias ? g.bias.as<float>() : nullptr;
+    float* aux = uses_aux ? g.aux.as<float>() : nullptr;
+#pragma omp parallel for num_threads(threads_) schedule(static) if (M * N * K >= kParallelWork)
+    for (std::int64_t m = 0; m < M; ++m) {
+      const float* xr = xd.data() + m * K;
+      for (std::int64_t n = 0; n < N; ++n) {
+        const float* yr = yd.data() + n * K;
+        float acc = 0;
+#pragma omp simd reduction(+ : acc)
+        for (std::int64_t k = 0; k < K; ++k) acc += xr[k] * yr[k];
+        const std::int64_t i = m * N + n;
+        if (bias) acc += bias[n];
+        switch (g.epilogue) {
+          case Epilogue::none: d[i] = g.accumulate ? d[i] + acc : store(acc); break;
+          case Epilogue::bias: d[i] = store(acc); break;
+          case Epilogue::gelu:
+            aux[i] = store(acc);
+            d[i] = store(ops::gelu(acc));
+            break;
+          case Epilogue::dgelu: d[i] = store(acc * ops::gelu_grad(aux[i])); break;
+        }
+      }
+    }
+  }
+
+  void bias_grad(const TensorView& dbias, const TensorView& dy) override {
+    expect_input(dy, "fp8 bias_grad dy");
+    KILN_CHECK(dy.ndim() == 2 && dbias.dtype == DType::f32 && dbias.numel() == dy.size(1), "fp8 bias_grad ", dy.str(),
+               " -> ", dbias.str());
+    const std::int64_t M = dy.size(0), N = dy.size(1);
+    float* db = dbias.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (M * N >= kParallelWork)
+    for (std::int64_t n = 0; n < N; ++n) {
+      float s = 0;
+      for (std::int64_t m = 0; m < M; ++m) s += load(dy, m * N + n);
+      db[n] += s;
+    }
+  }
+
+  void update_delayed(const DelayedUpdateArgs& a) override {
+    for (int i = 0; i < a.n; ++i) {
+      float amax = a.history[i];
+      if (a.algo == AmaxAlgo::max)
+        for (int h = 1; h < a.len; ++h) amax = amax_max(amax, a.history[static_cast<std::int64_t>(h) * a.n + i]);
+      a.scale[i] = compute_scale(a.fp8_max[i], amax, a.margin, a.scale[i]);
+      a.scale_inv[i] = reciprocal(a.scale[i]);
+      for (int h = a.len - 1; h > 0; --h)
+        a.history[static_cast<std::int64_t>(h) * a.n + i] = a.history[static_cast<std::int64_t>(h - 1) * a.n + i];
+      a.history[i] = 0.0f;
+    }
+  }
+
+ private:
+  float store(float v) const { return round_ ? round_bf16(v) : v; }
+
+  float max_abs(const TensorView& x) const {
+    std::uint32_t m = 0;
+    const std::int64_t n = x.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(max : m) if (n >= kParallelWork)
+    for (std::int64_t i = 0; i < n; ++i) m = std::max(m, abs_bits(load(x, i)));
+    return bits_float(m);
+  }
+
+  // decode(q) * scale_inv through a table of the 256 products (the same values, computed once).
+  std::vector<float> dequantized(const TensorView& q, Format f, float scale_inv) const {
+    KILN_CHECK(q.device == Device::cpu && q.contiguous(), "fp8 gemm operand ", q.str());
+    float table[256];
+    for (int c = 0; c < 256; ++c) table[c] = decode(static_cast<std::uint8_t>(c), f) * scale_inv;
+    std::vector<float> out(static_cast<std::size_t>(q.numel()));
+    const std::uint8_t* in = q.as<std::uint8_t>();
+    const std::int64_t n = q.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = table[in[i]];
+    return out;
+  }
+
+  bool round_;
+  int threads_;
+};
+
+}  // namespace
+
+std::unique_ptr<Fp8Ops> make_cpu_ops(const CpuOpsOptions& options) { return std::make_unique<CpuOps>(options); }
+
+}  // namespace kiln::fp8

@@ -1,0 +1,284 @@
+// Quantisation kernels: the fused cast + transpose + amax, the amax reduction for current scaling,
+// the scale computation, and dequantisation (for tests).
+//
+// The tiled kernel: a block of 256 threads handles 64 x 64 tiles. Load phase: each thread reads 16
+// consecutive elements of one row (2 x 16 bytes of bf16), converts them with the hardware's
+// saturating round-to-nearest-even (cvt.rn.satfinite.e4m3x2/e5m2x2.f32, two values per
+// instruction), stores the 16 codes rowwise as one 16-byte word and into a shared tile. Transpose
+// phase: each thread gathers 16 consecutive rows of one column from the tile and stores them
+// colwise as one 16-byte word; 4 consecutive threads write one 64-byte column segment.
+// The amax is a max over |x| bit patterns (NaN-propagating, order-free, so atomicMax keeps the
+// result deterministic): per thread, warp, block, then one atomic per block.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::fp8::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kTile = 64;
+constexpr int kThreads = 256;
+constexpr int kStride = kTile + 4;  // bytes per row of the shared tile: word-aligned, rows on different banks
+constexpr unsigned kMaxBlocks = 8192;
+
+template <Format F>
+__device__ __forceinline__ std::uint32_t cvt2(float lo, float hi) {  // lo in the low byte
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, F == Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+template <Format F>
+__device__ __forceinline__ std::uint8_t cvt1(float v) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Format::e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+__device__ __forceinline__ void load16(const bf16* p, float v[16]) {
+  const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+  const unsigned w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);  // bf16 -> f32 is exact
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void load16(const float* p, float v[16]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 f = reinterpret_cast<const float4*>(p)[i];
+    v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+  }
+}
+__device__ __forceinline__ float load1(const bf16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float load1(const float* p, long long i) { return p[i]; }
+
+// Max over the block of every thread's `local`, then one atomicMax into *amax. blockDim = kThreads.
+__device__ void block_amax(unsigned local, float* amax) {
+  __shared__ unsigned warp_max[kThreads / 32];
+  local = __reduce_max_sync(0xffffffffu, local);
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned m = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
+    if (m) atomicMax(reinterpret_cast<unsigned*>(amax), m);
+  }
+}
+
+template <class In, Format F, bool ROW, bool COL, bool AMAX>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_tiled(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
+                         const float* __restrict__ scale_ptr, float* amax, int rows, int cols) {
+  __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
+  const float scale = *scale_ptr;
+  const int tiles_c = (cols + kTile - 1) / kTile;
+  const long long tiles = static_cast<long long>((rows + kTile - 1) / kTile) * tiles_c;
+  const int lr = threadIdx.x / 4, lv = threadIdx.x % 4;  // load: tile row, 16-column group
+  const int tc = threadIdx.x / 4, tv = threadIdx.x % 4;  // store: tile column, 16-row group
+  unsigned local = 0;
+  for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int r0 = static_cast<int>(t / tiles_c) * kTile, c0 = static_cast<int>(t % tiles_c) * kTile;
+    const int gr = r0 + lr, gc = c0 + lv * 16;
+    if (gr < rows && gc < cols) {
+      float v[16];
+      load16(x + static_cast<size_t>(gr) * cols + gc, v);
+      std::uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        w[j] = cvt2<F>(__fmul_rn(v[4 * j], scale), __fmul_rn(v[4 * j + 1], scale)) |
+               (cvt2<F>(__fmul_rn(v[4 * j + 2], scale), __fmul_rn(v[4 * j + 3], scale)) << 16);
+      if (AMAX)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) local = max(local, abs_bits(v[i]));
+      if (ROW)
+        *reinterpret_cast<uint4*>(row + static_cast<size_t>(gr) * cols + gc) = make_uint4(w[0], w[1], w[2], w[3]);
+      if (COL) {
+        auto* dst = reinterpret_cast<std::uint32_t*>(tile + lr * kStride + lv * 16);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[j] = w[j];
+      }
+    }
+    if (COL) {
+      __syncthreads();
+      const int oc = c0 + tc, orow = r0 + tv * 16;
+      if (oc < cols && orow < rows) {  // rows % 16 == 0: all 16 rows exist
+        std::uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const std::uint8_t* p = tile + (tv * 16 + 4 * j) * kStride + tc;
+          w[j] = static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[kStride]) << 8) |
+                 (static_cast<std::uint32_t>(p[2 * kStride]) << 16) | (static_cast<std::uint32_t>(p[3 * kStride]) << 24);
+        }
+        *reinterpret_cast<uint4*>(col + static_cast<size_t>(oc) * rows + orow) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      __syncthreads();  // the next tile overwrites the shared tile
+    }
+  }
+  if (AMAX) block_amax(local, amax);
+}
+
+// Any shape and alignment: one element per thread and step.
+template <class In, Format F, bool ROW, bool COL, bool AMAX>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_any(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
+                       const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols) {
+  const float scale = *scale_ptr;
+  const long long n = rows * cols;
+  unsigned local = 0;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const float v = load1(x, i);
+    const std::uint8_t q = cvt1<F>(__fmul_rn(v, scale));
+    if (ROW) row[i] = q;
+    if (COL) col[(i % cols) * rows + i / cols] = q;
+    if (AMAX) local = max(local, abs_bits(v));
+  }
+  if (AMAX) block_amax(local, amax);
+}
+
+template <class In>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const In* __restrict__ x, long long n, bool vec, float* amax) {
+  constexpr int V = 16 / sizeof(In);  // elements per 16-byte word
+  const long long nv = vec ? n / V : 0;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const long long tid = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  unsigned local = 0;
+  for (long long i = tid; i < nv; i += stride) {
+    const uint4 u = reinterpret_cast<const uint4*>(x)[i];
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (sizeof(In) == 2) {  // two bf16: their f32 bit patterns are the high halves
+        local = max(local, (w[j] << 16) & 0x7fffffffu);
+        local = max(local, w[j] & 0x7fff0000u);
+      } else {
+        local = max(local, w[j] & 0x7fffffffu);
+      }
+    }
+  }
+  for (long long i = nv * V + tid; i < n; i += stride) local = max(local, abs_bits(load1(x, i)));
+  block_amax(local, amax);
+}
+
+__global__ void scale_from_amax_kernel(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin) {
+  const float s = compute_scale(fp8_max, *amax, margin, *scale);
+  *scale = s;
+  *scale_inv = reciprocal(s);
+}
+
+template <Format F>
+__global__ void dequantize_kernel(float* out, const std::uint8_t* q, long long n, const float* scale_inv) {
+  const float si = *scale_inv;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    out[i] = __fmul_rn(decode(q[i], F), si);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+unsigned grid_for(long long work) {
+  return static_cast<unsigned>(std::clamp<long long>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+template <class In, Format F, bool ROW, bool COL, bool AMAX>
+void launch(const void* xv, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax, std::int64_t rows,
+            std::int64_t cols, cudaStream_t s) {
+  const In* x = static_cast<const In*>(xv);
+  const bool tiled = rows % 16 == 0 && cols % 16 == 0 && rows <= 0x7fffffff && cols <= 0x7fffffff && aligned16(x) &&
+                     (!ROW || aligned16(row)) && (!COL || aligned16(col));
+  if (tiled) {
+    const long long tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+    const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
+    cast_transpose_tiled<In, F, ROW, COL, AMAX><<<grid, kThreads, 0, s>>>(x, row, col, scale, amax,
+                                                                         static_cast<int>(rows), static_cast<int>(cols));
+  } else {
+    cast_transpose_any<In, F, ROW, COL, AMAX><<<grid_for(rows * cols), kThreads, 0, s>>>(x, row, col, scale, amax, rows,
+                                                                                         cols);
+  }
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+template <class In, Format F, bool ROW, bool COL>
+void with_amax(const void* x, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax, std::int64_t rows,
+               std::int64_t cols, cudaStream_t s) {
+  if (amax)
+    launch<In, F, ROW, COL, true>(x, row, col, scale, amax, rows, cols, s);
+  else
+    launch<In, F, ROW, COL, false>(x, row, col, scale, amax, rows, cols, s);
+}
+
+template <class In, Format F>
+void with_copies(const void* x, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax,
+                 std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  if (row && col)
+    with_amax<In, F, true, true>(x, row, col, scale, amax, rows, cols, s);
+  else if (row)
+    with_amax<In, F, true, false>(x, row, col, scale, amax, rows, cols, s);
+  else
+    with_amax<In, F, false, true>(x, row, col, scale, amax, rows, cols, s);
+}
+
+template <class In>
+void with_format(const void* x, std::uint8_t* row, std::uint8_t* col, Format f, const float* scale, float* amax,
+                 std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  if (f == Format::e4m3)
+    with_copies<In, Format::e4m3>(x, row, col, scale, amax, rows, cols, s);
+  else
+    with_copies<In, Format::e5m2>(x, row, col, scale, amax, rows, cols, s);
+}
+
+void check_input(DType t, const char* what) {
+  KILN_CHECK(t == DType::bf16 || t == DType::f32, what, ": input must be bf16 or f32, not ", name_of(t));
+}
+
+}  // namespace
+
+void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                    const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  check_input(x_dtype, "fp8 cast_transpose");
+  KILN_CHECK(rows >= 0 && cols >= 0 && scale, "fp8 cast_transpose: [", rows, ",", cols, "]");
+  if (rows == 0 || cols == 0 || (!rowwise && !colwise && !amax)) return;
+  if (!rowwise && !colwise) {
+    fp8::cuda::amax(x, x_dtype, rows * cols, amax, s);
+    return;
+  }
+  if (x_dtype == DType::bf16)
+    with_format<bf16>(x, rowwise, colwise, f, scale, amax, rows, cols, s);
+  else
+    with_format<float>(x, rowwise, colwise, f, scale, amax, rows, cols, s);
+}
+
+void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s) {
+  check_input(x_dtype, "fp8 amax");
+  if (n <= 0) return;
+  const bool vec = aligned16(x);
+  const std::int64_t words = x_dtype == DType::bf16 ? n / 8 : n / 4;
+  const unsigned grid = grid_for(std::max<long long>(words, 1));
+  if (x_dtype == DType::bf16)
+    amax_kernel<bf16><<<grid, kThreads, 0, s>>>(static_cast<const bf16*>(x), n, vec, amax);
+  else
+    amax_kernel<float><<<grid, kThreads, 0, s>>>(static_cast<const float*>(x), n, vec, amax);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin, cudaStream_t s) {
+  scale_from_amax_kernel<<<1, 1, 0, s>>>(amax, scale, scale_inv, fp8_max, margin);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void dequantize(float* out, const std::uint8_t* q, Format f, std::int64_t n, const float* scale_inv, cudaStream_t s) {
+  if (n <= 0) return;
+  if (f == Format::e4m3)
+    dequantize_kernel<Format::e4m3><<<grid_for(n), kThreads, 0, s>>>(out, q, n, scale_inv);
+  else
+    dequantize_kernel<Format::e5m2><<<grid_for(n), kThreads, 0, s>>>(out, q, n, scale_inv);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln::fp8::cuda

@@ -1,0 +1,118 @@
+// Fp8Ops on CUDA: the kernels of cast_transpose.cu / scaling.cu, cuBLASLt FP8 GEMMs, and kiln's
+// deterministic bias-gradient reduction, all on one stream.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "kiln/fp8/cuda/gemm.hpp"
+#include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/launchers.hpp"
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::fp8 {
+
+namespace {
+
+constexpr std::size_t kWorkspaceBytes = 32u << 20;
+
+void check_input(const TensorView& t, const char* what) {
+  if (t.device != Device::cuda || (t.dtype != DType::bf16 && t.dtype != DType::f32) || !t.contiguous())
+    KILN_THROW(what, ": expected a contiguous bf16 or f32 CUDA tensor, got ", t.str());
+}
+
+int as_int(std::int64_t v, const char* what) {
+  KILN_CHECK(v >= 0 && v <= 0x7fffffff, what, " = ", v, " does not fit a 32-bit int");
+  return static_cast<int>(v);
+}
+
+class CudaOps final : public Fp8Ops {
+ public:
+  explicit CudaOps(cudaStream_t stream) : stream_(stream) {
+    KILN_CUBLAS_CHECK(cublasLtCreate(&lt_));
+    workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
+    gemm_ = std::make_unique<cuda::Fp8GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
+  }
+  ~CudaOps() override {
+    cudaStreamSynchronize(stream_);
+    gemm_.reset();
+    if (lt_) cublasLtDestroy(lt_);
+  }
+
+  Device device() const override { return Device::cuda; }
+  DType act_dtype() const override { return DType::bf16; }
+  Buffer alloc(std::size_t bytes) override { return Buffer(Device::cuda, bytes); }
+  void copy(void* dst, const void* src, std::size_t bytes) override {
+    KILN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // host memory on either side stays valid until now
+  }
+  void zero(void* dst, std::size_t bytes) override { KILN_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_)); }
+  void synchronize() override { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  void amax(const TensorView& x, float* amax) override {
+    check_input(x, "fp8 amax x");
+    cuda::amax(x.data, x.dtype, x.numel(), amax, stream_);
+  }
+
+  void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin) override {
+    cuda::scale_from_amax(amax, scale, scale_inv, fp8_max, margin, stream_);
+  }
+
+  void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
+    check_input(x, "fp8 quantize x");
+    KILN_CHECK(x.ndim() == 2, "fp8 quantize: x must be 2-D [rows, cols], got ", x.str());
+    KILN_CHECK(out.scale, "fp8 quantize: no scale");
+    const std::int64_t R = x.size(0), C = x.size(1);
+    for (const TensorView* t : {&out.rowwise, &out.colwise})
+      if (*t) KILN_CHECK(t->device == Device::cuda && t->dtype == dtype_of(out.format) && t->contiguous(),
+                         "fp8 quantize: output ", t->str(), " for format ", name_of(out.format));
+    if (out.rowwise) KILN_CHECK(out.rowwise.shape == Shape({R, C}), "fp8 quantize: rowwise ", out.rowwise.str(), " for x ", x.str());
+    if (out.colwise) KILN_CHECK(out.colwise.shape == Shape({C, R}), "fp8 quantize: colwise ", out.colwise.str(), " for x ", x.str());
+    cuda::cast_transpose(x.data, x.dtype, out.rowwise.as<std::uint8_t>(), out.colwise.as<std::uint8_t>(), out.format,
+                         out.scale, amax, R, C, stream_);
+  }
+
+  void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {
+    KILN_CHECK(q.device == Device::cuda && (q.dtype == DType::e4m3 || q.dtype == DType::e5m2), "fp8 dequantize ", q.str());
+    KILN_CHECK(out.device == Device::cuda && out.dtype == DType::f32 && out.numel() == q.numel(), "fp8 dequantize ",
+               q.str(), " -> ", out.str());
+    cuda::dequantize(out.as<float>(), q.as<std::uint8_t>(), q.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2,
+                     q.numel(), scale_inv, stream_);
+  }
+
+  void gemm(const GemmArgs& g) override { gemm_->run(g, static_cast<cudaStream_t>(stream_)); }
+
+  void bias_grad(const TensorView& dbias, const TensorView& dy) override {
+    KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.ndim() == 2 && dy.contiguous(),
+               "fp8 bias_grad dy ", dy.str());
+    KILN_CHECK(dbias.device == Device::cuda && dbias.dtype == DType::f32 && dbias.numel() == dy.size(1),
+               "fp8 bias_grad dbias ", dbias.str(), " for dy ", dy.str());
+    const int N = as_int(dy.size(0), "rows"), C = as_int(dy.size(1), "columns");
+    kiln::cuda::bias_grad(dbias.as<float>(), scratch(kiln::cuda::bias_grad_scratch(N, C)), dy.as<kiln::cuda::bf16>(), N,
+                          C, stream_);
+  }
+
+  void update_delayed(const DelayedUpdateArgs& a) override { cuda::delayed_update(a, stream_); }
+
+ private:
+  float* scratch(std::int64_t n) {
+    const std::size_t bytes = static_cast<std::size_t>(std::max<std::int64_t>(n, 1)) * sizeof(float);
+    if (scratch_.bytes() < bytes) {
+      synchronize();  // the old scratch may still be in use
+      scratch_ = Buffer(Device::cuda, bytes + bytes / 4);
+    }
+    return static_cast<float*>(scratch_.data());
+  }
+
+  cudaStream_t stream_;
+  cublasLtHandle_t lt_ = nullptr;
+  Buffer workspace_;
+  std::unique_ptr<cuda::Fp8GemmRunner> gemm_;
+  Buffer scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream) {
+  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace kiln::fp8

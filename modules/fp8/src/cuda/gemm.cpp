@@ -1,0 +1,227 @@
+// Fp8GemmRunner: kiln's row-major FP8 products on cuBLASLt's column-major, TN-only FP8 API (the
+// mapping is described in kiln/fp8/cuda/gemm.hpp).
+#include "kiln/fp8/cuda/gemm.hpp"
+
+#include <cstdint>
+#include <string>
+
+#include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/tensor/cuda_check.hpp"
+
+namespace kiln::fp8::cuda {
+
+namespace {
+
+const char* epilogue_name(Epilogue e) {
+  switch (e) {
+    case Epilogue::none: return "none";
+    case Epilogue::bias: return "bias";
+    case Epilogue::gelu: return "gelu";
+    case Epilogue::dgelu: return "dgelu";
+  }
+  return "?";
+}
+
+std::string describe(const GemmArgs& g) {
+  return cat("FP8 GEMM D", g.d.str(), " = X", g.x.str(), " @ Y", g.y.str(), "^T", g.accumulate ? " (accumulate)" : "",
+             ", epilogue ", epilogue_name(g.epilogue), g.bias ? " with bias" : "", g.fast_accum ? ", fast accumulation" : "");
+}
+
+cudaDataType_t lt_type(DType t) {
+  switch (t) {
+    case DType::e4m3: return CUDA_R_8F_E4M3;
+    case DType::e5m2: return CUDA_R_8F_E5M2;
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f32: return CUDA_R_32F;
+    default: KILN_THROW("FP8 GEMM: no cuBLASLt type for ", name_of(t));
+  }
+}
+
+bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+bool uses_aux(Epilogue e) { return e == Epilogue::gelu || e == Epilogue::dgelu; }
+
+template <class T>
+void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+}
+
+cublasLtEpilogue_t lt_epilogue(const GemmArgs& g) {
+  switch (g.epilogue) {
+    case Epilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
+    case Epilogue::bias: return CUBLASLT_EPILOGUE_BIAS;
+    case Epilogue::gelu: return g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    case Epilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+struct Preference {
+  cublasLtMatmulPreference_t p = nullptr;
+  Preference() { KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p)); }
+  ~Preference() { cublasLtMatmulPreferenceDestroy(p); }
+  template <class T>
+  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+    KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
+  }
+};
+
+}  // namespace
+
+struct Fp8GemmRunner::Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (our Y), B (our X), C = D
+  cublasLtMatmulAlgo_t algo{};
+  bool fused = true;  // false: no FP8 algorithm with this epilogue; a plain GEMM and a kernel instead
+  bool verified = false;  // has run successfully once
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() { release(); }
+  void release() {
+    if (op) cublasLtMatmulDescDestroy(op);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    op = nullptr;
+    a = b = d = nullptr;
+  }
+};
+
+Fp8GemmRunner::Fp8GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t workspace_bytes)
+    : handle_(handle), workspace_(workspace), workspace_bytes_(workspace_bytes), one_(Device::cuda, 256) {
+  const float one = 1.0f;
+  KILN_CUDA_CHECK(cudaMemcpy(one_.data(), &one, sizeof(one), cudaMemcpyHostToDevice));
+}
+
+Fp8GemmRunner::~Fp8GemmRunner() = default;
+
+Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
+  const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
+  const Key key{M,
+                N,
+                K,
+                static_cast<int>(g.x.dtype),
+                static_cast<int>(g.y.dtype),
+                static_cast<int>(g.d.dtype),
+                g.accumulate,
+                static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0),
+                g.fast_accum};
+  if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
+
+  auto p = std::make_unique<Plan>();
+  KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_attr(p->op, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<std::int32_t>(CUBLAS_OP_T));
+  set_attr(p->op, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<std::int32_t>(CUBLAS_OP_N));
+  set_attr(p->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<std::int8_t>(g.fast_accum ? 1 : 0));
+  // Real device pointers for the heuristic; run() sets the operands' own scale_inv.
+  set_attr(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(one_.data()));
+  set_attr(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(one_.data()));
+  set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g));
+  // Bias and aux take D's type (bf16) by default, which is what kiln stores; the pointers shown
+  // to the heuristic are placeholders with the alignment of the real ones (256 bytes).
+  if (g.bias) set_attr(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(workspace_));
+  if (uses_aux(g.epilogue)) {
+    set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, workspace_);
+    set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<std::int64_t>(N));
+  }
+  const auto uM = static_cast<std::uint64_t>(M), uN = static_cast<std::uint64_t>(N), uK = static_cast<std::uint64_t>(K);
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, lt_type(g.y.dtype), uK, uN, K));  // Y [N, K] row-major
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, lt_type(g.x.dtype), uK, uM, K));  // X [M, K] row-major
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, lt_type(g.d.dtype), uN, uM, N));  // D [M, N] row-major
+
+  Preference pref;
+  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes_));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(handle_, p->op, p->a, p->b, p->d, p->d, pref.p, 1, &result, &found);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+    if (g.epilogue != Epilogue::none) {
+      p->release();
+      p->fused = false;
+      return *plans_.emplace(key, std::move(p)).first->second;
+    }
+    const char* why = st != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(st)
+                      : found == 0                ? "the heuristic returned no algorithm"
+                                                  : cublasLtGetStatusName(result.state);
+    KILN_THROW("cuBLASLt has no algorithm for ", describe(g), " (workspace ", workspace_bytes_, " bytes): ", why);
+  }
+  p->algo = result.algo;
+  return *plans_.emplace(key, std::move(p)).first->second;
+}
+
+void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
+  GemmArgs g = desc;
+  if (g.epilogue == Epilogue::bias && !g.bias) g.epilogue = Epilogue::none;
+  if (g.epilogue != Epilogue::bias && g.epilogue != Epilogue::gelu) g.bias = {};
+  if (!uses_aux(g.epilogue)) g.aux = {};
+  KILN_CHECK(g.x.device == Device::cuda && g.y.device == Device::cuda && g.d.device == Device::cuda, describe(g),
+             ": operands must be CUDA tensors");
+  KILN_CHECK(is_fp8(g.x.dtype) && is_fp8(g.y.dtype), describe(g), ": X and Y must be e4m3 or e5m2");
+  KILN_CHECK(g.x.dtype == DType::e4m3 || g.y.dtype == DType::e4m3, describe(g), ": E5M2 x E5M2 products are not supported");
+  KILN_CHECK(g.x.ndim() == 2 && g.y.ndim() == 2 && g.x.size(1) == g.y.size(1), describe(g), ": X and Y must share K");
+  const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
+  KILN_CHECK(g.d.ndim() == 2 && g.d.size(0) == M && g.d.size(1) == N && g.d.contiguous(), describe(g), ": D must be [", M,
+             ",", N, "]");
+  KILN_CHECK(g.accumulate ? g.d.dtype == DType::f32 : g.d.dtype == DType::bf16, describe(g),
+             ": D is bf16 (written) or f32 (accumulated)");
+  KILN_CHECK(!g.accumulate || g.epilogue == Epilogue::none, describe(g), ": epilogues write D, they do not accumulate");
+  KILN_CHECK(M % 16 == 0 && N % 16 == 0 && K % 16 == 0, describe(g), ": FP8 GEMMs need M, N and K to be multiples of 16");
+  KILN_CHECK(aligned16(g.x.data) && aligned16(g.y.data) && aligned16(g.d.data), describe(g),
+             ": FP8 GEMM operands must be 16-byte aligned");
+  KILN_CHECK(g.x_scale_inv && g.y_scale_inv, describe(g), ": missing operand scales");
+  if (g.bias)
+    KILN_CHECK(g.bias.dtype == DType::bf16 && g.bias.numel() == N && g.bias.device == Device::cuda, describe(g), ": bias ",
+               g.bias.str());
+  if (uses_aux(g.epilogue))
+    KILN_CHECK(g.aux.dtype == DType::bf16 && g.aux.numel() == M * N && aligned16(g.aux.data), describe(g), ": aux ",
+               g.aux.str());
+  if (M == 0 || N == 0) return;
+
+  Plan& p = plan(g);
+  if (!p.fused) {
+    GemmArgs plain = g;
+    plain.aux = {};
+    auto* d = static_cast<__nv_bfloat16*>(g.d.data);
+    auto* aux = static_cast<__nv_bfloat16*>(g.aux.data);
+    if (g.epilogue == Epilogue::bias) {
+      plain.epilogue = Epilogue::none;
+      plain.bias = {};
+      run(plain, stream);
+      gemm_epilogue(d, nullptr, static_cast<const __nv_bfloat16*>(g.bias.data), M, N, EpilogueKernel::add_bias, stream);
+    } else if (g.epilogue == Epilogue::gelu) {
+      plain.epilogue = g.bias ? Epilogue::bias : Epilogue::none;
+      plain.d = g.aux;  // the pre-activation, then D = gelu(aux)
+      run(plain, stream);
+      gemm_epilogue(d, aux, nullptr, M, N, EpilogueKernel::gelu, stream);
+    } else {
+      plain.epilogue = Epilogue::none;
+      run(plain, stream);
+      gemm_epilogue(d, aux, nullptr, M, N, EpilogueKernel::dgelu, stream);
+    }
+    return;
+  }
+  set_attr(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(g.y_scale_inv));
+  set_attr(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(g.x_scale_inv));
+  if (g.bias) set_attr(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(g.bias.data));
+  if (g.aux) set_attr(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux.data);
+  const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
+  const cublasStatus_t st = cublasLtMatmul(handle_, p.op, &alpha, g.y.data, p.a, g.x.data, p.b, &beta, g.d.data, p.d,
+                                           g.d.data, p.d, &p.algo, workspace_, workspace_bytes_, stream);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    // A fused epilogue the heuristic offered but the matmul refuses (validated on the host, before
+    // any launch): from now on this plan runs unfused.
+    if (g.epilogue != Epilogue::none && !p.verified) {
+      p.release();
+      p.fused = false;
+      run(desc, stream);
+      return;
+    }
+    KILN_THROW("cublasLtMatmul failed for ", describe(g), ": ", cublasLtGetStatusName(st));
+  }
+  p.verified = true;
+}
+
+}  // namespace kiln::fp8::cuda

@@ -1,0 +1,182 @@
+// Fp8Linear: the three FP8 GEMMs of a linear layer and the scaling decisions around them.
+#include "kiln/fp8/linear.hpp"
+
+#include "kiln/engine/error.hpp"
+
+namespace kiln::fp8 {
+
+namespace {
+void expect(const TensorView& t, DType dtype, std::int64_t rows, std::int64_t cols, const std::string& what) {
+  if (t.dtype != dtype || t.ndim() != 2 || t.size(0) != rows || t.size(1) != cols || !t.contiguous())
+    KILN_THROW(what, ": expected a contiguous ", name_of(dtype), "[", rows, ",", cols, "], got ", t.str());
+}
+}  // namespace
+
+void* Fp8Workspace::get(Use use, std::size_t bytes) {
+  auto& b = bufs_[use];
+  if (b.bytes() < bytes) {
+    ops_.synchronize();  // the old buffer may still be read by queued work
+    b = ops_.alloc(bytes + bytes / 4);
+  }
+  return b.data();
+}
+
+Fp8Linear::Fp8Linear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace,
+                     const Fp8Recipe& recipe, std::string name)
+    : ops_(ops), meta_(meta), first_slot_(first_slot), ws_(workspace), recipe_(recipe), name_(std::move(name)) {
+  KILN_CHECK(first_slot >= 0 && first_slot + kRolesPerLinear <= meta.size(), name_, ": meta slots ", first_slot,
+             "..", first_slot + kRolesPerLinear - 1, " outside the store of ", meta.size());
+  KILN_CHECK(slot(TensorRole::input).format == Format::e4m3 && slot(TensorRole::weight).format == Format::e4m3,
+             name_, ": the forward GEMM needs E4M3 input and weight (E5M2 x E5M2 products do not exist)");
+}
+
+Fp8TensorView Fp8Linear::view(const ScalingSlot& s, void* rowwise, void* colwise, std::int64_t rows,
+                              std::int64_t cols) const {
+  Fp8TensorView v;
+  const Device dev = ops_.device();
+  if (rowwise) v.rowwise = TensorView(rowwise, {rows, cols}, dtype_of(s.format), dev);
+  if (colwise) v.colwise = TensorView(colwise, {cols, rows}, dtype_of(s.format), dev);
+  v.format = s.format;
+  v.scale = s.scale;
+  v.scale_inv = s.scale_inv;
+  return v;
+}
+
+float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t) {
+  if (recipe_.kind == RecipeKind::current) {
+    ops_.zero(s.amax_now, sizeof(float));
+    ops_.amax(t, s.amax_now);
+    ops_.scale_from_amax(s.amax_now, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
+    return nullptr;
+  }
+  if (meta_.ready(s.index)) return s.amax;
+  // Delayed scaling with no history yet: start from this tensor's own amax (recorded as this
+  // step's), instead of a scale of 1 that would flush small gradients to zero.
+  ops_.amax(t, s.amax);
+  ops_.scale_from_amax(s.amax, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
+  meta_.set_ready(s.index);
+  return nullptr;
+}
+
+bool Fp8Linear::weight_cached(const TensorView& w) const {
+  return cache_.valid && cache_.source == w.data && cache_.rows == w.size(0) && cache_.cols == w.size(1);
+}
+
+void Fp8Linear::ensure_weight(const TensorView& w, std::int64_t version) {
+  if (weight_cached(w) && cache_.version == version) return;
+  const std::int64_t OC = w.size(0), IC = w.size(1);
+  const std::size_t bytes = static_cast<std::size_t>(OC * IC);
+  if (cache_.rowwise.bytes() < bytes) {
+    ops_.synchronize();
+    cache_.rowwise = ops_.alloc(bytes);
+    cache_.colwise = ops_.alloc(bytes);
+  }
+  const ScalingSlot s = slot(TensorRole::weight);
+  float* record = prepare_scale(s, w);
+  ops_.quantize(w, view(s, cache_.rowwise.data(), cache_.colwise.data(), OC, IC), record);
+  cache_.valid = true;
+  cache_.version = version;
+  cache_.source = w.data;
+  cache_.rows = OC;
+  cache_.cols = IC;
+}
+
+void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version) {
+  const DType act = ops_.act_dtype();
+  KILN_CHECK(a.x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", a.x.str(), ", weight ", a.weight.str());
+  const std::int64_t N = a.x.size(0), IC = a.x.size(1);
+  expect(a.x, act, N, IC, name_ + " forward x");
+  ensure_weight(a.weight, weight_version);
+  const ScalingSlot s = slot(TensorRole::input);
+  void* xq = ws_.get(Fp8Workspace::input_rowwise, static_cast<std::size_t>(N * IC));
+  float* record = prepare_scale(s, a.x);
+  ops_.quantize(a.x, view(s, xq, nullptr, N, IC), record);
+  gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
+}
+
+void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForward& a, std::int64_t weight_version) {
+  const ScalingSlot s = slot(TensorRole::input);
+  KILN_CHECK(x.rowwise && x.format == s.format && x.scale_inv == s.scale_inv, name_,
+             " forward_quantized: the input must be a rowwise ", name_of(s.format),
+             " tensor quantised with this layer's input scale");
+  expect(x.rowwise, dtype_of(s.format), a.x.size(0), a.x.size(1), name_ + " forward_quantized x");
+  ensure_weight(a.weight, weight_version);
+  gemm_forward(x.rowwise, a);
+}
+
+void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) {
+  const DType act = ops_.act_dtype();
+  const std::int64_t N = xq.size(0), IC = xq.size(1), OC = a.weight.size(0);
+  expect(a.weight, act, OC, IC, name_ + " forward weight");
+  expect(a.out, act, N, OC, name_ + " forward out");
+  if (a.bias) KILN_CHECK(a.bias.dtype == act && a.bias.numel() == OC, name_, " forward bias ", a.bias.str());
+  if (a.pre_gelu) expect(a.pre_gelu, act, N, OC, name_ + " forward pre_gelu");
+  const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight);
+  GemmArgs g;
+  g.x = xq;
+  g.x_scale_inv = sx.scale_inv;
+  g.y = TensorView(cache_.rowwise.data(), {OC, IC}, dtype_of(sw.format), ops_.device());
+  g.y_scale_inv = sw.scale_inv;
+  g.d = a.out;
+  g.bias = a.bias;
+  if (a.pre_gelu) {
+    g.epilogue = Epilogue::gelu;
+    g.aux = a.pre_gelu;
+  } else if (a.bias) {
+    g.epilogue = Epilogue::bias;
+  }
+  g.fast_accum = recipe_.fast_accum_forward;
+  ops_.gemm(g);
+}
+
+void Fp8Linear::backward(const ops::LinearBackward& a) {
+  const DType act = ops_.act_dtype();
+  KILN_CHECK(a.x.ndim() == 2 && a.weight.ndim() == 2, name_, " backward: x ", a.x.str(), ", weight ", a.weight.str());
+  const std::int64_t N = a.x.size(0), IC = a.x.size(1), OC = a.weight.size(0);
+  expect(a.x, act, N, IC, name_ + " backward x");
+  expect(a.weight, act, OC, IC, name_ + " backward weight");
+  expect(a.dout, act, N, OC, name_ + " backward dout");
+  expect(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
+  if (a.dx) expect(a.dx, act, N, IC, name_ + " backward dx");
+  if (a.dx_gelu_pre) expect(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
+  if (a.dbias) KILN_CHECK(a.dbias.dtype == DType::f32 && a.dbias.numel() == OC, name_, " backward dbias ", a.dbias.str());
+  // The forward pass made the weight's copies; a different tensor (a library caller) is re-quantised.
+  if (!weight_cached(a.weight)) ensure_weight(a.weight, cache_.version);
+
+  const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight), sg = slot(TensorRole::grad_output);
+  const Device dev = ops_.device();
+  // grad_output: both copies in one pass (dgrad reads rowwise, wgrad colwise).
+  void* gr = ws_.get(Fp8Workspace::grad_rowwise, static_cast<std::size_t>(N * OC));
+  void* gc = ws_.get(Fp8Workspace::grad_colwise, static_cast<std::size_t>(N * OC));
+  float* record = prepare_scale(sg, a.dout);
+  ops_.quantize(a.dout, view(sg, gr, gc, N, OC), record);
+  // The input again, transposed only, with the forward's scale (its amax is already recorded).
+  void* xc = ws_.get(Fp8Workspace::input_colwise, static_cast<std::size_t>(N * IC));
+  ops_.quantize(a.x, view(sx, nullptr, xc, N, IC), nullptr);
+
+  if (a.dx) {
+    GemmArgs g;  // dx[N, IC] = dout[N, OC] @ W[OC, IC]: K = OC, Y = W^T stored [IC, OC]
+    g.x = TensorView(gr, {N, OC}, dtype_of(sg.format), dev);
+    g.x_scale_inv = sg.scale_inv;
+    g.y = TensorView(cache_.colwise.data(), {IC, OC}, dtype_of(sw.format), dev);
+    g.y_scale_inv = sw.scale_inv;
+    g.d = a.dx;
+    if (a.dx_gelu_pre) {
+      g.epilogue = Epilogue::dgelu;
+      g.aux = a.dx_gelu_pre;
+    }
+    ops_.gemm(g);
+  }
+  GemmArgs w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC]: K = N, both operands transposed copies
+  w.x = TensorView(gc, {OC, N}, dtype_of(sg.format), dev);
+  w.x_scale_inv = sg.scale_inv;
+  w.y = TensorView(xc, {IC, N}, dtype_of(sx.format), dev);
+  w.y_scale_inv = sx.scale_inv;
+  w.d = a.dweight;
+  w.accumulate = true;
+  ops_.gemm(w);
+  // The bias gradient from the unquantised gradient.
+  if (a.dbias) ops_.bias_grad(a.dbias, a.dout);
+}
+
+}  // namespace kiln::fp8

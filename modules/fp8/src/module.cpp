@@ -1,0 +1,153 @@
+// The fp8 engine module: picks the linear layers, attaches their FP8 meta and LinearImpl, and
+// schedules the once-per-step amax reduction and scaling update.
+#include "kiln/fp8/module.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <iostream>
+#include <thread>
+
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/components.hpp"
+#include "kiln/ops/linear_impl.hpp"
+#include "kiln/ops/module.hpp"
+#include "kiln/parallel/module.hpp"
+#include "kiln/train/train.hpp"
+
+namespace kiln::fp8 {
+
+namespace {
+
+bool is_block_role(const std::string& role) {
+  return role == "qkv" || role == "attn_proj" || role == "fc" || role == "fc_proj";
+}
+
+std::unique_ptr<Fp8Ops> make_ops(World& w) {
+  auto& be = w.resource<ops::ActiveBackend>().get();
+  if (be.device() == Device::cuda) return make_cuda_ops(be.stream());
+  // The same threads and bf16 rounding as the CPU backend.
+  const auto& bc = w.resource<ops::BackendConfig>();
+  const int local = std::max(1, w.resource<RankInfo>().local_world_size);
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return make_cpu_ops({.round_bf16 = bc.cpu_round_bf16, .threads = bc.cpu_threads > 0 ? bc.cpu_threads : std::max(1, hw / local)});
+}
+
+parallel::Communicator* amax_communicator(World& w, AmaxGroup g) {
+  auto& c = w.resource<parallel::Communicators>();
+  switch (g) {
+    case AmaxGroup::tp: return c.tp.get();
+    case AmaxGroup::tp_dp: return c.tp_dp.get();
+    case AmaxGroup::world: return c.world.get();
+  }
+  return nullptr;
+}
+
+// One all-reduce (max) of this step's amaxes of every FP8 tensor: history row 0 is one flat [n].
+void reduce_amaxes(World& w) {
+  auto& st = w.resource<Fp8State>();
+  if (!st.amax_comm || st.amax_comm->size() == 1 || st.meta->size() == 0) return;
+  const TensorView am = st.meta->amaxes();
+  if (am.device == Device::cpu) {
+    st.amax_comm->all_reduce(am, parallel::ReduceOp::max, nullptr);
+  } else if (st.amax_via_host) {
+    std::vector<float> host(static_cast<std::size_t>(am.numel()));
+    st.ops->copy(host.data(), am.data, am.bytes());
+    st.amax_comm->all_reduce(TensorView(host.data(), am.shape, DType::f32, Device::cpu), parallel::ReduceOp::max,
+                             nullptr);
+    st.ops->copy(am.data, host.data(), am.bytes());
+  } else {
+    st.amax_comm->all_reduce(am, parallel::ReduceOp::max, w.resource<ops::ActiveBackend>().get().stream());
+  }
+}
+
+void install(World& w, const Fp8Config& cfg) {
+  if (!cfg.enabled) return;
+  const auto& file = w.resource<RankInfo>().pipeline_file;
+  const bool cuda = w.resource<ops::ActiveBackend>().get().device() == Device::cuda;
+  auto& st = w.emplace_resource<Fp8State>();
+  st.recipe = Fp8Recipe{cfg.recipe, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin, cfg.format,
+                        cfg.forward_fast_accum};
+  st.ops = make_ops(w);
+
+  // Hopper FP8 GEMMs need every dimension (tokens, in, out) to be a multiple of 16.
+  const std::int64_t tokens =
+      static_cast<std::int64_t>(w.resource<train::TrainState>().micro_batch_size) * w.resource<train::TrainConfig>().seq_len;
+  if (cuda && tokens % 16 != 0)
+    throw ConfigError(cat(file, ": fp8 on CUDA needs the tokens of a micro-batch (micro_batch_size x train.seq_len = ",
+                          tokens, ") to be a multiple of 16"));
+
+  int first_unit = INT_MAX, last_unit = INT_MIN;
+  for (Entity e : w.view<nn::Linear>()) {
+    const auto& l = w.get<nn::Linear>(e);
+    if (is_block_role(l.role)) first_unit = std::min(first_unit, l.unit), last_unit = std::max(last_unit, l.unit);
+  }
+  std::vector<Format> formats;
+  std::vector<std::string> skipped;
+  for (Entity e : w.view<nn::Linear>()) {
+    const auto& l = w.get<nn::Linear>(e);
+    bool use = l.role == "lm_head" ? cfg.lm_head : is_block_role(l.role);
+    if (use && cfg.first_last_bf16 && is_block_role(l.role) && (l.unit == first_unit || l.unit == last_unit))
+      use = false;
+    if (!use) continue;
+    if (cuda && (l.in % 16 != 0 || l.out % 16 != 0)) {
+      skipped.push_back(w.describe(e));
+      continue;
+    }
+    st.entities.push_back(e);
+    for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
+      formats.push_back(format_for(cfg.format, r));
+  }
+  st.meta = std::make_unique<Fp8MetaStore>(*st.ops, formats,
+                                           cfg.recipe == RecipeKind::delayed ? cfg.amax_history_len : 1);
+  st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
+  for (std::size_t i = 0; i < st.entities.size(); ++i) {
+    const Entity e = st.entities[i];
+    const int first = static_cast<int>(i) * kRolesPerLinear;
+    Fp8Meta meta{first, {}};
+    for (int r = 0; r < kRolesPerLinear; ++r) meta.formats[static_cast<std::size_t>(r)] = formats[static_cast<std::size_t>(first + r)];
+    w.emplace<Fp8Meta>(e, meta);
+    const auto* name = w.try_get<Name>(e);
+    st.linears.push_back(std::make_unique<Fp8Linear>(*st.ops, *st.meta, first, *st.workspace, st.recipe,
+                                                     name ? name->value : w.describe(e)));
+    Fp8Linear* lin = st.linears.back().get();
+    Fp8State* state = &st;
+    w.emplace<ops::LinearImpl>(e, ops::LinearImpl{
+                                      [lin, state](const ops::LinearForward& a) { lin->forward(a, state->weights_version); },
+                                      [lin](const ops::LinearBackward& a) { lin->backward(a); }});
+  }
+
+  st.amax_comm = amax_communicator(w, cfg.amax_group);
+  auto* launch = w.try_resource<parallel::LaunchContext>();
+  st.amax_via_host = launch && launch->hub;
+
+  const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size();
+  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, cfg, skipped](World& world) {
+                     if (world.resource<RankInfo>().rank != 0) return;
+                     std::cout << "fp8: " << n_fp8 << " of " << n_all << " linear layers in FP8 ("
+                               << (cfg.recipe == RecipeKind::delayed ? "delayed" : "current") << " scaling, "
+                               << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3") << ")\n";
+                     for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16 (dimensions not multiples of 16)\n";
+                   }});
+  if (cfg.recipe == RecipeKind::delayed) {
+    w.systems().add({"fp8.amax_reduce", Phase::optimizer, reduce_amaxes});
+    w.systems().add({"fp8.scale_update", Phase::optimizer,
+                     [algo = cfg.amax_compute_algo, margin = cfg.margin](World& world) {
+                       auto& s = world.resource<Fp8State>();
+                       s.meta->update(*s.ops, algo, margin);
+                       ++s.updates;
+                       world.events().publish(AmaxReduced{world.resource<RunControl>().step});
+                     },
+                     {"fp8.amax_reduce"}});
+  }
+  w.systems().add({"fp8.weights_changed", Phase::optimizer,
+                   [](World& world) { world.resource<Fp8State>().invalidate_weights(); }});
+}
+
+}  // namespace
+
+void register_module(ModuleRegistry& registry) {
+  registry.add(make_module<Fp8Config>("fp8", "FP8 linear layers: scaling recipes, amax reduction, FP8 GEMMs",
+                                      {"model", "parallel", "backend", "train"}, install));
+}
+
+}  // namespace kiln::fp8
