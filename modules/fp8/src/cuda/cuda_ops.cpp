@@ -86,8 +86,8 @@ class CudaOps final : public Fp8Ops {
     KILN_CHECK(dbias.device == Device::cuda && dbias.dtype == DType::f32 && dbias.numel() == dy.size(1),
                "fp8 bias_grad dbias ", dbias.str(), " for dy ", dy.str());
     const int N = as_int(dy.size(0), "rows"), C = as_int(dy.size(1), "columns");
-    kiln::cuda::bias_grad(dbias.as<float>(), scratch(kiln::cuda::bias_grad_scratch(N, C)), dy.as<kiln::cuda::bf16>(), N,
-                          C, stream_);
+    kiln::cuda::bias_grad(dbias.as<float>(), scratch(kiln::cuda::bias_grad_scratch(N, C)),
+                          tickets(kiln::cuda::bias_grad_tickets(C)), dy.as<kiln::cuda::bf16>(), N, C, stream_);
   }
 
   void update_delayed(const DelayedUpdateArgs& a) override { cuda::delayed_update(a, stream_); }
@@ -102,11 +102,23 @@ class CudaOps final : public Fp8Ops {
     return static_cast<float*>(scratch_.data());
   }
 
+  // bias_grad's counters: zeroed once, left zero by every call.
+  unsigned* tickets(std::int64_t n) {
+    const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(unsigned);
+    if (tickets_.bytes() < bytes) {
+      synchronize();
+      tickets_ = Buffer(Device::cuda, std::max<std::size_t>(bytes, 4096));
+      KILN_CUDA_CHECK(cudaMemsetAsync(tickets_.data(), 0, tickets_.bytes(), stream_));
+    }
+    return static_cast<unsigned*>(tickets_.data());
+  }
+
   cudaStream_t stream_;
   cublasLtHandle_t lt_ = nullptr;
   Buffer workspace_;
   std::unique_ptr<cuda::Fp8GemmRunner> gemm_;
   Buffer scratch_;
+  Buffer tickets_;
 };
 
 }  // namespace
