@@ -23,14 +23,20 @@ run_tests() {
   local rc=$?
   note "$exe: rc=$rc $(grep -E '^\[doctest\] test cases' "$OUT/$exe.log" | tail -1)"
 }
-if [ "$MODE" != "train" ]; then
+if [ "$MODE" = "fp8" ]; then
+  run_tests test_cuda_fp8
+elif [ "$MODE" != "train" ]; then
   run_tests test_cuda_ops
   run_tests test_gpu_model
+  run_tests test_cuda_fp8
 fi
 
-if [ "$MODE" = "train" ]; then
+if [ "$MODE" = "fp8" ]; then
+  timeout 100 "$B/bin/bench_fp8" > "$OUT/bench_fp8.log" 2>&1; note "bench_fp8 rc=$?"
+elif [ "$MODE" = "train" ]; then
   :
 elif [ "$MODE" != "tests" ]; then
+  timeout 100 "$B/bin/bench_fp8" > "$OUT/bench_fp8.log" 2>&1; note "bench_fp8 rc=$?"
   timeout 100 "$B/bin/bench_kernels" > "$OUT/bench_kernels.log" 2>&1; note "bench_kernels rc=$?"
   timeout 100 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
 fi
@@ -42,8 +48,15 @@ if [ "$MODE" != "tests" ]; then
       --set train.steps="$steps" --set log.val_every=0 --set log.every=5 --set log.metrics="$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
     note "$name rc=$? $(grep -E 'peak device memory' "$OUT/$name.log")"
   }
-  train gpt2-124m pipelines/gpt2-124m.toml 60
-  train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set backend.profile=true
+  if [ "$MODE" = "fp8" ]; then
+    train gpt2-124m pipelines/gpt2-124m.toml 60 --set fp8.enabled=true
+    train gpt2-124m-current pipelines/gpt2-124m.toml 60 --set fp8.enabled=true --set fp8.recipe=current
+    train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set fp8.enabled=true --set backend.profile=true
+    train gpt-1.3b pipelines/gpt-1.3b.toml 30 --set fp8.enabled=true
+  else
+    train gpt2-124m pipelines/gpt2-124m.toml 60
+    train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set backend.profile=true
+  fi
   if [ "$MODE" = "full" ] || [ "$MODE" = "train" ]; then
     train gpt-1.3b pipelines/gpt-1.3b.toml 30
     train gpt-1.3b-profile pipelines/gpt-1.3b.toml 8 --set backend.profile=true
@@ -56,7 +69,7 @@ python3 - "$OUT" <<'PY'
 import json, statistics, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 print(f"{'run':<12} {'steps':>5} {'tok/s (median)':>15} {'ms/step':>9} {'MFU':>6} {'final loss':>10}")
-for name in ["gpt2-124m", "gpt-1.3b"]:
+for name in ["gpt2-124m", "gpt2-124m-current", "gpt-1.3b"]:
     p = out / f"{name}.jsonl"
     if not p.exists():
         continue
@@ -75,4 +88,4 @@ for f in "$OUT"/gpu.txt "$OUT"/*.log; do
   echo "===== $(basename "$f")"
   cat "$f"
 done > "$OUT/all-logs.txt"
-rm -f "$OUT"/*.log "$OUT"/gpu.txt "$OUT"/*-profile.jsonl
+rm -f "$OUT"/*.log "$OUT"/gpu.txt "$OUT"/*-profile.jsonl "$OUT"/gpt2-124m-current.jsonl

@@ -70,7 +70,9 @@ TEST_CASE("the meta store: layout, initial values, and an update that rolls the 
   CHECK(meta.size() == 3);
   CHECK(meta.history().shape == Shape({4, 3}));
   CHECK(meta.amaxes().data == meta.history().data);  // row 0 is the all-reduce buffer
-  CHECK(meta.state().numel() == (4 + 2) * 3);
+  // history, scale, fp8_max and amax_now (4 + 3 rows of 3), padded to 16 bytes, then scale_inv 16 bytes apart
+  CHECK(meta.state().numel() == 24 + 4 * 3);
+  for (int i = 0; i < 3; ++i) CHECK(reinterpret_cast<std::uintptr_t>(meta.slot(i).scale_inv) % 16 == 0);
   const ScalingSlot s2 = meta.slot(2);
   CHECK(s2.format == Format::e5m2);
   CHECK(s2.fp8_max == 57344.0f);

@@ -11,12 +11,12 @@ Fp8MetaStore::Fp8MetaStore(Fp8Ops& ops, std::vector<Format> formats, int history
       ready_(formats_.size(), 0),
       device_(ops.device()) {
   KILN_CHECK(history_len >= 1, "FP8 amax history length ", history_len, " must be at least 1");
-  const std::int64_t floats = static_cast<std::int64_t>(len_ + 4) * n_;
+  const std::int64_t floats = inv_offset() + kScaleInvStride * n_;
   std::vector<float> init(static_cast<std::size_t>(floats), 0.0f);
   for (int i = 0; i < n_; ++i) {
-    init[static_cast<std::size_t>(len_ * n_ + i)] = 1.0f;        // scale
-    init[static_cast<std::size_t>((len_ + 1) * n_ + i)] = 1.0f;  // scale_inv
-    init[static_cast<std::size_t>((len_ + 2) * n_ + i)] = max_value(formats_[static_cast<std::size_t>(i)]);
+    init[static_cast<std::size_t>(len_ * n_ + i)] = 1.0f;  // scale
+    init[static_cast<std::size_t>((len_ + 1) * n_ + i)] = max_value(formats_[static_cast<std::size_t>(i)]);
+    init[static_cast<std::size_t>(inv_offset() + kScaleInvStride * i)] = 1.0f;  // scale_inv
   }
   buf_ = ops.alloc(static_cast<std::size_t>(std::max<std::int64_t>(floats, 1)) * sizeof(float));
   if (floats > 0) ops.copy(buf_.data(), init.data(), init.size() * sizeof(float));
@@ -35,8 +35,8 @@ ScalingSlot Fp8MetaStore::slot(int i) const {
   s.fp8_max = max_value(s.format);
   s.amax = base + i;
   s.scale = base + static_cast<std::int64_t>(len_) * n_ + i;
-  s.scale_inv = base + static_cast<std::int64_t>(len_ + 1) * n_ + i;
-  s.amax_now = base + static_cast<std::int64_t>(len_ + 3) * n_ + i;
+  s.scale_inv = base + inv_offset() + kScaleInvStride * i;
+  s.amax_now = base + static_cast<std::int64_t>(len_ + 2) * n_ + i;
   return s;
 }
 
@@ -46,6 +46,7 @@ void Fp8MetaStore::update(Fp8Ops& ops, AmaxAlgo algo, int margin) {
   a.history = history().as<float>();
   a.scale = scales().as<float>();
   a.scale_inv = scale_invs().as<float>();
+  a.scale_inv_stride = kScaleInvStride;
   a.fp8_max = fp8_maxes().as<float>();
   a.len = len_;
   a.n = n_;

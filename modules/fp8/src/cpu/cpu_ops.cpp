@@ -150,7 +150,7 @@ class CpuOps final : public Fp8Ops {
       if (a.algo == AmaxAlgo::max)
         for (int h = 1; h < a.len; ++h) amax = amax_max(amax, a.history[static_cast<std::int64_t>(h) * a.n + i]);
       a.scale[i] = compute_scale(a.fp8_max[i], amax, a.margin, a.scale[i]);
-      a.scale_inv[i] = reciprocal(a.scale[i]);
+      a.scale_inv[static_cast<std::int64_t>(i) * a.scale_inv_stride] = reciprocal(a.scale[i]);
       for (int h = a.len - 1; h > 0; --h)
         a.history[static_cast<std::int64_t>(h) * a.n + i] = a.history[static_cast<std::int64_t>(h - 1) * a.n + i];
       a.history[i] = 0.0f;

@@ -172,6 +172,9 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
   KILN_CHECK(aligned16(g.x.data) && aligned16(g.y.data) && aligned16(g.d.data), describe(g),
              ": FP8 GEMM operands must be 16-byte aligned");
   KILN_CHECK(g.x_scale_inv && g.y_scale_inv, describe(g), ": missing operand scales");
+  // cuBLASLt refuses scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED).
+  KILN_CHECK(aligned16(g.x_scale_inv) && aligned16(g.y_scale_inv), describe(g),
+             ": the operand scale pointers must be 16-byte aligned");
   if (g.bias)
     KILN_CHECK(g.bias.dtype == DType::bf16 && g.bias.numel() == N && g.bias.device == Device::cuda, describe(g), ": bias ",
                g.bias.str());

@@ -8,8 +8,8 @@ namespace kiln::fp8::cuda {
 namespace {
 
 __global__ void delayed_update_kernel(float* __restrict__ history, float* __restrict__ scale,
-                                      float* __restrict__ scale_inv, const float* __restrict__ fp8_max, int len, int n,
-                                      bool use_max, int margin) {
+                                      float* __restrict__ scale_inv, int inv_stride, const float* __restrict__ fp8_max,
+                                      int len, int n, bool use_max, int margin) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   float amax = history[i];
@@ -17,7 +17,7 @@ __global__ void delayed_update_kernel(float* __restrict__ history, float* __rest
     for (int h = 1; h < len; ++h) amax = amax_max(amax, history[static_cast<long long>(h) * n + i]);
   const float s = compute_scale(fp8_max[i], amax, margin, scale[i]);
   scale[i] = s;
-  scale_inv[i] = reciprocal(s);
+  scale_inv[static_cast<long long>(i) * inv_stride] = reciprocal(s);
   for (int h = len - 1; h > 0; --h) history[static_cast<long long>(h) * n + i] = history[static_cast<long long>(h - 1) * n + i];
   history[i] = 0.0f;
 }
@@ -29,7 +29,7 @@ void delayed_update(const DelayedUpdateArgs& a, cudaStream_t s) {
   if (a.n == 0) return;
   constexpr int kThreads = 128;
   delayed_update_kernel<<<(a.n + kThreads - 1) / kThreads, kThreads, 0, s>>>(
-      a.history, a.scale, a.scale_inv, a.fp8_max, a.len, a.n, a.algo == AmaxAlgo::max, a.margin);
+      a.history, a.scale, a.scale_inv, a.scale_inv_stride, a.fp8_max, a.len, a.n, a.algo == AmaxAlgo::max, a.margin);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -7,9 +7,10 @@
 //   history   [len, n]  row 0: this step's amaxes (max-accumulated; the all-reduce buffer)
 //                       rows 1..len-1: the previous steps, most recent first
 //   scale     [n]       the scale tensors are quantised with
-//   scale_inv [n]       1 / scale, the GEMMs' operand scales
 //   fp8_max   [n]       448 (e4m3) or 57344 (e5m2), constant
 //   amax_now  [n]       scratch: the amax of a tensor being quantised with current scaling
+//   scale_inv [n, 4]    1 / scale in column 0, the GEMMs' operand scales: one 16-byte slot each,
+//                       because cuBLASLt wants 16-byte-aligned scale pointers
 #include <algorithm>
 #include <array>
 #include <vector>
@@ -42,9 +43,10 @@ class Fp8MetaStore {
   TensorView amaxes() const { return view(0, {n_}); }             // history row 0: all-reduce this
   TensorView history() const { return view(0, {len_, n_}); }
   TensorView scales() const { return view(len_ * n_, {n_}); }
-  TensorView scale_invs() const { return view((len_ + 1) * n_, {n_}); }
-  TensorView fp8_maxes() const { return view((len_ + 2) * n_, {n_}); }
-  TensorView state() const { return view(0, {(len_ + 2) * n_}); }  // history, scale, scale_inv
+  TensorView fp8_maxes() const { return view((len_ + 1) * n_, {n_}); }
+  TensorView scale_invs() const { return view(inv_offset(), {n_, kScaleInvStride}); }  // column 0
+  TensorView state() const { return view(0, {inv_offset() + kScaleInvStride * n_}); }  // everything
+  static constexpr int kScaleInvStride = 4;
   const std::vector<Format>& formats() const { return formats_; }
 
   // Delayed scaling before a slot's first update has no history to draw a scale from: the first
@@ -59,6 +61,7 @@ class Fp8MetaStore {
 
  private:
   TensorView view(std::int64_t offset, Shape shape) const;
+  std::int64_t inv_offset() const { return (static_cast<std::int64_t>(len_ + 3) * n_ + 3) / 4 * 4; }
   int n_ = 0, len_ = 0;
   std::vector<Format> formats_;
   std::vector<std::uint8_t> ready_;

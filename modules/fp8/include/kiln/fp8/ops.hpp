@@ -43,11 +43,12 @@ struct GemmArgs {
 struct DelayedUpdateArgs {
   float* history = nullptr;    // [len, n]
   float* scale = nullptr;      // [n]
-  float* scale_inv = nullptr;  // [n]
+  float* scale_inv = nullptr;  // [n], element i at scale_inv[i * scale_inv_stride]
   const float* fp8_max = nullptr;  // [n]
   int len = 0, n = 0;
   AmaxAlgo algo = AmaxAlgo::max;
   int margin = 0;
+  int scale_inv_stride = 1;
 };
 
 class Fp8Ops {
