@@ -14,6 +14,7 @@
 #include "kiln/tensor/bf16.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "bench_timer.hpp"
 
 namespace {
 
@@ -37,23 +38,7 @@ Buffer random_bf16(ops::Backend& be, Shape shape, std::uint64_t seed, float std)
 // Median milliseconds of `iters` calls of f, each between two events on `stream`.
 template <class F>
 double median_ms(cudaStream_t stream, int iters, F&& f) {
-  cudaEvent_t start, stop;
-  KILN_CUDA_CHECK(cudaEventCreate(&start));
-  KILN_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    KILN_CUDA_CHECK(cudaEventRecord(start, stream));
-    f();
-    KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
-    KILN_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    KILN_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  KILN_CUDA_CHECK(cudaEventDestroy(start));
-  KILN_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return bench::EventTimer(stream, false, 0, iters).median_ms(f);
 }
 
 void run(ops::Backend& be, const Case& c) {

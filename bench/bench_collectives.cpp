@@ -16,6 +16,7 @@
 #include "kiln/parallel/rendezvous.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "bench_timer.hpp"
 
 using namespace kiln;
 
@@ -23,24 +24,7 @@ namespace {
 
 template <class F>
 double median_ms(cudaStream_t s, F&& f, int iters) {
-  cudaEvent_t a, b;
-  KILN_CUDA_CHECK(cudaEventCreate(&a));
-  KILN_CUDA_CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> t;
-  for (int i = 0; i < iters; ++i) {
-    KILN_CUDA_CHECK(cudaEventRecord(a, s));
-    f();
-    KILN_CUDA_CHECK(cudaEventRecord(b, s));
-    KILN_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms;
-    KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return t[t.size() / 2];
+  return bench::EventTimer(s, false, 3, iters).median_ms(f);
 }
 
 int rank_main(const parallel::LaunchEnv& env) {

@@ -18,6 +18,7 @@
 #include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "bench_timer.hpp"
 #include "../modules/ops/src/cuda/cross_entropy_variants.hpp"
 
 namespace kiln::bench {
@@ -27,37 +28,10 @@ using bf16 = cuda::bf16;  // hides kiln::bf16 (the host storage type) in this na
 
 constexpr int kWarmup = 3, kIters = 15;
 
-class Timer {
+// Median of single calls with L2 evicted before each.
+class Timer : public EventTimer {
  public:
-  explicit Timer(cudaStream_t s) : s_(s), flush_(Device::cuda, 256u << 20) {
-    KILN_CUDA_CHECK(cudaEventCreate(&a_));
-    KILN_CUDA_CHECK(cudaEventCreate(&b_));
-  }
-  ~Timer() {
-    cudaEventDestroy(a_);
-    cudaEventDestroy(b_);
-  }
-  double median_ms(const std::function<void()>& f) {
-    for (int i = 0; i < kWarmup; ++i) f();
-    std::vector<float> t;
-    for (int i = 0; i < kIters; ++i) {
-      KILN_CUDA_CHECK(cudaMemsetAsync(flush_.data(), i, flush_.bytes(), s_));  // evict L2 (50 MB on H100/H200)
-      KILN_CUDA_CHECK(cudaEventRecord(a_, s_));
-      f();
-      KILN_CUDA_CHECK(cudaEventRecord(b_, s_));
-      KILN_CUDA_CHECK(cudaEventSynchronize(b_));
-      float ms = 0;
-      KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
-      t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  }
-
- private:
-  cudaStream_t s_;
-  Buffer flush_;
-  cudaEvent_t a_, b_;
+  explicit Timer(cudaStream_t s) : EventTimer(s, true, kWarmup, kIters) {}
 };
 
 void row(const std::string& op, const std::string& shape, double ms, double bytes, double flops = 0) {

@@ -19,13 +19,7 @@ int cmd_config(const Args& args) {
       "set", po::value(&sets)->composing(), "override a value: section.key=value (repeatable)");
   po::positional_options_description pos;
   pos.add("file", 1);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
-  po::notify(vm);
+  if (!parse_args(args, opts, pos)) return 0;
   if (file.empty()) throw po::error("a pipeline FILE is required");
   auto p = load_pipeline(file, sets);
   std::cout << config::to_toml(p->config, p->registry);

@@ -16,13 +16,7 @@ int cmd_modules(const Args& args) {
   std::vector<std::string> plugins;
   opts.add_options()("help,h", "show this help")("plugin", po::value(&plugins)->composing(),
                                                  "also load modules from this shared library");
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(opts).run(), vm);
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
-  po::notify(vm);
+  if (!parse_args(args, opts, {})) return 0;
   ModuleRegistry reg;
   register_builtin_modules(reg);
   PluginLoader loader;

@@ -85,13 +85,7 @@ int cmd_run(const Args& args) {
       "nproc", po::value(&nproc)->default_value(1), "number of local ranks");
   po::positional_options_description pos;
   pos.add("file", 1);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
-  po::notify(vm);
+  if (!parse_args(args, opts, pos)) return 0;
   if (file.empty()) throw po::error("a pipeline FILE is required");
   if (nproc < 1) throw po::error("--nproc must be at least 1");
   auto p = load_pipeline(file, sets);

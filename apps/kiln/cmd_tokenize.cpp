@@ -22,13 +22,7 @@ int cmd_tokenize(const Args& args) {
       "input", po::value(&inputs)->composing(), "text files");
   po::positional_options_description pos;
   pos.add("input", -1);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
-  po::notify(vm);
+  if (!parse_args(args, opts, pos)) return 0;
   if (inputs.empty()) throw po::error("at least one TEXT file is required");
   if (out.empty()) throw po::error("the output directory (-o DIR) is required");
   auto r = data::tokenize_files(inputs, out, o);

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <boost/program_options.hpp>
+
 #include "kiln/engine/config/pipeline.hpp"
 #include "kiln/engine/module.hpp"
 #include "kiln/engine/plugin.hpp"
@@ -18,6 +20,11 @@ int cmd_config(const Args& args);
 int cmd_modules(const Args& args);
 int cmd_tokenize(const Args& args);
 int cmd_topology(const Args& args);
+
+// Parses a subcommand's arguments (positional arguments as `positional`, -1 = any number); returns
+// false after printing the help when --help (-h) was given.
+bool parse_args(const Args& args, const boost::program_options::options_description& opts,
+                const boost::program_options::positional_options_description& positional);
 
 // A pipeline file resolved against kiln's modules and the plugins it names.
 struct LoadedPipeline {

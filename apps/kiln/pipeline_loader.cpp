@@ -1,8 +1,23 @@
+#include <iostream>
+
 #include "commands.hpp"
 #include "kiln/builtin.hpp"
 #include "kiln/engine/engine_module.hpp"
 
 namespace kiln::app {
+
+bool parse_args(const Args& args, const boost::program_options::options_description& opts,
+                const boost::program_options::positional_options_description& positional) {
+  namespace po = boost::program_options;
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(opts).positional(positional).run(), vm);
+  if (vm.count("help")) {
+    std::cout << opts << "\n";
+    return false;
+  }
+  po::notify(vm);
+  return true;
+}
 
 std::unique_ptr<LoadedPipeline> load_pipeline(const std::string& file, const std::vector<std::string>& sets) {
   auto p = std::make_unique<LoadedPipeline>();

@@ -6,9 +6,12 @@
 #include <string>
 
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/cublaslt.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::fp8::cuda {
+
+using kiln::cuda::set_attr;
 
 namespace {
 
@@ -41,11 +44,6 @@ bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 bool uses_aux(Epilogue e) { return e == Epilogue::gelu || e == Epilogue::dgelu; }
 
-template <class T>
-void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value) {
-  KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
-}
-
 cublasLtEpilogue_t lt_epilogue(const GemmArgs& g) {
   switch (g.epilogue) {
     case Epilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
@@ -56,37 +54,10 @@ cublasLtEpilogue_t lt_epilogue(const GemmArgs& g) {
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
-struct Preference {
-  cublasLtMatmulPreference_t p = nullptr;
-  Preference() { KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p)); }
-  ~Preference() { cublasLtMatmulPreferenceDestroy(p); }
-  template <class T>
-  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
-    KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
-  }
-};
-
 }  // namespace
 
-struct Fp8GemmRunner::Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (our Y), B (our X), C = D
-  cublasLtMatmulAlgo_t algo{};
-  bool fused = true;  // false: no FP8 algorithm with this epilogue; a plain GEMM and a kernel instead
+struct Fp8GemmRunner::Plan : kiln::cuda::LtMatmulPlan {
   bool verified = false;  // has run successfully once
-
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() { release(); }
-  void release() {
-    if (op) cublasLtMatmulDescDestroy(op);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    op = nullptr;
-    a = b = d = nullptr;
-  }
 };
 
 Fp8GemmRunner::Fp8GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t workspace_bytes)
@@ -131,7 +102,7 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, lt_type(g.x.dtype), uK, uM, K));  // X [M, K] row-major
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, lt_type(g.d.dtype), uN, uM, N));  // D [M, N] row-major
 
-  Preference pref;
+  kiln::cuda::LtPreference pref;
   pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes_));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kiln/ops/cuda/cublaslt.hpp"
 #include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
@@ -54,42 +55,9 @@ cublasLtEpilogue_t lt_epilogue(const GemmDesc& g) {
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
-template <class T>
-void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value) {
-  KILN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
-}
-
-struct Preference {
-  cublasLtMatmulPreference_t p = nullptr;
-  Preference() { KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p)); }
-  ~Preference() { cublasLtMatmulPreferenceDestroy(p); }
-  template <class T>
-  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
-    KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
-  }
-};
-
 }  // namespace
 
-struct GemmRunner::Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (our B), B (our A), C = D
-  cublasLtMatmulAlgo_t algo{};
-  bool fused = true;  // false: cuBLASLt cannot fuse this epilogue; run a plain GEMM and a kernel
-
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() { release(); }
-  void release() {
-    if (op) cublasLtMatmulDescDestroy(op);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    op = nullptr;
-    a = b = d = nullptr;
-  }
-};
+struct GemmRunner::Plan : LtMatmulPlan {};
 
 GemmRunner::GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t workspace_bytes)
     : handle_(handle), workspace_(workspace), workspace_bytes_(workspace_bytes) {}
@@ -142,7 +110,7 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g) {
     KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, K, M, g.K));
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, g.d_f32 ? CUDA_R_32F : CUDA_R_16BF, N, M, g.N));
 
-  Preference pref;
+  LtPreference pref;
   pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes_));
   const auto a32 = static_cast<std::uint32_t>(align);
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a32);
