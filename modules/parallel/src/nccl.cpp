@@ -314,14 +314,16 @@ NcclWorld::~NcclWorld() {
   for (auto e : w.free_events) cudaEventDestroy(e);
 }
 
-std::unique_ptr<Communicator> NcclWorld::group(const std::string& name, int color, const std::vector<int>& members) {
+std::unique_ptr<Communicator> NcclWorld::group(const std::string& name, int color, const std::vector<int>& members,
+                                               bool blocking) {
   auto& w = *impl_;
   w.check("creating the " + name + " communicator");
-  if (static_cast<int>(members.size()) == w.world)
+  if (!blocking && static_cast<int>(members.size()) == w.world)
     return std::make_unique<NcclCommunicator>(impl_, w.world_comm, name, members);
+  // A group is split from the (non-blocking) world communicator; see the header on blocking ones.
   ncclComm_t c = nullptr;
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  config.blocking = blocking ? 1 : 0;
   ncclResult_t r = ncclCommSplit(w.world_comm, color, w.rank, &c, &config);
   if (r != ncclSuccess && r != ncclInProgress)
     KILN_THROW("rank ", w.rank, ": ncclCommSplit for the ", name, " group failed: ", ncclGetErrorString(r));
