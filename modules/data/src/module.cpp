@@ -49,7 +49,7 @@ void install(World& w, const DataConfig& cfg) {
     st.order = std::make_unique<SampleOrder>(st.train->windows(), data_seed, cfg.shuffle);
   }
 
-  w.systems().add({"data.load_validation", Phase::setup, [cfg, T, data_seed](World& world) {
+  w.systems().add({"data.load_validation", Phase::setup, [cfg, T](World& world) {
                      if (cfg.val_files.empty() || cfg.val_batches == 0) return;
                      auto index = open_split(cfg.val_files, cfg.format, T, "data.val_files");
                      const auto& ts = world.resource<train::TrainState>();
@@ -70,7 +70,6 @@ void install(World& w, const DataConfig& cfg) {
                                      batch.targets.data() + i * T);
                        val.batches.push_back(std::move(batch));
                      }
-                     (void)data_seed;
                    }});
 
   w.systems().add({"data.next_batch", Phase::data, [cfg, T, data_seed](World& world) {

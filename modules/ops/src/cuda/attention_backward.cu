@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(C::NT)
     for (int nt = 0; nt < NQ; ++nt) {
       const float2 lq = *reinterpret_cast<const float2*>(lse_s + nt * 8 + 2 * t);
       const float2 dq = *reinterpret_cast<const float2*>(d_s + nt * 8 + 2 * t);
-      std::uint32_t m0 = 0xffffffffu, m1 = 0xffffffffu;
+      [[maybe_unused]] std::uint32_t m0 = 0xffffffffu, m1 = 0xffffffffu;  // used with DROPOUT
       if constexpr (DROPOUT) {
         const std::uint64_t q = col_base + qq0 + nt * 8;
         keep_bits_col16(seed, start, (q + (lane >> 2)) * T + kw0, (q + (lane & 7)) * T + kw0, pb.threshold, lane,
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(C::NT)
         mma(dp[2 * np], of[ks], f[0], f[1]);
         mma(dp[2 * np + 1], of[ks], f[2], f[3]);
       }
-    std::uint32_t bits[2][BN / 32];
+    [[maybe_unused]] std::uint32_t bits[2][BN / 32];  // used with DROPOUT
     if constexpr (DROPOUT) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
