@@ -25,7 +25,7 @@ std::unique_ptr<LoadedPipeline> load_pipeline(const std::string& file, const std
   p->plugins = std::make_unique<PluginLoader>();
   config::Node doc = config::load_document(file, sets);
   // Plugins first: their modules' sections can only be read once they are registered.
-  auto engine = std::any_cast<EngineConfig>(config::read_engine_section(doc, p->registry, file));
+  auto engine = std::any_cast<EngineConfig>(config::read_engine_section(doc, p->registry));
   for (auto& lib : engine.plugins) {
     try {
       p->plugins->load(lib, p->registry);

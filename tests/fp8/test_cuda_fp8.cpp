@@ -433,14 +433,6 @@ synthetic_vocab = 300
 [fp8]
 enabled = true
 )";
-
-std::vector<float> grads_of(World& w) {
-  auto& be = w.resource<ops::ActiveBackend>().get();
-  auto flat = w.resource<nn::ParamStore>().grads_flat();
-  std::vector<float> h(static_cast<std::size_t>(flat.numel()));
-  be.copy(TensorView(h.data(), {flat.numel()}, DType::f32, Device::cpu), flat);
-  return h;
-}
 }  // namespace
 
 TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is deterministic") {
@@ -457,7 +449,7 @@ TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is d
       auto* out = &losses[i];
       auto* g = &grads[i];
       w.systems().add({"test.grads", Phase::grad_sync, [g](World& world) {
-                         if (world.resource<RunControl>().step == 1) *g = grads_of(world);
+                         if (world.resource<RunControl>().step == 1) *g = test::grads_of(world);
                        },
                        {"model.loss"}});
       w.systems().add({"test.loss", Phase::step_end,

@@ -170,39 +170,6 @@ TEST_CASE("the amaxes are reduced over the amax group: tp_dp ranks share every s
 }
 
 namespace {
-// Trains the byte-level model on a generated text and returns the per-step losses.
-std::vector<double> train_losses(const std::string& shards, const std::vector<std::string>& sets) {
-  std::vector<std::string> all = {"data.train_files=" + shards};
-  all.insert(all.end(), sets.begin(), sets.end());
-  test::Pipeline p(R"(
-[engine]
-device = "cpu"
-[train]
-steps = 60
-batch_size = 8
-seq_len = 32
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 32
-vocab_size = 256
-max_seq_len = 32
-[optim]
-lr = 3e-3
-warmup_steps = 10
-[log]
-every = 1000
-)",
-                   all);
-  std::vector<double> losses;
-  auto& w = *p.world;
-  w.systems().add({"test.record", Phase::step_end,
-                   [&losses](World& world) { losses.push_back(world.resource<train::TrainState>().loss); },
-                   {"train.step_end"}});
-  p.run();
-  return losses;
-}
-
 double tail_mean(const std::vector<double>& v, std::size_t n) {
   return std::accumulate(v.end() - static_cast<std::ptrdiff_t>(n), v.end(), 0.0) / static_cast<double>(n);
 }
@@ -210,18 +177,10 @@ double tail_mean(const std::vector<double>& v, std::size_t n) {
 
 TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 run's loss (delayed and current scaling)") {
   test::TempDir dir("fp8-train");
-  std::string text;
-  const char* words[] = {"the cat", "a dog", "the bird", "my fish"};
-  const char* verbs[] = {" sat on", " ran to", " looked at", " jumped over"};
-  const char* things[] = {" the mat.\n", " a tree.\n", " the house.\n", " my hat.\n"};
-  for (int i = 0; i < 4000; ++i) text += std::string(words[i % 4]) + verbs[(i / 4) % 4] + things[(i / 16) % 4];
-  auto src = dir.file("corpus.txt", text);
-  data::tokenize_files({src}, (dir.path() / "shards").string(), {.val_fraction = 0.1});
-  const std::string shards = (dir.path() / "shards/train_*.bin").string();
-
-  const auto ref = train_losses(shards, {});
-  const auto delayed = train_losses(shards, {"fp8.enabled=true"});
-  const auto current = train_losses(shards, {"fp8.enabled=true", "fp8.recipe=current"});
+  const std::string shards = test::pattern_corpus(dir);
+  const auto ref = test::train_losses(shards, 60);
+  const auto delayed = test::train_losses(shards, 60, {"fp8.enabled=true"});
+  const auto current = test::train_losses(shards, 60, {"fp8.enabled=true", "fp8.recipe=current"});
   REQUIRE(ref.size() == 60);
   const double r = tail_mean(ref, 5), d = tail_mean(delayed, 5), c = tail_mean(current, 5);
   MESSAGE("final loss (mean of the last 5 steps): fp32 " << r << ", fp8 delayed " << d << ", fp8 current " << c

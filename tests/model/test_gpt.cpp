@@ -146,41 +146,7 @@ TEST_CASE("recomputing LayerNorm and GELU outputs in the backward pass gives the
 
 TEST_CASE("training on the CPU lowers the loss by more than 2 nats in 80 steps") {
   test::TempDir dir("train");
-  std::string text;
-  const char* words[] = {"the cat", "a dog", "the bird", "my fish"};
-  const char* verbs[] = {" sat on", " ran to", " looked at", " jumped over"};
-  const char* things[] = {" the mat.\n", " a tree.\n", " the house.\n", " my hat.\n"};
-  for (int i = 0; i < 4000; ++i) text += std::string(words[i % 4]) + verbs[(i / 4) % 4] + things[(i / 16) % 4];
-  auto src = dir.file("corpus.txt", text);
-  data::tokenize_files({src}, (dir.path() / "shards").string(), {.val_fraction = 0.1});
-  test::Pipeline p(R"(
-[engine]
-device = "cpu"
-[train]
-steps = 80
-batch_size = 8
-seq_len = 32
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 32
-vocab_size = 256
-max_seq_len = 32
-[optim]
-lr = 3e-3
-warmup_steps = 10
-[log]
-every = 1000
-)",
-                   {"data.train_files=" + (dir.path() / "shards/train_*.bin").string()});
-  auto& w = *p.world;
-  std::vector<double> losses;
-  auto sub = w.events().subscribe<train::EvaluationRequested>([](auto&) {});
-  w.systems().add({"test.record", Phase::step_end, [&losses](World& world) {
-                     losses.push_back(world.resource<train::TrainState>().loss);
-                   },
-                   {"train.step_end"}});
-  p.run();
+  const auto losses = test::train_losses(test::pattern_corpus(dir), 80);
   REQUIRE(losses.size() == 80);
   INFO("first loss " << losses.front() << ", last loss " << losses.back());
   CHECK(losses.front() > 5.0);  // about ln(256) = 5.55 at initialisation

@@ -89,7 +89,7 @@ void apply_overrides(Node& doc, const std::vector<std::string>& set_args) {
   }
 }
 
-std::any read_engine_section(const Node& doc, const ModuleRegistry& registry, const std::string& file) {
+std::any read_engine_section(const Node& doc, const ModuleRegistry& registry) {
   Errors errors;
   const Node* section = doc.find("engine");
   if (section && section->kind != Node::Kind::table) {
@@ -98,7 +98,6 @@ std::any read_engine_section(const Node& doc, const ModuleRegistry& registry, co
   }
   const auto& desc = registry.get("engine");
   std::any value = desc.schema.read(section, "engine", errors);
-  (void)file;
   errors.throw_if_any();
   return value;
 }

@@ -45,7 +45,7 @@ struct PipelineConfig {
 };
 
 // Reads only the [engine] section (the plugins must be loaded before the rest can be resolved).
-std::any read_engine_section(const Node& doc, const ModuleRegistry& registry, const std::string& file);
+std::any read_engine_section(const Node& doc, const ModuleRegistry& registry);
 
 PipelineConfig resolve(const Node& doc, const std::string& file, const ModuleRegistry& registry);
 
