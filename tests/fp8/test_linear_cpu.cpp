@@ -186,9 +186,17 @@ TEST_CASE("a replayed forward (activation recompute) reuses the scales and leave
     x[0] *= 1.5f;  // step 2's input
     L.lin.forward({host(out1, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 2);
     const auto before = meta_state(L.meta);
-    L.lin.forward({host(out2, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 2);
+    L.lin.forward({host(out2, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 2, /*replay=*/true);
     CHECK(test::same_bits(out1, out2));
     CHECK(test::same_bits(meta_state(L.meta), before));
+    // A replay neither records an amax nor derives a scale from its input: even a larger input
+    // leaves the meta as it was, where a normal forward records it (delayed) or rescales (current).
+    auto big = x;
+    for (auto& v : big) v *= 4.0f;
+    L.lin.forward({host(out2, {N, OC}), {}, host(big, {N, IC}), host(w, {OC, IC}), {}}, 2, /*replay=*/true);
+    CHECK(test::same_bits(meta_state(L.meta), before));
+    L.lin.forward({host(out2, {N, OC}), {}, host(big, {N, IC}), host(w, {OC, IC}), {}}, 2);
+    CHECK_FALSE(test::same_bits(meta_state(L.meta), before));
   }
 }
 

@@ -1,5 +1,6 @@
 #include "kiln/builtin.hpp"
 
+#include "kiln/checkpoint/module.hpp"
 #include "kiln/data/module.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/fp8/module.hpp"
@@ -24,6 +25,7 @@ void register_builtin_modules(ModuleRegistry& registry) {
   optim::register_module(registry);
   log::register_module(registry);
   fp8::register_module(registry);
+  checkpoint::register_module(registry);
 }
 
 }  // namespace kiln

@@ -81,7 +81,7 @@ void Fp8Linear::ensure_weight(const TensorView& w, std::int64_t version) {
   cache_.cols = IC;
 }
 
-void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version) {
+void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
   KILN_CHECK(a.x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", a.x.str(), ", weight ", a.weight.str());
   const std::int64_t N = a.x.size(0), IC = a.x.size(1);
@@ -89,7 +89,8 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   ensure_weight(a.weight, weight_version);
   const ScalingSlot s = slot(TensorRole::input);
   void* xq = ws_.get(Fp8Workspace::input_rowwise, static_cast<std::size_t>(N * IC));
-  float* record = prepare_scale(s, a.x);
+  KILN_CHECK(!replay || weight_cached(a.weight), name_, ": a replayed forward needs the weight of the original one");
+  float* record = replay ? nullptr : prepare_scale(s, a.x);
   ops_.quantize(a.x, view(s, xq, nullptr, N, IC), record);
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
 }

@@ -9,6 +9,7 @@
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/components.hpp"
+#include "kiln/nn/events.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/module.hpp"
@@ -112,9 +113,18 @@ void install(World& w, const Fp8Config& cfg) {
     Fp8Linear* lin = st.linears.back().get();
     Fp8State* state = &st;
     w.emplace<ops::LinearImpl>(e, ops::LinearImpl{
-                                      [lin, state](const ops::LinearForward& a) { lin->forward(a, state->weights_version); },
+                                      [lin, state](const ops::LinearForward& a) {
+                                        lin->forward(a, state->weights_version, state->replaying);
+                                      },
                                       [lin](const ops::LinearBackward& a) { lin->backward(a); }});
   }
+
+  // Activation recompute replays forwards: same scales, no second amax (see Fp8Linear).
+  st.subscriptions.push_back(w.events().subscribe<nn::LayerRecomputeBegin>([&st](const nn::LayerRecomputeBegin&) {
+    st.replaying = true;
+  }));
+  st.subscriptions.push_back(
+      w.events().subscribe<nn::LayerRecomputeEnd>([&st](const nn::LayerRecomputeEnd&) { st.replaying = false; }));
 
   st.amax_comm = amax_communicator(w, cfg.amax_group);
   auto* launch = w.try_resource<parallel::LaunchContext>();

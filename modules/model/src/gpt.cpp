@@ -119,37 +119,91 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   store.stream = be_.stream();
   be_.zero(store.master_flat());  // alignment padding stays zero
   be_.zero(store.grads_flat());
+}
 
-  // Activations for one micro-batch, kept for the backward pass.
-  const std::int64_t N = static_cast<std::int64_t>(B) * T;
+namespace {
+// The activations a block keeps for its backward pass, in three groups by what recomputes them.
+enum ActGroup { kAttnGroup, kRes2Group, kMlpGroup };
+}  // namespace
+
+void GptModel::allocate_activations() {
+  KILN_CHECK(!allocated_, "the model's activations are allocated once");
+  const std::int64_t N = static_cast<std::int64_t>(B_) * T_, C = C_, Nl = Nl_, D = C_ / H_;
   const DType act = be_.act_dtype();
+  const bool keep_ln = !cfg_.recompute_norm, keep_fc = !cfg_.recompute_gelu;
+
+  // The plan: each block's recompute scope, from the component a module attached to its layer.
+  using nn::RecomputeScope;
+  plan_.assign(static_cast<std::size_t>(L_), BlockPlan{});
+  bool shared_group[3] = {false, false, false}, any_distributed = false;
+  for (int l = 0; l < L_; ++l) {
+    const auto* r = world_.try_get<nn::ActivationRecompute>(layers_[static_cast<std::size_t>(l + 1)]);
+    if (!r || r->scope == RecomputeScope::none) continue;
+    auto& plan = plan_[static_cast<std::size_t>(l)];
+    plan.scope = r->scope;
+    plan.distribute = r->distribute_input && tp_ > 1;
+    KILN_CHECK(!plan.distribute || !sp_, "block ", l, ": distributed saved inputs need sequence parallelism off");
+    KILN_CHECK(!plan.distribute || N % tp_ == 0, "block ", l, ": distributing the saved input needs the ", N,
+               " tokens of a micro-batch to be divisible by parallel.tp = ", tp_);
+    any_distributed |= plan.distribute;
+    shared_group[kAttnGroup] |= r->scope == RecomputeScope::attention || r->scope == RecomputeScope::full;
+    shared_group[kRes2Group] |= r->scope == RecomputeScope::full;
+    shared_group[kMlpGroup] |= r->scope == RecomputeScope::mlp || r->scope == RecomputeScope::full;
+  }
+  auto kept = [&](int l, int group) {
+    const auto scope = plan_[static_cast<std::size_t>(l)].scope;
+    if (scope == RecomputeScope::full) return false;
+    if (group == kAttnGroup) return scope != RecomputeScope::attention;
+    if (group == kMlpGroup) return scope != RecomputeScope::mlp;
+    return true;
+  };
+
+  // A block's activations: (member, group, dtype, shape, allocated per block or shared elsewhere).
+  // With sequence parallelism the LayerNorm statistics and res2 hold this rank's Nl rows; the
+  // inputs of the TP regions hold all N.
+  struct Field {
+    TensorView BlockActs::*member;
+    int group;
+    DType dtype;
+    Shape shape;
+    bool own;  // false: the recompute_norm / recompute_gelu scratch, refilled in the backward pass
+  };
+  const Field fields[] = {
+      {&BlockActs::ln1_mean, kAttnGroup, DType::f32, {Nl}, true},
+      {&BlockActs::ln1_rstd, kAttnGroup, DType::f32, {Nl}, true},
+      {&BlockActs::ln1, kAttnGroup, act, {N, C}, keep_ln},
+      {&BlockActs::qkv, kAttnGroup, act, {B_, T_, 3, Hl_, D}, true},
+      {&BlockActs::atty, kAttnGroup, act, {B_, T_, Hl_, D}, true},
+      {&BlockActs::lse, kAttnGroup, DType::f32, {B_, Hl_, T_}, true},
+      {&BlockActs::res2, kRes2Group, act, {Nl, C}, true},
+      {&BlockActs::ln2_mean, kMlpGroup, DType::f32, {Nl}, true},
+      {&BlockActs::ln2_rstd, kMlpGroup, DType::f32, {Nl}, true},
+      {&BlockActs::ln2, kMlpGroup, act, {N, C}, keep_ln},
+      {&BlockActs::fc_pre, kMlpGroup, act, {N, 4 * C / tp_}, true},
+      {&BlockActs::fc, kMlpGroup, act, {N, 4 * C / tp_}, keep_fc},
+  };
+
   arena_.request(&tokens_, DType::i32, {N});
   arena_.request(&targets_, DType::i32, {N});
   arena_.request(&losses_, DType::f32, {static_cast<std::int64_t>(slots_), N});
-  res_.resize(L_ + 1);
-  acts_.resize(L_);
-  // With sequence parallelism the residual stream, LayerNorm statistics and the tensors outside the
-  // TP regions hold this rank's Nl rows; the rest (inputs of the TP regions) hold all N.
-  const std::int64_t Nl = Nl_;
-  for (auto& r : res_) arena_.request(&r, act, {Nl, C});
-  // Recomputed activations (LayerNorm outputs, GELU output) of every block share one scratch tensor
-  // each, refilled in the backward pass.
-  const bool keep_ln = !cfg.recompute_norm, keep_fc = !cfg.recompute_gelu;
+  res_.resize(static_cast<std::size_t>(L_ + 1));
+  res_saved_.resize(static_cast<std::size_t>(L_));
+  acts_.resize(static_cast<std::size_t>(L_));
+  for (int l = 0; l <= L_; ++l) {
+    if (l < L_ && plan_[static_cast<std::size_t>(l)].distribute)
+      arena_.request(&res_saved_[static_cast<std::size_t>(l)], act, {N / tp_, C});
+    else
+      arena_.request(&res_[static_cast<std::size_t>(l)], act, {Nl, C});
+  }
+  if (any_distributed)
+    for (auto& r : res_pingpong_) arena_.request(&r, act, {N, C});
   if (!keep_ln) arena_.request(&ln_shared_, act, {N, C});
   if (!keep_fc) arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
-  for (auto& a : acts_) {
-    arena_.request(&a.ln1_mean, DType::f32, {Nl});
-    arena_.request(&a.ln1_rstd, DType::f32, {Nl});
-    if (keep_ln) arena_.request(&a.ln1, act, {N, C});
-    arena_.request(&a.qkv, act, {B, T, 3, Hl_, C / H_});
-    arena_.request(&a.atty, act, {B, T, Hl_, C / H_});
-    arena_.request(&a.lse, DType::f32, {B, Hl_, T});
-    arena_.request(&a.res2, act, {Nl, C});
-    arena_.request(&a.ln2_mean, DType::f32, {Nl});
-    arena_.request(&a.ln2_rstd, DType::f32, {Nl});
-    if (keep_ln) arena_.request(&a.ln2, act, {N, C});
-    arena_.request(&a.fc_pre, act, {N, 4 * C / tp_});
-    if (keep_fc) arena_.request(&a.fc, act, {N, 4 * C / tp_});
+  for (const auto& f : fields) {
+    if (!f.own) continue;
+    for (int l = 0; l < L_; ++l)
+      if (kept(l, f.group)) arena_.request(&(acts_[static_cast<std::size_t>(l)].*f.member), f.dtype, f.shape);
+    if (shared_group[f.group]) arena_.request(&(shared_acts_.*f.member), f.dtype, f.shape);
   }
   arena_.request(&lnf_, act, {N, C});
   arena_.request(&lnf_mean_, DType::f32, {Nl});
@@ -167,11 +221,23 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   arena_.request(&dqkv_, act, {N, 3 * C / tp_});
   arena_.request(&dfc_, act, {N, 4 * C / tp_});
   arena_.allocate(be_);
-  for (auto& a : acts_) {
+
+  // Views that share memory: the LayerNorm and GELU outputs refilled in the backward pass, the
+  // recomputed groups of recomputing blocks, and the full-width inputs of distributed blocks.
+  auto share_scratch = [&](BlockActs& a) {
     if (!keep_ln) a.ln1 = a.ln2 = ln_shared_;
     if (!keep_fc) a.fc = fc_shared_;
+  };
+  share_scratch(shared_acts_);
+  for (int l = 0; l < L_; ++l) {
+    auto& a = acts_[static_cast<std::size_t>(l)];
+    for (const auto& f : fields)
+      if (f.own && !kept(l, f.group)) a.*f.member = shared_acts_.*f.member;
+    share_scratch(a);
+    if (plan_[static_cast<std::size_t>(l)].distribute) res_[static_cast<std::size_t>(l)] = res_pingpong_[l % 2];
   }
   if (!sp_) local_c_ = full_c_ = scratch_c_;  // without sequence parallelism local is full
+  allocated_ = true;
 }
 
 Entity GptModel::add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit,

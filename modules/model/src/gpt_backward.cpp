@@ -28,6 +28,7 @@ void GptModel::backward(const train::Batch& batch) {
 
   for (int l = L_ - 1; l >= 0; --l) {
     bus.publish(LayerBackwardBegin{l + 1});
+    recompute_block(l);  // activation checkpointing: refill what the forward pass did not keep
     auto w = block_weights(l, false);
     auto g = block_weights(l, true);
     auto& a = acts_[static_cast<std::size_t>(l)];

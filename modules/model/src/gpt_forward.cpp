@@ -10,6 +10,7 @@ namespace kiln::model {
 void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker) {
   KILN_CHECK(batch.B == B_ && batch.T == T_, "batch of ", batch.B, "x", batch.T, " but the model was built for ", B_,
              "x", T_);
+  KILN_CHECK(allocated_, "forward before allocate_activations()");
   KILN_CHECK(slot >= 0 && slot < slots_, "loss slot ", slot, " of ", slots_);
   const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
   for (std::int64_t n = 0; n < N; ++n) {
@@ -24,7 +25,6 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
 
   auto& bus = world_.events();
   const float p = training ? cfg_.dropout : 0.0f;
-  const int D = C_ / H_;
 
   // The embeddings are replicated: every rank computes all rows and keeps its own (SP).
   bus.publish(LayerForwardBegin{0});
@@ -34,39 +34,10 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
 
   for (int l = 0; l < L_; ++l) {
     bus.publish(LayerForwardBegin{l + 1});
-    auto w = block_weights(l, false);
-    auto& a = acts_[static_cast<std::size_t>(l)];
-    // Dropout draws: attention probabilities are sharded by heads under tensor parallelism, so they
-    // come from the model-parallel state; the hidden outputs are replicated and use the default one.
-    a.attn_rng = a.attn_drop_rng = a.mlp_drop_rng = rng::PhiloxArgs{};
-    if (p > 0) {
-      KILN_CHECK(tracker, "dropout needs the RNG tracker");
-      {
-        auto scope = tracker->fork(rng::kModelParallelRng);
-        a.attn_rng = tracker->draw(static_cast<std::uint64_t>(B_) * H_ * T_ * T_);
-      }
-      a.attn_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
-      a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
-    }
-    // LayerNorm on this rank's rows, gathered for the column-parallel QKV.
-    be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
-    gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
-    // Column-parallel QKV: this rank's heads; attention on them (global head index for dropout).
-    const auto& lin = block_linears_[static_cast<std::size_t>(l)];
-    linear_forward(lin[0], {a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b});
-    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
-                           tp_rank_ * Hl_, H_});
-    // Row-parallel projection: partial sums, the bias added once (on TP rank 0), then summed over
-    // TP (all-reduce, or reduce-scatter to this rank's rows under SP).
-    linear_forward(lin[1], {scratch_c_, {}, a.atty.reshape({N, C_ / tp_}), w.proj_w, row_parallel_bias(w.proj_b)});
-    reduce_rows(local_c_, scratch_c_);
-    be_.residual_forward({a.res2, res_[l], local_c_, hidden_dropout(p, a.attn_drop_rng)});
-    be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
-    gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
-    linear_forward(lin[2], {a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
-    linear_forward(lin[3], {scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)});
-    reduce_rows(local_c_, scratch_c_);
-    be_.residual_forward({res_[l + 1], a.res2, local_c_, hidden_dropout(p, a.mlp_drop_rng)});
+    block_forward(l, p, tracker, kAllStages);
+    const auto& plan = plan_[static_cast<std::size_t>(l)];
+    if (training && plan.distribute)  // keep this rank's rows of the input only (see recompute_block)
+      be_.copy(res_saved_[static_cast<std::size_t>(l)], res_[static_cast<std::size_t>(l)].rows(tp_rank_ * (N / tp_), N / tp_));
     bus.publish(LayerForwardEnd{l + 1});
   }
 
@@ -78,6 +49,70 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   be_.cross_entropy({losses_.rows(slot, 1).reshape({N}), logits_, targets_, cfg_.vocab_size, dloss_});
   bus.publish(LayerForwardEnd{L_ + 1});
   have_forward_ = training;
+}
+
+void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, unsigned stages) {
+  const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
+  const int D = C_ / H_;
+  auto w = block_weights(l, false);
+  auto& a = acts_[static_cast<std::size_t>(l)];
+  const auto& lin = block_linears_[static_cast<std::size_t>(l)];
+  // Dropout draws, always all three, so a recompute that replays the tracker's states gets the
+  // original masks: attention probabilities are sharded by heads under tensor parallelism, so they
+  // come from the model-parallel state; the hidden outputs are replicated and use the default one.
+  a.attn_rng = a.attn_drop_rng = a.mlp_drop_rng = rng::PhiloxArgs{};
+  if (p > 0) {
+    KILN_CHECK(tracker, "dropout needs the RNG tracker");
+    {
+      auto scope = tracker->fork(rng::kModelParallelRng);
+      a.attn_rng = tracker->draw(static_cast<std::uint64_t>(B_) * H_ * T_ * T_);
+    }
+    a.attn_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
+    a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
+  }
+  if (stages & kAttention) {
+    // LayerNorm on this rank's rows, gathered for the column-parallel QKV; attention on this rank's
+    // heads (global head index for dropout).
+    be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
+    gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
+    linear_forward(lin[0], {a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b});
+    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
+                           tp_rank_ * Hl_, H_});
+  }
+  if (stages & kAttnOut) {
+    // Row-parallel projection: partial sums, the bias added once (on TP rank 0), then summed over
+    // TP (all-reduce, or reduce-scatter to this rank's rows under SP).
+    linear_forward(lin[1], {scratch_c_, {}, a.atty.reshape({N, C_ / tp_}), w.proj_w, row_parallel_bias(w.proj_b)});
+    reduce_rows(local_c_, scratch_c_);
+    be_.residual_forward({a.res2, res_[l], local_c_, hidden_dropout(p, a.attn_drop_rng)});
+  }
+  if (stages & kMlpIn) {
+    be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+    gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
+    linear_forward(lin[2], {a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
+  }
+  if (stages & kMlpOut) {
+    linear_forward(lin[3], {scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)});
+    reduce_rows(local_c_, scratch_c_);
+    be_.residual_forward({res_[l + 1], a.res2, local_c_, hidden_dropout(p, a.mlp_drop_rng)});
+  }
+}
+
+void GptModel::recompute_block(int l) {
+  const auto& plan = plan_[static_cast<std::size_t>(l)];
+  if (plan.scope == nn::RecomputeScope::none) return;
+  auto& bus = world_.events();
+  // Listeners set the RNG tracker back to the states this block's forward started from, and FP8
+  // layers reuse their forward scales.
+  bus.publish(LayerRecomputeBegin{l + 1});
+  if (plan.distribute) tp_comm_->all_gather(res_[static_cast<std::size_t>(l)], res_saved_[static_cast<std::size_t>(l)], be_.stream());
+  // The block's output (FC2 and the second residual) is never needed again: the next block's saved
+  // input is that output, and the backward pass reads only the block's inner activations.
+  const unsigned stages = plan.scope == nn::RecomputeScope::attention ? kAttention
+                          : plan.scope == nn::RecomputeScope::mlp     ? kMlpIn
+                                                                      : kAttention | kAttnOut | kMlpIn;
+  block_forward(l, cfg_.dropout, world_.try_resource<rng::RngStatesTracker>(), stages);
+  bus.publish(LayerRecomputeEnd{l + 1});
 }
 
 TensorView GptModel::row_parallel_bias(const TensorView& bias) const { return tp_rank_ == 0 ? bias : TensorView{}; }

@@ -13,9 +13,11 @@
 // (colwise only), so no FP8 activation is kept between the passes. The grad_output is quantised once
 // in the backward pass into both copies.
 //
-// Replays: a forward run again on the same input (activation recompute) uses the same scales and,
-// under delayed scaling, max-accumulates the same amaxes into this step's history row, which is
-// idempotent; nothing here rolls or updates the history (Fp8MetaStore::update does, once per step).
+// Replays: a forward run again on the same input (activation recompute) is called with
+// `replay = true`: it quantises with the scale the original forward used (kept in the meta slot:
+// no other forward touches this layer's slot in between) and records no amax, so neither current
+// nor delayed scaling sees the tensor twice. Nothing here rolls or updates the amax history
+// (Fp8MetaStore::update does, once per step), so a recompute can never advance it.
 #include <array>
 #include <cstdint>
 #include <string>
@@ -48,7 +50,7 @@ class Fp8Linear {
 
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor). Bump the version whenever the weight values change.
-  void forward(const ops::LinearForward& a, std::int64_t weight_version);
+  void forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay = false);
   void backward(const ops::LinearBackward& a);
 
   // Forward on an input its producer already quantised (e.g. a LayerNorm writing FP8): `x.rowwise`

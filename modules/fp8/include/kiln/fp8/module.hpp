@@ -65,6 +65,8 @@ struct Fp8State {
   parallel::Communicator* amax_comm = nullptr;
   bool amax_via_host = false;  // the communicator takes host memory only (in-process ranks)
   std::int64_t updates = 0;    // delayed updates done
+  bool replaying = false;      // inside an activation recompute (nn::LayerRecomputeBegin .. End)
+  std::vector<Subscription> subscriptions;
   void invalidate_weights() { ++weights_version; }
 };
 

@@ -31,6 +31,8 @@ using nn::LayerForwardBegin;
 using nn::LayerForwardEnd;
 using nn::LayerBackwardBegin;
 using nn::LayerBackwardEnd;
+using nn::LayerRecomputeBegin;
+using nn::LayerRecomputeEnd;
 
 class GptModel {
  public:
@@ -38,6 +40,12 @@ class GptModel {
   // for micro-batches of B sequences of T tokens, with room for `micro_batches` loss slots.
   GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro_batches);
 
+  // Allocates the activation memory, after every module has been installed: a block whose Layer
+  // entity carries an nn::ActivationRecompute component keeps only what its scope leaves out (the
+  // rest lives in scratch shared by all such blocks and is recomputed in the backward pass).
+  void allocate_activations();
+  // Bytes of activation memory (the arena: saved activations, scratch and backward buffers).
+  std::size_t activation_bytes() const { return arena_.bytes(); }
   // Fills the master weights from the tracker's default state (layout-invariant draws) and refreshes
   // the compute copy.
   void initialise(rng::RngStatesTracker& tracker);
@@ -64,6 +72,22 @@ class GptModel {
     TensorView ln1_mean, ln1_rstd, ln1, qkv, atty, lse, res2, ln2_mean, ln2_rstd, ln2, fc_pre, fc;
     rng::PhiloxArgs attn_rng, attn_drop_rng, mlp_drop_rng;
   };
+  // The parts of a block's forward pass, as run by forward() (all) and by a recompute (some).
+  enum Stage : unsigned {
+    kAttention = 1,   // LayerNorm 1, QKV, attention core
+    kAttnOut = 2,     // projection, TP reduction, dropout + residual (res2)
+    kMlpIn = 4,       // LayerNorm 2, FC1 + GELU
+    kMlpOut = 8,      // FC2, TP reduction, dropout + residual (the block's output)
+    kAllStages = 15,
+  };
+  // Per block: what its backward pass recomputes, and whether its saved input is split over TP.
+  struct BlockPlan {
+    nn::RecomputeScope scope = nn::RecomputeScope::none;
+    bool distribute = false;
+  };
+  void block_forward(int l, float p, rng::RngStatesTracker* tracker, unsigned stages);
+  // The recompute at the start of block l's backward pass (when its plan says so).
+  void recompute_block(int l);
   Entity add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit, bool decay,
                    float std, float value, std::vector<Entity>& layer_params);
   // Draws this rank's part of a parameter: each element from its index in the logical tensor.
@@ -109,6 +133,11 @@ class GptModel {
   TensorView tokens_, targets_, losses_;
   std::vector<TensorView> res_;  // L+1 residual streams: res_[l] is block l's input
   std::vector<BlockActs> acts_;
+  std::vector<BlockPlan> plan_;
+  BlockActs shared_acts_;             // the recomputed activations of every recomputing block
+  std::vector<TensorView> res_saved_;  // distributed saved inputs: this rank's rows of res_[l]
+  TensorView res_pingpong_[2];        // full-width inputs of blocks whose saved input is distributed
+  bool allocated_ = false;
   TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
   TensorView local_c_, full_c_;  // SP: [Nl, C] and [N, C] scratch (both scratch_c_ without SP)
   TensorView ln_shared_, fc_shared_;  // recompute_norm / recompute_gelu: the blocks' LayerNorm and GELU outputs

@@ -62,4 +62,20 @@ struct Linear {
   int in = 0, out = 0;
 };
 
+// Activation recompute of one layer (attached to its Layer entity by the activation_checkpoint
+// module, before the model allocates activation memory in Phase::setup). The model keeps the
+// layer's input and what `scope` leaves out, and in the backward pass recomputes the rest between
+// LayerRecomputeBegin and LayerRecomputeEnd, drawing its random numbers again from the RNG tracker
+// (whoever attaches this component restores the tracker's states around the recompute).
+enum class RecomputeScope {
+  none,
+  attention,  // LayerNorm 1, the QKV GEMM and the attention core (qkv, attention output, lse)
+  mlp,        // LayerNorm 2 and FC1 with its GELU (the MLP's 4C-wide activations)
+  full,       // everything but the layer's input
+};
+struct ActivationRecompute {
+  RecomputeScope scope = RecomputeScope::full;
+  bool distribute_input = false;  // keep this TP rank's 1/tp of the input rows; all-gather before recomputing
+};
+
 }  // namespace kiln::nn

@@ -1,0 +1,87 @@
+#include "kiln/checkpoint/module.hpp"
+
+#include <algorithm>
+#include <iostream>
+
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/components.hpp"
+#include "kiln/nn/events.hpp"
+#include "kiln/parallel/module.hpp"
+#include "kiln/rng/tracker.hpp"
+
+namespace kiln::checkpoint {
+
+namespace {
+
+nn::RecomputeScope scope_of(const ActivationCheckpointConfig& cfg) {
+  if (cfg.mode == CheckpointMode::full) return nn::RecomputeScope::full;
+  return cfg.selective == SelectiveScope::attention ? nn::RecomputeScope::attention : nn::RecomputeScope::mlp;
+}
+
+const char* name_of(nn::RecomputeScope s) {
+  switch (s) {
+    case nn::RecomputeScope::none: return "none";
+    case nn::RecomputeScope::attention: return "attention";
+    case nn::RecomputeScope::mlp: return "mlp";
+    case nn::RecomputeScope::full: return "full";
+  }
+  return "?";
+}
+
+void install(World& w, const ActivationCheckpointConfig& cfg) {
+  if (cfg.mode == CheckpointMode::none) return;
+  const auto& file = w.resource<RankInfo>().pipeline_file;
+  const auto& par = w.resource<parallel::ParallelState>();
+  if (cfg.distribute_saved_activations && par.sequence_parallel)
+    throw ConfigError(cat(file, ": activation_checkpoint.distribute_saved_activations = true with "
+                                "parallel.sequence_parallel = true: the saved inputs are already split over the "
+                                "TP group by sequence parallelism; set one of them to false"));
+  const nn::RecomputeScope scope = scope_of(cfg);
+  const bool distribute = cfg.distribute_saved_activations && par.tp_size() > 1;
+
+  auto& st = w.emplace_resource<ActivationCheckpointState>();
+  int blocks = 0;
+  for (Entity e : w.view<nn::Layer>()) {
+    const auto& layer = w.get<nn::Layer>(e);
+    if (layer.kind != nn::LayerKind::block) continue;
+    ++blocks;
+    if (!cfg.covers(layer.block)) continue;
+    w.emplace<nn::ActivationRecompute>(e, nn::ActivationRecompute{scope, distribute});
+    st.units.push_back(layer.unit);
+  }
+  if (blocks == 0)
+    throw ConfigError(cat(file, ": [activation_checkpoint] is on but the model has no transformer blocks"));
+  std::sort(st.units.begin(), st.units.end());
+
+  // The RNG replay: capture when a chosen block's forward begins, replay around its recompute.
+  st.rng = std::make_unique<RngReplay>(w.resource<rng::RngStatesTracker>());
+  auto is_chosen = [&st](int unit) { return std::binary_search(st.units.begin(), st.units.end(), unit); };
+  auto& bus = w.events();
+  st.subscriptions.push_back(bus.subscribe<nn::LayerForwardBegin>([&st, is_chosen](const nn::LayerForwardBegin& e) {
+    if (is_chosen(e.unit)) st.rng->capture(e.unit);
+  }));
+  st.subscriptions.push_back(bus.subscribe<nn::LayerRecomputeBegin>([&st](const nn::LayerRecomputeBegin& e) {
+    st.rng->begin(e.unit);
+    ++st.recomputes;
+  }));
+  st.subscriptions.push_back(
+      bus.subscribe<nn::LayerRecomputeEnd>([&st](const nn::LayerRecomputeEnd& e) { st.rng->end(e.unit); }));
+
+  const int chosen = static_cast<int>(st.units.size());
+  w.systems().add({"activation_checkpoint.report", Phase::setup, [chosen, blocks, scope, distribute](World& world) {
+                     if (world.resource<RankInfo>().rank != 0) return;
+                     std::cout << "activation checkpoint: " << name_of(scope) << " recompute in " << chosen << " of "
+                               << blocks << " blocks" << (distribute ? ", saved inputs split over the TP group" : "")
+                               << "\n";
+                   }});
+}
+
+}  // namespace
+
+void register_module(ModuleRegistry& registry) {
+  registry.add(make_module<ActivationCheckpointConfig>(
+      "activation_checkpoint", "recompute activations in the backward pass (full or selective, per block)",
+      {"model", "rng", "parallel"}, install));
+}
+
+}  // namespace kiln::checkpoint

@@ -1,0 +1,126 @@
+#pragma once
+// Runs a pipeline on N CPU-thread ranks and records, per step, the loss and every parameter's full
+// logical gradient (TP shards put back in place), for comparing runs of different layouts.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kiln/builtin.hpp"
+#include "kiln/engine/config/pipeline.hpp"
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/param_store.hpp"
+#include "kiln/parallel/launch.hpp"
+#include "kiln/parallel/module.hpp"
+#include "kiln/train/train.hpp"
+
+namespace kiln::test {
+
+struct Trace {
+  std::shared_ptr<std::mutex> m = std::make_shared<std::mutex>();
+  std::vector<double> loss;
+  std::vector<std::map<std::string, std::vector<float>>> grads;
+};
+
+// Writes a rank's local gradient of `p` into the logical tensor `full`.
+inline void scatter_shard(const nn::Param& p, const float* local, std::vector<float>& full) {
+  const std::int64_t cols = p.global_shape.ndim > 1 ? p.global_shape[1] : 1;
+  const std::int64_t lcols = p.shape.ndim > 1 ? p.shape[1] : 1;
+  if (!p.shard.sharded()) {
+    std::copy(local, local + p.numel, full.begin());
+    return;
+  }
+  if (p.shard.dim == 0) {
+    std::int64_t at = 0;
+    for (auto [b, e] : p.shard.ranges) {
+      std::copy(local + at, local + at + (e - b) * cols, full.begin() + b * cols);
+      at += (e - b) * cols;
+    }
+    return;
+  }
+  for (std::int64_t r = 0; r < p.shape[0]; ++r) {
+    std::int64_t c0 = 0;
+    for (auto [b, e] : p.shard.ranges) {
+      std::copy(local + r * lcols + c0, local + r * lcols + c0 + (e - b), full.begin() + r * cols + b);
+      c0 += e - b;
+    }
+  }
+}
+
+// `extra` registers more modules (e.g. a test's own) next to kiln's.
+inline Trace run_ranks(const std::string& toml, int nproc, std::vector<std::string> sets,
+                       void (*extra)(ModuleRegistry&) = nullptr) {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  if (extra) extra(reg);
+  auto doc = config::parse_toml_text(toml, "test.toml");
+  config::apply_overrides(doc, sets);
+  auto cfg = config::resolve(doc, "test.toml", reg);
+  Trace trace;
+  auto outcomes = parallel::run_thread_ranks(nproc, cfg, reg, [&trace](World& w) {
+    w.systems().add({"test.trace", Phase::grad_sync,
+                     [&trace](World& world) {
+                       const auto& par = world.resource<parallel::ParallelState>();
+                       if (par.coords.dp != 0) return;  // after the DP sync every DP rank holds the same
+                       const auto step = static_cast<std::size_t>(world.resource<RunControl>().step);
+                       const auto& store = world.resource<nn::ParamStore>();
+                       std::lock_guard lk(*trace.m);
+                       if (trace.grads.size() < step) {
+                         trace.grads.resize(step);
+                         trace.loss.resize(step);
+                       }
+                       trace.loss[step - 1] = world.resource<train::TrainState>().loss;
+                       for (Entity e : store.order) {
+                         const auto& p = world.get<nn::Param>(e);
+                         if (!p.shard.sharded() && par.coords.tp != 0) continue;
+                         auto& full = trace.grads[step - 1][p.name];
+                         full.resize(static_cast<std::size_t>(p.global_shape.numel()));
+                         scatter_shard(p, store.grad_view(p).as<float>(), full);
+                       }
+                     },
+                     {"model.loss", "parallel.dp_grad_sync"}});
+  });
+  INFO(parallel::describe_failures(outcomes));
+  for (auto& o : outcomes) REQUIRE(o.ok);
+  return trace;
+}
+
+// Worst relative difference of the loss and of the whole gradient over all steps, checked against
+// `tolerance`; tolerance 0 asks for bit-identical losses and gradients.
+inline void compare_traces(const Trace& a, const Trace& ref, const std::string& what, double tolerance) {
+  REQUIRE(a.loss.size() == ref.loss.size());
+  REQUIRE(!ref.loss.empty());
+  double worst_loss = 0, worst_grad = 0;
+  std::size_t differing = 0;
+  for (std::size_t s = 0; s < ref.loss.size(); ++s) {
+    worst_loss = std::max(worst_loss, std::fabs(a.loss[s] - ref.loss[s]) / std::fabs(ref.loss[s]));
+    double num = 0, den = 0;
+    for (auto& [name, g] : ref.grads[s]) {
+      const auto& h = a.grads[s].at(name);
+      REQUIRE(h.size() == g.size());
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        num += double(h[i] - g[i]) * (h[i] - g[i]);
+        den += double(g[i]) * g[i];
+        differing += h[i] != g[i];
+      }
+    }
+    worst_grad = std::max(worst_grad, std::sqrt(num / den));
+  }
+  MESSAGE(what << ": worst relative loss difference " << worst_loss << ", worst relative gradient difference "
+               << worst_grad << ", " << differing << " gradient values not bit-identical, over " << ref.loss.size()
+               << " steps");
+  if (tolerance == 0) {
+    CHECK(a.loss == ref.loss);
+    CHECK(differing == 0);
+  } else {
+    CHECK(worst_loss <= tolerance);
+    CHECK(worst_grad <= tolerance);
+  }
+}
+
+}  // namespace kiln::test
