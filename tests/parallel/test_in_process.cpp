@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "kiln/engine/error.hpp"
+#include "kiln/parallel/grad_buckets.hpp"
 #include "kiln/parallel/in_process.hpp"
 #include "kiln/parallel/topology.hpp"
 #include "kiln/tensor/bf16.hpp"
@@ -174,4 +175,42 @@ TEST_CASE("groups of a topology work side by side") {
   for (auto& t : threads) t.join();
   CHECK(tp_sum == std::vector<float>{1, 1, 5, 5});  // [0,1] and [2,3]
   CHECK(dp_sum == std::vector<float>{2, 4, 2, 4});  // [0,2] and [1,3]
+}
+
+TEST_CASE("plan_buckets groups units in backward order into contiguous buckets") {
+  // Units 0..4 with padding gaps between them, as the flat parameter layout has.
+  const std::vector<UnitSpan> spans = {{0, 0, 100}, {1, 128, 178}, {2, 192, 242}, {3, 256, 306}, {4, 320, 330}};
+  auto b = plan_buckets(spans, 60);
+  REQUIRE(b.size() == 3);
+  CHECK(b[0].units == std::vector<int>{4, 3});  // 10 + 50 elements reach 60
+  CHECK(b[0].begin == 256);
+  CHECK(b[0].end == 330);
+  CHECK(b[1].units == std::vector<int>{2, 1});
+  CHECK(b[1].begin == 128);
+  CHECK(b[1].end == 242);
+  CHECK(b[2].units == std::vector<int>{0});
+  CHECK(plan_buckets(spans, 0).size() == 1);
+  CHECK(plan_buckets(spans, 1).size() == 5);
+  CHECK_THROWS_WITH_AS(plan_buckets({{0, 0, 100}, {1, 50, 150}}, 10), doctest::Contains("disjoint"), Error);
+}
+
+TEST_CASE("DpGradSync reduces each bucket when its last unit is ready, and the rest at finish") {
+  const auto errors = run_ranks(3, [](int r, Communicator& c) {
+    std::vector<float> g(40);
+    for (int i = 0; i < 40; ++i) g[i] = float(r * 100 + i);
+    DpGradSync sync(c, host(g), plan_buckets({{0, 0, 10}, {1, 10, 20}, {2, 20, 30}, {3, 30, 40}}, 15), nullptr);
+    REQUIRE(sync.buckets().size() == 2);  // {3, 2} and {1, 0}
+    sync.unit_ready(3);
+    CHECK(g[35] == float(r * 100 + 35));  // its bucket waits for unit 2
+    sync.unit_ready(2);
+    CHECK(g[35] == float(0 + 100 + 200 + 3 * 35));
+    CHECK(g[5] == float(r * 100 + 5));
+    sync.unit_ready(1);
+    sync.finish();  // unit 0 never reported: reduced here
+    CHECK(g[5] == float(300 + 3 * 5));
+    CHECK(sync.launched_early() == 1);
+    sync.unit_ready(3);  // a new step starts clean
+    CHECK_THROWS_WITH_AS(sync.unit_ready(3), doctest::Contains("ready twice"), Error);
+  });
+  for (auto& e : errors) CHECK(e.empty());
 }

@@ -2,22 +2,20 @@
 // batch, so the same losses and the same (logical) gradients to fp32 rounding, step after step.
 #include <doctest/doctest.h>
 
-#include <cmath>
-#include <map>
-#include <memory>
-#include <mutex>
 
+#include "../model/parallel_fixture.hpp"
 #include "kiln/builtin.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/engine/config/pipeline.hpp"
-#include "kiln/nn/param_store.hpp"
+#include "kiln/parallel/grad_buckets.hpp"
 #include "kiln/parallel/launch.hpp"
 #include "kiln/parallel/module.hpp"
-#include "kiln/train/train.hpp"
 
 using namespace kiln;
 
 namespace {
+
+using test::Trace;
 
 const char* kTiny = R"(
 [engine]
@@ -44,95 +42,8 @@ synthetic_vocab = 96
 timeout_s = 60
 )";
 
-// What a run records per step: the loss, and every parameter's full logical gradient.
-struct Trace {
-  std::shared_ptr<std::mutex> m = std::make_shared<std::mutex>();
-  std::vector<double> loss;
-  std::vector<std::map<std::string, std::vector<float>>> grads;
-};
-
-// Writes a rank's local gradient of `p` into the logical tensor `full`.
-void scatter(const nn::Param& p, const float* local, std::vector<float>& full) {
-  const std::int64_t cols = p.global_shape.ndim > 1 ? p.global_shape[1] : 1;
-  const std::int64_t lcols = p.shape.ndim > 1 ? p.shape[1] : 1;
-  if (!p.shard.sharded()) {
-    std::copy(local, local + p.numel, full.begin());
-    return;
-  }
-  if (p.shard.dim == 0) {
-    std::int64_t at = 0;
-    for (auto [b, e] : p.shard.ranges) {
-      std::copy(local + at, local + at + (e - b) * cols, full.begin() + b * cols);
-      at += (e - b) * cols;
-    }
-    return;
-  }
-  for (std::int64_t r = 0; r < p.shape[0]; ++r) {
-    std::int64_t c0 = 0;
-    for (auto [b, e] : p.shard.ranges) {
-      std::copy(local + r * lcols + c0, local + r * lcols + c0 + (e - b), full.begin() + r * cols + b);
-      c0 += e - b;
-    }
-  }
-}
-
-Trace run(int nproc, std::vector<std::string> sets) {
-  ModuleRegistry reg;
-  register_builtin_modules(reg);
-  auto doc = config::parse_toml_text(kTiny, "tiny.toml");
-  config::apply_overrides(doc, sets);
-  auto cfg = config::resolve(doc, "tiny.toml", reg);
-  Trace trace;
-  auto outcomes = parallel::run_thread_ranks(nproc, cfg, reg, [&trace](World& w) {
-    w.systems().add({"test.trace", Phase::grad_sync,
-                     [&trace](World& world) {
-                       const auto& par = world.resource<parallel::ParallelState>();
-                       if (par.coords.dp != 0) return;  // after the DP sync every DP rank holds the same
-                       const auto step = static_cast<std::size_t>(world.resource<RunControl>().step);
-                       const auto& store = world.resource<nn::ParamStore>();
-                       std::lock_guard lk(*trace.m);
-                       if (trace.grads.size() < step) {
-                         trace.grads.resize(step);
-                         trace.loss.resize(step);
-                       }
-                       trace.loss[step - 1] = world.resource<train::TrainState>().loss;
-                       for (Entity e : store.order) {
-                         const auto& p = world.get<nn::Param>(e);
-                         if (!p.shard.sharded() && par.coords.tp != 0) continue;
-                         auto& full = trace.grads[step - 1][p.name];
-                         full.resize(static_cast<std::size_t>(p.global_shape.numel()));
-                         scatter(p, store.grad_view(p).as<float>(), full);
-                       }
-                     },
-                     {"model.loss", "parallel.dp_grad_sync"}});
-  });
-  INFO(parallel::describe_failures(outcomes));
-  for (auto& o : outcomes) REQUIRE(o.ok);
-  return trace;
-}
-
-// Worst relative difference of the loss and of the whole gradient over all steps.
-void compare(const Trace& a, const Trace& ref, const char* what) {
-  REQUIRE(a.loss.size() == ref.loss.size());
-  double worst_loss = 0, worst_grad = 0;
-  for (std::size_t s = 0; s < ref.loss.size(); ++s) {
-    worst_loss = std::max(worst_loss, std::fabs(a.loss[s] - ref.loss[s]) / std::fabs(ref.loss[s]));
-    double num = 0, den = 0;
-    for (auto& [name, g] : ref.grads[s]) {
-      const auto& h = a.grads[s].at(name);
-      REQUIRE(h.size() == g.size());
-      for (std::size_t i = 0; i < g.size(); ++i) {
-        num += double(h[i] - g[i]) * (h[i] - g[i]);
-        den += double(g[i]) * g[i];
-      }
-    }
-    worst_grad = std::max(worst_grad, std::sqrt(num / den));
-  }
-  MESSAGE(std::string(what) << ": worst relative loss difference " << worst_loss << ", worst relative gradient difference "
-               << worst_grad << " over " << ref.loss.size() << " steps");
-  CHECK(worst_loss <= 1e-5);
-  CHECK(worst_grad <= 1e-5);
-}
+Trace run(int nproc, std::vector<std::string> sets) { return test::run_ranks(kTiny, nproc, std::move(sets)); }
+void compare(const Trace& a, const Trace& ref, const char* what) { test::compare_traces(a, ref, what, 1e-5); }
 
 }  // namespace
 
@@ -149,6 +60,36 @@ TEST_CASE("tensor and data parallel runs on CPU threads match the single-rank ru
   compare(run(4, {"parallel.tp=4", "parallel.sequence_parallel=true"}), single, "tp=4, sequence parallel");
   compare(run(4, {"parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2"}), single,
           "tp=2 x dp=2, sequence parallel, 2 micro-batches");
+}
+
+TEST_CASE("data-parallel gradients reduced in buckets during the backward pass equal one reduction after it") {
+  // 0.01 MB buckets: every layer unit of the tiny model is a bucket of its own.
+  const Trace whole = run(2, {"parallel.dp_bucket_mb=0"});
+  compare(run(2, {"parallel.dp_bucket_mb=0.01"}), whole, "dp=2, 0.01 MB buckets vs one all-reduce");
+  test::compare_traces(run(2, {"parallel.dp_bucket_mb=0.01"}), whole, "dp=2 buckets, bit-identical", 0);
+  test::compare_traces(run(4, {"parallel.tp=2", "parallel.dp_bucket_mb=0.01", "train.micro_batch_size=2"}),
+                       run(4, {"parallel.tp=2", "parallel.dp_bucket_mb=0", "train.micro_batch_size=2"}),
+                       "tp=2 x dp=2, 2 micro-batches, buckets", 0);
+  // Every bucket started from a LayerBackwardEnd of the step's last micro-batch, none at the sync.
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+  config::apply_overrides(doc, {"parallel.dp_bucket_mb=0.01", "train.steps=2", "train.micro_batch_size=2"});
+  std::mutex m;
+  std::vector<std::pair<int, int>> seen;  // (buckets, launched early) per rank
+  auto outcomes = parallel::run_thread_ranks(2, config::resolve(doc, "tiny.toml", reg), reg, [&](World& w) {
+    w.systems().add({"test.buckets", Phase::step_end, [&](World& world) {
+                       auto& sync = *world.resource<parallel::DpGradState>().sync;
+                       std::lock_guard lk(m);
+                       seen.emplace_back(static_cast<int>(sync.buckets().size()), sync.launched_early());
+                     }});
+  });
+  for (auto& o : outcomes) REQUIRE(o.ok);
+  REQUIRE(seen.size() == 4);
+  for (auto [buckets, early] : seen) {
+    CHECK(buckets == 3);  // the final LayerNorm with block 2, block 1, the embeddings
+    CHECK(early == buckets);
+  }
 }
 
 TEST_CASE("with dropout, tensor parallel runs match the single-rank run (layout-invariant masks)") {

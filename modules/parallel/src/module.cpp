@@ -1,7 +1,12 @@
 #include "kiln/parallel/module.hpp"
 
+#include <algorithm>
+#include <map>
+
 #include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/events.hpp"
 #include "kiln/nn/param_store.hpp"
+#include "kiln/parallel/grad_buckets.hpp"
 
 #ifdef KILN_WITH_CUDA
 #include "kiln/parallel/nccl.hpp"
@@ -65,10 +70,40 @@ void install(World& w, const ParallelConfig& cfg) {
 
   // Data parallelism: every DP rank computed the gradients of its slice of the global batch, with
   // the loss scaled by 1 / (tokens in the global batch), so summing them gives the batch gradient.
-  // Registered whatever the DP size, so other systems can order themselves after it.
+  // In buckets during the backward pass (see grad_buckets.hpp), or all at once here. Registered
+  // whatever the DP size, so other systems can order themselves after it.
+  auto& dp_state = w.emplace_resource<DpGradState>();
+  if (cfg.dp_bucket_mb > 0 && comms.dp->size() > 1) {
+    w.systems().add({"parallel.dp_buckets", Phase::setup, [mb = cfg.dp_bucket_mb](World& world) {
+                       auto* store = world.try_resource<nn::ParamStore>();
+                       if (!store) return;  // no parameters: nothing to reduce
+                       std::map<int, UnitSpan> spans;
+                       for (Entity e : store->order) {
+                         const auto& p = world.get<nn::Param>(e);
+                         auto [it, fresh] = spans.try_emplace(p.unit, UnitSpan{p.unit, p.offset, p.offset + p.numel});
+                         it->second.begin = std::min(it->second.begin, p.offset);
+                         it->second.end = std::max(it->second.end, p.offset + p.numel);
+                       }
+                       std::vector<UnitSpan> list;
+                       for (auto& [u, s] : spans) list.push_back(s);
+                       const auto elems = static_cast<std::int64_t>(mb * 1e6 / 4);
+                       world.resource<DpGradState>().sync = std::make_shared<DpGradSync>(
+                           *world.resource<Communicators>().dp, store->grads_flat(), plan_buckets(list, elems),
+                           store->stream);
+                     }});
+    dp_state.on_backward = w.events().subscribe<nn::LayerBackwardEnd>([&w](const nn::LayerBackwardEnd& e) {
+      const auto& rc = w.resource<RunControl>();
+      auto& sync = w.resource<DpGradState>().sync;
+      if (sync && rc.micro_batch == rc.micro_batches - 1) sync->unit_ready(e.unit);
+    });
+  }
   w.systems().add({"parallel.dp_grad_sync", Phase::grad_sync, [](World& world) {
                      auto& c = world.resource<Communicators>();
                      if (c.dp->size() == 1) return;
+                     if (auto& sync = world.resource<DpGradState>().sync) {
+                       sync->finish();
+                       return;
+                     }
                      auto& grads = world.resource<nn::ParamStore>();
                      c.dp->all_reduce(grads.grads_flat(), ReduceOp::sum, grads.stream);
                    }});

@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "kiln/engine/config/reflect.hpp"
+#include "kiln/engine/event_bus.hpp"
 #include "kiln/engine/module.hpp"
 #include "kiln/parallel/communicator.hpp"
 #include "kiln/parallel/in_process.hpp"
@@ -18,7 +19,9 @@ struct ParallelConfig {
   int dp = 0;
   bool sequence_parallel = false;
   double timeout_s = 300;
+  double dp_bucket_mb = 25;
   void validate(config::Checks& c) const {
+    c.expect(dp_bucket_mb >= 0, "dp_bucket_mb", "must be 0 (one all-reduce after the backward pass) or positive");
     c.expect(timeout_s > 0, "timeout_s", "must be positive");
     c.expect(tp > 0, "tp", "must be positive");
     c.expect(pp > 0, "pp", "must be positive");
@@ -36,7 +39,11 @@ KILN_CONFIG(ParallelConfig,
             (sequence_parallel,
              "outside the tensor-parallel regions each TP rank keeps 1/tp of the tokens (LayerNorm, dropout and "
              "residuals on sequence shards; all-gather before and reduce-scatter after each TP region)"),
-            (timeout_s, "a collective waiting longer than this for another rank stops the run, naming it"))
+            (timeout_s, "a collective waiting longer than this for another rank stops the run, naming it"),
+            (dp_bucket_mb,
+             "data parallelism: gradients are summed in buckets of about this many MB (f32), each started on a "
+             "communication stream as soon as the backward pass has finished its layers, overlapping the rest of "
+             "the backward pass; 0: one all-reduce of all gradients after the backward pass"))
 
 // World resource: the topology and this rank's coordinates.
 struct ParallelState {
@@ -56,6 +63,14 @@ class NcclWorld;
 struct LaunchContext {
   std::shared_ptr<InProcessHub> hub;
   std::shared_ptr<NcclWorld> nccl;
+};
+
+class DpGradSync;
+
+// World resource: the data-parallel gradient buckets (when parallel.dp_bucket_mb > 0 and dp > 1).
+struct DpGradState {
+  std::shared_ptr<DpGradSync> sync;
+  Subscription on_backward;
 };
 
 // World resource: this rank's communicators, one per kind of group.

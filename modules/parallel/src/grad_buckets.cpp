@@ -1,0 +1,91 @@
+#include "kiln/parallel/grad_buckets.hpp"
+
+#include <algorithm>
+
+#include "kiln/engine/error.hpp"
+
+namespace kiln::parallel {
+
+std::vector<GradBucket> plan_buckets(std::vector<UnitSpan> spans, std::int64_t bucket_elems) {
+  std::sort(spans.begin(), spans.end(), [](const UnitSpan& a, const UnitSpan& b) { return a.unit > b.unit; });
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    KILN_CHECK(spans[i].begin <= spans[i].end, "unit ", spans[i].unit, ": span [", spans[i].begin, ", ", spans[i].end,
+               ")");
+    if (i > 0)
+      KILN_CHECK(spans[i].unit != spans[i - 1].unit && spans[i].end <= spans[i - 1].begin, "units ", spans[i].unit,
+                 " and ", spans[i - 1].unit, ": gradient spans must be disjoint and in ascending unit order");
+  }
+  std::vector<GradBucket> buckets;
+  for (const auto& s : spans) {
+    if (buckets.empty() || (bucket_elems > 0 && buckets.back().end - buckets.back().begin >= bucket_elems))
+      buckets.push_back({s.begin, s.end, {}});
+    auto& b = buckets.back();
+    b.begin = s.begin;  // extend downwards: the units arrive in descending order
+    b.units.push_back(s.unit);
+  }
+  return buckets;
+}
+
+DpGradSync::DpGradSync(Communicator& comm, const TensorView& grads, std::vector<GradBucket> buckets,
+                       void* compute_stream)
+    : comm_(comm),
+      grads_(grads),
+      buckets_(std::move(buckets)),
+      side_(SideStream::create(compute_stream)),
+      compute_stream_(compute_stream) {
+  KILN_CHECK(grads.dtype == DType::f32 && grads.ndim() == 1, "flat f32 gradients expected, got ", grads.str());
+  int max_unit = -1;
+  for (auto& b : buckets_) {
+    KILN_CHECK(b.begin >= 0 && b.end <= grads.numel() && b.begin <= b.end, "bucket [", b.begin, ", ", b.end,
+               ") outside the ", grads.numel(), " gradients");
+    for (int u : b.units) max_unit = std::max(max_unit, u);
+  }
+  bucket_of_unit_.assign(static_cast<std::size_t>(max_unit + 1), -1);
+  unit_done_.assign(static_cast<std::size_t>(max_unit + 1), false);
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    for (int u : buckets_[b].units) bucket_of_unit_[static_cast<std::size_t>(u)] = static_cast<int>(b);
+  pending_.resize(buckets_.size());
+  launched_.assign(buckets_.size(), false);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) pending_[b] = static_cast<int>(buckets_[b].units.size());
+}
+
+void DpGradSync::unit_ready(int unit) {
+  if (unit < 0 || unit >= static_cast<int>(bucket_of_unit_.size())) return;
+  const int b = bucket_of_unit_[static_cast<std::size_t>(unit)];
+  if (b < 0) return;
+  auto&& done = unit_done_[static_cast<std::size_t>(unit)];
+  KILN_CHECK(!done, "unit ", unit, " reported its gradients ready twice in one step");
+  done = true;
+  if (--pending_[static_cast<std::size_t>(b)] == 0) {
+    launch(static_cast<std::size_t>(b));
+    ++launched_now_;
+  }
+}
+
+void DpGradSync::launch(std::size_t b) {
+  const auto& bucket = buckets_[b];
+  launched_[b] = true;
+  if (bucket.end == bucket.begin) return;
+  const TensorView view = grads_.flat_slice(bucket.begin, bucket.end - bucket.begin);
+  if (side_) {
+    side_->wait_for_compute();
+    comm_.all_reduce(view, ReduceOp::sum, side_->stream());
+  } else {
+    comm_.all_reduce(view, ReduceOp::sum, compute_stream_);
+  }
+}
+
+void DpGradSync::finish() {
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    if (!launched_[b]) launch(b);
+  if (side_) side_->compute_waits();
+  launched_early_ = launched_now_;
+  launched_now_ = 0;
+  unit_done_.assign(unit_done_.size(), false);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    pending_[b] = static_cast<int>(buckets_[b].units.size());
+    launched_[b] = false;
+  }
+}
+
+}  // namespace kiln::parallel
