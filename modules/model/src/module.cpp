@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iomanip>
 #include <iostream>
 
 #include "kiln/engine/engine_module.hpp"
@@ -50,7 +51,10 @@ void install(World& w, const ModelConfig& cfg) {
                      m.initialise(world.resource<rng::RngStatesTracker>());
                      if (world.resource<RankInfo>().rank == 0)
                        std::cout << "model: " << m.parameter_count() << " parameters on "
-                                 << world.resource<ops::ActiveBackend>().get().name() << "\n";
+                                 << world.resource<ops::ActiveBackend>().get().name() << ", activation memory "
+                                 << std::fixed << std::setprecision(3)
+                                 << static_cast<double>(m.activation_bytes()) / (1 << 30) << " GiB\n"
+                                 << std::defaultfloat;
                    }});
   w.systems().add({"model.zero_grad", Phase::step_begin, [](World& world) {
                      auto& store = world.resource<ParamStore>();
