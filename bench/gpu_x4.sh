@@ -6,9 +6,12 @@
 #   1.3B in each mode; the largest batch predicted from the activation memory and then run); the
 #   GPU test suites on GPU 1; tp=2 recompute with distributed saved inputs against tp=2 without, on
 #   GPUs 2 and 3.
-# usage: bash bench/gpu_x4.sh BUILD_DIR      (logs and metrics under $OUT; a summary is printed last)
+# usage: bash bench/gpu_x4.sh BUILD_DIR [all|ckpt]   (logs and metrics under $OUT; a summary last)
+#   ckpt: only the activation checkpointing runs, one at a time (timings free of neighbours), then the
+#   largest-batch runs spread over the four GPUs, then the tp=2 recompute runs.
 set -uo pipefail
 B=${1:-.devbuild}
+WHAT=${2:-all}
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
@@ -32,6 +35,7 @@ run() {
 
 # ---- Phase A
 t0=$(date +%s)
+if [ "$WHAT" = all ]; then
 CUDA_VISIBLE_DEVICES=0,1,2,3 timeout 150 "$B/bin/bench_collectives" --nproc 4 > "$OUT/collectives4.log" 2>&1
 run one 0 24 "${small[@]}"
 run dp4 0,1,2,3 24 "${small[@]}" --nproc 4 --set train.batch_size=64
@@ -39,6 +43,7 @@ run dp4-nobucket 0,1,2,3 24 "${small[@]}" --nproc 4 --set train.batch_size=64 --
 run dp2 0,1 24 "${small[@]}" --nproc 2 --set train.batch_size=32
 run dp2-nobucket 0,1 24 "${small[@]}" --nproc 2 --set train.batch_size=32 --set parallel.dp_bucket_mb=0
 run tp4 0,1,2,3 24 "${small[@]}" --nproc 4 --set parallel.tp=4
+fi
 echo "phase A: $(( $(date +%s) - t0 )) s" >> "$LOG"
 
 # ---- Phase B
@@ -49,30 +54,37 @@ modes=("none|" "attn|--set activation_checkpoint.mode=selective --set activation
 cap_gib=$(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print $1/1024 - 1.5}')
 ckpt() {
   for m in "${modes[@]}"; do
-    local tag=${m%%|*} args=${m#*|}
+    local tag=${m%%|*}
+    local args=${m#*|}
     # shellcheck disable=SC2086
     run "ck-124m-$tag" 0 24 "${small[@]}" $args
     # shellcheck disable=SC2086
     run "ck-1.3b-$tag" 0 10 "${big[@]}" $args
   done
-  # The largest batch: peak = fixed + batch x (activation memory per sequence); run the prediction.
-  for model in 124m 1.3b; do
-    for m in "${modes[@]}"; do
-      local tag=${m%%|*} args=${m#*|} f="$OUT/ck-$model-$tag.log"
-      local batch act peak
-      batch=$([ "$model" = 124m ] && echo 16 || echo 8)
-      act=$(grep -oE 'activation memory [0-9.]+' "$f" | awk '{print $3}')
-      peak=$(grep -oE 'peak device memory [0-9.]+' "$f" | awk '{print $4}')
-      [ -z "$act" ] || [ -z "$peak" ] && continue
-      local bmax
-      bmax=$(python3 -c "print(min(512, int(($cap_gib - ($peak - $act)) / ($act / $batch))))")  # 512: bounded run time
-      local pipe=("${small[@]}")
-      [ "$model" = 1.3b ] && pipe=("${big[@]}")
-      # shellcheck disable=SC2086
-      run "max-$model-$tag" 0 2 "${pipe[@]}" $args --set train.batch_size="$bmax"
-      echo "predicted max batch $bmax (capacity $cap_gib GiB, fixed $(python3 -c "print(round($peak-$act,2))") GiB)" >> "$OUT/max-$model-$tag.log"
-    done
+}
+# The largest batch: peak = fixed + batch x (activation memory per sequence); run the prediction.
+maxbatch() {  # model mode-index gpu
+  local model=$1 m=${modes[$2]} gpu=$3
+  local tag=${m%%|*}
+  local args=${m#*|}
+  local f="$OUT/ck-$model-$tag.log"
+  local batch act peak bmax
+  batch=$([ "$model" = 124m ] && echo 16 || echo 8)
+  act=$(grep -oE 'activation memory [0-9.]+' "$f" | awk '{print $3}')
+  peak=$(grep -oE 'peak device memory [0-9.]+' "$f" | awk '{print $4}')
+  if [ -z "$act" ] || [ -z "$peak" ]; then return; fi
+  bmax=$(python3 -c "print(min(512, int(($cap_gib - ($peak - $act)) / ($act / $batch))))")  # 512: bounded run time
+  local pipe=("${small[@]}")
+  [ "$model" = 1.3b ] && pipe=("${big[@]}")
+  # shellcheck disable=SC2086
+  run "max-$model-$tag" "$gpu" 2 "${pipe[@]}" $args --set train.batch_size="$bmax"
+  echo "predicted max batch $bmax (capacity $cap_gib GiB, fixed $(python3 -c "print(round($peak-$act,2))") GiB)" >> "$OUT/max-$model-$tag.log"
+}
+maxbatches() {
+  for gpu in 0 1 2 3; do
+    (maxbatch 124m "$gpu" "$gpu"; maxbatch 1.3b "$gpu" "$gpu") &
   done
+  wait
 }
 tests() {
   for t in test_gpu_checkpoint test_gpu_model test_cuda_fp8; do
@@ -88,10 +100,17 @@ dist() {
   run tp2-drop-attn-dist 2,3 12 "${small[@]}" "${d[@]}" --set activation_checkpoint.mode=selective \
     --set activation_checkpoint.distribute_saved_activations=true
 }
-ckpt & p1=$!
-tests & p2=$!
-dist & p3=$!
-wait $p1 $p2 $p3
+if [ "$WHAT" = all ]; then
+  (ckpt; maxbatch 124m 0 0; maxbatch 124m 1 0; maxbatch 124m 2 0; maxbatch 124m 3 0
+   maxbatch 1.3b 0 0; maxbatch 1.3b 1 0; maxbatch 1.3b 2 0; maxbatch 1.3b 3 0) & p1=$!
+  tests & p2=$!
+  dist & p3=$!
+  wait $p1 $p2 $p3
+else
+  ckpt
+  maxbatches
+  dist
+fi
 echo "phase B: $(( $(date +%s) - t0 )) s" >> "$LOG"
 
 # ---- Summary
