@@ -13,7 +13,10 @@
 #include <functional>
 #include <vector>
 
+#include <cuda_runtime_api.h>
+
 #include "kiln/ops/backend.hpp"
+#include "kiln/rng/tracker.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
@@ -266,6 +269,58 @@ TEST_CASE("cuda residual_forward in place (out aliases residual)") {
   auto x = act(p, {N, C}, 54);
   on_both(p, [&](const Side& s) { s.b().residual_forward({s(res), s(res), s(x), dropout_args(0.2f)}); });
   CHECK(mismatches(res.gpu_values(), res.cpu_values()) == 0);
+}
+
+TEST_CASE("graph-safe dropout: every replay of a captured CUDA graph draws fresh masks, equal to eager draws") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 129, C = 72;
+  auto res = act(p, {N, C}, 55);
+  auto x = act(p, {N, C}, 56);
+  auto make_tracker = [] {
+    rng::RngStatesTracker t(77);
+    t.add(rng::kModelParallelRng, 78);
+    return t;
+  };
+  auto drop = [](const rng::PhiloxArgs& r) {
+    ops::DropoutArgs d;
+    d.p = 0.3f;
+    d.rng = r;
+    return d;
+  };
+  // Eager: three steps, one draw each.
+  auto eager = make_tracker();
+  std::vector<std::vector<float>> expected;
+  auto out = poisoned(p, Kind::act, {N, C});
+  for (int k = 0; k < 3; ++k) {
+    p.gpu->residual_forward({out.gpu(), res.gpu(), x.gpu(), drop(eager.draw(N * C))});
+    p.gpu->synchronize();
+    expected.push_back(out.gpu_values());
+  }
+  CHECK(mismatches(expected[0], expected[1]) > 0);
+  // Captured once, replayed three times.
+  auto t = make_tracker();
+  Buffer bases = p.gpu->alloc(sizeof(std::uint64_t) * static_cast<std::size_t>(t.num_states()));
+  auto stream = static_cast<cudaStream_t>(p.gpu->stream());
+  t.begin_graph_capture(static_cast<std::uint64_t*>(bases.data()));
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  p.gpu->residual_forward({out.gpu(), res.gpu(), x.gpu(), drop(t.draw(N * C))});
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
+  const auto g = t.end_graph_capture();
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  for (int k = 0; k < 3; ++k) {
+    const auto values = t.next_replay(g);
+    REQUIRE(cudaMemcpyAsync(bases.data(), values.data(), values.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice,
+                            stream) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+    p.gpu->synchronize();
+    CHECK(mismatches(out.gpu_values(), expected[static_cast<std::size_t>(k)]) == 0);
+  }
+  CHECK(t.get_states() == eager.get_states());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 TEST_CASE("cuda dropout_backward: the zero pattern and values match the CPU exactly") {

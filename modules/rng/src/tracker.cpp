@@ -14,6 +14,7 @@ ForkScope::~ForkScope() {
 
 void RngStatesTracker::add(const std::string& name, std::uint64_t seed) {
   if (name.empty()) KILN_THROW("an RNG state needs a name");
+  if (capturing()) KILN_THROW("cannot add RNG state '", name, "' during a graph capture");
   for (auto& [n, s] : states_) {
     if (n == name) KILN_THROW("RNG state '", name, "' already exists");
     if (s.seed == seed) KILN_THROW("RNG state '", name, "' would reuse seed ", seed, " of state '", n, "'");
@@ -29,6 +30,7 @@ bool RngStatesTracker::has(std::string_view name) const {
 
 void RngStatesTracker::reset() {
   if (depth_ != 0) KILN_THROW("cannot reset the RNG tracker inside a fork");
+  if (capturing()) KILN_THROW("cannot reset the RNG tracker during a graph capture");
   states_.clear();
   current_ = -1;
 }
@@ -57,8 +59,47 @@ RngState& RngStatesTracker::state(std::string_view name) {
 PhiloxArgs RngStatesTracker::draw(std::uint64_t n) {
   RngState& s = current();
   PhiloxArgs args{s.seed, s.offset, nullptr};
+  if (capturing()) {
+    const int i = current_ + 1;
+    const std::uint64_t begin = capture_.start[static_cast<std::size_t>(i)];
+    KILN_CHECK(s.offset >= begin, "RNG state '", current_name(), "' was set back before the start of the graph capture");
+    args.offset = s.offset - begin;
+    args.offset_ptr = capture_.bases + i;
+  }
   s.offset += blocks_for(n);
   return args;
+}
+
+void RngStatesTracker::begin_graph_capture(std::uint64_t* bases) {
+  KILN_CHECK(bases, "graph capture needs device memory for the base offsets");
+  KILN_CHECK(!capturing(), "a graph capture is already running");
+  capture_ = GraphCapture{bases, {}, {}};
+  for (int i = 0; i < num_states(); ++i) capture_.start.push_back(by_index(i).offset);
+}
+
+GraphCapture RngStatesTracker::end_graph_capture() {
+  KILN_CHECK(capturing(), "end_graph_capture without begin_graph_capture");
+  GraphCapture g = std::move(capture_);
+  capture_ = GraphCapture{};
+  for (int i = 0; i < num_states(); ++i) {
+    RngState& s = by_index(i);
+    g.increment.push_back(s.offset - g.start[static_cast<std::size_t>(i)]);
+    s.offset = g.start[static_cast<std::size_t>(i)];
+  }
+  return g;
+}
+
+std::vector<std::uint64_t> RngStatesTracker::next_replay(const GraphCapture& g) {
+  KILN_CHECK(!capturing(), "next_replay during a capture");
+  KILN_CHECK(static_cast<int>(g.increment.size()) == num_states(), "the graph was captured with ",
+             g.increment.size(), " RNG states, the tracker has ", num_states());
+  std::vector<std::uint64_t> bases(g.increment.size());
+  for (int i = 0; i < num_states(); ++i) {
+    RngState& s = by_index(i);
+    bases[static_cast<std::size_t>(i)] = s.offset;
+    s.offset += g.increment[static_cast<std::size_t>(i)];
+  }
+  return bases;
 }
 
 RngSnapshot RngStatesTracker::get_states() const { return RngSnapshot{default_, states_}; }

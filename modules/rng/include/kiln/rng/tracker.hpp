@@ -37,6 +37,18 @@ struct RngSnapshot {
   static RngSnapshot deserialize(std::string_view text);  // throws on malformed input
 };
 
+// A CUDA graph's view of the tracker (graph-safe mode, as PyTorch's graph-safe generator): while a
+// graph is captured, draws return offsets relative to the capture's start and a pointer to the
+// state's base offset in `bases` (device memory the caller owns: one uint64 per state, the default
+// state first, then the named ones in the order they were added). Kernels read base + relative
+// offset when they run, so each replay draws fresh numbers once next_replay()'s values are copied
+// into `bases` before its launch.
+struct GraphCapture {
+  std::uint64_t* bases = nullptr;
+  std::vector<std::uint64_t> start;      // each state's offset when the capture began
+  std::vector<std::uint64_t> increment;  // what one replay of the graph draws from each state
+};
+
 class RngStatesTracker;
 
 // Makes a named state current for its lifetime; restores the previous current state on
@@ -76,9 +88,22 @@ class RngStatesTracker {
   // Reserves n elements from the current state: returns where they start and advances the state.
   PhiloxArgs draw(std::uint64_t n);
 
+  // Every state's value, copied (also while a graph is being captured: a snapshot never aliases
+  // the device offsets, so it can be restored into any later capture or eager run).
   RngSnapshot get_states() const;
   // Replaces every state's value; the snapshot must hold exactly the same names.
   void set_states(const RngSnapshot& s);
+
+  // Graph-safe draws (see GraphCapture). begin: draws now return {seed, offset - start, &bases[i]}.
+  void begin_graph_capture(std::uint64_t* bases);
+  // Ends the capture; the states go back to where it began (the captured draws have not run yet).
+  GraphCapture end_graph_capture();
+  bool capturing() const { return capture_.bases != nullptr; }
+  // The values to copy into g.bases right before launching the graph once more; advances every
+  // state by what the graph draws, so a replay draws exactly what the captured code would have
+  // drawn eagerly now, and the next draw (eager or replay) continues after it.
+  std::vector<std::uint64_t> next_replay(const GraphCapture& g);
+  int num_states() const { return static_cast<int>(states_.size()) + 1; }
 
  private:
   friend class ForkScope;
@@ -86,6 +111,8 @@ class RngStatesTracker {
   std::vector<std::pair<std::string, RngState>> states_;
   int current_ = -1;  // index into states_, -1 = default
   int depth_ = 0;
+  GraphCapture capture_;
+  RngState& by_index(int i) { return i == 0 ? default_ : states_[static_cast<std::size_t>(i - 1)].second; }
 };
 
 }  // namespace kiln::rng
