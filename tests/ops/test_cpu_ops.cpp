@@ -1,7 +1,9 @@
 // CPU reference ops against direct formulas and invariants.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <vector>
 
 #include "kiln/ops/backend.hpp"
@@ -50,6 +52,75 @@ TEST_CASE("cross entropy loss is minus the log softmax of the target") {
   double expected = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0)) - 2.0;
   CHECK(losses[0] == doctest::Approx(expected).epsilon(1e-6));
   CHECK(logits[3] == 0.0f);  // padded vocabulary column
+}
+
+TEST_CASE("vocabulary-parallel cross-entropy over column shards equals the fused cross-entropy") {
+  auto b = ops::make_cpu_backend({.threads = 2});
+  const std::int64_t N = 37, V = 48, Vr = 41;  // 7 padded columns; the last shard holds only 1 real column
+  std::vector<float> logits(N * V);
+  std::mt19937_64 gen(5);
+  std::normal_distribution<float> d(0.0f, 3.0f);
+  for (auto& x : logits) x = d(gen);
+  std::vector<std::int32_t> t(N);
+  for (std::int64_t n = 0; n < N; ++n) t[n] = n == 4 ? -1 : static_cast<std::int32_t>(gen() % Vr);
+  const TensorView targets(t.data(), {N}, DType::i32, Device::cpu);
+  std::vector<float> whole = logits, losses(N);
+  b->cross_entropy({view(losses, {N}), view(whole, {N, V}), targets, static_cast<int>(Vr), 0.25f});
+  for (int R : {2, 3}) {  // 2 shards of 24 columns, 3 of 16 (the third: columns 32..47, 9 real)
+    const std::int64_t Vl = V / R;
+    std::vector<std::vector<float>> shard(R, std::vector<float>(N * Vl));
+    std::vector<float> all(R * N * 3), shard_losses(N);
+    for (int r = 0; r < R; ++r) {
+      for (std::int64_t n = 0; n < N; ++n)
+        std::copy_n(logits.begin() + n * V + r * Vl, Vl, shard[r].begin() + n * Vl);
+      std::vector<float> st(N * 3);
+      b->cross_entropy_stats({view(st, {N, 3}), view(shard[r], {N, Vl}), targets, r * Vl, static_cast<int>(Vr)});
+      std::copy(st.begin(), st.end(), all.begin() + r * N * 3);
+    }
+    for (int r = 0; r < R; ++r) {
+      b->cross_entropy_finish({view(shard_losses, {N}), view(shard[r], {N, Vl}), targets, view(all, {R, N, 3}), r * Vl,
+                               static_cast<int>(Vr), 0.25f});
+      for (std::int64_t n = 0; n < N; ++n) {
+        CHECK(shard_losses[n] == doctest::Approx(losses[n]).epsilon(1e-6));
+        for (std::int64_t c = 0; c < Vl; ++c)
+          CHECK(shard[r][n * Vl + c] == doctest::Approx(whole[n * V + r * Vl + c]).epsilon(1e-5).scale(1e-6));
+      }
+    }
+  }
+  CHECK(losses[4] == 0.0f);
+}
+
+TEST_CASE("a vocabulary-parallel embedding: the shards' lookups sum to the whole lookup") {
+  auto b = ops::make_cpu_backend();
+  const std::int64_t N = 12, C = 5, V = 10, T = 4;
+  std::vector<float> wte(V * C), wpe(T * C);
+  for (std::size_t i = 0; i < wte.size(); ++i) wte[i] = 0.5f + static_cast<float>(i);
+  for (std::size_t i = 0; i < wpe.size(); ++i) wpe[i] = -0.25f * static_cast<float>(i + 1);
+  std::vector<std::int32_t> tok = {0, 9, 3, 4, 5, 5, 1, 8, 2, 7, 6, 9};
+  const TensorView tokens(tok.data(), {N}, DType::i32, Device::cpu);
+  std::vector<float> whole(N * C), sum(N * C, 0.0f), part(N * C);
+  b->embedding_forward({view(whole, {N, C}), tokens, view(wte, {V, C}), view(wpe, {T, C}), static_cast<int>(T)});
+  std::vector<float> dwte_whole(V * C, 0.0f), dwpe_whole(T * C, 0.0f), dwte_parts(V * C, 0.0f);
+  std::vector<float> dout(N * C);
+  for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = 1.0f + 0.1f * static_cast<float>(i);
+  b->embedding_backward({view(dwte_whole, {V, C}), view(dwpe_whole, {T, C}), view(dout, {N, C}), tokens, tok.data(),
+                         static_cast<int>(T)});
+  for (std::int64_t begin : {0, 5}) {  // two shards of 5 rows
+    TensorView rows(wte.data() + begin * C, {5, C}, DType::f32, Device::cpu);
+    b->embedding_forward({view(part, {N, C}), tokens, rows, view(wpe, {T, C}), static_cast<int>(T), begin, V, begin == 0});
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+    std::vector<float> dwpe(T * C, 0.0f);
+    TensorView drows(dwte_parts.data() + begin * C, {5, C}, DType::f32, Device::cpu);
+    b->embedding_backward({drows, view(dwpe, {T, C}), view(dout, {N, C}), tokens, tok.data(), static_cast<int>(T), begin, V});
+    CHECK(dwpe == dwpe_whole);
+  }
+  CHECK(sum == whole);
+  CHECK(dwte_parts == dwte_whole);
+  std::vector<std::int32_t> bad = {10};
+  std::vector<float> one(C);
+  CHECK_THROWS_AS(b->embedding_forward({view(one, {1, C}), TensorView(bad.data(), {1}, DType::i32, Device::cpu),
+                                        view(wte, {V, C}).rows(0, 5), view(wpe, {T, C}), 1, 0, V, true}),
+                  Error);
 }
 
 TEST_CASE("adamw matches a hand computed step with decoupled weight decay") {

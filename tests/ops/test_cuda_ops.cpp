@@ -227,6 +227,35 @@ TEST_CASE("cuda embedding forward and backward match the CPU (repeated tokens)")
   }
 }
 
+TEST_CASE("cuda vocabulary-parallel embedding rows match the CPU (tokens of other rows read zeros)") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int T = 111, B = 3, N = B * T, V = 517, Tmax = 128, begin = 200, rows = 250;
+  for (int C : {72, 36}) {
+    INFO("C = " << C);
+    auto tok_host = random_ints(N, 47, 150, 500);  // about a third outside [200, 450)
+    Dual tokens(p, Kind::i32, {N});
+    tokens.set_ints(tok_host);
+    auto wte = act(p, {rows, C}, 48);
+    auto wpe = act(p, {Tmax, C}, 49);
+    for (bool positions : {true, false}) {
+      auto out = poisoned(p, Kind::act, {N, C});
+      on_both(p, [&](const Side& s) {
+        s.b().embedding_forward({s(out), s(tokens), s(wte), s(wpe), T, begin, V, positions});
+      });
+      CHECK(mismatches(out.gpu_values(), out.cpu_values()) == 0);
+    }
+    auto dout = act(p, {N, C}, 50);
+    auto dwte = f32(p, {rows, C}, 51);
+    auto dwpe = f32(p, {Tmax, C}, 52);
+    on_both(p, [&](const Side& s) {
+      s.b().embedding_backward({s(dwte), s(dwpe), s(dout), s(tokens), tok_host.data(), T, begin, V});
+    });
+    KILN_CHECK_CLOSE(dwte, 1e-6);
+    KILN_CHECK_CLOSE(dwpe, 1e-6);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // residual and dropout
 
@@ -384,6 +413,38 @@ TEST_CASE("cuda cross_entropy matches the CPU: losses, dlogits, padded vocabular
       for (int v = Vr; v < V; ++v) zero_pad &= g[static_cast<std::size_t>(n) * V + v] == 0.0f;
     CHECK(zero_row);
     CHECK(zero_pad);
+  }
+}
+
+TEST_CASE("cuda vocabulary-parallel cross-entropy (stats, then finish) matches the CPU") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 37, R = 3, V = 344, Vr = 1000;  // 3 shards of 344 columns of a 1032-column vocabulary
+  auto t = random_ints(N, 73, 0, Vr);
+  t[1] = -1;
+  t[2] = Vr - 1;  // in the last shard
+  t[3] = 0;       // in the first
+  Dual targets(p, Kind::i32, {N});
+  targets.set_ints(t);
+  std::vector<Dual> shards;
+  auto all = poisoned(p, Kind::f32, {R, N, 3});
+  for (int r = 0; r < R; ++r) {
+    shards.emplace_back(act(p, {N, V}, 74 + r, 2.0f));
+    auto st = poisoned(p, Kind::f32, {N, 3});
+    on_both(p, [&](const Side& s) {
+      s.b().cross_entropy_stats({s(st), s(shards[r]), s(targets), std::int64_t(r) * V, Vr});
+      s.b().copy(s(all).flat_slice(std::int64_t(r) * N * 3, N * 3), s(st).reshape({N * 3}));
+    });
+    KILN_CHECK_CLOSE(st, 1e-5);
+  }
+  for (int r = 0; r < R; ++r) {
+    auto losses = poisoned(p, Kind::f32, {N});
+    on_both(p, [&](const Side& s) {
+      s.b().cross_entropy_finish({s(losses), s(shards[r]), s(targets), s(all), std::int64_t(r) * V, Vr, 1.0f / N});
+    });
+    KILN_CHECK_CLOSE(losses, 1e-5);
+    KILN_CHECK_CLOSE(shards[r], 1e-2);
+    CHECK(losses.gpu_values()[1] == 0.0f);
   }
 }
 

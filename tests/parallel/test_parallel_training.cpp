@@ -7,6 +7,7 @@
 #include "kiln/builtin.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/engine/config/pipeline.hpp"
+#include "kiln/nn/components.hpp"
 #include "kiln/parallel/grad_buckets.hpp"
 #include "kiln/parallel/launch.hpp"
 #include "kiln/parallel/module.hpp"
@@ -98,6 +99,45 @@ TEST_CASE("with dropout, tensor parallel runs match the single-rank run (layout-
   compare(run(4, {"parallel.tp=4", "model.dropout=0.1"}), single, "tp=4, dropout 0.1");
   compare(run(2, {"parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1"}), single,
           "tp=2, sequence parallel, dropout 0.1");
+}
+
+TEST_CASE("vocabulary-parallel embedding and cross-entropy match the single-rank run") {
+  // Vocabulary 96 padded to 128: with tp=4 the last rank's 32 rows are all padding.
+  const Trace single = run(1, {});
+  const std::vector<std::string> vp = {"parallel.vocab_parallel=true"};
+  compare(run(2, {"parallel.tp=2", "parallel.vocab_parallel=true"}), single, "tp=2, vocabulary parallel");
+  compare(run(4, {"parallel.tp=4", "parallel.vocab_parallel=true"}), single, "tp=4, vocabulary parallel");
+  compare(run(2, {"parallel.tp=2", "parallel.vocab_parallel=true", "parallel.sequence_parallel=true"}), single,
+          "tp=2, vocabulary and sequence parallel");
+  compare(run(4, {"parallel.tp=2", "parallel.vocab_parallel=true", "train.micro_batch_size=2"}), single,
+          "tp=2 x dp=2, vocabulary parallel, 2 micro-batches");
+  compare(run(2, {"parallel.tp=2", "parallel.vocab_parallel=true", "model.dropout=0.1"}),
+          run(1, {"model.dropout=0.1"}), "tp=2, vocabulary parallel, dropout 0.1");
+  // The embedding rows and the logits are split: each rank holds Vp / tp rows of wte.
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+  config::apply_overrides(doc, {"parallel.tp=2", "parallel.vocab_parallel=true", "train.steps=1"});
+  std::mutex m;
+  std::vector<std::int64_t> rows;
+  auto outcomes = parallel::run_thread_ranks(2, config::resolve(doc, "tiny.toml", reg), reg, {}, [&](World& w) {
+    for (Entity e : w.view<nn::Param>())
+      if (w.get<nn::Param>(e).name == "wte") {
+        std::lock_guard lk(m);
+        rows.push_back(w.get<nn::Param>(e).shape[0]);
+      }
+  });
+  for (auto& o : outcomes) REQUIRE(o.ok);
+  CHECK(rows == std::vector<std::int64_t>{64, 64});
+  // A padded vocabulary that tp does not divide is an error naming the sizes.
+  auto bad = config::parse_toml_text(kTiny, "tiny.toml");
+  config::apply_overrides(bad, {"parallel.tp=2", "parallel.vocab_parallel=true", "model.vocab_size=97",
+                                "model.vocab_multiple=1", "data.synthetic_vocab=97"});
+  auto failed = parallel::run_thread_ranks(2, config::resolve(bad, "tiny.toml", reg), reg);
+  for (auto& o : failed) {
+    CHECK_FALSE(o.ok);
+    CHECK(o.error.find("padded vocabulary (97 = model.vocab_size 97") != std::string::npos);
+  }
 }
 
 TEST_CASE("sequence parallelism keeps only this rank's tokens in the residual stream") {

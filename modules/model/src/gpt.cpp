@@ -36,6 +36,11 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   KILN_CHECK(!sp_ || tokens % tp_ == 0, "sequence parallelism needs the tokens of a micro-batch (", tokens,
              ") to be divisible by parallel.tp = ", tp_);
   Nl_ = sp_ ? tokens / tp_ : tokens;
+  vp_ = tp_ > 1 && world_.resource<parallel::ParallelState>().vocab_parallel;
+  KILN_CHECK(!vp_ || Vp_ % tp_ == 0, "vocabulary parallelism needs the padded vocabulary (", Vp_,
+             ") to be divisible by parallel.tp = ", tp_);
+  Vl_ = vp_ ? Vp_ / tp_ : Vp_;
+  vocab_begin_ = vp_ ? static_cast<std::int64_t>(tp_rank_) * Vl_ : 0;
   const float std = cfg.init_std;
   const float proj_std = std / std::sqrt(2.0f * L_);  // GPT-2: residual projections scaled by 1/sqrt(2L)
   const std::int64_t C = C_, Cl = C_ / tp_, r = tp_rank_;
@@ -68,7 +73,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   // Unit 0: embeddings. The LM head reuses wte.
   Entity emb = make_layer(0, LayerKind::embedding, -1, "embeddings");
   auto& emb_params = world_.get<Layer>(emb).params;
-  wte_ = add_param("wte", {Vp_, C}, whole, 0, true, std, 0, emb_params);
+  wte_ = add_param("wte", {Vp_, C}, vp_ ? rows_of(1, Vp_) : whole, 0, true, std, 0, emb_params);
   wpe_ = add_param("wpe", {cfg.max_seq_len, C}, whole, 0, true, std, 0, emb_params);
 
   for (int l = 0; l < L_; ++l) {
@@ -101,7 +106,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   auto& fp = world_.get<Layer>(fin).params;
   lnf_w_ = add_param("ln_f.weight", {C}, whole, L_ + 1, false, 0, 1.0f, fp);
   lnf_b_ = add_param("ln_f.bias", {C}, whole, L_ + 1, false, 0, 0.0f, fp);
-  lm_head_ = add_linear("lm_head", "lm_head", L_ + 1, wte_, std::nullopt, C, Vp_);
+  lm_head_ = add_linear("lm_head", "lm_head", L_ + 1, wte_, std::nullopt, C, Vl_);
 
   // Under sequence parallelism the LayerNorms see only this rank's tokens.
   if (sp_)
@@ -208,7 +213,11 @@ void GptModel::allocate_activations() {
   arena_.request(&lnf_, act, {N, C});
   arena_.request(&lnf_mean_, DType::f32, {Nl});
   arena_.request(&lnf_rstd_, DType::f32, {Nl});
-  arena_.request(&logits_, act, {N, Vp_});
+  arena_.request(&logits_, act, {N, Vl_});
+  if (vp_) {
+    arena_.request(&ce_stats_, DType::f32, {N, 3});
+    arena_.request(&ce_all_stats_, DType::f32, {tp_, N, 3});
+  }
   arena_.request(&scratch_c_, act, {N, C});
   arena_.request(&dres_, act, {Nl, C});
   arena_.request(&dtmp_, act, {Nl, C});

@@ -21,9 +21,10 @@ void GptModel::backward(const train::Batch& batch) {
   // LM head (tied to wte) and the final LayerNorm. cross_entropy already left dlogits in logits_.
   bus.publish(LayerBackwardBegin{L_ + 1});
   linear_backward(lm_head_, {dln_, tensor(wte_, true), {}, logits_, lnf_, tensor(wte_, false), {}});
+  if (vp_) reduce_rows(dln_local, dln_);  // each rank's vocabulary rows gave part of the input gradient
   be_.zero(dres_);
-  be_.layernorm_backward({dres_, tensor(lnf_w_, true), tensor(lnf_b_, true), my_rows(dln_), res_[L_],
-                          tensor(lnf_w_, false), lnf_mean_, lnf_rstd_});
+  be_.layernorm_backward({dres_, tensor(lnf_w_, true), tensor(lnf_b_, true), vp_ ? dln_local : my_rows(dln_),
+                          res_[L_], tensor(lnf_w_, false), lnf_mean_, lnf_rstd_});
   bus.publish(LayerBackwardEnd{L_ + 1});
 
   for (int l = L_ - 1; l >= 0; --l) {
@@ -81,7 +82,8 @@ void GptModel::backward(const train::Batch& batch) {
     gather_rows(full_c_, dres_);
     demb = full_c_;
   }
-  be_.embedding_backward({tensor(wte_, true), tensor(wpe_, true), demb, tokens_, batch.inputs.data(), T_});
+  be_.embedding_backward({tensor(wte_, true), tensor(wpe_, true), demb, tokens_, batch.inputs.data(), T_, vocab_begin_,
+                          Vp_});
   bus.publish(LayerBackwardEnd{0});
 }
 

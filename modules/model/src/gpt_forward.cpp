@@ -26,10 +26,17 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   auto& bus = world_.events();
   const float p = training ? cfg_.dropout : 0.0f;
 
-  // The embeddings are replicated: every rank computes all rows and keeps its own (SP).
+  // The embeddings: every rank computes all rows and keeps its own (SP). With vocabulary
+  // parallelism each rank looks up the tokens of its rows (zeros for the others; the positions on
+  // TP rank 0 only) and the sum over TP (all-reduce, or reduce-scatter under SP) is the lookup.
   bus.publish(LayerForwardBegin{0});
-  be_.embedding_forward({sp_ ? full_c_ : res_[0], tokens_, tensor(wte_, false), tensor(wpe_, false), T_});
-  if (sp_) be_.copy(res_[0], my_rows(full_c_));
+  const TensorView emb = sp_ ? full_c_ : res_[0];
+  be_.embedding_forward({emb, tokens_, tensor(wte_, false), tensor(wpe_, false), T_, vocab_begin_, Vp_,
+                         !vp_ || tp_rank_ == 0});
+  if (vp_)
+    reduce_rows(res_[0], emb);
+  else if (sp_)
+    be_.copy(res_[0], my_rows(full_c_));
   bus.publish(LayerForwardEnd{0});
 
   for (int l = 0; l < L_; ++l) {
@@ -46,7 +53,14 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
                          tensor(lnf_b_, false), cfg_.ln_eps});
   gather_rows(lnf_, sp_ ? local_c_ : lnf_);
   linear_forward(lm_head_, {logits_, {}, lnf_, tensor(wte_, false), {}});
-  be_.cross_entropy({losses_.rows(slot, 1).reshape({N}), logits_, targets_, cfg_.vocab_size, dloss_});
+  const TensorView losses = losses_.rows(slot, 1).reshape({N});
+  if (vp_) {  // this rank's columns: statistics, one all-gather of them, then loss and dlogits
+    be_.cross_entropy_stats({ce_stats_, logits_, targets_, vocab_begin_, cfg_.vocab_size});
+    tp_comm_->all_gather(ce_all_stats_.reshape({tp_ * N * 3}), ce_stats_.reshape({N * 3}), be_.stream());
+    be_.cross_entropy_finish({losses, logits_, targets_, ce_all_stats_, vocab_begin_, cfg_.vocab_size, dloss_});
+  } else {
+    be_.cross_entropy({losses, logits_, targets_, cfg_.vocab_size, dloss_});
+  }
   bus.publish(LayerForwardEnd{L_ + 1});
   have_forward_ = training;
 }

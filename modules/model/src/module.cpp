@@ -27,6 +27,10 @@ void install(World& w, const ModelConfig& cfg) {
   if (cfg.n_head % tp != 0 || cfg.n_embd % tp != 0)
     throw ConfigError(cat(file, ": model.n_head = ", cfg.n_head, " and model.n_embd = ", cfg.n_embd,
                           " must both be divisible by parallel.tp = ", tp));
+  if (par.vocab_parallel && tp > 1 && cfg.padded_vocab() % tp != 0)
+    throw ConfigError(cat(file, ": parallel.vocab_parallel needs the padded vocabulary (", cfg.padded_vocab(),
+                          " = model.vocab_size ", cfg.vocab_size, " rounded up to model.vocab_multiple ",
+                          cfg.vocab_multiple, ") to be divisible by parallel.tp = ", tp));
   const auto& tc = w.resource<train::TrainConfig>();
   if (tc.seq_len > cfg.max_seq_len)
     throw ConfigError(cat(file, ": train.seq_len = ", tc.seq_len, " exceeds model.max_seq_len = ", cfg.max_seq_len));

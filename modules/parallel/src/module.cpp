@@ -25,7 +25,7 @@ void install(World& w, const ParallelConfig& cfg) {
       throw ConfigError(cat(r.pipeline_file, ": [parallel] ", e.what()));
     }
   }();
-  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank), cfg.sequence_parallel});
+  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank), cfg.sequence_parallel, cfg.vocab_parallel});
 
   auto& comms = w.emplace_resource<Communicators>();
   auto* launch = w.try_resource<LaunchContext>();

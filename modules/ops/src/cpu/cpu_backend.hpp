@@ -38,6 +38,8 @@ class CpuBackend final : public Backend {
   void residual_forward(const ResidualForward& a) override;
   void dropout_backward(const DropoutBackward& a) override;
   void cross_entropy(const CrossEntropy& a) override;
+  void cross_entropy_stats(const CrossEntropyStats& a) override;
+  void cross_entropy_finish(const CrossEntropyFinish& a) override;
   void adamw(const AdamW& a) override;
 
   void set_profiling(bool on) override { profiling_ = on; }

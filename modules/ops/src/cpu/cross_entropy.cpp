@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 
 #include "cpu_backend.hpp"
@@ -35,6 +36,83 @@ void CpuBackend::cross_entropy(const CrossEntropy& a) {
     for (std::int64_t v = 0; v < Vr; ++v) {
       float prob = std::exp(row[v] - lse);
       row[v] = store((prob - (v == t ? 1.0f : 0.0f)) * a.dloss);
+    }
+    for (std::int64_t v = Vr; v < V; ++v) row[v] = 0;
+  }
+}
+
+}  // namespace kiln::ops::cpu
+
+namespace kiln::ops::cpu {
+
+void CpuBackend::cross_entropy_stats(const CrossEntropyStats& a) {
+  Timer timer(*this, "cross_entropy_stats");
+  const std::int64_t N = a.logits.size(0), V = a.logits.size(1);
+  expect_tensor(a.logits, DType::f32, {N, V}, "cross_entropy_stats logits");
+  expect_tensor(a.stats, DType::f32, {N, 3}, "cross_entropy_stats stats");
+  expect_tensor(a.targets, DType::i32, {N}, "cross_entropy_stats targets");
+  KILN_CHECK(a.vocab_begin >= 0 && a.vocab_real > 0, "cross_entropy_stats: columns from ", a.vocab_begin,
+             ", vocab_real ", a.vocab_real);
+  // This rank's real columns: [0, Vr) of its V.
+  const std::int64_t Vr = std::clamp<std::int64_t>(a.vocab_real - a.vocab_begin, 0, V);
+  const float* logits = a.logits.as<float>();
+  float* stats = a.stats.as<float>();
+  const auto* targets = a.targets.as<std::int32_t>();
+  for (std::int64_t n = 0; n < N; ++n)
+    KILN_CHECK(targets[n] >= -1 && targets[n] < a.vocab_real, "target ", targets[n], " at row ", n, " outside [0, ",
+               a.vocab_real, ")");
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const float* row = logits + n * V;
+    float mx = -INFINITY;
+    for (std::int64_t v = 0; v < Vr; ++v) mx = std::max(mx, row[v]);
+    float sum = 0;
+    for (std::int64_t v = 0; v < Vr; ++v) sum += std::exp(row[v] - mx);
+    const std::int64_t t = targets[n] - a.vocab_begin;
+    stats[n * 3 + 0] = mx;
+    stats[n * 3 + 1] = sum;
+    stats[n * 3 + 2] = targets[n] >= 0 && t >= 0 && t < Vr ? row[t] : 0.0f;
+  }
+}
+
+void CpuBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
+  Timer timer(*this, "cross_entropy_finish");
+  const std::int64_t N = a.logits.size(0), V = a.logits.size(1);
+  KILN_CHECK(a.all_stats.ndim() == 3 && a.all_stats.size(1) == N && a.all_stats.size(2) == 3,
+             "cross_entropy_finish: all_stats ", a.all_stats.str(), " for ", N, " rows");
+  const std::int64_t R = a.all_stats.size(0);
+  expect_tensor(a.logits, DType::f32, {N, V}, "cross_entropy_finish logits");
+  expect_tensor(a.losses, DType::f32, {N}, "cross_entropy_finish losses");
+  expect_tensor(a.all_stats, DType::f32, {R, N, 3}, "cross_entropy_finish all_stats");
+  const std::int64_t Vr = std::clamp<std::int64_t>(a.vocab_real - a.vocab_begin, 0, V);
+  float* logits = a.logits.as<float>();
+  float* losses = a.losses.as<float>();
+  const float* st = a.all_stats.as<float>();
+  const auto* targets = a.targets.as<std::int32_t>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t n = 0; n < N; ++n) {
+    float* row = logits + n * V;
+    const int t = targets[n];
+    if (t < 0) {
+      losses[n] = 0;
+      for (std::int64_t v = 0; v < V; ++v) row[v] = 0;
+      continue;
+    }
+    // Every rank combines the ranks' statistics in rank order: identical bits everywhere.
+    float mx = -INFINITY, target = 0;
+    for (std::int64_t r = 0; r < R; ++r) mx = std::max(mx, st[(r * N + n) * 3]);
+    float sum = 0;
+    for (std::int64_t r = 0; r < R; ++r) {
+      const float m = st[(r * N + n) * 3], s = st[(r * N + n) * 3 + 1];
+      if (s > 0) sum += s * std::exp(m - mx);
+      target += st[(r * N + n) * 3 + 2];
+    }
+    const float lse = mx + std::log(sum);
+    losses[n] = lse - target;
+    const std::int64_t tl = t - a.vocab_begin;
+    for (std::int64_t v = 0; v < Vr; ++v) {
+      float prob = std::exp(row[v] - lse);
+      row[v] = store((prob - (v == tl ? 1.0f : 0.0f)) * a.dloss);
     }
     for (std::int64_t v = Vr; v < V; ++v) row[v] = 0;
   }

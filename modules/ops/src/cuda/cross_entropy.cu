@@ -3,25 +3,13 @@
 // (softmax - onehot) * dloss in bf16 and zeros in the padding. When the row fits, pass 2 reads the
 // logits from registers, so the row is read from memory once and written once.
 #include "common.cuh"
+#include "online_softmax.cuh"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::cuda {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxThreads = 1024;
-
-struct Online {
-  float m = -INFINITY;  // running max
-  float s = 0;          // sum of exp(x - m)
-};
-
-__device__ __forceinline__ void combine(Online& a, const Online& b) {
-  const float m = fmaxf(a.m, b.m);
-  if (m == -INFINITY) return;  // both empty
-  a.s = a.s * exp2f((a.m - m) * kLog2e) + b.s * exp2f((b.m - m) * kLog2e);
-  a.m = m;
-}
 
 // Adds the elements of a chunk below vocab_real (base is the chunk's first column).
 __device__ __forceinline__ void add_chunk(Online& o, const float f[8], int base, int Vr) {
@@ -44,20 +32,6 @@ __device__ __forceinline__ float grad(float x, int idx, int Vr, int t, float lse
   if (idx >= Vr) return 0.0f;
   const float prob = exp2f(fmaf(x, kLog2e, -lse_l2));
   return (prob - (idx == t ? 1.0f : 0.0f)) * dloss;
-}
-
-// Butterfly within warps (commutative combine, so all lanes agree), then warps in order.
-__device__ __forceinline__ Online block_combine(Online o, Online* sm) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off /= 2) {
-    Online other{__shfl_xor_sync(0xffffffffu, o.m, off), __shfl_xor_sync(0xffffffffu, o.s, off)};
-    combine(o, other);
-  }
-  if (threadIdx.x % kWarp == 0) sm[threadIdx.x / kWarp] = o;
-  __syncthreads();
-  Online r = sm[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x / kWarp); ++w) combine(r, sm[w]);
-  return r;
 }
 
 // Rows of ignored targets: loss 0, gradient 0, the logits are not read.

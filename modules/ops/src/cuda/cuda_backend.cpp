@@ -228,8 +228,12 @@ void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   check_dev(a.wte, DType::bf16, "embedding_forward wte");
   check_dev(a.wpe, DType::bf16, "embedding_forward wpe");
   KILN_CHECK(a.T > 0 && N % a.T == 0 && a.wpe.size(0) >= a.T, "embedding_forward: T=", a.T, " N=", N);
+  const int V = as_int(a.wte.size(0), "V");
+  const std::int64_t total = a.vocab_total ? a.vocab_total : V;
+  KILN_CHECK(a.vocab_begin >= 0 && a.vocab_begin + V <= total, "embedding_forward rows [", a.vocab_begin, ", ",
+             a.vocab_begin + V, ") outside a vocabulary of ", total);
   cuda::embedding_forward(dptr<bf16>(a.out), dptr<std::int32_t>(a.tokens), dptr<bf16>(a.wte), dptr<bf16>(a.wpe), N,
-                          a.T, C, stream_);
+                          a.T, C, a.vocab_begin, V, a.positions, stream_);
 }
 
 void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
@@ -243,28 +247,34 @@ void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   KILN_CHECK(a.dwte.size(1) == C && a.dwpe.size(1) == C, "embedding_backward: ", a.dwte.str(), " ", a.dwpe.str(),
              " vs C=", C);
   // The kernel writes dwte rows by token id: an id outside the table would write out of bounds.
-  const std::int64_t V = a.dwte.size(0);
+  const std::int64_t V = a.dwte.size(0), total = a.vocab_total ? a.vocab_total : V, begin = a.vocab_begin;
+  KILN_CHECK(begin >= 0 && begin + V <= total, "embedding_backward rows [", begin, ", ", begin + V,
+             ") outside a vocabulary of ", total);
   for (int n = 0; n < N; ++n)
-    KILN_CHECK(a.tokens_host[n] >= 0 && a.tokens_host[n] < V, "token ", a.tokens_host[n], " at position ", n,
-               " outside the vocabulary of ", V);
-  // Bucket positions by token on the host (stable), so the kernel sums each token's rows in order.
+    KILN_CHECK(a.tokens_host[n] >= 0 && a.tokens_host[n] < total, "token ", a.tokens_host[n], " at position ", n,
+               " outside the vocabulary of ", total);
+  // Bucket this table's positions by token on the host (stable), so the kernel sums each token's rows
+  // in order; rows are local (token - begin).
+  auto mine = [&](int n) { return a.tokens_host[n] >= begin && a.tokens_host[n] < begin + V; };
   std::vector<std::int32_t> table(static_cast<std::size_t>(3 * N + 1));
   std::int32_t* order = table.data();
-  std::iota(order, order + N, 0);
-  std::stable_sort(order, order + N, [&](int x, int y) { return a.tokens_host[x] < a.tokens_host[y]; });
+  int M = 0;  // positions whose token is in this table
+  for (int n = 0; n < N; ++n)
+    if (mine(n)) order[M++] = n;
+  std::stable_sort(order, order + M, [&](int x, int y) { return a.tokens_host[x] < a.tokens_host[y]; });
   std::vector<std::int32_t> starts, tokens;
-  for (int i = 0; i < N; ++i)
+  for (int i = 0; i < M; ++i)
     if (i == 0 || a.tokens_host[order[i]] != a.tokens_host[order[i - 1]]) {
       starts.push_back(i);
-      tokens.push_back(a.tokens_host[order[i]]);
+      tokens.push_back(static_cast<std::int32_t>(a.tokens_host[order[i]] - begin));
     }
   const int U = static_cast<int>(starts.size());
-  starts.push_back(N);
-  std::copy(starts.begin(), starts.end(), table.begin() + N);
-  std::copy(tokens.begin(), tokens.end(), table.begin() + N + U + 1);
-  auto* dev = static_cast<std::int32_t*>(upload(table.data(), (N + 2 * U + 1) * sizeof(std::int32_t), 0));
-  cuda::embedding_backward(dptr<float>(a.dwte), dptr<float>(a.dwpe), dptr<bf16>(a.dout), dev, dev + N,
-                           dev + N + U + 1, U, N, a.T, C, stream_);
+  starts.push_back(M);
+  std::copy(starts.begin(), starts.end(), table.begin() + M);
+  std::copy(tokens.begin(), tokens.end(), table.begin() + M + U + 1);
+  auto* dev = static_cast<std::int32_t*>(upload(table.data(), (M + 2 * U + 1) * sizeof(std::int32_t), 0));
+  cuda::embedding_backward(dptr<float>(a.dwte), dptr<float>(a.dwpe), dptr<bf16>(a.dout), dev, dev + M,
+                           dev + M + U + 1, U, N, a.T, C, stream_);
 }
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {
@@ -442,6 +452,34 @@ void CudaBackend::cross_entropy(const CrossEntropy& a) {
   KILN_CHECK(a.vocab_real > 0 && a.vocab_real <= V, "cross_entropy: vocab_real ", a.vocab_real, " vs V ", V);
   cuda::cross_entropy(dptr<float>(a.losses), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets), N, V, a.vocab_real,
                       a.dloss, stream_);
+}
+
+void CudaBackend::cross_entropy_stats(const CrossEntropyStats& a) {
+  Timer t(*this, "cross_entropy_stats");
+  const int N = as_int(a.logits.size(0), "N"), V = as_int(a.logits.size(1), "V");
+  check_dev(a.logits, DType::bf16, "cross_entropy_stats logits");
+  check_dev(a.stats, DType::f32, "cross_entropy_stats stats");
+  check_dev(a.targets, DType::i32, "cross_entropy_stats targets");
+  KILN_CHECK(a.stats.numel() == 3 * std::int64_t(N) && a.targets.numel() == N, "cross_entropy_stats: stats ",
+             a.stats.str(), ", targets ", a.targets.str(), " for ", N, " rows");
+  KILN_CHECK(a.vocab_begin >= 0 && a.vocab_real > 0, "cross_entropy_stats: columns from ", a.vocab_begin,
+             ", vocab_real ", a.vocab_real);
+  cuda::cross_entropy_stats(dptr<float>(a.stats), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets), N, V,
+                            a.vocab_real, a.vocab_begin, stream_);
+}
+
+void CudaBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
+  Timer t(*this, "cross_entropy_finish");
+  const int N = as_int(a.logits.size(0), "N"), V = as_int(a.logits.size(1), "V");
+  check_dev(a.logits, DType::bf16, "cross_entropy_finish logits");
+  check_dev(a.losses, DType::f32, "cross_entropy_finish losses");
+  check_dev(a.targets, DType::i32, "cross_entropy_finish targets");
+  check_dev(a.all_stats, DType::f32, "cross_entropy_finish all_stats");
+  KILN_CHECK(a.all_stats.ndim() == 3 && a.all_stats.size(1) == N && a.all_stats.size(2) == 3,
+             "cross_entropy_finish: all_stats ", a.all_stats.str(), " for ", N, " rows");
+  cuda::cross_entropy_finish(dptr<float>(a.losses), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets),
+                             dptr<float>(a.all_stats), as_int(a.all_stats.size(0), "ranks"), N, V, a.vocab_real,
+                             a.vocab_begin, a.dloss, stream_);
 }
 
 void CudaBackend::adamw(const AdamW& a) {

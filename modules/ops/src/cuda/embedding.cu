@@ -43,19 +43,21 @@ __device__ __forceinline__ void store_chunk(float* p, int valid, const float f[8
   }
 }
 
+// Tokens outside [begin, begin + V) (another rank's rows of a vocabulary-parallel table) read zeros.
 template <bool VEC>
 __global__ void embedding_forward_kernel(bf16* out, const std::int32_t* tokens, const bf16* wte, const bf16* wpe,
-                                         int N, int T, int C) {
+                                         int N, int T, int C, std::int64_t begin, int V, bool positions) {
   const int chunks = (C + 7) / 8;
   for (int n = blockIdx.x * kRows + threadIdx.y; n < N; n += gridDim.x * kRows) {
-    const bf16* e = wte + static_cast<std::int64_t>(tokens[n]) * C;
+    const std::int64_t row = tokens[n] - begin;
+    const bf16* e = row >= 0 && row < V ? wte + row * C : nullptr;
     const bf16* p = wpe + static_cast<std::int64_t>(n % T) * C;
     bf16* o = out + static_cast<std::int64_t>(n) * C;
     for (int j = threadIdx.x; j < chunks; j += kLanes) {
       const int c = j * 8, valid = C - c;
-      float a[8], b[8];
-      load_chunk<VEC>(e + c, valid, a);
-      load_chunk<VEC>(p + c, valid, b);
+      float a[8] = {}, b[8] = {};
+      if (e) load_chunk<VEC>(e + c, valid, a);
+      if (positions) load_chunk<VEC>(p + c, valid, b);
 #pragma unroll
       for (int k = 0; k < 8; ++k) a[k] += b[k];
       store_chunk<VEC>(o + c, valid, a);
@@ -131,15 +133,15 @@ __global__ void embedding_backward_wpe_kernel(float* dwpe, const bf16* dout, int
 }  // namespace
 
 void embedding_forward(bf16* out, const std::int32_t* tokens, const bf16* wte, const bf16* wpe, int N, int T, int C,
-                       cudaStream_t s) {
+                       std::int64_t vocab_begin, int V, bool positions, cudaStream_t s) {
   if (N <= 0 || C <= 0) return;
   KILN_CHECK(T > 0, "embedding_forward: T = ", T);
   const dim3 block(kLanes, kRows);
   const unsigned grid = grid_for(N, kRows, 65535);
   if (C % 8 == 0 && aligned16(out) && aligned16(wte) && aligned16(wpe))
-    embedding_forward_kernel<true><<<grid, block, 0, s>>>(out, tokens, wte, wpe, N, T, C);
+    embedding_forward_kernel<true><<<grid, block, 0, s>>>(out, tokens, wte, wpe, N, T, C, vocab_begin, V, positions);
   else
-    embedding_forward_kernel<false><<<grid, block, 0, s>>>(out, tokens, wte, wpe, N, T, C);
+    embedding_forward_kernel<false><<<grid, block, 0, s>>>(out, tokens, wte, wpe, N, T, C, vocab_begin, V, positions);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

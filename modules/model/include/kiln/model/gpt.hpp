@@ -119,6 +119,9 @@ class GptModel {
   int C_, H_, Vp_, L_;
   int tp_ = 1, tp_rank_ = 0, Hl_ = 0;  // tensor parallelism: group size, rank, local heads
   bool sp_ = false;                    // sequence parallelism
+  bool vp_ = false;                    // vocabulary parallelism: wte rows and logits split over TP
+  int Vl_ = 0;                         // this rank's vocabulary rows (Vp_ without vocabulary parallelism)
+  std::int64_t vocab_begin_ = 0;       // its first row
   std::int64_t Nl_ = 0;                // this rank's tokens outside the TP regions (N without SP)
   parallel::Communicator* tp_comm_ = nullptr;
   parallel::Communicator* dp_comm_ = nullptr;
@@ -139,6 +142,7 @@ class GptModel {
   TensorView res_pingpong_[2];        // full-width inputs of blocks whose saved input is distributed
   bool allocated_ = false;
   TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
+  TensorView ce_stats_, ce_all_stats_;  // vocabulary-parallel cross-entropy: [N, 3] and [tp, N, 3]
   TensorView local_c_, full_c_;  // SP: [Nl, C] and [N, C] scratch (both scratch_c_ without SP)
   TensorView ln_shared_, fc_shared_;  // recompute_norm / recompute_gelu: the blocks' LayerNorm and GELU outputs
   // backward scratch

@@ -35,20 +35,28 @@ struct DropoutArgs {
   std::int64_t cols_total = 0;  // 0: the view's own column count
 };
 
+// Vocabulary-parallel tables: `wte` holds rows [vocab_begin, vocab_begin + V) of a table of
+// vocab_total rows (0: V, the whole table). Tokens outside this rank's rows contribute zero, so the
+// sum over the ranks (an all-reduce or reduce-scatter) is the lookup in the whole table.
 struct EmbeddingForward {
-  TensorView out;     // [N, C] act = wte[tokens[n]] + wpe[n % T]
+  TensorView out;     // [N, C] act = wte[tokens[n] - vocab_begin] (or 0) + (positions ? wpe[n % T] : 0)
   TensorView tokens;  // [N] i32, on the backend's device
   TensorView wte;     // [V, C] act
   TensorView wpe;     // [Tmax, C] act, Tmax >= T
   int T = 0;
+  std::int64_t vocab_begin = 0;
+  std::int64_t vocab_total = 0;
+  bool positions = true;
 };
 struct EmbeddingBackward {
-  TensorView dwte;    // [V, C] f32, accumulated
+  TensorView dwte;    // [V, C] f32, accumulated (tokens of this rank's rows only)
   TensorView dwpe;    // [Tmax, C] f32, accumulated
   TensorView dout;    // [N, C] act
   TensorView tokens;  // [N] i32 on the device
   const std::int32_t* tokens_host = nullptr;  // the same N tokens on the host
   int T = 0;
+  std::int64_t vocab_begin = 0;
+  std::int64_t vocab_total = 0;
 };
 
 struct LayerNormForward {
@@ -149,6 +157,32 @@ struct CrossEntropy {
   float dloss = 1;
 };
 
+// Vocabulary-parallel cross-entropy (the logits' columns split over ranks: this rank holds columns
+// [vocab_begin, vocab_begin + V) of the padded vocabulary, of which those below vocab_real count).
+// Two steps around one all-gather of the statistics:
+//   stats:  stats[n] = {max over this rank's real columns (-inf if none), sum of exp(logit - max)
+//           over them, the target's logit if this rank holds it else 0}
+//   finish: from every rank's stats ([ranks, N, 3], in rank order) the row's logsumexp L and target
+//           logit; losses[n] = L - logit[target] (identical on every rank), logits overwritten with
+//           dlogits = (exp(logit - L) - onehot(target)) * dloss, 0 in padded columns.
+// Rows whose target is -1 are ignored: loss 0, gradient 0.
+struct CrossEntropyStats {
+  TensorView stats;    // [N, 3] f32
+  TensorView logits;   // [N, V] act
+  TensorView targets;  // [N] i32 on the device
+  std::int64_t vocab_begin = 0;
+  int vocab_real = 0;  // real (unpadded) size of the whole vocabulary
+};
+struct CrossEntropyFinish {
+  TensorView losses;     // [N] f32
+  TensorView logits;     // [N, V] act, in: logits, out: dlogits
+  TensorView targets;    // [N] i32 on the device
+  TensorView all_stats;  // [ranks, N, 3] f32
+  std::int64_t vocab_begin = 0;
+  int vocab_real = 0;
+  float dloss = 1;
+};
+
 // AdamW over flat f32 buffers (one launch for all parameters). Segments say which elements get
 // weight decay. With grad_scale s (clipping), the gradient used is s * g. Bias correction uses
 // `step` (counted from 1). Writes params (f32 master) and, if given, params_act = round(params).
@@ -205,6 +239,8 @@ class Backend {
   virtual void residual_forward(const ResidualForward& a) = 0;
   virtual void dropout_backward(const DropoutBackward& a) = 0;
   virtual void cross_entropy(const CrossEntropy& a) = 0;
+  virtual void cross_entropy_stats(const CrossEntropyStats& a) = 0;
+  virtual void cross_entropy_finish(const CrossEntropyFinish& a) = 0;
   virtual void adamw(const AdamW& a) = 0;
 
   // ---- profiling (CUDA events around each op when enabled) ----

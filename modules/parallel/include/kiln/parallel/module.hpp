@@ -18,6 +18,7 @@ struct ParallelConfig {
   int ep = 1;
   int dp = 0;
   bool sequence_parallel = false;
+  bool vocab_parallel = false;
   double timeout_s = 300;
   double dp_bucket_mb = 25;
   void validate(config::Checks& c) const {
@@ -39,6 +40,9 @@ KILN_CONFIG(ParallelConfig,
             (sequence_parallel,
              "outside the tensor-parallel regions each TP rank keeps 1/tp of the tokens (LayerNorm, dropout and "
              "residuals on sequence shards; all-gather before and reduce-scatter after each TP region)"),
+            (vocab_parallel,
+             "split the embedding table and the LM head's logits by vocabulary rows over the TP group "
+             "(vocabulary-parallel embedding and cross-entropy: the [tokens, vocabulary] logits are 1/tp per rank)"),
             (timeout_s, "a collective waiting longer than this for another rank stops the run, naming it"),
             (dp_bucket_mb,
              "data parallelism: gradients are summed in buckets of about this many MB (f32), each started on a "
@@ -51,6 +55,7 @@ struct ParallelState {
   int rank = 0;
   Coords coords;
   bool sequence_parallel = false;
+  bool vocab_parallel = false;
   int tp_size() const { return topology.sizes().tp; }
   int dp_size() const { return topology.sizes().dp; }
 };

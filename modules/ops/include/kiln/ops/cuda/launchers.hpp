@@ -30,8 +30,10 @@ std::int64_t sum_squares_partials(std::int64_t n);
 void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s);
 
 // ---- embedding ----
+// wte holds rows [vocab_begin, vocab_begin + V) of the table; other tokens contribute zero.
+// positions: add wpe[n % T].
 void embedding_forward(bf16* out, const std::int32_t* tokens, const bf16* wte, const bf16* wpe, int N, int T, int C,
-                       cudaStream_t s);
+                       std::int64_t vocab_begin, int V, bool positions, cudaStream_t s);
 // Deterministic: `order` lists the N positions sorted by token (stable), `bucket_start[u]` is where
 // unique token u's positions begin in `order` (U + 1 entries), `bucket_token[u]` its id.
 void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::int32_t* order,
@@ -71,6 +73,12 @@ void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16
 // ---- loss and optimizer ----
 void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real, float dloss,
                    cudaStream_t s);
+// Vocabulary-parallel cross-entropy (see ops::CrossEntropyStats / CrossEntropyFinish): logits hold
+// columns [begin, begin + V) of the padded vocabulary.
+void cross_entropy_stats(float* stats, const bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real,
+                         std::int64_t begin, cudaStream_t s);
+void cross_entropy_finish(float* losses, bf16* logits, const std::int32_t* targets, const float* all_stats, int R,
+                          int N, int V, int vocab_real, std::int64_t begin, float dloss, cudaStream_t s);
 struct AdamWSegmentDev {
   std::int64_t offset;
   std::int64_t count;
