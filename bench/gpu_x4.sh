@@ -6,7 +6,9 @@
 #   1.3B in each mode; the largest batch predicted from the activation memory and then run); the
 #   GPU test suites on GPU 1; tp=2 recompute with distributed saved inputs against tp=2 without, on
 #   GPUs 2 and 3.
-# usage: bash bench/gpu_x4.sh BUILD_DIR [all|ckpt]   (logs and metrics under $OUT; a summary last)
+# usage: bash bench/gpu_x4.sh BUILD_DIR [all|ckpt|vocab]   (logs and metrics under $OUT; a summary last)
+#   vocab: the CUDA op and model test suites, then tensor parallel on GPUs 0-1 with and without
+#   vocabulary parallelism against one GPU (gpt2-124m and gpt-1.3b); runs on an x2 machine too.
 #   ckpt: only the activation checkpointing runs, one at a time (timings free of neighbours), then the
 #   largest-batch runs spread over the four GPUs, then the tp=2 recompute runs.
 set -uo pipefail
@@ -45,6 +47,21 @@ run dp2-nobucket 0,1 24 "${small[@]}" --nproc 2 --set train.batch_size=32 --set 
 run tp4 0,1,2,3 24 "${small[@]}" --nproc 4 --set parallel.tp=4
 fi
 echo "phase A: $(( $(date +%s) - t0 )) s" >> "$LOG"
+
+if [ "$WHAT" = vocab ]; then
+  for t in test_cuda_ops test_gpu_model; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 "$B/bin/$t" > "$OUT/$t.log" 2>&1
+    echo "$t rc=$?" >> "$OUT/$t.log"
+  done
+  run one 0 24 "${small[@]}"
+  run tp2 0,1 24 "${small[@]}" --nproc 2 --set parallel.tp=2
+  run tp2-vp 0,1 24 "${small[@]}" --nproc 2 --set parallel.tp=2 --set parallel.vocab_parallel=true
+  run tp2-vp-sp 0,1 24 "${small[@]}" --nproc 2 --set parallel.tp=2 --set parallel.vocab_parallel=true \
+    --set parallel.sequence_parallel=true
+  run 1.3b-one 0 10 "${big[@]}"
+  run 1.3b-tp2 0,1 10 "${big[@]}" --nproc 2 --set parallel.tp=2
+  run 1.3b-tp2-vp 0,1 10 "${big[@]}" --nproc 2 --set parallel.tp=2 --set parallel.vocab_parallel=true
+fi
 
 # ---- Phase B
 t0=$(date +%s)
@@ -100,7 +117,9 @@ dist() {
   run tp2-drop-attn-dist 2,3 12 "${small[@]}" "${d[@]}" --set activation_checkpoint.mode=selective \
     --set activation_checkpoint.distribute_saved_activations=true
 }
-if [ "$WHAT" = all ]; then
+if [ "$WHAT" = vocab ]; then
+  :
+elif [ "$WHAT" = all ]; then
   (ckpt; maxbatch 124m 0 0; maxbatch 124m 1 0; maxbatch 124m 2 0; maxbatch 124m 3 0
    maxbatch 1.3b 0 0; maxbatch 1.3b 1 0; maxbatch 1.3b 2 0; maxbatch 1.3b 3 0) & p1=$!
   tests & p2=$!
@@ -137,10 +156,14 @@ for n, g, base in [("one", 1, None), ("dp2", 2, None), ("dp2-nobucket", 2, None)
                    ("ck-124m-none", 1, None), ("ck-124m-attn", 1, "ck-124m-none"), ("ck-124m-mlp", 1, "ck-124m-none"),
                    ("ck-124m-full", 1, "ck-124m-none"), ("ck-1.3b-none", 1, None), ("ck-1.3b-attn", 1, "ck-1.3b-none"),
                    ("ck-1.3b-mlp", 1, "ck-1.3b-none"), ("ck-1.3b-full", 1, "ck-1.3b-none"),
-                   ("tp2-drop", 2, None), ("tp2-drop-full-dist", 2, "tp2-drop"), ("tp2-drop-attn-dist", 2, "tp2-drop")]:
+                   ("tp2-drop", 2, None), ("tp2-drop-full-dist", 2, "tp2-drop"), ("tp2-drop-attn-dist", 2, "tp2-drop"),
+                   ("tp2", 2, "one"), ("tp2-vp", 2, "one"), ("tp2-vp-sp", 2, "one"), ("1.3b-one", 1, None),
+                   ("1.3b-tp2", 2, "1.3b-one"), ("1.3b-tp2-vp", 2, "1.3b-one")]:
     r = rows(n)
     if not r:
-        print(f"{n:<22} (no metrics) {text(n)[-300:]!r}"); continue
+        if text(n):
+            print(f"{n:<22} (no metrics) {text(n)[-300:]!r}")
+        continue
     tps, ms = med(n, "tokens_per_s"), med(n, "step_ms")
     d = "-"
     if base and rows(base):
@@ -151,11 +174,13 @@ for n in sorted(p.stem for p in out.glob("max-*.log")):
     ok = "rc=0" in t
     m = re.search(r"predicted max batch (\d+)", t)
     print(f"{n:<22} batch {m.group(1) if m else '?':>4}: {'fits' if ok else 'FAILED'}, peak {mem(n)} GiB")
-for t in ["test_gpu_checkpoint", "test_gpu_model", "test_cuda_fp8"]:
+for t in ["test_gpu_checkpoint", "test_gpu_model", "test_cuda_fp8", "test_cuda_ops"]:
     m = re.findall(r"\[doctest\] test cases.*", text(t))
-    print(f"{t}: {m[-1] if m else 'no result'}")
+    if text(t):
+        print(f"{t}: {m[-1] if m else 'no result'}")
 c = text("collectives4")
-print("collectives (4 GPUs):"); print("\n".join(c.strip().splitlines()[-16:]))
+if c:
+    print("collectives (4 GPUs):"); print("\n".join(c.strip().splitlines()[-16:]))
 PY
 # The device returns at most 8 files: fold the logs into one.
 for f in "$OUT"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done >> "$LOG"
