@@ -7,6 +7,7 @@
 #include "kiln/ops/backend.hpp"
 #include "kiln/parallel/launch.hpp"
 #include "kiln/parallel/module.hpp"
+#include "kiln/parallel/mpi_bootstrap.hpp"
 #include "kiln/parallel/rendezvous.hpp"
 #ifdef KILN_WITH_CUDA
 #include "kiln/parallel/nccl.hpp"
@@ -36,9 +37,18 @@ int run_as_rank(const parallel::LaunchEnv& env, LoadedPipeline& p) {
 #ifdef KILN_WITH_CUDA
   parallel::use_device(env.local_rank);
   const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_of(p) * 1000));
-  auto rendezvous = std::make_shared<parallel::Rendezvous>(
-      env.master_addr, env.master_port, env.rank, env.world,
-      env.rank == 0 ? parallel::NcclWorld::make_unique_id() : std::string(), timeout);
+  const std::string id = env.rank == 0 ? parallel::NcclWorld::make_unique_id() : std::string();
+  std::shared_ptr<parallel::Rendezvous> rendezvous;
+  if (env.launcher == "mpirun") {  // the id (and where to meet) through MPI_Bcast
+    std::string why_not;
+    rendezvous = parallel::mpi_rendezvous(env, id, timeout, &why_not);
+    if (!rendezvous && env.rank == 0)
+      std::cerr << "kiln: launched by MPI, but " << why_not << "; using the TCP rendezvous at MASTER_ADDR "
+                << env.master_addr << ":" << env.master_port << "\n";
+  }
+  if (!rendezvous)
+    rendezvous = std::make_shared<parallel::Rendezvous>(env.master_addr, env.master_port, env.rank, env.world, id,
+                                                        timeout);
   auto nccl = std::make_shared<parallel::NcclWorld>(env.rank, env.world, env.local_rank, rendezvous, timeout);
   {
     World world;
