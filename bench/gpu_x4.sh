@@ -9,6 +9,8 @@
 # usage: bash bench/gpu_x4.sh BUILD_DIR [all|ckpt|vocab]   (logs and metrics under $OUT; a summary last)
 #   vocab: the CUDA op and model test suites, then tensor parallel on GPUs 0-1 with and without
 #   vocabulary parallelism against one GPU (gpt2-124m and gpt-1.3b); runs on an x2 machine too.
+#   equiv: gpt2-124m with the same global batch (16) on 1 GPU and as DP=2, DP=4, TP=2 x DP=2 (losses
+#   and gradient norms compared step by step); then a 2-rank job under mpirun (MPI bootstrap).
 #   ckpt: only the activation checkpointing runs, one at a time (timings free of neighbours), then the
 #   largest-batch runs spread over the four GPUs, then the tp=2 recompute runs.
 set -uo pipefail
@@ -61,6 +63,29 @@ if [ "$WHAT" = vocab ]; then
   run 1.3b-one 0 10 "${big[@]}"
   run 1.3b-tp2 0,1 10 "${big[@]}" --nproc 2 --set parallel.tp=2
   run 1.3b-tp2-vp 0,1 10 "${big[@]}" --nproc 2 --set parallel.tp=2 --set parallel.vocab_parallel=true
+fi
+
+if [ "$WHAT" = equiv ]; then
+  run one 0 24 "${small[@]}"
+  run eq-dp2 0,1 24 "${small[@]}" --nproc 2
+  run eq-dp4 0,1,2,3 24 "${small[@]}" --nproc 4
+  run eq-tp2dp2 0,1,2,3 24 "${small[@]}" --nproc 4 --set parallel.tp=2
+  run eq-tp2dp2-vp 0,1,2,3 24 "${small[@]}" --nproc 4 --set parallel.tp=2 --set parallel.vocab_parallel=true
+  # MPI: the plugin built against this machine's MPI when it has mpicxx, else the packaged one.
+  plugin="$PWD/$B/lib/libkiln_mpi_bootstrap.so"
+  if command -v mpicxx > /dev/null; then
+    mpicxx -shared -fPIC -O2 modules/parallel/mpi/kiln_mpi_bootstrap.cpp -o /tmp/libkiln_mpi_bootstrap.so \
+      > "$OUT/mpi-build.log" 2>&1 && plugin=/tmp/libkiln_mpi_bootstrap.so
+  fi
+  { echo "mpirun: $(command -v mpirun) $(mpirun --version 2>&1 | head -1); plugin $plugin"; } > "$OUT/mpi.log"
+  mpi_args=(-np 2)
+  if mpirun --version 2>&1 | grep -q "Open MPI"; then
+    mpi_args+=(--allow-run-as-root -x LD_LIBRARY_PATH -x KILN_MPI_BOOTSTRAP -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES)
+  fi
+  (unset MASTER_ADDR MASTER_PORT; export CUDA_VISIBLE_DEVICES=0,1 KILN_MPI_BOOTSTRAP=$plugin
+   timeout 120 mpirun "${mpi_args[@]}" "$K" run "${small[@]}" --set train.steps=12 --set log.metrics="$OUT/mpi2.jsonl") \
+    >> "$OUT/mpi.log" 2>&1
+  echo "mpirun rc=$?" >> "$OUT/mpi.log"
 fi
 
 # ---- Phase B
@@ -117,7 +142,7 @@ dist() {
   run tp2-drop-attn-dist 2,3 12 "${small[@]}" "${d[@]}" --set activation_checkpoint.mode=selective \
     --set activation_checkpoint.distribute_saved_activations=true
 }
-if [ "$WHAT" = vocab ]; then
+if [ "$WHAT" = vocab ] || [ "$WHAT" = equiv ]; then
   :
 elif [ "$WHAT" = all ]; then
   (ckpt; maxbatch 124m 0 0; maxbatch 124m 1 0; maxbatch 124m 2 0; maxbatch 124m 3 0
@@ -158,7 +183,9 @@ for n, g, base in [("one", 1, None), ("dp2", 2, None), ("dp2-nobucket", 2, None)
                    ("ck-1.3b-mlp", 1, "ck-1.3b-none"), ("ck-1.3b-full", 1, "ck-1.3b-none"),
                    ("tp2-drop", 2, None), ("tp2-drop-full-dist", 2, "tp2-drop"), ("tp2-drop-attn-dist", 2, "tp2-drop"),
                    ("tp2", 2, "one"), ("tp2-vp", 2, "one"), ("tp2-vp-sp", 2, "one"), ("1.3b-one", 1, None),
-                   ("1.3b-tp2", 2, "1.3b-one"), ("1.3b-tp2-vp", 2, "1.3b-one")]:
+                   ("1.3b-tp2", 2, "1.3b-one"), ("1.3b-tp2-vp", 2, "1.3b-one"),
+                   ("eq-dp2", 2, "one"), ("eq-dp4", 4, "one"), ("eq-tp2dp2", 4, "one"), ("eq-tp2dp2-vp", 4, "one"),
+                   ("mpi2", 2, "one")]:
     r = rows(n)
     if not r:
         if text(n):
@@ -168,6 +195,8 @@ for n, g, base in [("one", 1, None), ("dp2", 2, None), ("dp2-nobucket", 2, None)
     d = "-"
     if base and rows(base):
         d = f"{max(abs(a['loss'] - b['loss']) / b['loss'] for a, b in zip(r, rows(base))):.2e}"
+        if n.startswith("eq-"):
+            d += f" norm {max(abs(a['grad_norm'] - b['grad_norm']) / b['grad_norm'] for a, b in zip(r, rows(base))):.1e}"
     print(f"{n:<22} {tps:>10,.0f} {tps / g:>9,.0f} {ms:>8.2f} {mem(n):>6} {act(n):>7} {d:>14}")
 for n in sorted(p.stem for p in out.glob("max-*.log")):
     t = text(n)
@@ -178,6 +207,8 @@ for t in ["test_gpu_checkpoint", "test_gpu_model", "test_cuda_fp8", "test_cuda_o
     m = re.findall(r"\[doctest\] test cases.*", text(t))
     if text(t):
         print(f"{t}: {m[-1] if m else 'no result'}")
+if text("mpi"):
+    print("mpi:", " | ".join(l for l in text("mpi").splitlines() if l.startswith(("mpirun", "kiln:", "done", "step 12"))))
 c = text("collectives4")
 if c:
     print("collectives (4 GPUs):"); print("\n".join(c.strip().splitlines()[-16:]))
