@@ -9,6 +9,8 @@
 # usage: bash bench/gpu_x4.sh BUILD_DIR [all|ckpt|vocab]   (logs and metrics under $OUT; a summary last)
 #   vocab: the CUDA op and model test suites, then tensor parallel on GPUs 0-1 with and without
 #   vocabulary parallelism against one GPU (gpt2-124m and gpt-1.3b); runs on an x2 machine too.
+#   tune: the CUDA op suite, then gpt2-124m and gpt-1.3b on one GPU with and without
+#   backend.gemm_autotune (kind nvidia-h200 is enough).
 #   equiv: gpt2-124m with the same global batch (16) on 1 GPU and as DP=2, DP=4, TP=2 x DP=2 (losses
 #   and gradient norms compared step by step); then a 2-rank job under mpirun (MPI bootstrap).
 #   ckpt: only the activation checkpointing runs, one at a time (timings free of neighbours), then the
@@ -63,6 +65,15 @@ if [ "$WHAT" = vocab ]; then
   run 1.3b-one 0 10 "${big[@]}"
   run 1.3b-tp2 0,1 10 "${big[@]}" --nproc 2 --set parallel.tp=2
   run 1.3b-tp2-vp 0,1 10 "${big[@]}" --nproc 2 --set parallel.tp=2 --set parallel.vocab_parallel=true
+fi
+
+if [ "$WHAT" = tune ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 150 "$B/bin/test_cuda_ops" > "$OUT/test_cuda_ops.log" 2>&1
+  echo "test_cuda_ops rc=$?" >> "$OUT/test_cuda_ops.log"
+  run one 0 30 "${small[@]}"
+  run one-tuned 0 30 "${small[@]}" --set backend.gemm_autotune=true
+  run 1.3b-one 0 12 "${big[@]}"
+  run 1.3b-tuned 0 12 "${big[@]}" --set backend.gemm_autotune=true
 fi
 
 if [ "$WHAT" = equiv ]; then
@@ -142,7 +153,7 @@ dist() {
   run tp2-drop-attn-dist 2,3 12 "${small[@]}" "${d[@]}" --set activation_checkpoint.mode=selective \
     --set activation_checkpoint.distribute_saved_activations=true
 }
-if [ "$WHAT" = vocab ] || [ "$WHAT" = equiv ]; then
+if [ "$WHAT" = vocab ] || [ "$WHAT" = equiv ] || [ "$WHAT" = tune ]; then
   :
 elif [ "$WHAT" = all ]; then
   (ckpt; maxbatch 124m 0 0; maxbatch 124m 1 0; maxbatch 124m 2 0; maxbatch 124m 3 0
@@ -185,7 +196,7 @@ for n, g, base in [("one", 1, None), ("dp2", 2, None), ("dp2-nobucket", 2, None)
                    ("tp2", 2, "one"), ("tp2-vp", 2, "one"), ("tp2-vp-sp", 2, "one"), ("1.3b-one", 1, None),
                    ("1.3b-tp2", 2, "1.3b-one"), ("1.3b-tp2-vp", 2, "1.3b-one"),
                    ("eq-dp2", 2, "one"), ("eq-dp4", 4, "one"), ("eq-tp2dp2", 4, "one"), ("eq-tp2dp2-vp", 4, "one"),
-                   ("mpi2", 2, "one")]:
+                   ("mpi2", 2, "one"), ("one-tuned", 1, "one"), ("1.3b-tuned", 1, "1.3b-one")]:
     r = rows(n)
     if not r:
         if text(n):

@@ -112,6 +112,29 @@ TEST_CASE("cuda linear_forward matches the CPU: no bias, bias, GELU epilogue") {
   }
 }
 
+TEST_CASE("cuda GEMM autotune: the timed algorithm choice writes the real outputs, matching the CPU") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  p.gpu = ops::make_cuda_backend(0, {.gemm_autotune = true});
+  const int N = 1024, IC = 768, OC = 3072;
+  auto x = act(p, {N, IC}, 14);
+  auto w = act(p, {OC, IC}, 15, 0.05f);
+  auto bias = act(p, {OC}, 16, 0.5f);
+  auto out = poisoned(p, Kind::act, {N, OC});
+  auto pre = poisoned(p, Kind::act, {N, OC});
+  on_both(p, [&](const Side& s) { s.b().linear_forward({s(out), s(pre), s(x), s(w), s(bias)}); });
+  KILN_CHECK_CLOSE(pre, 1e-2);
+  KILN_CHECK_CLOSE(out, 1e-2);
+  auto dout = act(p, {N, OC}, 17, 0.1f);
+  auto dx = poisoned(p, Kind::act, {N, IC});
+  auto dw = f32(p, {OC, IC}, 18);  // accumulated onto: the tuning runs must not touch it
+  auto db = f32(p, {OC}, 19);
+  on_both(p, [&](const Side& s) { s.b().linear_backward({s(dx), s(dw), s(db), s(dout), s(x), s(w), {}}); });
+  KILN_CHECK_CLOSE(dx, 1e-2);
+  KILN_CHECK_CLOSE(dw, 1e-3);
+  KILN_CHECK_CLOSE(db, 1e-3);
+}
+
 TEST_CASE("cuda linear_backward matches the CPU: dx, dx with dgelu, dweight and dbias accumulated") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);

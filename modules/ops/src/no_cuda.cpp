@@ -5,7 +5,7 @@ namespace kiln::ops {
 
 bool cuda_available() { return false; }
 
-std::unique_ptr<Backend> make_cuda_backend(int) {
+std::unique_ptr<Backend> make_cuda_backend(int, const CudaOptions&) {
   KILN_THROW("this kiln was built without CUDA (nvcc was not found at build time)");
 }
 

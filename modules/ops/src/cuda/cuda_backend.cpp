@@ -18,9 +18,11 @@ bool cuda_available() {
   return n > 0;
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device_index) {
+std::unique_ptr<Backend> make_cuda_backend(int device_index, const CudaOptions& options) {
   if (!cuda_available()) KILN_THROW("no CUDA device is visible (engine.device = \"cuda\" needs a GPU)");
-  return std::make_unique<cuda_impl::CudaBackend>(device_index);
+  auto b = std::make_unique<cuda_impl::CudaBackend>(device_index);
+  b->set_gemm_autotune(options.gemm_autotune);
+  return b;
 }
 
 namespace cuda_impl {

@@ -64,7 +64,7 @@ GemmRunner::GemmRunner(cublasLtHandle_t handle, void* workspace, std::size_t wor
 
 GemmRunner::~GemmRunner() = default;
 
-GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g) {
+GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g, cudaStream_t stream) {
   const int align = std::min({alignment_of(g.A), alignment_of(g.B), alignment_of(g.D), alignment_of(g.bias),
                         alignment_of(g.aux)});
   // Key: the epilogue, whether there is a bias, and the alignment class (16 or less).
@@ -117,10 +117,12 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g) {
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a32);
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, a32);
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, a32);
-  cublasLtMatmulHeuristicResult_t result{};
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p->op, p->a, p->b, p->d, p->d, pref.p, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p->op, p->a, p->b, p->d, p->d, pref.p,
+                                                           autotune_ ? kCandidates : 1, results, &found);
+  const cublasLtMatmulHeuristicResult_t& result = results[0];
   if (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
     if (g.epilogue != Epilogue::none) {  // run the epilogue unfused instead
       p->release();
@@ -134,7 +136,54 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g) {
                workspace_bytes_, " bytes): ", why);
   }
   p->algo = result.algo;
+  if (autotune_ && found > 1) p->algo = results[fastest(*p, g, results, found, stream)].algo;
   return *plans_.emplace(key, std::move(p)).first->second;
+}
+
+int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristicResult_t* results, int n,
+                        cudaStream_t stream) {
+  // Scratch output (and aux, when the epilogue writes it), so the real tensors are untouched.
+  const std::size_t d_bytes = static_cast<std::size_t>(g.M) * g.N * (g.d_f32 ? 4 : 2);
+  const bool writes_aux = g.epilogue == Epilogue::gelu_aux_bias;
+  const std::size_t aux_bytes = writes_aux ? static_cast<std::size_t>(g.M) * g.N * 2 : 0;
+  void* scratch = nullptr;
+  KILN_CUDA_CHECK(cudaMalloc(&scratch, d_bytes + aux_bytes + 256));
+  KILN_CUDA_CHECK(cudaMemsetAsync(scratch, 0, d_bytes + aux_bytes + 256, stream));
+  void* d = scratch;
+  void* aux = writes_aux ? static_cast<void*>(static_cast<char*>(scratch) + (d_bytes + 255) / 256 * 256)
+                         : static_cast<void*>(g.aux);
+  if (g.bias) set_attr(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(g.bias));
+  if (uses_aux(g.epilogue)) set_attr(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  KILN_CUDA_CHECK(cudaEventCreate(&start));
+  KILN_CUDA_CHECK(cudaEventCreate(&stop));
+  const float alpha = g.alpha, beta = g.accumulate ? 1.0f : 0.0f;
+  auto launch = [&](const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(handle_, p.op, &alpha, g.B, p.a, g.A, p.b, &beta, d, p.d, d, p.d, &algo, workspace_,
+                          workspace_bytes_, stream);
+  };
+  int best = -1;
+  float best_ms = 0;
+  for (int i = 0; i < n; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS || launch(results[i].algo) != CUBLAS_STATUS_SUCCESS) continue;
+    KILN_CUDA_CHECK(cudaEventRecord(start, stream));
+    constexpr int kRuns = 3;
+    bool ok = true;
+    for (int r = 0; r < kRuns && ok; ++r) ok = launch(results[i].algo) == CUBLAS_STATUS_SUCCESS;
+    KILN_CUDA_CHECK(cudaEventRecord(stop, stream));
+    KILN_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (ok && (best < 0 || ms < best_ms)) {
+      best = i;
+      best_ms = ms;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KILN_CUDA_CHECK(cudaFree(scratch));
+  return best < 0 ? 0 : best;
 }
 
 void GemmRunner::run(const GemmDesc& desc, cudaStream_t stream) {
@@ -152,7 +201,7 @@ void GemmRunner::run(const GemmDesc& desc, cudaStream_t stream) {
   KILN_CHECK(alignment_of(g.A) >= 2 && alignment_of(g.B) >= 2 && alignment_of(g.D) >= (g.d_f32 ? 4 : 2),
              shape_of(g), ": misaligned operand");
 
-  Plan& p = plan(g);
+  Plan& p = plan(g, stream);
   if (!p.fused) {
     // Unfused: a plain GEMM (with the bias fused where possible), then an elementwise kernel.
     GemmDesc plain = g;

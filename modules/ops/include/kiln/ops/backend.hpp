@@ -268,6 +268,9 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options = {});
 // Whether this build has CUDA and a GPU is visible.
 bool cuda_available();
 // The CUDA backend on device `device_index` (throws if unavailable).
-std::unique_ptr<Backend> make_cuda_backend(int device_index = 0);
+struct CudaOptions {
+  bool gemm_autotune = false;  // time cuBLASLt's candidate algorithms per GEMM shape (see GemmRunner)
+};
+std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, const CudaOptions& options = {});
 
 }  // namespace kiln::ops

@@ -13,12 +13,16 @@ struct BackendConfig {
   bool cpu_round_bf16 = false;
   bool profile = false;
   int cuda_device = -1;
+  bool gemm_autotune = false;
 };
 KILN_CONFIG(BackendConfig,
             (cpu_threads, "CPU backend threads per rank; 0 = hardware threads / local ranks"),
             (cpu_round_bf16, "CPU backend: round activations to bf16 where the CUDA backend stores bf16"),
             (profile, "time every op with CUDA events (or host clocks) and print a breakdown at the end"),
-            (cuda_device, "GPU index; -1 = the rank's local rank"))
+            (cuda_device, "GPU index; -1 = the rank's local rank"),
+            (gemm_autotune,
+             "CUDA: time up to 8 cuBLASLt algorithms per GEMM shape at its first use and keep the fastest "
+             "(false: cuBLASLt's heuristic choice; with true, results may differ bitwise between processes)"))
 
 // World resource: the backend every module computes with.
 struct ActiveBackend {

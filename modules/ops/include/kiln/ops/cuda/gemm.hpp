@@ -1,6 +1,7 @@
 #pragma once
 // bf16 GEMMs through cuBLASLt, row-major in kiln's terms. Plans (layouts, epilogue, heuristic
-// algorithm) are cached per shape. Deterministic: the algorithm for a shape never changes.
+// algorithm) are cached per shape. Deterministic: the algorithm for a shape never changes (with
+// autotune, within a process).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -43,11 +44,18 @@ class GemmRunner {
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;
   void run(const GemmDesc& g, cudaStream_t stream);
+  // Autotune: at a shape's first use, time up to 8 of the heuristic's algorithms on scratch output
+  // and keep the fastest (off: the heuristic's first). The choice then never changes in this
+  // process, but it may differ between processes, so runs are bitwise reproducible only without it.
+  void set_autotune(bool on) { autotune_ = on; }
 
  private:
   struct Plan;
   using Key = std::tuple<int, int, int, bool, bool, bool, bool, int>;
-  Plan& plan(const GemmDesc& g);
+  Plan& plan(const GemmDesc& g, cudaStream_t stream);
+  // Times the candidates of plan p for g on scratch output; returns the fastest's index.
+  int fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristicResult_t* results, int n, cudaStream_t stream);
+  bool autotune_ = false;
   cublasLtHandle_t handle_;
   void* workspace_;
   std::size_t workspace_bytes_;
