@@ -5,6 +5,24 @@
 
 namespace kiln::ops::cpu {
 
+namespace {
+// Overwrites a row of logits with (softmax - onehot(t)) * dloss over its first Vr columns, given
+// the row's logsumexp, and zeros in the padded columns; t < 0 or >= Vr: no onehot in this row.
+template <class Store>
+void write_grad(float* row, std::int64_t V, std::int64_t Vr, std::int64_t t, float lse, float dloss, Store store) {
+  for (std::int64_t v = 0; v < Vr; ++v) {
+    const float prob = std::exp(row[v] - lse);
+    row[v] = store((prob - (v == t ? 1.0f : 0.0f)) * dloss);
+  }
+  for (std::int64_t v = Vr; v < V; ++v) row[v] = 0;
+}
+// An ignored row (target -1): loss 0, gradient 0.
+void ignore_row(float* row, std::int64_t V, float& loss) {
+  loss = 0;
+  for (std::int64_t v = 0; v < V; ++v) row[v] = 0;
+}
+}  // namespace
+
 void CpuBackend::cross_entropy(const CrossEntropy& a) {
   Timer timer(*this, "cross_entropy");
   const std::int64_t N = a.logits.size(0), V = a.logits.size(1);
@@ -23,8 +41,7 @@ void CpuBackend::cross_entropy(const CrossEntropy& a) {
     float* row = logits + n * V;
     const int t = targets[n];
     if (t < 0) {
-      losses[n] = 0;
-      for (std::int64_t v = 0; v < V; ++v) row[v] = 0;
+      ignore_row(row, V, losses[n]);
       continue;
     }
     float mx = -INFINITY;
@@ -33,17 +50,10 @@ void CpuBackend::cross_entropy(const CrossEntropy& a) {
     for (std::int64_t v = 0; v < Vr; ++v) sum += std::exp(row[v] - mx);
     const float lse = mx + std::log(sum);
     losses[n] = lse - row[t];
-    for (std::int64_t v = 0; v < Vr; ++v) {
-      float prob = std::exp(row[v] - lse);
-      row[v] = store((prob - (v == t ? 1.0f : 0.0f)) * a.dloss);
-    }
-    for (std::int64_t v = Vr; v < V; ++v) row[v] = 0;
+    write_grad(row, V, Vr, t, lse, a.dloss, [this](float x) { return store(x); });
   }
 }
 
-}  // namespace kiln::ops::cpu
-
-namespace kiln::ops::cpu {
 
 void CpuBackend::cross_entropy_stats(const CrossEntropyStats& a) {
   Timer timer(*this, "cross_entropy_stats");
@@ -94,8 +104,7 @@ void CpuBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
     float* row = logits + n * V;
     const int t = targets[n];
     if (t < 0) {
-      losses[n] = 0;
-      for (std::int64_t v = 0; v < V; ++v) row[v] = 0;
+      ignore_row(row, V, losses[n]);
       continue;
     }
     // Every rank combines the ranks' statistics in rank order: identical bits everywhere.
@@ -109,12 +118,7 @@ void CpuBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
     }
     const float lse = mx + std::log(sum);
     losses[n] = lse - target;
-    const std::int64_t tl = t - a.vocab_begin;
-    for (std::int64_t v = 0; v < Vr; ++v) {
-      float prob = std::exp(row[v] - lse);
-      row[v] = store((prob - (v == tl ? 1.0f : 0.0f)) * a.dloss);
-    }
-    for (std::int64_t v = Vr; v < V; ++v) row[v] = 0;
+    write_grad(row, V, Vr, t - a.vocab_begin, lse, a.dloss, [this](float x) { return store(x); });
   }
 }
 
