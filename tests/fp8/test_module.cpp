@@ -15,6 +15,7 @@
 #include "kiln/fp8/module.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/ops/linear_impl.hpp"
+#include "kiln/ops/module.hpp"
 #include "kiln/parallel/launch.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
@@ -191,4 +192,22 @@ TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 run's loss (delaye
   CHECK(std::fabs(c - r) / r < 0.02);
   // FP8 does change the numbers.
   CHECK(delayed != ref);
+}
+
+TEST_CASE("with backend.profile, the FP8 kernels appear in the per-op breakdown") {
+  test::Pipeline p(kTiny, {"fp8.enabled=true", "backend.profile=true"});
+  p.run();
+  std::map<std::string, std::int64_t> calls;
+  for (auto& t : p.world->resource<ops::ActiveBackend>().get().op_times()) calls[t.op] = t.calls;
+  // Steps 2 and 3 (the first is left out): 12 FP8 linears, each with a forward GEMM (3 with the GELU
+  // epilogue) and, in the backward pass, a data-gradient and a weight-gradient GEMM.
+  CHECK(calls["fp8_gemm_forward"] + calls["fp8_gemm_forward_gelu"] == 2 * 12);
+  CHECK(calls["fp8_gemm_forward_gelu"] == 2 * 3);
+  CHECK(calls["fp8_gemm_wgrad"] == 2 * 12);
+  CHECK(calls["fp8_gemm_dgrad"] == 2 * 12);
+  CHECK(calls["fp8_quantize_rowwise"] == 2 * 12);  // the inputs in the forward pass
+  CHECK(calls["fp8_quantize_both"] == 2 * 24);     // the output gradients, and the weights once per step
+  CHECK(calls["fp8_quantize_colwise"] == 2 * 12);  // the inputs again, transposed, for the weight gradient
+  CHECK(calls["fp8_scale_update"] == 2);
+  CHECK(calls["linear_forward"] > 0);  // the LM head stays in bf16
 }

@@ -14,6 +14,7 @@
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
+#include "profiled_ops.hpp"
 
 namespace kiln::fp8 {
 
@@ -25,12 +26,18 @@ bool is_block_role(const std::string& role) {
 
 std::unique_ptr<Fp8Ops> make_ops(World& w) {
   auto& be = w.resource<ops::ActiveBackend>().get();
-  if (be.device() == Device::cuda) return make_cuda_ops(be.stream());
-  // The same threads and bf16 rounding as the CPU backend.
   const auto& bc = w.resource<ops::BackendConfig>();
-  const int local = std::max(1, w.resource<RankInfo>().local_world_size);
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return make_cpu_ops({.round_bf16 = bc.cpu_round_bf16, .threads = bc.cpu_threads > 0 ? bc.cpu_threads : std::max(1, hw / local)});
+  std::unique_ptr<Fp8Ops> ops;
+  if (be.device() == Device::cuda) {
+    ops = make_cuda_ops(be.stream());
+  } else {  // the same threads and bf16 rounding as the CPU backend
+    const int local = std::max(1, w.resource<RankInfo>().local_world_size);
+    const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    ops = make_cpu_ops(
+        {.round_bf16 = bc.cpu_round_bf16, .threads = bc.cpu_threads > 0 ? bc.cpu_threads : std::max(1, hw / local)});
+  }
+  // With backend.profile the FP8 kernels appear in the per-op breakdown.
+  return bc.profile ? make_profiled_ops(std::move(ops), be) : std::move(ops);
 }
 
 parallel::Communicator* amax_communicator(World& w, AmaxGroup g) {

@@ -86,6 +86,22 @@ void CpuBackend::fill(const TensorView& dst, float value) {
   std::fill_n(dst.as<float>(), dst.numel(), value);
 }
 
+int CpuBackend::begin_op(const char* op) {
+  if (!profiling_) return -1;
+  open_.push_back({op, std::chrono::steady_clock::now()});
+  return static_cast<int>(open_.size()) - 1;
+}
+
+void CpuBackend::end_op(int token) {
+  if (token < 0 || token >= static_cast<int>(open_.size())) return;
+  const Open o = open_[static_cast<std::size_t>(token)];
+  auto& t = times_[o.op];
+  t.op = o.op;
+  t.ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - o.t0).count();
+  ++t.calls;
+  if (token == static_cast<int>(open_.size()) - 1) open_.pop_back();  // ops nest: the last begun ends first
+}
+
 std::vector<Backend::OpTime> CpuBackend::op_times() {
   std::vector<OpTime> out;
   for (auto& [_, t] : times_) out.push_back(t);

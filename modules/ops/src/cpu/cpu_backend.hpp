@@ -43,6 +43,8 @@ class CpuBackend final : public Backend {
   void adamw(const AdamW& a) override;
 
   void set_profiling(bool on) override { profiling_ = on; }
+  int begin_op(const char* op) override;
+  void end_op(int token) override;
   std::vector<OpTime> op_times() override;
   void reset_op_times() override { times_.clear(); }
   void* stream() const override { return nullptr; }
@@ -56,20 +58,18 @@ class CpuBackend final : public Backend {
   // Times one op while profiling.
   class Timer {
    public:
-    Timer(CpuBackend& b, const char* op) : b_(b), op_(op), t0_(std::chrono::steady_clock::now()) {}
-    ~Timer() {
-      if (!b_.profiling_) return;
-      auto& t = b_.times_[op_];
-      t.op = op_;
-      t.ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
-      ++t.calls;
-    }
+    Timer(CpuBackend& b, const char* op) : b_(b), token_(b.begin_op(op)) {}
+    ~Timer() { b_.end_op(token_); }
 
    private:
     CpuBackend& b_;
-    const char* op_;
-    std::chrono::steady_clock::time_point t0_;
+    int token_;
   };
+  struct Open {
+    const char* op;
+    std::chrono::steady_clock::time_point t0;
+  };
+  std::vector<Open> open_;  // ops begun and not ended, by token
 
   bool round_;
   int threads_;

@@ -82,26 +82,26 @@ CudaBackend::~CudaBackend() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-CudaBackend::Timer::Timer(CudaBackend& b, const char* op) : b_(b) {
-  if (!b_.profiling_) return;
+int CudaBackend::begin_op(const char* op) {
+  if (!profiling_) return -1;
   auto take = [&] {
-    if (b_.event_pool_.empty()) {
+    if (event_pool_.empty()) {
       cudaEvent_t e;
       KILN_CUDA_CHECK(cudaEventCreate(&e));
       return e;
     }
-    auto e = b_.event_pool_.back();
-    b_.event_pool_.pop_back();
+    auto e = event_pool_.back();
+    event_pool_.pop_back();
     return e;
   };
   Pending p{op, take(), take()};
-  KILN_CUDA_CHECK(cudaEventRecord(p.start, b_.stream_));
-  index_ = static_cast<int>(b_.pending_.size());
-  b_.pending_.push_back(p);
+  KILN_CUDA_CHECK(cudaEventRecord(p.start, stream_));
+  pending_.push_back(p);
+  return static_cast<int>(pending_.size()) - 1;
 }
 
-CudaBackend::Timer::~Timer() {
-  if (index_ >= 0) cudaEventRecord(b_.pending_[index_].end, b_.stream_);
+void CudaBackend::end_op(int token) {
+  if (token >= 0 && token < static_cast<int>(pending_.size())) cudaEventRecord(pending_[token].end, stream_);
 }
 
 std::vector<Backend::OpTime> CudaBackend::op_times() {

@@ -51,6 +51,8 @@ class CudaBackend final : public Backend {
   void adamw(const AdamW& a) override;
 
   void set_profiling(bool on) override { profiling_ = on; }
+  int begin_op(const char* op) override;
+  void end_op(int token) override;
   std::vector<OpTime> op_times() override;
   void reset_op_times() override;
   void* stream() const override { return stream_; }
@@ -60,8 +62,8 @@ class CudaBackend final : public Backend {
   // Records CUDA events around one op while profiling.
   class Timer {
    public:
-    Timer(CudaBackend& b, const char* op);
-    ~Timer();
+    Timer(CudaBackend& b, const char* op) : b_(b), index_(b.begin_op(op)) {}
+    ~Timer() { b_.end_op(index_); }
 
    private:
     CudaBackend& b_;

@@ -250,6 +250,11 @@ class Backend {
     std::int64_t calls = 0;
   };
   virtual void set_profiling(bool on) = 0;
+  // Times work a module queues itself on the compute stream (e.g. the fp8 module's kernels) under
+  // `op`, a string that outlives the backend; it then appears in op_times(). begin_op returns the
+  // token for end_op (-1 when not profiling).
+  virtual int begin_op(const char* op) = 0;
+  virtual void end_op(int token) = 0;
   // Accumulated times since the last reset, largest first (synchronises).
   virtual std::vector<OpTime> op_times() = 0;
   virtual void reset_op_times() = 0;

@@ -1,0 +1,70 @@
+#include "profiled_ops.hpp"
+
+namespace kiln::fp8 {
+
+namespace {
+
+class ProfiledOps final : public Fp8Ops {
+ public:
+  ProfiledOps(std::unique_ptr<Fp8Ops> inner, ops::Backend& backend) : in_(std::move(inner)), be_(backend) {}
+  Device device() const override { return in_->device(); }
+  DType act_dtype() const override { return in_->act_dtype(); }
+  Buffer alloc(std::size_t bytes) override { return in_->alloc(bytes); }
+  void copy(void* dst, const void* src, std::size_t bytes) override { in_->copy(dst, src, bytes); }
+  void zero(void* dst, std::size_t bytes) override { in_->zero(dst, bytes); }
+  void synchronize() override { in_->synchronize(); }
+
+  void amax(const TensorView& x, float* amax) override {
+    Scope s(be_, "fp8_amax");
+    in_->amax(x, amax);
+  }
+  void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin) override {
+    Scope s(be_, "fp8_scale_from_amax");
+    in_->scale_from_amax(amax, scale, scale_inv, fp8_max, margin);
+  }
+  void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
+    Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_both" : out.rowwise ? "fp8_quantize_rowwise"
+                                                                                : "fp8_quantize_colwise");
+    in_->quantize(x, out, amax);
+  }
+  void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {
+    Scope s(be_, "fp8_dequantize");
+    in_->dequantize(out, q, scale_inv);
+  }
+  // The linear layers' three GEMMs: forward writes, the data gradient reads an E5M2 gradient, the
+  // weight gradient accumulates into f32.
+  void gemm(const GemmArgs& g) override {
+    const char* op = g.accumulate                      ? "fp8_gemm_wgrad"
+                     : g.x.dtype == DType::e5m2        ? "fp8_gemm_dgrad"
+                     : g.epilogue == Epilogue::gelu    ? "fp8_gemm_forward_gelu"
+                                                       : "fp8_gemm_forward";
+    Scope s(be_, op);
+    in_->gemm(g);
+  }
+  void bias_grad(const TensorView& dbias, const TensorView& dy) override {
+    Scope s(be_, "fp8_bias_grad");
+    in_->bias_grad(dbias, dy);
+  }
+  void update_delayed(const DelayedUpdateArgs& a) override {
+    Scope s(be_, "fp8_scale_update");
+    in_->update_delayed(a);
+  }
+
+ private:
+  struct Scope {
+    Scope(ops::Backend& b, const char* op) : b_(b), token_(b.begin_op(op)) {}
+    ~Scope() { b_.end_op(token_); }
+    ops::Backend& b_;
+    int token_;
+  };
+  std::unique_ptr<Fp8Ops> in_;
+  ops::Backend& be_;
+};
+
+}  // namespace
+
+std::unique_ptr<Fp8Ops> make_profiled_ops(std::unique_ptr<Fp8Ops> inner, ops::Backend& backend) {
+  return std::make_unique<ProfiledOps>(std::move(inner), backend);
+}
+
+}  // namespace kiln::fp8
