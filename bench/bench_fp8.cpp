@@ -119,6 +119,7 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
     std::int64_t M, N, K;
     bool wgrad;  // D f32 accumulated, E5M2 x E4M3
     bool dgrad;  // E5M2 x E4M3
+    bool dgelu = false;  // the dgrad of FC2 with the dGELU epilogue, as in training
   };
   std::vector<Shape3> shapes;
   for (auto [model, N, C] : {std::tuple<const char*, std::int64_t, std::int64_t>{"124M", 16384, 768}, {"1.3B", 8192, 2048}}) {
@@ -129,6 +130,7 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
     shapes.push_back({m + " fc_proj fwd", N, C, 4 * C, false, false});
     shapes.push_back({m + " fc dgrad", N, C, 4 * C, false, true});
     shapes.push_back({m + " fc_proj dgrad", N, 4 * C, C, false, true});
+    shapes.push_back({m + " fc_proj dgrad + dgelu", N, 4 * C, C, false, true, true});
     shapes.push_back({m + " fc wgrad", 4 * C, C, N, true, false});
     shapes.push_back({m + " qkv wgrad", 3 * C, C, N, true, false});
   }
@@ -152,6 +154,12 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
     g.D = d.data();
     g.d_f32 = sh.wgrad;
     g.accumulate = sh.wgrad;
+    Buffer aux;
+    if (sh.dgelu) {
+      aux = bf16_buffer(M * N, 1.0f, s);
+      g.epilogue = cuda::Epilogue::dgelu;
+      g.aux = static_cast<cuda::bf16*>(aux.data());
+    }
     const double bf_ms = timer.median_ms([&] { bf16.run(g, s); });
     fp8::GemmArgs a;
     a.x = TensorView(xq.data(), {M, K}, sh.wgrad || sh.dgrad ? DType::e5m2 : DType::e4m3, Device::cuda);
@@ -160,6 +168,10 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
     a.y_scale_inv = si;
     a.d = TensorView(d.data(), {M, N}, sh.wgrad ? DType::f32 : DType::bf16, Device::cuda);
     a.accumulate = sh.wgrad;
+    if (sh.dgelu) {
+      a.epilogue = fp8::Epilogue::dgelu;
+      a.aux = TensorView(aux.data(), {M, N}, DType::bf16, Device::cuda);
+    }
     const double f8_ms = timer.median_ms([&] { f8.run(a, s); });
     a.fast_accum = true;
     const double fast_ms = timer.median_ms([&] { f8.run(a, s); });
