@@ -66,7 +66,7 @@ inline Trace run_ranks(const std::string& toml, int nproc, std::vector<std::stri
     w.systems().add({"test.trace", Phase::grad_sync,
                      [&trace](World& world) {
                        const auto& par = world.resource<parallel::ParallelState>();
-                       if (par.coords.dp != 0) return;  // after the DP sync every DP rank holds the same
+                       if (par.coords.dp != 0) return;  // after the syncs every DP rank holds the same
                        const auto step = static_cast<std::size_t>(world.resource<RunControl>().step);
                        const auto& store = world.resource<nn::ParamStore>();
                        std::lock_guard lk(*trace.m);
@@ -83,7 +83,7 @@ inline Trace run_ranks(const std::string& toml, int nproc, std::vector<std::stri
                          scatter_shard(p, store.grad_view(p).as<float>(), full);
                        }
                      },
-                     {"model.loss", "parallel.dp_grad_sync"}});
+                     {"model.loss", "parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
   });
   INFO(parallel::describe_failures(outcomes));
   for (auto& o : outcomes) REQUIRE(o.ok);

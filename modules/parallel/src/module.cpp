@@ -53,7 +53,9 @@ void install(World& w, const ParallelConfig& cfg) {
 #endif
 
   // Sequence parallelism: parameters replicated over TP but fed by this rank's tokens only have
-  // partial gradients; they are summed over the TP group once per step, before the DP sync.
+  // partial gradients; they are summed over the TP group once per step, after the DP sync (the sums
+  // commute; the DP buckets may still be reducing these gradients on the communication stream until
+  // parallel.dp_grad_sync has made the compute stream wait for them).
   w.systems().add({"parallel.tp_grad_sync", Phase::grad_sync,
                    [](World& world) {
                      auto& c = world.resource<Communicators>();
@@ -65,7 +67,6 @@ void install(World& w, const ParallelConfig& cfg) {
                          c.tp->all_reduce(store.grad_view(p).reshape({p.numel}), ReduceOp::sum, store.stream);
                      }
                    },
-                   {},
                    {"parallel.dp_grad_sync"}});
 
   // Data parallelism: every DP rank computed the gradients of its slice of the global batch, with
