@@ -86,10 +86,12 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   KILN_CHECK(a.x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", a.x.str(), ", weight ", a.weight.str());
   const std::int64_t N = a.x.size(0), IC = a.x.size(1);
   expect(a.x, act, N, IC, name_ + " forward x");
+  // A replay (activation recompute) reuses the original forward's FP8 weight and scales.
+  KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
+             ": a replayed forward needs the weight of the original one");
   ensure_weight(a.weight, weight_version);
   const ScalingSlot s = slot(TensorRole::input);
   void* xq = ws_.get(Fp8Workspace::input_rowwise, static_cast<std::size_t>(N * IC));
-  KILN_CHECK(!replay || weight_cached(a.weight), name_, ": a replayed forward needs the weight of the original one");
   float* record = replay ? nullptr : prepare_scale(s, a.x);
   ops_.quantize(a.x, view(s, xq, nullptr, N, IC), record);
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
@@ -127,6 +129,7 @@ void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) 
     g.epilogue = Epilogue::bias;
   }
   g.fast_accum = recipe_.fast_accum_forward;
+  g.what = a.pre_gelu ? "fp8_gemm_forward_gelu" : "fp8_gemm_forward";
   ops_.gemm(g);
 }
 
@@ -157,6 +160,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
 
   if (a.dx) {
     GemmArgs g;  // dx[N, IC] = dout[N, OC] @ W[OC, IC]: K = OC, Y = W^T stored [IC, OC]
+    g.what = "fp8_gemm_dgrad";
     g.x = TensorView(gr, {N, OC}, dtype_of(sg.format), dev);
     g.x_scale_inv = sg.scale_inv;
     g.y = TensorView(cache_.colwise.data(), {IC, OC}, dtype_of(sw.format), dev);
@@ -169,6 +173,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
     ops_.gemm(g);
   }
   GemmArgs w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC]: K = N, both operands transposed copies
+  w.what = "fp8_gemm_wgrad";
   w.x = TensorView(gc, {OC, N}, dtype_of(sg.format), dev);
   w.x_scale_inv = sg.scale_inv;
   w.y = TensorView(xc, {IC, N}, dtype_of(sx.format), dev);

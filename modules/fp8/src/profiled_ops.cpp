@@ -31,14 +31,9 @@ class ProfiledOps final : public Fp8Ops {
     Scope s(be_, "fp8_dequantize");
     in_->dequantize(out, q, scale_inv);
   }
-  // The linear layers' three GEMMs: forward writes, the data gradient reads an E5M2 gradient, the
-  // weight gradient accumulates into f32.
+  // Under the name the caller gave (Fp8Linear: forward, forward with GELU, dgrad, wgrad).
   void gemm(const GemmArgs& g) override {
-    const char* op = g.accumulate                      ? "fp8_gemm_wgrad"
-                     : g.x.dtype == DType::e5m2        ? "fp8_gemm_dgrad"
-                     : g.epilogue == Epilogue::gelu    ? "fp8_gemm_forward_gelu"
-                                                       : "fp8_gemm_forward";
-    Scope s(be_, op);
+    Scope s(be_, g.what ? g.what : "fp8_gemm");
     in_->gemm(g);
   }
   void bias_grad(const TensorView& dbias, const TensorView& dy) override {

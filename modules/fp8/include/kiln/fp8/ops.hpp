@@ -34,6 +34,7 @@ struct GemmArgs {
   TensorView bias;                      // [N] act: bias, or gelu with bias
   TensorView aux;                       // [M, N] act: gelu (written) and dgelu (read)
   bool fast_accum = false;              // FP8 fast accumulation (forward only)
+  const char* what = "fp8_gemm";        // the name profiling reports it under
 };
 
 // The delayed-scaling update of every slot at once: per slot i,
