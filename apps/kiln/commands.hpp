@@ -20,6 +20,7 @@ int cmd_config(const Args& args);
 int cmd_modules(const Args& args);
 int cmd_tokenize(const Args& args);
 int cmd_topology(const Args& args);
+int cmd_plot(const Args& args);
 
 // Parses a subcommand's arguments (positional arguments as `positional`, -1 = any number); returns
 // false after printing the help when --help (-h) was given.

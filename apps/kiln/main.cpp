@@ -18,6 +18,7 @@ const char* kUsage =
     "  modules                                 list the registered modules and their config fields\n"
     "  topology FILE --world N [--set ...]     print the parallel groups for N ranks\n"
     "  tokenize TEXT... -o DIR                 turn text files into byte-level token shards\n"
+    "  plot METRICS[=LABEL]... -o OUT.svg      plot metrics files (log.metrics) as an SVG line chart\n"
     "\n"
     "`kiln <command> --help` describes a command.\n";
 }
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
     if (cmd == "modules") return kiln::app::cmd_modules(args);
     if (cmd == "tokenize") return kiln::app::cmd_tokenize(args);
     if (cmd == "topology") return kiln::app::cmd_topology(args);
+    if (cmd == "plot") return kiln::app::cmd_plot(args);
     std::cerr << "kiln: unknown command '" << cmd << "'\n\n" << kUsage;
     return 2;
   } catch (const kiln::ConfigError& e) {

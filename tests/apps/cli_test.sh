@@ -56,6 +56,10 @@ expect 0 "step 5/5" -- "$KILN" run tiny.toml
 expect 0 "| val " -- "$KILN" run tiny.toml
 [ "$(wc -l < metrics.jsonl)" = 5 ] || fail "metrics.jsonl has $(wc -l < metrics.jsonl) lines, expected 5"
 grep -q '"val_loss"' metrics.jsonl || fail "metrics.jsonl has no val_loss"
+expect 0 "wrote loss.svg (2 series)" -- "$KILN" plot metrics.jsonl=first metrics.jsonl=again -o loss.svg --smooth 2
+grep -q "<polyline" loss.svg || fail "loss.svg has no curve"
+expect 0 "wrote val.svg" -- "$KILN" plot metrics.jsonl --y val_loss -o val.svg
+expect 1 "no row has both 'step' and 'nothing'" -- "$KILN" plot metrics.jsonl --y nothing -o x.svg
 for key in step loss lr grad_norm tokens_per_s step_ms; do
   grep -q "\"$key\":" metrics.jsonl || fail "metrics.jsonl lacks $key"
 done

@@ -4,6 +4,8 @@
 #include <iostream>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/log/log.hpp"
 #include "kiln/train/train.hpp"
@@ -31,13 +33,6 @@ std::string format_step_line(std::int64_t step, std::int64_t steps, double loss,
 
 namespace {
 
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  return buf;
-}
-
 struct MetricsFile {
   std::unique_ptr<std::ofstream> out;
 };
@@ -63,14 +58,13 @@ void install(World& w, const LogConfig& cfg) {
                                                      ts.mfu, ts.step_ms, ts.val_loss)
                                  << std::endl;
                      auto& mf = world.resource<MetricsFile>();
-                     if (mf.out) {
-                       *mf.out << "{\"step\": " << ts.step << ", \"loss\": " << json_number(ts.loss)
-                               << ", \"lr\": " << json_number(ts.lr) << ", \"grad_norm\": " << json_number(ts.grad_norm)
-                               << ", \"tokens_per_s\": " << json_number(ts.tokens_per_s)
-                               << ", \"step_ms\": " << json_number(ts.step_ms) << ", \"mfu\": " << json_number(ts.mfu)
-                               << ", \"tokens\": " << ts.tokens_seen;
-                       if (ts.val_loss) *mf.out << ", \"val_loss\": " << json_number(*ts.val_loss);
-                       *mf.out << "}\n";
+                     if (mf.out) {  // non-finite values are written as null
+                       nlohmann::ordered_json j = {{"step", ts.step},         {"loss", ts.loss},
+                                                   {"lr", ts.lr},             {"grad_norm", ts.grad_norm},
+                                                   {"tokens_per_s", ts.tokens_per_s}, {"step_ms", ts.step_ms},
+                                                   {"mfu", ts.mfu},           {"tokens", ts.tokens_seen}};
+                       if (ts.val_loss) j["val_loss"] = *ts.val_loss;
+                       *mf.out << j.dump() << "\n";
                        mf.out->flush();
                      }
                    },
