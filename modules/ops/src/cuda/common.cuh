@@ -49,6 +49,41 @@ __device__ __forceinline__ void store8(float* p, const float f[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// Chunk [c, c + 8) of a row: 16-byte vector access with VEC, else element by element over the
+// `valid` leading channels (loads fill the rest with zeros).
+template <bool VEC, class T>
+__device__ __forceinline__ void load_chunk(const T* p, int valid, float f[8]) {
+  if constexpr (VEC) {
+    load8(p, f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      if constexpr (sizeof(T) == 2) f[k] = k < valid ? __bfloat162float(p[k]) : 0.0f;
+      else f[k] = k < valid ? p[k] : 0.0f;
+    }
+  }
+}
+template <bool VEC>
+__device__ __forceinline__ void store_chunk(bf16* p, int valid, const float f[8]) {
+  if constexpr (VEC) {
+    store8(p, f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (k < valid) p[k] = __float2bfloat16_rn(f[k]);
+  }
+}
+template <bool VEC>
+__device__ __forceinline__ void store_chunk(float* p, int valid, const float f[8]) {
+  if constexpr (VEC) {
+    store8(p, f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (k < valid) p[k] = f[k];
+  }
+}
+
 // ---- reductions (butterfly: every lane ends with the same, order-fixed result) ----
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

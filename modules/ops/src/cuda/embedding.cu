@@ -9,40 +9,6 @@ namespace {
 // time, so no index division is needed. VEC: C % 8 == 0 and 16-byte aligned bases.
 constexpr int kLanes = 32, kRows = 8;
 
-// Loads/stores chunk [c, c + 8) of a row, element-wise when not VEC (only channels < C).
-template <bool VEC, class T>
-__device__ __forceinline__ void load_chunk(const T* p, int valid, float f[8]) {
-  if constexpr (VEC) {
-    load8(p, f);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      if constexpr (sizeof(T) == 2) f[k] = k < valid ? __bfloat162float(p[k]) : 0.0f;
-      else f[k] = k < valid ? p[k] : 0.0f;
-    }
-  }
-}
-template <bool VEC>
-__device__ __forceinline__ void store_chunk(bf16* p, int valid, const float f[8]) {
-  if constexpr (VEC) {
-    store8(p, f);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (k < valid) p[k] = __float2bfloat16_rn(f[k]);
-  }
-}
-template <bool VEC>
-__device__ __forceinline__ void store_chunk(float* p, int valid, const float f[8]) {
-  if constexpr (VEC) {
-    store8(p, f);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (k < valid) p[k] = f[k];
-  }
-}
-
 // Tokens outside [begin, begin + V) (another rank's rows of a vocabulary-parallel table) read zeros.
 template <bool VEC>
 __global__ void embedding_forward_kernel(bf16* out, const std::int32_t* tokens, const bf16* wte, const bf16* wpe,

@@ -43,26 +43,6 @@ __device__ __forceinline__ void apply_dropout(const Drop& d, std::uint64_t start
   for (int k = 0; k < 8; ++k) v[k] = rng::dropout_keep(u[k], d.threshold) ? rng::mul_rn(v[k], d.scale) : 0.0f;
 }
 
-template <bool VEC>
-__device__ __forceinline__ void load_chunk(const bf16* p, int valid, float f[8]) {
-  if constexpr (VEC) {
-    load8(p, f);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) f[k] = k < valid ? __bfloat162float(p[k]) : 0.0f;
-  }
-}
-template <bool VEC>
-__device__ __forceinline__ void store_chunk(bf16* p, int valid, const float f[8]) {
-  if constexpr (VEC) {
-    store8(p, f);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (k < valid) p[k] = __float2bfloat16_rn(f[k]);
-  }
-}
-
 // out may alias residual: each thread reads its chunk before writing it, and no other thread
 // touches that chunk.
 template <bool VEC, bool DROP>
