@@ -25,6 +25,9 @@ run_tests() {
 }
 if [ "$MODE" = "fp8" ]; then
   run_tests test_cuda_fp8
+  run_tests test_cuda_ops
+  run_tests test_gpu_model
+  run_tests test_gpu_checkpoint
 elif [ "$MODE" != "train" ]; then
   run_tests test_cuda_ops
   run_tests test_gpu_model
@@ -53,6 +56,7 @@ if [ "$MODE" != "tests" ]; then
     train gpt2-124m-current pipelines/gpt2-124m.toml 60 --set fp8.enabled=true --set fp8.recipe=current
     train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set fp8.enabled=true --set backend.profile=true
     train gpt-1.3b pipelines/gpt-1.3b.toml 30 --set fp8.enabled=true
+    train gpt-1.3b-profile pipelines/gpt-1.3b.toml 8 --set fp8.enabled=true --set backend.profile=true
   else
     train gpt2-124m pipelines/gpt2-124m.toml 60
     train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set backend.profile=true

@@ -236,3 +236,59 @@ TEST_CASE("a producer may hand in an already quantised input") {
   L.lin.forward_quantized(xq, {host(b, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 1);
   CHECK(test::same_bits(a, b));
 }
+
+TEST_CASE("the deferred dGELU and a kept input give the gradients of the unfused path, bit for bit") {
+  // FC2 -> GELU -> FC1 in reverse: the reference lets FC2's dgrad apply gelu'(pre) (dx_gelu_pre);
+  // the fused path hands FC1 the GELU output's gradient with dout_gelu_pre. Delayed scaling uses the
+  // fused pass from its second step on (the first derives the scale from the tensor itself).
+  const int N = 32, H = 48, OC = 16;
+  for (auto kind : {RecipeKind::delayed, RecipeKind::current})
+    for (bool keep : {false, true}) {
+      INFO("recipe " << (kind == RecipeKind::delayed ? "delayed" : "current") << ", keep_input " << keep);
+      Layer ref(kind, FormatPolicy::hybrid), fused(kind, FormatPolicy::hybrid);
+      Fp8Linear fused_keep(*fused.ops, fused.meta, 0, fused.ws,
+                           Fp8Recipe{kind, 16, AmaxAlgo::max, 0, FormatPolicy::hybrid, true}, "kept", true);
+      Fp8Linear& lin = keep ? fused_keep : fused.lin;
+      for (int step = 1; step <= 3; ++step) {
+        auto x = test::normal_values(N * H, 100 + step, 1.5f), w = test::normal_values(OC * H, 200 + step, 0.2f);
+        auto b = test::normal_values(OC, 300 + step), pre = test::normal_values(N * OC, 400 + step, 2.0f);
+        auto dgelu_out = test::normal_values(N * OC, 500 + step, 1e-2f);  // gradient of gelu(pre)
+        std::vector<float> out(N * OC), dx_r(N * H), dx_f(N * H), dw_r(OC * H, 0.5f), dw_f(OC * H, 0.5f),
+            db_r(OC, 0.1f), db_f(OC, 0.1f);
+        auto x_f = x;
+        ref.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), host(b, {OC})}, step);
+        lin.forward({host(out, {N, OC}), {}, host(x_f, {N, H}), host(w, {OC, H}), host(b, {OC})}, step);
+        if (keep)
+          for (auto& v : x_f) v = 1e6f;  // the kept copy is used, not whatever the buffer holds now
+        // Reference: the output gradient with the dGELU applied as FC2's dgrad epilogue stores it.
+        auto dout_r = dgelu_out;
+        for (int i = 0; i < N * OC; ++i) dout_r[i] = dout_r[i] * ops::gelu_grad(pre[i]);
+        ref.lin.backward({host(dx_r, {N, H}), host(dw_r, {OC, H}), host(db_r, {OC}), host(dout_r, {N, OC}),
+                          host(x, {N, H}), host(w, {OC, H}), {}});
+        auto dout_f = dgelu_out;
+        ops::LinearBackward bw{host(dx_f, {N, H}), host(dw_f, {OC, H}), host(db_f, {OC}), host(dout_f, {N, OC}),
+                               host(x_f, {N, H}), host(w, {OC, H}), {}};
+        bw.dout_gelu_pre = host(pre, {N, OC});
+        lin.backward(bw);
+        CHECK(test::same_bits(dx_r, dx_f));
+        CHECK(test::same_bits(dw_r, dw_f));
+        CHECK(test::same_bits(db_r, db_f));
+        CHECK(test::same_bits(meta_state(ref.meta), meta_state(fused.meta)));
+        if (kind == RecipeKind::delayed) {
+          ref.meta.update(*ref.ops, AmaxAlgo::max, 0);
+          fused.meta.update(*fused.ops, AmaxAlgo::max, 0);
+        }
+      }
+    }
+}
+
+TEST_CASE("a backward without its kept input is an error naming the layer") {
+  Layer L(RecipeKind::delayed, FormatPolicy::hybrid);
+  Fp8Linear kept(*L.ops, L.meta, 0, L.ws, Fp8Recipe{}, "blocks.0.mlp.proj", true);
+  const int N = 16, IC = 8, OC = 8;
+  auto x = test::normal_values(N * IC, 50), w = test::normal_values(OC * IC, 51), dout = test::normal_values(N * OC, 52);
+  std::vector<float> dw(OC * IC);
+  CHECK_THROWS_WITH_AS(kept.backward({{}, host(dw, {OC, IC}), {}, host(dout, {N, OC}), host(x, {N, IC}), host(w, {OC, IC}), {}}),
+                       doctest::Contains("blocks.0.mlp.proj: backward of [16,8] without the forward's kept input"),
+                       Error);
+}

@@ -13,6 +13,7 @@
 #include "kiln/data/tokenizer.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/fp8/module.hpp"
+#include "kiln/model/gpt.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/ops/module.hpp"
@@ -206,8 +207,58 @@ TEST_CASE("with backend.profile, the FP8 kernels appear in the per-op breakdown"
   CHECK(calls["fp8_gemm_wgrad"] == 2 * 12);
   CHECK(calls["fp8_gemm_dgrad"] == 2 * 12);
   CHECK(calls["fp8_quantize_rowwise"] == 2 * 12);  // the inputs in the forward pass
-  CHECK(calls["fp8_quantize_both"] == 2 * 24);     // the output gradients, and the weights once per step
+  CHECK(calls["fp8_quantize_both"] == 2 * 12);     // the weights, once per step
+  // The output gradients with their bias gradients, FC1's with the dGELU of FC2's input gradient.
+  CHECK(calls["fp8_quantize_grad_dbias"] == 2 * 9);
+  CHECK(calls["fp8_quantize_grad_dgelu_dbias"] == 2 * 3);
+  CHECK(calls["fp8_bias_grad"] == 0);
+  CHECK(calls["fp8_dgelu"] == 0);
   CHECK(calls["fp8_quantize_colwise"] == 2 * 12);  // the inputs again, transposed, for the weight gradient
   CHECK(calls["fp8_scale_update"] == 2);
   CHECK(calls["linear_forward"] > 0);  // the LM head stays in bf16
+}
+
+TEST_CASE("FP8 layers keep their inputs in FP8 where the model would store them in bf16: same losses, less memory") {
+  // With recompute_norm / recompute_gelu off the model would keep the LayerNorm and GELU outputs in
+  // act precision for QKV, FC1 and FC2 alone; FP8 layers keep their colwise FP8 copies instead (the
+  // very codes the backward pass would quantise again), so training is bit-identical to the run that
+  // recomputes those outputs, and the model stores less than without FP8.
+  test::TempDir dir("fp8-keep");
+  const std::string shards = test::pattern_corpus(dir);
+  const std::vector<std::string> stored = {"model.recompute_norm=false", "model.recompute_gelu=false"};
+  for (const char* recipe : {"delayed", "current"}) {
+    INFO("recipe " << recipe);
+    auto with = [&](std::vector<std::string> sets) {
+      sets.insert(sets.end(), {"fp8.enabled=true", std::string("fp8.recipe=") + recipe});
+      return test::train_losses(shards, 12, sets);
+    };
+    const auto base = with({});
+    CHECK(base == with(stored));
+    // The FP8 weights made from the master into the compute copy's memory: on the CPU the compute
+    // copy equals the master, so nothing changes but where they live.
+    CHECK(base == with({"fp8.weights_in_compute_copy=false"}));
+    // Activation recompute on top: replays refill the kept copies with the same codes.
+    for (const char* ckpt : {"activation_checkpoint.mode=full", "activation_checkpoint.selective=attention",
+                             "activation_checkpoint.selective=mlp"}) {
+      INFO(ckpt);
+      auto sets = stored;
+      sets.push_back(ckpt);
+      if (std::string(ckpt).find("selective=") != std::string::npos) sets.push_back("activation_checkpoint.mode=selective");
+      CHECK(base == with(sets));
+    }
+  }
+  auto bytes = [&](std::vector<std::string> sets) {  // the model's activations and the layers' kept copies
+    test::Pipeline p(kTiny, sets);
+    p.run();
+    std::size_t kept = 0;
+    if (auto* st = p.world->try_resource<fp8::Fp8State>())
+      for (const auto& l : st->linears) kept += l->kept_bytes();
+    return p.world->resource<model::GptModel>().activation_bytes() + kept;
+  };
+  auto fp8_stored = stored;
+  fp8_stored.push_back("fp8.enabled=true");
+  const auto b_bf16 = bytes(stored), b_fp8 = bytes(fp8_stored), b_recompute = bytes({});
+  MESSAGE("activation bytes: stored " << b_bf16 << ", FP8 kept " << b_fp8 << ", recomputed " << b_recompute);
+  CHECK(b_recompute < b_fp8);
+  CHECK(b_fp8 < b_bf16);
 }

@@ -22,8 +22,14 @@ void* Fp8Workspace::get(Use use, std::size_t bytes) {
 }
 
 Fp8Linear::Fp8Linear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace,
-                     const Fp8Recipe& recipe, std::string name)
-    : ops_(ops), meta_(meta), first_slot_(first_slot), ws_(workspace), recipe_(recipe), name_(std::move(name)) {
+                     const Fp8Recipe& recipe, std::string name, bool keep_input)
+    : ops_(ops),
+      meta_(meta),
+      first_slot_(first_slot),
+      ws_(workspace),
+      recipe_(recipe),
+      name_(std::move(name)),
+      keep_input_(keep_input) {
   KILN_CHECK(first_slot >= 0 && first_slot + kRolesPerLinear <= meta.size(), name_, ": meta slots ", first_slot,
              "..", first_slot + kRolesPerLinear - 1, " outside the store of ", meta.size());
   KILN_CHECK(slot(TensorRole::input).format == Format::e4m3 && slot(TensorRole::weight).format == Format::e4m3,
@@ -62,18 +68,39 @@ bool Fp8Linear::weight_cached(const TensorView& w) const {
   return cache_.valid && cache_.source == w.data && cache_.rows == w.size(0) && cache_.cols == w.size(1);
 }
 
+void Fp8Linear::use_master_weight(const TensorView& master, const TensorView& compute) {
+  KILN_CHECK(master.dtype == DType::f32 && master.ndim() == 2 && master.contiguous() && compute.ndim() == 2 &&
+                 compute.shape == master.shape && compute.contiguous() && size_of(compute.dtype) >= 2 &&
+                 reinterpret_cast<std::uintptr_t>(compute.data) % 16 == 0 && master.numel() % 16 == 0,
+             name_, ": use_master_weight needs an f32 master and a 16-byte aligned compute copy of at least two bytes "
+                    "per element of the same shape, got ", master.str(), " and ", compute.str());
+  master_ = master;
+  compute_ = compute;
+  cache_.valid = false;
+}
+
 void Fp8Linear::ensure_weight(const TensorView& w, std::int64_t version) {
   if (weight_cached(w) && cache_.version == version) return;
   const std::int64_t OC = w.size(0), IC = w.size(1);
   const std::size_t bytes = static_cast<std::size_t>(OC * IC);
-  if (cache_.rowwise.bytes() < bytes) {
-    ops_.synchronize();
-    cache_.rowwise = ops_.alloc(bytes);
-    cache_.colwise = ops_.alloc(bytes);
+  // The compute copy's memory holds both FP8 copies (2 bytes per element), made from the master.
+  const bool in_compute = master_ && w.data == compute_.data && w.shape == compute_.shape;
+  const TensorView src = in_compute ? master_ : w;
+  if (in_compute) {
+    cache_.rowwise = compute_.data;
+    cache_.colwise = static_cast<std::uint8_t*>(compute_.data) + bytes;
+  } else {
+    if (cache_.own_rowwise.bytes() < bytes) {
+      ops_.synchronize();
+      cache_.own_rowwise = ops_.alloc(bytes);
+      cache_.own_colwise = ops_.alloc(bytes);
+    }
+    cache_.rowwise = cache_.own_rowwise.data();
+    cache_.colwise = cache_.own_colwise.data();
   }
   const ScalingSlot s = slot(TensorRole::weight);
-  float* record = prepare_scale(s, w);
-  ops_.quantize(w, view(s, cache_.rowwise.data(), cache_.colwise.data(), OC, IC), record);
+  float* record = prepare_scale(s, src);
+  ops_.quantize(src, view(s, cache_.rowwise, cache_.colwise, OC, IC), record);
   cache_.valid = true;
   cache_.version = version;
   cache_.source = w.data;
@@ -93,8 +120,19 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   const ScalingSlot s = slot(TensorRole::input);
   void* xq = ws_.get(Fp8Workspace::input_rowwise, static_cast<std::size_t>(N * IC));
   float* record = replay ? nullptr : prepare_scale(s, a.x);
-  ops_.quantize(a.x, view(s, xq, nullptr, N, IC), record);
+  ops_.quantize(a.x, view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC), record);
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
+}
+
+void* Fp8Linear::kept_input(std::int64_t rows, std::int64_t cols) {
+  const auto bytes = static_cast<std::size_t>(rows * cols);
+  if (kept_.bytes() < bytes) {
+    ops_.synchronize();
+    kept_ = ops_.alloc(bytes);
+  }
+  kept_rows_ = rows;
+  kept_cols_ = cols;
+  return kept_.data();
 }
 
 void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForward& a, std::int64_t weight_version) {
@@ -104,6 +142,10 @@ void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForwa
              " tensor quantised with this layer's input scale");
   expect(x.rowwise, dtype_of(s.format), a.x.size(0), a.x.size(1), name_ + " forward_quantized x");
   ensure_weight(a.weight, weight_version);
+  if (keep_input_) {  // the producer wrote the rowwise copy only: the colwise one from the input
+    const std::int64_t N = a.x.size(0), IC = a.x.size(1);
+    ops_.quantize(a.x, view(s, nullptr, kept_input(N, IC), N, IC), nullptr);
+  }
   gemm_forward(x.rowwise, a);
 }
 
@@ -118,7 +160,7 @@ void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) 
   GemmArgs g;
   g.x = xq;
   g.x_scale_inv = sx.scale_inv;
-  g.y = TensorView(cache_.rowwise.data(), {OC, IC}, dtype_of(sw.format), ops_.device());
+  g.y = TensorView(cache_.rowwise, {OC, IC}, dtype_of(sw.format), ops_.device());
   g.y_scale_inv = sw.scale_inv;
   g.d = a.out;
   g.bias = a.bias;
@@ -149,21 +191,39 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
 
   const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight), sg = slot(TensorRole::grad_output);
   const Device dev = ops_.device();
-  // grad_output: both copies in one pass (dgrad reads rowwise, wgrad colwise).
+  // grad_output: both copies (dgrad reads rowwise, wgrad colwise), its amax and the bias gradient
+  // in one pass, with the deferred dGELU folded in. Where the scale must first come from this very
+  // tensor's amax (current scaling, or delayed scaling's first step), the dGELU is applied first.
+  TensorView gelu_pre = a.dout_gelu_pre;
+  if (gelu_pre) {
+    expect(gelu_pre, act, N, OC, name_ + " backward dout_gelu_pre");
+    if (recipe_.kind == RecipeKind::current || !meta_.ready(sg.index)) {
+      ops_.dgelu(a.dout, gelu_pre);
+      gelu_pre = {};
+    }
+  }
   void* gr = ws_.get(Fp8Workspace::grad_rowwise, static_cast<std::size_t>(N * OC));
   void* gc = ws_.get(Fp8Workspace::grad_colwise, static_cast<std::size_t>(N * OC));
   float* record = prepare_scale(sg, a.dout);
-  ops_.quantize(a.dout, view(sg, gr, gc, N, OC), record);
-  // The input again, transposed only, with the forward's scale (its amax is already recorded).
-  void* xc = ws_.get(Fp8Workspace::input_colwise, static_cast<std::size_t>(N * IC));
-  ops_.quantize(a.x, view(sx, nullptr, xc, N, IC), nullptr);
+  ops_.quantize_grad({a.dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias});
+  // The input's colwise copy: kept from the forward, or quantised again with the forward's scale
+  // (its amax is already recorded).
+  void* xc = nullptr;
+  if (keep_input_) {
+    KILN_CHECK(kept_.data() && kept_rows_ == N && kept_cols_ == IC, name_, ": backward of [", N, ",", IC,
+               "] without the forward's kept input");
+    xc = kept_.data();
+  } else {
+    xc = ws_.get(Fp8Workspace::input_colwise, static_cast<std::size_t>(N * IC));
+    ops_.quantize(a.x, view(sx, nullptr, xc, N, IC), nullptr);
+  }
 
   if (a.dx) {
     GemmArgs g;  // dx[N, IC] = dout[N, OC] @ W[OC, IC]: K = OC, Y = W^T stored [IC, OC]
     g.what = "fp8_gemm_dgrad";
     g.x = TensorView(gr, {N, OC}, dtype_of(sg.format), dev);
     g.x_scale_inv = sg.scale_inv;
-    g.y = TensorView(cache_.colwise.data(), {IC, OC}, dtype_of(sw.format), dev);
+    g.y = TensorView(cache_.colwise, {IC, OC}, dtype_of(sw.format), dev);
     g.y_scale_inv = sw.scale_inv;
     g.d = a.dx;
     if (a.dx_gelu_pre) {
@@ -181,8 +241,6 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   w.d = a.dweight;
   w.accumulate = true;
   ops_.gemm(w);
-  // The bias gradient from the unquantised gradient.
-  if (a.dbias) ops_.bias_grad(a.dbias, a.dout);
 }
 
 }  // namespace kiln::fp8

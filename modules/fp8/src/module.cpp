@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <climits>
 #include <iostream>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/nn/events.hpp"
+#include "kiln/nn/param_store.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/module.hpp"
@@ -105,6 +108,22 @@ void install(World& w, const Fp8Config& cfg) {
     for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
       formats.push_back(format_for(cfg.format, r));
   }
+  // An FP8 layer keeps the colwise FP8 copy of its input for its backward pass where the model would
+  // otherwise store that input in bf16 for it alone (half the bytes, and no second quantisation),
+  // for a role only when all of its layers are FP8 (otherwise the model stores them all anyway).
+  std::set<std::string> keep_roles;
+  {
+    std::map<std::string, std::pair<int, int>> stored_fp8;  // role -> (stored for backward, of those FP8)
+    for (Entity e : w.view<nn::Linear>()) {
+      const auto& l = w.get<nn::Linear>(e);
+      if (!l.input_stored_for_backward) continue;
+      auto& c = stored_fp8[l.role];
+      ++c.first;
+      if (std::find(st.entities.begin(), st.entities.end(), e) != st.entities.end()) ++c.second;
+    }
+    for (const auto& [role, c] : stored_fp8)
+      if (c.first == c.second) keep_roles.insert(role);
+  }
   st.meta = std::make_unique<Fp8MetaStore>(*st.ops, formats,
                                            cfg.recipe == RecipeKind::delayed ? cfg.amax_history_len : 1);
   st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
@@ -115,15 +134,25 @@ void install(World& w, const Fp8Config& cfg) {
     for (int r = 0; r < kRolesPerLinear; ++r) meta.formats[static_cast<std::size_t>(r)] = formats[static_cast<std::size_t>(first + r)];
     w.emplace<Fp8Meta>(e, meta);
     const auto* name = w.try_get<Name>(e);
+    const auto& linear = w.get<nn::Linear>(e);
+    const bool keep = linear.input_stored_for_backward && keep_roles.count(linear.role) > 0;
     st.linears.push_back(std::make_unique<Fp8Linear>(*st.ops, *st.meta, first, *st.workspace, st.recipe,
-                                                     name ? name->value : w.describe(e)));
+                                                     name ? name->value : w.describe(e), keep));
     Fp8Linear* lin = st.linears.back().get();
+    // The FP8 copies replace the compute copy of a weight only this layer reads (not the tied LM head).
+    if (cfg.weights_in_compute_copy && linear.role != "lm_head") {
+      const auto& store = w.resource<nn::ParamStore>();
+      const auto& wp = w.get<nn::Param>(linear.weight);
+      lin->use_master_weight(store.master_view(wp), store.compute_view(wp));
+    }
     Fp8State* state = &st;
     w.emplace<ops::LinearImpl>(e, ops::LinearImpl{
                                       [lin, state](const ops::LinearForward& a) {
                                         lin->forward(a, state->weights_version, state->replaying);
                                       },
-                                      [lin](const ops::LinearBackward& a) { lin->backward(a); }});
+                                      [lin](const ops::LinearBackward& a) { lin->backward(a); },
+                                      /*fuses_dout_gelu=*/true,
+                                      /*keeps_input=*/keep});
   }
 
   // Activation recompute replays forwards: same scales, no second amax (see Fp8Linear).

@@ -27,6 +27,15 @@ class ProfiledOps final : public Fp8Ops {
                                                                                 : "fp8_quantize_colwise");
     in_->quantize(x, out, amax);
   }
+  void quantize_grad(const GradQuantizeArgs& a) override {
+    Scope s(be_, a.gelu_pre ? (a.dbias ? "fp8_quantize_grad_dgelu_dbias" : "fp8_quantize_grad_dgelu")
+                            : (a.dbias ? "fp8_quantize_grad_dbias" : "fp8_quantize_grad"));
+    in_->quantize_grad(a);
+  }
+  void dgelu(const TensorView& dy, const TensorView& pre) override {
+    Scope s(be_, "fp8_dgelu");
+    in_->dgelu(dy, pre);
+  }
   void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {
     Scope s(be_, "fp8_dequantize");
     in_->dequantize(out, q, scale_inv);

@@ -101,6 +101,10 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
                               add_linear(p + "attn.proj", "attn_proj", unit, e[kProjW], e[kProjB], Cl, C),
                               add_linear(p + "mlp.fc", "fc", unit, e[kFcW], e[kFcB], C, 4 * Cl),
                               add_linear(p + "mlp.proj", "fc_proj", unit, e[kFcpW], e[kFcpB], 4 * Cl, C)});
+    // LayerNorm outputs feed only QKV / FC1, GELU outputs only FC2; attention reads its own output.
+    const auto& lin = block_linears_.back();
+    for (std::size_t r : {0u, 2u}) world_.get<Linear>(lin[r]).input_stored_for_backward = !cfg_.recompute_norm;
+    world_.get<Linear>(lin[3]).input_stored_for_backward = !cfg_.recompute_gelu;
   }
   Entity fin = make_layer(L_ + 1, LayerKind::final_norm, -1, "ln_f");
   auto& fp = world_.get<Layer>(fin).params;
@@ -135,7 +139,20 @@ void GptModel::allocate_activations() {
   KILN_CHECK(!allocated_, "the model's activations are allocated once");
   const std::int64_t N = static_cast<std::int64_t>(B_) * T_, C = C_, Nl = Nl_, D = C_ / H_;
   const DType act = be_.act_dtype();
-  const bool keep_ln = !cfg_.recompute_norm, keep_fc = !cfg_.recompute_gelu;
+  // A LayerNorm or GELU output needs storing (or recomputing) only for a consumer whose backward
+  // reads its input: an implementation that keeps its own copy (LinearImpl::keeps_input) does not.
+  auto inputs_kept = [&](int role) {
+    if (block_linears_.empty()) return false;
+    for (const auto& lin : block_linears_) {
+      const auto* impl = world_.try_get<ops::LinearImpl>(lin[static_cast<std::size_t>(role)]);
+      if (!impl || !impl->keeps_input) return false;
+    }
+    return true;
+  };
+  const bool ln_kept = inputs_kept(0) && inputs_kept(2), gelu_kept = inputs_kept(3);
+  recompute_ln_ = cfg_.recompute_norm && !ln_kept;
+  recompute_gelu_ = cfg_.recompute_gelu && !gelu_kept;
+  const bool keep_ln = !cfg_.recompute_norm && !ln_kept, keep_fc = !cfg_.recompute_gelu && !gelu_kept;
 
   // The plan: each block's recompute scope, from the component a module attached to its layer.
   using nn::RecomputeScope;

@@ -3,6 +3,7 @@
 
 #include "kiln/engine/error.hpp"
 #include "kiln/model/gpt.hpp"
+#include "kiln/ops/linear_impl.hpp"
 
 namespace kiln::model {
 
@@ -44,13 +45,17 @@ void GptModel::backward(const train::Batch& batch) {
       gather_rows(full_c_, dmlp);
       dmlp = full_c_;
     }
-    if (cfg_.recompute_norm) {
+    if (recompute_ln_) {
       be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
       gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
     }
-    if (cfg_.recompute_gelu) be_.gelu_forward({a.fc, a.fc_pre});
-    linear_backward(lin[3], {dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, a.fc_pre});
-    linear_backward(lin[2], {dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}});
+    if (recompute_gelu_) be_.gelu_forward({a.fc, a.fc_pre});
+    // FC2's input gradient through the GELU: in FC2's data-gradient GEMM, or, where FC1's
+    // implementation takes it (LinearImpl::fuses_dout_gelu), in FC1's pass over its output gradient.
+    const auto* fc_impl = world_.try_get<ops::LinearImpl>(lin[2]);
+    const bool defer_dgelu = fc_impl && fc_impl->fuses_dout_gelu;
+    linear_backward(lin[3], {dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, defer_dgelu ? TensorView{} : a.fc_pre});
+    linear_backward(lin[2], {dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}, defer_dgelu ? a.fc_pre : TensorView{}});
     reduce_rows(dln_local, dln_);  // column-parallel FC1: each rank holds part of the input gradient
     be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_local, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});
     // Attention branch: res2 = res[l] + dropout(proj(attention(qkv(ln1(res[l])))))
@@ -66,7 +71,7 @@ void GptModel::backward(const train::Batch& batch) {
     linear_backward(lin[1], {datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_ / tp_}), w.proj_w, {}});
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, Hl_, D}), datty_.reshape({B_, T_, Hl_, D}), a.atty, a.lse, a.qkv,
                             1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, tp_rank_ * Hl_, H_});
-    if (cfg_.recompute_norm) {
+    if (recompute_ln_) {
       be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
       gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
     }

@@ -79,6 +79,27 @@ class CpuOps final : public Fp8Ops {
     if (amax) *amax = amax_max(*amax, max_abs(x));
   }
 
+  void quantize_grad(const GradQuantizeArgs& a) override {
+    expect_input(a.dy, "fp8 quantize_grad dy");
+    KILN_CHECK(a.dy.ndim() == 2, "fp8 quantize_grad: dy must be 2-D, got ", a.dy.str());
+    KILN_CHECK(a.out.rowwise && a.out.colwise, "fp8 quantize_grad: both copies are needed");
+    if (a.gelu_pre) dgelu(a.dy, a.gelu_pre);
+    quantize(a.dy, a.out, a.amax);
+    if (a.dbias) bias_grad(a.dbias, a.dy);
+  }
+
+  void dgelu(const TensorView& dy, const TensorView& pre) override {
+    expect_input(dy, "fp8 dgelu dy");
+    expect_input(pre, "fp8 dgelu pre");
+    KILN_CHECK(dy.dtype == DType::f32 && pre.dtype == DType::f32 && pre.numel() == dy.numel(), "fp8 dgelu: dy ",
+               dy.str(), ", pre ", pre.str());
+    float* d = dy.as<float>();
+    const float* p = pre.as<float>();
+    const std::int64_t n = dy.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+    for (std::int64_t i = 0; i < n; ++i) d[i] = store(d[i] * ops::gelu_grad(p[i]));
+  }
+
   void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {
     const Format f = format_of(q, "fp8 dequantize q");
     KILN_CHECK(out.dtype == DType::f32 && out.numel() == q.numel(), "fp8 dequantize ", q.str(), " -> ", out.str());

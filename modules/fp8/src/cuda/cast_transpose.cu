@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::fp8::cuda {
@@ -71,6 +72,32 @@ __device__ void block_amax(unsigned local, float* amax) {
   }
 }
 
+// 16 values -> 16 codes of encode(v * scale), packed four to a word, lowest column first.
+template <Format F>
+__device__ __forceinline__ void encode16(const float v[16], float scale, std::uint32_t w[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = cvt2<F>(__fmul_rn(v[4 * j], scale), __fmul_rn(v[4 * j + 1], scale)) |
+           (cvt2<F>(__fmul_rn(v[4 * j + 2], scale), __fmul_rn(v[4 * j + 3], scale)) << 16);
+}
+
+// Transpose phase of a tile whose codes sit in `tile`: thread (tc, tv) writes rows
+// r0 + 16 tv .. + 15 of column c0 + tc as one 16-byte word of the colwise copy.
+__device__ __forceinline__ void store_transposed(const std::uint8_t* tile, std::uint8_t* col, int r0, int c0, int rows,
+                                                 int cols) {
+  const int tc = threadIdx.x / 4, tv = threadIdx.x % 4;
+  const int oc = c0 + tc, orow = r0 + tv * 16;
+  if (oc >= cols || orow >= rows) return;  // rows % 16 == 0: all 16 rows exist
+  std::uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const std::uint8_t* p = tile + (tv * 16 + 4 * j) * kStride + tc;
+    w[j] = static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[kStride]) << 8) |
+           (static_cast<std::uint32_t>(p[2 * kStride]) << 16) | (static_cast<std::uint32_t>(p[3 * kStride]) << 24);
+  }
+  *reinterpret_cast<uint4*>(col + static_cast<size_t>(oc) * rows + orow) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 template <class In, Format F, bool ROW, bool COL, bool AMAX>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_tiled(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
@@ -80,7 +107,6 @@ __global__ void __launch_bounds__(kThreads)
   const int tiles_c = (cols + kTile - 1) / kTile;
   const long long tiles = static_cast<long long>((rows + kTile - 1) / kTile) * tiles_c;
   const int lr = threadIdx.x / 4, lv = threadIdx.x % 4;  // load: tile row, 16-column group
-  const int tc = threadIdx.x / 4, tv = threadIdx.x % 4;  // store: tile column, 16-row group
   unsigned local = 0;
   for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int r0 = static_cast<int>(t / tiles_c) * kTile, c0 = static_cast<int>(t % tiles_c) * kTile;
@@ -89,10 +115,7 @@ __global__ void __launch_bounds__(kThreads)
       float v[16];
       load16(x + static_cast<size_t>(gr) * cols + gc, v);
       std::uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        w[j] = cvt2<F>(__fmul_rn(v[4 * j], scale), __fmul_rn(v[4 * j + 1], scale)) |
-               (cvt2<F>(__fmul_rn(v[4 * j + 2], scale), __fmul_rn(v[4 * j + 3], scale)) << 16);
+      encode16<F>(v, scale, w);
       if (AMAX)
 #pragma unroll
         for (int i = 0; i < 16; ++i) local = max(local, abs_bits(v[i]));
@@ -106,21 +129,87 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (COL) {
       __syncthreads();
-      const int oc = c0 + tc, orow = r0 + tv * 16;
-      if (oc < cols && orow < rows) {  // rows % 16 == 0: all 16 rows exist
-        std::uint32_t w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const std::uint8_t* p = tile + (tv * 16 + 4 * j) * kStride + tc;
-          w[j] = static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[kStride]) << 8) |
-                 (static_cast<std::uint32_t>(p[2 * kStride]) << 16) | (static_cast<std::uint32_t>(p[3 * kStride]) << 24);
-        }
-        *reinterpret_cast<uint4*>(col + static_cast<size_t>(oc) * rows + orow) = make_uint4(w[0], w[1], w[2], w[3]);
-      }
+      store_transposed(tile, col, r0, c0, rows, cols);
       __syncthreads();  // the next tile overwrites the shared tile
     }
   }
   if (AMAX) block_amax(local, amax);
+}
+
+// The gradient variant (GradQuantizeArgs): bf16 dy, optionally times gelu'(pre) rounded to bf16,
+// both copies, and with DBIAS each tile's column sums into partial[r0 / 64][c] (f32, a fixed
+// summation order: 8 rows per warp by shuffles, then the 8 warps in order), which
+// bias_partials_finish adds up over the row tiles in order.
+template <Format F, bool AMAX, bool DBIAS, bool DGELU>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_grad_tiled(const bf16* __restrict__ x, const bf16* __restrict__ pre, std::uint8_t* __restrict__ row,
+                              std::uint8_t* __restrict__ col, const float* __restrict__ scale_ptr, float* amax,
+                              float* __restrict__ partial, int rows, int cols) {
+  __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
+  __shared__ float colsum[DBIAS ? kThreads / 32 : 1][kTile];
+  const float scale = *scale_ptr;
+  const int tiles_c = (cols + kTile - 1) / kTile;
+  const long long tiles = static_cast<long long>((rows + kTile - 1) / kTile) * tiles_c;
+  const int lr = threadIdx.x / 4, lv = threadIdx.x % 4;
+  unsigned local = 0;
+  for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int r0 = static_cast<int>(t / tiles_c) * kTile, c0 = static_cast<int>(t % tiles_c) * kTile;
+    const int gr = r0 + lr, gc = c0 + lv * 16;
+    float v[16];
+    if (gr < rows && gc < cols) {
+      const size_t at = static_cast<size_t>(gr) * cols + gc;
+      load16(x + at, v);
+      if (DGELU) {
+        float p[16];
+        load16(pre + at, p);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] * ops::gelu_grad(p[i])));
+      }
+      std::uint32_t w[4];
+      encode16<F>(v, scale, w);
+      if (AMAX)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) local = max(local, abs_bits(v[i]));
+      *reinterpret_cast<uint4*>(row + at) = make_uint4(w[0], w[1], w[2], w[3]);
+      auto* dst = reinterpret_cast<std::uint32_t*>(tile + lr * kStride + lv * 16);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dst[j] = w[j];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+    }
+    if (DBIAS) {  // lanes 4k + lv of a warp hold rows k = 0..7 of the same 16 columns
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        v[i] += __shfl_xor_sync(0xffffffffu, v[i], 4);
+        v[i] += __shfl_xor_sync(0xffffffffu, v[i], 8);
+        v[i] += __shfl_xor_sync(0xffffffffu, v[i], 16);
+      }
+      if ((threadIdx.x & 31) < 4)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) colsum[threadIdx.x / 32][lv * 16 + i] = v[i];
+    }
+    __syncthreads();
+    store_transposed(tile, col, r0, c0, rows, cols);
+    if (DBIAS && threadIdx.x < kTile && c0 + threadIdx.x < cols) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) s += colsum[w][threadIdx.x];
+      partial[static_cast<size_t>(r0 / kTile) * cols + c0 + threadIdx.x] = s;
+    }
+    __syncthreads();
+  }
+  if (AMAX) block_amax(local, amax);
+}
+
+// dbias[c] += sum over the row tiles, in order, of partial[t][c].
+__global__ void bias_partials_finish(float* __restrict__ dbias, const float* __restrict__ partial, int row_tiles,
+                                     int cols) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.0f;
+  for (int t = 0; t < row_tiles; ++t) s += partial[static_cast<size_t>(t) * cols + c];
+  dbias[c] += s;
 }
 
 // Any shape and alignment: one element per thread and step.
@@ -252,6 +341,53 @@ void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::ui
     with_format<bf16>(x, rowwise, colwise, f, scale, amax, rows, cols, s);
   else
     with_format<float>(x, rowwise, colwise, f, scale, amax, rows, cols, s);
+}
+
+std::int64_t grad_partials(std::int64_t rows, std::int64_t cols) { return (rows + kTile - 1) / kTile * cols; }
+
+namespace {
+template <Format F, bool AMAX, bool DBIAS>
+void launch_grad(const CastTransposeGrad& a, cudaStream_t s) {
+  const long long tiles = ((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
+  const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
+  const auto r = static_cast<int>(a.rows), c = static_cast<int>(a.cols);
+  if (a.gelu_pre)
+    cast_transpose_grad_tiled<F, AMAX, DBIAS, true>
+        <<<grid, kThreads, 0, s>>>(a.dy, a.gelu_pre, a.rowwise, a.colwise, a.scale, a.amax, a.partial, r, c);
+  else
+    cast_transpose_grad_tiled<F, AMAX, DBIAS, false>
+        <<<grid, kThreads, 0, s>>>(a.dy, a.gelu_pre, a.rowwise, a.colwise, a.scale, a.amax, a.partial, r, c);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+template <Format F>
+void grad_with_flags(const CastTransposeGrad& a, cudaStream_t s) {
+  if (a.amax)
+    a.dbias ? launch_grad<F, true, true>(a, s) : launch_grad<F, true, false>(a, s);
+  else
+    a.dbias ? launch_grad<F, false, true>(a, s) : launch_grad<F, false, false>(a, s);
+}
+}  // namespace
+
+bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
+  KILN_CHECK(a.rows >= 0 && a.cols >= 0 && a.scale && a.rowwise && a.colwise, "fp8 cast_transpose_grad: [", a.rows,
+             ",", a.cols, "]");
+  if (a.rows == 0 || a.cols == 0) return true;
+  const bool tiled = a.rows % 16 == 0 && a.cols % 16 == 0 && a.rows <= 0x7fffffff && a.cols <= 0x7fffffff &&
+                     aligned16(a.dy) && (!a.gelu_pre || aligned16(a.gelu_pre)) && aligned16(a.rowwise) &&
+                     aligned16(a.colwise);
+  if (!tiled) return false;
+  KILN_CHECK(!a.dbias || a.partial, "fp8 cast_transpose_grad: dbias without partial-sum scratch");
+  if (a.format == Format::e4m3)
+    grad_with_flags<Format::e4m3>(a, s);
+  else
+    grad_with_flags<Format::e5m2>(a, s);
+  if (a.dbias) {
+    const int cols = static_cast<int>(a.cols);
+    bias_partials_finish<<<(cols + kThreads - 1) / kThreads, kThreads, 0, s>>>(
+        a.dbias, a.partial, static_cast<int>((a.rows + kTile - 1) / kTile), cols);
+    KILN_CUDA_LAUNCH_CHECK();
+  }
+  return true;
 }
 
 void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s) {

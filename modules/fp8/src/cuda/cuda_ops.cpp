@@ -70,6 +70,52 @@ class CudaOps final : public Fp8Ops {
                          out.scale, amax, R, C, stream_);
   }
 
+  void quantize_grad(const GradQuantizeArgs& a) override {
+    const TensorView& dy = a.dy;
+    KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.ndim() == 2 && dy.contiguous(),
+               "fp8 quantize_grad dy ", dy.str());
+    const std::int64_t R = dy.size(0), C = dy.size(1);
+    if (a.gelu_pre)
+      KILN_CHECK(a.gelu_pre.device == Device::cuda && a.gelu_pre.dtype == DType::bf16 && a.gelu_pre.shape == dy.shape &&
+                     a.gelu_pre.contiguous(),
+                 "fp8 quantize_grad gelu_pre ", a.gelu_pre.str(), " for dy ", dy.str());
+    KILN_CHECK(a.out.rowwise && a.out.colwise && a.out.scale, "fp8 quantize_grad: both copies and a scale are needed");
+    for (const TensorView* t : {&a.out.rowwise, &a.out.colwise})
+      KILN_CHECK(t->device == Device::cuda && t->dtype == dtype_of(a.out.format) && t->contiguous(),
+                 "fp8 quantize_grad: output ", t->str(), " for format ", name_of(a.out.format));
+    KILN_CHECK(a.out.rowwise.shape == Shape({R, C}) && a.out.colwise.shape == Shape({C, R}), "fp8 quantize_grad: copies ",
+               a.out.rowwise.str(), " / ", a.out.colwise.str(), " for dy ", dy.str());
+    if (a.dbias)
+      KILN_CHECK(a.dbias.device == Device::cuda && a.dbias.dtype == DType::f32 && a.dbias.numel() == C,
+                 "fp8 quantize_grad dbias ", a.dbias.str(), " for dy ", dy.str());
+    cuda::CastTransposeGrad k;
+    k.dy = dy.as<kiln::cuda::bf16>();
+    k.gelu_pre = a.gelu_pre ? a.gelu_pre.as<kiln::cuda::bf16>() : nullptr;
+    k.rowwise = a.out.rowwise.as<std::uint8_t>();
+    k.colwise = a.out.colwise.as<std::uint8_t>();
+    k.format = a.out.format;
+    k.scale = a.out.scale;
+    k.amax = a.amax;
+    k.dbias = a.dbias ? a.dbias.as<float>() : nullptr;
+    k.partial = a.dbias ? scratch(cuda::grad_partials(R, C)) : nullptr;
+    k.rows = R;
+    k.cols = C;
+    if (cuda::cast_transpose_grad(k, stream_)) return;
+    // Shapes the tiled kernel does not take: the same values in three passes.
+    if (a.gelu_pre) dgelu(dy, a.gelu_pre);
+    quantize(dy, a.out, a.amax);
+    if (a.dbias) bias_grad(a.dbias, dy);
+  }
+
+  void dgelu(const TensorView& dy, const TensorView& pre) override {
+    KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.contiguous() && pre.device == Device::cuda &&
+                   pre.dtype == DType::bf16 && pre.numel() == dy.numel() && pre.contiguous(),
+               "fp8 dgelu: dy ", dy.str(), ", pre ", pre.str());
+    const std::int64_t cols = dy.ndim() == 0 ? 1 : dy.size(dy.ndim() - 1);
+    cuda::gemm_epilogue(dy.as<kiln::cuda::bf16>(), pre.as<kiln::cuda::bf16>(), nullptr, dy.numel() / std::max<std::int64_t>(cols, 1),
+                        cols, cuda::EpilogueKernel::dgelu, stream_);
+  }
+
   void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {
     KILN_CHECK(q.device == Device::cuda && (q.dtype == DType::e4m3 || q.dtype == DType::e5m2), "fp8 dequantize ", q.str());
     KILN_CHECK(out.device == Device::cuda && out.dtype == DType::f32 && out.numel() == q.numel(), "fp8 dequantize ",

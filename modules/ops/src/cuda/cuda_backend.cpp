@@ -344,6 +344,7 @@ void CudaBackend::linear_forward(const LinearForward& a) {
 
 void CudaBackend::linear_backward(const LinearBackward& a) {
   Timer t(*this, a.dx_gelu_pre ? "linear_backward_dgelu" : "linear_backward");
+  KILN_CHECK(!a.dout_gelu_pre, "linear_backward: dout_gelu_pre is for a LinearImpl with fuses_dout_gelu, not the backend");
   const int N = as_int(a.x.size(0), "N"), IC = as_int(a.x.size(1), "IC"), OC = as_int(a.weight.size(0), "OC");
   check_dev(a.dout, DType::bf16, "linear_backward dout");
   check_dev(a.x, DType::bf16, "linear_backward x");

@@ -10,8 +10,12 @@
 // Scales (per tensor, slots of an Fp8MetaStore): the weight's FP8 copies (rowwise and colwise) are
 // made once per weight version and reused by every micro-batch and by the backward pass. The input
 // is quantised in the forward pass (rowwise) and again, with the same scale, in the backward pass
-// (colwise only), so no FP8 activation is kept between the passes. The grad_output is quantised once
-// in the backward pass into both copies.
+// (colwise only), so no FP8 activation is kept between the passes, unless keep_input is set: then
+// the forward writes both copies and keeps the colwise one for the backward, which never reads the
+// high-precision input (ops::LinearImpl::keeps_input; worth it where the model would otherwise keep
+// that input in bf16 only for this layer). The grad_output is quantised once in the backward pass
+// into both copies, with its amax and the bias gradient in the same pass, and with the dGELU too
+// when the caller hands in LinearBackward::dout_gelu_pre (ops::LinearImpl::fuses_dout_gelu).
 //
 // Replays: a forward run again on the same input (activation recompute) is called with
 // `replay = true`: it quantises with the scale the original forward used (kept in the meta slot:
@@ -46,12 +50,19 @@ class Fp8Linear {
  public:
   // Uses slots first_slot + TensorRole of `meta`; their formats decide the FP8 types.
   Fp8Linear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace, const Fp8Recipe& recipe,
-            std::string name = "linear");
+            std::string name = "linear", bool keep_input = false);
 
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor). Bump the version whenever the weight values change.
   void forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay = false);
   void backward(const ops::LinearBackward& a);
+
+  // Makes the weight's FP8 copies from `master` (the weight's f32 master copy) and stores them in
+  // the memory of `compute` (its act-precision compute copy: rowwise in the first OC x IC bytes,
+  // colwise in the next), for forwards whose weight is that compute copy. The FP8 layer then
+  // replaces the compute copy instead of adding to it, so nothing else may read it between the
+  // first forward after a weight update and the next update (the optimizer rewrites it).
+  void use_master_weight(const TensorView& master, const TensorView& compute);
 
   // Forward on an input its producer already quantised (e.g. a LayerNorm writing FP8): `x.rowwise`
   // [N, IC] in input_slot().format, quantised with *input_slot().scale; under delayed scaling the
@@ -61,6 +72,8 @@ class Fp8Linear {
 
   ScalingSlot slot(TensorRole r) const { return meta_.slot(first_slot_ + static_cast<int>(r)); }
   void invalidate_weight() { cache_.valid = false; }
+  bool keeps_input() const { return keep_input_; }
+  std::size_t kept_bytes() const { return kept_.bytes(); }  // the kept input copy's memory
   const std::string& name() const { return name_; }
 
  private:
@@ -68,6 +81,7 @@ class Fp8Linear {
   // (nullptr when the amax is already recorded or not wanted).
   float* prepare_scale(const ScalingSlot& s, const TensorView& t);
   void ensure_weight(const TensorView& w, std::int64_t version);
+  void* kept_input(std::int64_t rows, std::int64_t cols);  // the keep_input buffer, sized for [rows, cols]
   bool weight_cached(const TensorView& w) const;
   void gemm_forward(const TensorView& xq, const ops::LinearForward& a);
   Fp8TensorView view(const ScalingSlot& s, void* rowwise, void* colwise, std::int64_t rows, std::int64_t cols) const;
@@ -78,8 +92,14 @@ class Fp8Linear {
   Fp8Workspace& ws_;
   Fp8Recipe recipe_;
   std::string name_;
+  bool keep_input_ = false;
+  Buffer kept_;               // keep_input: the colwise input copy [IC, N] of the last forward
+  std::int64_t kept_rows_ = 0, kept_cols_ = 0;
+  TensorView master_, compute_;  // use_master_weight
   struct WeightCache {
-    Buffer rowwise, colwise;  // [OC, IC] and [IC, OC]
+    void* rowwise = nullptr;  // [OC, IC]
+    void* colwise = nullptr;  // [IC, OC]
+    Buffer own_rowwise, own_colwise;  // where they live unless in the compute copy
     bool valid = false;
     std::int64_t version = 0;
     const void* source = nullptr;

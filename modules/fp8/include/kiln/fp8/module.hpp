@@ -36,6 +36,7 @@ struct Fp8Config {
   bool lm_head = false;
   AmaxGroup amax_group = AmaxGroup::tp_dp;
   bool forward_fast_accum = true;
+  bool weights_in_compute_copy = true;
   void validate(config::Checks& c) const {
     c.expect(amax_history_len >= 1, "amax_history_len", "must be at least 1");
     c.expect(margin >= 0 && margin <= 100, "margin", "must be in 0..100");
@@ -51,7 +52,10 @@ KILN_CONFIG(Fp8Config,
             (first_last_bf16, "keep the first and the last transformer block in bf16"),
             (lm_head, "run the LM head in FP8 too"),
             (amax_group, "ranks that share scales (one all-reduce of the amaxes per step): tp, tp_dp or world"),
-            (forward_fast_accum, "FP8 fast accumulation in the forward GEMMs (backward GEMMs never use it)"))
+            (forward_fast_accum, "FP8 fast accumulation in the forward GEMMs (backward GEMMs never use it)"),
+            (weights_in_compute_copy,
+             "an FP8 layer's weight copies are made from the f32 master weight into the memory of its bf16 compute "
+             "copy, which nothing else reads (false: extra buffers, made from the compute copy)"))
 
 // World resource: this rank's FP8 machinery.
 struct Fp8State {

@@ -52,6 +52,21 @@ struct DelayedUpdateArgs {
   int scale_inv_stride = 1;
 };
 
+// The gradient side of a linear layer's backward pass in one read of dy ([rows, cols], act):
+//   g = dy, or with gelu_pre: g = act(dy * gelu'(gelu_pre)) (rounded to act exactly as the unfused
+//   dGELU stores it, so both paths quantise the same values);
+//   out.rowwise and out.colwise = encode(g * *out.scale) (both copies are written);
+//   *amax = max(*amax, max |g|) unless amax is null;
+//   dbias[c] += sum over rows of g[r, c] (f32 [cols]) unless dbias is empty.
+// The implementation may overwrite dy with g (its fallback for shapes the fused kernel does not take).
+struct GradQuantizeArgs {
+  TensorView dy;
+  TensorView gelu_pre;   // optional, act, same shape as dy
+  Fp8TensorView out;
+  float* amax = nullptr;
+  TensorView dbias;      // optional
+};
+
 class Fp8Ops {
  public:
   virtual ~Fp8Ops() = default;
@@ -70,6 +85,9 @@ class Fp8Ops {
   // Quantises x ([rows, cols], act or f32) with *out.scale into out.rowwise and/or out.colwise (the
   // transpose), reading x once; max-accumulates max |x| into *amax unless it is null.
   virtual void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) = 0;
+  virtual void quantize_grad(const GradQuantizeArgs& a) = 0;
+  // dy := act(dy * gelu'(pre)) in place (the unfused dGELU; act tensors of the same shape).
+  virtual void dgelu(const TensorView& dy, const TensorView& pre) = 0;
   // out (f32, same shape) = decode(q) * *scale_inv.
   virtual void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) = 0;
   virtual void gemm(const GemmArgs& g) = 0;

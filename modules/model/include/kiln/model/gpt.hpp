@@ -141,6 +141,7 @@ class GptModel {
   std::vector<TensorView> res_saved_;  // distributed saved inputs: this rank's rows of res_[l]
   TensorView res_pingpong_[2];        // full-width inputs of blocks whose saved input is distributed
   bool allocated_ = false;
+  bool recompute_ln_ = false, recompute_gelu_ = false;  // the backward pass refills LayerNorm / GELU outputs
   TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
   TensorView ce_stats_, ce_all_stats_;  // vocabulary-parallel cross-entropy: [N, 3] and [tp, N, 3]
   TensorView local_c_, full_c_;  // SP: [Nl, C] and [N, C] scratch (both scratch_c_ without SP)

@@ -60,6 +60,10 @@ struct Linear {
   Entity weight{};
   std::optional<Entity> bias;
   int in = 0, out = 0;
+  // The model stores this layer's input for the backward pass for this layer alone (no recompute,
+  // no other reader): an implementation that keeps its own copy of the input instead
+  // (ops::LinearImpl::keeps_input) then saves the model that memory.
+  bool input_stored_for_backward = false;
 };
 
 // Activation recompute of one layer (attached to its Layer entity by the activation_checkpoint

@@ -102,6 +102,10 @@ struct LinearBackward {
   TensorView x;            // [N, IC] act
   TensorView weight;       // [OC, IC] act
   TensorView dx_gelu_pre;  // [N, IC] act, optional: x was gelu(pre); then dx = (dout @ weight) * gelu'(pre)
+  // [N, OC] act, optional, only for a LinearImpl with fuses_dout_gelu (the backends reject it): dout
+  // is the gradient with respect to gelu(dout_gelu_pre), so the layer's output gradient is
+  // dout * gelu'(dout_gelu_pre); the implementation computes it on the fly and may overwrite dout.
+  TensorView dout_gelu_pre;
 };
 
 // Causal multi-head attention on the fused QKV projection, softmax(q k^T * scale) v, with dropout p

@@ -2,7 +2,7 @@
 // A replacement for the backend's linear ops on one linear layer. A module (fp8, for example)
 // attaches it as a component to a Linear entity; the model then calls it instead of
 // Backend::linear_forward / linear_backward for that layer, and knows nothing else about it.
-// The arguments and their contract are exactly those of the backend ops.
+// The arguments and their contract are those of the backend ops, plus the two capabilities below.
 #include <functional>
 
 #include "kiln/ops/backend.hpp"
@@ -12,6 +12,12 @@ namespace kiln::ops {
 struct LinearImpl {
   std::function<void(const LinearForward&)> forward;
   std::function<void(const LinearBackward&)> backward;
+  // backward takes LinearBackward::dout_gelu_pre: the model may then hand it the gradient of the
+  // GELU output and leave the dGELU to it (fused with whatever it does to dout anyway).
+  bool fuses_dout_gelu = false;
+  // backward never reads LinearBackward::x: the forward kept what the backward needs (an FP8 copy
+  // of the input, say), so the model need not store or recompute x for this layer.
+  bool keeps_input = false;
 };
 
 }  // namespace kiln::ops

@@ -20,6 +20,25 @@ namespace kiln::fp8::cuda {
 void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
                     const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
+// The gradient quantisation of GradQuantizeArgs in one pass over bf16 dy (see there): optional
+// dGELU, both copies, amax, and column sums into dbias through `partial` (f32 scratch of
+// grad_partials(rows, cols) elements). Returns false, doing nothing, for shapes or alignments the
+// tiled kernel does not take (rows or cols not multiples of 16, pointers not 16-byte aligned).
+struct CastTransposeGrad {
+  const __nv_bfloat16* dy = nullptr;
+  const __nv_bfloat16* gelu_pre = nullptr;  // optional
+  std::uint8_t* rowwise = nullptr;
+  std::uint8_t* colwise = nullptr;
+  Format format = Format::e5m2;
+  const float* scale = nullptr;
+  float* amax = nullptr;     // optional
+  float* dbias = nullptr;    // optional, accumulated
+  float* partial = nullptr;  // needed with dbias
+  std::int64_t rows = 0, cols = 0;
+};
+bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s);
+std::int64_t grad_partials(std::int64_t rows, std::int64_t cols);
+
 // *amax = max(*amax, max |x|) over n elements (NaN propagates).
 void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s);
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 5's numerics runs in one call, building nothing: gpt2-124m on the Brown corpus (data/brown,
+# carried with the build) for train.steps (2,000 by default) in bf16, FP8 delayed and FP8 current
+# scaling from the same seed, metrics to $OUT/numerics-*.jsonl. With four GPUs visible the three runs
+# go side by side on GPUs 0-2 while GPU 3 takes per-op profiles of FP8 steps; with fewer, one after
+# another. Plot locally: kiln plot $OUT/numerics-bf16.jsonl=bf16 ... -o docs/fp8-loss.svg
+# usage: bash bench/gpu_numerics.sh BUILD_DIR [STEPS]
+set -uo pipefail
+B=${1:-.devbuild}
+STEPS=${2:-2000}
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0
+K="$B/bin/kiln"
+ngpu=$(nvidia-smi -L | wc -l)
+[ -f data/brown/train_000000.bin ] || { echo "data/brown missing: carry it"; exit 1; }
+# run NAME GPU ARGS...
+run() {
+  local name=$1 gpu=$2
+  shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout 560 "$K" run pipelines/gpt2-124m.toml --set train.steps="$STEPS" \
+    --set log.every=50 --set log.val_every=100 --set log.metrics="$OUT/numerics-$name.jsonl" "$@" > "$OUT/numerics-$name.log" 2>&1
+  echo "$name rc=$?" >> "$OUT/numerics-$name.log"
+}
+profile() {  # NAME GPU PIPELINE ARGS...
+  local name=$1 gpu=$2 pipe=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=$gpu timeout 120 "$K" run "$pipe" --set data.synthetic_vocab=50257 --set 'data.val_files=""' \
+    --set log.val_every=0 --set log.every=4 --set backend.profile=true --set log.metrics="$OUT/profile-$name.jsonl" "$@" \
+    > "$OUT/profile-$name.log" 2>&1
+  echo "$name rc=$?" >> "$OUT/profile-$name.log"
+}
+t0=$(date +%s)
+if [ "$ngpu" -ge 4 ]; then
+  run bf16 0 &
+  run fp8-delayed 1 --set fp8.enabled=true &
+  run fp8-current 2 --set fp8.enabled=true --set fp8.recipe=current &
+  ( profile 124m-fp8 3 pipelines/gpt2-124m.toml --set train.steps=12 --set fp8.enabled=true
+    profile 1.3b-fp8 3 pipelines/gpt-1.3b.toml --set train.steps=8 --set fp8.enabled=true ) &
+  wait
+else
+  run bf16 0
+  run fp8-delayed 0 --set fp8.enabled=true
+  run fp8-current 0 --set fp8.enabled=true --set fp8.recipe=current
+fi
+echo "all runs: $(( $(date +%s) - t0 )) s"
+for f in "$OUT"/numerics-*.log "$OUT"/profile-*.log; do
+  [ -f "$f" ] || continue
+  echo "===== $(basename "$f")"
+  tail -70 "$f"
+done > "$OUT/numerics-logs.txt"
+python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+print(f"{'run':<14} {'steps':>5} {'final loss':>10} {'final val':>10} {'vs bf16':>8} {'median tok/s':>12}")
+base = None
+for name in ["bf16", "fp8-delayed", "fp8-current"]:
+    p = out / f"numerics-{name}.jsonl"
+    if not p.exists():
+        print(f"{name:<14} missing"); continue
+    rows = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    vals = [r for r in rows if "val_loss" in r]
+    v = vals[-1]["val_loss"] if vals else float("nan")
+    if base is None: base = v
+    tps = sorted(r["tokens_per_s"] for r in rows[len(rows)//4:])
+    print(f"{name:<14} {rows[-1]['step']:>5} {rows[-1]['loss']:>10.4f} {v:>10.4f} {100*(v/base-1):>7.2f}% {tps[len(tps)//2]:>12,.0f}")
+PY
