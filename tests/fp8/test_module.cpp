@@ -200,20 +200,25 @@ TEST_CASE("with backend.profile, the FP8 kernels appear in the per-op breakdown"
   p.run();
   std::map<std::string, std::int64_t> calls;
   for (auto& t : p.world->resource<ops::ActiveBackend>().get().op_times()) calls[t.op] = t.calls;
-  // Steps 2 and 3 (the first is left out): 12 FP8 linears, each with a forward GEMM (3 with the GELU
-  // epilogue) and, in the backward pass, a data-gradient and a weight-gradient GEMM.
-  CHECK(calls["fp8_gemm_forward"] + calls["fp8_gemm_forward_gelu"] == 2 * 12);
-  CHECK(calls["fp8_gemm_forward_gelu"] == 2 * 3);
+  // Steps 2 and 3 (the first is left out): 12 FP8 linears, each with a forward GEMM and, in the
+  // backward pass, a data-gradient and a weight-gradient GEMM. FC1 writes its pre-activation (a
+  // plain GEMM with bias) and FC2 applies the GELU while quantising its input.
+  CHECK(calls["fp8_gemm_forward"] == 2 * 12);
+  CHECK(calls["fp8_gemm_forward_gelu"] == 0);
   CHECK(calls["fp8_gemm_wgrad"] == 2 * 12);
   CHECK(calls["fp8_gemm_dgrad"] == 2 * 12);
-  CHECK(calls["fp8_quantize_rowwise"] == 2 * 12);  // the inputs in the forward pass
-  CHECK(calls["fp8_quantize_both"] == 2 * 12);     // the weights, once per step
+  CHECK(calls["fp8_quantize_rowwise"] == 2 * 9);       // the inputs in the forward pass
+  CHECK(calls["fp8_quantize_gelu_rowwise"] == 2 * 3);  // FC2's: gelu(FC1's pre-activation)
+  CHECK(calls["fp8_quantize_both"] == 2 * 12);         // the weights, once per step
   // The output gradients with their bias gradients, FC1's with the dGELU of FC2's input gradient.
   CHECK(calls["fp8_quantize_grad_dbias"] == 2 * 9);
   CHECK(calls["fp8_quantize_grad_dgelu_dbias"] == 2 * 3);
   CHECK(calls["fp8_bias_grad"] == 0);
   CHECK(calls["fp8_dgelu"] == 0);
-  CHECK(calls["fp8_quantize_colwise"] == 2 * 12);  // the inputs again, transposed, for the weight gradient
+  CHECK(calls["gelu_forward"] == 0);  // no GELU output is recomputed either
+  // The inputs again, transposed, for the weight gradient.
+  CHECK(calls["fp8_quantize_colwise"] == 2 * 9);
+  CHECK(calls["fp8_quantize_gelu_colwise"] == 2 * 3);
   CHECK(calls["fp8_scale_update"] == 2);
   CHECK(calls["linear_forward"] > 0);  // the LM head stays in bf16
 }

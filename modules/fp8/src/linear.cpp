@@ -12,13 +12,13 @@ void expect(const TensorView& t, DType dtype, std::int64_t rows, std::int64_t co
 }
 }  // namespace
 
-void* Fp8Workspace::get(Use use, std::size_t bytes) {
-  auto& b = bufs_[use];
-  if (b.bytes() < bytes) {
+std::uint8_t* Fp8Workspace::get(std::size_t bytes) {
+  if (buf_.bytes() < bytes) {
     ops_.synchronize();  // the old buffer may still be read by queued work
-    b = ops_.alloc(bytes + bytes / 4);
+    buf_ = Buffer();     // freed before the larger one is taken
+    buf_ = ops_.alloc(bytes);
   }
-  return b.data();
+  return static_cast<std::uint8_t*>(buf_.data());
 }
 
 Fp8Linear::Fp8Linear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace,
@@ -48,17 +48,18 @@ Fp8TensorView Fp8Linear::view(const ScalingSlot& s, void* rowwise, void* colwise
   return v;
 }
 
-float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t) {
+float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t, bool gelu) {
+  auto amax = [&](float* into) { gelu ? ops_.amax_gelu(t, into) : ops_.amax(t, into); };
   if (recipe_.kind == RecipeKind::current) {
     ops_.zero(s.amax_now, sizeof(float));
-    ops_.amax(t, s.amax_now);
+    amax(s.amax_now);
     ops_.scale_from_amax(s.amax_now, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
     return nullptr;
   }
   if (meta_.ready(s.index)) return s.amax;
   // Delayed scaling with no history yet: start from this tensor's own amax (recorded as this
   // step's), instead of a scale of 1 that would flush small gradients to zero.
-  ops_.amax(t, s.amax);
+  amax(s.amax);
   ops_.scale_from_amax(s.amax, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
   meta_.set_ready(s.index);
   return nullptr;
@@ -110,17 +111,21 @@ void Fp8Linear::ensure_weight(const TensorView& w, std::int64_t version) {
 
 void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
-  KILN_CHECK(a.x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", a.x.str(), ", weight ", a.weight.str());
-  const std::int64_t N = a.x.size(0), IC = a.x.size(1);
-  expect(a.x, act, N, IC, name_ + " forward x");
+  // The input, or the pre-activation it is the GELU of (the GELU then computed while quantising).
+  const bool gelu = static_cast<bool>(a.x_gelu_pre);
+  const TensorView& x = gelu ? a.x_gelu_pre : a.x;
+  KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", x.str(), ", weight ", a.weight.str());
+  const std::int64_t N = x.size(0), IC = x.size(1);
+  expect(x, act, N, IC, name_ + (gelu ? " forward x_gelu_pre" : " forward x"));
   // A replay (activation recompute) reuses the original forward's FP8 weight and scales.
   KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
              ": a replayed forward needs the weight of the original one");
   ensure_weight(a.weight, weight_version);
   const ScalingSlot s = slot(TensorRole::input);
-  void* xq = ws_.get(Fp8Workspace::input_rowwise, static_cast<std::size_t>(N * IC));
-  float* record = replay ? nullptr : prepare_scale(s, a.x);
-  ops_.quantize(a.x, view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC), record);
+  void* xq = ws_.get(static_cast<std::size_t>(N * IC));
+  float* record = replay ? nullptr : prepare_scale(s, x, gelu);
+  const Fp8TensorView out = view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC);
+  gelu ? ops_.quantize_gelu(x, out, record) : ops_.quantize(x, out, record);
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
 }
 
@@ -137,6 +142,7 @@ void* Fp8Linear::kept_input(std::int64_t rows, std::int64_t cols) {
 
 void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForward& a, std::int64_t weight_version) {
   const ScalingSlot s = slot(TensorRole::input);
+  KILN_CHECK(!a.x_gelu_pre, name_, " forward_quantized: the producer quantised the input; x_gelu_pre makes no sense");
   KILN_CHECK(x.rowwise && x.format == s.format && x.scale_inv == s.scale_inv, name_,
              " forward_quantized: the input must be a rowwise ", name_of(s.format),
              " tensor quantised with this layer's input scale");
@@ -177,9 +183,11 @@ void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) 
 
 void Fp8Linear::backward(const ops::LinearBackward& a) {
   const DType act = ops_.act_dtype();
-  KILN_CHECK(a.x.ndim() == 2 && a.weight.ndim() == 2, name_, " backward: x ", a.x.str(), ", weight ", a.weight.str());
-  const std::int64_t N = a.x.size(0), IC = a.x.size(1), OC = a.weight.size(0);
-  expect(a.x, act, N, IC, name_ + " backward x");
+  const bool gelu = static_cast<bool>(a.x_gelu_pre);
+  const TensorView& x = gelu ? a.x_gelu_pre : a.x;
+  KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " backward: x ", x.str(), ", weight ", a.weight.str());
+  const std::int64_t N = x.size(0), IC = x.size(1), OC = a.weight.size(0);
+  if (!keep_input_) expect(x, act, N, IC, name_ + (gelu ? " backward x_gelu_pre" : " backward x"));
   expect(a.weight, act, OC, IC, name_ + " backward weight");
   expect(a.dout, act, N, OC, name_ + " backward dout");
   expect(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
@@ -202,8 +210,11 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
       gelu_pre = {};
     }
   }
-  void* gr = ws_.get(Fp8Workspace::grad_rowwise, static_cast<std::size_t>(N * OC));
-  void* gc = ws_.get(Fp8Workspace::grad_colwise, static_cast<std::size_t>(N * OC));
+  // Scratch: grad_output rowwise and colwise, then (unless kept) the input's colwise copy.
+  const auto gbytes = static_cast<std::size_t>(N * OC);
+  std::uint8_t* scratch = ws_.get(2 * gbytes + (keep_input_ ? 0 : static_cast<std::size_t>(N * IC)));
+  void* gr = scratch;
+  void* gc = scratch + gbytes;
   float* record = prepare_scale(sg, a.dout);
   ops_.quantize_grad({a.dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias});
   // The input's colwise copy: kept from the forward, or quantised again with the forward's scale
@@ -214,8 +225,9 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
                "] without the forward's kept input");
     xc = kept_.data();
   } else {
-    xc = ws_.get(Fp8Workspace::input_colwise, static_cast<std::size_t>(N * IC));
-    ops_.quantize(a.x, view(sx, nullptr, xc, N, IC), nullptr);
+    xc = scratch + 2 * gbytes;
+    const Fp8TensorView out = view(sx, nullptr, xc, N, IC);
+    gelu ? ops_.quantize_gelu(x, out, nullptr) : ops_.quantize(x, out, nullptr);
   }
 
   if (a.dx) {

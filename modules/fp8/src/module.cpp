@@ -152,7 +152,8 @@ void install(World& w, const Fp8Config& cfg) {
                                       },
                                       [lin](const ops::LinearBackward& a) { lin->backward(a); },
                                       /*fuses_dout_gelu=*/true,
-                                      /*keeps_input=*/keep});
+                                      /*keeps_input=*/keep,
+                                      /*takes_gelu_input=*/true});
   }
 
   // Activation recompute replays forwards: same scales, no second amax (see Fp8Linear).

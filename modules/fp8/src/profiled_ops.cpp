@@ -27,6 +27,15 @@ class ProfiledOps final : public Fp8Ops {
                                                                                 : "fp8_quantize_colwise");
     in_->quantize(x, out, amax);
   }
+  void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
+    Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_gelu_both" : out.rowwise ? "fp8_quantize_gelu_rowwise"
+                                                                                     : "fp8_quantize_gelu_colwise");
+    in_->quantize_gelu(pre, out, amax);
+  }
+  void amax_gelu(const TensorView& pre, float* amax) override {
+    Scope s(be_, "fp8_amax_gelu");
+    in_->amax_gelu(pre, amax);
+  }
   void quantize_grad(const GradQuantizeArgs& a) override {
     Scope s(be_, a.gelu_pre ? (a.dbias ? "fp8_quantize_grad_dgelu_dbias" : "fp8_quantize_grad_dgelu")
                             : (a.dbias ? "fp8_quantize_grad_dbias" : "fp8_quantize_grad"));

@@ -149,7 +149,14 @@ void GptModel::allocate_activations() {
     }
     return true;
   };
-  const bool ln_kept = inputs_kept(0) && inputs_kept(2), gelu_kept = inputs_kept(3);
+  // FC2 computing the GELU of FC1's pre-activation itself (LinearImpl::takes_gelu_input): no GELU
+  // output is stored, recomputed, or even written.
+  gelu_in_fc2_ = !block_linears_.empty();
+  for (const auto& lin : block_linears_) {
+    const auto* impl = world_.try_get<ops::LinearImpl>(lin[3]);
+    gelu_in_fc2_ = gelu_in_fc2_ && impl && impl->takes_gelu_input;
+  }
+  const bool ln_kept = inputs_kept(0) && inputs_kept(2), gelu_kept = gelu_in_fc2_ || inputs_kept(3);
   recompute_ln_ = cfg_.recompute_norm && !ln_kept;
   recompute_gelu_ = cfg_.recompute_gelu && !gelu_kept;
   const bool keep_ln = !cfg_.recompute_norm && !ln_kept, keep_fc = !cfg_.recompute_gelu && !gelu_kept;
@@ -220,7 +227,7 @@ void GptModel::allocate_activations() {
   if (any_distributed)
     for (auto& r : res_pingpong_) arena_.request(&r, act, {N, C});
   if (!keep_ln) arena_.request(&ln_shared_, act, {N, C});
-  if (!keep_fc) arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
+  if (!keep_fc && !gelu_in_fc2_) arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
   for (const auto& f : fields) {
     if (!f.own) continue;
     for (int l = 0; l < L_; ++l)

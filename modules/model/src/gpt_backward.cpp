@@ -54,7 +54,9 @@ void GptModel::backward(const train::Batch& batch) {
     // implementation takes it (LinearImpl::fuses_dout_gelu), in FC1's pass over its output gradient.
     const auto* fc_impl = world_.try_get<ops::LinearImpl>(lin[2]);
     const bool defer_dgelu = fc_impl && fc_impl->fuses_dout_gelu;
-    linear_backward(lin[3], {dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, defer_dgelu ? TensorView{} : a.fc_pre});
+    ops::LinearBackward fc2{dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, defer_dgelu ? TensorView{} : a.fc_pre};
+    if (gelu_in_fc2_) fc2.x_gelu_pre = a.fc_pre;
+    linear_backward(lin[3], fc2);
     linear_backward(lin[2], {dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}, defer_dgelu ? a.fc_pre : TensorView{}});
     reduce_rows(dln_local, dln_);  // column-parallel FC1: each rank holds part of the input gradient
     be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_local, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});

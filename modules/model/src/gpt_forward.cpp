@@ -103,10 +103,15 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
   if (stages & kMlpIn) {
     be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
     gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
-    linear_forward(lin[2], {a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
+    if (gelu_in_fc2_)  // FC1 writes the pre-activation; FC2 applies the GELU as it reads it
+      linear_forward(lin[2], {a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b});
+    else
+      linear_forward(lin[2], {a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
   }
   if (stages & kMlpOut) {
-    linear_forward(lin[3], {scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)});
+    ops::LinearForward fc2{scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)};
+    if (gelu_in_fc2_) fc2.x_gelu_pre = a.fc_pre;
+    linear_forward(lin[3], fc2);
     reduce_rows(local_c_, scratch_c_);
     be_.residual_forward({res_[l + 1], a.res2, local_c_, hidden_dropout(p, a.mlp_drop_rng)});
   }

@@ -79,6 +79,15 @@ class CpuOps final : public Fp8Ops {
     if (amax) *amax = amax_max(*amax, max_abs(x));
   }
 
+  void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
+    std::vector<float> g = gelu_of(pre);
+    quantize(TensorView(g.data(), pre.shape, DType::f32, Device::cpu), out, amax);
+  }
+  void amax_gelu(const TensorView& pre, float* amax) override {
+    std::vector<float> g = gelu_of(pre);
+    this->amax(TensorView(g.data(), pre.shape, DType::f32, Device::cpu), amax);
+  }
+
   void quantize_grad(const GradQuantizeArgs& a) override {
     expect_input(a.dy, "fp8 quantize_grad dy");
     KILN_CHECK(a.dy.ndim() == 2, "fp8 quantize_grad: dy must be 2-D, got ", a.dy.str());
@@ -180,6 +189,15 @@ class CpuOps final : public Fp8Ops {
 
  private:
   float store(float v) const { return round_ ? round_bf16(v) : v; }
+
+  std::vector<float> gelu_of(const TensorView& pre) const {
+    expect_input(pre, "fp8 gelu input");
+    std::vector<float> g(static_cast<std::size_t>(pre.numel()));
+    const std::int64_t n = pre.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+    for (std::int64_t i = 0; i < n; ++i) g[static_cast<std::size_t>(i)] = store(ops::gelu(load(pre, i)));
+    return g;
+  }
 
   float max_abs(const TensorView& x) const {
     std::uint32_t m = 0;

@@ -98,7 +98,10 @@ __device__ __forceinline__ void store_transposed(const std::uint8_t* tile, std::
   *reinterpret_cast<uint4*>(col + static_cast<size_t>(oc) * rows + orow) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <class In, Format F, bool ROW, bool COL, bool AMAX>
+// act(gelu(v)), as the GELU kernels store it (bf16 round to nearest even).
+__device__ __forceinline__ float gelu_act(float v) { return __bfloat162float(__float2bfloat16_rn(ops::gelu(v))); }
+
+template <class In, Format F, bool ROW, bool COL, bool AMAX, bool GELU>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_tiled(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                          const float* __restrict__ scale_ptr, float* amax, int rows, int cols) {
@@ -114,6 +117,9 @@ __global__ void __launch_bounds__(kThreads)
     if (gr < rows && gc < cols) {
       float v[16];
       load16(x + static_cast<size_t>(gr) * cols + gc, v);
+      if (GELU)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = gelu_act(v[i]);
       std::uint32_t w[4];
       encode16<F>(v, scale, w);
       if (AMAX)
@@ -213,7 +219,7 @@ __global__ void bias_partials_finish(float* __restrict__ dbias, const float* __r
 }
 
 // Any shape and alignment: one element per thread and step.
-template <class In, Format F, bool ROW, bool COL, bool AMAX>
+template <class In, Format F, bool ROW, bool COL, bool AMAX, bool GELU>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_any(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                        const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols) {
@@ -222,7 +228,7 @@ __global__ void __launch_bounds__(kThreads)
   unsigned local = 0;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const float v = load1(x, i);
+    const float v = GELU ? gelu_act(load1(x, i)) : load1(x, i);
     const std::uint8_t q = cvt1<F>(__fmul_rn(v, scale));
     if (ROW) row[i] = q;
     if (COL) col[(i % cols) * rows + i / cols] = q;
@@ -275,7 +281,7 @@ unsigned grid_for(long long work) {
   return static_cast<unsigned>(std::clamp<long long>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
 }
 
-template <class In, Format F, bool ROW, bool COL, bool AMAX>
+template <class In, Format F, bool ROW, bool COL, bool AMAX, bool GELU>
 void launch(const void* xv, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax, std::int64_t rows,
             std::int64_t cols, cudaStream_t s) {
   const In* x = static_cast<const In*>(xv);
@@ -284,42 +290,44 @@ void launch(const void* xv, std::uint8_t* row, std::uint8_t* col, const float* s
   if (tiled) {
     const long long tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
     const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
-    cast_transpose_tiled<In, F, ROW, COL, AMAX><<<grid, kThreads, 0, s>>>(x, row, col, scale, amax,
-                                                                         static_cast<int>(rows), static_cast<int>(cols));
+    cast_transpose_tiled<In, F, ROW, COL, AMAX, GELU>
+        <<<grid, kThreads, 0, s>>>(x, row, col, scale, amax, static_cast<int>(rows), static_cast<int>(cols));
   } else {
-    cast_transpose_any<In, F, ROW, COL, AMAX><<<grid_for(rows * cols), kThreads, 0, s>>>(x, row, col, scale, amax, rows,
-                                                                                         cols);
+    cast_transpose_any<In, F, ROW, COL, AMAX, GELU>
+        <<<grid_for(rows * cols), kThreads, 0, s>>>(x, row, col, scale, amax, rows, cols);
   }
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <class In, Format F, bool ROW, bool COL>
+template <class In, Format F, bool ROW, bool COL, bool GELU>
 void with_amax(const void* x, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax, std::int64_t rows,
                std::int64_t cols, cudaStream_t s) {
   if (amax)
-    launch<In, F, ROW, COL, true>(x, row, col, scale, amax, rows, cols, s);
+    launch<In, F, ROW, COL, true, GELU>(x, row, col, scale, amax, rows, cols, s);
   else
-    launch<In, F, ROW, COL, false>(x, row, col, scale, amax, rows, cols, s);
+    launch<In, F, ROW, COL, false, GELU>(x, row, col, scale, amax, rows, cols, s);
 }
 
-template <class In, Format F>
+template <class In, Format F, bool GELU>
 void with_copies(const void* x, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax,
                  std::int64_t rows, std::int64_t cols, cudaStream_t s) {
   if (row && col)
-    with_amax<In, F, true, true>(x, row, col, scale, amax, rows, cols, s);
+    with_amax<In, F, true, true, GELU>(x, row, col, scale, amax, rows, cols, s);
   else if (row)
-    with_amax<In, F, true, false>(x, row, col, scale, amax, rows, cols, s);
-  else
-    with_amax<In, F, false, true>(x, row, col, scale, amax, rows, cols, s);
+    with_amax<In, F, true, false, GELU>(x, row, col, scale, amax, rows, cols, s);
+  else if (col)
+    with_amax<In, F, false, true, GELU>(x, row, col, scale, amax, rows, cols, s);
+  else if (GELU)  // the amax alone (without the GELU the plain amax kernel does it)
+    launch<In, F, false, false, true, true>(x, row, col, scale, amax, rows, cols, s);
 }
 
-template <class In>
+template <class In, bool GELU = false>
 void with_format(const void* x, std::uint8_t* row, std::uint8_t* col, Format f, const float* scale, float* amax,
                  std::int64_t rows, std::int64_t cols, cudaStream_t s) {
   if (f == Format::e4m3)
-    with_copies<In, Format::e4m3>(x, row, col, scale, amax, rows, cols, s);
+    with_copies<In, Format::e4m3, GELU>(x, row, col, scale, amax, rows, cols, s);
   else
-    with_copies<In, Format::e5m2>(x, row, col, scale, amax, rows, cols, s);
+    with_copies<In, Format::e5m2, GELU>(x, row, col, scale, amax, rows, cols, s);
 }
 
 void check_input(DType t, const char* what) {
@@ -388,6 +396,13 @@ bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
     KILN_CUDA_LAUNCH_CHECK();
   }
   return true;
+}
+
+void cast_transpose_gelu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                         const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  KILN_CHECK(rows >= 0 && cols >= 0 && scale, "fp8 cast_transpose_gelu: [", rows, ",", cols, "]");
+  if (rows == 0 || cols == 0 || (!rowwise && !colwise && !amax)) return;
+  with_format<bf16, true>(pre, rowwise, colwise, f, scale, amax, rows, cols, s);
 }
 
 void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s) {

@@ -59,15 +59,24 @@ class CudaOps final : public Fp8Ops {
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
     check_input(x, "fp8 quantize x");
     KILN_CHECK(x.ndim() == 2, "fp8 quantize: x must be 2-D [rows, cols], got ", x.str());
-    KILN_CHECK(out.scale, "fp8 quantize: no scale");
+    check_outputs(x, out, "fp8 quantize");
     const std::int64_t R = x.size(0), C = x.size(1);
-    for (const TensorView* t : {&out.rowwise, &out.colwise})
-      if (*t) KILN_CHECK(t->device == Device::cuda && t->dtype == dtype_of(out.format) && t->contiguous(),
-                         "fp8 quantize: output ", t->str(), " for format ", name_of(out.format));
-    if (out.rowwise) KILN_CHECK(out.rowwise.shape == Shape({R, C}), "fp8 quantize: rowwise ", out.rowwise.str(), " for x ", x.str());
-    if (out.colwise) KILN_CHECK(out.colwise.shape == Shape({C, R}), "fp8 quantize: colwise ", out.colwise.str(), " for x ", x.str());
     cuda::cast_transpose(x.data, x.dtype, out.rowwise.as<std::uint8_t>(), out.colwise.as<std::uint8_t>(), out.format,
                          out.scale, amax, R, C, stream_);
+  }
+
+  void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
+    KILN_CHECK(pre.device == Device::cuda && pre.dtype == DType::bf16 && pre.ndim() == 2 && pre.contiguous(),
+               "fp8 quantize_gelu pre ", pre.str());
+    check_outputs(pre, out, "fp8 quantize_gelu");
+    cuda::cast_transpose_gelu(pre.as<kiln::cuda::bf16>(), out.rowwise.as<std::uint8_t>(), out.colwise.as<std::uint8_t>(),
+                              out.format, out.scale, amax, pre.size(0), pre.size(1), stream_);
+  }
+  void amax_gelu(const TensorView& pre, float* amax) override {
+    KILN_CHECK(pre.device == Device::cuda && pre.dtype == DType::bf16 && pre.ndim() == 2 && pre.contiguous(),
+               "fp8 amax_gelu pre ", pre.str());
+    cuda::cast_transpose_gelu(pre.as<kiln::cuda::bf16>(), nullptr, nullptr, Format::e4m3, amax, amax, pre.size(0),
+                              pre.size(1), stream_);
   }
 
   void quantize_grad(const GradQuantizeArgs& a) override {
@@ -139,6 +148,16 @@ class CudaOps final : public Fp8Ops {
   void update_delayed(const DelayedUpdateArgs& a) override { cuda::delayed_update(a, stream_); }
 
  private:
+  static void check_outputs(const TensorView& x, const Fp8TensorView& out, const char* what) {
+    KILN_CHECK(out.scale, what, ": no scale");
+    const std::int64_t R = x.size(0), C = x.size(1);
+    for (const TensorView* t : {&out.rowwise, &out.colwise})
+      if (*t) KILN_CHECK(t->device == Device::cuda && t->dtype == dtype_of(out.format) && t->contiguous(), what,
+                         ": output ", t->str(), " for format ", name_of(out.format));
+    if (out.rowwise) KILN_CHECK(out.rowwise.shape == Shape({R, C}), what, ": rowwise ", out.rowwise.str(), " for x ", x.str());
+    if (out.colwise) KILN_CHECK(out.colwise.shape == Shape({C, R}), what, ": colwise ", out.colwise.str(), " for x ", x.str());
+  }
+
   float* scratch(std::int64_t n) {
     const std::size_t bytes = static_cast<std::size_t>(std::max<std::int64_t>(n, 1)) * sizeof(float);
     if (scratch_.bytes() < bytes) {

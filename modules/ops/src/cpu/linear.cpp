@@ -5,6 +5,7 @@ namespace kiln::ops::cpu {
 
 void CpuBackend::linear_forward(const LinearForward& a) {
   Timer timer(*this, "linear_forward");
+  KILN_CHECK(!a.x_gelu_pre, "linear_forward: x_gelu_pre is for a LinearImpl with takes_gelu_input, not the backend");
   const std::int64_t N = a.x.size(0), IC = a.x.size(1), OC = a.weight.size(0);
   expect_tensor(a.out, DType::f32, {N, OC}, "linear_forward out");
   expect_tensor(a.x, DType::f32, {N, IC}, "linear_forward x");
@@ -42,7 +43,8 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
   if (a.dbias) expect_tensor(a.dbias, DType::f32, {OC}, "linear_backward dbias");
   if (a.dx) expect_tensor(a.dx, DType::f32, {N, IC}, "linear_backward dx");
   if (a.dx_gelu_pre) expect_tensor(a.dx_gelu_pre, DType::f32, {N, IC}, "linear_backward dx_gelu_pre");
-  KILN_CHECK(!a.dout_gelu_pre, "linear_backward: dout_gelu_pre is for a LinearImpl with fuses_dout_gelu, not the backend");
+  KILN_CHECK(!a.dout_gelu_pre && !a.x_gelu_pre,
+             "linear_backward: dout_gelu_pre and x_gelu_pre are for a LinearImpl that takes them, not the backend");
   const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>();
   if (a.dx) {
     float* dx = a.dx.as<float>();

@@ -33,17 +33,18 @@
 namespace kiln::fp8 {
 
 // Scratch memory for the quantised activations and gradients of the linear layers that share one
-// Fp8Ops (they run one after another on its stream, so they can share it). Grows on demand.
+// Fp8Ops: one buffer, holding a forward's rowwise input, or a backward's two gradient copies and
+// transposed input (the layers run one after another on the stream, so these never overlap in
+// time). Grows on demand to the largest request.
 class Fp8Workspace {
  public:
-  enum Use { input_rowwise, input_colwise, grad_rowwise, grad_colwise, kUses };
   explicit Fp8Workspace(Fp8Ops& ops) : ops_(ops) {}
-  // At least `bytes` for this use; growing waits for the work that may still read the old buffer.
-  void* get(Use use, std::size_t bytes);
+  // At least `bytes`; growing waits for the work that may still read the old buffer.
+  std::uint8_t* get(std::size_t bytes);
 
  private:
   Fp8Ops& ops_;
-  std::array<Buffer, kUses> bufs_;
+  Buffer buf_;
 };
 
 class Fp8Linear {
@@ -79,7 +80,7 @@ class Fp8Linear {
  private:
   // Makes slot s's scale valid for quantising t; returns where the quantisation records its amax
   // (nullptr when the amax is already recorded or not wanted).
-  float* prepare_scale(const ScalingSlot& s, const TensorView& t);
+  float* prepare_scale(const ScalingSlot& s, const TensorView& t, bool gelu = false);  // gelu: of act(gelu(t))
   void ensure_weight(const TensorView& w, std::int64_t version);
   void* kept_input(std::int64_t rows, std::int64_t cols);  // the keep_input buffer, sized for [rows, cols]
   bool weight_cached(const TensorView& w) const;

@@ -85,6 +85,9 @@ class Fp8Ops {
   // Quantises x ([rows, cols], act or f32) with *out.scale into out.rowwise and/or out.colwise (the
   // transpose), reading x once; max-accumulates max |x| into *amax unless it is null.
   virtual void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) = 0;
+  // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
+  virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
+  virtual void amax_gelu(const TensorView& pre, float* amax) = 0;
   virtual void quantize_grad(const GradQuantizeArgs& a) = 0;
   // dy := act(dy * gelu'(pre)) in place (the unfused dGELU; act tensors of the same shape).
   virtual void dgelu(const TensorView& dy, const TensorView& pre) = 0;

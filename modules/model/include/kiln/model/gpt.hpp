@@ -142,6 +142,7 @@ class GptModel {
   TensorView res_pingpong_[2];        // full-width inputs of blocks whose saved input is distributed
   bool allocated_ = false;
   bool recompute_ln_ = false, recompute_gelu_ = false;  // the backward pass refills LayerNorm / GELU outputs
+  bool gelu_in_fc2_ = false;  // FC2's implementation computes the GELU of FC1's pre-activation itself
   TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
   TensorView ce_stats_, ce_all_stats_;  // vocabulary-parallel cross-entropy: [N, 3] and [tp, N, 3]
   TensorView local_c_, full_c_;  // SP: [Nl, C] and [N, C] scratch (both scratch_c_ without SP)

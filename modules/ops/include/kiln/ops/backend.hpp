@@ -87,6 +87,9 @@ struct LinearForward {
   TensorView x;         // [N, IC] act
   TensorView weight;    // [OC, IC] act
   TensorView bias;      // [OC] act, optional
+  // [N, IC] act, optional, only for a LinearImpl with takes_gelu_input (the backends reject it): the
+  // input is gelu(x_gelu_pre) as gelu_forward would store it, computed on the fly; x is unused.
+  TensorView x_gelu_pre;
 };
 // out = gelu(x), elementwise (recomputes a GELU output in the backward pass instead of storing it).
 struct GeluForward {
@@ -106,6 +109,8 @@ struct LinearBackward {
   // is the gradient with respect to gelu(dout_gelu_pre), so the layer's output gradient is
   // dout * gelu'(dout_gelu_pre); the implementation computes it on the fly and may overwrite dout.
   TensorView dout_gelu_pre;
+  // [N, IC] act, optional, as LinearForward::x_gelu_pre: the forward's input was gelu(x_gelu_pre).
+  TensorView x_gelu_pre;
 };
 
 // Causal multi-head attention on the fused QKV projection, softmax(q k^T * scale) v, with dropout p

@@ -2,7 +2,7 @@
 // A replacement for the backend's linear ops on one linear layer. A module (fp8, for example)
 // attaches it as a component to a Linear entity; the model then calls it instead of
 // Backend::linear_forward / linear_backward for that layer, and knows nothing else about it.
-// The arguments and their contract are those of the backend ops, plus the two capabilities below.
+// The arguments and their contract are those of the backend ops, plus the capabilities below.
 #include <functional>
 
 #include "kiln/ops/backend.hpp"
@@ -18,6 +18,9 @@ struct LinearImpl {
   // backward never reads LinearBackward::x: the forward kept what the backward needs (an FP8 copy
   // of the input, say), so the model need not store or recompute x for this layer.
   bool keeps_input = false;
+  // forward and backward take LinearForward/LinearBackward::x_gelu_pre: the model may then hand the
+  // pre-activation of a GELU instead of storing (or recomputing) the GELU's output.
+  bool takes_gelu_input = false;
 };
 
 }  // namespace kiln::ops

@@ -20,6 +20,11 @@ namespace kiln::fp8::cuda {
 void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
                     const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
+// cast_transpose of act(gelu(pre)) (bf16 pre), the GELU computed on load; with neither copy, the
+// amax alone (scale must still point to a float).
+void cast_transpose_gelu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                         const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+
 // The gradient quantisation of GradQuantizeArgs in one pass over bf16 dy (see there): optional
 // dGELU, both copies, amax, and column sums into dbias through `partial` (f32 scratch of
 // grad_partials(rows, cols) elements). Returns false, doing nothing, for shapes or alignments the
