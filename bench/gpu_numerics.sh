@@ -3,7 +3,7 @@
 # carried with the build) for train.steps (2,000 by default) in bf16, FP8 delayed and FP8 current
 # scaling from the same seed, metrics to $OUT/numerics-*.jsonl. With four GPUs visible the three runs
 # go side by side on GPUs 0-2 while GPU 3 takes per-op profiles of FP8 steps; with fewer, one after
-# another. Plot locally: kiln plot $OUT/numerics-bf16.jsonl=bf16 ... -o docs/fp8-loss.svg
+# another; SUITE=1 puts `bench/gpu_suite.sh BUILD fp8` on GPU 3 instead (logs under $OUT/suite). Plot locally: kiln plot $OUT/numerics-bf16.jsonl=bf16 ... -o docs/fp8-loss.svg
 # usage: bash bench/gpu_numerics.sh BUILD_DIR [STEPS]
 set -uo pipefail
 B=${1:-.devbuild}
@@ -36,8 +36,12 @@ if [ "$ngpu" -ge 4 ]; then
   run bf16 0 &
   run fp8-delayed 1 --set fp8.enabled=true &
   run fp8-current 2 --set fp8.enabled=true --set fp8.recipe=current &
-  ( profile 124m-fp8 3 pipelines/gpt2-124m.toml --set train.steps=12 --set fp8.enabled=true
-    profile 1.3b-fp8 3 pipelines/gpt-1.3b.toml --set train.steps=8 --set fp8.enabled=true ) &
+  if [ "${SUITE:-0}" = 1 ]; then  # GPU 3: the FP8 tests and benchmarks of bench/gpu_suite.sh
+    ( CUDA_VISIBLE_DEVICES=3 OUT="$OUT/suite" bash bench/gpu_suite.sh "$B" fp8 > "$OUT/suite-summary.txt" 2>&1 ) &
+  else
+    ( profile 124m-fp8 3 pipelines/gpt2-124m.toml --set train.steps=12 --set fp8.enabled=true
+      profile 1.3b-fp8 3 pipelines/gpt-1.3b.toml --set train.steps=8 --set fp8.enabled=true ) &
+  fi
   wait
 else
   run bf16 0
@@ -48,8 +52,9 @@ echo "all runs: $(( $(date +%s) - t0 )) s"
 for f in "$OUT"/numerics-*.log "$OUT"/profile-*.log; do
   [ -f "$f" ] || continue
   echo "===== $(basename "$f")"
-  tail -70 "$f"
+  cat "$f"
 done > "$OUT/numerics-logs.txt"
+rm -f "$OUT"/numerics-*.log "$OUT"/profile-*.log "$OUT"/profile-*.jsonl  # the device returns few files
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
@@ -66,3 +71,4 @@ for name in ["bf16", "fp8-delayed", "fp8-current"]:
     tps = sorted(r["tokens_per_s"] for r in rows[len(rows)//4:])
     print(f"{name:<14} {rows[-1]['step']:>5} {rows[-1]['loss']:>10.4f} {v:>10.4f} {100*(v/base-1):>7.2f}% {tps[len(tps)//2]:>12,.0f}")
 PY
+[ -f "$OUT/suite-summary.txt" ] && tail -16 "$OUT/suite-summary.txt"

@@ -13,6 +13,7 @@ void expect(const TensorView& t, DType dtype, std::int64_t rows, std::int64_t co
 }  // namespace
 
 std::uint8_t* Fp8Workspace::get(std::size_t bytes) {
+  if (bytes <= lent_bytes_) return lent_;
   if (buf_.bytes() < bytes) {
     ops_.synchronize();  // the old buffer may still be read by queued work
     buf_ = Buffer();     // freed before the larger one is taken

@@ -175,6 +175,15 @@ void install(World& w, const Fp8Config& cfg) {
                                << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3") << ")\n";
                      for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16 (dimensions not multiples of 16)\n";
                    }});
+  // The blocks' FP8 scratch in the model's block scratch (its logits buffer), unless the LM head,
+  // which writes the logits, runs in FP8 too.
+  if (!cfg.lm_head)
+    w.systems().add({"fp8.scratch", Phase::setup,
+                     [](World& world) {
+                       if (const auto* s = world.try_resource<nn::BlockScratch>())
+                         world.resource<Fp8State>().workspace->lend(s->data, s->bytes);
+                     },
+                     {"model.init"}});
   if (cfg.recipe == RecipeKind::delayed) {
     w.systems().add({"fp8.amax_reduce", Phase::optimizer, reduce_amaxes});
     w.systems().add({"fp8.scale_update", Phase::optimizer,

@@ -52,6 +52,7 @@ void install(World& w, const ModelConfig& cfg) {
   w.systems().add({"model.init", Phase::setup, [](World& world) {
                      auto& m = world.resource<GptModel>();
                      m.allocate_activations();  // after every module attached its components
+                     world.emplace_resource<nn::BlockScratch>(m.block_scratch());
                      m.initialise(world.resource<rng::RngStatesTracker>());
                      if (world.resource<RankInfo>().rank == 0)
                        std::cout << "model: " << m.parameter_count() << " parameters on "

@@ -39,12 +39,20 @@ namespace kiln::fp8 {
 class Fp8Workspace {
  public:
   explicit Fp8Workspace(Fp8Ops& ops) : ops_(ops) {}
-  // At least `bytes`; growing waits for the work that may still read the old buffer.
+  // At least `bytes`: the lent memory where it is large enough, else an own buffer (growing waits
+  // for the work that may still read the old one).
   std::uint8_t* get(std::size_t bytes);
+  // Memory that is free whenever these layers run (nn::BlockScratch), used before allocating.
+  void lend(void* data, std::size_t bytes) {
+    lent_ = static_cast<std::uint8_t*>(data);
+    lent_bytes_ = data ? bytes : 0;
+  }
 
  private:
   Fp8Ops& ops_;
   Buffer buf_;
+  std::uint8_t* lent_ = nullptr;
+  std::size_t lent_bytes_ = 0;
 };
 
 class Fp8Linear {

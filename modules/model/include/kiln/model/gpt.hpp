@@ -46,6 +46,8 @@ class GptModel {
   void allocate_activations();
   // Bytes of activation memory (the arena: saved activations, scratch and backward buffers).
   std::size_t activation_bytes() const { return arena_.bytes(); }
+  // The logits buffer, unused while the blocks run (see nn::BlockScratch).
+  nn::BlockScratch block_scratch() const { return {logits_.data, logits_.bytes()}; }
   // Fills the master weights from the tracker's default state (layout-invariant draws) and refreshes
   // the compute copy.
   void initialise(rng::RngStatesTracker& tracker);

@@ -66,6 +66,15 @@ struct Linear {
   bool input_stored_for_backward = false;
 };
 
+// World resource the model provides once it has allocated its activations (Phase::setup): memory
+// it does not use while the transformer blocks run, forward, backward or recomputed. (GptModel lends
+// its logits buffer, which lives only from the LM head's forward to the LM head's backward.) Work
+// inside a block may use it as scratch.
+struct BlockScratch {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
 // Activation recompute of one layer (attached to its Layer entity by the activation_checkpoint
 // module, before the model allocates activation memory in Phase::setup). The model keeps the
 // layer's input and what `scope` leaves out, and in the backward pass recomputes the rest between
