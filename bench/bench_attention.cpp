@@ -1,6 +1,7 @@
-// Times kiln's CUDA attention through the backend: forward and backward at the GPT-2 124M shape
+// Times CUDA attention through the backend, with kiln's kernels and with cuDNN's fused flash
+// attention (deterministic and atomic-dQ backward): forward and backward at the GPT-2 124M shape
 // (B=16, T=1024, H=12, D=64), the 1.3B shape (B=8, T=1024, H=16, D=128), and 124M with dropout
-// 0.1. Causal FLOPs: forward 4*B*H*T*T*D/2, backward 2.5x that. Median of 20 timed calls (CUDA
+// 0.1 (kiln's kernels only). Causal FLOPs: forward 4*B*H*T*T*D/2, backward 2.5x that. Median of 20 timed calls (CUDA
 // events on the backend's stream) after warm-up.
 #include <cuda_runtime_api.h>
 
@@ -70,11 +71,24 @@ void run(ops::Backend& be, const Case& c) {
 
 int main() {
   try {
-    auto be = ops::make_cuda_backend(0);
-    std::printf("%s, causal attention (median of 20)\n", be->name().c_str());
-    std::printf("%-35s | %9s %9s | %9s %9s\n", "shape", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s");
-    for (const Case& c : {Case{16, 1024, 12, 64, 0.0f}, Case{8, 1024, 16, 128, 0.0f}, Case{16, 1024, 12, 64, 0.1f}})
-      run(*be, c);
+    struct Impl {
+      const char* name;
+      ops::CudaOptions options;
+    };
+    const Impl impls[] = {{"kiln", {.attention = ops::AttentionImpl::kiln}},
+                          {"cudnn (deterministic)", {.attention = ops::AttentionImpl::cudnn}},
+                          {"cudnn (atomic dQ)", {.attention = ops::AttentionImpl::cudnn, .attention_deterministic = false}}};
+    for (const Impl& impl : impls) {
+      try {
+        auto be = ops::make_cuda_backend(0, impl.options);
+        std::printf("%s, causal attention, %s (median of 20)\n", be->name().c_str(), impl.name);
+        std::printf("%-35s | %9s %9s | %9s %9s\n", "shape", "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s");
+        for (const Case& c : {Case{16, 1024, 12, 64, 0.0f}, Case{8, 1024, 16, 128, 0.0f}, Case{16, 1024, 12, 64, 0.1f}})
+          if (c.dropout == 0.0f || impl.options.attention == ops::AttentionImpl::kiln) run(*be, c);
+      } catch (const std::exception& e) {
+        std::printf("%s: %s\n", impl.name, e.what());
+      }
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_attention: %s\n", e.what());

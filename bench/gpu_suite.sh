@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs, in one call, building nothing: GPU op tests, kernel benchmarks,
 # and end-to-end training throughput of gpt2-124m and gpt-1.3b with a per-op breakdown.
-# usage (on the GPU machine, from the repository root):  bash bench/gpu_suite.sh BUILD_DIR [quick]
+# usage (on the GPU machine, from the repository root):
+#   bash bench/gpu_suite.sh BUILD_DIR [full|train|tests|fp8|attn]
+# attn: the GPU tests, bench_attention, and bf16 / FP8 runs of both models with cuDNN's attention
+# (deterministic and atomic-dQ) beside kiln's kernels.
 # Logs go to $OUT (or ./gpu-logs); a summary table is printed last.
 set -uo pipefail
 B=${1:-.devbuild}
@@ -23,7 +26,7 @@ run_tests() {
   local rc=$?
   note "$exe: rc=$rc $(grep -E '^\[doctest\] test cases' "$OUT/$exe.log" | tail -1)"
 }
-if [ "$MODE" = "fp8" ]; then
+if [ "$MODE" = "fp8" ] || [ "$MODE" = "attn" ]; then
   run_tests test_cuda_fp8
   run_tests test_cuda_ops
   run_tests test_gpu_model
@@ -36,6 +39,8 @@ fi
 
 if [ "$MODE" = "fp8" ]; then
   timeout 100 "$B/bin/bench_fp8" > "$OUT/bench_fp8.log" 2>&1; note "bench_fp8 rc=$?"
+elif [ "$MODE" = "attn" ]; then
+  timeout 100 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
 elif [ "$MODE" = "train" ]; then
   :
 elif [ "$MODE" != "tests" ]; then
@@ -51,7 +56,25 @@ if [ "$MODE" != "tests" ]; then
       --set train.steps="$steps" --set log.val_every=0 --set log.every=5 --set log.metrics="$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
     note "$name rc=$? $(grep -E 'peak device memory' "$OUT/$name.log")"
   }
-  if [ "$MODE" = "fp8" ]; then
+  if [ "$MODE" = "attn" ]; then
+    K=(--set backend.attention=kiln)
+    A=(--set backend.attention_deterministic=false)
+    F=(--set fp8.enabled=true)
+    train gpt2-124m pipelines/gpt2-124m.toml 60
+    train gpt2-124m-kiln pipelines/gpt2-124m.toml 60 "${K[@]}"
+    train gpt2-124m-atomic pipelines/gpt2-124m.toml 60 "${A[@]}"
+    train gpt2-124m-fp8 pipelines/gpt2-124m.toml 60 "${F[@]}"
+    train gpt2-124m-fp8-atomic pipelines/gpt2-124m.toml 60 "${F[@]}" "${A[@]}"
+    train gpt2-124m-fp8-kiln pipelines/gpt2-124m.toml 60 "${F[@]}" "${K[@]}"
+    train gpt-1.3b pipelines/gpt-1.3b.toml 30
+    train gpt-1.3b-kiln pipelines/gpt-1.3b.toml 30 "${K[@]}"
+    train gpt-1.3b-atomic pipelines/gpt-1.3b.toml 30 "${A[@]}"
+    train gpt-1.3b-fp8 pipelines/gpt-1.3b.toml 30 "${F[@]}"
+    train gpt-1.3b-fp8-atomic pipelines/gpt-1.3b.toml 30 "${F[@]}" "${A[@]}"
+    train gpt-1.3b-fp8-kiln pipelines/gpt-1.3b.toml 30 "${F[@]}" "${K[@]}"
+    train gpt-1.3b-profile pipelines/gpt-1.3b.toml 8 --set backend.profile=true
+    train gpt-1.3b-fp8-profile pipelines/gpt-1.3b.toml 8 "${F[@]}" --set backend.profile=true
+  elif [ "$MODE" = "fp8" ]; then
     train gpt2-124m pipelines/gpt2-124m.toml 60 --set fp8.enabled=true
     train gpt2-124m-current pipelines/gpt2-124m.toml 60 --set fp8.enabled=true --set fp8.recipe=current
     train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set fp8.enabled=true --set backend.profile=true
@@ -72,17 +95,17 @@ for line in "${summary[@]}"; do echo "$line"; done
 python3 - "$OUT" <<'PY'
 import json, statistics, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-print(f"{'run':<12} {'steps':>5} {'tok/s (median)':>15} {'ms/step':>9} {'MFU':>6} {'final loss':>10}")
-for name in ["gpt2-124m", "gpt2-124m-current", "gpt-1.3b"]:
-    p = out / f"{name}.jsonl"
-    if not p.exists():
+print(f"{'run':<22} {'steps':>5} {'tok/s (median)':>15} {'ms/step':>9} {'MFU':>6} {'final loss':>10}")
+for p in sorted(out.glob("*.jsonl")):
+    name = p.stem
+    if name.endswith("-profile"):
         continue
     rows = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
     steady = rows[len(rows) // 4:] or rows
     tps = statistics.median(r["tokens_per_s"] for r in steady)
     ms = statistics.median(r["step_ms"] for r in steady)
     mfu = statistics.median(r["mfu"] for r in steady)
-    print(f"{name:<12} {len(rows):>5} {tps:>15,.0f} {ms:>9.2f} {100*mfu:>5.1f}% {rows[-1]['loss']:>10.4f}")
+    print(f"{name:<22} {len(rows):>5} {tps:>15,.0f} {ms:>9.2f} {100*mfu:>5.1f}% {rows[-1]['loss']:>10.4f}")
 PY
 for f in "$OUT"/*.log; do
   if grep -qE "FAILED|ERROR|error:" "$f"; then echo "--- problems in $f:"; grep -E "FAILED|ERROR|error:" "$f" | head -15; fi
@@ -93,3 +116,4 @@ for f in "$OUT"/gpu.txt "$OUT"/*.log; do
   cat "$f"
 done > "$OUT/all-logs.txt"
 rm -f "$OUT"/*.log "$OUT"/gpu.txt "$OUT"/*-profile.jsonl "$OUT"/gpt2-124m-current.jsonl
+if [ "$MODE" = "attn" ]; then rm -f "$OUT"/*.jsonl; fi

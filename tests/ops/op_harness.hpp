@@ -23,10 +23,10 @@ struct BackendPair {
 };
 
 // Returns both backends, or a pair with gpu == nullptr when no GPU is visible.
-inline BackendPair backend_pair() {
+inline BackendPair backend_pair(const ops::CudaOptions& cuda_options = {}) {
   BackendPair p;
   p.cpu = ops::make_cpu_backend({.round_bf16 = true});
-  if (ops::cuda_available()) p.gpu = ops::make_cuda_backend(0);
+  if (ops::cuda_available()) p.gpu = ops::make_cuda_backend(0, cuda_options);
   return p;
 }
 

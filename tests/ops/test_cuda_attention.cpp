@@ -115,9 +115,29 @@ void check_backward(Attn& a) {
 const Dims kShapes[] = {{3, 77, 5, 0}, {2, 129, 2, 0}, {1, 1, 3, 0}, {1, 256, 2, 0}};
 const int kHeadDims[] = {16, 32, 64, 128};
 
-TEST_CASE("cuda attention_forward matches the CPU reference at awkward shapes") {
-  auto p = backend_pair();
-  KILN_REQUIRE_GPU(p);
+ops::CudaOptions with_attention(ops::AttentionImpl impl, bool deterministic = true) {
+  return {.attention = impl, .attention_deterministic = deterministic};
+}
+
+// The pair for cuDNN attention; without its gpu backend (the test skips) where libcudnn.so.9 does
+// not open. Any other cuDNN failure fails the test.
+BackendPair cudnn_pair(bool deterministic = true) {
+  auto p = backend_pair(with_attention(ops::AttentionImpl::cudnn, deterministic));
+  if (!p.gpu) return p;
+  Attn probe(p, {1, 8, 1, 64});
+  try {
+    p.gpu->attention_forward(probe.fwd_args(true));
+    p.gpu->synchronize();
+  } catch (const kiln::Error& e) {
+    const std::string what = e.what();
+    if (what.find("libcudnn.so.9") == std::string::npos && what.find("without cuDNN") == std::string::npos) throw;
+    MESSAGE("cuDNN attention not available here: " << what);
+    p.gpu.reset();
+  }
+  return p;
+}
+
+void forward_at_awkward_shapes(BackendPair& p) {
   for (int D : kHeadDims)
     for (Dims s : kShapes) {
       s.D = D;
@@ -126,15 +146,79 @@ TEST_CASE("cuda attention_forward matches the CPU reference at awkward shapes") 
     }
 }
 
-TEST_CASE("cuda attention_backward matches the CPU reference at awkward shapes") {
-  auto p = backend_pair();
-  KILN_REQUIRE_GPU(p);
+void backward_at_awkward_shapes(BackendPair& p) {
   for (int D : kHeadDims)
     for (Dims s : kShapes) {
       s.D = D;
       Attn a(p, s);
       check_backward(a);
     }
+}
+
+// Two runs of forward + backward on the same inputs give the same bits.
+void check_reproducible(BackendPair& p, Dims s, float drop) {
+  INFO("dropout " << drop);
+  Attn a(p, s, drop);
+  a.forward();
+  a.backward();
+  const auto out1 = a.out.gpu_values(), lse1 = a.lse.gpu_values(), d1 = a.dqkv.gpu_values();
+  a.dqkv.poison();
+  p.gpu->attention_forward(a.fwd_args(true));
+  p.gpu->attention_backward(a.bwd_args(true));
+  p.gpu->synchronize();
+  CHECK(a.out.gpu_values() == out1);
+  CHECK(a.lse.gpu_values() == lse1);
+  CHECK(a.dqkv.gpu_values() == d1);
+}
+
+TEST_CASE("cuda attention_forward (kiln's kernels) matches the CPU reference at awkward shapes") {
+  auto p = backend_pair(with_attention(ops::AttentionImpl::kiln));
+  KILN_REQUIRE_GPU(p);
+  forward_at_awkward_shapes(p);
+}
+
+TEST_CASE("cuda attention_backward (kiln's kernels) matches the CPU reference at awkward shapes") {
+  auto p = backend_pair(with_attention(ops::AttentionImpl::kiln));
+  KILN_REQUIRE_GPU(p);
+  backward_at_awkward_shapes(p);
+}
+
+TEST_CASE("cuda attention_forward (cuDNN) matches the CPU reference at awkward shapes") {
+  auto p = cudnn_pair();
+  KILN_REQUIRE_GPU(p);
+  forward_at_awkward_shapes(p);
+}
+
+TEST_CASE("cuda attention_backward (cuDNN, deterministic and atomic dQ) matches the CPU reference") {
+  for (bool deterministic : {true, false}) {
+    INFO("deterministic " << deterministic);
+    auto p = cudnn_pair(deterministic);
+    KILN_REQUIRE_GPU(p);
+    backward_at_awkward_shapes(p);
+  }
+}
+
+TEST_CASE("cuda attention: a cuDNN backward follows a kiln forward and the reverse (same lse)") {
+  auto kp = backend_pair(with_attention(ops::AttentionImpl::kiln));
+  KILN_REQUIRE_GPU(kp);
+  auto cp = cudnn_pair();
+  KILN_REQUIRE_GPU(cp);
+  const Dims s{2, 150, 3, 64};
+  Attn k(kp, s), c(cp, s);
+  k.forward();
+  c.forward();
+  KILN_CHECK_CLOSE(c.lse, kLseTol);
+  // kiln's forward outputs into cuDNN's backward, and cuDNN's into kiln's (the CPU reference
+  // backward takes the same values).
+  const auto k_out = k.out.gpu_values(), k_lse = k.lse.gpu_values();
+  k.out.set(c.out.gpu_values());
+  k.lse.set(c.lse.gpu_values());
+  c.out.set(k_out);
+  c.lse.set(k_lse);
+  k.backward();
+  c.backward();
+  KILN_CHECK_CLOSE(k.dqkv, kActTol);
+  KILN_CHECK_CLOSE(c.dqkv, kActTol);
 }
 
 TEST_CASE("cuda attention with dropout draws the CPU's masks") {
@@ -209,21 +293,15 @@ TEST_CASE("cuda attention dropout masks are bit-exact (one-hot values expose eve
 }
 
 TEST_CASE("cuda attention is deterministic (same bits run after run)") {
-  auto p = backend_pair();
-  KILN_REQUIRE_GPU(p);
-  for (float drop : {0.0f, 0.1f}) {
-    Attn a(p, {2, 300, 3, 64}, drop);
-    a.forward();
-    a.backward();
-    const auto out1 = a.out.gpu_values(), lse1 = a.lse.gpu_values(), d1 = a.dqkv.gpu_values();
-    a.dqkv.poison();
-    p.gpu->attention_forward(a.fwd_args(true));
-    p.gpu->attention_backward(a.bwd_args(true));
-    p.gpu->synchronize();
-    CHECK(a.out.gpu_values() == out1);
-    CHECK(a.lse.gpu_values() == lse1);
-    CHECK(a.dqkv.gpu_values() == d1);
+  {
+    auto p = backend_pair(with_attention(ops::AttentionImpl::kiln));
+    KILN_REQUIRE_GPU(p);
+    for (float drop : {0.0f, 0.1f}) check_reproducible(p, {2, 300, 3, 64}, drop);
   }
+  auto p = cudnn_pair();
+  KILN_REQUIRE_GPU(p);
+  check_reproducible(p, {2, 300, 3, 64}, 0.0f);
+  check_reproducible(p, {1, 1024, 4, 128}, 0.0f);
 }
 
 TEST_CASE("cuda attention on a head shard draws what the whole tensor draws") {
@@ -268,8 +346,8 @@ TEST_CASE("cuda attention on a head shard draws what the whole tensor draws") {
   KILN_CHECK_CLOSE(b.dqkv, kActTol);
 }
 
-TEST_CASE("cuda attention rejects an unsupported head dim") {
-  auto p = backend_pair();
+TEST_CASE("cuda attention (kiln's kernels) rejects an unsupported head dim") {
+  auto p = backend_pair(with_attention(ops::AttentionImpl::kiln));
   KILN_REQUIRE_GPU(p);
   Attn a(p, {1, 8, 1, 48});
   CHECK_THROWS_AS(p.gpu->attention_forward(a.fwd_args(true)), kiln::Error);

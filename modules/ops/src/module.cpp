@@ -16,7 +16,10 @@ void install(World& w, const BackendConfig& cfg) {
   bool use_cuda = engine.device == DeviceKind::cuda || (engine.device == DeviceKind::auto_ && cuda_available());
   std::unique_ptr<Backend> b;
   if (use_cuda) {
-    b = make_cuda_backend(cfg.cuda_device >= 0 ? cfg.cuda_device : rank.local_rank, {.gemm_autotune = cfg.gemm_autotune});
+    b = make_cuda_backend(cfg.cuda_device >= 0 ? cfg.cuda_device : rank.local_rank, {.gemm_autotune = cfg.gemm_autotune,
+                                                                                        .attention = cfg.attention,
+                                                                                        .attention_deterministic =
+                                                                                            cfg.attention_deterministic});
   } else {
     int local = rank.local_world_size;
     int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

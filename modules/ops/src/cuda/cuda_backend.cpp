@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <numeric>
 
 #include "kiln/tensor/cuda_check.hpp"
@@ -20,8 +21,7 @@ bool cuda_available() {
 
 std::unique_ptr<Backend> make_cuda_backend(int device_index, const CudaOptions& options) {
   if (!cuda_available()) KILN_THROW("no CUDA device is visible (engine.device = \"cuda\" needs a GPU)");
-  auto b = std::make_unique<cuda_impl::CudaBackend>(device_index);
-  b->set_gemm_autotune(options.gemm_autotune);
+  auto b = std::make_unique<cuda_impl::CudaBackend>(device_index, options);
   return b;
 }
 
@@ -46,7 +46,8 @@ int as_int(std::int64_t v, const char* what) {
 }
 }  // namespace
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+CudaBackend::CudaBackend(int device, const CudaOptions& options)
+    : device_(device), attention_(options.attention), attention_deterministic_(options.attention_deterministic) {
   KILN_CUDA_CHECK(cudaSetDevice(device));
   std::size_t total = 0;
   KILN_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total));
@@ -63,6 +64,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   KILN_CUBLAS_CHECK(cublasLtCreate(&lt_));
   workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
+  gemm_->set_autotune(options.gemm_autotune);
   for (auto& s : staging_) KILN_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 }
 
@@ -78,6 +80,7 @@ CudaBackend::~CudaBackend() {
   }
   for (auto e : event_pool_) cudaEventDestroy(e);
   gemm_.reset();
+  cudnn_.reset();
   if (lt_) cublasLtDestroy(lt_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -406,6 +409,30 @@ std::size_t CudaBackend::device_memory_in_use() const {
   return free_at_start_ > free_now ? free_at_start_ - free_now : 0;
 }
 
+bool CudaBackend::use_cudnn_attention(float dropout, int B, int T, int H, int D) {
+  if (attention_ == AttentionImpl::kiln || dropout != 0.0f || cudnn_unavailable_) return false;
+  const auto shape = std::make_tuple(B, T, H, D);
+  if (cudnn_refused_.count(shape)) return false;
+  try {
+    if (!cudnn_) cudnn_ = std::make_unique<CudnnAttention>(stream_, attention_deterministic_);
+  } catch (const Error& e) {
+    if (attention_ == AttentionImpl::cudnn) throw;
+    std::cerr << "[kiln] backend.attention = auto: " << e.what() << "; attention runs kiln's kernels\n";
+    cudnn_unavailable_ = true;
+    return false;
+  }
+  try {
+    cudnn_->prepare(B, T, H, D);
+  } catch (const Error& e) {
+    if (attention_ == AttentionImpl::cudnn) throw;
+    std::cerr << "[kiln] backend.attention = auto: " << cudnn_->version() << " takes no attention of B=" << B
+              << " T=" << T << " H=" << H << " D=" << D << " (" << e.what() << "); kiln's kernels run it\n";
+    cudnn_refused_.insert(shape);
+    return false;
+  }
+  return true;
+}
+
 void CudaBackend::attention_forward(const AttentionForward& a) {
   Timer t(*this, "attention_forward");
   KILN_CHECK(a.qkv.ndim() == 5 && a.qkv.size(2) == 3, "attention_forward: qkv must be [B, T, 3, H, D], got ",
@@ -415,6 +442,11 @@ void CudaBackend::attention_forward(const AttentionForward& a) {
   check_dev(a.qkv, DType::bf16, "attention_forward qkv");
   check_dev(a.out, DType::bf16, "attention_forward out");
   check_dev(a.lse, DType::f32, "attention_forward lse");
+  if (use_cudnn_attention(a.dropout, B, T, H, D)) {
+    void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->forward_workspace_bytes(B, T, H, D) / sizeof(float)));
+    cudnn_->forward(a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
+    return;
+  }
   cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout,
                           a.rng, a.head_offset, a.heads_total ? a.heads_total : H, stream_);
 }
@@ -425,6 +457,14 @@ void CudaBackend::attention_backward(const AttentionBackward& a) {
             D = as_int(a.qkv.size(4), "D");
   check_dev(a.dqkv, DType::bf16, "attention_backward dqkv");
   check_dev(a.dout, DType::bf16, "attention_backward dout");
+  if (use_cudnn_attention(a.dropout, B, T, H, D)) {
+    check_dev(a.qkv, DType::bf16, "attention_backward qkv");
+    check_dev(a.out, DType::bf16, "attention_backward out");
+    check_dev(a.lse, DType::f32, "attention_backward lse");
+    void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->backward_workspace_bytes(B, T, H, D) / sizeof(float)));
+    cudnn_->backward(a.dqkv.data, a.dout.data, a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
+    return;
+  }
   float* scratch = scratch_floats(cuda::attention_backward_scratch(B, T, H));
   cuda::attention_backward(dptr<bf16>(a.dqkv), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.out), dptr<float>(a.lse),
                            dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout, a.rng, a.head_offset,

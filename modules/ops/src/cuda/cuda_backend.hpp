@@ -5,18 +5,21 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
+#include "cudnn_attention.hpp"
 
 namespace kiln::ops::cuda_impl {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device);
+  CudaBackend(int device, const CudaOptions& options);
   ~CudaBackend() override;
 
   Device device() const override { return Device::cuda; }
@@ -69,6 +72,9 @@ class CudaBackend final : public Backend {
     CudaBackend& b_;
     int index_ = -1;
   };
+  // Whether attention of this shape runs on cuDNN (see AttentionImpl); opens cuDNN and builds the
+  // shape's plans at first use. Forward and backward decide alike, so they always pair up.
+  bool use_cudnn_attention(float dropout, int B, int T, int H, int D);
   // Device scratch memory for temporaries of one op, grown on demand (stream-ordered).
   float* scratch_floats(std::int64_t n);
   // Counters that kernels leave zero (e.g. bias_grad's tickets), zeroed once.
@@ -85,6 +91,11 @@ class CudaBackend final : public Backend {
   Buffer workspace_;
   std::unique_ptr<cuda::GemmRunner> gemm_;
   Buffer scratch_;
+  AttentionImpl attention_;
+  bool attention_deterministic_;
+  std::unique_ptr<CudnnAttention> cudnn_;
+  bool cudnn_unavailable_ = false;                 // auto: libcudnn failed to open; kiln's kernels run
+  std::set<std::tuple<int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for
   Buffer tickets_;
   struct Staging {
     void* host = nullptr;

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <boost/describe/enum.hpp>
+
 #include "kiln/rng/philox.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/tensor.hpp"
@@ -282,8 +284,19 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options = {});
 // Whether this build has CUDA and a GPU is visible.
 bool cuda_available();
 // The CUDA backend on device `device_index` (throws if unavailable).
+// Which kernels run causal attention on CUDA: kiln's own flash kernels, or cuDNN's fused flash
+// attention (its runtime-fusion SDPA graphs, libcudnn.so.9 opened at run time). cuDNN draws no
+// dropout masks from kiln's Philox streams, so attention with dropout always runs kiln's kernels.
+// auto_: cuDNN where it loads and accepts the shape, else kiln's kernels.
+enum class AttentionImpl { auto_, kiln, cudnn };
+BOOST_DESCRIBE_ENUM(AttentionImpl, auto_, kiln, cudnn)
+
 struct CudaOptions {
   bool gemm_autotune = false;  // time cuBLASLt's candidate algorithms per GEMM shape (see GemmRunner)
+  AttentionImpl attention = AttentionImpl::auto_;
+  // cuDNN attention: true keeps results bitwise reproducible (the backward writes dQ from one
+  // product per tile instead of accumulating it with atomics); false takes cuDNN's fastest graph.
+  bool attention_deterministic = true;
 };
 std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, const CudaOptions& options = {});
 

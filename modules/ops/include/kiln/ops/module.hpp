@@ -14,6 +14,8 @@ struct BackendConfig {
   bool profile = false;
   int cuda_device = -1;
   bool gemm_autotune = false;
+  AttentionImpl attention = AttentionImpl::auto_;
+  bool attention_deterministic = true;
 };
 KILN_CONFIG(BackendConfig,
             (cpu_threads, "CPU backend threads per rank; 0 = hardware threads / local ranks"),
@@ -22,7 +24,12 @@ KILN_CONFIG(BackendConfig,
             (cuda_device, "GPU index; -1 = the rank's local rank"),
             (gemm_autotune,
              "CUDA: time up to 8 cuBLASLt algorithms per GEMM shape at its first use and keep the fastest "
-             "(false: cuBLASLt's heuristic choice; with true, results may differ bitwise between processes)"))
+             "(false: cuBLASLt's heuristic choice; with true, results may differ bitwise between processes)"),
+            (attention,
+             "CUDA causal attention: auto (cuDNN's fused flash attention where libcudnn.so.9 loads and takes the "
+             "shape, else kiln's kernels), kiln, or cudnn; attention with dropout always runs kiln's kernels"),
+            (attention_deterministic,
+             "cuDNN attention: bitwise-reproducible backward (false: cuDNN's fastest, dQ accumulated with atomics)"))
 
 // World resource: the backend every module computes with.
 struct ActiveBackend {
