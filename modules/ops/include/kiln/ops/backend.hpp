@@ -11,7 +11,8 @@
 //  - Tensors are contiguous, row-major. N = number of tokens (B*T), C = channels.
 //  - Ops are asynchronous on the backend's compute stream; only functions returning a host value
 //    synchronise.
-//  - Results are deterministic: the same inputs give the same bits, run after run.
+//  - Results are deterministic: the same inputs give the same bits, run after run (unless a CUDA
+//    backend is made with attention_deterministic = false; see CudaOptions).
 #include <cstdint>
 #include <memory>
 #include <span>
