@@ -313,19 +313,32 @@ cudnnBackendDescriptor_t causal_mask(GraphBuilder& g, const Layout& l, cudnnBack
   return out;
 }
 
+// The tensors both graphs read or write as the forward left them.
+struct Common {
+  cudnnBackendDescriptor_t q, kt, o, stats, scale;
+};
+Common common_tensors(GraphBuilder& g, const Layout& l) {
+  return {g.tensor(kQ, CUDNN_DATA_BFLOAT16, l.bhtd(), l.qkv_strides(), false),
+          g.tensor(kK, CUDNN_DATA_BFLOAT16, l.bhdt(), l.qkv_t_strides(), false),
+          g.tensor(kO, CUDNN_DATA_BFLOAT16, l.bhtd(), l.out_strides(), false),
+          g.tensor(kStats, CUDNN_DATA_FLOAT, l.bht1(), l.dense_bht1(), false), g.scalar(kScale)};
+}
+
+// q k^T * scale, [B, H, T, T] in fp32.
+cudnnBackendDescriptor_t scaled_scores(GraphBuilder& g, const Layout& l, const Common& c) {
+  auto s = g.virt(CUDNN_DATA_FLOAT, l.bhtt(), l.dense_bhtt());
+  g.matmul(c.q, c.kt, s);
+  auto scaled = g.virt(CUDNN_DATA_FLOAT, l.bhtt(), l.dense_bhtt());
+  g.binary(CUDNN_POINTWISE_MUL, s, c.scale, scaled);
+  return scaled;
+}
+
 Plan forward_plan(const Api& api, cudnnHandle_t handle, const Layout& l) {
   GraphBuilder g(api);
   const auto F = CUDNN_DATA_FLOAT, BF = CUDNN_DATA_BFLOAT16;
-  auto q = g.tensor(kQ, BF, l.bhtd(), l.qkv_strides(), false);
-  auto kt = g.tensor(kK, BF, l.bhdt(), l.qkv_t_strides(), false);
+  const Common c = common_tensors(g, l);
   auto v = g.tensor(kV, BF, l.bhtd(), l.qkv_strides(), false);
-  auto o = g.tensor(kO, BF, l.bhtd(), l.out_strides(), false);
-  auto stats = g.tensor(kStats, F, l.bht1(), l.dense_bht1(), false);
-  auto s = g.virt(F, l.bhtt(), l.dense_bhtt());
-  g.matmul(q, kt, s);
-  auto scaled = g.virt(F, l.bhtt(), l.dense_bhtt());
-  g.binary(CUDNN_POINTWISE_MUL, s, g.scalar(kScale), scaled);
-  auto masked = causal_mask(g, l, scaled);
+  auto masked = causal_mask(g, l, scaled_scores(g, l, c));
   // softmax, keeping log-sum-exp = max + log(sum(exp(s - max)))
   auto mx = g.virt(F, l.bht1(), l.dense_bht1());
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, masked, mx);
@@ -337,40 +350,32 @@ Plan forward_plan(const Api& api, cudnnHandle_t handle, const Layout& l) {
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, sum);
   auto log_sum = g.virt(F, l.bht1(), l.dense_bht1());
   g.unary(CUDNN_POINTWISE_LOG, sum, log_sum);
-  g.binary(CUDNN_POINTWISE_ADD, mx, log_sum, stats);
+  g.binary(CUDNN_POINTWISE_ADD, mx, log_sum, c.stats);
   auto p = g.virt(BF, l.bhtt(), l.dense_bhtt());
   g.binary(CUDNN_POINTWISE_DIV, e, sum, p);
-  g.matmul(p, v, o);
+  g.matmul(p, v, c.o);
   return std::move(g).build(handle, "attention forward graph");
 }
 
 Plan backward_plan(const Api& api, cudnnHandle_t handle, const Layout& l, bool deterministic) {
   GraphBuilder g(api);
   const auto F = CUDNN_DATA_FLOAT, BF = CUDNN_DATA_BFLOAT16;
-  auto q = g.tensor(kQ, BF, l.bhtd(), l.qkv_strides(), false);
-  auto kt = g.tensor(kK, BF, l.bhdt(), l.qkv_t_strides(), false);
+  const Common c = common_tensors(g, l);
   auto vt = g.tensor(kV, BF, l.bhdt(), l.qkv_t_strides(), false);
-  auto o = g.tensor(kO, BF, l.bhtd(), l.out_strides(), false);
   auto dout = g.tensor(kDO, BF, l.bhtd(), l.out_strides(), false);
-  auto stats = g.tensor(kStats, F, l.bht1(), l.dense_bht1(), false);
   auto dq = g.tensor(kDQ, BF, l.bhtd(), l.qkv_strides(), false);
   auto dk = g.tensor(kDK, BF, l.bhtd(), l.qkv_strides(), false);
   auto dv = g.tensor(kDV, BF, l.bhtd(), l.qkv_strides(), false);
-  auto scale = g.scalar(kScale);
   // D_i = sum_d dO_id O_id
   auto dout_o = g.virt(F, l.bhtd(), l.dense_bhtd());
-  g.binary(CUDNN_POINTWISE_MUL, dout, o, dout_o);
+  g.binary(CUDNN_POINTWISE_MUL, dout, c.o, dout_o);
   auto row_dot = g.virt(F, l.bht1(), l.dense_bht1());
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, dout_o, row_dot);
   auto softmax_sum = g.tensor(kSoftmaxSum, F, l.bht1(), l.dense_bht1(), false);
   g.binary(CUDNN_POINTWISE_MUL, row_dot, g.scalar(kOne), softmax_sum);
   // P = exp(mask(q k^T * scale) - lse)
-  auto s = g.virt(F, l.bhtt(), l.dense_bhtt());
-  g.matmul(q, kt, s);
-  auto scaled = g.virt(F, l.bhtt(), l.dense_bhtt());
-  g.binary(CUDNN_POINTWISE_MUL, s, scale, scaled);
   auto centred = g.virt(F, l.bhtt(), l.dense_bhtt());
-  g.binary(CUDNN_POINTWISE_SUB, scaled, stats, centred);
+  g.binary(CUDNN_POINTWISE_SUB, scaled_scores(g, l, c), c.stats, centred);
   auto masked = causal_mask(g, l, centred);
   auto p = g.virt(F, l.bhtt(), l.dense_bhtt());
   g.unary(CUDNN_POINTWISE_EXP, masked, p);
@@ -386,14 +391,14 @@ Plan backward_plan(const Api& api, cudnnHandle_t handle, const Layout& l, bool d
   auto ds_unscaled = g.virt(F, l.bhtt(), l.dense_bhtt());
   g.binary(CUDNN_POINTWISE_MUL, dp_centred, p, ds_unscaled);
   auto ds = g.virt(F, l.bhtt(), l.dense_bhtt());
-  g.binary(CUDNN_POINTWISE_MUL, ds_unscaled, scale, ds);
+  g.binary(CUDNN_POINTWISE_MUL, ds_unscaled, c.scale, ds);
   // dK = dS^T Q
   auto dst = g.virt(BF, {l.B, l.H, l.T, l.T}, l.dense_bhtt_t());
   g.reshape(ds, dst);
-  g.matmul(dst, q, dk);
+  g.matmul(dst, c.q, dk);
   // dQ = dS K: written per query tile (deterministic), or accumulated in fp32 with atomics.
   auto k = g.virt(BF, l.bhtd(), l.qkv_strides());
-  g.reshape(kt, k);
+  g.reshape(c.kt, k);
   if (deterministic) {
     g.matmul(ds, k, dq);
   } else {
