@@ -1,3 +1,5 @@
+"""PyTorch's causal SDPA (cuDNN and flash backends) at kiln's benchmark attention shapes, for comparison
+with bench_attention. Run on the GPU machine: python3 bench/sdpa_probe.py (needs PyTorch)."""
 import torch, time, glob, os, ctypes
 from torch.nn.attention import sdpa_kernel, SDPBackend
 import torch.nn.functional as F
