@@ -48,7 +48,6 @@ class CudaBackend final : public Backend {
   void residual_forward(const ResidualForward& a) override;
   void dropout_backward(const DropoutBackward& a) override;
   void cross_entropy(const CrossEntropy& a) override;
-  void set_gemm_autotune(bool on) { gemm_->set_autotune(on); }
   void cross_entropy_stats(const CrossEntropyStats& a) override;
   void cross_entropy_finish(const CrossEntropyFinish& a) override;
   void adamw(const AdamW& a) override;

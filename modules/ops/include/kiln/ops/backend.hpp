@@ -284,7 +284,6 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options = {});
 
 // Whether this build has CUDA and a GPU is visible.
 bool cuda_available();
-// The CUDA backend on device `device_index` (throws if unavailable).
 // Which kernels run causal attention on CUDA: kiln's own flash kernels, or cuDNN's fused flash
 // attention (its runtime-fusion SDPA graphs, libcudnn.so.9 opened at run time). cuDNN draws no
 // dropout masks from kiln's Philox streams, so attention with dropout always runs kiln's kernels.
@@ -299,6 +298,7 @@ struct CudaOptions {
   // product per tile instead of accumulating it with atomics); false takes cuDNN's fastest graph.
   bool attention_deterministic = true;
 };
+// The CUDA backend on device `device_index` (throws if unavailable).
 std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, const CudaOptions& options = {});
 
 }  // namespace kiln::ops
