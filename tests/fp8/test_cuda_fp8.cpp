@@ -543,33 +543,16 @@ TEST_CASE("an FP8 linear layer on CUDA matches the CPU emulation (forward, dgrad
 }
 
 namespace {
-const char* kModel = R"(
-[train]
-steps = 6
-seed = 11
-batch_size = 4
-seq_len = 96
-[model]
-n_layer = 2
-n_head = 4
-n_embd = 128
-vocab_size = 300
-max_seq_len = 96
-[optim]
-lr = 1e-3
-[data]
-synthetic_vocab = 300
-[fp8]
-enabled = true
-)";
+const char* const kModel = test::kSmallGpuModel;
 }  // namespace
 
 TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is deterministic") {
   KILN_REQUIRE_CUDA();
   for (const char* recipe : {"delayed", "current"}) {
-    test::Pipeline cpu(kModel, {"engine.device=cpu", "backend.cpu_round_bf16=true", std::string("fp8.recipe=") + recipe});
-    test::Pipeline gpu(kModel, {"engine.device=cuda", std::string("fp8.recipe=") + recipe});
-    test::Pipeline again(kModel, {"engine.device=cuda", std::string("fp8.recipe=") + recipe});
+    const std::string fp8 = "fp8.enabled=true", r = std::string("fp8.recipe=") + recipe;
+    test::Pipeline cpu(kModel, {"engine.device=cpu", "backend.cpu_round_bf16=true", fp8, r});
+    test::Pipeline gpu(kModel, {"engine.device=cuda", fp8, r});
+    test::Pipeline again(kModel, {"engine.device=cuda", fp8, r});
     std::vector<double> losses[3];
     std::vector<float> grads[3];
     int i = 0;

@@ -15,6 +15,25 @@
 
 namespace kiln::test {
 
+// The small model the CUDA-vs-CPU training tests run (2 blocks, width 128, T = 96).
+inline constexpr const char* kSmallGpuModel = R"(
+[train]
+steps = 6
+seed = 11
+batch_size = 4
+seq_len = 96
+[model]
+n_layer = 2
+n_head = 4
+n_embd = 128
+vocab_size = 300
+max_seq_len = 96
+[optim]
+lr = 1e-3
+[data]
+synthetic_vocab = 300
+)";
+
 struct Pipeline {
   ModuleRegistry registry;
   config::PipelineConfig config;

@@ -15,23 +15,7 @@
 using namespace kiln;
 
 namespace {
-const char* kModel = R"(
-[train]
-steps = 6
-seed = 11
-batch_size = 4
-seq_len = 96
-[model]
-n_layer = 2
-n_head = 4
-n_embd = 128
-vocab_size = 300
-max_seq_len = 96
-[optim]
-lr = 1e-3
-[data]
-synthetic_vocab = 300
-)";
+const char* const kModel = test::kSmallGpuModel;
 }  // namespace
 
 TEST_CASE("a CUDA training step matches the CPU reference step") {

@@ -412,6 +412,18 @@ Plan backward_plan(const Api& api, cudnnHandle_t handle, const Layout& l, bool d
 constexpr std::size_t kAlign = 256;
 std::size_t round_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Byte offsets in the backward's scratch: cuDNN's workspace, then D_i (softmax_sum), then (atomic
+// variant only) the fp32 dQ accumulator.
+struct BackwardScratch {
+  std::size_t softmax_sum, dq_accum, total;
+  BackwardScratch(const Plan& plan, int B, int T, int H, int D, bool deterministic) {
+    const std::size_t rows = static_cast<std::size_t>(B) * H * T;
+    softmax_sum = round_up(static_cast<std::size_t>(plan.workspace));
+    dq_accum = softmax_sum + round_up(rows * sizeof(float));
+    total = deterministic ? dq_accum : dq_accum + round_up(rows * D * sizeof(float));
+  }
+};
+
 }  // namespace
 
 struct CudnnAttention::Impl {
@@ -469,11 +481,7 @@ std::size_t CudnnAttention::forward_workspace_bytes(int B, int T, int H, int D) 
 }
 
 std::size_t CudnnAttention::backward_workspace_bytes(int B, int T, int H, int D) {
-  const std::size_t rows = static_cast<std::size_t>(B) * H * T;
-  std::size_t bytes = round_up(static_cast<std::size_t>(impl_->get(B, T, H, D).bwd.workspace)) +
-                      round_up(rows * sizeof(float));
-  if (!impl_->deterministic) bytes += round_up(rows * D * sizeof(float));
-  return bytes;
+  return BackwardScratch(impl_->get(B, T, H, D).bwd, B, T, H, D, impl_->deterministic).total;
 }
 
 void CudnnAttention::forward(void* out, float* lse, const void* qkv, int B, int T, int H, int D, float scale,
@@ -492,10 +500,10 @@ void CudnnAttention::backward(void* dqkv, const void* dout, const void* out, con
   auto* base = static_cast<char*>(const_cast<void*>(qkv));
   auto* dbase = static_cast<char*>(dqkv);
   const std::size_t hd_bytes = static_cast<std::size_t>(H) * D * 2;
-  const std::size_t rows = static_cast<std::size_t>(B) * H * T;
+  const BackwardScratch at(plan, B, T, H, D, impl_->deterministic);
   auto* ws = static_cast<char*>(workspace);
-  char* softmax_sum = ws + round_up(static_cast<std::size_t>(plan.workspace));
-  char* dq_accum = softmax_sum + round_up(rows * sizeof(float));
+  char* softmax_sum = ws + at.softmax_sum;
+  char* dq_accum = ws + at.dq_accum;
   float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
   std::vector<std::int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kScale, kNegInf, kOne};
   std::vector<void*> ptrs{base,
