@@ -2,7 +2,9 @@
 //  1. The quantisation kernels at GPT-2 124M (N=16384 tokens, C=768) and 1.3B (N=8192, C=2048)
 //     sizes: achieved GB/s (bytes read + written) against a device-to-device copy of the same
 //     tensor (the bandwidth ceiling, ~4.3 TB/s on an H200).
-//  2. GEMM TFLOP/s, cuBLASLt FP8 against kiln's bf16 runner, at the model's linear-layer shapes
+//  2. The kernels that compute while quantising (GELU on load, dGELU), and AdamW fused with the
+//     weight quantisation against AdamW and the cast apart.
+//  3. GEMM TFLOP/s, cuBLASLt FP8 against kiln's bf16 runner, at the model's linear-layer shapes
 //     (forward, dgrad, wgrad) and at M x N x K = 16384 x 8192 x 2048 (reference on an H200: FP8
 //     1,255 TFLOP/s, bf16 726).
 // Each entry: warm-up, then the median of CUDA-event timings of single calls, L2 flushed before each.
@@ -108,6 +110,83 @@ void quantize_table(Timer& timer, cudaStream_t s, const Buffer& scales) {
   }
 }
 
+// The quantisations that compute as they go, at the 1.3B model's sizes: FC2's input quantised as
+// gelu(FC1's pre-activation) on load (rowwise in the forward, colwise in the backward), FC1's output
+// gradient with the dGELU and the bias gradient, and the optimizer's step over the FC weight alone
+// (AdamW with the bf16 copy, as the ops backend runs it) against the fused AdamW + FP8 copies.
+void fused_table(Timer& timer, cudaStream_t s, const Buffer& scales) {
+  std::printf("\n%-52s %-14s %9s %9s\n", "1.3B: computed while quantising", "shape", "ms", "GB/s");
+  const float* scale = static_cast<const float*>(scales.data());
+  float* amax = static_cast<float*>(scales.data()) + 1;
+  const std::int64_t N = 8192, F = 4 * 2048, C = 2048;
+  const std::int64_t n = N * F;
+  Buffer pre = bf16_buffer(n, 1.0f, s), dy = bf16_buffer(n, 1e-3f, s), row(Device::cuda, static_cast<std::size_t>(n)),
+         col(Device::cuda, static_cast<std::size_t>(n)), dbias(Device::cuda, static_cast<std::size_t>(F) * 4),
+         partial(Device::cuda, static_cast<std::size_t>(fp8::cuda::grad_partials(N, F)) * 4);
+  auto line = [&](const char* what, std::int64_t r, std::int64_t c, double bytes, double ms) {
+    std::printf("%-52s %-14s %9.4f %9.1f\n", what, dims(r, c).c_str(), ms, bytes / (ms * 1e-3) / 1e9);
+  };
+  auto* r8 = static_cast<std::uint8_t*>(row.data());
+  auto* c8 = static_cast<std::uint8_t*>(col.data());
+  const auto* pre16 = static_cast<const cuda::bf16*>(pre.data());
+  line("fc2 x = gelu(pre) -> rowwise e4m3 + amax", N, F, 3.0 * n, timer.median_ms([&] {
+         fp8::cuda::cast_transpose_gelu(pre16, r8, nullptr, fp8::Format::e4m3, scale, amax, N, F, s);
+       }));
+  line("fc2 x = gelu(pre) -> colwise e4m3", N, F, 3.0 * n, timer.median_ms([&] {
+         fp8::cuda::cast_transpose_gelu(pre16, nullptr, c8, fp8::Format::e4m3, scale, nullptr, N, F, s);
+       }));
+  fp8::cuda::CastTransposeGrad g;
+  g.dy = static_cast<const cuda::bf16*>(dy.data());
+  g.gelu_pre = pre16;
+  g.rowwise = r8;
+  g.colwise = c8;
+  g.format = fp8::Format::e5m2;
+  g.scale = scale;
+  g.amax = amax;
+  g.dbias = static_cast<float*>(dbias.data());
+  g.partial = static_cast<float*>(partial.data());
+  g.rows = N;
+  g.cols = F;
+  line("fc dout * gelu'(pre) -> both e5m2 + amax + dbias", N, F, 6.0 * n,
+       timer.median_ms([&] { fp8::cuda::cast_transpose_grad(g, s); }));
+
+  const std::int64_t W = F * C;  // the FC weight [4C, C]
+  Buffer p(Device::cuda, static_cast<std::size_t>(W) * 4), gr(Device::cuda, static_cast<std::size_t>(W) * 4),
+      m(Device::cuda, static_cast<std::size_t>(W) * 4), v(Device::cuda, static_cast<std::size_t>(W) * 4),
+      p16(Device::cuda, static_cast<std::size_t>(W) * 2), seg(Device::cuda, 64);
+  for (Buffer* b : {&p, &gr, &m, &v}) KILN_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), s));
+  const cuda::AdamWSegmentDev table{0, W, 0.1f, 1};
+  KILN_CUDA_CHECK(cudaMemcpy(seg.data(), &table, sizeof(table), cudaMemcpyHostToDevice));
+  line("W_fc: AdamW + bf16 copy (ops backend)", F, C, 30.0 * W, timer.median_ms([&] {
+         cuda::adamw(static_cast<float*>(p.data()), static_cast<cuda::bf16*>(p16.data()), static_cast<float*>(gr.data()),
+                     static_cast<float*>(m.data()), static_cast<float*>(v.data()),
+                     static_cast<const cuda::AdamWSegmentDev*>(seg.data()), 1, W, 1e-4f, 0.9f, 0.95f, 1e-8f, 1.0f,
+                     0.1f, 0.05f, s);
+       }));
+  line("W_fc: f32 master -> both e4m3 + amax (unfused)", F, C, 6.0 * W, timer.median_ms([&] {
+         fp8::cuda::cast_transpose(p.data(), DType::f32, r8, c8, fp8::Format::e4m3, scale, amax, F, C, s);
+       }));
+  fp8::cuda::AdamWQuantizeDev a;
+  a.param = static_cast<float*>(p.data());
+  a.grad = static_cast<const float*>(gr.data());
+  a.m = static_cast<float*>(m.data());
+  a.v = static_cast<float*>(v.data());
+  a.rowwise = r8;
+  a.colwise = c8;
+  a.scale = scale;
+  a.amax = amax;
+  a.rows = F;
+  a.cols = C;
+  a.lr = 1e-4f;
+  a.beta1 = 0.9f;
+  a.beta2 = 0.95f;
+  a.eps = 1e-8f;
+  a.weight_decay = 0.1f;
+  a.step = 10;
+  line("W_fc: AdamW + both e4m3 + amax (fused)", F, C, 30.0 * W,
+       timer.median_ms([&] { fp8::cuda::adamw_quantize(a, s); }));
+}
+
 void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes,
                 const Buffer& scales) {
   cuda::GemmRunner bf16(lt, ws, ws_bytes);
@@ -199,6 +278,7 @@ int main() {
     const float init[2] = {1.0f, 0.0f};  // scale (and scale_inv) 1, amax 0
     KILN_CUDA_CHECK(cudaMemcpy(scales.data(), init, sizeof(init), cudaMemcpyHostToDevice));
     bench::quantize_table(timer, s, scales);
+    bench::fused_table(timer, s, scales);
     cublasLtHandle_t lt;
     KILN_CUBLAS_CHECK(cublasLtCreate(&lt));
     constexpr std::size_t kWs = 32u << 20;

@@ -80,6 +80,10 @@ if [ "$MODE" != "tests" ]; then
     train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set fp8.enabled=true --set backend.profile=true
     train gpt-1.3b pipelines/gpt-1.3b.toml 30 --set fp8.enabled=true
     train gpt-1.3b-profile pipelines/gpt-1.3b.toml 8 --set fp8.enabled=true --set backend.profile=true
+    # The same machine's references: FP8 without the fused weight update, and bf16.
+    train gpt-1.3b-unfused pipelines/gpt-1.3b.toml 30 --set fp8.enabled=true --set fp8.fuse_weight_update=false
+    train gpt-1.3b-bf16 pipelines/gpt-1.3b.toml 30
+    train gpt2-124m-bf16 pipelines/gpt2-124m.toml 60
   else
     train gpt2-124m pipelines/gpt2-124m.toml 60
     train gpt2-124m-profile pipelines/gpt2-124m.toml 12 --set backend.profile=true

@@ -305,6 +305,85 @@ TEST_CASE("quantising gelu(pre) on load matches the CPU (one copy or both, and t
     }
 }
 
+TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and elementwise, with and without copies)") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops();
+  // [3072, 768]: tiled, several tiles per block; [80, 48]: tiled, partial tiles; [33, 47]: the
+  // elementwise kernel.
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{3072, 768}, {80, 48}, {33, 47}};
+  int seed = 3000;
+  for (auto [R, C] : shapes)
+    for (int mode = 0; mode < 3; ++mode) {  // 0: update only, 1: both copies, 2: both copies and amax
+      INFO("[" << R << "," << C << "] mode " << mode);
+      const std::size_t n = static_cast<std::size_t>(R * C);
+      auto p = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.05f);
+      const auto g = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.01f);
+      auto m = test::normal_values(n, static_cast<std::uint64_t>(++seed), 1e-3f);
+      auto v = test::normal_values(n, static_cast<std::uint64_t>(++seed), 1e-5f);
+      for (auto& x : v) x = std::fabs(x) + 1e-8f;
+      std::vector<float> c_meta = {2000.0f, 0.01f};  // scale, amax
+      std::vector<std::uint8_t> c_row(n), c_col(n);
+      Buffer d_p = upload(p), d_g = upload(g), d_m = upload(m), d_v = upload(v), d_meta = upload(c_meta),
+             d_row(Device::cuda, n), d_col(Device::cuda, n);
+      auto args = [&](Device dev, void* pp, void* gg, void* mm, void* vv, void* row, void* col, float* meta) {
+        AdamWQuantizeArgs a;
+        a.param = TensorView(pp, {R, C}, DType::f32, dev);
+        a.grad = TensorView(gg, {R, C}, DType::f32, dev);
+        a.m = TensorView(mm, {R, C}, DType::f32, dev);
+        a.v = TensorView(vv, {R, C}, DType::f32, dev);
+        if (mode > 0) {
+          a.out.rowwise = TensorView(row, {R, C}, DType::e4m3, dev);
+          a.out.colwise = TensorView(col, {C, R}, DType::e4m3, dev);
+          a.out.format = Format::e4m3;
+          a.out.scale = meta;
+        }
+        if (mode == 2) a.amax = meta + 1;
+        a.lr = 3e-3f;
+        a.beta1 = 0.9f;
+        a.beta2 = 0.95f;
+        a.eps = 1e-8f;
+        a.weight_decay = 0.1f;
+        a.grad_scale = 0.8f;
+        a.step = 7;
+        return a;
+      };
+      cpu->adamw_quantize(args(Device::cpu, p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
+                               c_col.data(), c_meta.data()));
+      gpu->adamw_quantize(args(Device::cuda, d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(),
+                               d_col.data(), static_cast<float*>(d_meta.data())));
+      // The same formula; FMA contraction may differ in the last bit of an f32.
+      auto close = [&](const std::vector<float>& want, const void* dev) {
+        const auto got = download<float>(dev, n);
+        double worst = 0;
+        for (std::size_t i = 0; i < n; ++i)
+          worst = std::max(worst, double(std::fabs(got[i] - want[i])) / (std::fabs(want[i]) + 1e-6));
+        return worst;
+      };
+      CHECK(close(p, d_p.data()) < 1e-5);
+      CHECK(close(m, d_m.data()) < 1e-5);
+      CHECK(close(v, d_v.data()) < 1e-5);
+      if (mode > 0) {
+        // A parameter a last bit away from a rounding boundary may take the neighbouring code.
+        std::size_t differ = 0, far = 0;
+        for (const auto* pair : {&c_row, &c_col}) {
+          const auto got = download<std::uint8_t>(pair == &c_row ? d_row.data() : d_col.data(), n);
+          for (std::size_t i = 0; i < n; ++i)
+            if (got[i] != (*pair)[i]) ++differ, far += std::abs(int(got[i]) - int((*pair)[i])) > 1;
+        }
+        CHECK(far == 0);
+        CHECK(differ <= n / 1000 + 2);
+      }
+      const auto meta = download<float>(d_meta.data(), 2);
+      if (mode == 2) {
+        CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-5));
+        CHECK(meta[1] > 0.01f);
+      } else {
+        CHECK(meta[1] == 0.01f);  // no amax asked for: untouched
+      }
+    }
+}
+
 TEST_CASE("the amax kernel and the current-scaling scale match the CPU, aligned or not") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);

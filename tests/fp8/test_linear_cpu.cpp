@@ -8,6 +8,7 @@
 
 #include "fp8_test_util.hpp"
 #include "kiln/fp8/linear.hpp"
+#include "kiln/ops/formulas.hpp"
 
 using namespace kiln;
 using namespace kiln::fp8;
@@ -216,6 +217,57 @@ TEST_CASE("the FP8 weight is cached per weight version") {
   L.lin.invalidate_weight();
   L.lin.forward({host(c, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 8);
   CHECK(test::same_bits(a, c));
+}
+
+TEST_CASE("the fused weight update: the optimizer's step and the copies the next forward would make, bit for bit") {
+  Layer L(RecipeKind::delayed, FormatPolicy::hybrid);
+  const int N = 16, IC = 32, OC = 16;
+  auto x = test::normal_values(N * IC, 50), master = test::normal_values(OC * IC, 51, 0.1f);
+  auto grad = test::normal_values(OC * IC, 52, 0.01f), m = test::normal_values(OC * IC, 53, 1e-3f);
+  auto v = test::normal_values(OC * IC, 54, 1e-5f);
+  for (auto& e : v) e = std::fabs(e);
+  std::vector<float> compute(OC * IC), a(N * OC), b(N * OC), c(N * OC);
+  L.lin.use_master_weight(host(master, {OC, IC}), host(compute, {OC, IC}));
+  const TensorView W = host(compute, {OC, IC});
+  auto args = [&] {
+    AdamWQuantizeArgs u;
+    u.grad = host(grad, {OC, IC});
+    u.m = host(m, {OC, IC});
+    u.v = host(v, {OC, IC});
+    u.lr = 1e-2f;
+    u.weight_decay = 0.1f;
+    u.grad_scale = 0.5f;
+    u.step = 3;
+    return u;
+  };
+  // No scale yet (delayed scaling before its first update): the update alone, the forward quantises.
+  auto ref = master, ref_m = m, ref_v = v;
+  float bc1 = 0, bc2 = 0;
+  ops::adamw_bias_corrections(0.9f, 0.95f, 3, bc1, bc2);
+  auto step_ref = [&] {
+    for (int i = 0; i < OC * IC; ++i)
+      ops::adamw_update(ref[i], ref_m[i], ref_v[i], grad[i] * 0.5f, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, bc1, bc2);
+  };
+  step_ref();
+  L.lin.update_weight(args(), 1);
+  CHECK(test::same_bits(master, ref));
+  CHECK(test::same_bits(m, ref_m));
+  CHECK(test::same_bits(v, ref_v));
+  L.lin.forward({host(a, {N, OC}), {}, host(x, {N, IC}), W, {}}, 1);
+  L.meta.update(*L.ops, AmaxAlgo::max, 0);  // now every scale is known
+  const ScalingSlot sw = L.lin.slot(TensorRole::weight);
+  // The fused step writes the copies of version 2 with the weight's scale and records its amax.
+  step_ref();
+  L.lin.update_weight(args(), 2);
+  CHECK(test::same_bits(master, ref));
+  float amax = 0;
+  for (float e : ref) amax = std::max(amax, std::fabs(e));
+  CHECK(*sw.amax == amax);
+  L.lin.forward({host(b, {N, OC}), {}, host(x, {N, IC}), W, {}}, 2);  // reuses them
+  L.lin.invalidate_weight();
+  L.lin.forward({host(c, {N, OC}), {}, host(x, {N, IC}), W, {}}, 2);  // quantises the master again
+  CHECK(test::same_bits(b, c));
+  CHECK(!test::same_bits(a, b));
 }
 
 TEST_CASE("a producer may hand in an already quantised input") {

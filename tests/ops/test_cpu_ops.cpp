@@ -143,6 +143,28 @@ TEST_CASE("adamw matches a hand computed step with decoupled weight decay") {
   CHECK(v[1] == doctest::Approx(0.05 * 0.25));
 }
 
+TEST_CASE("adamw leaves a segment another module updates untouched") {
+  auto b = ops::make_cpu_backend();
+  std::vector<float> p = {1.0f, -2.0f, 3.0f}, g = {0.5f, 0.25f, 1.0f}, m = {0.1f, 0.2f, 0.3f}, v = {0.1f, 0.2f, 0.3f};
+  std::vector<float> act(3, 7.0f);
+  ops::AdamW a;
+  a.params = view(p, {3});
+  a.params_act = view(act, {3});
+  a.grads = view(g, {3});
+  a.m = view(m, {3});
+  a.v = view(v, {3});
+  a.segments = {{0, 1, true}, {1, 1, true, false}, {2, 1, false}};
+  a.lr = 0.1f;
+  b->adamw(a);
+  CHECK(p[1] == -2.0f);
+  CHECK(m[1] == 0.2f);
+  CHECK(v[1] == 0.2f);
+  CHECK(act[1] == 7.0f);
+  CHECK(p[0] != 1.0f);
+  CHECK(p[2] != 3.0f);
+  CHECK(act[2] == p[2]);
+}
+
 TEST_CASE("normal initialisation is layout invariant: a slice draws what the whole draws") {
   auto b = ops::make_cpu_backend();
   std::vector<float> whole(1000), part(300);

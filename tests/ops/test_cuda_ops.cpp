@@ -535,6 +535,58 @@ TEST_CASE("cuda adamw with two segments, with and without decay") {
   KILN_CHECK_CLOSE(v, 1e-6);
 }
 
+TEST_CASE("cuda adamw leaves segments another module updates untouched") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int P = 2051;
+  auto params = f32(p, {P}, 87);
+  auto grads = f32(p, {P}, 88, 0.1f);
+  auto m = f32(p, {P}, 89, 0.01f);
+  Dual v(p, Kind::f32, {P});
+  auto vv = random_values(P, 90, 1e-3f);
+  for (auto& e : vv) e = std::fabs(e) + 1e-6f;
+  v.set(vv);
+  auto pact = poisoned(p, Kind::act, {P});
+  const auto p0 = params.cpu_values(), m0 = m.cpu_values(), v0 = v.cpu_values();
+  // Skipped: [64, 1088) (whole vectors) and [1301, 1302) (one element inside a vector).
+  const std::vector<ops::AdamWSegment> segs = {
+      {0, 64, true}, {64, 1024, true, false}, {1088, 213, false}, {1301, 1, true, false}, {1302, P - 1302, true}};
+  on_both(p, [&](const Side& s) {
+    ops::AdamW a;
+    a.params = s(params);
+    a.params_act = s(pact);
+    a.grads = s(grads);
+    a.m = s(m);
+    a.v = s(v);
+    a.segments = segs;
+    a.lr = 1e-2f;
+    a.weight_decay = 0.1f;
+    a.grad_scale = 0.9f;
+    a.step = 2;
+    s.b().adamw(a);
+  });
+  KILN_CHECK_CLOSE(params, 1e-6);
+  KILN_CHECK_CLOSE(m, 1e-6);
+  KILN_CHECK_CLOSE(v, 1e-6);
+  const auto gp = params.gpu_values(), gm = m.gpu_values(), gv = v.gpu_values(), ga = pact.gpu_values();
+  std::size_t moved = 0, untouched_act = 0, skipped = 0;
+  for (const auto& seg : segs)
+    for (std::int64_t i = seg.offset; i < seg.offset + seg.count; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      if (seg.update) {
+        moved += gp[k] != p0[k];
+      } else {
+        ++skipped;
+        CHECK(gp[k] == p0[k]);
+        CHECK(gm[k] == m0[k]);
+        CHECK(gv[k] == v0[k]);
+        untouched_act += ga[k] == 1234.5f;  // the poison: never written
+      }
+    }
+  CHECK(untouched_act == skipped);
+  CHECK(moved > static_cast<std::size_t>(P) - skipped - 8);
+}
+
 // ---------------------------------------------------------------------------------------------
 // utilities
 

@@ -110,6 +110,29 @@ void Fp8Linear::ensure_weight(const TensorView& w, std::int64_t version) {
   cache_.cols = IC;
 }
 
+void Fp8Linear::update_weight(AdamWQuantizeArgs u, std::int64_t version) {
+  KILN_CHECK(master_, name_, ": update_weight needs use_master_weight");
+  const std::int64_t OC = master_.size(0), IC = master_.size(1);
+  u.param = master_;
+  const ScalingSlot s = slot(TensorRole::weight);
+  const bool quantise = recipe_.kind == RecipeKind::delayed && meta_.ready(s.index);
+  if (quantise) {
+    cache_.rowwise = compute_.data;
+    cache_.colwise = static_cast<std::uint8_t*>(compute_.data) + OC * IC;
+    u.out = view(s, cache_.rowwise, cache_.colwise, OC, IC);
+    u.amax = s.amax;
+  } else {
+    u.out = {};
+    u.amax = nullptr;
+  }
+  ops_.adamw_quantize(u);
+  cache_.valid = quantise;
+  cache_.version = version;
+  cache_.source = compute_.data;
+  cache_.rows = OC;
+  cache_.cols = IC;
+}
+
 void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
   // The input, or the pre-activation it is the GELU of (the GELU then computed while quantising).

@@ -144,6 +144,12 @@ void install(World& w, const Fp8Config& cfg) {
       const auto& store = w.resource<nn::ParamStore>();
       const auto& wp = w.get<nn::Param>(linear.weight);
       lin->use_master_weight(store.master_view(wp), store.compute_view(wp));
+      // Delayed scaling knows the next forward's weight scale when the optimizer runs: the AdamW
+      // step writes the FP8 copies (Fp8Linear::update_weight), the optimizer leaves the weight to us.
+      if (cfg.fuse_weight_update && cfg.recipe == RecipeKind::delayed && !w.try_get<nn::UpdatedBy>(linear.weight)) {
+        w.emplace<nn::UpdatedBy>(linear.weight, nn::UpdatedBy{"fp8"});
+        st.fused.push_back(i);
+      }
     }
     Fp8State* state = &st;
     w.emplace<ops::LinearImpl>(e, ops::LinearImpl{
@@ -155,6 +161,30 @@ void install(World& w, const Fp8Config& cfg) {
                                       /*keeps_input=*/keep,
                                       /*takes_gelu_input=*/true});
   }
+
+  // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies. Runs after
+  // fp8.scale_update (Phase::grad_sync), so the copies take the scales the next forward uses.
+  if (!st.fused.empty())
+    st.subscriptions.push_back(w.events().subscribe<nn::AdamWStep>([&w, &st](const nn::AdamWStep& e) {
+      const auto& store = w.resource<nn::ParamStore>();
+      st.invalidate_weights();
+      st.fused_update_step = w.resource<RunControl>().step;
+      for (std::size_t i : st.fused) {
+        const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
+        AdamWQuantizeArgs u;
+        u.grad = store.grad_view(p);
+        u.m = nn::ParamStore::view_in(e.m, p);
+        u.v = nn::ParamStore::view_in(e.v, p);
+        u.lr = e.lr;
+        u.beta1 = e.beta1;
+        u.beta2 = e.beta2;
+        u.eps = e.eps;
+        u.weight_decay = p.weight_decay ? e.weight_decay : 0.0f;
+        u.grad_scale = e.grad_scale;
+        u.step = e.step;
+        st.linears[i]->update_weight(u, st.weights_version);
+      }
+    }));
 
   // Activation recompute replays forwards: same scales, no second amax (see Fp8Linear).
   st.subscriptions.push_back(w.events().subscribe<nn::LayerRecomputeBegin>([&st](const nn::LayerRecomputeBegin&) {
@@ -184,9 +214,11 @@ void install(World& w, const Fp8Config& cfg) {
                          world.resource<Fp8State>().workspace->lend(s->data, s->bytes);
                      },
                      {"model.init"}});
+  // The scales are updated as soon as the step's last backward is done (before the optimizer, which
+  // may write the weights' FP8 copies with them).
   if (cfg.recipe == RecipeKind::delayed) {
-    w.systems().add({"fp8.amax_reduce", Phase::optimizer, reduce_amaxes});
-    w.systems().add({"fp8.scale_update", Phase::optimizer,
+    w.systems().add({"fp8.amax_reduce", Phase::grad_sync, reduce_amaxes});
+    w.systems().add({"fp8.scale_update", Phase::grad_sync,
                      [algo = cfg.amax_compute_algo, margin = cfg.margin](World& world) {
                        auto& s = world.resource<Fp8State>();
                        s.meta->update(*s.ops, algo, margin);
@@ -195,8 +227,11 @@ void install(World& w, const Fp8Config& cfg) {
                      },
                      {"fp8.amax_reduce"}});
   }
-  w.systems().add({"fp8.weights_changed", Phase::optimizer,
-                   [](World& world) { world.resource<Fp8State>().invalidate_weights(); }});
+  // Unless the optimizer's update ran fused this step (then the copies are current).
+  w.systems().add({"fp8.weights_changed", Phase::optimizer, [](World& world) {
+                     auto& s = world.resource<Fp8State>();
+                     if (s.fused_update_step != world.resource<RunControl>().step) s.invalidate_weights();
+                   }});
 }
 
 }  // namespace

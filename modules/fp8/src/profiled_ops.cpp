@@ -62,6 +62,10 @@ class ProfiledOps final : public Fp8Ops {
     Scope s(be_, "fp8_scale_update");
     in_->update_delayed(a);
   }
+  void adamw_quantize(const AdamWQuantizeArgs& a) override {
+    Scope s(be_, a.out.rowwise ? "fp8_adamw_quantize" : "fp8_adamw");
+    in_->adamw_quantize(a);
+  }
 
  private:
   struct Scope {

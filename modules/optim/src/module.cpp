@@ -2,6 +2,8 @@
 #include <numbers>
 
 #include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/components.hpp"
+#include "kiln/nn/events.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/optim/optim.hpp"
@@ -22,7 +24,8 @@ double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t tot
 
 namespace {
 
-// Decay segments covering the whole flat buffer: each parameter, and its alignment padding (no decay).
+// Segments covering the whole flat buffer: each parameter (decayed or not; left alone where another
+// module updates it, nn::UpdatedBy), and its alignment padding (no decay).
 std::vector<ops::AdamWSegment> segments(World& w) {
   const auto& store = w.resource<nn::ParamStore>();
   std::vector<ops::AdamWSegment> out;
@@ -30,7 +33,7 @@ std::vector<ops::AdamWSegment> segments(World& w) {
   for (Entity e : store.order) {
     const auto& p = w.get<nn::Param>(e);
     if (p.offset > at) out.push_back({at, p.offset - at, false});
-    out.push_back({p.offset, p.numel, p.weight_decay});
+    out.push_back({p.offset, p.numel, p.weight_decay, w.try_get<nn::UpdatedBy>(e) == nullptr});
     at = p.offset + p.numel;
   }
   if (store.total > at) out.push_back({at, store.total - at, false});
@@ -75,9 +78,11 @@ void install(World& w, const OptimConfig& cfg) {
   st.v = be.alloc(static_cast<std::size_t>(store.total) * 4);
   be.zero(st.m.view(DType::f32, {store.total}));
   be.zero(st.v.view(DType::f32, {store.total}));
-  auto segs = segments(w);
+  // The segments once every module is installed (a later one may mark parameters nn::UpdatedBy).
+  w.systems().add({"optim.segments", Phase::setup,
+                   [](World& world) { world.resource<OptimState>().segments = segments(world); }});
 
-  w.systems().add({"optim.step", Phase::optimizer, [cfg, segs](World& world) {
+  w.systems().add({"optim.step", Phase::optimizer, [cfg](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      auto& store = world.resource<nn::ParamStore>();
                      auto& st = world.resource<OptimState>();
@@ -93,7 +98,7 @@ void install(World& w, const OptimConfig& cfg) {
                      a.grads = store.grads_flat();
                      a.m = st.m.view(DType::f32, {store.total});
                      a.v = st.v.view(DType::f32, {store.total});
-                     a.segments = segs;
+                     a.segments = st.segments;
                      a.lr = static_cast<float>(learning_rate(cfg, step, world.resource<train::TrainConfig>().steps));
                      a.beta1 = cfg.beta1;
                      a.beta2 = cfg.beta2;
@@ -104,6 +109,9 @@ void install(World& w, const OptimConfig& cfg) {
                                         : 1.0f;
                      a.step = ++st.steps_taken;
                      be.adamw(a);
+                     // The parameters another module updates (nn::UpdatedBy), with the same step.
+                     world.events().publish(nn::AdamWStep{a.step, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
+                                                          a.grad_scale, a.m, a.v});
                      ts.lr = a.lr;
                      ts.grad_norm = norm;
                    }});

@@ -187,6 +187,23 @@ class CpuOps final : public Fp8Ops {
     }
   }
 
+  void adamw_quantize(const AdamWQuantizeArgs& a) override {
+    KILN_CHECK(a.param.ndim() == 2, "fp8 adamw_quantize: param must be 2-D [rows, cols], got ", a.param.str());
+    for (const TensorView* t : {&a.param, &a.grad, &a.m, &a.v})
+      KILN_CHECK(t->device == Device::cpu && t->dtype == DType::f32 && t->contiguous() && t->shape == a.param.shape,
+                 "fp8 adamw_quantize: ", t->str(), " for param ", a.param.str());
+    KILN_CHECK(!a.out.rowwise == !a.out.colwise, "fp8 adamw_quantize: both FP8 copies or neither");
+    float bc1 = 0, bc2 = 0;
+    ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
+    float *p = a.param.as<float>(), *m = a.m.as<float>(), *v = a.v.as<float>();
+    const float* g = a.grad.as<float>();
+    const std::int64_t n = a.param.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+    for (std::int64_t i = 0; i < n; ++i)
+      ops::adamw_update(p[i], m[i], v[i], g[i] * a.grad_scale, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, bc1, bc2);
+    if (a.out.rowwise) quantize(a.param, a.out, a.amax);
+  }
+
  private:
   float store(float v) const { return round_ ? round_bf16(v) : v; }
 

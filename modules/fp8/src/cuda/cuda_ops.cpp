@@ -147,6 +147,35 @@ class CudaOps final : public Fp8Ops {
 
   void update_delayed(const DelayedUpdateArgs& a) override { cuda::delayed_update(a, stream_); }
 
+  void adamw_quantize(const AdamWQuantizeArgs& a) override {
+    KILN_CHECK(a.param.ndim() == 2, "fp8 adamw_quantize: param must be 2-D [rows, cols], got ", a.param.str());
+    for (const TensorView* t : {&a.param, &a.grad, &a.m, &a.v})
+      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->contiguous() && t->shape == a.param.shape,
+                 "fp8 adamw_quantize: ", t->str(), " for param ", a.param.str());
+    KILN_CHECK(!a.out.rowwise == !a.out.colwise, "fp8 adamw_quantize: both FP8 copies or neither");
+    if (a.out.rowwise) check_outputs(a.param, a.out, "fp8 adamw_quantize");
+    cuda::AdamWQuantizeDev k;
+    k.param = a.param.as<float>();
+    k.grad = a.grad.as<float>();
+    k.m = a.m.as<float>();
+    k.v = a.v.as<float>();
+    k.rowwise = a.out.rowwise.as<std::uint8_t>();
+    k.colwise = a.out.colwise.as<std::uint8_t>();
+    k.format = a.out.format;
+    k.scale = a.out.scale;
+    k.amax = a.amax;
+    k.rows = a.param.size(0);
+    k.cols = a.param.size(1);
+    k.lr = a.lr;
+    k.beta1 = a.beta1;
+    k.beta2 = a.beta2;
+    k.eps = a.eps;
+    k.weight_decay = a.weight_decay;
+    k.grad_scale = a.grad_scale;
+    k.step = a.step;
+    cuda::adamw_quantize(k, stream_);
+  }
+
  private:
   static void check_outputs(const TensorView& x, const Fp8TensorView& out, const char* what) {
     KILN_CHECK(out.scale, what, ": no scale");

@@ -15,12 +15,13 @@ void CpuBackend::adamw(const AdamW& a) {
   if (a.params_act) expect_tensor(a.params_act, DType::f32, {P}, "adamw params_act");
   float *p = a.params.as<float>(), *g = a.grads.as<float>(), *m = a.m.as<float>(), *v = a.v.as<float>();
   float* pa = a.params_act ? a.params_act.as<float>() : nullptr;
-  const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(a.step));
-  const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(a.step));
+  float bc1 = 0, bc2 = 0;
+  adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
   std::int64_t covered = 0;
   for (auto& seg : a.segments) {
     KILN_CHECK(seg.offset >= 0 && seg.offset + seg.count <= P, "adamw segment out of range");
     covered += seg.count;
+    if (!seg.update) continue;
     const float wd = seg.decay ? a.weight_decay : 0.0f;
 #pragma omp parallel for num_threads(threads_) schedule(static)
     for (std::int64_t i = seg.offset; i < seg.offset + seg.count; ++i) {

@@ -1,5 +1,6 @@
 // AdamW over all parameters in one launch: a grid-stride loop over the flat buffers, 4 elements
-// (float4) per thread and step; an element's weight decay comes from its segment.
+// (float4) per thread and step; an element's weight decay comes from its segment, and a segment
+// another module updates (update == 0) is skipped without touching memory.
 #include "common.cuh"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
@@ -38,7 +39,12 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
   for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < P; i += stride) {
     int seg = find_segment(segs, n_segs, i);
-    if (VEC && i + 4 <= P) {
+    // Chunks inside one segment (all of them when segments start at multiples of 4) take the
+    // vector path or are skipped whole; a chunk across a boundary goes element by element.
+    const std::int64_t seg_end = __ldg(&segs[seg].offset) + __ldg(&segs[seg].count);
+    const bool inside = i + 4 <= seg_end;
+    if (inside && !__ldg(&segs[seg].update)) continue;
+    if (VEC && inside && i + 4 <= P) {
       const float4 p4 = *reinterpret_cast<const float4*>(params + i);
       const float4 g4 = *reinterpret_cast<const float4*>(grads + i);
       const float4 m4 = *reinterpret_cast<const float4*>(m + i);
@@ -62,6 +68,7 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
     } else {
       for (std::int64_t j = i; j < P && j < i + 4; ++j) {
         const float wd = decay_of(segs, n_segs, seg, j);
+        if (!__ldg(&segs[seg].update)) continue;
         float pj = params[j], mj = m[j], vj = v[j];
         ops::adamw_update(pj, mj, vj, grads[j] * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
         params[j] = pj;

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <numeric>
 
+#include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::ops {
@@ -539,7 +540,7 @@ void CudaBackend::adamw(const AdamW& a) {
   // an element's segment by binary search, so the table is sorted and must tile [0, P) exactly.
   std::vector<cuda::AdamWSegmentDev> table;
   for (auto& s : a.segments)
-    if (s.count > 0) table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f});
+    if (s.count > 0) table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f, s.update ? 1 : 0});
   std::sort(table.begin(), table.end(), [](auto& x, auto& y) { return x.offset < y.offset; });
   std::int64_t covered = 0;
   for (auto& s : table) {
@@ -550,8 +551,8 @@ void CudaBackend::adamw(const AdamW& a) {
   KILN_CHECK(covered == P, "adamw segments cover ", covered, " of ", P, " elements");
   if (P == 0) return;
   auto* segments = static_cast<const cuda::AdamWSegmentDev*>(upload(table.data(), table.size() * sizeof(table[0]), 1));
-  const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(a.step));
-  const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(a.step));
+  float bc1 = 0, bc2 = 0;
+  adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
   cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, dptr<float>(a.grads),
               dptr<float>(a.m), dptr<float>(a.v), segments,
               static_cast<int>(table.size()), P, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, stream_);

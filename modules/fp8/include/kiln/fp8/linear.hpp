@@ -73,6 +73,14 @@ class Fp8Linear {
   // first forward after a weight update and the next update (the optimizer rewrites it).
   void use_master_weight(const TensorView& master, const TensorView& compute);
 
+  // The optimizer's step of the master weight (use_master_weight) and its FP8 copies in one pass
+  // (Fp8Ops::adamw_quantize; `u` names the master's grad, m and v, and the hyperparameters; its
+  // param and out are filled in here). Under delayed scaling with this weight's scale already
+  // known, the copies are written with it and the new weight's amax recorded as the next step's,
+  // exactly as the next forward would; they are then the copies of `version`, which that forward
+  // reuses. Otherwise (current scaling, no scale yet) the update alone: the forward quantises.
+  void update_weight(AdamWQuantizeArgs u, std::int64_t version);
+
   // Forward on an input its producer already quantised (e.g. a LayerNorm writing FP8): `x.rowwise`
   // [N, IC] in input_slot().format, quantised with *input_slot().scale; under delayed scaling the
   // producer also max-accumulates max|x| into *input_slot().amax. `a.x` still names the

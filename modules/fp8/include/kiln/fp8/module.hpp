@@ -3,11 +3,15 @@
 // CUDA backend (cuBLASLt FP8) and on the CPU backend (the bit-exact emulation).
 //
 // Install: each selected nn::Linear entity gets an Fp8Meta component (its slots in the rank's
-// Fp8MetaStore) and an ops::LinearImpl that calls its Fp8Linear. Systems, in Phase::optimizer
-// (after the last backward of the step, before the next forward):
-//   fp8.amax_reduce   one all-reduce (max) of all this step's amaxes over fp8.amax_group (delayed)
-//   fp8.scale_update  the delayed update of every scale and the history roll, one kernel (delayed)
-//   fp8.weights_changed  marks the cached FP8 weights stale (the optimizer changed the weights)
+// Fp8MetaStore) and an ops::LinearImpl that calls its Fp8Linear. Systems, after the last backward of
+// the step, before the next forward:
+//   fp8.amax_reduce   (grad_sync) one all-reduce (max) of all this step's amaxes over fp8.amax_group (delayed)
+//   fp8.scale_update  (grad_sync) the delayed update of every scale and the history roll, one kernel (delayed)
+//   fp8.weights_changed  (optimizer) marks the cached FP8 weights stale (the optimizer changed the weights)
+// With delayed scaling (and fuse_weight_update) the FP8 layers' weights are marked nn::UpdatedBy:
+// the optimizer leaves them alone and publishes nn::AdamWStep, on which each layer runs the same
+// AdamW step fused with its weight's quantisation (Fp8Linear::update_weight), using the scales
+// fp8.scale_update just made: the next forward finds its FP8 weight ready.
 // Anything else that changes the weights (a checkpoint load) calls Fp8State::invalidate_weights().
 #include <memory>
 #include <vector>
@@ -37,6 +41,7 @@ struct Fp8Config {
   AmaxGroup amax_group = AmaxGroup::tp_dp;
   bool forward_fast_accum = true;
   bool weights_in_compute_copy = true;
+  bool fuse_weight_update = true;
   void validate(config::Checks& c) const {
     c.expect(amax_history_len >= 1, "amax_history_len", "must be at least 1");
     c.expect(margin >= 0 && margin <= 100, "margin", "must be in 0..100");
@@ -55,7 +60,10 @@ KILN_CONFIG(Fp8Config,
             (forward_fast_accum, "FP8 fast accumulation in the forward GEMMs (backward GEMMs never use it)"),
             (weights_in_compute_copy,
              "an FP8 layer's weight copies are made from the f32 master weight into the memory of its bf16 compute "
-             "copy, which nothing else reads (false: extra buffers, made from the compute copy)"))
+             "copy, which nothing else reads (false: extra buffers, made from the compute copy)"),
+            (fuse_weight_update,
+             "with delayed scaling and weights_in_compute_copy: the optimizer's AdamW step of an FP8 layer's weight "
+             "writes its FP8 copies in the same pass (false: the next forward quantises the updated master again)"))
 
 // World resource: this rank's FP8 machinery.
 struct Fp8State {
@@ -66,6 +74,8 @@ struct Fp8State {
   std::vector<Entity> entities;                      // the FP8 Linear entities, in entity order
   std::vector<std::unique_ptr<Fp8Linear>> linears;   // their layers, same order
   std::int64_t weights_version = 0;                  // the cached FP8 weights are of this version
+  std::vector<std::size_t> fused;                    // linears whose weight update is fused (fuse_weight_update)
+  std::int64_t fused_update_step = -1;               // the step whose optimizer update ran fused
   parallel::Communicator* amax_comm = nullptr;
   bool amax_via_host = false;  // the communicator takes host memory only (in-process ranks)
   std::int64_t updates = 0;    // delayed updates done

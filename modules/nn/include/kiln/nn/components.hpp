@@ -43,6 +43,13 @@ struct Param {
   bool tp_partial_grad = false;
 };
 
+// On a Param: another module applies the optimizer's update to this parameter, fused with its own
+// pass over it (the fp8 module writes a weight's FP8 copies while updating it). The optimizer leaves
+// the parameter alone and publishes AdamWStep (events.hpp) with everything the update needs.
+struct UpdatedBy {
+  std::string module;
+};
+
 enum class LayerKind { embedding, block, final_norm };
 
 // A layer: a unit of forward/backward and of parameter sharding.

@@ -1,7 +1,9 @@
 #pragma once
-// Events the model publishes; FSDP gathers/frees on them, data parallelism starts gradient buckets
+// Events the model (and the optimizer: AdamWStep) publishes; FSDP gathers/frees on them, data parallelism starts gradient buckets
 // on LayerBackwardEnd, activation checkpointing saves and recomputes on them.
 #include <cstdint>
+
+#include "kiln/tensor/tensor.hpp"
 
 namespace kiln::nn {
 
@@ -16,5 +18,17 @@ struct LayerRecomputeBegin { int unit; };
 struct LayerRecomputeEnd { int unit; };
 struct ForwardEnd { int micro_batch; };
 struct BackwardEnd { int micro_batch; };
+
+// Published by the optimizer once per step, after it queued its own AdamW update on the compute
+// stream, for the parameters marked UpdatedBy: each handler applies exactly that update
+// (ops::adamw_update with these hyperparameters and ops::adamw_bias_corrections(step)) to its
+// parameters, reading the gradient times grad_scale and the state at the parameter's offset.
+struct AdamWStep {
+  std::int64_t step = 0;  // the optimizer's step count, from 1 (bias corrections)
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0;
+  float weight_decay = 0;  // for parameters with Param::weight_decay
+  float grad_scale = 1;    // gradient clipping
+  TensorView m, v;         // [ParamStore::total] f32, laid out like the parameter store
+};
 
 }  // namespace kiln::nn

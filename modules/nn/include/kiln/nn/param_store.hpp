@@ -26,6 +26,11 @@ struct ParamStore {
   TensorView master_view(const Param& p) const { return at(master, DType::f32, p); }
   TensorView compute_view(const Param& p) const { return at(compute, act, p); }
   TensorView grad_view(const Param& p) const { return at(grads, DType::f32, p); }
+  // p's view in any flat buffer laid out like the store (e.g. the optimizer's moments).
+  static TensorView view_in(const TensorView& flat, const Param& p) {
+    return TensorView(static_cast<char*>(flat.data) + static_cast<std::size_t>(p.offset) * size_of(flat.dtype), p.shape,
+                      flat.dtype, flat.device);
+  }
 
  private:
   static TensorView at(const Buffer& b, DType t, const Param& p) {

@@ -196,12 +196,14 @@ struct CrossEntropyFinish {
 };
 
 // AdamW over flat f32 buffers (one launch for all parameters). Segments say which elements get
-// weight decay. With grad_scale s (clipping), the gradient used is s * g. Bias correction uses
+// weight decay, and which are left alone (update = false: another module applies their update,
+// e.g. fused with its own pass over them; neither params, params_act, m nor v is touched there). With grad_scale s (clipping), the gradient used is s * g. Bias correction uses
 // `step` (counted from 1). Writes params (f32 master) and, if given, params_act = round(params).
 struct AdamWSegment {
   std::int64_t offset = 0;
   std::int64_t count = 0;
   bool decay = true;
+  bool update = true;
 };
 struct AdamW {
   TensorView params;      // [P] f32

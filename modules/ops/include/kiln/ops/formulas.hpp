@@ -7,20 +7,31 @@
 
 namespace kiln::ops {
 
-// GELU, tanh approximation (GPT-2), and its derivative.
-KILN_HD float gelu(float x) {
+// GELU, tanh approximation (GPT-2), and its derivative, written through the logistic function:
+// 0.5 (1 + tanh u) = 1 / (1 + e^(-2u)) with u = sqrt(2/pi) (x + 0.044715 x^3), so
+//   gelu(x)  = x s,  s = 1 / (1 + e^(-2u))
+//   gelu'(x) = s + 2 x s (1 - s) u'(x),  u'(x) = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+// The same function as 0.5 x (1 + tanh u), without its cancellation for negative x; on the device
+// one exp2 and one reciprocal of the special-function unit (tanhf costs several times that, and the
+// FP8 kernels that apply the GELU while quantising are bound by it). The device's approximate
+// exp2 / reciprocal differ from the host's in the last bits (a few ulp), as tanhf did.
+KILN_HD float gelu_logistic(float x) {
   const float k = 0.7978845608028654f;  // sqrt(2/pi)
-  float inner = k * (x + 0.044715f * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(inner));
+  const float u = x * (k + (k * 0.044715f) * (x * x));
+#ifdef __CUDA_ARCH__
+  return __fdividef(1.0f, 1.0f + __expf(-2.0f * u));
+#else
+  return 1.0f / (1.0f + std::exp(-2.0f * u));
+#endif
 }
+
+KILN_HD float gelu(float x) { return x * gelu_logistic(x); }
 
 KILN_HD float gelu_grad(float x) {
   const float k = 0.7978845608028654f;
-  float x2 = x * x;
-  float inner = k * (x + 0.044715f * x2 * x);
-  float t = tanhf(inner);
-  float sech2 = 1.0f - t * t;
-  return 0.5f * (1.0f + t) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x2);
+  const float s = gelu_logistic(x);
+  const float du = k + (k * 3.0f * 0.044715f) * (x * x);
+  return s + 2.0f * x * (s * (1.0f - s)) * du;
 }
 
 // One AdamW step for one element, PyTorch's formulation (decoupled weight decay applied first).
@@ -32,6 +43,13 @@ KILN_HD void adamw_update(float& p, float& m, float& v, float g, float lr, float
   p = p * (1.0f - lr * wd);
   float denom = sqrtf(v) / sqrtf(bc2) + eps;
   p = p - (lr / bc1) * (m / denom);
+}
+
+// The bias corrections of adamw_update for `step` (counted from 1), as every implementation
+// computes them on the host.
+inline void adamw_bias_corrections(float beta1, float beta2, std::int64_t step, float& bc1, float& bc2) {
+  bc1 = 1.0f - std::pow(beta1, static_cast<float>(step));
+  bc2 = 1.0f - std::pow(beta2, static_cast<float>(step));
 }
 
 }  // namespace kiln::ops

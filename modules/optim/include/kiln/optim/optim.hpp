@@ -1,12 +1,15 @@
 #pragma once
 // The "optim" module: fused AdamW over the flat parameter buffer (decoupled weight decay on
 // matrices only), a cosine schedule with linear warm-up, global gradient-norm clipping, and a
-// check that stops the run on a non-finite gradient, naming the tensor.
+// check that stops the run on a non-finite gradient, naming the tensor. Parameters another module
+// marks nn::UpdatedBy are left to it: after its own update the optimizer publishes nn::AdamWStep.
 #include <boost/describe/enum.hpp>
 #include <cstdint>
+#include <vector>
 
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
+#include "kiln/ops/backend.hpp"
 #include "kiln/tensor/buffer.hpp"
 
 namespace kiln::optim {
@@ -53,6 +56,7 @@ double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t tot
 struct OptimState {
   Buffer m, v;
   std::int64_t steps_taken = 0;
+  std::vector<ops::AdamWSegment> segments;  // made at setup: decay, and parameters left to other modules
 };
 
 void register_module(ModuleRegistry& registry);

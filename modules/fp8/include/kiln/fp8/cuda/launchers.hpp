@@ -56,6 +56,25 @@ void dequantize(float* out, const std::uint8_t* q, Format f, std::int64_t n, con
 // The delayed-scaling update of every slot (DelayedUpdateArgs): one kernel, one thread per slot.
 void delayed_update(const DelayedUpdateArgs& a, cudaStream_t s);
 
+// AdamWQuantizeArgs on device pointers: param, grad, m, v f32 [rows, cols]; rowwise [rows, cols]
+// and colwise [cols, rows] both or neither (neither: the update alone). 16-byte accesses over
+// 64 x 64 tiles when rows and cols are multiples of 16 and the pointers 16-byte aligned.
+struct AdamWQuantizeDev {
+  float* param = nullptr;
+  const float* grad = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  std::uint8_t* rowwise = nullptr;
+  std::uint8_t* colwise = nullptr;
+  Format format = Format::e4m3;
+  const float* scale = nullptr;
+  float* amax = nullptr;  // optional
+  std::int64_t rows = 0, cols = 0;
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_scale = 1;
+  std::int64_t step = 1;
+};
+void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s);
+
 // Epilogues cuBLASLt does not fuse with FP8 inputs, on a row-major bf16 d [M, N]:
 enum class EpilogueKernel { add_bias, gelu, dgelu };
 //   add_bias: d += bias[n];  gelu: d = gelu(aux);  dgelu: d *= gelu'(aux)   (aux bf16 [M, N])

@@ -83,6 +83,7 @@ struct AdamWSegmentDev {
   std::int64_t offset;
   std::int64_t count;
   float weight_decay;
+  int update;  // 0: left alone (AdamWSegment::update)
 };
 // segments: device array of n_segments entries covering [0, P).
 void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
