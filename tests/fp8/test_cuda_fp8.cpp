@@ -249,7 +249,9 @@ TEST_CASE("the gradient quantisation (dGELU, both copies, amax, bias gradient in
             for (std::int64_t r = 0; r < R; ++r) mag += std::fabs(c_dy[static_cast<std::size_t>(r * C + j)]);
             worst = std::max(worst, std::fabs(got[static_cast<std::size_t>(j)] - c_bias[static_cast<std::size_t>(j)]) / mag);
           }
-          CHECK(worst < 2e-5);
+          // Exact sums of the same g but for the dGELU's last bits (device exp2 / reciprocal): one g
+          // rounded to the neighbouring bf16 in a column moves its sum by ~|g| 2^-8 / mag.
+          CHECK(worst < (gelu ? 1e-4 : 2e-5));
         }
       }
 }
@@ -352,17 +354,19 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
                                c_col.data(), c_meta.data()));
       gpu->adamw_quantize(args(Device::cuda, d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(),
                                d_col.data(), static_cast<float*>(d_meta.data())));
-      // The same formula; FMA contraction may differ in the last bit of an f32.
+      // The same formula; FMA contraction may differ in the last bits of an f32: ||got - want|| / ||want||.
       auto close = [&](const std::vector<float>& want, const void* dev) {
         const auto got = download<float>(dev, n);
-        double worst = 0;
-        for (std::size_t i = 0; i < n; ++i)
-          worst = std::max(worst, double(std::fabs(got[i] - want[i])) / (std::fabs(want[i]) + 1e-6));
-        return worst;
+        double num = 0, den = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+          num += double(got[i] - want[i]) * (got[i] - want[i]);
+          den += double(want[i]) * want[i];
+        }
+        return std::sqrt(num / den);
       };
-      CHECK(close(p, d_p.data()) < 1e-5);
-      CHECK(close(m, d_m.data()) < 1e-5);
-      CHECK(close(v, d_v.data()) < 1e-5);
+      CHECK(close(p, d_p.data()) < 1e-6);
+      CHECK(close(m, d_m.data()) < 1e-6);
+      CHECK(close(v, d_v.data()) < 1e-6);
       if (mode > 0) {
         // A parameter a last bit away from a rounding boundary may take the neighbouring code.
         std::size_t differ = 0, far = 0;

@@ -3,9 +3,9 @@
 // through the shared tile colwise, and its amax, exactly as cast_transpose would quantise the
 // updated master (same scale, same hardware conversion).
 //
-// The tiled kernel is cast_transpose_tiled with four f32 loads (param, grad, m, v: 4 x 64 bytes
-// per thread) and three stores before the codes: 30 bytes per element where the unfused path
-// moves 30 (AdamW with its bf16 copy) plus 6 (the f32 master read again, both copies written).
+// The tiled kernel moves 30 bytes per element (param, grad, m, v read; param, m, v and both codes
+// written) where the unfused path moves 30 (AdamW with its bf16 copy) plus 6 (the f32 master read
+// again, both copies written).
 #include <algorithm>
 
 #include "kiln/fp8/cuda/launchers.hpp"
@@ -21,16 +21,14 @@ struct Hyper {
   float lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2;
 };
 
-__device__ __forceinline__ void store16(float* p, const float v[16]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    reinterpret_cast<float4*>(p)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-}
-
 __device__ __forceinline__ void update(float& p, float& m, float& v, float g, const Hyper& h) {
   ops::adamw_update(p, m, v, g * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.bc1, h.bc2);
 }
 
+// The f32 arrays are read and written coalesced: in pass k = 0..3 thread t handles float4 column
+// t % 16 of tile row 16 k + t / 16 (a warp covers two whole 256-byte rows) and leaves its 4 codes in
+// the shared tile; both copies are then written from there (rowwise: 16 bytes of tile row t / 4 per
+// thread; colwise: store_transposed).
 template <Format F, bool QUANT, bool AMAX>
 __global__ void __launch_bounds__(kThreads)
     adamw_quantize_tiled(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
@@ -40,42 +38,44 @@ __global__ void __launch_bounds__(kThreads)
   const float scale = QUANT ? *scale_ptr : 0.0f;
   const int tiles_c = (cols + kTile - 1) / kTile;
   const long long tiles = static_cast<long long>((rows + kTile - 1) / kTile) * tiles_c;
-  const int lr = threadIdx.x / 4, lv = threadIdx.x % 4;
+  const int cr = threadIdx.x / 16, cq = threadIdx.x % 16;  // update: row in a 16-row band, float4 column
+  const int lr = threadIdx.x / 4, lv = threadIdx.x % 4;    // rowwise store: tile row, 16-byte group
   unsigned local = 0;
   for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int r0 = static_cast<int>(t / tiles_c) * kTile, c0 = static_cast<int>(t % tiles_c) * kTile;
-    const int gr = r0 + lr, gc = c0 + lv * 16;
-    if (gr < rows && gc < cols) {
-      const size_t at = static_cast<size_t>(gr) * cols + gc;
-      float p[16], mm[16], vv[16];
-      {
-        float g[16];
-        load16(param + at, p);
-        load16(grad + at, g);
-        load16(m + at, mm);
-        load16(v + at, vv);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) update(p[i], mm[i], vv[i], g[i], h);
-      }
-      store16(param + at, p);
-      store16(m + at, mm);
-      store16(v + at, vv);
+    for (int k = 0; k < 4; ++k) {
+      const int tr = 16 * k + cr, r = r0 + tr, c = c0 + 4 * cq;
+      if (r >= rows || c >= cols) continue;  // cols % 16 == 0: a float4 is all in or all out
+      const size_t at = static_cast<size_t>(r) * cols + c;
+      float4 p4 = *reinterpret_cast<const float4*>(param + at);
+      const float4 g4 = *reinterpret_cast<const float4*>(grad + at);
+      float4 m4 = *reinterpret_cast<const float4*>(m + at);
+      float4 v4 = *reinterpret_cast<const float4*>(v + at);
+      update(p4.x, m4.x, v4.x, g4.x, h);
+      update(p4.y, m4.y, v4.y, g4.y, h);
+      update(p4.z, m4.z, v4.z, g4.z, h);
+      update(p4.w, m4.w, v4.w, g4.w, h);
+      *reinterpret_cast<float4*>(param + at) = p4;
+      *reinterpret_cast<float4*>(m + at) = m4;
+      *reinterpret_cast<float4*>(v + at) = v4;
       if (QUANT) {
-        std::uint32_t w[4];
-        encode16<F>(p, scale, w);
+        *reinterpret_cast<std::uint32_t*>(tile + tr * kStride + 4 * cq) =
+            cvt2<F>(__fmul_rn(p4.x, scale), __fmul_rn(p4.y, scale)) |
+            (cvt2<F>(__fmul_rn(p4.z, scale), __fmul_rn(p4.w, scale)) << 16);
         if (AMAX)
-#pragma unroll
-          for (int i = 0; i < 16; ++i) local = max(local, abs_bits(p[i]));
-        *reinterpret_cast<uint4*>(row + at) = make_uint4(w[0], w[1], w[2], w[3]);
-        auto* dst = reinterpret_cast<std::uint32_t*>(tile + lr * kStride + lv * 16);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) dst[j] = w[j];
+          local = max(max(local, max(abs_bits(p4.x), abs_bits(p4.y))), max(abs_bits(p4.z), abs_bits(p4.w)));
       }
     }
     if (QUANT) {
       __syncthreads();
+      const int gr = r0 + lr, gc = c0 + lv * 16;
+      if (gr < rows && gc < cols) {
+        const auto* src = reinterpret_cast<const std::uint32_t*>(tile + lr * kStride + lv * 16);
+        *reinterpret_cast<uint4*>(row + static_cast<size_t>(gr) * cols + gc) = make_uint4(src[0], src[1], src[2], src[3]);
+      }
       store_transposed(tile, col, r0, c0, rows, cols);
-      __syncthreads();
+      __syncthreads();  // the next tile overwrites the shared tile
     }
   }
   if (AMAX) block_amax(local, amax);

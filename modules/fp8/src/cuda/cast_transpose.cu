@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads)
 // The gradient variant (GradQuantizeArgs): bf16 dy, optionally times gelu'(pre) rounded to bf16,
 // both copies, and with DBIAS each tile's column sums into partial[r0 / 64][c] (f32, a fixed
 // summation order: 8 rows per warp by shuffles, then the 8 warps in order), which
-// bias_partials_finish adds up over the row tiles in order.
+// bias_partials_finish adds up over the row tiles in a fixed order.
 template <Format F, bool AMAX, bool DBIAS, bool DGELU>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_grad_tiled(const bf16* __restrict__ x, const bf16* __restrict__ pre, std::uint8_t* __restrict__ row,
@@ -134,14 +134,27 @@ __global__ void __launch_bounds__(kThreads)
   if (AMAX) block_amax(local, amax);
 }
 
-// dbias[c] += sum over the row tiles, in order, of partial[t][c].
-__global__ void bias_partials_finish(float* __restrict__ dbias, const float* __restrict__ partial, int row_tiles,
-                                     int cols) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
+// dbias[c] += sum over the row tiles of partial[t][c], in a fixed order: a block of 256 threads
+// takes 32 columns; its 8 warps sum interleaved row tiles (warp w: tiles w, w + 8, ...) in order,
+// then one thread per column adds the 8 sums in order. Enough blocks to load the whole GPU where
+// one thread per column would leave most SMs idle.
+constexpr int kFinishCols = 32, kFinishParts = kThreads / kFinishCols;
+__global__ void __launch_bounds__(kThreads)
+    bias_partials_finish(float* __restrict__ dbias, const float* __restrict__ partial, int row_tiles, int cols) {
+  __shared__ float part[kFinishParts][kFinishCols];
+  const int lc = threadIdx.x % kFinishCols, w = threadIdx.x / kFinishCols;
+  const int c = blockIdx.x * kFinishCols + lc;
   float s = 0.0f;
-  for (int t = 0; t < row_tiles; ++t) s += partial[static_cast<size_t>(t) * cols + c];
-  dbias[c] += s;
+  if (c < cols)
+    for (int t = w; t < row_tiles; t += kFinishParts) s += partial[static_cast<size_t>(t) * cols + c];
+  part[w][lc] = s;
+  __syncthreads();
+  if (w == 0 && c < cols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kFinishParts; ++k) total += part[k][lc];
+    dbias[c] += total;
+  }
 }
 
 // Any shape and alignment: one element per thread and step.
@@ -315,7 +328,7 @@ bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
     grad_with_flags<Format::e5m2>(a, s);
   if (a.dbias) {
     const int cols = static_cast<int>(a.cols);
-    bias_partials_finish<<<(cols + kThreads - 1) / kThreads, kThreads, 0, s>>>(
+    bias_partials_finish<<<(cols + kFinishCols - 1) / kFinishCols, kThreads, 0, s>>>(
         a.dbias, a.partial, static_cast<int>((a.rows + kTile - 1) / kTile), cols);
     KILN_CUDA_LAUNCH_CHECK();
   }

@@ -43,7 +43,11 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
     // vector path or are skipped whole; a chunk across a boundary goes element by element.
     const std::int64_t seg_end = __ldg(&segs[seg].offset) + __ldg(&segs[seg].count);
     const bool inside = i + 4 <= seg_end;
-    if (inside && !__ldg(&segs[seg].update)) continue;
+    if (inside && !__ldg(&segs[seg].update)) {
+      // Past this thread's other chunks inside the segment (the loop adds the last stride).
+      i += (seg_end - 4 - i) / stride * stride;
+      continue;
+    }
     if (VEC && inside && i + 4 <= P) {
       const float4 p4 = *reinterpret_cast<const float4*>(params + i);
       const float4 g4 = *reinterpret_cast<const float4*>(grads + i);
