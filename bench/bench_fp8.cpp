@@ -155,7 +155,7 @@ void fused_table(Timer& timer, cudaStream_t s, const Buffer& scales) {
       m(Device::cuda, static_cast<std::size_t>(W) * 4), v(Device::cuda, static_cast<std::size_t>(W) * 4),
       p16(Device::cuda, static_cast<std::size_t>(W) * 2), seg(Device::cuda, 64);
   for (Buffer* b : {&p, &gr, &m, &v}) KILN_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), s));
-  const cuda::AdamWSegmentDev table{0, W, 0.1f, 1};
+  const cuda::AdamWSegmentDev table{0, W, 0.1f, 0};
   KILN_CUDA_CHECK(cudaMemcpy(seg.data(), &table, sizeof(table), cudaMemcpyHostToDevice));
   line("W_fc: AdamW + bf16 copy (ops backend)", F, C, 30.0 * W, timer.median_ms([&] {
          cuda::adamw(static_cast<float*>(p.data()), static_cast<cuda::bf16*>(p16.data()), static_cast<float*>(gr.data()),

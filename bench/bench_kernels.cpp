@@ -213,10 +213,12 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     const std::int64_t P = cfg.params;
     float *p = buf.f32(P, 0.02f), *g = buf.f32(P, 1e-3f), *m = buf.f32(P, 0.0f), *v = buf.f32(P, 0.0f);
     bf16* pb = buf.act(P);
-    std::vector<cuda::AdamWSegmentDev> segs = {{0, P / 2, 0.1f}, {P / 2, P - P / 2, 0.0f}};
+    const std::int64_t half = P / 2 / 4 * 4;  // the first segment's work rounds to itself
+    std::vector<cuda::AdamWSegmentDev> segs = {{0, half, 0.1f, 0}, {half, P - half, 0.0f, half}};
     auto* d_segs = buf.upload(segs);
+    const std::int64_t work = half + (P - half + 3) / 4 * 4;
     row("adamw (+bf16 copy)", dims({P}), timer.median_ms([&] {
-          cuda::adamw(p, pb, g, m, v, d_segs, 2, P, 3e-4f, 0.9f, 0.95f, 1e-8f, 1.0f, 0.1f, 0.01f, s);
+          cuda::adamw(p, pb, g, m, v, d_segs, 2, work, 3e-4f, 0.9f, 0.95f, 1e-8f, 1.0f, 0.1f, 0.01f, s);
         }),
         P * (4.0 * 4 + 4.0 * 3 + 2));
   }

@@ -1,6 +1,7 @@
-// AdamW over all parameters in one launch: a grid-stride loop over the flat buffers, 4 elements
-// (float4) per thread and step; an element's weight decay comes from its segment, and a segment
-// another module updates (update == 0) is skipped without touching memory.
+// AdamW over all parameters in one launch. The work is the segments the optimizer updates, laid
+// end to end, each rounded up to a multiple of 4 (AdamWSegmentDev::work): a grid-stride loop over
+// that space, 4 elements of one segment per thread and step (float4 where aligned), so segments left
+// to another module cost nothing and a chunk never spans two segments.
 #include "common.cuh"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
@@ -14,41 +15,30 @@ struct Hyper {
   float lr, beta1, beta2, eps, grad_scale, bc1, bc2;
 };
 
-// Index of the segment holding element i: segments are sorted by offset and contiguous (the
-// backend sorts and checks them), so this is the last one whose offset is <= i. The table is tiny
-// and read by every thread, so it lives in L1.
-__device__ __forceinline__ int find_segment(const AdamWSegmentDev* segs, int n, std::int64_t i) {
+// The segment holding work index w: the last whose work start is <= w (the table is sorted by
+// work, tiny, and read by every thread, so it lives in L1).
+__device__ __forceinline__ int find_segment(const AdamWSegmentDev* segs, int n, std::int64_t w) {
   int lo = 0, hi = n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (__ldg(&segs[mid].offset) <= i) lo = mid;
+    if (__ldg(&segs[mid].work) <= w) lo = mid;
     else hi = mid - 1;
   }
   return lo;
 }
 
-__device__ __forceinline__ float decay_of(const AdamWSegmentDev* segs, int n, int& seg, std::int64_t i) {
-  while (seg + 1 < n && i >= __ldg(&segs[seg].offset) + __ldg(&segs[seg].count)) ++seg;  // a chunk may span segments
-  return __ldg(&segs[seg].weight_decay);
-}
-
 // VEC: params, grads, m, v 16-byte aligned and params_bf16 (if any) 8-byte aligned.
 template <bool VEC>
 __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grads, float* m, float* v,
-                             const AdamWSegmentDev* segs, int n_segs, std::int64_t P, Hyper h) {
+                             const AdamWSegmentDev* segs, int n_segs, std::int64_t W, Hyper h) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
-  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < P; i += stride) {
-    int seg = find_segment(segs, n_segs, i);
-    // Chunks inside one segment (all of them when segments start at multiples of 4) take the
-    // vector path or are skipped whole; a chunk across a boundary goes element by element.
-    const std::int64_t seg_end = __ldg(&segs[seg].offset) + __ldg(&segs[seg].count);
-    const bool inside = i + 4 <= seg_end;
-    if (inside && !__ldg(&segs[seg].update)) {
-      // Past this thread's other chunks inside the segment (the loop adds the last stride).
-      i += (seg_end - 4 - i) / stride * stride;
-      continue;
-    }
-    if (VEC && inside && i + 4 <= P) {
+  for (std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; w < W; w += stride) {
+    const int seg = find_segment(segs, n_segs, w);
+    const std::int64_t local = w - __ldg(&segs[seg].work), count = __ldg(&segs[seg].count);
+    if (local >= count) continue;  // the rounding after the segment's last element
+    const std::int64_t i = __ldg(&segs[seg].offset) + local;
+    const float wd = __ldg(&segs[seg].weight_decay);
+    if (VEC && local + 4 <= count && i % 4 == 0) {
       const float4 p4 = *reinterpret_cast<const float4*>(params + i);
       const float4 g4 = *reinterpret_cast<const float4*>(grads + i);
       const float4 m4 = *reinterpret_cast<const float4*>(m + i);
@@ -56,10 +46,8 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
       float p[4] = {p4.x, p4.y, p4.z, p4.w}, mm[4] = {m4.x, m4.y, m4.z, m4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w};
       const float g[4] = {g4.x, g4.y, g4.z, g4.w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float wd = decay_of(segs, n_segs, seg, i + k);
+      for (int k = 0; k < 4; ++k)
         ops::adamw_update(p[k], mm[k], vv[k], g[k] * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
-      }
       *reinterpret_cast<float4*>(params + i) = make_float4(p[0], p[1], p[2], p[3]);
       *reinterpret_cast<float4*>(m + i) = make_float4(mm[0], mm[1], mm[2], mm[3]);
       *reinterpret_cast<float4*>(v + i) = make_float4(vv[0], vv[1], vv[2], vv[3]);
@@ -70,9 +58,7 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
         *reinterpret_cast<uint2*>(params_bf16 + i) = packed;
       }
     } else {
-      for (std::int64_t j = i; j < P && j < i + 4; ++j) {
-        const float wd = decay_of(segs, n_segs, seg, j);
-        if (!__ldg(&segs[seg].update)) continue;
+      for (std::int64_t j = i; j < i + 4 && j - i + local < count; ++j) {
         float pj = params[j], mj = m[j], vj = v[j];
         ops::adamw_update(pj, mj, vj, grads[j] * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
         params[j] = pj;
@@ -87,18 +73,17 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
 }  // namespace
 
 void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
-           int n_segments, std::int64_t P, float lr, float beta1, float beta2, float eps, float grad_scale, float bc1,
+           int n_segments, std::int64_t work, float lr, float beta1, float beta2, float eps, float grad_scale, float bc1,
            float bc2, cudaStream_t s) {
-  if (P <= 0) return;
-  KILN_CHECK(n_segments > 0, "adamw: no segments for ", P, " parameters");
+  if (work <= 0 || n_segments <= 0) return;
   const Hyper h{lr, beta1, beta2, eps, grad_scale, bc1, bc2};
   const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) &&
                    (reinterpret_cast<std::uintptr_t>(params_bf16) & 7u) == 0;
-  const unsigned grid = grid_for(ceil_div(P, 4), kThreads, 8192);
+  const unsigned grid = grid_for(ceil_div(work, 4), kThreads, 8192);
   if (vec)
-    adamw_kernel<true><<<grid, kThreads, 0, s>>>(params, params_bf16, grads, m, v, segments, n_segments, P, h);
+    adamw_kernel<true><<<grid, kThreads, 0, s>>>(params, params_bf16, grads, m, v, segments, n_segments, work, h);
   else
-    adamw_kernel<false><<<grid, kThreads, 0, s>>>(params, params_bf16, grads, m, v, segments, n_segments, P, h);
+    adamw_kernel<false><<<grid, kThreads, 0, s>>>(params, params_bf16, grads, m, v, segments, n_segments, work, h);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

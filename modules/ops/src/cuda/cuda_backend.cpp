@@ -536,26 +536,31 @@ void CudaBackend::adamw(const AdamW& a) {
   check_dev(a.m, DType::f32, "adamw m");
   check_dev(a.v, DType::f32, "adamw v");
   if (a.params_act) check_dev(a.params_act, DType::bf16, "adamw params_act");
-  // The segment table is tiny; upload it with every call (stream-ordered staging). The kernel finds
-  // an element's segment by binary search, so the table is sorted and must tile [0, P) exactly.
-  std::vector<cuda::AdamWSegmentDev> table;
+  // The segments must tile [0, P) exactly; the kernel gets those it updates, end to end in its
+  // work space (each rounded up to a multiple of 4). The table is tiny: uploaded with every call
+  // (stream-ordered staging).
+  std::vector<AdamWSegment> sorted;
   for (auto& s : a.segments)
-    if (s.count > 0) table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f, s.update ? 1 : 0});
-  std::sort(table.begin(), table.end(), [](auto& x, auto& y) { return x.offset < y.offset; });
-  std::int64_t covered = 0;
-  for (auto& s : table) {
+    if (s.count > 0) sorted.push_back(s);
+  std::sort(sorted.begin(), sorted.end(), [](auto& x, auto& y) { return x.offset < y.offset; });
+  std::vector<cuda::AdamWSegmentDev> table;
+  std::int64_t covered = 0, work = 0;
+  for (auto& s : sorted) {
     KILN_CHECK(s.offset == covered, "adamw segments must tile [0, ", P, "): a segment starts at ", s.offset,
                " where ", covered, " was expected");
     covered += s.count;
+    if (!s.update) continue;
+    table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f, work});
+    work += (s.count + 3) / 4 * 4;
   }
   KILN_CHECK(covered == P, "adamw segments cover ", covered, " of ", P, " elements");
-  if (P == 0) return;
+  if (table.empty()) return;
   auto* segments = static_cast<const cuda::AdamWSegmentDev*>(upload(table.data(), table.size() * sizeof(table[0]), 1));
   float bc1 = 0, bc2 = 0;
   adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
   cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, dptr<float>(a.grads),
               dptr<float>(a.m), dptr<float>(a.v), segments,
-              static_cast<int>(table.size()), P, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, stream_);
+              static_cast<int>(table.size()), work, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, stream_);
 }
 
 }  // namespace cuda_impl

@@ -80,14 +80,16 @@ void cross_entropy_stats(float* stats, const bf16* logits, const std::int32_t* t
 void cross_entropy_finish(float* losses, bf16* logits, const std::int32_t* targets, const float* all_stats, int R,
                           int N, int V, int vocab_real, std::int64_t begin, float dloss, cudaStream_t s);
 struct AdamWSegmentDev {
-  std::int64_t offset;
+  std::int64_t offset;  // first element in the flat buffers
   std::int64_t count;
   float weight_decay;
-  int update;  // 0: left alone (AdamWSegment::update)
+  std::int64_t work;    // where the segment starts in the work space: the segments before it, each
+                        // rounded up to a multiple of 4
 };
-// segments: device array of n_segments entries covering [0, P).
+// segments: device array of n_segments entries, sorted by `work`, the elements to update (other
+// elements are not touched); `work`: the end of the last one.
 void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
-           int n_segments, std::int64_t P, float lr, float beta1, float beta2, float eps, float grad_scale,
+           int n_segments, std::int64_t work, float lr, float beta1, float beta2, float eps, float grad_scale,
            float bc1, float bc2, cudaStream_t s);
 
 }  // namespace kiln::cuda
