@@ -150,6 +150,23 @@ void fused_table(Timer& timer, cudaStream_t s, const Buffer& scales) {
   line("fc dout * gelu'(pre) -> both e5m2 + amax + dbias", N, F, 6.0 * n,
        timer.median_ms([&] { fp8::cuda::cast_transpose_grad(g, s); }));
 
+  {  // QKV's / FC1's input for the weight gradient: LayerNorm(x) from the forward's statistics
+    Buffer x = bf16_buffer(N * C, 1.0f, s), w = bf16_buffer(C, 1.0f, s), b = bf16_buffer(C, 0.1f, s),
+           stats(Device::cuda, static_cast<std::size_t>(N) * 8);
+    std::vector<float> h(static_cast<std::size_t>(2 * N), 1.0f);
+    for (std::int64_t r = 0; r < N; ++r) h[static_cast<std::size_t>(r)] = 0.01f;  // mean; rstd 1
+    KILN_CUDA_CHECK(cudaMemcpy(stats.data(), h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    fp8::cuda::LayerNormOfDev ln;
+    ln.x = static_cast<const cuda::bf16*>(x.data());
+    ln.weight = static_cast<const cuda::bf16*>(w.data());
+    ln.bias = static_cast<const cuda::bf16*>(b.data());
+    ln.mean = static_cast<const float*>(stats.data());
+    ln.rstd = static_cast<const float*>(stats.data()) + N;
+    line("ln x = LayerNorm(res) -> colwise e4m3 (backward)", N, C, 3.0 * N * C, timer.median_ms([&] {
+           fp8::cuda::cast_transpose_layernorm(ln, nullptr, c8, fp8::Format::e4m3, scale, nullptr, N, C, s);
+         }));
+  }
+
   const std::int64_t W = F * C;  // the FC weight [4C, C]
   Buffer p(Device::cuda, static_cast<std::size_t>(W) * 4), gr(Device::cuda, static_cast<std::size_t>(W) * 4),
       m(Device::cuda, static_cast<std::size_t>(W) * 4), v(Device::cuda, static_cast<std::size_t>(W) * 4),

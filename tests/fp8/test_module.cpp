@@ -222,8 +222,11 @@ TEST_CASE("with backend.profile, the FP8 kernels appear in the per-op breakdown"
   CHECK(calls["fp8_bias_grad"] == 0);
   CHECK(calls["fp8_dgelu"] == 0);
   CHECK(calls["gelu_forward"] == 0);  // no GELU output is recomputed either
-  // The inputs again, transposed, for the weight gradient.
-  CHECK(calls["fp8_quantize_colwise"] == 2 * 9);
+  // The inputs again, transposed, for the weight gradient: QKV's and FC1's computed from the
+  // LayerNorm's input and statistics as they are read (no LayerNorm output is recomputed).
+  CHECK(calls["fp8_quantize_colwise"] == 2 * 3);
+  CHECK(calls["fp8_quantize_layernorm_colwise"] == 2 * 6);
+  CHECK(calls["layernorm_forward"] == 2 * 7);  // two per block and the final one, in the forward only
   CHECK(calls["fp8_quantize_gelu_colwise"] == 2 * 3);
   CHECK(calls["fp8_scale_update"] == 2);
   CHECK(calls["linear_forward"] > 0);  // the LM head stays in bf16

@@ -207,11 +207,12 @@ void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) 
 
 void Fp8Linear::backward(const ops::LinearBackward& a) {
   const DType act = ops_.act_dtype();
-  const bool gelu = static_cast<bool>(a.x_gelu_pre);
-  const TensorView& x = gelu ? a.x_gelu_pre : a.x;
+  const bool gelu = static_cast<bool>(a.x_gelu_pre), ln = static_cast<bool>(a.x_ln);
+  KILN_CHECK(!(gelu && ln), name_, " backward: x_gelu_pre and x_ln together");
+  const TensorView& x = gelu ? a.x_gelu_pre : ln ? a.x_ln.x : a.x;
   KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " backward: x ", x.str(), ", weight ", a.weight.str());
   const std::int64_t N = x.size(0), IC = x.size(1), OC = a.weight.size(0);
-  if (!keep_input_) expect(x, act, N, IC, name_ + (gelu ? " backward x_gelu_pre" : " backward x"));
+  if (!keep_input_) expect(x, act, N, IC, name_ + (gelu ? " backward x_gelu_pre" : ln ? " backward x_ln.x" : " backward x"));
   expect(a.weight, act, OC, IC, name_ + " backward weight");
   expect(a.dout, act, N, OC, name_ + " backward dout");
   expect(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
@@ -251,7 +252,12 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   } else {
     xc = scratch + 2 * gbytes;
     const Fp8TensorView out = view(sx, nullptr, xc, N, IC);
-    gelu ? ops_.quantize_gelu(x, out, nullptr) : ops_.quantize(x, out, nullptr);
+    if (gelu)
+      ops_.quantize_gelu(x, out, nullptr);
+    else if (ln)
+      ops_.quantize_layernorm(a.x_ln, out, nullptr);
+    else
+      ops_.quantize(x, out, nullptr);
   }
 
   if (a.dx) {

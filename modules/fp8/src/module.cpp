@@ -159,7 +159,8 @@ void install(World& w, const Fp8Config& cfg) {
                                       [lin](const ops::LinearBackward& a) { lin->backward(a); },
                                       /*fuses_dout_gelu=*/true,
                                       /*keeps_input=*/keep,
-                                      /*takes_gelu_input=*/true});
+                                      /*takes_gelu_input=*/true,
+                                      /*takes_layernorm_input=*/true});
   }
 
   // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies. Runs after

@@ -32,6 +32,12 @@ class ProfiledOps final : public Fp8Ops {
                                                                                      : "fp8_quantize_gelu_colwise");
     in_->quantize_gelu(pre, out, amax);
   }
+  void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
+    Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_layernorm_both"
+                 : out.rowwise             ? "fp8_quantize_layernorm_rowwise"
+                                           : "fp8_quantize_layernorm_colwise");
+    in_->quantize_layernorm(ln, out, amax);
+  }
   void amax_gelu(const TensorView& pre, float* amax) override {
     Scope s(be_, "fp8_amax_gelu");
     in_->amax_gelu(pre, amax);

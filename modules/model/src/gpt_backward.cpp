@@ -45,7 +45,15 @@ void GptModel::backward(const train::Batch& batch) {
       gather_rows(full_c_, dmlp);
       dmlp = full_c_;
     }
-    if (recompute_ln_) {
+    // The LayerNorm outputs FC1 and QKV read for their weight gradients: recomputed, or computed by
+    // the layer itself as it reads them (LinearImpl::takes_layernorm_input; not under sequence
+    // parallelism, where they are gathered over the TP group).
+    auto ln_on_load = [&](Entity linear) {
+      const auto* impl = world_.try_get<ops::LinearImpl>(linear);
+      return recompute_ln_ && !sp_ && impl && impl->takes_layernorm_input;
+    };
+    const bool ln2_on_load = ln_on_load(lin[2]), ln1_on_load = ln_on_load(lin[0]);
+    if (recompute_ln_ && !ln2_on_load) {
       be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
       gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
     }
@@ -57,7 +65,12 @@ void GptModel::backward(const train::Batch& batch) {
     ops::LinearBackward fc2{dfc_, g.fcp_w, g.fcp_b, dmlp, a.fc, w.fcp_w, defer_dgelu ? TensorView{} : a.fc_pre};
     if (gelu_in_fc2_) fc2.x_gelu_pre = a.fc_pre;
     linear_backward(lin[3], fc2);
-    linear_backward(lin[2], {dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}, defer_dgelu ? a.fc_pre : TensorView{}});
+    ops::LinearBackward fc1{dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}, defer_dgelu ? a.fc_pre : TensorView{}};
+    if (ln2_on_load) {
+      fc1.x = {};
+      fc1.x_ln = {a.res2, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd};
+    }
+    linear_backward(lin[2], fc1);
     reduce_rows(dln_local, dln_);  // column-parallel FC1: each rank holds part of the input gradient
     be_.layernorm_backward({dres_, g.ln2_w, g.ln2_b, dln_local, a.res2, w.ln2_w, a.ln2_mean, a.ln2_rstd});
     // Attention branch: res2 = res[l] + dropout(proj(attention(qkv(ln1(res[l])))))
@@ -73,11 +86,16 @@ void GptModel::backward(const train::Batch& batch) {
     linear_backward(lin[1], {datty_, g.proj_w, g.proj_b, dproj, a.atty.reshape({N, C_ / tp_}), w.proj_w, {}});
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, Hl_, D}), datty_.reshape({B_, T_, Hl_, D}), a.atty, a.lse, a.qkv,
                             1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, tp_rank_ * Hl_, H_});
-    if (recompute_ln_) {
+    if (recompute_ln_ && !ln1_on_load) {
       be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
       gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
     }
-    linear_backward(lin[0], {dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}});
+    ops::LinearBackward qkv{dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}};
+    if (ln1_on_load) {
+      qkv.x = {};
+      qkv.x_ln = {res_[l], w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd};
+    }
+    linear_backward(lin[0], qkv);
     reduce_rows(dln_local, dln_);  // column-parallel QKV likewise
     be_.layernorm_backward({dres_, g.ln1_w, g.ln1_b, dln_local, res_[l], w.ln1_w, a.ln1_mean, a.ln1_rstd});
     bus.publish(LayerBackwardEnd{l + 1});

@@ -187,6 +187,27 @@ class CpuOps final : public Fp8Ops {
     }
   }
 
+  void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
+    expect_input(ln.x, "fp8 quantize_layernorm x");
+    KILN_CHECK(ln.x.ndim() == 2, "fp8 quantize_layernorm: x must be 2-D [rows, cols], got ", ln.x.str());
+    const std::int64_t R = ln.x.size(0), C = ln.x.size(1);
+    for (const TensorView* t : {&ln.weight, &ln.bias}) {
+      expect_input(*t, "fp8 quantize_layernorm weight/bias");
+      KILN_CHECK(t->numel() == C, "fp8 quantize_layernorm weight/bias ", t->str(), " for x ", ln.x.str());
+    }
+    for (const TensorView* t : {&ln.mean, &ln.rstd})
+      KILN_CHECK(t->device == Device::cpu && t->dtype == DType::f32 && t->numel() == R,
+                 "fp8 quantize_layernorm mean/rstd ", t->str(), " for x ", ln.x.str());
+    std::vector<float> y(static_cast<std::size_t>(R * C));
+    const float *mean = ln.mean.as<float>(), *rstd = ln.rstd.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (R * C >= kParallelWork)
+    for (std::int64_t r = 0; r < R; ++r)
+      for (std::int64_t c = 0; c < C; ++c)
+        y[static_cast<std::size_t>(r * C + c)] =
+            store(ops::layernorm_apply(load(ln.x, r * C + c), mean[r], rstd[r], load(ln.weight, c), load(ln.bias, c)));
+    quantize(TensorView(y.data(), {R, C}, DType::f32, Device::cpu), out, amax);
+  }
+
   void adamw_quantize(const AdamWQuantizeArgs& a) override {
     KILN_CHECK(a.param.ndim() == 2, "fp8 adamw_quantize: param must be 2-D [rows, cols], got ", a.param.str());
     for (const TensorView* t : {&a.param, &a.grad, &a.m, &a.v})

@@ -24,13 +24,45 @@ namespace kiln::fp8::cuda {
 
 namespace {
 
-// act(gelu(v)), as the GELU kernels store it (bf16 round to nearest even).
-__device__ __forceinline__ float gelu_act(float v) { return __bfloat162float(__float2bfloat16_rn(ops::gelu(v))); }
+__device__ __forceinline__ float act_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-template <class In, Format F, bool ROW, bool COL, bool AMAX, bool GELU>
+// What a quantising kernel applies to the values it loads (the quantised values are the results):
+// 16 consecutive columns gc.. of row gr in the tiled kernels, one element in the elementwise one.
+struct PlainLoad {
+  __device__ void operator()(float (&)[16], int, int) const {}
+  __device__ float operator()(float v, long long, long long) const { return v; }
+};
+// act(gelu(v)), as the GELU kernels store it (bf16 round to nearest even).
+struct GeluLoad {
+  __device__ void operator()(float (&v)[16], int, int) const {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = act_round(ops::gelu(v[i]));
+  }
+  __device__ float operator()(float v, long long, long long) const { return act_round(ops::gelu(v)); }
+};
+// act(LayerNorm(v)) with the forward's statistics, as the LayerNorm kernel stores it.
+struct LayerNormLoad {
+  const float* mean;
+  const float* rstd;
+  const bf16* weight;
+  const bf16* bias;
+  __device__ void operator()(float (&v)[16], int r, int c) const {
+    const float m = mean[r], s = rstd[r];
+    float w[16], b[16];
+    load16(weight + c, w);
+    load16(bias + c, b);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = act_round(ops::layernorm_apply(v[i], m, s, w[i], b[i]));
+  }
+  __device__ float operator()(float v, long long r, long long c) const {
+    return act_round(ops::layernorm_apply(v, mean[r], rstd[r], __bfloat162float(weight[c]), __bfloat162float(bias[c])));
+  }
+};
+
+template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_tiled(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
-                         const float* __restrict__ scale_ptr, float* amax, int rows, int cols) {
+                         const float* __restrict__ scale_ptr, float* amax, int rows, int cols, Load op) {
   __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
   const float scale = *scale_ptr;
   const int tiles_c = (cols + kTile - 1) / kTile;
@@ -43,9 +75,7 @@ __global__ void __launch_bounds__(kThreads)
     if (gr < rows && gc < cols) {
       float v[16];
       load16(x + static_cast<size_t>(gr) * cols + gc, v);
-      if (GELU)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = gelu_act(v[i]);
+      op(v, gr, gc);
       std::uint32_t w[4];
       encode16<F>(v, scale, w);
       if (AMAX)
@@ -158,16 +188,16 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Any shape and alignment: one element per thread and step.
-template <class In, Format F, bool ROW, bool COL, bool AMAX, bool GELU>
+template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_any(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
-                       const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols) {
+                       const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols, Load op) {
   const float scale = *scale_ptr;
   const long long n = rows * cols;
   unsigned local = 0;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const float v = GELU ? gelu_act(load1(x, i)) : load1(x, i);
+    const float v = op(load1(x, i), i / cols, i % cols);
     const std::uint8_t q = cvt1<F>(__fmul_rn(v, scale));
     if (ROW) row[i] = q;
     if (COL) col[(i % cols) * rows + i / cols] = q;
@@ -218,53 +248,58 @@ unsigned grid_for(long long work) {
   return static_cast<unsigned>(std::clamp<long long>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
 }
 
-template <class In, Format F, bool ROW, bool COL, bool AMAX, bool GELU>
+// Load = LayerNormLoad needs its weight and bias 16-byte aligned for the tiled kernel.
+bool aligned_load(const PlainLoad&) { return true; }
+bool aligned_load(const GeluLoad&) { return true; }
+bool aligned_load(const LayerNormLoad& l) { return aligned16(l.weight) && aligned16(l.bias); }
+
+template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 void launch(const void* xv, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax, std::int64_t rows,
-            std::int64_t cols, cudaStream_t s) {
+            std::int64_t cols, const Load& op, cudaStream_t s) {
   const In* x = static_cast<const In*>(xv);
   const bool tiled = rows % 16 == 0 && cols % 16 == 0 && rows <= 0x7fffffff && cols <= 0x7fffffff && aligned16(x) &&
-                     (!ROW || aligned16(row)) && (!COL || aligned16(col));
+                     (!ROW || aligned16(row)) && (!COL || aligned16(col)) && aligned_load(op);
   if (tiled) {
     const long long tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
     const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
-    cast_transpose_tiled<In, F, ROW, COL, AMAX, GELU>
-        <<<grid, kThreads, 0, s>>>(x, row, col, scale, amax, static_cast<int>(rows), static_cast<int>(cols));
+    cast_transpose_tiled<In, F, ROW, COL, AMAX, Load>
+        <<<grid, kThreads, 0, s>>>(x, row, col, scale, amax, static_cast<int>(rows), static_cast<int>(cols), op);
   } else {
-    cast_transpose_any<In, F, ROW, COL, AMAX, GELU>
-        <<<grid_for(rows * cols), kThreads, 0, s>>>(x, row, col, scale, amax, rows, cols);
+    cast_transpose_any<In, F, ROW, COL, AMAX, Load>
+        <<<grid_for(rows * cols), kThreads, 0, s>>>(x, row, col, scale, amax, rows, cols, op);
   }
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <class In, Format F, bool ROW, bool COL, bool GELU>
+template <class In, Format F, bool ROW, bool COL, class Load>
 void with_amax(const void* x, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax, std::int64_t rows,
-               std::int64_t cols, cudaStream_t s) {
+               std::int64_t cols, const Load& op, cudaStream_t s) {
   if (amax)
-    launch<In, F, ROW, COL, true, GELU>(x, row, col, scale, amax, rows, cols, s);
+    launch<In, F, ROW, COL, true>(x, row, col, scale, amax, rows, cols, op, s);
   else
-    launch<In, F, ROW, COL, false, GELU>(x, row, col, scale, amax, rows, cols, s);
+    launch<In, F, ROW, COL, false>(x, row, col, scale, amax, rows, cols, op, s);
 }
 
-template <class In, Format F, bool GELU>
+template <class In, Format F, class Load>
 void with_copies(const void* x, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax,
-                 std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+                 std::int64_t rows, std::int64_t cols, const Load& op, cudaStream_t s) {
   if (row && col)
-    with_amax<In, F, true, true, GELU>(x, row, col, scale, amax, rows, cols, s);
+    with_amax<In, F, true, true>(x, row, col, scale, amax, rows, cols, op, s);
   else if (row)
-    with_amax<In, F, true, false, GELU>(x, row, col, scale, amax, rows, cols, s);
+    with_amax<In, F, true, false>(x, row, col, scale, amax, rows, cols, op, s);
   else if (col)
-    with_amax<In, F, false, true, GELU>(x, row, col, scale, amax, rows, cols, s);
-  else if (GELU)  // the amax alone (without the GELU the plain amax kernel does it)
-    launch<In, F, false, false, true, true>(x, row, col, scale, amax, rows, cols, s);
+    with_amax<In, F, false, true>(x, row, col, scale, amax, rows, cols, op, s);
+  else if (amax)  // the amax alone of the loaded values (of plain values the amax kernel finds it)
+    launch<In, F, false, false, true>(x, row, col, scale, amax, rows, cols, op, s);
 }
 
-template <class In, bool GELU = false>
+template <class In, class Load = PlainLoad>
 void with_format(const void* x, std::uint8_t* row, std::uint8_t* col, Format f, const float* scale, float* amax,
-                 std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+                 std::int64_t rows, std::int64_t cols, cudaStream_t s, const Load& op = {}) {
   if (f == Format::e4m3)
-    with_copies<In, Format::e4m3, GELU>(x, row, col, scale, amax, rows, cols, s);
+    with_copies<In, Format::e4m3>(x, row, col, scale, amax, rows, cols, op, s);
   else
-    with_copies<In, Format::e5m2, GELU>(x, row, col, scale, amax, rows, cols, s);
+    with_copies<In, Format::e5m2>(x, row, col, scale, amax, rows, cols, op, s);
 }
 
 void check_input(DType t, const char* what) {
@@ -339,7 +374,16 @@ void cast_transpose_gelu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::u
                          const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
   KILN_CHECK(rows >= 0 && cols >= 0 && scale, "fp8 cast_transpose_gelu: [", rows, ",", cols, "]");
   if (rows == 0 || cols == 0 || (!rowwise && !colwise && !amax)) return;
-  with_format<bf16, true>(pre, rowwise, colwise, f, scale, amax, rows, cols, s);
+  with_format<bf16>(pre, rowwise, colwise, f, scale, amax, rows, cols, s, GeluLoad{});
+}
+
+void cast_transpose_layernorm(const LayerNormOfDev& ln, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                              const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  KILN_CHECK(rows >= 0 && cols >= 0 && scale && ln.x && ln.mean && ln.rstd && ln.weight && ln.bias,
+             "fp8 cast_transpose_layernorm: [", rows, ",", cols, "]");
+  if (rows == 0 || cols == 0 || (!rowwise && !colwise && !amax)) return;
+  with_format<bf16>(ln.x, rowwise, colwise, f, scale, amax, rows, cols, s,
+                    LayerNormLoad{ln.mean, ln.rstd, ln.weight, ln.bias});
 }
 
 void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s) {

@@ -79,6 +79,28 @@ class CudaOps final : public Fp8Ops {
                               pre.size(1), stream_);
   }
 
+  void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
+    const TensorView& x = ln.x;
+    KILN_CHECK(x.device == Device::cuda && x.dtype == DType::bf16 && x.ndim() == 2 && x.contiguous(),
+               "fp8 quantize_layernorm x ", x.str());
+    const std::int64_t R = x.size(0), C = x.size(1);
+    for (const TensorView* t : {&ln.weight, &ln.bias})
+      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::bf16 && t->numel() == C && t->contiguous(),
+                 "fp8 quantize_layernorm weight/bias ", t->str(), " for x ", x.str());
+    for (const TensorView* t : {&ln.mean, &ln.rstd})
+      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->numel() == R && t->contiguous(),
+                 "fp8 quantize_layernorm mean/rstd ", t->str(), " for x ", x.str());
+    check_outputs(x, out, "fp8 quantize_layernorm");
+    cuda::LayerNormOfDev d;
+    d.x = x.as<kiln::cuda::bf16>();
+    d.weight = ln.weight.as<kiln::cuda::bf16>();
+    d.bias = ln.bias.as<kiln::cuda::bf16>();
+    d.mean = ln.mean.as<float>();
+    d.rstd = ln.rstd.as<float>();
+    cuda::cast_transpose_layernorm(d, out.rowwise.as<std::uint8_t>(), out.colwise.as<std::uint8_t>(), out.format,
+                                   out.scale, amax, R, C, stream_);
+  }
+
   void quantize_grad(const GradQuantizeArgs& a) override {
     const TensorView& dy = a.dy;
     KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.ndim() == 2 && dy.contiguous(),

@@ -1,6 +1,7 @@
 #include <cmath>
 
 #include "cpu_backend.hpp"
+#include "kiln/ops/formulas.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -24,7 +25,7 @@ void CpuBackend::layernorm_forward(const LayerNormForward& a) {
     for (std::int64_t c = 0; c < C; ++c) var += (xr[c] - m) * (xr[c] - m);
     var /= static_cast<float>(C);
     float s = 1.0f / std::sqrt(var + a.eps);
-    for (std::int64_t c = 0; c < C; ++c) out[n * C + c] = store((xr[c] - m) * s * w[c] + b[c]);
+    for (std::int64_t c = 0; c < C; ++c) out[n * C + c] = store(layernorm_apply(xr[c], m, s, w[c], b[c]));
     mean[n] = m;
     rstd[n] = s;
   }

@@ -43,8 +43,8 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
   if (a.dbias) expect_tensor(a.dbias, DType::f32, {OC}, "linear_backward dbias");
   if (a.dx) expect_tensor(a.dx, DType::f32, {N, IC}, "linear_backward dx");
   if (a.dx_gelu_pre) expect_tensor(a.dx_gelu_pre, DType::f32, {N, IC}, "linear_backward dx_gelu_pre");
-  KILN_CHECK(!a.dout_gelu_pre && !a.x_gelu_pre,
-             "linear_backward: dout_gelu_pre and x_gelu_pre are for a LinearImpl that takes them, not the backend");
+  KILN_CHECK(!a.dout_gelu_pre && !a.x_gelu_pre && !a.x_ln,
+             "linear_backward: dout_gelu_pre, x_gelu_pre and x_ln are for a LinearImpl that takes them, not the backend");
   const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>();
   if (a.dx) {
     float* dx = a.dx.as<float>();

@@ -349,8 +349,8 @@ void CudaBackend::linear_forward(const LinearForward& a) {
 
 void CudaBackend::linear_backward(const LinearBackward& a) {
   Timer t(*this, a.dx_gelu_pre ? "linear_backward_dgelu" : "linear_backward");
-  KILN_CHECK(!a.dout_gelu_pre && !a.x_gelu_pre,
-             "linear_backward: dout_gelu_pre and x_gelu_pre are for a LinearImpl that takes them, not the backend");
+  KILN_CHECK(!a.dout_gelu_pre && !a.x_gelu_pre && !a.x_ln,
+             "linear_backward: dout_gelu_pre, x_gelu_pre and x_ln are for a LinearImpl that takes them, not the backend");
   const int N = as_int(a.x.size(0), "N"), IC = as_int(a.x.size(1), "IC"), OC = as_int(a.weight.size(0), "OC");
   check_dev(a.dout, DType::bf16, "linear_backward dout");
   check_dev(a.x, DType::bf16, "linear_backward x");

@@ -1,6 +1,7 @@
 // LayerNorm forward (a warp per row, fp32 statistics) and backward (dx accumulated into bf16;
 // dweight/dbias by a deterministic two-stage reduction: per-block partials, then a fixed-order sum).
 #include "common.cuh"
+#include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::cuda {
@@ -55,7 +56,7 @@ __global__ __launch_bounds__(kFwdThreads) void ln_forward_vec(bf16* out, float* 
       load8(weight + q * 8, w);
       load8(bias + q * 8, b);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = (f[k] - m) * s * w[k] + b[k];
+      for (int k = 0; k < 8; ++k) f[k] = ops::layernorm_apply(f[k], m, s, w[k], b[k]);
       store8(o + q * 8, f);
     }
     if (lane == 0) {
@@ -84,8 +85,8 @@ __global__ __launch_bounds__(kFwdThreads) void ln_forward_any(bf16* out, float* 
     const float s = 1.0f / sqrtf(var + eps);
     bf16* o = out + static_cast<std::int64_t>(row) * C;
     for (int c = lane; c < C; c += kWarp)
-      o[c] = __float2bfloat16_rn((__bfloat162float(xr[c]) - m) * s * __bfloat162float(weight[c]) +
-                                 __bfloat162float(bias[c]));
+      o[c] = __float2bfloat16_rn(
+          ops::layernorm_apply(__bfloat162float(xr[c]), m, s, __bfloat162float(weight[c]), __bfloat162float(bias[c])));
     if (lane == 0) {
       mean[row] = m;
       rstd[row] = s;

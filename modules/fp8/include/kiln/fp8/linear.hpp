@@ -16,6 +16,9 @@
 // that input in bf16 only for this layer). The grad_output is quantised once in the backward pass
 // into both copies, with its amax and the bias gradient in the same pass, and with the dGELU too
 // when the caller hands in LinearBackward::dout_gelu_pre (ops::LinearImpl::fuses_dout_gelu).
+// Inputs computed on load: x_gelu_pre (the input is gelu of it, forward and backward) and, in the
+// backward pass, x_ln (the input is a LayerNorm output, recomputed from the forward's statistics
+// while quantising its colwise copy).
 //
 // Replays: a forward run again on the same input (activation recompute) is called with
 // `replay = true`: it quantises with the scale the original forward used (kept in the meta slot:

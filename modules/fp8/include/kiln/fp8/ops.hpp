@@ -12,6 +12,7 @@
 
 #include "kiln/fp8/recipe.hpp"
 #include "kiln/fp8/tensor.hpp"
+#include "kiln/ops/backend.hpp"
 #include "kiln/tensor/buffer.hpp"
 
 namespace kiln::fp8 {
@@ -102,6 +103,9 @@ class Fp8Ops {
   // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
   virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_gelu(const TensorView& pre, float* amax) = 0;
+  // quantize() of the LayerNorm output ln describes (ops::LayerNormOf: the values layernorm_forward
+  // stores, from the forward's statistics), computed on load.
+  virtual void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) = 0;
   virtual void quantize_grad(const GradQuantizeArgs& a) = 0;
   // dy := act(dy * gelu'(pre)) in place (the unfused dGELU; act tensors of the same shape).
   virtual void dgelu(const TensorView& dy, const TensorView& pre) = 0;

@@ -100,6 +100,19 @@ struct GeluForward {
   TensorView x;    // act, same element count
 };
 
+// A linear layer's input given as the LayerNorm of x with the statistics its forward wrote:
+// input[r, c] = act(layernorm_apply(x[r, c], mean[r], rstd[r], weight[c], bias[c])) (formulas.hpp),
+// the values layernorm_forward writes, for an implementation that computes them where it reads its
+// input (LinearImpl::takes_layernorm_input) instead of the model recomputing them into a buffer.
+struct LayerNormOf {
+  TensorView x;       // [N, C] act
+  TensorView weight;  // [C] act
+  TensorView bias;    // [C] act
+  TensorView mean;    // [N] f32
+  TensorView rstd;    // [N] f32
+  explicit operator bool() const { return static_cast<bool>(x); }
+};
+
 struct LinearBackward {
   TensorView dx;           // [N, IC] act = dout @ weight; optional (skipped when empty)
   TensorView dweight;      // [OC, IC] f32, accumulated: += dout^T @ x
@@ -114,6 +127,9 @@ struct LinearBackward {
   TensorView dout_gelu_pre;
   // [N, IC] act, optional, as LinearForward::x_gelu_pre: the forward's input was gelu(x_gelu_pre).
   TensorView x_gelu_pre;
+  // Optional, only for a LinearImpl with takes_layernorm_input: x is the LayerNorm of x_ln.x (and
+  // the model may leave x empty).
+  LayerNormOf x_ln;
 };
 
 // Causal multi-head attention on the fused QKV projection, softmax(q k^T * scale) v, with dropout p

@@ -34,6 +34,9 @@ KILN_HD float gelu_grad(float x) {
   return s + 2.0f * x * (s * (1.0f - s)) * du;
 }
 
+// LayerNorm's output from an element's statistics (mean, rstd = 1 / sqrt(var + eps)).
+KILN_HD float layernorm_apply(float x, float mean, float rstd, float w, float b) { return (x - mean) * rstd * w + b; }
+
 // One AdamW step for one element, PyTorch's formulation (decoupled weight decay applied first).
 // bc1 = 1 - beta1^step, bc2 = 1 - beta2^step.
 KILN_HD void adamw_update(float& p, float& m, float& v, float g, float lr, float beta1, float beta2, float eps,

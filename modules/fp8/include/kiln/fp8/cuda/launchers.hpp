@@ -25,6 +25,19 @@ void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::ui
 void cast_transpose_gelu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
                          const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
+// cast_transpose of act(LayerNorm(x)) from the forward's statistics (bf16 x, weight, bias; f32
+// mean, rstd per row): y = act(ops::layernorm_apply(x, mean[r], rstd[r], weight[c], bias[c])), the
+// values the LayerNorm kernel writes, computed on load.
+struct LayerNormOfDev {
+  const __nv_bfloat16* x = nullptr;
+  const __nv_bfloat16* weight = nullptr;
+  const __nv_bfloat16* bias = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+};
+void cast_transpose_layernorm(const LayerNormOfDev& ln, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                              const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+
 // The gradient quantisation of GradQuantizeArgs in one pass over bf16 dy (see there): optional
 // dGELU, both copies, amax, and column sums into dbias through `partial` (f32 scratch of
 // grad_partials(rows, cols) elements). Returns false, doing nothing, for shapes or alignments the
