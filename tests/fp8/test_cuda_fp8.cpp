@@ -22,6 +22,7 @@
 #include "kiln/fp8/module.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/train/train.hpp"
 #include "kiln/tensor/cuda_check.hpp"
@@ -372,6 +373,44 @@ TEST_CASE("quantising LayerNorm(x) on load from the forward's statistics matches
       CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-2));
       CHECK(meta[1] > 0.25f);
     }
+}
+
+TEST_CASE("the LayerNorm statistics of an FP8 layer are the backend LayerNorm's, bit for bit, with its output's amax") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  // Vectorised rows (C 784 and 3072), a row the backend reads plainly (C 47), and one too wide for
+  // registers (C 8200).
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{1040, 784}, {64, 3072}, {33, 47}, {16, 8200}};
+  int seed = 5000;
+  for (auto [R, C] : shapes) {
+    INFO("[" << R << "," << C << "]");
+    const std::size_t n = static_cast<std::size_t>(R * C);
+    const auto x = to_bf16(test::normal_values(n, static_cast<std::uint64_t>(++seed), 2.0f));
+    const auto w = to_bf16(test::normal_values(static_cast<std::size_t>(C), static_cast<std::uint64_t>(++seed)));
+    const auto b = to_bf16(test::normal_values(static_cast<std::size_t>(C), static_cast<std::uint64_t>(++seed), 0.1f));
+    Buffer d_x = upload(x), d_w = upload(w), d_b = upload(b), d_out(Device::cuda, n * 2),
+           d_stats(Device::cuda, static_cast<std::size_t>(4 * R) * 4), d_amax = upload(std::vector<float>{0.0f});
+    auto* st = static_cast<float*>(d_stats.data());
+    kiln::cuda::layernorm_forward(static_cast<kiln::cuda::bf16*>(d_out.data()), st, st + R,
+                                  static_cast<const kiln::cuda::bf16*>(d_x.data()),
+                                  static_cast<const kiln::cuda::bf16*>(d_w.data()),
+                                  static_cast<const kiln::cuda::bf16*>(d_b.data()), static_cast<int>(R),
+                                  static_cast<int>(C), 1e-5f, nullptr);
+    ops::LayerNormOf ln;
+    ln.x = TensorView(d_x.data(), {R, C}, DType::bf16, Device::cuda);
+    ln.weight = TensorView(d_w.data(), {C}, DType::bf16, Device::cuda);
+    ln.bias = TensorView(d_b.data(), {C}, DType::bf16, Device::cuda);
+    ln.mean = TensorView(st + 2 * R, {R}, DType::f32, Device::cuda);
+    ln.rstd = TensorView(st + 3 * R, {R}, DType::f32, Device::cuda);
+    ln.eps = 1e-5f;
+    gpu->layernorm_stats(ln, static_cast<float*>(d_amax.data()));
+    const auto stats = download<float>(st, static_cast<std::size_t>(4 * R));
+    CHECK(std::memcmp(stats.data(), stats.data() + 2 * R, static_cast<std::size_t>(2 * R) * 4) == 0);
+    const auto out = from_bf16(download<std::uint16_t>(d_out.data(), n));
+    float want = 0;
+    for (float v : out) want = std::max(want, std::fabs(v));
+    CHECK(download<float>(d_amax.data(), 1)[0] == want);
+  }
 }
 
 TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and elementwise, with and without copies)") {

@@ -135,22 +135,52 @@ void Fp8Linear::update_weight(AdamWQuantizeArgs u, std::int64_t version) {
 
 void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
-  // The input, or the pre-activation it is the GELU of (the GELU then computed while quantising).
-  const bool gelu = static_cast<bool>(a.x_gelu_pre);
-  const TensorView& x = gelu ? a.x_gelu_pre : a.x;
+  // The input, or the pre-activation it is the GELU of, or the residual it is the LayerNorm of
+  // (either then computed while quantising).
+  const bool gelu = static_cast<bool>(a.x_gelu_pre), ln = static_cast<bool>(a.x_ln);
+  KILN_CHECK(!(gelu && ln), name_, " forward: x_gelu_pre and x_ln together");
+  const TensorView& x = gelu ? a.x_gelu_pre : ln ? a.x_ln.x : a.x;
   KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", x.str(), ", weight ", a.weight.str());
   const std::int64_t N = x.size(0), IC = x.size(1);
-  expect(x, act, N, IC, name_ + (gelu ? " forward x_gelu_pre" : " forward x"));
+  expect(x, act, N, IC, name_ + (gelu ? " forward x_gelu_pre" : ln ? " forward x_ln.x" : " forward x"));
   // A replay (activation recompute) reuses the original forward's FP8 weight and scales.
   KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
              ": a replayed forward needs the weight of the original one");
   ensure_weight(a.weight, weight_version);
   const ScalingSlot s = slot(TensorRole::input);
   void* xq = ws_.get(static_cast<std::size_t>(N * IC));
-  float* record = replay ? nullptr : prepare_scale(s, x, gelu);
   const Fp8TensorView out = view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC);
-  gelu ? ops_.quantize_gelu(x, out, record) : ops_.quantize(x, out, record);
+  if (ln) {
+    float* record = nullptr;
+    if (replay)  // the statistics again (a recompute may not have kept them), no amax
+      ops_.layernorm_stats(a.x_ln, nullptr);
+    else
+      record = prepare_layernorm(s, a.x_ln);
+    ops_.quantize_layernorm(a.x_ln, out, record);
+  } else {
+    float* record = replay ? nullptr : prepare_scale(s, x, gelu);
+    gelu ? ops_.quantize_gelu(x, out, record) : ops_.quantize(x, out, record);
+  }
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
+}
+
+float* Fp8Linear::prepare_layernorm(const ScalingSlot& s, const ops::LayerNormOf& ln) {
+  // The statistics first; where the scale must come from this tensor's own amax (current scaling,
+  // delayed scaling's first step), the same pass finds it.
+  if (recipe_.kind == RecipeKind::current) {
+    ops_.zero(s.amax_now, sizeof(float));
+    ops_.layernorm_stats(ln, s.amax_now);
+    ops_.scale_from_amax(s.amax_now, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
+    return nullptr;
+  }
+  if (meta_.ready(s.index)) {
+    ops_.layernorm_stats(ln, nullptr);
+    return s.amax;
+  }
+  ops_.layernorm_stats(ln, s.amax);
+  ops_.scale_from_amax(s.amax, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
+  meta_.set_ready(s.index);
+  return nullptr;
 }
 
 void* Fp8Linear::kept_input(std::int64_t rows, std::int64_t cols) {

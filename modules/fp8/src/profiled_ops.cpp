@@ -38,6 +38,10 @@ class ProfiledOps final : public Fp8Ops {
                                            : "fp8_quantize_layernorm_colwise");
     in_->quantize_layernorm(ln, out, amax);
   }
+  void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
+    Scope s(be_, amax ? "fp8_layernorm_stats_amax" : "fp8_layernorm_stats");
+    in_->layernorm_stats(ln, amax);
+  }
   void amax_gelu(const TensorView& pre, float* amax) override {
     Scope s(be_, "fp8_amax_gelu");
     in_->amax_gelu(pre, amax);

@@ -303,6 +303,11 @@ Entity GptModel::add_linear(const std::string& name, const std::string& role, in
   return e;
 }
 
+bool GptModel::layernorm_on_load(Entity linear) const {
+  const auto* impl = world_.try_get<ops::LinearImpl>(linear);
+  return recompute_ln_ && !sp_ && impl && impl->takes_layernorm_input;
+}
+
 void GptModel::linear_forward(Entity linear, const ops::LinearForward& a) {
   if (auto* impl = world_.try_get<ops::LinearImpl>(linear))
     impl->forward(a);

@@ -46,13 +46,8 @@ void GptModel::backward(const train::Batch& batch) {
       dmlp = full_c_;
     }
     // The LayerNorm outputs FC1 and QKV read for their weight gradients: recomputed, or computed by
-    // the layer itself as it reads them (LinearImpl::takes_layernorm_input; not under sequence
-    // parallelism, where they are gathered over the TP group).
-    auto ln_on_load = [&](Entity linear) {
-      const auto* impl = world_.try_get<ops::LinearImpl>(linear);
-      return recompute_ln_ && !sp_ && impl && impl->takes_layernorm_input;
-    };
-    const bool ln2_on_load = ln_on_load(lin[2]), ln1_on_load = ln_on_load(lin[0]);
+    // the layer itself as it reads them (layernorm_on_load).
+    const bool ln2_on_load = layernorm_on_load(lin[2]), ln1_on_load = layernorm_on_load(lin[0]);
     if (recompute_ln_ && !ln2_on_load) {
       be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
       gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);

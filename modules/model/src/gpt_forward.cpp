@@ -87,9 +87,15 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
   if (stages & kAttention) {
     // LayerNorm on this rank's rows, gathered for the column-parallel QKV; attention on this rank's
     // heads (global head index for dropout).
-    be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
-    gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
-    linear_forward(lin[0], {a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b});
+    ops::LinearForward qkv{a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b};
+    if (layernorm_on_load(lin[0])) {
+      qkv.x = {};
+      qkv.x_ln = {res_[l], w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, cfg_.ln_eps};
+    } else {
+      be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
+      gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
+    }
+    linear_forward(lin[0], qkv);
     be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
                            tp_rank_ * Hl_, H_});
   }
@@ -101,12 +107,17 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
     be_.residual_forward({a.res2, res_[l], local_c_, hidden_dropout(p, a.attn_drop_rng)});
   }
   if (stages & kMlpIn) {
-    be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
-    gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
-    if (gelu_in_fc2_)  // FC1 writes the pre-activation; FC2 applies the GELU as it reads it
-      linear_forward(lin[2], {a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b});
-    else
-      linear_forward(lin[2], {a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b});
+    // FC1 writes the pre-activation where FC2 applies the GELU as it reads it.
+    ops::LinearForward fc1 = gelu_in_fc2_ ? ops::LinearForward{a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b}
+                                          : ops::LinearForward{a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b};
+    if (layernorm_on_load(lin[2])) {
+      fc1.x = {};
+      fc1.x_ln = {a.res2, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, cfg_.ln_eps};
+    } else {
+      be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
+      gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
+    }
+    linear_forward(lin[2], fc1);
   }
   if (stages & kMlpOut) {
     ops::LinearForward fc2{scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)};

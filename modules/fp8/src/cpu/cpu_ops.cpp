@@ -3,6 +3,7 @@
 // are parallel over independent outputs only, so results do not depend on the thread count.
 #include <omp.h>
 
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -206,6 +207,39 @@ class CpuOps final : public Fp8Ops {
         y[static_cast<std::size_t>(r * C + c)] =
             store(ops::layernorm_apply(load(ln.x, r * C + c), mean[r], rstd[r], load(ln.weight, c), load(ln.bias, c)));
     quantize(TensorView(y.data(), {R, C}, DType::f32, Device::cpu), out, amax);
+  }
+
+  // The CPU backend's layernorm_forward, statistics only (the same loops).
+  void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
+    expect_input(ln.x, "fp8 layernorm_stats x");
+    KILN_CHECK(ln.x.dtype == DType::f32 && ln.x.ndim() == 2, "fp8 layernorm_stats: x must be f32 [rows, cols], got ",
+               ln.x.str());
+    const std::int64_t R = ln.x.size(0), C = ln.x.size(1);
+    for (const TensorView* t : {&ln.mean, &ln.rstd})
+      KILN_CHECK(t->device == Device::cpu && t->dtype == DType::f32 && t->numel() == R,
+                 "fp8 layernorm_stats mean/rstd ", t->str(), " for x ", ln.x.str());
+    const float* x = ln.x.as<float>();
+    float *mean = ln.mean.as<float>(), *rstd = ln.rstd.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (std::int64_t n = 0; n < R; ++n) {
+      const float* xr = x + n * C;
+      float m = 0;
+      for (std::int64_t c = 0; c < C; ++c) m += xr[c];
+      m /= static_cast<float>(C);
+      float var = 0;
+      for (std::int64_t c = 0; c < C; ++c) var += (xr[c] - m) * (xr[c] - m);
+      var /= static_cast<float>(C);
+      mean[n] = m;
+      rstd[n] = 1.0f / std::sqrt(var + ln.eps);
+    }
+    if (!amax) return;
+    KILN_CHECK(ln.weight.numel() == C && ln.bias.numel() == C, "fp8 layernorm_stats weight/bias for x ", ln.x.str());
+    float m = 0;
+    for (std::int64_t n = 0; n < R; ++n)
+      for (std::int64_t c = 0; c < C; ++c)
+        m = amax_max(m, std::fabs(store(ops::layernorm_apply(x[n * C + c], mean[n], rstd[n], load(ln.weight, c),
+                                                             load(ln.bias, c)))));
+    *amax = amax_max(*amax, m);
   }
 
   void adamw_quantize(const AdamWQuantizeArgs& a) override {

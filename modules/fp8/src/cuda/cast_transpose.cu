@@ -25,6 +25,13 @@ namespace kiln::fp8::cuda {
 namespace {
 
 __device__ __forceinline__ float act_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+// Two values rounded to bf16 (round to nearest even, as act_round) by one paired conversion.
+__device__ __forceinline__ void act_round2(float& a, float& b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // a in the low half
+  const std::uint32_t u = *reinterpret_cast<const std::uint32_t*>(&h);
+  a = __uint_as_float(u << 16);
+  b = __uint_as_float(u & 0xffff0000u);
+}
 
 // What a quantising kernel applies to the values it loads (the quantised values are the results):
 // 16 consecutive columns gc.. of row gr in the tiled kernels, one element in the elementwise one.
@@ -36,7 +43,11 @@ struct PlainLoad {
 struct GeluLoad {
   __device__ void operator()(float (&v)[16], int, int) const {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = act_round(ops::gelu(v[i]));
+    for (int i = 0; i < 16; i += 2) {
+      v[i] = ops::gelu(v[i]);
+      v[i + 1] = ops::gelu(v[i + 1]);
+      act_round2(v[i], v[i + 1]);
+    }
   }
   __device__ float operator()(float v, long long, long long) const { return act_round(ops::gelu(v)); }
 };
@@ -52,7 +63,11 @@ struct LayerNormLoad {
     load16(weight + c, w);
     load16(bias + c, b);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = act_round(ops::layernorm_apply(v[i], m, s, w[i], b[i]));
+    for (int i = 0; i < 16; i += 2) {
+      v[i] = ops::layernorm_apply(v[i], m, s, w[i], b[i]);
+      v[i + 1] = ops::layernorm_apply(v[i + 1], m, s, w[i + 1], b[i + 1]);
+      act_round2(v[i], v[i + 1]);
+    }
   }
   __device__ float operator()(float v, long long r, long long c) const {
     return act_round(ops::layernorm_apply(v, mean[r], rstd[r], __bfloat162float(weight[c]), __bfloat162float(bias[c])));
@@ -125,7 +140,11 @@ __global__ void __launch_bounds__(kThreads)
         float p[16];
         load16(pre + at, p);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] * ops::gelu_grad(p[i])));
+        for (int i = 0; i < 16; i += 2) {
+          v[i] *= ops::gelu_grad(p[i]);
+          v[i + 1] *= ops::gelu_grad(p[i + 1]);
+          act_round2(v[i], v[i + 1]);
+        }
       }
       std::uint32_t w[4];
       encode16<F>(v, scale, w);

@@ -101,6 +101,25 @@ class CudaOps final : public Fp8Ops {
                                    out.scale, amax, R, C, stream_);
   }
 
+  void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
+    const TensorView& x = ln.x;
+    KILN_CHECK(x.device == Device::cuda && x.dtype == DType::bf16 && x.ndim() == 2 && x.contiguous(),
+               "fp8 layernorm_stats x ", x.str());
+    const std::int64_t R = x.size(0), C = x.size(1);
+    for (const TensorView* t : {&ln.mean, &ln.rstd})
+      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->numel() == R && t->contiguous(),
+                 "fp8 layernorm_stats mean/rstd ", t->str(), " for x ", x.str());
+    if (amax)
+      for (const TensorView* t : {&ln.weight, &ln.bias})
+        KILN_CHECK(t->device == Device::cuda && t->dtype == DType::bf16 && t->numel() == C && t->contiguous(),
+                   "fp8 layernorm_stats weight/bias ", t->str(), " for x ", x.str());
+    cuda::LayerNormOfDev d;
+    d.x = x.as<kiln::cuda::bf16>();
+    d.weight = ln.weight.as<kiln::cuda::bf16>();
+    d.bias = ln.bias.as<kiln::cuda::bf16>();
+    cuda::layernorm_stats(d, ln.mean.as<float>(), ln.rstd.as<float>(), amax, R, C, ln.eps, stream_);
+  }
+
   void quantize_grad(const GradQuantizeArgs& a) override {
     const TensorView& dy = a.dy;
     KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.ndim() == 2 && dy.contiguous(),

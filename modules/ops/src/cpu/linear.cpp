@@ -5,7 +5,8 @@ namespace kiln::ops::cpu {
 
 void CpuBackend::linear_forward(const LinearForward& a) {
   Timer timer(*this, "linear_forward");
-  KILN_CHECK(!a.x_gelu_pre, "linear_forward: x_gelu_pre is for a LinearImpl with takes_gelu_input, not the backend");
+  KILN_CHECK(!a.x_gelu_pre && !a.x_ln,
+             "linear_forward: x_gelu_pre and x_ln are for a LinearImpl that takes them, not the backend");
   const std::int64_t N = a.x.size(0), IC = a.x.size(1), OC = a.weight.size(0);
   expect_tensor(a.out, DType::f32, {N, OC}, "linear_forward out");
   expect_tensor(a.x, DType::f32, {N, IC}, "linear_forward x");

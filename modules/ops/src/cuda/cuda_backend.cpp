@@ -315,7 +315,8 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
 
 void CudaBackend::linear_forward(const LinearForward& a) {
   Timer t(*this, a.pre_gelu ? "linear_forward_gelu" : "linear_forward");
-  KILN_CHECK(!a.x_gelu_pre, "linear_forward: x_gelu_pre is for a LinearImpl with takes_gelu_input, not the backend");
+  KILN_CHECK(!a.x_gelu_pre && !a.x_ln,
+             "linear_forward: x_gelu_pre and x_ln are for a LinearImpl that takes them, not the backend");
   const int N = as_int(a.x.size(0), "N"), IC = as_int(a.x.size(1), "IC"), OC = as_int(a.weight.size(0), "OC");
   check_dev(a.out, DType::bf16, "linear_forward out");
   check_dev(a.x, DType::bf16, "linear_forward x");

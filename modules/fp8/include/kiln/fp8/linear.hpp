@@ -16,9 +16,9 @@
 // that input in bf16 only for this layer). The grad_output is quantised once in the backward pass
 // into both copies, with its amax and the bias gradient in the same pass, and with the dGELU too
 // when the caller hands in LinearBackward::dout_gelu_pre (ops::LinearImpl::fuses_dout_gelu).
-// Inputs computed on load: x_gelu_pre (the input is gelu of it, forward and backward) and, in the
-// backward pass, x_ln (the input is a LayerNorm output, recomputed from the forward's statistics
-// while quantising its colwise copy).
+// Inputs computed on load: x_gelu_pre (the input is gelu of it) and x_ln (the input is a LayerNorm
+// output: the forward computes its statistics, then its values while quantising; the backward
+// recomputes the values from those statistics while quantising the colwise copy).
 //
 // Replays: a forward run again on the same input (activation recompute) is called with
 // `replay = true`: it quantises with the scale the original forward used (kept in the meta slot:
@@ -100,6 +100,8 @@ class Fp8Linear {
   // Makes slot s's scale valid for quantising t; returns where the quantisation records its amax
   // (nullptr when the amax is already recorded or not wanted).
   float* prepare_scale(const ScalingSlot& s, const TensorView& t, bool gelu = false);  // gelu: of act(gelu(t))
+  // The same for an input computed as LayerNorm(ln.x), whose statistics this writes (a replay too).
+  float* prepare_layernorm(const ScalingSlot& s, const ops::LayerNormOf& ln);
   void ensure_weight(const TensorView& w, std::int64_t version);
   void* kept_input(std::int64_t rows, std::int64_t cols);  // the keep_input buffer, sized for [rows, cols]
   bool weight_cached(const TensorView& w) const;

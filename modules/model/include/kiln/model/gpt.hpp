@@ -97,6 +97,10 @@ class GptModel {
   Entity add_linear(const std::string& name, const std::string& role, int unit, Entity w, std::optional<Entity> b,
                     int in, int out);
   // The backend's linear ops, or the ops::LinearImpl a module attached to that linear entity.
+  // The linear computes its LayerNorm input itself (LinearImpl::takes_layernorm_input), forward and
+  // backward, so the model neither writes nor recomputes that output: where the output is not
+  // stored anyway (recompute_norm) and not gathered over the TP group (sequence parallelism).
+  bool layernorm_on_load(Entity linear) const;
   void linear_forward(Entity linear, const ops::LinearForward& a);
   void linear_backward(Entity linear, const ops::LinearBackward& a);
   BlockWeights block_weights(int l, bool grads) const;

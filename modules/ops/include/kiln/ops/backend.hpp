@@ -84,6 +84,22 @@ struct LayerNormBackward {
 
 // y = x @ weight^T + bias; with pre_gelu given: pre_gelu = y and out = gelu(y), GELU with the tanh
 // approximation: 0.5 y (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3))).
+// A linear layer's input given as the LayerNorm of x: input[r, c] = act(layernorm_apply(x[r, c],
+// mean[r], rstd[r], weight[c], bias[c])) (formulas.hpp), the values layernorm_forward writes, for an
+// implementation that computes them where it reads its input (LinearImpl::takes_layernorm_input)
+// instead of the model writing them into a buffer. In a forward the implementation computes the
+// statistics too and writes them to mean and rstd, as layernorm_forward would; in a backward they
+// are the forward's.
+struct LayerNormOf {
+  TensorView x;       // [N, C] act
+  TensorView weight;  // [C] act
+  TensorView bias;    // [C] act
+  TensorView mean;    // [N] f32
+  TensorView rstd;    // [N] f32
+  float eps = 1e-5f;
+  explicit operator bool() const { return static_cast<bool>(x); }
+};
+
 struct LinearForward {
   TensorView out;       // [N, OC] act
   TensorView pre_gelu;  // [N, OC] act, optional
@@ -93,24 +109,14 @@ struct LinearForward {
   // [N, IC] act, optional, only for a LinearImpl with takes_gelu_input (the backends reject it): the
   // input is gelu(x_gelu_pre) as gelu_forward would store it, computed on the fly; x is unused.
   TensorView x_gelu_pre;
+  // Optional, only for a LinearImpl with takes_layernorm_input: the input is the LayerNorm of
+  // x_ln.x, whose statistics the layer writes (LayerNormOf); x is unused.
+  LayerNormOf x_ln;
 };
 // out = gelu(x), elementwise (recomputes a GELU output in the backward pass instead of storing it).
 struct GeluForward {
   TensorView out;  // act, any shape
   TensorView x;    // act, same element count
-};
-
-// A linear layer's input given as the LayerNorm of x with the statistics its forward wrote:
-// input[r, c] = act(layernorm_apply(x[r, c], mean[r], rstd[r], weight[c], bias[c])) (formulas.hpp),
-// the values layernorm_forward writes, for an implementation that computes them where it reads its
-// input (LinearImpl::takes_layernorm_input) instead of the model recomputing them into a buffer.
-struct LayerNormOf {
-  TensorView x;       // [N, C] act
-  TensorView weight;  // [C] act
-  TensorView bias;    // [C] act
-  TensorView mean;    // [N] f32
-  TensorView rstd;    // [N] f32
-  explicit operator bool() const { return static_cast<bool>(x); }
 };
 
 struct LinearBackward {

@@ -21,8 +21,8 @@ struct LinearImpl {
   // forward and backward take LinearForward/LinearBackward::x_gelu_pre: the model may then hand the
   // pre-activation of a GELU instead of storing (or recomputing) the GELU's output.
   bool takes_gelu_input = false;
-  // backward takes LinearBackward::x_ln (the input as the LayerNorm of the block's residual with the
-  // forward's statistics): the model may then skip recomputing the LayerNorm output for it.
+  // forward and backward take LinearForward/LinearBackward::x_ln (the input as the LayerNorm of the
+  // block's residual): the model then neither writes nor recomputes that LayerNorm output.
   bool takes_layernorm_input = false;
 };
 

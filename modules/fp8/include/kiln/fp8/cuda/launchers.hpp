@@ -38,6 +38,12 @@ struct LayerNormOfDev {
 void cast_transpose_layernorm(const LayerNormOfDev& ln, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
                               const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
+// LayerNorm statistics of ln.x [rows, cols] into mean, rstd (f32 [rows]), bit-identical to the ops
+// backend's layernorm_forward; with amax, max |act(LayerNorm(x))| max-accumulated into it (then
+// ln.weight and ln.bias are read).
+void layernorm_stats(const LayerNormOfDev& ln, float* mean, float* rstd, float* amax, std::int64_t rows,
+                     std::int64_t cols, float eps, cudaStream_t s);
+
 // The gradient quantisation of GradQuantizeArgs in one pass over bf16 dy (see there): optional
 // dGELU, both copies, amax, and column sums into dbias through `partial` (f32 scratch of
 // grad_partials(rows, cols) elements). Returns false, doing nothing, for shapes or alignments the
