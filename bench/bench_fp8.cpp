@@ -264,6 +264,7 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
     a.y_scale_inv = si;
     a.d = TensorView(d.data(), {M, N}, sh.wgrad ? DType::f32 : DType::bf16, Device::cuda);
     a.accumulate = sh.wgrad;
+    a.f32_result = sh.wgrad;
     if (sh.dgelu) {
       a.epilogue = fp8::Epilogue::dgelu;
       a.aux = TensorView(aux.data(), {M, N}, DType::bf16, Device::cuda);

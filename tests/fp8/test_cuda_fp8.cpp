@@ -569,6 +569,7 @@ std::pair<double, double> gemm_error(Fp8Ops& gpu, const GemmCase& c, std::uint64
   g.y_scale_inv = static_cast<float*>(ds.data()) + 4;
   g.d = TensorView(dd.data(), {c.M, c.N}, c.accumulate ? DType::f32 : DType::bf16, Device::cuda);
   g.accumulate = c.accumulate;
+  g.f32_result = c.accumulate;
   g.epilogue = c.epi;
   if (c.bias) g.bias = TensorView(dbias.data(), {c.N}, DType::bf16, Device::cuda);
   if (c.epi == Epilogue::gelu || c.epi == Epilogue::dgelu) g.aux = TensorView(daux.data(), {c.M, c.N}, DType::bf16, Device::cuda);

@@ -108,8 +108,14 @@ TEST_CASE("CPU FP8 GEMM: D = deq(X) deq(Y)^T with bias, GELU, dGELU and accumula
   std::vector<float> acc(M * N, 1.5f);
   g.d = host(acc, {M, N});
   g.accumulate = true;
+  g.f32_result = true;
   ops->gemm(g);
   for (int i = 0; i < M * N; ++i) CHECK(acc[i] == doctest::Approx(1.5f + ref[i]).epsilon(1e-5));
+  // An f32 result written (a weight gradient's first contribution): the plain sums, not rounded to
+  // bf16 even where activations are.
+  g.accumulate = false;
+  make_cpu_ops({.round_bf16 = true, .threads = 2})->gemm(g);
+  for (int i = 0; i < M * N; ++i) CHECK(acc[i] == doctest::Approx(ref[i]).epsilon(1e-5));
 
   // E5M2 x E5M2 does not exist on Hopper; the emulation refuses it too.
   g.x = TensorView(xq.data(), {M, K}, DType::e5m2, Device::cpu);

@@ -304,14 +304,15 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
     }
     ops_.gemm(g);
   }
-  GemmArgs w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC]: K = N, both operands transposed copies
+  GemmArgs w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC] (or =): K = N, both operands transposed copies
   w.what = "fp8_gemm_wgrad";
   w.x = TensorView(gc, {OC, N}, dtype_of(sg.format), dev);
   w.x_scale_inv = sg.scale_inv;
   w.y = TensorView(xc, {IC, N}, dtype_of(sx.format), dev);
   w.y_scale_inv = sx.scale_inv;
   w.d = a.dweight;
-  w.accumulate = true;
+  w.f32_result = true;
+  w.accumulate = !a.dweight_overwrite;
   ops_.gemm(w);
 }
 

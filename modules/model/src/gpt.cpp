@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kiln/model/gpt.hpp"
+#include "kiln/engine/engine_module.hpp"
 #include "kiln/ops/module.hpp"
 
 namespace kiln::model {
@@ -105,6 +106,8 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     const auto& lin = block_linears_.back();
     for (std::size_t r : {0u, 2u}) world_.get<Linear>(lin[r]).input_stored_for_backward = !cfg_.recompute_norm;
     world_.get<Linear>(lin[3]).input_stored_for_backward = !cfg_.recompute_gelu;
+    // Each block weight's gradient comes from its linear alone (the tied wte has two producers).
+    for (std::size_t k : {kQkvW, kProjW, kFcW, kFcpW}) world_.emplace<nn::GradWrittenFirst>(e[k]);
   }
   Entity fin = make_layer(L_ + 1, LayerKind::final_norm, -1, "ln_f");
   auto& fp = world_.get<Layer>(fin).params;
@@ -315,7 +318,11 @@ void GptModel::linear_forward(Entity linear, const ops::LinearForward& a) {
     be_.linear_forward(a);
 }
 
-void GptModel::linear_backward(Entity linear, const ops::LinearBackward& a) {
+void GptModel::linear_backward(Entity linear, const ops::LinearBackward& args) {
+  ops::LinearBackward a = args;
+  // A step's first micro-batch writes the gradients nothing else adds to (the zeroing skipped them).
+  const auto* run = world_.try_resource<RunControl>();
+  a.dweight_overwrite = (!run || run->micro_batch == 0) && world_.has<nn::GradWrittenFirst>(world_.get<Linear>(linear).weight);
   if (auto* impl = world_.try_get<ops::LinearImpl>(linear))
     impl->backward(a);
   else

@@ -20,6 +20,28 @@ struct ModelHooks {
   Subscription evaluate;
 };
 
+// [begin, end) element ranges of the flat gradient buffer that the step's zeroing covers: all but the
+// parameters marked nn::GradWrittenFirst, adjacent ranges merged.
+std::vector<std::pair<std::int64_t, std::int64_t>> zero_ranges(World& w, const ParamStore& store) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  std::int64_t at = 0;
+  auto add = [&](std::int64_t begin, std::int64_t end) {
+    if (end <= begin) return;
+    if (!out.empty() && out.back().second == begin)
+      out.back().second = end;
+    else
+      out.emplace_back(begin, end);
+  };
+  for (Entity e : store.order) {
+    const auto& p = w.get<nn::Param>(e);
+    if (!w.has<nn::GradWrittenFirst>(e)) continue;
+    add(at, p.offset);
+    at = p.offset + p.numel;
+  }
+  add(at, store.total);
+  return out;
+}
+
 void install(World& w, const ModelConfig& cfg) {
   const auto& par = w.resource<parallel::ParallelState>();
   const auto& file = w.resource<RankInfo>().pipeline_file;
@@ -61,9 +83,19 @@ void install(World& w, const ModelConfig& cfg) {
                                  << static_cast<double>(m.activation_bytes()) / (1 << 30) << " GiB\n"
                                  << std::defaultfloat;
                    }});
-  w.systems().add({"model.zero_grad", Phase::step_begin, [](World& world) {
+  // Every gradient but those their first micro-batch writes (nn::GradWrittenFirst): the gaps between
+  // them, found once.
+  w.systems().add({"model.zero_grad", Phase::step_begin,
+                   [ranges = std::vector<std::pair<std::int64_t, std::int64_t>>(), found = false](World& world) mutable {
                      auto& store = world.resource<ParamStore>();
-                     world.resource<ops::ActiveBackend>().get().zero(store.grads_flat());
+                     if (!found) {
+                       ranges = zero_ranges(world, store);
+                       found = true;
+                     }
+                     auto& be = world.resource<ops::ActiveBackend>().get();
+                     const TensorView flat = store.grads_flat();
+                     for (auto [begin, end] : ranges)
+                       be.zero(TensorView(flat.as<float>() + begin, {end - begin}, DType::f32, flat.device));
                    }});
   w.systems().add({"model.forward", Phase::forward, [](World& world) {
                      world.resource<GptModel>().forward(world.resource<train::Batch>(),

@@ -128,7 +128,8 @@ class CpuOps final : public Fp8Ops {
     KILN_CHECK(g.d.dtype == DType::f32 && g.d.shape == Shape({M, N}) && g.d.contiguous(), "fp8 gemm: d ", g.d.str(),
                " for [", M, ",", N, "]");
     KILN_CHECK(g.x_scale_inv && g.y_scale_inv, "fp8 gemm: missing operand scales");
-    KILN_CHECK(!g.accumulate || g.epilogue == Epilogue::none, "fp8 gemm: epilogues write D, they do not accumulate");
+    KILN_CHECK(!g.accumulate || g.f32_result, "fp8 gemm: accumulating needs an f32 result");
+    KILN_CHECK(!g.f32_result || g.epilogue == Epilogue::none, "fp8 gemm: epilogues write activations, not f32 results");
     if (g.bias) KILN_CHECK(g.bias.dtype == DType::f32 && g.bias.numel() == N, "fp8 gemm: bias ", g.bias.str());
     const bool uses_aux = g.epilogue == Epilogue::gelu || g.epilogue == Epilogue::dgelu;
     if (uses_aux)
@@ -149,7 +150,7 @@ class CpuOps final : public Fp8Ops {
         const std::int64_t i = m * N + n;
         if (bias) acc += bias[n];
         switch (g.epilogue) {
-          case Epilogue::none: d[i] = g.accumulate ? d[i] + acc : store(acc); break;
+          case Epilogue::none: d[i] = g.accumulate ? d[i] + acc : g.f32_result ? acc : store(acc); break;
           case Epilogue::bias: d[i] = store(acc); break;
           case Epilogue::gelu:
             aux[i] = store(acc);

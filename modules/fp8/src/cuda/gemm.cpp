@@ -144,9 +144,10 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
   const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
   KILN_CHECK(g.d.ndim() == 2 && g.d.size(0) == M && g.d.size(1) == N && g.d.contiguous(), describe(g), ": D must be [", M,
              ",", N, "]");
-  KILN_CHECK(g.accumulate ? g.d.dtype == DType::f32 : g.d.dtype == DType::bf16, describe(g),
-             ": D is bf16 (written) or f32 (accumulated)");
-  KILN_CHECK(!g.accumulate || g.epilogue == Epilogue::none, describe(g), ": epilogues write D, they do not accumulate");
+  KILN_CHECK(!g.accumulate || g.f32_result, describe(g), ": accumulating needs an f32 result");
+  KILN_CHECK(g.f32_result ? g.d.dtype == DType::f32 : g.d.dtype == DType::bf16, describe(g),
+             ": D is bf16 (an activation) or f32 (f32_result: a gradient, written or accumulated)");
+  KILN_CHECK(!g.f32_result || g.epilogue == Epilogue::none, describe(g), ": epilogues write activations, not f32 results");
   KILN_CHECK(M % 16 == 0 && N % 16 == 0 && K % 16 == 0, describe(g), ": FP8 GEMMs need M, N and K to be multiples of 16");
   KILN_CHECK(aligned16(g.x.data) && aligned16(g.y.data) && aligned16(g.d.data), describe(g),
              ": FP8 GEMM operands must be 16-byte aligned");

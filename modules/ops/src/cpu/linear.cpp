@@ -68,6 +68,7 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t o = 0; o < OC; ++o) {
     float* dwr = dw + o * IC;
+    if (a.dweight_overwrite) std::fill(dwr, dwr + IC, 0.0f);  // then the same sums as accumulating onto zeros
     float bsum = 0;
     for (std::int64_t n = 0; n < N; ++n) {
       const float g = dout[n * OC + o];

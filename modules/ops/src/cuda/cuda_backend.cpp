@@ -373,7 +373,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
     }
     gemm_->run(g, stream_);
   }
-  cuda::GemmDesc w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC]
+  cuda::GemmDesc w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC] (or =)
   w.M = OC;
   w.N = IC;
   w.K = N;
@@ -382,7 +382,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   w.B = dptr<bf16>(a.x);
   w.D = a.dweight.data;
   w.d_f32 = true;
-  w.accumulate = true;
+  w.accumulate = !a.dweight_overwrite;
   gemm_->run(w, stream_);
   if (a.dbias) {
     check_dev(a.dbias, DType::f32, "linear_backward dbias");

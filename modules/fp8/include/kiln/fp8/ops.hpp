@@ -29,8 +29,9 @@ struct GemmArgs {
   const float* x_scale_inv = nullptr;
   TensorView y;                         // [N, K] e4m3/e5m2 (not both e5m2)
   const float* y_scale_inv = nullptr;
-  TensorView d;                         // [M, N] act (written), or f32 with accumulate (D += result)
-  bool accumulate = false;
+  TensorView d;                         // [M, N] act (written), or f32 with f32_result (written, or D += result)
+  bool accumulate = false;              // D += result (needs f32_result)
+  bool f32_result = false;              // D f32, never rounded to act (a weight gradient)
   Epilogue epilogue = Epilogue::none;
   TensorView bias;                      // [N] act: bias, or gelu with bias
   TensorView aux;                       // [M, N] act: gelu (written) and dgelu (read)

@@ -50,6 +50,11 @@ struct UpdatedBy {
   std::string module;
 };
 
+// On a Param: its gradient has one producer, a linear layer's weight gradient, which writes it on a
+// step's first micro-batch (LinearBackward::dweight_overwrite) and adds to it on the others; the
+// step's gradient zeroing leaves it out.
+struct GradWrittenFirst {};
+
 enum class LayerKind { embedding, block, final_norm };
 
 // A layer: a unit of forward/backward and of parameter sharding.

@@ -121,7 +121,7 @@ struct GeluForward {
 
 struct LinearBackward {
   TensorView dx;           // [N, IC] act = dout @ weight; optional (skipped when empty)
-  TensorView dweight;      // [OC, IC] f32, accumulated: += dout^T @ x
+  TensorView dweight;      // [OC, IC] f32, accumulated: += dout^T @ x (written: = with dweight_overwrite)
   TensorView dbias;        // [OC] f32, accumulated: += column sums of dout; optional
   TensorView dout;         // [N, OC] act
   TensorView x;            // [N, IC] act
@@ -136,6 +136,9 @@ struct LinearBackward {
   // Optional, only for a LinearImpl with takes_layernorm_input: x is the LayerNorm of x_ln.x (and
   // the model may leave x empty).
   LayerNormOf x_ln;
+  // dweight = dout^T @ x instead of +=: the step's first contribution to a gradient nothing else
+  // adds to (nn::GradWrittenFirst), which then needs no zeroing and no read.
+  bool dweight_overwrite = false;
 };
 
 // Causal multi-head attention on the fused QKV projection, softmax(q k^T * scale) v, with dropout p
