@@ -176,7 +176,7 @@ TEST_CASE("cuda gelu_forward matches the CPU (also in place)") {
   auto x = act(p, {n}, 27, 2.0f);
   auto out = poisoned(p, Kind::act, {n});
   on_both(p, [&](const Side& s) { s.b().gelu_forward({s(out), s(x)}); });
-  KILN_CHECK_CLOSE(out, 1e-2);  // same formula; only tanhf's last bits may differ before rounding
+  KILN_CHECK_CLOSE(out, 1e-2);  // same formula; only exp2 / reciprocal's last bits may differ before rounding
   on_both(p, [&](const Side& s) { s.b().gelu_forward({s(x), s(x)}); });
   KILN_CHECK_CLOSE(x, 1e-2);
 }
@@ -474,38 +474,52 @@ TEST_CASE("cuda vocabulary-parallel cross-entropy (stats, then finish) matches t
 // ---------------------------------------------------------------------------------------------
 // adamw
 
+// AdamW's operands on both backends: random params, gradients and first moments, positive second
+// moments, a poisoned bf16 copy (optional); run() applies one step with the given segments.
+struct AdamWCase {
+  Dual params, grads, m, v, pact;
+  bool with_act;
+  AdamWCase(test::BackendPair& p, int P, std::uint64_t seed, bool act)
+      : params(f32(p, {P}, seed)),
+        grads(f32(p, {P}, seed + 1, 0.1f)),
+        m(f32(p, {P}, seed + 2, 0.01f)),
+        v(p, Kind::f32, {P}),
+        pact(act ? poisoned(p, Kind::act, {P}) : Dual(p, Kind::act, {1})),
+        with_act(act) {
+    auto vv = random_values(P, seed + 3, 1e-3f);
+    for (auto& e : vv) e = std::fabs(e) + 1e-6f;  // second moments are positive
+    v.set(vv);
+  }
+  void run(test::BackendPair& p, const std::vector<ops::AdamWSegment>& segs, float grad_scale, std::int64_t step) {
+    on_both(p, [&](const Side& s) {
+      ops::AdamW a;
+      a.params = s(params);
+      if (with_act) a.params_act = s(pact);
+      a.grads = s(grads);
+      a.m = s(m);
+      a.v = s(v);
+      a.segments = segs;
+      a.lr = 1e-2f;
+      a.weight_decay = 0.1f;
+      a.grad_scale = grad_scale;
+      a.step = step;
+      s.b().adamw(a);
+    });
+    // The same formula; only FMA contraction differs: f32 results agree to ~1e-7.
+    KILN_CHECK_CLOSE(params, 1e-6);
+    KILN_CHECK_CLOSE(m, 1e-6);
+    KILN_CHECK_CLOSE(v, 1e-6);
+  }
+};
+
 TEST_CASE("cuda adamw matches the CPU: params, moments, bf16 copy, decay per segment") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);
   const int P = 1037;  // not a multiple of 4: a scalar tail
-  auto params = f32(p, {P}, 81);
-  auto grads = f32(p, {P}, 82, 0.1f);
-  auto m = f32(p, {P}, 83, 0.01f);
-  Dual v(p, Kind::f32, {P});
-  auto vv = random_values(P, 84, 1e-3f);
-  for (auto& e : vv) e = std::fabs(e) + 1e-6f;  // second moments are positive
-  v.set(vv);
-  auto pact = poisoned(p, Kind::act, {P});
-  on_both(p, [&](const Side& s) {
-    ops::AdamW a;
-    a.params = s(params);
-    a.params_act = s(pact);
-    a.grads = s(grads);
-    a.m = s(m);
-    a.v = s(v);
-    // Out of order, and a one-element segment inside a 4-element vector.
-    a.segments = {{601, 436, true}, {0, 600, true}, {600, 1, false}};
-    a.lr = 1e-2f;
-    a.weight_decay = 0.1f;
-    a.grad_scale = 0.7f;
-    a.step = 3;
-    s.b().adamw(a);
-  });
-  // The same formula; only FMA contraction differs: f32 results agree to ~1e-7.
-  KILN_CHECK_CLOSE(params, 1e-6);
-  KILN_CHECK_CLOSE(m, 1e-6);
-  KILN_CHECK_CLOSE(v, 1e-6);
-  KILN_CHECK_CLOSE(pact, 1e-2);
+  AdamWCase c(p, P, 81, true);
+  // Out of order, and a one-element segment inside a 4-element vector.
+  c.run(p, {{601, 436, true}, {0, 600, true}, {600, 1, false}}, 0.7f, 3);
+  KILN_CHECK_CLOSE(c.pact, 1e-2);
 }
 
 TEST_CASE("cuda adamw with two segments, with and without decay") {
@@ -539,37 +553,14 @@ TEST_CASE("cuda adamw leaves segments another module updates untouched") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);
   const int P = 2051;
-  auto params = f32(p, {P}, 87);
-  auto grads = f32(p, {P}, 88, 0.1f);
-  auto m = f32(p, {P}, 89, 0.01f);
-  Dual v(p, Kind::f32, {P});
-  auto vv = random_values(P, 90, 1e-3f);
-  for (auto& e : vv) e = std::fabs(e) + 1e-6f;
-  v.set(vv);
-  auto pact = poisoned(p, Kind::act, {P});
-  const auto p0 = params.cpu_values(), m0 = m.cpu_values(), v0 = v.cpu_values();
+  AdamWCase c(p, P, 87, true);
+  const auto p0 = c.params.cpu_values(), m0 = c.m.cpu_values(), v0 = c.v.cpu_values();
   // Skipped: [64, 1088) (whole vectors) and [1301, 1302) (one element inside a vector).
   const std::vector<ops::AdamWSegment> segs = {
       {0, 64, true}, {64, 1024, true, false}, {1088, 213, false}, {1301, 1, true, false}, {1302, P - 1302, true}};
-  on_both(p, [&](const Side& s) {
-    ops::AdamW a;
-    a.params = s(params);
-    a.params_act = s(pact);
-    a.grads = s(grads);
-    a.m = s(m);
-    a.v = s(v);
-    a.segments = segs;
-    a.lr = 1e-2f;
-    a.weight_decay = 0.1f;
-    a.grad_scale = 0.9f;
-    a.step = 2;
-    s.b().adamw(a);
-  });
-  KILN_CHECK_CLOSE(params, 1e-6);
-  KILN_CHECK_CLOSE(m, 1e-6);
-  KILN_CHECK_CLOSE(v, 1e-6);
-  const auto gp = params.gpu_values(), gm = m.gpu_values(), gv = v.gpu_values(), ga = pact.gpu_values();
-  const auto poison = pact.cpu_values();  // the poison as the act dtype holds it (CPU side: untouched too)
+  c.run(p, segs, 0.9f, 2);
+  const auto gp = c.params.gpu_values(), gm = c.m.gpu_values(), gv = c.v.gpu_values(), ga = c.pact.gpu_values();
+  const auto poison = c.pact.cpu_values();  // the poison as the act dtype holds it (CPU side: untouched too)
   std::size_t moved = 0, untouched_act = 0, skipped = 0;
   for (const auto& seg : segs)
     for (std::int64_t i = seg.offset; i < seg.offset + seg.count; ++i) {
@@ -592,31 +583,10 @@ TEST_CASE("cuda adamw skips a segment longer than the grid's stride") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);
   const int P = 20'000'003;  // more than one grid stride (8192 blocks x 256 threads x 4) on each side
-  auto params = f32(p, {P}, 91);
-  auto grads = f32(p, {P}, 92, 0.1f);
-  auto m = f32(p, {P}, 93, 0.01f);
-  Dual v(p, Kind::f32, {P});
-  auto vv = random_values(P, 94, 1e-3f);
-  for (auto& e : vv) e = std::fabs(e) + 1e-6f;
-  v.set(vv);
-  const auto p0 = params.cpu_values();
-  const std::vector<ops::AdamWSegment> segs = {{0, 1000, true}, {1000, 18'999'001, true, false}, {19'000'001, P - 19'000'001, false}};
-  on_both(p, [&](const Side& s) {
-    ops::AdamW a;
-    a.params = s(params);
-    a.grads = s(grads);
-    a.m = s(m);
-    a.v = s(v);
-    a.segments = segs;
-    a.lr = 1e-2f;
-    a.weight_decay = 0.1f;
-    a.step = 5;
-    s.b().adamw(a);
-  });
-  KILN_CHECK_CLOSE(params, 1e-6);
-  KILN_CHECK_CLOSE(m, 1e-6);
-  KILN_CHECK_CLOSE(v, 1e-6);
-  const auto gp = params.gpu_values();
+  AdamWCase c(p, P, 91, false);
+  const auto p0 = c.params.cpu_values();
+  c.run(p, {{0, 1000, true}, {1000, 18'999'001, true, false}, {19'000'001, P - 19'000'001, false}}, 1.0f, 5);
+  const auto gp = c.params.gpu_values();
   std::size_t changed_in_skip = 0, unchanged_outside = 0;
   for (std::size_t i = 0; i < gp.size(); ++i) {
     const bool skip = i >= 1000 && i < 19'000'001;

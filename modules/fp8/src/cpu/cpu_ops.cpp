@@ -210,7 +210,7 @@ class CpuOps final : public Fp8Ops {
     quantize(TensorView(y.data(), {R, C}, DType::f32, Device::cpu), out, amax);
   }
 
-  // The CPU backend's layernorm_forward, statistics only (the same loops).
+  // The CPU backend's layernorm_forward, statistics only (the same function).
   void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
     expect_input(ln.x, "fp8 layernorm_stats x");
     KILN_CHECK(ln.x.dtype == DType::f32 && ln.x.ndim() == 2, "fp8 layernorm_stats: x must be f32 [rows, cols], got ",
@@ -222,17 +222,7 @@ class CpuOps final : public Fp8Ops {
     const float* x = ln.x.as<float>();
     float *mean = ln.mean.as<float>(), *rstd = ln.rstd.as<float>();
 #pragma omp parallel for num_threads(threads_) schedule(static)
-    for (std::int64_t n = 0; n < R; ++n) {
-      const float* xr = x + n * C;
-      float m = 0;
-      for (std::int64_t c = 0; c < C; ++c) m += xr[c];
-      m /= static_cast<float>(C);
-      float var = 0;
-      for (std::int64_t c = 0; c < C; ++c) var += (xr[c] - m) * (xr[c] - m);
-      var /= static_cast<float>(C);
-      mean[n] = m;
-      rstd[n] = 1.0f / std::sqrt(var + ln.eps);
-    }
+    for (std::int64_t n = 0; n < R; ++n) ops::layernorm_row_stats(x + n * C, C, ln.eps, mean[n], rstd[n]);
     if (!amax) return;
     KILN_CHECK(ln.weight.numel() == C && ln.bias.numel() == C, "fp8 layernorm_stats weight/bias for x ", ln.x.str());
     float m = 0;

@@ -109,10 +109,9 @@ class CudaOps final : public Fp8Ops {
     for (const TensorView* t : {&ln.mean, &ln.rstd})
       KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->numel() == R && t->contiguous(),
                  "fp8 layernorm_stats mean/rstd ", t->str(), " for x ", x.str());
-    if (amax)
-      for (const TensorView* t : {&ln.weight, &ln.bias})
-        KILN_CHECK(t->device == Device::cuda && t->dtype == DType::bf16 && t->numel() == C && t->contiguous(),
-                   "fp8 layernorm_stats weight/bias ", t->str(), " for x ", x.str());
+    for (const TensorView* t : {&ln.weight, &ln.bias})
+      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::bf16 && t->numel() == C && t->contiguous(),
+                 "fp8 layernorm_stats weight/bias ", t->str(), " for x ", x.str());
     cuda::LayerNormOfDev d;
     d.x = x.as<kiln::cuda::bf16>();
     d.weight = ln.weight.as<kiln::cuda::bf16>();

@@ -1,12 +1,12 @@
 // LayerNorm statistics for an FP8 layer that computes its LayerNorm input on load (Fp8Ops::
-// layernorm_stats): a warp per row, the same summation order as the ops backend's LayerNorm
-// forward (per lane over its 16-byte chunks in order, then a butterfly over the warp; or, for rows
-// it does not vectorise, per lane over a stride of 32), so mean and rstd are bit-identical to what
-// layernorm_forward writes (it takes the same vectorised / plain path for the same C). With an amax, the row's outputs act(layernorm_apply(...)) are formed in
-// registers and only their max |y| leaves the kernel.
+// layernorm_stats): a warp per row through the ops backend's own row statistics
+// (kiln/ops/cuda/layernorm_row.cuh), taking the vectorised or plain path for the same C, so mean
+// and rstd are bit-identical to what layernorm_forward writes. With an amax, the row's outputs
+// act(layernorm_apply(...)) are formed in registers and only their max |y| leaves the kernel.
 #include <algorithm>
 
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/layernorm_row.cuh"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "tiles.cuh"
@@ -15,22 +15,8 @@ namespace kiln::fp8::cuda {
 
 namespace {
 
-constexpr int kWarp = 32;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ void unpack8(uint4 u, float f[8]) {
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
+namespace lnrow = ::kiln::cuda::layernorm_row;
+using lnrow::kWarp;
 
 __device__ __forceinline__ float act_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -43,42 +29,19 @@ __global__ void __launch_bounds__(kThreads)
   const int chunks = C / 8;
   unsigned local = 0;
   for (int row = blockIdx.x * warps + threadIdx.x / kWarp; row < N; row += gridDim.x * warps) {
-    const bf16* xr = x + static_cast<std::int64_t>(row) * C;
     uint4 cache[CPL];
-    float sum = 0;
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-      const int q = lane + j * kWarp;
-      cache[j] = q < chunks ? *reinterpret_cast<const uint4*>(xr + q * 8) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-      float f[8];
-      unpack8(cache[j], f);  // padding chunks are zeros and add nothing
-#pragma unroll
-      for (int k = 0; k < 8; ++k) sum += f[k];
-    }
-    const float m = warp_sum(sum) / static_cast<float>(C);
-    float var = 0;
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-      if (lane + j * kWarp >= chunks) continue;
-      float f[8];
-      unpack8(cache[j], f);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) var += (f[k] - m) * (f[k] - m);
-    }
-    var = warp_sum(var) / static_cast<float>(C);
-    const float s = 1.0f / sqrtf(var + eps);
+    lnrow::load_row(x + static_cast<std::int64_t>(row) * C, C, lane, cache);
+    float m = 0, s = 0;
+    lnrow::stats_vec(cache, C, lane, eps, m, s);
     if (AMAX)
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
         const int q = lane + j * kWarp;
         if (q >= chunks) continue;
         float f[8], w[8], b[8];
-        unpack8(cache[j], f);
-        unpack8(*reinterpret_cast<const uint4*>(weight + q * 8), w);
-        unpack8(*reinterpret_cast<const uint4*>(bias + q * 8), b);
+        lnrow::unpack8(cache[j], f);
+        lnrow::unpack8(*reinterpret_cast<const uint4*>(weight + q * 8), w);
+        lnrow::unpack8(*reinterpret_cast<const uint4*>(bias + q * 8), b);
 #pragma unroll
         for (int k = 0; k < 8; ++k) local = max(local, abs_bits(act_round(ops::layernorm_apply(f[k], m, s, w[k], b[k]))));
       }
@@ -90,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   if (AMAX) block_amax(local, amax);
 }
 
-// Any C: three passes over the row (the later ones hit L1/L2).
+// Any C: the statistics from memory, then (with an amax) a third pass.
 template <bool AMAX>
 __global__ void __launch_bounds__(kThreads)
     ln_stats_any(const bf16* __restrict__ x, const bf16* __restrict__ weight, const bf16* __restrict__ bias,
@@ -99,16 +62,8 @@ __global__ void __launch_bounds__(kThreads)
   unsigned local = 0;
   for (int row = blockIdx.x * warps + threadIdx.x / kWarp; row < N; row += gridDim.x * warps) {
     const bf16* xr = x + static_cast<std::int64_t>(row) * C;
-    float sum = 0;
-    for (int c = lane; c < C; c += kWarp) sum += __bfloat162float(xr[c]);
-    const float m = warp_sum(sum) / static_cast<float>(C);
-    float var = 0;
-    for (int c = lane; c < C; c += kWarp) {
-      const float d = __bfloat162float(xr[c]) - m;
-      var += d * d;
-    }
-    var = warp_sum(var) / static_cast<float>(C);
-    const float s = 1.0f / sqrtf(var + eps);
+    float m = 0, s = 0;
+    lnrow::stats_any(xr, C, lane, eps, m, s);
     if (AMAX)
       for (int c = lane; c < C; c += kWarp)
         local = max(local, abs_bits(act_round(ops::layernorm_apply(__bfloat162float(xr[c]), m, s,
@@ -135,13 +90,14 @@ void launch_vec(const LayerNormOfDev& ln, float* mean, float* rstd, float* amax,
 
 void layernorm_stats(const LayerNormOfDev& ln, float* mean, float* rstd, float* amax, std::int64_t rows,
                      std::int64_t cols, float eps, cudaStream_t s) {
-  KILN_CHECK(rows >= 0 && cols >= 0 && rows <= 0x7fffffff && cols <= 0x7fffffff && ln.x && mean && rstd &&
-                 (!amax || (ln.weight && ln.bias)),
+  KILN_CHECK(rows >= 0 && cols >= 0 && rows <= 0x7fffffff && cols <= 0x7fffffff && ln.x && ln.weight && ln.bias &&
+                 mean && rstd,
              "fp8 layernorm_stats: [", rows, ",", cols, "]");
   if (rows == 0 || cols == 0) return;
   const int N = static_cast<int>(rows), C = static_cast<int>(cols);
   const unsigned grid = static_cast<unsigned>(std::clamp<std::int64_t>((rows + 7) / 8, 1, 1 << 20));  // 8 rows a block
-  const bool vec = C % 8 == 0 && aligned16(ln.x) && (!amax || (aligned16(ln.weight) && aligned16(ln.bias)));
+  // The vectorised path where layernorm_forward takes it (its output aligned as well).
+  const bool vec = C % 8 == 0 && aligned16(ln.x) && aligned16(ln.weight) && aligned16(ln.bias);
   const int cpl = (C / 8 + kWarp - 1) / kWarp;
   if (!vec || cpl > 16) {
     if (amax)

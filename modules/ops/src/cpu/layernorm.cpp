@@ -18,13 +18,8 @@ void CpuBackend::layernorm_forward(const LayerNormForward& a) {
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * C;
-    float m = 0;
-    for (std::int64_t c = 0; c < C; ++c) m += xr[c];
-    m /= static_cast<float>(C);
-    float var = 0;
-    for (std::int64_t c = 0; c < C; ++c) var += (xr[c] - m) * (xr[c] - m);
-    var /= static_cast<float>(C);
-    float s = 1.0f / std::sqrt(var + a.eps);
+    float m = 0, s = 0;
+    layernorm_row_stats(xr, C, a.eps, m, s);
     for (std::int64_t c = 0; c < C; ++c) out[n * C + c] = store(layernorm_apply(xr[c], m, s, w[c], b[c]));
     mean[n] = m;
     rstd[n] = s;

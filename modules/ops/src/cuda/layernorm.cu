@@ -1,6 +1,7 @@
 // LayerNorm forward (a warp per row, fp32 statistics) and backward (dx accumulated into bf16;
 // dweight/dbias by a deterministic two-stage reduction: per-block partials, then a fixed-order sum).
 #include "common.cuh"
+#include "kiln/ops/cuda/layernorm_row.cuh"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
@@ -10,8 +11,8 @@ namespace {
 constexpr int kFwdThreads = 256;  // 8 rows (warps) per block
 
 // Fast path, C % 8 == 0 and C <= 256 * CPL: the row is held in registers as packed bf16 (CPL
-// 16-byte chunks per lane), so x is read from memory once; mean and variance are two passes over
-// the registers, like the CPU's two loops.
+// 16-byte chunks per lane), so x is read from memory once; the statistics are
+// layernorm_row::stats_vec (two passes over the registers, like the CPU's two loops).
 template <int CPL>
 __global__ __launch_bounds__(kFwdThreads) void ln_forward_vec(bf16* out, float* mean, float* rstd, const bf16* x,
                                                              const bf16* weight, const bf16* bias, int N, int C,
@@ -21,31 +22,9 @@ __global__ __launch_bounds__(kFwdThreads) void ln_forward_vec(bf16* out, float* 
   for (int row = blockIdx.x * warps + threadIdx.x / kWarp; row < N; row += gridDim.x * warps) {
     const bf16* xr = x + static_cast<std::int64_t>(row) * C;
     uint4 cache[CPL];
-    float sum = 0;
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-      const int q = lane + j * kWarp;
-      cache[j] = q < chunks ? load16(xr + q * 8) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-      float f[8];
-      unpack8(cache[j], f);  // padding chunks are zeros and add nothing
-#pragma unroll
-      for (int k = 0; k < 8; ++k) sum += f[k];
-    }
-    const float m = warp_sum(sum) / static_cast<float>(C);
-    float var = 0;
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-      if (lane + j * kWarp >= chunks) continue;
-      float f[8];
-      unpack8(cache[j], f);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) var += (f[k] - m) * (f[k] - m);
-    }
-    var = warp_sum(var) / static_cast<float>(C);
-    const float s = 1.0f / sqrtf(var + eps);
+    layernorm_row::load_row(xr, C, lane, cache);
+    float m = 0, s = 0;
+    layernorm_row::stats_vec(cache, C, lane, eps, m, s);
     bf16* o = out + static_cast<std::int64_t>(row) * C;
 #pragma unroll
     for (int j = 0; j < CPL; ++j) {
@@ -73,16 +52,8 @@ __global__ __launch_bounds__(kFwdThreads) void ln_forward_any(bf16* out, float* 
   const int lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
   for (int row = blockIdx.x * warps + threadIdx.x / kWarp; row < N; row += gridDim.x * warps) {
     const bf16* xr = x + static_cast<std::int64_t>(row) * C;
-    float sum = 0;
-    for (int c = lane; c < C; c += kWarp) sum += __bfloat162float(xr[c]);
-    const float m = warp_sum(sum) / static_cast<float>(C);
-    float var = 0;
-    for (int c = lane; c < C; c += kWarp) {
-      const float d = __bfloat162float(xr[c]) - m;
-      var += d * d;
-    }
-    var = warp_sum(var) / static_cast<float>(C);
-    const float s = 1.0f / sqrtf(var + eps);
+    float m = 0, s = 0;
+    layernorm_row::stats_any(xr, C, lane, eps, m, s);
     bf16* o = out + static_cast<std::int64_t>(row) * C;
     for (int c = lane; c < C; c += kWarp)
       o[c] = __float2bfloat16_rn(

@@ -37,6 +37,19 @@ KILN_HD float gelu_grad(float x) {
 // LayerNorm's output from an element's statistics (mean, rstd = 1 / sqrt(var + eps)).
 KILN_HD float layernorm_apply(float x, float mean, float rstd, float w, float b) { return (x - mean) * rstd * w + b; }
 
+// The statistics of one row as the CPU backend's LayerNorm computes them (two passes in f32), for
+// other modules' CPU code that must reproduce them bit for bit.
+inline void layernorm_row_stats(const float* x, std::int64_t C, float eps, float& mean, float& rstd) {
+  float m = 0;
+  for (std::int64_t c = 0; c < C; ++c) m += x[c];
+  m /= static_cast<float>(C);
+  float var = 0;
+  for (std::int64_t c = 0; c < C; ++c) var += (x[c] - m) * (x[c] - m);
+  var /= static_cast<float>(C);
+  mean = m;
+  rstd = 1.0f / std::sqrt(var + eps);
+}
+
 // One AdamW step for one element, PyTorch's formulation (decoupled weight decay applied first).
 // bc1 = 1 - beta1^step, bc2 = 1 - beta2^step.
 KILN_HD void adamw_update(float& p, float& m, float& v, float g, float lr, float beta1, float beta2, float eps,

@@ -39,8 +39,8 @@ void cast_transpose_layernorm(const LayerNormOfDev& ln, std::uint8_t* rowwise, s
                               const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
 // LayerNorm statistics of ln.x [rows, cols] into mean, rstd (f32 [rows]), bit-identical to the ops
-// backend's layernorm_forward; with amax, max |act(LayerNorm(x))| max-accumulated into it (then
-// ln.weight and ln.bias are read).
+// backend's layernorm_forward (with a 16-byte aligned output); with amax, max |act(LayerNorm(x))|
+// max-accumulated into it.
 void layernorm_stats(const LayerNormOfDev& ln, float* mean, float* rstd, float* amax, std::int64_t rows,
                      std::int64_t cols, float eps, cudaStream_t s);
 
