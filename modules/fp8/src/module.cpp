@@ -215,10 +215,11 @@ void install(World& w, const Fp8Config& cfg) {
                          world.resource<Fp8State>().workspace->lend(s->data, s->bytes);
                      },
                      {"model.init"}});
-  // The scales are updated as soon as the step's last backward is done (before the optimizer, which
-  // may write the weights' FP8 copies with them).
+  // The scales are updated once the step's gradients are complete and synchronised (as before the
+  // optimizer ran, which may now write the weights' FP8 copies with them): after the parallel
+  // module's gradient collectives, so every rank issues its collectives in the same order.
   if (cfg.recipe == RecipeKind::delayed) {
-    w.systems().add({"fp8.amax_reduce", Phase::grad_sync, reduce_amaxes});
+    w.systems().add({"fp8.amax_reduce", Phase::grad_sync, reduce_amaxes, {"parallel.tp_grad_sync"}});
     w.systems().add({"fp8.scale_update", Phase::grad_sync,
                      [algo = cfg.amax_compute_algo, margin = cfg.margin](World& world) {
                        auto& s = world.resource<Fp8State>();
