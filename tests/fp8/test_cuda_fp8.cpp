@@ -64,6 +64,51 @@ struct CodeDiff {
   }
 };
 
+// The outputs of a quantise-on-load case on both sides: e4m3 rowwise (copies & 1) and colwise
+// (copies & 2) [R, C] copies, scale and amax (starting at 0.25) as {scale, amax}; check() compares
+// the device's with the CPU's, allowing an occasional neighbouring code (values a few ulp from a
+// bf16 rounding boundary on one side).
+struct OnLoadOutputs {
+  std::size_t n;
+  int copies;
+  std::vector<float> c_meta;
+  std::vector<std::uint8_t> c_row, c_col;
+  Buffer d_meta, d_row, d_col;
+  Fp8TensorView c, g;
+  OnLoadOutputs(std::int64_t R, std::int64_t C, int copies_, float scale)
+      : n(static_cast<std::size_t>(R * C)),
+        copies(copies_),
+        c_meta{scale, 0.25f},
+        c_row(n),
+        c_col(n),
+        d_meta(upload(c_meta)),
+        d_row(Device::cuda, n),
+        d_col(Device::cuda, n) {
+    if (copies & 1) {
+      c.rowwise = TensorView(c_row.data(), {R, C}, DType::e4m3, Device::cpu);
+      g.rowwise = TensorView(d_row.data(), {R, C}, DType::e4m3, Device::cuda);
+    }
+    if (copies & 2) {
+      c.colwise = TensorView(c_col.data(), {C, R}, DType::e4m3, Device::cpu);
+      g.colwise = TensorView(d_col.data(), {C, R}, DType::e4m3, Device::cuda);
+    }
+    c.scale = &c_meta[0];
+    g.scale = static_cast<float*>(d_meta.data());
+  }
+  float* cpu_amax() { return &c_meta[1]; }
+  float* gpu_amax() { return static_cast<float*>(d_meta.data()) + 1; }
+  void check() {
+    CodeDiff d;
+    if (copies & 1) d.add(c_row, d_row.data());
+    if (copies & 2) d.add(c_col, d_col.data());
+    CHECK(d.far == 0);
+    CHECK(d.differ <= n / 500 + 2);
+    const auto meta = download<float>(d_meta.data(), 2);
+    CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-2));
+    CHECK(meta[1] > 0.25f);
+  }
+};
+
 std::vector<std::uint16_t> to_bf16(const std::vector<float>& v) {
   std::vector<std::uint16_t> b(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16_bits(v[i]);
@@ -276,38 +321,18 @@ TEST_CASE("quantising gelu(pre) on load matches the CPU (one copy or both, and t
       INFO("[" << R << "," << C << "] copies " << copies);
       const std::size_t n = static_cast<std::size_t>(R * C);
       const auto pre = from_bf16(to_bf16(test::normal_values(n, static_cast<std::uint64_t>(++seed), 2.5f)));
-      std::vector<float> c_meta = {60.0f, 0.25f};
-      std::vector<std::uint8_t> c_row(n), c_col(n);
-      Fp8TensorView c, g;
-      Buffer d_pre = upload(to_bf16(pre)), d_meta = upload(c_meta), d_row(Device::cuda, n), d_col(Device::cuda, n);
-      if (copies & 1) {
-        c.rowwise = TensorView(c_row.data(), {R, C}, DType::e4m3, Device::cpu);
-        g.rowwise = TensorView(d_row.data(), {R, C}, DType::e4m3, Device::cuda);
-      }
-      if (copies & 2) {
-        c.colwise = TensorView(c_col.data(), {C, R}, DType::e4m3, Device::cpu);
-        g.colwise = TensorView(d_col.data(), {C, R}, DType::e4m3, Device::cuda);
-      }
-      c.scale = &c_meta[0];
-      g.scale = static_cast<float*>(d_meta.data());
+      OnLoadOutputs o(R, C, copies, 60.0f);
+      Buffer d_pre = upload(to_bf16(pre));
       const TensorView hp(const_cast<float*>(pre.data()), {R, C}, DType::f32, Device::cpu);
       const TensorView dp(d_pre.data(), {R, C}, DType::bf16, Device::cuda);
       if (copies == 0) {
-        cpu->amax_gelu(hp, &c_meta[1]);
-        gpu->amax_gelu(dp, static_cast<float*>(d_meta.data()) + 1);
+        cpu->amax_gelu(hp, o.cpu_amax());
+        gpu->amax_gelu(dp, o.gpu_amax());
       } else {
-        cpu->quantize_gelu(hp, c, &c_meta[1]);
-        gpu->quantize_gelu(dp, g, static_cast<float*>(d_meta.data()) + 1);
+        cpu->quantize_gelu(hp, o.c, o.cpu_amax());
+        gpu->quantize_gelu(dp, o.g, o.gpu_amax());
       }
-      // The device's exp2 / reciprocal differ from the host's in the last bits: an occasional neighbour.
-      CodeDiff d;
-      if (copies & 1) d.add(c_row, d_row.data());
-      if (copies & 2) d.add(c_col, d_col.data());
-      CHECK(d.far == 0);
-      CHECK(d.differ <= n / 500 + 2);
-      const auto meta = download<float>(d_meta.data(), 2);
-      CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-2));
-      CHECK(meta[1] > 0.25f);
+      o.check();  // the device's exp2 / reciprocal differ from the host's in the last bits
     }
 }
 
@@ -325,18 +350,12 @@ TEST_CASE("quantising LayerNorm(x) on load from the forward's statistics matches
       auto w = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(C), static_cast<std::uint64_t>(++seed))));
       auto b = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(C), static_cast<std::uint64_t>(++seed), 0.1f)));
       std::vector<float> mean(static_cast<std::size_t>(R)), rstd(static_cast<std::size_t>(R));
-      for (std::int64_t r = 0; r < R; ++r) {  // statistics as a LayerNorm forward writes them
-        double s = 0, v = 0;
-        for (std::int64_t c = 0; c < C; ++c) s += x[static_cast<std::size_t>(r * C + c)];
-        const float m = static_cast<float>(s / C);
-        for (std::int64_t c = 0; c < C; ++c) v += double(x[static_cast<std::size_t>(r * C + c)] - m) * (x[static_cast<std::size_t>(r * C + c)] - m);
-        mean[static_cast<std::size_t>(r)] = m;
-        rstd[static_cast<std::size_t>(r)] = static_cast<float>(1.0 / std::sqrt(v / C + 1e-5));
-      }
-      std::vector<float> c_meta = {30.0f, 0.25f};
-      std::vector<std::uint8_t> c_row(n), c_col(n);
+      for (std::int64_t r = 0; r < R; ++r)  // statistics as a LayerNorm forward writes them
+        ops::layernorm_row_stats(x.data() + r * C, C, 1e-5f, mean[static_cast<std::size_t>(r)],
+                                 rstd[static_cast<std::size_t>(r)]);
+      OnLoadOutputs o(R, C, copies, 30.0f);
       Buffer d_x = upload(to_bf16(x)), d_w = upload(to_bf16(w)), d_b = upload(to_bf16(b)), d_mean = upload(mean),
-             d_rstd = upload(rstd), d_meta = upload(c_meta), d_row(Device::cuda, n), d_col(Device::cuda, n);
+             d_rstd = upload(rstd);
       ops::LayerNormOf hl, dl;
       hl.x = TensorView(const_cast<float*>(x.data()), {R, C}, DType::f32, Device::cpu);
       hl.weight = TensorView(w.data(), {C}, DType::f32, Device::cpu);
@@ -348,28 +367,9 @@ TEST_CASE("quantising LayerNorm(x) on load from the forward's statistics matches
       dl.bias = TensorView(d_b.data(), {C}, DType::bf16, Device::cuda);
       dl.mean = TensorView(d_mean.data(), {R}, DType::f32, Device::cuda);
       dl.rstd = TensorView(d_rstd.data(), {R}, DType::f32, Device::cuda);
-      Fp8TensorView c, g;
-      if (copies & 1) {
-        c.rowwise = TensorView(c_row.data(), {R, C}, DType::e4m3, Device::cpu);
-        g.rowwise = TensorView(d_row.data(), {R, C}, DType::e4m3, Device::cuda);
-      }
-      if (copies & 2) {
-        c.colwise = TensorView(c_col.data(), {C, R}, DType::e4m3, Device::cpu);
-        g.colwise = TensorView(d_col.data(), {C, R}, DType::e4m3, Device::cuda);
-      }
-      c.scale = &c_meta[0];
-      g.scale = static_cast<float*>(d_meta.data());
-      cpu->quantize_layernorm(hl, c, &c_meta[1]);
-      gpu->quantize_layernorm(dl, g, static_cast<float*>(d_meta.data()) + 1);
-      // FMA contraction may move a value across a bf16 rounding boundary: an occasional neighbour.
-      CodeDiff d;
-      if (copies & 1) d.add(c_row, d_row.data());
-      if (copies & 2) d.add(c_col, d_col.data());
-      CHECK(d.far == 0);
-      CHECK(d.differ <= n / 500 + 2);
-      const auto meta = download<float>(d_meta.data(), 2);
-      CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-2));
-      CHECK(meta[1] > 0.25f);
+      cpu->quantize_layernorm(hl, o.c, o.cpu_amax());
+      gpu->quantize_layernorm(dl, o.g, o.gpu_amax());
+      o.check();  // FMA contraction may move a value across a bf16 rounding boundary
     }
 }
 

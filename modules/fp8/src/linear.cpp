@@ -50,7 +50,10 @@ Fp8TensorView Fp8Linear::view(const ScalingSlot& s, void* rowwise, void* colwise
 }
 
 float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t, bool gelu) {
-  auto amax = [&](float* into) { gelu ? ops_.amax_gelu(t, into) : ops_.amax(t, into); };
+  return prepare_scale(s, [&](float* into) { gelu ? ops_.amax_gelu(t, into) : ops_.amax(t, into); });
+}
+
+float* Fp8Linear::prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax) {
   if (recipe_.kind == RecipeKind::current) {
     ops_.zero(s.amax_now, sizeof(float));
     amax(s.amax_now);
@@ -151,36 +154,18 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   void* xq = ws_.get(static_cast<std::size_t>(N * IC));
   const Fp8TensorView out = view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC);
   if (ln) {
-    float* record = nullptr;
-    if (replay)  // the statistics again (a recompute may not have kept them), no amax
-      ops_.layernorm_stats(a.x_ln, nullptr);
-    else
-      record = prepare_layernorm(s, a.x_ln);
+    // The statistics first: in the pass that measures the output's amax where the scale needs it
+    // now (prepare_scale then returns no record), else on their own (a replay too: the recompute
+    // may not have kept them; it records no amax).
+    float* record =
+        replay ? nullptr : prepare_scale(s, [&](float* into) { ops_.layernorm_stats(a.x_ln, into); });
+    if (replay || record) ops_.layernorm_stats(a.x_ln, nullptr);
     ops_.quantize_layernorm(a.x_ln, out, record);
   } else {
     float* record = replay ? nullptr : prepare_scale(s, x, gelu);
     gelu ? ops_.quantize_gelu(x, out, record) : ops_.quantize(x, out, record);
   }
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
-}
-
-float* Fp8Linear::prepare_layernorm(const ScalingSlot& s, const ops::LayerNormOf& ln) {
-  // The statistics first; where the scale must come from this tensor's own amax (current scaling,
-  // delayed scaling's first step), the same pass finds it.
-  if (recipe_.kind == RecipeKind::current) {
-    ops_.zero(s.amax_now, sizeof(float));
-    ops_.layernorm_stats(ln, s.amax_now);
-    ops_.scale_from_amax(s.amax_now, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
-    return nullptr;
-  }
-  if (meta_.ready(s.index)) {
-    ops_.layernorm_stats(ln, nullptr);
-    return s.amax;
-  }
-  ops_.layernorm_stats(ln, s.amax);
-  ops_.scale_from_amax(s.amax, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
-  meta_.set_ready(s.index);
-  return nullptr;
 }
 
 void* Fp8Linear::kept_input(std::int64_t rows, std::int64_t cols) {

@@ -83,15 +83,11 @@ void install(World& w, const ModelConfig& cfg) {
                                  << static_cast<double>(m.activation_bytes()) / (1 << 30) << " GiB\n"
                                  << std::defaultfloat;
                    }});
-  // Every gradient but those their first micro-batch writes (nn::GradWrittenFirst): the gaps between
-  // them, found once.
+  // Every gradient but those their first micro-batch writes (the model marked them
+  // nn::GradWrittenFirst as it made its parameters, above): the gaps between them.
   w.systems().add({"model.zero_grad", Phase::step_begin,
-                   [ranges = std::vector<std::pair<std::int64_t, std::int64_t>>(), found = false](World& world) mutable {
+                   [ranges = zero_ranges(w, w.resource<ParamStore>())](World& world) {
                      auto& store = world.resource<ParamStore>();
-                     if (!found) {
-                       ranges = zero_ranges(world, store);
-                       found = true;
-                     }
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      const TensorView flat = store.grads_flat();
                      for (auto [begin, end] : ranges)

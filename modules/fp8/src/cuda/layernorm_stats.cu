@@ -16,7 +16,8 @@ namespace kiln::fp8::cuda {
 namespace {
 
 namespace lnrow = ::kiln::cuda::layernorm_row;
-using lnrow::kWarp;
+using ::kiln::cuda::kWarp;
+using ::kiln::cuda::unpack8;
 
 __device__ __forceinline__ float act_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -39,9 +40,9 @@ __global__ void __launch_bounds__(kThreads)
         const int q = lane + j * kWarp;
         if (q >= chunks) continue;
         float f[8], w[8], b[8];
-        lnrow::unpack8(cache[j], f);
-        lnrow::unpack8(*reinterpret_cast<const uint4*>(weight + q * 8), w);
-        lnrow::unpack8(*reinterpret_cast<const uint4*>(bias + q * 8), b);
+        unpack8(cache[j], f);
+        unpack8(*reinterpret_cast<const uint4*>(weight + q * 8), w);
+        unpack8(*reinterpret_cast<const uint4*>(bias + q * 8), b);
 #pragma unroll
         for (int k = 0; k < 8; ++k) local = max(local, abs_bits(act_round(ops::layernorm_apply(f[k], m, s, w[k], b[k]))));
       }

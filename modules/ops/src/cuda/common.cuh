@@ -7,23 +7,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kiln/ops/cuda/device_basics.cuh"
 #include "kiln/ops/cuda/launchers.hpp"
 
 namespace kiln::cuda {
 
-constexpr int kWarp = 32;
-
-// ---- 8 bf16 <-> one 16-byte word ----
-// bf16 -> f32 is exact: the bf16 bits are the high half of the float.
-__device__ __forceinline__ void unpack8(uint4 u, float f[8]) {
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
+// ---- 8 bf16 <-> one 16-byte word (unpack8: device_basics.cuh) ----
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // round to nearest even, like round_bf16()
   return *reinterpret_cast<unsigned*>(&h);
@@ -84,12 +73,8 @@ __device__ __forceinline__ void store_chunk(float* p, int valid, const float f[8
   }
 }
 
-// ---- reductions (butterfly: every lane ends with the same, order-fixed result) ----
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+// ---- reductions (butterfly: every lane ends with the same, order-fixed result; warp_sum(float):
+// device_basics.cuh) ----
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

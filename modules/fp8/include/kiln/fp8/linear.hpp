@@ -26,6 +26,7 @@
 // nor delayed scaling sees the tensor twice. Nothing here rolls or updates the amax history
 // (Fp8MetaStore::update does, once per step), so a recompute can never advance it.
 #include <array>
+#include <functional>
 #include <cstdint>
 #include <string>
 
@@ -100,8 +101,9 @@ class Fp8Linear {
   // Makes slot s's scale valid for quantising t; returns where the quantisation records its amax
   // (nullptr when the amax is already recorded or not wanted).
   float* prepare_scale(const ScalingSlot& s, const TensorView& t, bool gelu = false);  // gelu: of act(gelu(t))
-  // The same for an input computed as LayerNorm(ln.x), whose statistics this writes (a replay too).
-  float* prepare_layernorm(const ScalingSlot& s, const ops::LayerNormOf& ln);
+  // The same with the tensor's amax measured by `amax` (max-accumulated into its argument), called
+  // only where the scale needs it now.
+  float* prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax);
   void ensure_weight(const TensorView& w, std::int64_t version);
   void* kept_input(std::int64_t rows, std::int64_t cols);  // the keep_input buffer, sized for [rows, cols]
   bool weight_cached(const TensorView& w) const;

@@ -11,25 +11,9 @@
 
 #include <cstdint>
 
+#include "kiln/ops/cuda/device_basics.cuh"
+
 namespace kiln::cuda::layernorm_row {
-
-constexpr int kWarp = 32;
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// 8 bf16 (one 16-byte chunk) as f32, lowest address first.
-__device__ __forceinline__ void unpack8(uint4 u, float f[8]) {
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
 
 // Lane `lane`'s chunks of row xr (C / 8 chunks); the chunks past the row are zeros.
 template <int CPL>
