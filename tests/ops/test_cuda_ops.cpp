@@ -8,6 +8,7 @@
 //  - Philox draws, conversions, dropout masks, residual adds: bit-identical by construction.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -639,6 +640,34 @@ TEST_CASE("cuda sum_squares matches the CPU to 1e-6 relative") {
     const double cpu = p.cpu->sum_squares(x.cpu());
     const double gpu = p.gpu->sum_squares(x.gpu());
     CHECK(std::fabs(gpu - cpu) <= 1e-6 * cpu);
+  }
+}
+
+TEST_CASE("cuda sum_squares_each equals sum_squares of each tensor bit for bit, with empty ones") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const std::vector<int> sizes{3001, 1, 0, 2048, 100003, 0, 4 * 8192 * 2 + 5, 77};
+  std::vector<Dual> xs;
+  std::vector<TensorView> gpu_views, cpu_views;
+  xs.reserve(sizes.size());
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    xs.push_back(f32(p, {std::max(sizes[i], 1)}, 200 + i, 1.5f, -0.2f));
+    TensorView g = xs.back().gpu(), c = xs.back().cpu();
+    // An empty tensor: a view of no elements (the optimizer's list may hold one).
+    gpu_views.push_back(sizes[i] ? g : TensorView(g.data, {0}, DType::f32, Device::cuda));
+    cpu_views.push_back(sizes[i] ? c : TensorView(c.data, {0}, DType::f32, Device::cpu));
+  }
+  const auto gpu = p.gpu->sum_squares_each(gpu_views);
+  const auto cpu = p.cpu->sum_squares_each(cpu_views);
+  REQUIRE(gpu.size() == sizes.size());
+  REQUIRE(cpu.size() == sizes.size());
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    INFO("tensor " << i << ", n = " << sizes[i]);
+    const double alone = p.gpu->sum_squares(gpu_views[i]);
+    CHECK(std::memcmp(&gpu[i], &alone, sizeof(double)) == 0);
+    CHECK(std::fabs(gpu[i] - cpu[i]) <= 1e-6 * cpu[i]);
+    if (sizes[i] == 0) CHECK(gpu[i] == 0.0);
+    else CHECK(cpu[i] > 0.0);
   }
 }
 

@@ -40,6 +40,18 @@ std::vector<ops::AdamWSegment> segments(World& w) {
   return out;
 }
 
+// Each parameter's gradient as a flat view, in the store's order.
+std::vector<TensorView> parameter_gradients(World& w) {
+  const auto& store = w.resource<nn::ParamStore>();
+  std::vector<TensorView> out;
+  out.reserve(store.order.size());
+  for (Entity e : store.order) {
+    const auto& p = w.get<nn::Param>(e);
+    out.push_back(store.grad_view(p).reshape({p.numel}));
+  }
+  return out;
+}
+
 // The squared norm of the whole (logical) gradient. With tensor parallelism a rank holds shards of
 // some parameters and full copies of the others: the shards' squares are summed over the TP group,
 // the replicated parameters counted once (each rank adds 1/tp of theirs before the all-reduce).
@@ -47,12 +59,10 @@ double global_sum_squares(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
   auto& tp = *w.resource<parallel::Communicators>().tp;
   if (tp.size() == 1) return be.sum_squares(store.grads_flat());
+  const std::vector<double> each = be.sum_squares_each(parameter_gradients(w));
   double local = 0;
-  for (Entity e : store.order) {
-    const auto& p = w.get<nn::Param>(e);
-    const double s = be.sum_squares(store.grad_view(p).reshape({p.numel}));
-    local += p.shard.sharded() ? s : s / tp.size();
-  }
+  for (std::size_t i = 0; i < store.order.size(); ++i)
+    local += w.get<nn::Param>(store.order[i]).shard.sharded() ? each[i] : each[i] / tp.size();
   float v = static_cast<float>(local);
   tp.all_reduce(TensorView(&v, {1}, DType::f32, Device::cpu), parallel::ReduceOp::sum, nullptr);
   return v;
@@ -61,12 +71,11 @@ double global_sum_squares(World& w, ops::Backend& be) {
 // Names the parameters whose gradient is not finite (slow path, only after a failure).
 std::string non_finite_gradients(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
+  const std::vector<double> each = be.sum_squares_each(parameter_gradients(w));
   std::string names;
-  for (Entity e : store.order) {
-    const auto& p = w.get<nn::Param>(e);
-    double s = be.sum_squares(store.grad_view(p).reshape({p.numel}));
-    if (!std::isfinite(s)) names += (names.empty() ? "'" : ", '") + p.name + "'";
-  }
+  for (std::size_t i = 0; i < store.order.size(); ++i)
+    if (!std::isfinite(each[i]))
+      names += (names.empty() ? "'" : ", '") + w.get<nn::Param>(store.order[i]).name + "'";
   return names.empty() ? "(no single tensor; the sum overflowed)" : names;
 }
 

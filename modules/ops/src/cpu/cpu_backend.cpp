@@ -69,6 +69,13 @@ double CpuBackend::sum_squares(const TensorView& x) {
   return total;
 }
 
+std::vector<double> CpuBackend::sum_squares_each(std::span<const TensorView> xs) {
+  std::vector<double> out;
+  out.reserve(xs.size());
+  for (const TensorView& x : xs) out.push_back(sum_squares(x));
+  return out;
+}
+
 void CpuBackend::init_normal(const TensorView& dst, float std, rng::PhiloxArgs r, std::int64_t global_offset) {
   check_cpu(dst, "init_normal");
   KILN_CHECK(dst.dtype == DType::f32, "init_normal writes f32, got ", dst.str());

@@ -23,6 +23,7 @@ class CpuBackend final : public Backend {
   void zero(const TensorView& t) override;
   void synchronize() override {}
   double sum_squares(const TensorView& x) override;
+  std::vector<double> sum_squares_each(std::span<const TensorView> xs) override;
   void init_normal(const TensorView& dst, float std, rng::PhiloxArgs rng, std::int64_t global_offset) override;
   void fill(const TensorView& dst, float value) override;
 

@@ -202,18 +202,27 @@ void CudaBackend::zero(const TensorView& t) {
 
 void CudaBackend::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
-double CudaBackend::sum_squares(const TensorView& x) {
-  check_dev(x, DType::f32, "sum_squares");
+double CudaBackend::sum_squares(const TensorView& x) { return sum_squares_each(std::span(&x, 1)).front(); }
+
+// Each tensor's partials go to its own range of the scratch; one copy back and one synchronisation
+// for all of them; each total is summed over its own partials in order (as for a single tensor).
+std::vector<double> CudaBackend::sum_squares_each(std::span<const TensorView> xs) {
   Timer t(*this, "sum_squares");
-  const std::int64_t parts = cuda::sum_squares_partials(x.numel());
-  float* partials = scratch_floats(parts);
-  cuda::sum_squares_f32(partials, dptr<float>(x), x.numel(), stream_);
-  std::vector<float> host(static_cast<std::size_t>(parts));
-  KILN_CUDA_CHECK(cudaMemcpyAsync(host.data(), partials, parts * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  std::vector<std::int64_t> first(xs.size() + 1, 0);
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    check_dev(xs[i], DType::f32, "sum_squares");
+    first[i + 1] = first[i] + cuda::sum_squares_partials(xs[i].numel());
+  }
+  float* partials = scratch_floats(first.back());
+  for (std::size_t i = 0; i < xs.size(); ++i)
+    cuda::sum_squares_f32(partials + first[i], dptr<float>(xs[i]), xs[i].numel(), stream_);
+  std::vector<float> host(static_cast<std::size_t>(first.back()));
+  KILN_CUDA_CHECK(cudaMemcpyAsync(host.data(), partials, host.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  double total = 0;
-  for (float p : host) total += p;
-  return total;
+  std::vector<double> out(xs.size(), 0.0);
+  for (std::size_t i = 0; i < xs.size(); ++i)
+    for (std::int64_t k = first[i]; k < first[i + 1]; ++k) out[i] += host[static_cast<std::size_t>(k)];
+  return out;
 }
 
 void CudaBackend::init_normal(const TensorView& dst, float std, rng::PhiloxArgs r, std::int64_t global_offset) {

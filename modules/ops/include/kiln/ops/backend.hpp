@@ -260,6 +260,9 @@ class Backend {
   virtual void synchronize() = 0;
   // Sum of squares of an f32 tensor, in double on the host (synchronises).
   virtual double sum_squares(const TensorView& x) = 0;
+  // The same for several f32 tensors at once, with one synchronisation; out[i] equals
+  // sum_squares(xs[i]) bit for bit. (The optimizer's per-parameter sums under tensor parallelism.)
+  virtual std::vector<double> sum_squares_each(std::span<const TensorView> xs) = 0;
   // Writes standard normals * std (or a constant, if std == 0 and `constant` is used) into an f32
   // view that is elements [global_offset, global_offset + numel) of a logical tensor.
   virtual void init_normal(const TensorView& dst, float std, rng::PhiloxArgs rng, std::int64_t global_offset) = 0;
