@@ -1,6 +1,6 @@
 // The fp8 engine module on the CPU backend: which linears it takes over, the once-per-step amax
 // reduction and update, shared scales across ranks, and FP8 training that ends within 2% of the
-// fp32 run's loss.
+// fp32 and bf16 runs' losses.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -181,7 +181,7 @@ double tail_mean(const std::vector<double>& v, std::size_t n) {
 }
 }  // namespace
 
-TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 run's loss (delayed and current scaling)") {
+TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 and the bf16 runs' losses (delayed and current scaling)") {
   test::TempDir dir("fp8-train");
   const std::string shards = test::pattern_corpus(dir);
   const auto ref = test::train_losses(shards, 60);
@@ -197,6 +197,16 @@ TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 run's loss (delaye
   CHECK(std::fabs(c - r) / r < 0.02);
   // FP8 does change the numbers.
   CHECK(delayed != ref);
+
+  // The same against the bf16 run: activations rounded to bf16 where the CUDA backend stores bf16,
+  // in the reference and in both FP8 runs.
+  const std::string bf16 = "backend.cpu_round_bf16=true";
+  const double rb = tail_mean(test::train_losses(shards, 60, {bf16}), 5);
+  const double db = tail_mean(test::train_losses(shards, 60, {bf16, "fp8.enabled=true"}), 5);
+  const double cb = tail_mean(test::train_losses(shards, 60, {bf16, "fp8.enabled=true", "fp8.recipe=current"}), 5);
+  MESSAGE("with bf16 activations: bf16 " << rb << ", fp8 delayed " << db << ", fp8 current " << cb);
+  CHECK(std::fabs(db - rb) / rb < 0.02);
+  CHECK(std::fabs(cb - rb) / rb < 0.02);
 }
 
 TEST_CASE("with backend.profile, the FP8 kernels appear in the per-op breakdown") {
