@@ -11,6 +11,7 @@
 #include "kiln/engine/error.hpp"
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "../ops_checks.hpp"
 
 namespace kiln::fp8 {
 
@@ -234,11 +235,7 @@ class CpuOps final : public Fp8Ops {
   }
 
   void adamw_quantize(const AdamWQuantizeArgs& a) override {
-    KILN_CHECK(a.param.ndim() == 2, "fp8 adamw_quantize: param must be 2-D [rows, cols], got ", a.param.str());
-    for (const TensorView* t : {&a.param, &a.grad, &a.m, &a.v})
-      KILN_CHECK(t->device == Device::cpu && t->dtype == DType::f32 && t->contiguous() && t->shape == a.param.shape,
-                 "fp8 adamw_quantize: ", t->str(), " for param ", a.param.str());
-    KILN_CHECK(!a.out.rowwise == !a.out.colwise, "fp8 adamw_quantize: both FP8 copies or neither");
+    check_adamw_quantize_args(a, Device::cpu);
     float bc1 = 0, bc2 = 0;
     ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
     float *p = a.param.as<float>(), *m = a.m.as<float>(), *v = a.v.as<float>();

@@ -7,6 +7,7 @@
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "../ops_checks.hpp"
 
 namespace kiln::fp8 {
 
@@ -17,6 +18,28 @@ constexpr std::size_t kWorkspaceBytes = 32u << 20;
 void check_input(const TensorView& t, const char* what) {
   if (t.device != Device::cuda || (t.dtype != DType::bf16 && t.dtype != DType::f32) || !t.contiguous())
     KILN_THROW(what, ": expected a contiguous bf16 or f32 CUDA tensor, got ", t.str());
+}
+
+// A LayerNorm input (x bf16 [R, C], weight and bias bf16 [C], mean and rstd f32 [R], all contiguous CUDA
+// tensors) as the kernels take it.
+cuda::LayerNormOfDev layernorm_of(const ops::LayerNormOf& ln, const char* op) {
+  const TensorView& x = ln.x;
+  KILN_CHECK(x.device == Device::cuda && x.dtype == DType::bf16 && x.ndim() == 2 && x.contiguous(), op, " x ",
+             x.str());
+  const std::int64_t R = x.size(0), C = x.size(1);
+  for (const TensorView* t : {&ln.weight, &ln.bias})
+    KILN_CHECK(t->device == Device::cuda && t->dtype == DType::bf16 && t->numel() == C && t->contiguous(), op,
+               " weight/bias ", t->str(), " for x ", x.str());
+  for (const TensorView* t : {&ln.mean, &ln.rstd})
+    KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->numel() == R && t->contiguous(), op,
+               " mean/rstd ", t->str(), " for x ", x.str());
+  cuda::LayerNormOfDev d;
+  d.x = x.as<kiln::cuda::bf16>();
+  d.weight = ln.weight.as<kiln::cuda::bf16>();
+  d.bias = ln.bias.as<kiln::cuda::bf16>();
+  d.mean = ln.mean.as<float>();
+  d.rstd = ln.rstd.as<float>();
+  return d;
 }
 
 int as_int(std::int64_t v, const char* what) {
@@ -80,43 +103,16 @@ class CudaOps final : public Fp8Ops {
   }
 
   void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
-    const TensorView& x = ln.x;
-    KILN_CHECK(x.device == Device::cuda && x.dtype == DType::bf16 && x.ndim() == 2 && x.contiguous(),
-               "fp8 quantize_layernorm x ", x.str());
-    const std::int64_t R = x.size(0), C = x.size(1);
-    for (const TensorView* t : {&ln.weight, &ln.bias})
-      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::bf16 && t->numel() == C && t->contiguous(),
-                 "fp8 quantize_layernorm weight/bias ", t->str(), " for x ", x.str());
-    for (const TensorView* t : {&ln.mean, &ln.rstd})
-      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->numel() == R && t->contiguous(),
-                 "fp8 quantize_layernorm mean/rstd ", t->str(), " for x ", x.str());
-    check_outputs(x, out, "fp8 quantize_layernorm");
-    cuda::LayerNormOfDev d;
-    d.x = x.as<kiln::cuda::bf16>();
-    d.weight = ln.weight.as<kiln::cuda::bf16>();
-    d.bias = ln.bias.as<kiln::cuda::bf16>();
-    d.mean = ln.mean.as<float>();
-    d.rstd = ln.rstd.as<float>();
+    const cuda::LayerNormOfDev d = layernorm_of(ln, "fp8 quantize_layernorm");
+    check_outputs(ln.x, out, "fp8 quantize_layernorm");
     cuda::cast_transpose_layernorm(d, out.rowwise.as<std::uint8_t>(), out.colwise.as<std::uint8_t>(), out.format,
-                                   out.scale, amax, R, C, stream_);
+                                   out.scale, amax, ln.x.size(0), ln.x.size(1), stream_);
   }
 
   void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
-    const TensorView& x = ln.x;
-    KILN_CHECK(x.device == Device::cuda && x.dtype == DType::bf16 && x.ndim() == 2 && x.contiguous(),
-               "fp8 layernorm_stats x ", x.str());
-    const std::int64_t R = x.size(0), C = x.size(1);
-    for (const TensorView* t : {&ln.mean, &ln.rstd})
-      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->numel() == R && t->contiguous(),
-                 "fp8 layernorm_stats mean/rstd ", t->str(), " for x ", x.str());
-    for (const TensorView* t : {&ln.weight, &ln.bias})
-      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::bf16 && t->numel() == C && t->contiguous(),
-                 "fp8 layernorm_stats weight/bias ", t->str(), " for x ", x.str());
-    cuda::LayerNormOfDev d;
-    d.x = x.as<kiln::cuda::bf16>();
-    d.weight = ln.weight.as<kiln::cuda::bf16>();
-    d.bias = ln.bias.as<kiln::cuda::bf16>();
-    cuda::layernorm_stats(d, ln.mean.as<float>(), ln.rstd.as<float>(), amax, R, C, ln.eps, stream_);
+    const cuda::LayerNormOfDev d = layernorm_of(ln, "fp8 layernorm_stats");
+    cuda::layernorm_stats(d, ln.mean.as<float>(), ln.rstd.as<float>(), amax, ln.x.size(0), ln.x.size(1), ln.eps,
+                          stream_);
   }
 
   void quantize_grad(const GradQuantizeArgs& a) override {
@@ -188,11 +184,7 @@ class CudaOps final : public Fp8Ops {
   void update_delayed(const DelayedUpdateArgs& a) override { cuda::delayed_update(a, stream_); }
 
   void adamw_quantize(const AdamWQuantizeArgs& a) override {
-    KILN_CHECK(a.param.ndim() == 2, "fp8 adamw_quantize: param must be 2-D [rows, cols], got ", a.param.str());
-    for (const TensorView* t : {&a.param, &a.grad, &a.m, &a.v})
-      KILN_CHECK(t->device == Device::cuda && t->dtype == DType::f32 && t->contiguous() && t->shape == a.param.shape,
-                 "fp8 adamw_quantize: ", t->str(), " for param ", a.param.str());
-    KILN_CHECK(!a.out.rowwise == !a.out.colwise, "fp8 adamw_quantize: both FP8 copies or neither");
+    check_adamw_quantize_args(a, Device::cuda);
     if (a.out.rowwise) check_outputs(a.param, a.out, "fp8 adamw_quantize");
     cuda::AdamWQuantizeDev k;
     k.param = a.param.as<float>();
