@@ -1,8 +1,10 @@
-# kiln_add_library(<name> SOURCES ... [CUDA_SOURCES ...] [DEPS ...] [PRIVATE_DEPS ...])
+# kiln_add_library(<name> [GLUE] SOURCES ... [CUDA_SOURCES ...] [DEPS ...] [PRIVATE_DEPS ...])
 # Defines the library target kiln_<name>, its alias kiln::<name>, and installs it with its
 # public headers (the folder's include/). CUDA_SOURCES are compiled only when the CUDA backend is on.
+# GLUE: a module's engine glue (kiln::<module>_module, its `install`) beside the module's plain
+# library in the same folder; the headers are the plain library's (it must be among DEPS).
 function(kiln_add_library name)
-  cmake_parse_arguments(M "" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  cmake_parse_arguments(M "GLUE" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   set(target kiln_${name})
   if(NOT M_SOURCES)
     # Header-only module.
@@ -22,9 +24,11 @@ function(kiln_add_library name)
   endif()
   add_library(kiln::${name} ALIAS ${target})
   set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME kiln_${name})
-  target_include_directories(${target} PUBLIC
-    $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
-    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  if(NOT M_GLUE)
+    target_include_directories(${target} PUBLIC
+      $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+      $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  endif()
   target_link_libraries(${target} PUBLIC ${M_DEPS} PRIVATE ${M_PRIVATE_DEPS})
   if(KILN_WITH_CUDA)
     target_compile_definitions(${target} PUBLIC KILN_WITH_CUDA=1)
@@ -33,7 +37,7 @@ function(kiln_add_library name)
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/include)
+  if(NOT M_GLUE AND EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/include)
     install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
   endif()
 endfunction()

@@ -6,6 +6,7 @@
 #include "kiln/engine/runner.hpp"
 #include "kiln/ops/backend.hpp"
 #include "kiln/parallel/launch.hpp"
+#include "kiln/parallel/thread_ranks.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/parallel/mpi_bootstrap.hpp"
 #include "kiln/parallel/rendezvous.hpp"

@@ -6,7 +6,7 @@
 #include <boost/program_options/errors.hpp>
 
 #include "commands.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace {
 const char* kUsage =

@@ -4,7 +4,7 @@
 #include <map>
 #include <set>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/engine/world.hpp"
 
 namespace kiln {

@@ -4,7 +4,7 @@
 #include <stdexcept>
 
 #include "kiln/checkpoint/rng_replay.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 using namespace kiln;
 using checkpoint::RngReplay;

@@ -6,7 +6,7 @@
 #include "kiln/data/loader.hpp"
 #include "kiln/data/shard.hpp"
 #include "kiln/data/tokenizer.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln_test.hpp"
 
 using namespace kiln;

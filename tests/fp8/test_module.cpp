@@ -17,7 +17,7 @@
 #include "kiln/nn/components.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/ops/module.hpp"
-#include "kiln/parallel/launch.hpp"
+#include "kiln/parallel/thread_ranks.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
 #include "kiln_test.hpp"

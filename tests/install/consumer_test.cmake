@@ -1,5 +1,6 @@
 # Installs the build tree into a fresh prefix, then builds and runs examples/rng_consumer against it
-# with find_package(kiln): proof that a single module links on its own from an installed kiln.
+# with find_package(kiln): proof that a single module links on its own from an installed kiln, and
+# that it loads no kiln library but its own and kiln::tensor.
 file(REMOVE_RECURSE ${WORK})
 execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD} --prefix ${WORK}/prefix RESULT_VARIABLE rc OUTPUT_QUIET)
 if(rc)
@@ -15,6 +16,19 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK}/build RESULT_VARIABLE r
 if(rc)
   message(FATAL_ERROR "building the consumer failed:\n${out}\n${err}")
 endif()
+# kiln::rng is a plain library: linked alone it brings neither the engine nor other modules.
+execute_process(COMMAND ldd ${WORK}/build/rng_consumer RESULT_VARIABLE rc OUTPUT_VARIABLE libs)
+if(rc)
+  message(FATAL_ERROR "ldd rng_consumer failed: ${rc}")
+endif()
+string(REGEX MATCHALL "libkiln_[a-z_0-9]+" kiln_libs "${libs}")
+list(REMOVE_DUPLICATES kiln_libs)
+message("rng_consumer loads: ${kiln_libs}")
+foreach(lib IN LISTS kiln_libs)
+  if(NOT lib MATCHES "^libkiln_(rng|tensor)$")
+    message(FATAL_ERROR "kiln::rng linked alone pulls in ${lib}:\n${libs}")
+  endif()
+endforeach()
 execute_process(COMMAND ${WORK}/build/rng_consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
 message("${out}")
 if(rc)

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/log/metrics.hpp"
 #include "kiln/log/plot.hpp"
 #include "kiln_test.hpp"

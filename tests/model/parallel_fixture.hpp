@@ -15,7 +15,7 @@
 #include "kiln/engine/config/pipeline.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/param_store.hpp"
-#include "kiln/parallel/launch.hpp"
+#include "kiln/parallel/thread_ranks.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
 

@@ -4,7 +4,7 @@
 #include <functional>
 #include <thread>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/parallel/grad_buckets.hpp"
 #include "kiln/parallel/in_process.hpp"
 #include "kiln/parallel/topology.hpp"

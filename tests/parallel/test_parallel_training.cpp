@@ -9,7 +9,7 @@
 #include "kiln/engine/config/pipeline.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/parallel/grad_buckets.hpp"
-#include "kiln/parallel/launch.hpp"
+#include "kiln/parallel/thread_ranks.hpp"
 #include "kiln/parallel/module.hpp"
 
 using namespace kiln;

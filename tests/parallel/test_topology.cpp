@@ -2,7 +2,7 @@
 
 #include <set>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/parallel/topology.hpp"
 
 using kiln::parallel::Axis;

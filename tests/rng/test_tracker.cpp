@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/rng/tracker.hpp"
 
 using namespace kiln::rng;

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::config {
 

@@ -8,7 +8,7 @@
 
 #include "kiln/engine/config/codec.hpp"
 #include "kiln/engine/config/node.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::config {
 

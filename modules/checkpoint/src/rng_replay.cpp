@@ -1,6 +1,6 @@
 #include "kiln/checkpoint/rng_replay.hpp"
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::checkpoint {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/rng/philox.hpp"
 
 namespace kiln::data {

@@ -12,7 +12,7 @@
 #include <filesystem>
 #include <utility>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::data {
 

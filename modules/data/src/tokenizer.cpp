@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "kiln/data/shard.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::data {
 

@@ -1,7 +1,7 @@
 // Fp8Linear: the three FP8 GEMMs of a linear layer and the scaling decisions around them.
 #include "kiln/fp8/linear.hpp"
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::fp8 {
 

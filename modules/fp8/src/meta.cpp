@@ -1,6 +1,6 @@
 #include "kiln/fp8/meta.hpp"
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::fp8 {
 

@@ -1,4 +1,4 @@
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/fp8/ops.hpp"
 
 namespace kiln::fp8 {

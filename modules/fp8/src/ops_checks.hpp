@@ -1,6 +1,6 @@
 #pragma once
 // Argument checks the CPU and CUDA Fp8Ops share (they differ only in the device they expect).
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/fp8/ops.hpp"
 
 namespace kiln::fp8 {

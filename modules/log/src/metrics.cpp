@@ -4,7 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::log {
 

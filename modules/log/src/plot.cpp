@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <sstream>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::log {
 

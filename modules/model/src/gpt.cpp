@@ -56,20 +56,20 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   // Shards of this TP rank: `parts` equal row blocks of `rows` rows each (q, k, v: 3 parts) of which
   // this rank takes its 1/tp slice of every part; or its 1/tp slice of the columns.
   auto rows_of = [&](std::int64_t parts, std::int64_t rows) {
-    nn::TensorShard s;
+    TensorShard s;
     if (tp_ == 1) return s;
     s.dim = 0;
     for (std::int64_t q = 0; q < parts; ++q) s.ranges.push_back({q * rows + r * rows / tp_, q * rows + (r + 1) * rows / tp_});
     return s;
   };
   auto cols_of = [&](std::int64_t cols) {
-    nn::TensorShard s;
+    TensorShard s;
     if (tp_ == 1) return s;
     s.dim = 1;
     s.ranges.push_back({r * cols / tp_, (r + 1) * cols / tp_});
     return s;
   };
-  const nn::TensorShard whole;
+  const TensorShard whole;
 
   // Unit 0: embeddings. The LM head reuses wte.
   Entity emb = make_layer(0, LayerKind::embedding, -1, "embeddings");
@@ -276,7 +276,7 @@ void GptModel::allocate_activations() {
   allocated_ = true;
 }
 
-Entity GptModel::add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit,
+Entity GptModel::add_param(const std::string& name, Shape global_shape, const TensorShard& shard, int unit,
                            bool decay, float std, float value, std::vector<Entity>& layer_params) {
   auto& store = world_.resource<ParamStore>();
   Param p;

@@ -1,7 +1,7 @@
 // GptModel::backward: the forward in reverse, one layer at a time.
 #include <cmath>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/model/gpt.hpp"
 #include "kiln/ops/linear_impl.hpp"
 

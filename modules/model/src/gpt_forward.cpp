@@ -1,7 +1,7 @@
 // GptModel::forward and evaluation.
 #include <cmath>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/nn/events.hpp"
 #include "kiln/model/gpt.hpp"
 

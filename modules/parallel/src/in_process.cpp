@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 
 #ifdef KILN_WITH_CUDA

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/parallel/launch.hpp"
 
 namespace kiln::parallel {

@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::parallel {
 

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <thread>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 

@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::parallel {
 

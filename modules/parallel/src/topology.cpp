@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::parallel {
 

@@ -1,6 +1,6 @@
 #include "kiln/rng/seed_policy.hpp"
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::rng {
 
@@ -13,7 +13,7 @@ std::uint64_t mix64(std::uint64_t x) {
   return x;
 }
 
-std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKind kind, const parallel::Coords& c) {
+std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKind kind, const RankCoords& c) {
   const std::uint64_t pp = static_cast<std::uint64_t>(c.pp);
   std::uint64_t a = 0, b = 0;
   switch (kind) {
@@ -41,6 +41,17 @@ std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKi
   const std::uint64_t identity = (static_cast<std::uint64_t>(kind) << 48) | (pp << 32) | (a << 16) | b;
   // mix64 is a bijection, so distinct identities (under one master seed) give distinct seeds.
   return mix64(identity ^ mix64(master_seed ^ 0x6b696c6e5f726e67ULL));  // "kiln_rng"
+}
+
+RngStatesTracker make_tracker(SeedPolicy policy, bool layout_invariant, std::uint64_t master_seed,
+                              const RankCoords& coords) {
+  RankCoords sharded = coords;
+  if (layout_invariant) sharded.tp = 0;
+  RngStatesTracker t(stream_seed(policy, master_seed, StreamKind::default_, coords));
+  t.add(kModelParallelRng, stream_seed(policy, master_seed, StreamKind::model_parallel, sharded));
+  t.add(kDataParallelRng, stream_seed(policy, master_seed, StreamKind::data_parallel, coords));
+  t.add(kExpertParallelRng, stream_seed(policy, master_seed, StreamKind::expert_parallel, sharded));
+  return t;
 }
 
 }  // namespace kiln::rng

@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::rng {
 

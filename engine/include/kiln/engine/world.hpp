@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/engine/event_bus.hpp"
 #include "kiln/engine/scheduler.hpp"
 #include "kiln/engine/type_name.hpp"

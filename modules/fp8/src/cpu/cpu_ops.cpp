@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/formulas.hpp"
 #include "../ops_checks.hpp"

@@ -17,7 +17,7 @@
 
 #include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/rng/philox.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::cuda::attn {
 

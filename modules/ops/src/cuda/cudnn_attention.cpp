@@ -1,6 +1,6 @@
 #include "cudnn_attention.hpp"
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 #if __has_include(<cudnn_graph.h>)
 #include <cudnn_graph.h>

@@ -13,7 +13,7 @@
 
 #include "kiln/engine/config/node.hpp"
 #include "kiln/engine/config/reflect.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::config {
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kiln/engine/config/node.hpp"
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/engine/module.hpp"
 
 namespace kiln::config {

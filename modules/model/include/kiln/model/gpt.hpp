@@ -90,7 +90,7 @@ class GptModel {
   void block_forward(int l, float p, rng::RngStatesTracker* tracker, unsigned stages);
   // The recompute at the start of block l's backward pass (when its plan says so).
   void recompute_block(int l);
-  Entity add_param(const std::string& name, Shape global_shape, const nn::TensorShard& shard, int unit, bool decay,
+  Entity add_param(const std::string& name, Shape global_shape, const TensorShard& shard, int unit, bool decay,
                    float std, float value, std::vector<Entity>& layer_params);
   // Draws this rank's part of a parameter: each element from its index in the logical tensor.
   void init_shard(const TensorView& local, const Param& p, const rng::PhiloxArgs& r);

@@ -8,23 +8,10 @@
 #include <vector>
 
 #include "kiln/engine/world.hpp"
+#include "kiln/tensor/shard.hpp"
 #include "kiln/tensor/tensor.hpp"
 
 namespace kiln::nn {
-
-// Which part of a logical tensor a rank holds under tensor parallelism: along `dim` (0 rows,
-// 1 columns; -1 = the whole tensor), the concatenation of `ranges` ([begin, end) in the logical
-// tensor), in order. E.g. a rank's share of the fused QKV weight is three row ranges, one per q, k, v.
-struct TensorShard {
-  int dim = -1;
-  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-  bool sharded() const { return dim >= 0; }
-  std::int64_t extent() const {
-    std::int64_t n = 0;
-    for (auto& [b, e] : ranges) n += e - b;
-    return n;
-  }
-};
 
 // A parameter: where it lives in the flat buffers and how it is initialised.
 struct Param {

@@ -1,5 +1,6 @@
 #pragma once
-// The "rng" module: one RngStatesTracker per rank, seeded from train.seed by the seed policy.
+// The "rng" module (engine glue of kiln::rng, library kiln::rng_module): one RngStatesTracker per
+// rank, a World resource, seeded from train.seed by the seed policy at the rank's coordinates.
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
 #include "kiln/rng/seed_policy.hpp"
@@ -16,11 +17,6 @@ KILN_CONFIG(RngConfig,
             (layout_invariant,
              "draws are functions of the global element index, so TP/sharded runs draw what one rank would; "
              "false: per-rank streams as Megatron"))
-
-// Builds a rank's tracker: the default state and the named states of kiln's parallel layout.
-// With layout_invariant, the streams used on tensor-parallel shards are keyed as on TP rank 0 (the
-// shards are decorrelated by their global element indices instead).
-RngStatesTracker make_tracker(const RngConfig& cfg, std::uint64_t master_seed, const parallel::Coords& coords);
 
 void register_module(ModuleRegistry& registry);
 

@@ -9,9 +9,16 @@
 #include <cstdint>
 #include <boost/describe/enum.hpp>
 
-#include "kiln/parallel/topology.hpp"
+#include "kiln/rng/tracker.hpp"
 
 namespace kiln::rng {
+
+// A rank's place in the job as far as seeds are concerned: its tensor-, expert- and
+// pipeline-parallel ranks (its data- and context-parallel ranks never change a seed). The engine
+// glue fills it from kiln::parallel's coordinates; this library does not depend on that one.
+struct RankCoords {
+  int tp = 0, ep = 0, pp = 0;
+};
 
 enum class SeedPolicy { collision_free, megatron };
 BOOST_DESCRIBE_ENUM(SeedPolicy, collision_free, megatron)
@@ -24,9 +31,15 @@ enum class StreamKind : std::uint64_t { default_ = 0, model_parallel = 1, data_p
 //   data_parallel     equal on every rank of a pipeline stage, separate from default_
 //   expert_parallel   differs per (EP rank, expert-TP rank) ("expert-parallel-rng")
 // Expert-TP rank is taken equal to the TP rank (kiln has no separate expert-TP size yet).
-std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKind kind, const parallel::Coords& c);
+std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKind kind, const RankCoords& c);
 
 // The 64-bit bijection used by collision_free (splitmix64's finaliser).
 std::uint64_t mix64(std::uint64_t x);
+
+// A rank's tracker: the default state and the named states of kiln's parallel layout, seeded by
+// `policy` from the master seed. With `layout_invariant`, the streams used on tensor-parallel shards
+// are keyed as on TP rank 0 (the shards are decorrelated by their global element indices instead).
+RngStatesTracker make_tracker(SeedPolicy policy, bool layout_invariant, std::uint64_t master_seed,
+                              const RankCoords& coords);
 
 }  // namespace kiln::rng

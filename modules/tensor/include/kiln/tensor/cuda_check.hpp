@@ -4,7 +4,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::detail {
 [[noreturn]] void throw_cuda(cudaError_t e, const char* expr, const char* file, int line);

@@ -6,7 +6,7 @@
 #include <initializer_list>
 #include <string>
 
-#include "kiln/engine/error.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/tensor/dtype.hpp"
 
 namespace kiln {

@@ -1,4 +1,4 @@
-#include "kiln/parallel/launch.hpp"
+#include "kiln/parallel/thread_ranks.hpp"
 
 #include <algorithm>
 #include <chrono>
