@@ -253,7 +253,7 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
     Buffer aux;
     if (sh.dgelu) {
       aux = bf16_buffer(M * N, 1.0f, s);
-      g.epilogue = cuda::Epilogue::dgelu;
+      g.epilogue = ops::Epilogue::dgelu;
       g.aux = static_cast<cuda::bf16*>(aux.data());
     }
     const double bf_ms = timer.median_ms([&] { bf16.run(g, s); });
@@ -266,7 +266,7 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
     a.accumulate = sh.wgrad;
     a.f32_result = sh.wgrad;
     if (sh.dgelu) {
-      a.epilogue = fp8::Epilogue::dgelu;
+      a.epilogue = ops::Epilogue::dgelu;
       a.aux = TensorView(aux.data(), {M, N}, DType::bf16, Device::cuda);
     }
     const double f8_ms = timer.median_ms([&] { f8.run(a, s); });

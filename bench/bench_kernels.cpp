@@ -228,21 +228,21 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     const char* op;
     int M, N, K;
     bool ta, tb, f32acc;
-    cuda::Epilogue epi;
+    ops::Epilogue epi;
   };
   const std::vector<G> gemms = {
-      {"fwd qkv x@W^T +bias", N, 3 * C, C, false, true, false, cuda::Epilogue::bias},
-      {"fwd fc x@W^T +bias", N, 4 * C, C, false, true, false, cuda::Epilogue::bias},
-      {"fwd fc x@W^T +bias +GELU(aux)", N, 4 * C, C, false, true, false, cuda::Epilogue::gelu_aux_bias},
-      {"fwd proj x@W^T +bias", N, C, 4 * C, false, true, false, cuda::Epilogue::bias},
-      {"fwd lm_head x@wte^T", N, V, C, false, true, false, cuda::Epilogue::none},
-      {"dx fc dout@W", N, C, 4 * C, false, false, false, cuda::Epilogue::none},
-      {"dx proj dout@W *GELU'(aux)", N, 4 * C, C, false, false, false, cuda::Epilogue::dgelu},
-      {"dx lm_head dlogits@wte", N, C, V, false, false, false, cuda::Epilogue::none},
-      {"dW fc dout^T@x (f32 +=)", 4 * C, C, N, true, false, true, cuda::Epilogue::none},
-      {"dW qkv dout^T@x (f32 +=)", 3 * C, C, N, true, false, true, cuda::Epilogue::none},
-      {"dW lm_head dlogits^T@x (f32 +=)", V, C, N, true, false, true, cuda::Epilogue::none},
-      {"dW proj (f32 +=)", C, 4 * C, N, true, false, true, cuda::Epilogue::none},
+      {"fwd qkv x@W^T +bias", N, 3 * C, C, false, true, false, ops::Epilogue::bias},
+      {"fwd fc x@W^T +bias", N, 4 * C, C, false, true, false, ops::Epilogue::bias},
+      {"fwd fc x@W^T +bias +GELU(aux)", N, 4 * C, C, false, true, false, ops::Epilogue::gelu},
+      {"fwd proj x@W^T +bias", N, C, 4 * C, false, true, false, ops::Epilogue::bias},
+      {"fwd lm_head x@wte^T", N, V, C, false, true, false, ops::Epilogue::none},
+      {"dx fc dout@W", N, C, 4 * C, false, false, false, ops::Epilogue::none},
+      {"dx proj dout@W *GELU'(aux)", N, 4 * C, C, false, false, false, ops::Epilogue::dgelu},
+      {"dx lm_head dlogits@wte", N, C, V, false, false, false, ops::Epilogue::none},
+      {"dW fc dout^T@x (f32 +=)", 4 * C, C, N, true, false, true, ops::Epilogue::none},
+      {"dW qkv dout^T@x (f32 +=)", 3 * C, C, N, true, false, true, ops::Epilogue::none},
+      {"dW lm_head dlogits^T@x (f32 +=)", V, C, N, true, false, true, ops::Epilogue::none},
+      {"dW proj (f32 +=)", C, 4 * C, N, true, false, true, ops::Epilogue::none},
   };
   for (const auto& e : gemms) {
     cuda::GemmDesc g;
@@ -258,8 +258,8 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     g.D = e.f32acc ? static_cast<void*>(buf.f32(static_cast<std::int64_t>(e.M) * e.N))
                    : static_cast<void*>(buf.act(static_cast<std::int64_t>(e.M) * e.N));
     g.epilogue = e.epi;
-    if (e.epi == cuda::Epilogue::bias || e.epi == cuda::Epilogue::gelu_aux_bias) g.bias = buf.act(e.N);
-    if (e.epi == cuda::Epilogue::gelu_aux_bias || e.epi == cuda::Epilogue::dgelu)
+    if (e.epi == ops::Epilogue::bias || e.epi == ops::Epilogue::gelu) g.bias = buf.act(e.N);
+    if (e.epi == ops::Epilogue::gelu || e.epi == ops::Epilogue::dgelu)
       g.aux = buf.act(static_cast<std::int64_t>(e.M) * e.N);
 
     const double a = 2.0 * e.M * e.K, b = 2.0 * e.K * e.N, d = (e.f32acc ? 8.0 : 2.0) * e.M * e.N;

@@ -521,7 +521,7 @@ namespace {
 struct GemmCase {
   int M, N, K;
   Format fx, fy;
-  Epilogue epi;
+  ops::Epilogue epi;
   bool bias, accumulate, fast;
 };
 
@@ -544,10 +544,10 @@ std::pair<double, double> gemm_error(Fp8Ops& gpu, const GemmCase& c, std::uint64
   std::vector<float> pre;
   if (c.bias)
     for (std::size_t i = 0; i < MN; ++i) ref[i] += bias[i % static_cast<std::size_t>(c.N)];
-  if (c.epi == Epilogue::gelu) {
+  if (c.epi == ops::Epilogue::gelu) {
     pre = ref;
     for (auto& v : ref) v = ops::gelu(v);
-  } else if (c.epi == Epilogue::dgelu) {
+  } else if (c.epi == ops::Epilogue::dgelu) {
     for (std::size_t i = 0; i < MN; ++i) ref[i] *= ops::gelu_grad(aux[i]);
   }
   if (c.accumulate)
@@ -567,12 +567,12 @@ std::pair<double, double> gemm_error(Fp8Ops& gpu, const GemmCase& c, std::uint64
   g.f32_result = c.accumulate;
   g.epilogue = c.epi;
   if (c.bias) g.bias = TensorView(dbias.data(), {c.N}, DType::bf16, Device::cuda);
-  if (c.epi == Epilogue::gelu || c.epi == Epilogue::dgelu) g.aux = TensorView(daux.data(), {c.M, c.N}, DType::bf16, Device::cuda);
+  if (c.epi == ops::Epilogue::gelu || c.epi == ops::Epilogue::dgelu) g.aux = TensorView(daux.data(), {c.M, c.N}, DType::bf16, Device::cuda);
   g.fast_accum = c.fast;
   gpu.gemm(g);
   const auto got = c.accumulate ? download<float>(dd.data(), MN) : from_bf16(download<std::uint16_t>(dd.data(), MN));
   double pre_err = 0;
-  if (c.epi == Epilogue::gelu) pre_err = test::rel_err(from_bf16(download<std::uint16_t>(daux.data(), MN)), pre);
+  if (c.epi == ops::Epilogue::gelu) pre_err = test::rel_err(from_bf16(download<std::uint16_t>(daux.data(), MN)), pre);
   return {test::rel_err(got, ref), pre_err};
 }
 
@@ -586,19 +586,19 @@ TEST_CASE("cuBLASLt FP8 GEMMs (forward, dgrad, wgrad) match products of the dequ
   const auto e4 = Format::e4m3, e5 = Format::e5m2;
   const GemmCase cases[] = {
       // forward: out[N, OC] = x[N, IC] W[OC, IC]^T, E4M3 x E4M3, fast accumulation, bias / GELU
-      {256, 192, 320, e4, e4, Epilogue::none, false, false, true},
-      {256, 192, 320, e4, e4, Epilogue::bias, true, false, true},
-      {1024, 2304, 768, e4, e4, Epilogue::bias, true, false, true},
-      {512, 3072, 768, e4, e4, Epilogue::gelu, true, false, true},
-      {512, 1024, 256, e4, e4, Epilogue::gelu, false, false, false},
+      {256, 192, 320, e4, e4, ops::Epilogue::none, false, false, true},
+      {256, 192, 320, e4, e4, ops::Epilogue::bias, true, false, true},
+      {1024, 2304, 768, e4, e4, ops::Epilogue::bias, true, false, true},
+      {512, 3072, 768, e4, e4, ops::Epilogue::gelu, true, false, true},
+      {512, 1024, 256, e4, e4, ops::Epilogue::gelu, false, false, false},
       // dgrad: dx[N, IC] = dout[N, OC] W^T-copy[IC, OC]^T, E5M2 x E4M3, dGELU
-      {512, 768, 2304, e5, e4, Epilogue::none, false, false, false},
-      {512, 3072, 768, e5, e4, Epilogue::dgelu, false, false, false},
-      {256, 96, 48, e4, e5, Epilogue::none, false, false, false},
+      {512, 768, 2304, e5, e4, ops::Epilogue::none, false, false, false},
+      {512, 3072, 768, e5, e4, ops::Epilogue::dgelu, false, false, false},
+      {256, 96, 48, e4, e5, ops::Epilogue::none, false, false, false},
       // wgrad: dW[OC, IC] += dout^T[OC, N] x^T[IC, N]^T, f32 accumulated
-      {768, 3072, 1024, e5, e4, Epilogue::none, false, true, false},
-      {2304, 768, 512, e5, e4, Epilogue::none, false, true, false},
-      {64, 48, 4096, e4, e4, Epilogue::none, false, true, false},
+      {768, 3072, 1024, e5, e4, ops::Epilogue::none, false, true, false},
+      {2304, 768, 512, e5, e4, ops::Epilogue::none, false, true, false},
+      {64, 48, 4096, e4, e4, ops::Epilogue::none, false, true, false},
   };
   std::uint64_t seed = 100;
   for (const auto& c : cases) {

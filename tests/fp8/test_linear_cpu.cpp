@@ -83,12 +83,12 @@ TEST_CASE("CPU FP8 GEMM: D = deq(X) deq(Y)^T with bias, GELU, dGELU and accumula
   ops->gemm(g);
   CHECK(test::rel_err(d, ref) < 1e-6);
 
-  g.epilogue = Epilogue::bias;
+  g.epilogue = ops::Epilogue::bias;
   g.bias = host(bias, {N});
   ops->gemm(g);
   for (int i = 0; i < M * N; ++i) CHECK(d[i] == doctest::Approx(ref[i] + bias[i % N]).epsilon(1e-5));
 
-  g.epilogue = Epilogue::gelu;
+  g.epilogue = ops::Epilogue::gelu;
   g.aux = host(aux, {M, N});
   ops->gemm(g);
   for (int i = 0; i < M * N; ++i) {
@@ -97,13 +97,13 @@ TEST_CASE("CPU FP8 GEMM: D = deq(X) deq(Y)^T with bias, GELU, dGELU and accumula
   }
 
   auto pre = test::normal_values(M * N, 5);
-  g.epilogue = Epilogue::dgelu;
+  g.epilogue = ops::Epilogue::dgelu;
   g.bias = {};
   g.aux = host(pre, {M, N});
   ops->gemm(g);
   for (int i = 0; i < M * N; ++i) CHECK(d[i] == doctest::Approx(ref[i] * ops::gelu_grad(pre[i])).epsilon(1e-5));
 
-  g.epilogue = Epilogue::none;
+  g.epilogue = ops::Epilogue::none;
   g.aux = {};
   std::vector<float> acc(M * N, 1.5f);
   g.d = host(acc, {M, N});

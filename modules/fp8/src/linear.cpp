@@ -210,10 +210,10 @@ void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) 
   g.d = a.out;
   g.bias = a.bias;
   if (a.pre_gelu) {
-    g.epilogue = Epilogue::gelu;
+    g.epilogue = ops::Epilogue::gelu;
     g.aux = a.pre_gelu;
   } else if (a.bias) {
-    g.epilogue = Epilogue::bias;
+    g.epilogue = ops::Epilogue::bias;
   }
   g.fast_accum = recipe_.fast_accum_forward;
   g.what = a.pre_gelu ? "fp8_gemm_forward_gelu" : "fp8_gemm_forward";
@@ -284,7 +284,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
     g.y_scale_inv = sw.scale_inv;
     g.d = a.dx;
     if (a.dx_gelu_pre) {
-      g.epilogue = Epilogue::dgelu;
+      g.epilogue = ops::Epilogue::dgelu;
       g.aux = a.dx_gelu_pre;
     }
     ops_.gemm(g);

@@ -130,15 +130,15 @@ class CpuOps final : public Fp8Ops {
                " for [", M, ",", N, "]");
     KILN_CHECK(g.x_scale_inv && g.y_scale_inv, "fp8 gemm: missing operand scales");
     KILN_CHECK(!g.accumulate || g.f32_result, "fp8 gemm: accumulating needs an f32 result");
-    KILN_CHECK(!g.f32_result || g.epilogue == Epilogue::none, "fp8 gemm: epilogues write activations, not f32 results");
+    KILN_CHECK(!g.f32_result || g.epilogue == ops::Epilogue::none, "fp8 gemm: epilogues write activations, not f32 results");
     if (g.bias) KILN_CHECK(g.bias.dtype == DType::f32 && g.bias.numel() == N, "fp8 gemm: bias ", g.bias.str());
-    const bool uses_aux = g.epilogue == Epilogue::gelu || g.epilogue == Epilogue::dgelu;
+    const bool uses_aux = g.epilogue == ops::Epilogue::gelu || g.epilogue == ops::Epilogue::dgelu;
     if (uses_aux)
       KILN_CHECK(g.aux.dtype == DType::f32 && g.aux.shape == Shape({M, N}), "fp8 gemm: aux ", g.aux.str());
     const std::vector<float> xd = dequantized(g.x, fx, *g.x_scale_inv);
     const std::vector<float> yd = dequantized(g.y, fy, *g.y_scale_inv);
     float* d = g.d.as<float>();
-    const float* bias = (g.epilogue == Epilogue::bias || g.epilogue == Epilogue::gelu) && g.bias ? g.bias.as<float>() : nullptr;
+    const float* bias = (g.epilogue == ops::Epilogue::bias || g.epilogue == ops::Epilogue::gelu) && g.bias ? g.bias.as<float>() : nullptr;
     float* aux = uses_aux ? g.aux.as<float>() : nullptr;
 #pragma omp parallel for num_threads(threads_) schedule(static) if (M * N * K >= kParallelWork)
     for (std::int64_t m = 0; m < M; ++m) {
@@ -151,13 +151,13 @@ class CpuOps final : public Fp8Ops {
         const std::int64_t i = m * N + n;
         if (bias) acc += bias[n];
         switch (g.epilogue) {
-          case Epilogue::none: d[i] = g.accumulate ? d[i] + acc : g.f32_result ? acc : store(acc); break;
-          case Epilogue::bias: d[i] = store(acc); break;
-          case Epilogue::gelu:
+          case ops::Epilogue::none: d[i] = g.accumulate ? d[i] + acc : g.f32_result ? acc : store(acc); break;
+          case ops::Epilogue::bias: d[i] = store(acc); break;
+          case ops::Epilogue::gelu:
             aux[i] = store(acc);
             d[i] = store(ops::gelu(acc));
             break;
-          case Epilogue::dgelu: d[i] = store(acc * ops::gelu_grad(aux[i])); break;
+          case ops::Epilogue::dgelu: d[i] = store(acc * ops::gelu_grad(aux[i])); break;
         }
       }
     }

@@ -158,7 +158,7 @@ class CudaOps final : public Fp8Ops {
                "fp8 dgelu: dy ", dy.str(), ", pre ", pre.str());
     const std::int64_t cols = dy.ndim() == 0 ? 1 : dy.size(dy.ndim() - 1);
     cuda::gemm_epilogue(dy.as<kiln::cuda::bf16>(), pre.as<kiln::cuda::bf16>(), nullptr, dy.numel() / std::max<std::int64_t>(cols, 1),
-                        cols, cuda::EpilogueKernel::dgelu, stream_);
+                        cols, ops::Epilogue::dgelu, stream_);
   }
 
   void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {

@@ -12,6 +12,7 @@
 namespace kiln::fp8::cuda {
 
 using kiln::cuda::set_attr;
+using ops::Epilogue;
 
 namespace {
 
@@ -173,16 +174,16 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
       plain.epilogue = Epilogue::none;
       plain.bias = {};
       run(plain, stream);
-      gemm_epilogue(d, nullptr, static_cast<const __nv_bfloat16*>(g.bias.data), M, N, EpilogueKernel::add_bias, stream);
+      gemm_epilogue(d, nullptr, static_cast<const __nv_bfloat16*>(g.bias.data), M, N, Epilogue::bias, stream);
     } else if (g.epilogue == Epilogue::gelu) {
       plain.epilogue = g.bias ? Epilogue::bias : Epilogue::none;
       plain.d = g.aux;  // the pre-activation, then D = gelu(aux)
       run(plain, stream);
-      gemm_epilogue(d, aux, nullptr, M, N, EpilogueKernel::gelu, stream);
+      gemm_epilogue(d, aux, nullptr, M, N, Epilogue::gelu, stream);
     } else {
       plain.epilogue = Epilogue::none;
       run(plain, stream);
-      gemm_epilogue(d, aux, nullptr, M, N, EpilogueKernel::dgelu, stream);
+      gemm_epilogue(d, aux, nullptr, M, N, Epilogue::dgelu, stream);
     }
     return;
   }

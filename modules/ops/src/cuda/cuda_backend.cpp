@@ -347,11 +347,11 @@ void CudaBackend::linear_forward(const LinearForward& a) {
   if (a.pre_gelu) {
     check_dev(a.pre_gelu, DType::bf16, "linear_forward pre_gelu");
     KILN_CHECK(a.pre_gelu.numel() == a.out.numel(), "linear_forward pre_gelu ", a.pre_gelu.str());
-    g.epilogue = cuda::Epilogue::gelu_aux_bias;  // without a bias, cuBLASLt's GELU_AUX
+    g.epilogue = Epilogue::gelu;  // without a bias, cuBLASLt's GELU_AUX
     g.aux = dptr<bf16>(a.pre_gelu);
     g.bias = a.bias ? dptr<bf16>(a.bias) : nullptr;
   } else if (a.bias) {
-    g.epilogue = cuda::Epilogue::bias;
+    g.epilogue = Epilogue::bias;
     g.bias = dptr<bf16>(a.bias);
   }
   gemm_->run(g, stream_);
@@ -377,7 +377,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
     g.D = a.dx.data;
     if (a.dx_gelu_pre) {
       check_dev(a.dx_gelu_pre, DType::bf16, "linear_backward dx_gelu_pre");
-      g.epilogue = cuda::Epilogue::dgelu;
+      g.epilogue = Epilogue::dgelu;
       g.aux = dptr<bf16>(a.dx_gelu_pre);
     }
     gemm_->run(g, stream_);

@@ -1,6 +1,7 @@
 // Elementwise and utility kernels: dtype conversion, fill, Philox normal init, sum of squares, and the
 // unfused GEMM epilogues used when cuBLASLt cannot fuse one (gemm.cpp).
 #include "common.cuh"
+#include "kiln/ops/epilogue.hpp"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/rng/philox.hpp"
 #include "kiln/tensor/cuda_check.hpp"
@@ -125,13 +126,13 @@ __global__ void sum_squares_kernel(float* partials, const float* x, std::int64_t
 
 // Unfused epilogues on a row-major [M, N] bf16 matrix (see gemm.cpp).
 __global__ void gemm_epilogue_kernel(bf16* d, const bf16* aux, const bf16* bias, std::int64_t M, std::int64_t N,
-                                     int mode) {
+                                     ops::Epilogue epilogue) {
   const std::int64_t total = M * N, stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     float v;
-    if (mode == 0) v = __bfloat162float(d[i]) + __bfloat162float(bias[i % N]);   // bias
-    else if (mode == 1) v = ops::gelu(__bfloat162float(aux[i]));                    // gelu of the stored pre-activation
-    else v = __bfloat162float(d[i]) * ops::gelu_grad(__bfloat162float(aux[i]));     // dgelu
+    if (epilogue == ops::Epilogue::bias) v = __bfloat162float(d[i]) + __bfloat162float(bias[i % N]);
+    else if (epilogue == ops::Epilogue::gelu) v = ops::gelu(__bfloat162float(aux[i]));  // of the stored pre-activation
+    else v = __bfloat162float(d[i]) * ops::gelu_grad(__bfloat162float(aux[i]));          // dgelu
     d[i] = __float2bfloat16_rn(v);
   }
 }
@@ -184,11 +185,12 @@ void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream
 }
 
 namespace detail {
-// mode 0: d += bias (per column); 1: d = gelu(aux); 2: d *= gelu'(aux). Declared in gemm.cpp.
-void gemm_epilogue_fallback(bf16* d, const bf16* aux, const bf16* bias, std::int64_t M, std::int64_t N, int mode,
-                            cudaStream_t s) {
+// bias: d += bias (per column); gelu: d = gelu(aux); dgelu: d *= gelu'(aux). Declared in gemm.cpp.
+void gemm_epilogue_fallback(bf16* d, const bf16* aux, const bf16* bias, std::int64_t M, std::int64_t N,
+                            ops::Epilogue epilogue, cudaStream_t s) {
+  KILN_CHECK(epilogue != ops::Epilogue::none, "gemm_epilogue_fallback: no epilogue to apply");
   if (M <= 0 || N <= 0) return;
-  gemm_epilogue_kernel<<<grid_for(M * N, kThreads), kThreads, 0, s>>>(d, aux, bias, M, N, mode);
+  gemm_epilogue_kernel<<<grid_for(M * N, kThreads), kThreads, 0, s>>>(d, aux, bias, M, N, epilogue);
   KILN_CUDA_LAUNCH_CHECK();
 }
 }  // namespace detail

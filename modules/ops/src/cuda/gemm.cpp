@@ -19,17 +19,19 @@
 
 namespace kiln::cuda {
 
+using ops::Epilogue;
+
 namespace detail {
-// Unfused epilogues (elementwise.cu) on a row-major [M, N] bf16 d: 0 adds bias per column,
-// 1 writes gelu(aux), 2 multiplies by gelu'(aux).
-void gemm_epilogue_fallback(bf16* d, const bf16* aux, const bf16* bias, std::int64_t M, std::int64_t N, int mode,
-                            cudaStream_t s);
+// The elementwise part of an unfused epilogue (elementwise.cu), after a plain GEMM, on a row-major
+// [M, N] bf16 d: bias adds bias per column, gelu writes gelu(aux), dgelu multiplies by gelu'(aux).
+void gemm_epilogue_fallback(bf16* d, const bf16* aux, const bf16* bias, std::int64_t M, std::int64_t N,
+                            Epilogue epilogue, cudaStream_t s);
 }  // namespace detail
 
 namespace {
 
 std::string shape_of(const GemmDesc& g) {
-  static const char* epi[] = {"none", "bias", "gelu_aux_bias", "dgelu"};
+  static const char* epi[] = {"none", "bias", "gelu", "dgelu"};  // ops::Epilogue's order
   return cat("GEMM D[", g.M, ",", g.N, "] = ", g.trans_a ? "A^T" : "A", " @ ", g.trans_b ? "B^T" : "B", ", K=", g.K,
              ", D ", g.d_f32 ? "f32" : "bf16", g.accumulate ? " (accumulate)" : "", ", epilogue ",
              epi[static_cast<int>(g.epilogue)]);
@@ -43,13 +45,13 @@ int alignment_of(const void* p) {
   return align;
 }
 
-bool uses_aux(Epilogue e) { return e == Epilogue::gelu_aux_bias || e == Epilogue::dgelu; }
+bool uses_aux(Epilogue e) { return e == Epilogue::gelu || e == Epilogue::dgelu; }
 
 cublasLtEpilogue_t lt_epilogue(const GemmDesc& g) {
   switch (g.epilogue) {
     case Epilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
     case Epilogue::bias: return CUBLASLT_EPILOGUE_BIAS;
-    case Epilogue::gelu_aux_bias: return g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    case Epilogue::gelu: return g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     case Epilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
@@ -144,7 +146,7 @@ int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristi
                         cudaStream_t stream) {
   // Scratch output (and aux, when the epilogue writes it), so the real tensors are untouched.
   const std::size_t d_bytes = static_cast<std::size_t>(g.M) * g.N * (g.d_f32 ? 4 : 2);
-  const bool writes_aux = g.epilogue == Epilogue::gelu_aux_bias;
+  const bool writes_aux = g.epilogue == Epilogue::gelu;
   const std::size_t aux_bytes = writes_aux ? static_cast<std::size_t>(g.M) * g.N * 2 : 0;
   void* scratch = nullptr;
   KILN_CUDA_CHECK(cudaMalloc(&scratch, d_bytes + aux_bytes + 256));
@@ -189,7 +191,7 @@ int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristi
 void GemmRunner::run(const GemmDesc& desc, cudaStream_t stream) {
   GemmDesc g = desc;
   if (g.epilogue == Epilogue::bias && !g.bias) g.epilogue = Epilogue::none;
-  if (g.epilogue != Epilogue::gelu_aux_bias && g.epilogue != Epilogue::bias) g.bias = nullptr;
+  if (g.epilogue != Epilogue::gelu && g.epilogue != Epilogue::bias) g.bias = nullptr;
   if (!uses_aux(g.epilogue)) g.aux = nullptr;
   KILN_CHECK(g.M >= 0 && g.N >= 0 && g.K >= 0, "negative size in ", shape_of(g));
   if (g.M == 0 || g.N == 0) return;
@@ -210,16 +212,16 @@ void GemmRunner::run(const GemmDesc& desc, cudaStream_t stream) {
       plain.epilogue = Epilogue::none;
       plain.bias = nullptr;
       run(plain, stream);
-      detail::gemm_epilogue_fallback(static_cast<bf16*>(g.D), nullptr, g.bias, g.M, g.N, 0, stream);
-    } else if (g.epilogue == Epilogue::gelu_aux_bias) {
+      detail::gemm_epilogue_fallback(static_cast<bf16*>(g.D), nullptr, g.bias, g.M, g.N, Epilogue::bias, stream);
+    } else if (g.epilogue == Epilogue::gelu) {
       plain.epilogue = g.bias ? Epilogue::bias : Epilogue::none;
       plain.D = g.aux;  // the pre-activation, then D = gelu(aux)
       run(plain, stream);
-      detail::gemm_epilogue_fallback(static_cast<bf16*>(g.D), g.aux, nullptr, g.M, g.N, 1, stream);
+      detail::gemm_epilogue_fallback(static_cast<bf16*>(g.D), g.aux, nullptr, g.M, g.N, Epilogue::gelu, stream);
     } else {  // dgelu
       plain.epilogue = Epilogue::none;
       run(plain, stream);
-      detail::gemm_epilogue_fallback(static_cast<bf16*>(g.D), g.aux, nullptr, g.M, g.N, 2, stream);
+      detail::gemm_epilogue_fallback(static_cast<bf16*>(g.D), g.aux, nullptr, g.M, g.N, Epilogue::dgelu, stream);
     }
     return;
   }

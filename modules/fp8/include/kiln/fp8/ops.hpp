@@ -13,17 +13,13 @@
 #include "kiln/fp8/recipe.hpp"
 #include "kiln/fp8/tensor.hpp"
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/epilogue.hpp"
 #include "kiln/tensor/buffer.hpp"
 
 namespace kiln::fp8 {
 
-enum class Epilogue { none, bias, gelu, dgelu };
-
 // D[M, N] = deq(X)[M, K] @ deq(Y)[N, K]^T with deq(q) = decode(q) * scale_inv. Both operands have K
-// contiguous, as Hopper's FP8 tensor cores require. Epilogues (D bf16/act, written):
-//   bias:  D = result + bias
-//   gelu:  aux = result (+ bias, if given); D = gelu(aux)           (aux: the pre-activation)
-//   dgelu: D = result * gelu'(aux)                                  (aux: the forward pre-activation)
+// contiguous, as Hopper's FP8 tensor cores require. Epilogues: ops::Epilogue (D act, written).
 struct GemmArgs {
   TensorView x;                         // [M, K] e4m3/e5m2
   const float* x_scale_inv = nullptr;
@@ -32,7 +28,7 @@ struct GemmArgs {
   TensorView d;                         // [M, N] act (written), or f32 with f32_result (written, or D += result)
   bool accumulate = false;              // D += result (needs f32_result)
   bool f32_result = false;              // D f32, never rounded to act (a weight gradient)
-  Epilogue epilogue = Epilogue::none;
+  ops::Epilogue epilogue = ops::Epilogue::none;
   TensorView bias;                      // [N] act: bias, or gelu with bias
   TensorView aux;                       // [M, N] act: gelu (written) and dgelu (read)
   bool fast_accum = false;              // FP8 fast accumulation (forward only)

@@ -94,10 +94,10 @@ struct AdamWQuantizeDev {
 };
 void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s);
 
-// Epilogues cuBLASLt does not fuse with FP8 inputs, on a row-major bf16 d [M, N]:
-enum class EpilogueKernel { add_bias, gelu, dgelu };
-//   add_bias: d += bias[n];  gelu: d = gelu(aux);  dgelu: d *= gelu'(aux)   (aux bf16 [M, N])
+// The elementwise part of an epilogue cuBLASLt does not fuse with FP8 inputs, after a plain GEMM, on
+// a row-major bf16 d [M, N] (aux bf16 [M, N]):
+//   bias: d += bias[n];  gelu: d = gelu(aux) (the GEMM wrote aux);  dgelu: d *= gelu'(aux)
 void gemm_epilogue(__nv_bfloat16* d, const __nv_bfloat16* aux, const __nv_bfloat16* bias, std::int64_t M,
-                   std::int64_t N, EpilogueKernel mode, cudaStream_t s);
+                   std::int64_t N, ops::Epilogue epilogue, cudaStream_t s);
 
 }  // namespace kiln::fp8::cuda

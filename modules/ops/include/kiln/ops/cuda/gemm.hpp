@@ -11,17 +11,14 @@
 #include <tuple>
 
 #include "kiln/ops/cuda/launchers.hpp"
+#include "kiln/ops/epilogue.hpp"
 
 namespace kiln::cuda {
 
-enum class Epilogue { none, bias, gelu_aux_bias, dgelu };
-
 // D[M, N] (row-major) = alpha * op(A) @ op(B) + beta * D, where op transposes when the flag is set:
 //   A is [M, K] (or [K, M] if trans_a), B is [K, N] (or [N, K] if trans_b), all row-major.
-// D is bf16 or f32 (d_f32); with accumulate, beta = 1 (D += ...). Epilogues:
-//   bias:          D += bias[N] per column
-//   gelu_aux_bias: aux = A@B + bias (bf16 [M, N]); D = gelu(aux)
-//   dgelu:         D = (A@B) * gelu'(aux), aux bf16 [M, N]
+// D is bf16 or f32 (d_f32); with accumulate, beta = 1 (D += ...). Epilogues (ops::Epilogue, on a
+// bf16 D that is written): bias [N] and aux [M, N] bf16; gelu without a bias is cuBLASLt's GELU_AUX.
 struct GemmDesc {
   int M = 0, N = 0, K = 0;
   bool trans_a = false, trans_b = false;
@@ -30,7 +27,7 @@ struct GemmDesc {
   void* D = nullptr;
   bool d_f32 = false;
   bool accumulate = false;
-  Epilogue epilogue = Epilogue::none;
+  ops::Epilogue epilogue = ops::Epilogue::none;
   const bf16* bias = nullptr;
   bf16* aux = nullptr;
   float alpha = 1.0f;
