@@ -19,7 +19,6 @@
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "bench_timer.hpp"
-#include "../modules/ops/src/cuda/cross_entropy_variants.hpp"
 
 namespace kiln::bench {
 namespace {
@@ -199,10 +198,12 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     row("cross_entropy (1 read + 1 write)", dims({N, V}),
         timer.median_ms([&] { cuda::cross_entropy(losses, logits, tgt, N, V, Vr, 1.0f / N, s); }),
         2.0 * 2.0 * N * V);
-    const char* names[] = {"", "  ce: registers", "  ce: stream 512", "  ce: shared mem 512", "", "  ce: stream 256",
-                           "  ce: shared mem 256"};
-    for (int variant : {1, 2, 5, 3, 6})
-      row(names[variant], dims({N, V}), timer.median_ms([&] {
+    using enum cuda::CrossEntropyVariant;
+    const std::pair<const char*, cuda::CrossEntropyVariant> variants[] = {
+        {"  ce: registers", row_in_registers}, {"  ce: stream 512", streaming_512}, {"  ce: stream 256", streaming_256},
+        {"  ce: shared mem 512", shared_512},  {"  ce: shared mem 256", shared_256}};
+    for (const auto& [name, variant] : variants)
+      row(name, dims({N, V}), timer.median_ms([&] {
             cuda::cross_entropy_variant(variant, losses, logits, tgt, N, V, Vr, 1.0f / N, s);
           }),
           2.0 * 2.0 * N * V);
