@@ -1,10 +1,10 @@
-# kiln_add_library(<name> [GLUE] SOURCES ... [CUDA_SOURCES ...] [DEPS ...] [PRIVATE_DEPS ...])
+# kiln_add_library(<name> [NO_HEADERS] SOURCES ... [CUDA_SOURCES ...] [DEPS ...] [PRIVATE_DEPS ...])
 # Defines the library target kiln_<name>, its alias kiln::<name>, and installs it with its
 # public headers (the folder's include/). CUDA_SOURCES are compiled only when the CUDA backend is on.
-# GLUE: a module's engine glue (kiln::<module>_module, its `install`) beside the module's plain
-# library in the same folder; the headers are the plain library's (it must be among DEPS).
+# NO_HEADERS: the folder's headers belong to another of its targets, which must be among DEPS (a
+# module's engine glue, kiln::<module>_module, beside the module's plain library).
 function(kiln_add_library name)
-  cmake_parse_arguments(M "GLUE" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  cmake_parse_arguments(M "NO_HEADERS" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   set(target kiln_${name})
   if(NOT M_SOURCES)
     # Header-only module.
@@ -24,7 +24,7 @@ function(kiln_add_library name)
   endif()
   add_library(kiln::${name} ALIAS ${target})
   set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME kiln_${name})
-  if(NOT M_GLUE)
+  if(NOT M_NO_HEADERS)
     target_include_directories(${target} PUBLIC
       $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
       $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
@@ -37,7 +37,7 @@ function(kiln_add_library name)
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-  if(NOT M_GLUE AND EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/include)
+  if(NOT M_NO_HEADERS AND EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/include)
     install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
   endif()
 endfunction()

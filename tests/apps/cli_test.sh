@@ -87,7 +87,14 @@ expect 2 "syntax.toml:2:" -- "$KILN" config syntax.toml
 expect 2 "nope.toml: pipeline file not found" -- "$KILN" config nope.toml
 expect 2 "expected section.key=value" -- "$KILN" config tiny.toml --set train.steps
 expect 2 "--set train.steps=x: train.steps: 'x' is not a valid value" -- "$KILN" run tiny.toml --set train.steps=x
-expect 2 "train.seq_len = 16 exceeds" -- "$KILN" run tiny.toml --set model.max_seq_len=8
+expect 2 "tiny.toml:6:1: train.seq_len: 16 exceeds model.max_seq_len = 8" -- "$KILN" run tiny.toml --set model.max_seq_len=8
+# Shapes that do not split over the ranks, and parallelisms that do not run yet, name the key and where it was set.
+expect 2 "--set parallel.pp=2: parallel.pp: is 2, but pipeline parallelism does not run yet" -- \
+  "$KILN" run "$SRC/pipelines/tiny-cpu.toml" --nproc 2 --set parallel.pp=2
+{ cat tiny.toml; printf '[parallel]\ncp = 2\n'; } > cp.toml
+expect 2 "cp.toml:$(( $(wc -l < tiny.toml) + 2 )):1: parallel.cp: is 2, but context parallelism does not run yet" -- \
+  "$KILN" run cp.toml --nproc 2
+expect 2 "tiny.toml:9:1: model.n_head: 2 attention heads do not split over the 3 ranks" -- "$KILN" run tiny.toml --nproc 3 --set parallel.tp=3
 printf '[engine]\n' > notrain.toml
 expect 2 "needs a [train] section" -- "$KILN" run notrain.toml
 
@@ -102,6 +109,8 @@ expect 0 "n_layer" -- "$KILN" modules
 expect 0 "tp groups: [0,1,2,3] [4,5,6,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
 expect 0 "dp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
 expect 2 "world size 6 is not divisible by tp*pp*cp*ep = 4*1*1*1" -- "$KILN" topology tiny.toml --world 6 --set parallel.tp=4
+# kiln topology still plans the layouts that do not run yet.
+expect 0 "pp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4 --set parallel.pp=2
 cat > plugin.toml <<TOML
 [engine]
 plugins = ["$PLUGIN"]

@@ -121,8 +121,10 @@ TEST_CASE("bad activation_checkpoint settings are config errors") {
   auto outcomes = parallel::run_thread_ranks(2, config::resolve(doc, "t.toml", reg), reg);
   for (auto& o : outcomes) {
     CHECK_FALSE(o.ok);
-    CHECK(o.error.find("t.toml: activation_checkpoint.distribute_saved_activations = true with "
-                       "parallel.sequence_parallel = true") != std::string::npos);
+    CHECK(o.config_error);  // the key, where it was set, and why
+    CHECK(o.error.find("--set activation_checkpoint.distribute_saved_activations=true: "
+                       "activation_checkpoint.distribute_saved_activations: true with parallel.sequence_parallel = "
+                       "true") != std::string::npos);
   }
 }
 

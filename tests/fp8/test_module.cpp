@@ -3,6 +3,8 @@
 // fp32 and bf16 runs' losses.
 #include <doctest/doctest.h>
 
+#include <boost/describe/enum_to_string.hpp>
+
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -55,7 +57,7 @@ std::vector<std::string> fp8_roles(World& w) {
     if (w.has<ops::LinearImpl>(e)) {
       CHECK(w.has<fp8::Fp8Meta>(e));
       const auto& l = w.get<nn::Linear>(e);
-      out.push_back(std::to_string(l.unit) + ":" + l.role);
+      out.push_back(std::to_string(l.unit) + ":" + boost::describe::enum_to_string(l.role, "?"));
     }
   return out;
 }
@@ -68,7 +70,7 @@ TEST_CASE("--set fp8.enabled=true turns the block linears into FP8 GEMMs; the LM
   {
     test::Pipeline p(kTiny, {"fp8.enabled=true"});
     auto roles = fp8_roles(*p.world);
-    CHECK(roles.size() == 12);  // 3 blocks x (qkv, attn_proj, fc, fc_proj)
+    CHECK(roles.size() == 12);  // 3 blocks x (qkv, attn_out, mlp_in, mlp_out)
     CHECK(std::find(roles.begin(), roles.end(), "4:lm_head") == roles.end());
     auto& st = p.world->resource<fp8::Fp8State>();
     CHECK(st.meta->size() == 36);
@@ -91,7 +93,7 @@ TEST_CASE("--set fp8.enabled=true turns the block linears into FP8 GEMMs; the LM
   {
     test::Pipeline p(kTiny, {"fp8.enabled=true", "fp8.first_last_bf16=true"});
     auto roles = fp8_roles(*p.world);
-    CHECK(roles == std::vector<std::string>{"2:qkv", "2:attn_proj", "2:fc", "2:fc_proj"});
+    CHECK(roles == std::vector<std::string>{"2:qkv", "2:attn_out", "2:mlp_in", "2:mlp_out"});
   }
   {
     test::Pipeline p(kTiny, {"fp8.enabled=false"});

@@ -129,14 +129,18 @@ TEST_CASE("vocabulary-parallel embedding and cross-entropy match the single-rank
   });
   for (auto& o : outcomes) REQUIRE(o.ok);
   CHECK(rows == std::vector<std::int64_t>{64, 64});
-  // A padded vocabulary that tp does not divide is an error naming the sizes.
+  // A padded vocabulary that tp does not divide is a config error naming the key, where it was set
+  // and the sizes.
   auto bad = config::parse_toml_text(kTiny, "tiny.toml");
   config::apply_overrides(bad, {"parallel.tp=2", "parallel.vocab_parallel=true", "model.vocab_size=97",
                                 "model.vocab_multiple=1", "data.synthetic_vocab=97"});
   auto failed = parallel::run_thread_ranks(2, config::resolve(bad, "tiny.toml", reg), reg);
   for (auto& o : failed) {
     CHECK_FALSE(o.ok);
-    CHECK(o.error.find("padded vocabulary (97 = model.vocab_size 97") != std::string::npos);
+    CHECK(o.config_error);
+    CHECK(o.error.find("--set parallel.vocab_parallel=true: parallel.vocab_parallel: 97 vocabulary rows "
+                       "(model.vocab_size 97 padded to a multiple of model.vocab_multiple = 1) do not split over "
+                       "the 2 ranks") != std::string::npos);
   }
 }
 

@@ -122,6 +122,7 @@ PipelineConfig resolve(const Node& doc, const std::string& file, const ModuleReg
 
   PipelineConfig cfg;
   cfg.file = file;
+  cfg.doc = doc;
   try {
     cfg.modules = registry.install_order(wanted);
   } catch (const Error& e) {
@@ -136,15 +137,20 @@ PipelineConfig resolve(const Node& doc, const std::string& file, const ModuleReg
     std::any value = desc.schema.read(section, name, read_errors);
     for (auto& m : read_errors.messages()) errors.add(Source{}, m);
     if (!read_errors.empty()) continue;  // validating half-read values would only add noise
-    for (auto& f : desc.schema.validate(value)) {
-      const Node* at = locate(doc, name, f.field);
-      Source where = at ? at->source : Source{cat(file.empty() ? "(no file)" : file, " (default value)"), 0, 0};
-      errors.add(where, cat(name, ".", f.field, ": ", f.message));
-    }
+    for (auto& f : desc.schema.validate(value))
+      errors.add(source_of(doc, file, cat(name, ".", f.field)), cat(name, ".", f.field, ": ", f.message));
     cfg.values.emplace(name, std::move(value));
   }
   errors.throw_if_any();
   return cfg;
+}
+
+Source source_of(const Node& doc, const std::string& file, std::string_view dotted_key) {
+  const auto dot = dotted_key.find('.');
+  const Node* at = dot == std::string_view::npos
+                       ? nullptr
+                       : locate(doc, std::string(dotted_key.substr(0, dot)), std::string(dotted_key.substr(dot + 1)));
+  return at ? at->source : Source{cat(file.empty() ? "(no file)" : file, " (default value)"), 0, 0};
 }
 
 std::string to_toml(const PipelineConfig& cfg, const ModuleRegistry& registry) {

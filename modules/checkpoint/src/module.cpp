@@ -8,6 +8,7 @@
 #include "kiln/nn/events.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/rng/tracker.hpp"
+#include "kiln/train/train.hpp"
 
 namespace kiln::checkpoint {
 
@@ -30,14 +31,21 @@ const char* name_of(nn::RecomputeScope s) {
 
 void install(World& w, const ActivationCheckpointConfig& cfg) {
   if (cfg.mode == CheckpointMode::none) return;
-  const auto& file = w.resource<RankInfo>().pipeline_file;
   const auto& par = w.resource<parallel::ParallelState>();
   if (cfg.distribute_saved_activations && par.sequence_parallel)
-    throw ConfigError(cat(file, ": activation_checkpoint.distribute_saved_activations = true with "
-                                "parallel.sequence_parallel = true: the saved inputs are already split over the "
-                                "TP group by sequence parallelism; set one of them to false"));
+    throw config_error(w, "activation_checkpoint.distribute_saved_activations",
+                       "true with parallel.sequence_parallel = true: the saved inputs are already split over the TP "
+                       "group by sequence parallelism; set one of them to false");
   const nn::RecomputeScope scope = scope_of(cfg);
   const bool distribute = cfg.distribute_saved_activations && par.tp_size() > 1;
+  if (distribute) {  // each TP rank keeps 1/tp of a saved input's token rows
+    const auto& ts = w.resource<train::TrainState>();
+    const std::int64_t tokens = ts.micro_batch_size * w.resource<train::TrainConfig>().seq_len;
+    for (const auto& problem : parallel::check_splits(
+             par.tp_size(), {{tokens, "activation_checkpoint.distribute_saved_activations",
+                              "tokens of a micro-batch (train.micro_batch_size x train.seq_len)"}}))
+      throw config_error(w, problem.key, problem.message);
+  }
 
   auto& st = w.emplace_resource<ActivationCheckpointState>();
   int blocks = 0;
@@ -50,7 +58,7 @@ void install(World& w, const ActivationCheckpointConfig& cfg) {
     st.units.push_back(layer.unit);
   }
   if (blocks == 0)
-    throw ConfigError(cat(file, ": [activation_checkpoint] is on but the model has no transformer blocks"));
+    throw config_error(w, "activation_checkpoint.mode", "is on but the model has no transformer blocks");
   std::sort(st.units.begin(), st.units.end());
 
   // The RNG replay: capture when a chosen block's forward begins, replay around its recompute.

@@ -23,10 +23,6 @@ namespace kiln::fp8 {
 
 namespace {
 
-bool is_block_role(const std::string& role) {
-  return role == "qkv" || role == "attn_proj" || role == "fc" || role == "fc_proj";
-}
-
 std::unique_ptr<Fp8Ops> make_ops(World& w) {
   auto& be = w.resource<ops::ActiveBackend>().get();
   const auto& bc = w.resource<ops::BackendConfig>();
@@ -90,14 +86,14 @@ void install(World& w, const Fp8Config& cfg) {
   int first_unit = INT_MAX, last_unit = INT_MIN;
   for (Entity e : w.view<nn::Linear>()) {
     const auto& l = w.get<nn::Linear>(e);
-    if (is_block_role(l.role)) first_unit = std::min(first_unit, l.unit), last_unit = std::max(last_unit, l.unit);
+    if (nn::in_block(l.role)) first_unit = std::min(first_unit, l.unit), last_unit = std::max(last_unit, l.unit);
   }
   std::vector<Format> formats;
   std::vector<std::string> skipped;
   for (Entity e : w.view<nn::Linear>()) {
     const auto& l = w.get<nn::Linear>(e);
-    bool use = l.role == "lm_head" ? cfg.lm_head : is_block_role(l.role);
-    if (use && cfg.first_last_bf16 && is_block_role(l.role) && (l.unit == first_unit || l.unit == last_unit))
+    bool use = nn::in_block(l.role) || cfg.lm_head;
+    if (use && cfg.first_last_bf16 && nn::in_block(l.role) && (l.unit == first_unit || l.unit == last_unit))
       use = false;
     if (!use) continue;
     if (cuda && (l.in % 16 != 0 || l.out % 16 != 0)) {
@@ -111,9 +107,9 @@ void install(World& w, const Fp8Config& cfg) {
   // An FP8 layer keeps the colwise FP8 copy of its input for its backward pass where the model would
   // otherwise store that input in bf16 for it alone (half the bytes, and no second quantisation),
   // for a role only when all of its layers are FP8 (otherwise the model stores them all anyway).
-  std::set<std::string> keep_roles;
+  std::set<nn::LinearRole> keep_roles;
   {
-    std::map<std::string, std::pair<int, int>> stored_fp8;  // role -> (stored for backward, of those FP8)
+    std::map<nn::LinearRole, std::pair<int, int>> stored_fp8;  // role -> (stored for backward, of those FP8)
     for (Entity e : w.view<nn::Linear>()) {
       const auto& l = w.get<nn::Linear>(e);
       if (!l.input_stored_for_backward) continue;
@@ -140,7 +136,7 @@ void install(World& w, const Fp8Config& cfg) {
                                                      name ? name->value : w.describe(e), keep));
     Fp8Linear* lin = st.linears.back().get();
     // The FP8 copies replace the compute copy of a weight only this layer reads (not the tied LM head).
-    if (cfg.weights_in_compute_copy && linear.role != "lm_head") {
+    if (cfg.weights_in_compute_copy && linear.role != nn::LinearRole::lm_head) {
       const auto& store = w.resource<nn::ParamStore>();
       const auto& wp = w.get<nn::Param>(linear.weight);
       lin->use_master_weight(store.master_view(wp), store.compute_view(wp));

@@ -5,6 +5,7 @@
 #include "kiln/model/gpt.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/ops/module.hpp"
+#include "kiln/parallel/module.hpp"
 
 namespace kiln::model {
 
@@ -16,35 +17,33 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     : world_(world),
       cfg_(cfg),
       be_(world.resource<ops::ActiveBackend>().get()),
+      tp_(parallel::tensor_parallel(world, be_)),
+      dp_(parallel::data_parallel(world)),
       B_(B),
       T_(T),
       slots_(micro_batches),
       C_(cfg.n_embd),
       H_(cfg.n_head),
       Vp_(cfg.padded_vocab()),
-      L_(cfg.n_layer) {
+      L_(cfg.n_layer),
+      N_(static_cast<std::int64_t>(B) * T),
+      Nl_(tp_.local_rows(N_)),
+      embedding_(tp_, Vp_, C_),
+      qkv_(tp_, C_, 3 * C_, 3),
+      mlp_in_(tp_, C_, 4 * C_),
+      lm_head_(tp_, C_, Vp_, 1, tp_.vocab_parallel()),
+      attn_out_(tp_, C_, C_),
+      mlp_out_(tp_, 4 * C_, C_),
+      loss_(tp_, Vp_, cfg.vocab_size, N_),
+      backend_linear_{[this](const ops::LinearForward& a) { be_.linear_forward(a); },
+                      [this](const ops::LinearBackward& a) { be_.linear_backward(a); }} {
   KILN_CHECK(T <= cfg.max_seq_len, "train.seq_len ", T, " exceeds model.max_seq_len ", cfg.max_seq_len);
-  auto& comms = world_.resource<parallel::Communicators>();
-  tp_comm_ = comms.tp.get();
-  dp_comm_ = comms.dp.get();
-  tp_ = tp_comm_->size();
-  tp_rank_ = tp_comm_->rank();
-  KILN_CHECK(H_ % tp_ == 0 && C_ % tp_ == 0, "model.n_head ", H_, " and model.n_embd ", C_,
-             " must be divisible by parallel.tp = ", tp_);
-  Hl_ = H_ / tp_;
-  const std::int64_t tokens = static_cast<std::int64_t>(B) * T;
-  sp_ = tp_ > 1 && world_.resource<parallel::ParallelState>().sequence_parallel;
-  KILN_CHECK(!sp_ || tokens % tp_ == 0, "sequence parallelism needs the tokens of a micro-batch (", tokens,
-             ") to be divisible by parallel.tp = ", tp_);
-  Nl_ = sp_ ? tokens / tp_ : tokens;
-  vp_ = tp_ > 1 && world_.resource<parallel::ParallelState>().vocab_parallel;
-  KILN_CHECK(!vp_ || Vp_ % tp_ == 0, "vocabulary parallelism needs the padded vocabulary (", Vp_,
-             ") to be divisible by parallel.tp = ", tp_);
-  Vl_ = vp_ ? Vp_ / tp_ : Vp_;
-  vocab_begin_ = vp_ ? static_cast<std::int64_t>(tp_rank_) * Vl_ : 0;
+  for (const auto& d : tensor_parallel_splits(cfg, N_, tp_.sequence_parallel(), tp_.vocab_parallel())) tp_.require(d);
+  Hl_ = H_ / tp_.size();
+  head_begin_ = static_cast<int>(tp_.split(H_).first);
   const float std = cfg.init_std;
   const float proj_std = std / std::sqrt(2.0f * L_);  // GPT-2: residual projections scaled by 1/sqrt(2L)
-  const std::int64_t C = C_, Cl = C_ / tp_, r = tp_rank_;
+  const std::int64_t C = C_;
   world_.emplace_resource<ParamStore>();
 
   auto make_layer = [&](int unit, LayerKind kind, int block, const std::string& name) {
@@ -53,30 +52,15 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     layers_.push_back(e);
     return e;
   };
-  // Shards of this TP rank: `parts` equal row blocks of `rows` rows each (q, k, v: 3 parts) of which
-  // this rank takes its 1/tp slice of every part; or its 1/tp slice of the columns.
-  auto rows_of = [&](std::int64_t parts, std::int64_t rows) {
-    TensorShard s;
-    if (tp_ == 1) return s;
-    s.dim = 0;
-    for (std::int64_t q = 0; q < parts; ++q) s.ranges.push_back({q * rows + r * rows / tp_, q * rows + (r + 1) * rows / tp_});
-    return s;
-  };
-  auto cols_of = [&](std::int64_t cols) {
-    TensorShard s;
-    if (tp_ == 1) return s;
-    s.dim = 1;
-    s.ranges.push_back({r * cols / tp_, (r + 1) * cols / tp_});
-    return s;
-  };
   const TensorShard whole;
 
   // Unit 0: embeddings. The LM head reuses wte.
   Entity emb = make_layer(0, LayerKind::embedding, -1, "embeddings");
   auto& emb_params = world_.get<Layer>(emb).params;
-  wte_ = add_param("wte", {Vp_, C}, vp_ ? rows_of(1, Vp_) : whole, 0, true, std, 0, emb_params);
+  wte_ = add_param("wte", {Vp_, C}, embedding_.weight_shard(), 0, true, std, 0, emb_params);
   wpe_ = add_param("wpe", {cfg.max_seq_len, C}, whole, 0, true, std, 0, emb_params);
 
+  using nn::LinearRole;
   for (int l = 0; l < L_; ++l) {
     const std::string p = "blocks." + std::to_string(l) + ".";
     const int unit = l + 1;
@@ -85,42 +69,36 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     std::array<Entity, 12> e{};
     // Column-parallel: QKV (heads split, per q/k/v) and FC1 (hidden split); row-parallel: the
     // attention projection and FC2 (input split; their biases are replicated).
-    e[kLn1W] = add_param(p + "ln_1.weight", {C}, whole, unit, false, 0, 1.0f, lp);
-    e[kLn1B] = add_param(p + "ln_1.bias", {C}, whole, unit, false, 0, 0.0f, lp);
-    e[kQkvW] = add_param(p + "attn.qkv.weight", {3 * C, C}, rows_of(3, C), unit, true, std, 0, lp);
-    e[kQkvB] = add_param(p + "attn.qkv.bias", {3 * C}, rows_of(3, C), unit, false, 0, 0.0f, lp);
-    e[kProjW] = add_param(p + "attn.proj.weight", {C, C}, cols_of(C), unit, true, proj_std, 0, lp);
+    e[kLn1W] = add_norm_param(p + "ln_1.weight", unit, 1.0f, lp);
+    e[kLn1B] = add_norm_param(p + "ln_1.bias", unit, 0.0f, lp);
+    e[kQkvW] = add_param(p + "attn.qkv.weight", {3 * C, C}, qkv_.weight_shard(), unit, true, std, 0, lp);
+    e[kQkvB] = add_param(p + "attn.qkv.bias", {3 * C}, qkv_.weight_shard(), unit, false, 0, 0.0f, lp);
+    e[kProjW] = add_param(p + "attn.proj.weight", {C, C}, attn_out_.weight_shard(), unit, true, proj_std, 0, lp);
     e[kProjB] = add_param(p + "attn.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
-    e[kLn2W] = add_param(p + "ln_2.weight", {C}, whole, unit, false, 0, 1.0f, lp);
-    e[kLn2B] = add_param(p + "ln_2.bias", {C}, whole, unit, false, 0, 0.0f, lp);
-    e[kFcW] = add_param(p + "mlp.fc.weight", {4 * C, C}, rows_of(1, 4 * C), unit, true, std, 0, lp);
-    e[kFcB] = add_param(p + "mlp.fc.bias", {4 * C}, rows_of(1, 4 * C), unit, false, 0, 0.0f, lp);
-    e[kFcpW] = add_param(p + "mlp.proj.weight", {C, 4 * C}, cols_of(4 * C), unit, true, proj_std, 0, lp);
+    e[kLn2W] = add_norm_param(p + "ln_2.weight", unit, 1.0f, lp);
+    e[kLn2B] = add_norm_param(p + "ln_2.bias", unit, 0.0f, lp);
+    e[kFcW] = add_param(p + "mlp.fc.weight", {4 * C, C}, mlp_in_.weight_shard(), unit, true, std, 0, lp);
+    e[kFcB] = add_param(p + "mlp.fc.bias", {4 * C}, mlp_in_.weight_shard(), unit, false, 0, 0.0f, lp);
+    e[kFcpW] = add_param(p + "mlp.proj.weight", {C, 4 * C}, mlp_out_.weight_shard(), unit, true, proj_std, 0, lp);
     e[kFcpB] = add_param(p + "mlp.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
     block_params_.push_back(e);
-    block_linears_.push_back({add_linear(p + "attn.qkv", "qkv", unit, e[kQkvW], e[kQkvB], C, 3 * Cl),
-                              add_linear(p + "attn.proj", "attn_proj", unit, e[kProjW], e[kProjB], Cl, C),
-                              add_linear(p + "mlp.fc", "fc", unit, e[kFcW], e[kFcB], C, 4 * Cl),
-                              add_linear(p + "mlp.proj", "fc_proj", unit, e[kFcpW], e[kFcpB], 4 * Cl, C)});
+    const BlockLinears lin{
+        add_linear(p + "attn.qkv", LinearRole::qkv, unit, e[kQkvW], e[kQkvB], C, qkv_.local_out()),
+        add_linear(p + "attn.proj", LinearRole::attn_out, unit, e[kProjW], e[kProjB], attn_out_.local_in(), C),
+        add_linear(p + "mlp.fc", LinearRole::mlp_in, unit, e[kFcW], e[kFcB], C, mlp_in_.local_out()),
+        add_linear(p + "mlp.proj", LinearRole::mlp_out, unit, e[kFcpW], e[kFcpB], mlp_out_.local_in(), C)};
+    block_linears_.push_back(lin);
     // LayerNorm outputs feed only QKV / FC1, GELU outputs only FC2; attention reads its own output.
-    const auto& lin = block_linears_.back();
-    for (std::size_t r : {0u, 2u}) world_.get<Linear>(lin[r]).input_stored_for_backward = !cfg_.recompute_norm;
-    world_.get<Linear>(lin[3]).input_stored_for_backward = !cfg_.recompute_gelu;
+    for (Entity r : {lin.qkv, lin.mlp_in}) world_.get<Linear>(r).input_stored_for_backward = !cfg_.recompute_norm;
+    world_.get<Linear>(lin.mlp_out).input_stored_for_backward = !cfg_.recompute_gelu;
     // Each block weight's gradient comes from its linear alone (the tied wte has two producers).
     for (std::size_t k : {kQkvW, kProjW, kFcW, kFcpW}) world_.emplace<nn::GradWrittenFirst>(e[k]);
   }
   Entity fin = make_layer(L_ + 1, LayerKind::final_norm, -1, "ln_f");
   auto& fp = world_.get<Layer>(fin).params;
-  lnf_w_ = add_param("ln_f.weight", {C}, whole, L_ + 1, false, 0, 1.0f, fp);
-  lnf_b_ = add_param("ln_f.bias", {C}, whole, L_ + 1, false, 0, 0.0f, fp);
-  lm_head_ = add_linear("lm_head", "lm_head", L_ + 1, wte_, std::nullopt, C, Vl_);
-
-  // Under sequence parallelism the LayerNorms see only this rank's tokens.
-  if (sp_)
-    for (Entity e : world_.view<Param>()) {
-      auto& p = world_.get<Param>(e);
-      if (p.name.find("ln_") != std::string::npos) p.tp_partial_grad = true;
-    }
+  lnf_w_ = add_norm_param("ln_f.weight", L_ + 1, 1.0f, fp);
+  lnf_b_ = add_norm_param("ln_f.bias", L_ + 1, 0.0f, fp);
+  lm_head_entity_ = add_linear("lm_head", LinearRole::lm_head, L_ + 1, wte_, std::nullopt, C, lm_head_.local_out());
 
   // The flat buffers.
   auto& store = world_.resource<ParamStore>();
@@ -131,6 +109,21 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   store.stream = be_.stream();
   be_.zero(store.master_flat());  // alignment padding stays zero
   be_.zero(store.grads_flat());
+}
+
+std::vector<parallel::SplitDim> GptModel::tensor_parallel_splits(const ModelConfig& cfg, std::int64_t tokens,
+                                                                 bool sequence_parallel, bool vocab_parallel) {
+  // The heads split the attention (and with them the width: n_embd = n_head x head dim, and the
+  // MLP's 4 x n_embd); sequence parallelism the tokens; vocabulary parallelism the padded vocabulary.
+  std::vector<parallel::SplitDim> dims = {{cfg.n_head, "model.n_head", "attention heads"}};
+  if (sequence_parallel)
+    dims.push_back({tokens, "parallel.sequence_parallel",
+                    "tokens of a micro-batch (train.micro_batch_size x train.seq_len)"});
+  if (vocab_parallel)
+    dims.push_back({cfg.padded_vocab(), "parallel.vocab_parallel",
+                    cat("vocabulary rows (model.vocab_size ", cfg.vocab_size, " padded to a multiple of model.vocab_multiple = ",
+                        cfg.vocab_multiple, ")")});
+  return dims;
 }
 
 namespace {
@@ -144,10 +137,10 @@ void GptModel::allocate_activations() {
   const DType act = be_.act_dtype();
   // A LayerNorm or GELU output needs storing (or recomputing) only for a consumer whose backward
   // reads its input: an implementation that keeps its own copy (LinearImpl::keeps_input) does not.
-  auto inputs_kept = [&](int role) {
+  auto inputs_kept = [&](Entity BlockLinears::*linear) {
     if (block_linears_.empty()) return false;
     for (const auto& lin : block_linears_) {
-      const auto* impl = world_.try_get<ops::LinearImpl>(lin[static_cast<std::size_t>(role)]);
+      const auto* impl = world_.try_get<ops::LinearImpl>(lin.*linear);
       if (!impl || !impl->keeps_input) return false;
     }
     return true;
@@ -156,10 +149,11 @@ void GptModel::allocate_activations() {
   // output is stored, recomputed, or even written.
   gelu_in_fc2_ = !block_linears_.empty();
   for (const auto& lin : block_linears_) {
-    const auto* impl = world_.try_get<ops::LinearImpl>(lin[3]);
+    const auto* impl = world_.try_get<ops::LinearImpl>(lin.mlp_out);
     gelu_in_fc2_ = gelu_in_fc2_ && impl && impl->takes_gelu_input;
   }
-  const bool ln_kept = inputs_kept(0) && inputs_kept(2), gelu_kept = gelu_in_fc2_ || inputs_kept(3);
+  const bool ln_kept = inputs_kept(&BlockLinears::qkv) && inputs_kept(&BlockLinears::mlp_in),
+             gelu_kept = gelu_in_fc2_ || inputs_kept(&BlockLinears::mlp_out);
   recompute_ln_ = cfg_.recompute_norm && !ln_kept;
   recompute_gelu_ = cfg_.recompute_gelu && !gelu_kept;
   const bool keep_ln = !cfg_.recompute_norm && !ln_kept, keep_fc = !cfg_.recompute_gelu && !gelu_kept;
@@ -173,10 +167,10 @@ void GptModel::allocate_activations() {
     if (!r || r->scope == RecomputeScope::none) continue;
     auto& plan = plan_[static_cast<std::size_t>(l)];
     plan.scope = r->scope;
-    plan.distribute = r->distribute_input && tp_ > 1;
-    KILN_CHECK(!plan.distribute || !sp_, "block ", l, ": distributed saved inputs need sequence parallelism off");
-    KILN_CHECK(!plan.distribute || N % tp_ == 0, "block ", l, ": distributing the saved input needs the ", N,
-               " tokens of a micro-batch to be divisible by parallel.tp = ", tp_);
+    plan.distribute = r->distribute_input && tp_.size() > 1;
+    KILN_CHECK(!plan.distribute || !tp_.sequence_parallel(), "block ", l,
+               ": distributed saved inputs need sequence parallelism off");
+    if (plan.distribute) tp_.require({N, cat("block ", l, "'s saved input"), "token rows"});
     any_distributed |= plan.distribute;
     shared_group[kAttnGroup] |= r->scope == RecomputeScope::attention || r->scope == RecomputeScope::full;
     shared_group[kRes2Group] |= r->scope == RecomputeScope::full;
@@ -211,8 +205,8 @@ void GptModel::allocate_activations() {
       {&BlockActs::ln2_mean, kMlpGroup, DType::f32, {Nl}, true},
       {&BlockActs::ln2_rstd, kMlpGroup, DType::f32, {Nl}, true},
       {&BlockActs::ln2, kMlpGroup, act, {N, C}, keep_ln},
-      {&BlockActs::fc_pre, kMlpGroup, act, {N, 4 * C / tp_}, true},
-      {&BlockActs::fc, kMlpGroup, act, {N, 4 * C / tp_}, keep_fc},
+      {&BlockActs::fc_pre, kMlpGroup, act, {N, mlp_in_.local_out()}, true},
+      {&BlockActs::fc, kMlpGroup, act, {N, mlp_in_.local_out()}, keep_fc},
   };
 
   arena_.request(&tokens_, DType::i32, {N});
@@ -223,14 +217,14 @@ void GptModel::allocate_activations() {
   acts_.resize(static_cast<std::size_t>(L_));
   for (int l = 0; l <= L_; ++l) {
     if (l < L_ && plan_[static_cast<std::size_t>(l)].distribute)
-      arena_.request(&res_saved_[static_cast<std::size_t>(l)], act, {N / tp_, C});
+      arena_.request(&res_saved_[static_cast<std::size_t>(l)], act, {N / tp_.size(), C});
     else
       arena_.request(&res_[static_cast<std::size_t>(l)], act, {Nl, C});
   }
   if (any_distributed)
     for (auto& r : res_pingpong_) arena_.request(&r, act, {N, C});
   if (!keep_ln) arena_.request(&ln_shared_, act, {N, C});
-  if (!keep_fc && !gelu_in_fc2_) arena_.request(&fc_shared_, act, {N, 4 * C / tp_});
+  if (!keep_fc && !gelu_in_fc2_) arena_.request(&fc_shared_, act, {N, mlp_in_.local_out()});
   for (const auto& f : fields) {
     if (!f.own) continue;
     for (int l = 0; l < L_; ++l)
@@ -240,22 +234,18 @@ void GptModel::allocate_activations() {
   arena_.request(&lnf_, act, {N, C});
   arena_.request(&lnf_mean_, DType::f32, {Nl});
   arena_.request(&lnf_rstd_, DType::f32, {Nl});
-  arena_.request(&logits_, act, {N, Vl_});
-  if (vp_) {
-    arena_.request(&ce_stats_, DType::f32, {N, 3});
-    arena_.request(&ce_all_stats_, DType::f32, {tp_, N, 3});
-  }
+  arena_.request(&logits_, act, {N, lm_head_.local_out()});
   arena_.request(&scratch_c_, act, {N, C});
   arena_.request(&dres_, act, {Nl, C});
   arena_.request(&dtmp_, act, {Nl, C});
-  if (sp_) {
+  if (tp_.sequence_parallel()) {
     arena_.request(&local_c_, act, {Nl, C});
     arena_.request(&full_c_, act, {N, C});
   }
-  arena_.request(&datty_, act, {N, C / tp_});
+  arena_.request(&datty_, act, {N, attn_out_.local_in()});
   arena_.request(&dln_, act, {N, C});
-  arena_.request(&dqkv_, act, {N, 3 * C / tp_});
-  arena_.request(&dfc_, act, {N, 4 * C / tp_});
+  arena_.request(&dqkv_, act, {N, qkv_.local_out()});
+  arena_.request(&dfc_, act, {N, mlp_in_.local_out()});
   arena_.allocate(be_);
 
   // Views that share memory: the LayerNorm and GELU outputs refilled in the backward pass, the
@@ -272,19 +262,18 @@ void GptModel::allocate_activations() {
     share_scratch(a);
     if (plan_[static_cast<std::size_t>(l)].distribute) res_[static_cast<std::size_t>(l)] = res_pingpong_[l % 2];
   }
-  if (!sp_) local_c_ = full_c_ = scratch_c_;  // without sequence parallelism local is full
+  if (!tp_.sequence_parallel()) local_c_ = full_c_ = scratch_c_;  // without sequence parallelism local is full
   allocated_ = true;
 }
 
-Entity GptModel::add_param(const std::string& name, Shape global_shape, const TensorShard& shard, int unit,
-                           bool decay, float std, float value, std::vector<Entity>& layer_params) {
+Entity GptModel::add_param(const std::string& name, Shape global_shape, const TensorShard& shard, int unit, bool decay,
+                           float std, float value, std::vector<Entity>& layer_params) {
   auto& store = world_.resource<ParamStore>();
   Param p;
   p.name = name;
   p.global_shape = global_shape;
   p.shard = shard;
-  p.shape = global_shape;
-  if (shard.sharded()) p.shape.dims[shard.dim] = shard.extent();
+  p.shape = shard.local_shape(global_shape);
   p.numel = p.shape.numel();
   p.offset = store.total;
   p.weight_decay = decay;
@@ -299,34 +288,34 @@ Entity GptModel::add_param(const std::string& name, Shape global_shape, const Te
   return e;
 }
 
-Entity GptModel::add_linear(const std::string& name, const std::string& role, int unit, Entity w,
-                            std::optional<Entity> b, int in, int out) {
+Entity GptModel::add_norm_param(const std::string& name, int unit, float value, std::vector<Entity>& layer_params) {
+  Entity e = add_param(name, {C_}, TensorShard{}, unit, false, 0, value, layer_params);
+  world_.get<Param>(e).tp_partial_grad = tp_.sequence_parallel();  // LayerNorms see this rank's rows only
+  return e;
+}
+
+Entity GptModel::add_linear(const std::string& name, nn::LinearRole role, int unit, Entity w, std::optional<Entity> b,
+                            std::int64_t in, std::int64_t out) {
   Entity e = world_.create(name);
-  world_.emplace<Linear>(e, Linear{role, unit, w, b, in, out});
+  world_.emplace<Linear>(e, Linear{role, unit, w, b, static_cast<int>(in), static_cast<int>(out)});
   return e;
 }
 
 bool GptModel::layernorm_on_load(Entity linear) const {
   const auto* impl = world_.try_get<ops::LinearImpl>(linear);
-  return recompute_ln_ && !sp_ && impl && impl->takes_layernorm_input;
+  return recompute_ln_ && !tp_.sequence_parallel() && impl && impl->takes_layernorm_input;
 }
 
-void GptModel::linear_forward(Entity linear, const ops::LinearForward& a) {
-  if (auto* impl = world_.try_get<ops::LinearImpl>(linear))
-    impl->forward(a);
-  else
-    be_.linear_forward(a);
+const ops::LinearImpl& GptModel::impl(Entity linear) const {
+  const auto* attached = world_.try_get<ops::LinearImpl>(linear);
+  return attached ? *attached : backend_linear_;
 }
 
-void GptModel::linear_backward(Entity linear, const ops::LinearBackward& args) {
-  ops::LinearBackward a = args;
-  // A step's first micro-batch writes the gradients nothing else adds to (the zeroing skipped them).
+ops::LinearBackward GptModel::backward_args(Entity linear, ops::LinearBackward a) const {
   const auto* run = world_.try_resource<RunControl>();
-  a.dweight_overwrite = (!run || run->micro_batch == 0) && world_.has<nn::GradWrittenFirst>(world_.get<Linear>(linear).weight);
-  if (auto* impl = world_.try_get<ops::LinearImpl>(linear))
-    impl->backward(a);
-  else
-    be_.linear_backward(a);
+  a.dweight_overwrite =
+      (!run || run->micro_batch == 0) && world_.has<nn::GradWrittenFirst>(world_.get<Linear>(linear).weight);
+  return a;
 }
 
 void GptModel::initialise(rng::RngStatesTracker& tracker) {
@@ -347,28 +336,9 @@ void GptModel::initialise(rng::RngStatesTracker& tracker) {
 }
 
 void GptModel::init_shard(const TensorView& local, const Param& p, const rng::PhiloxArgs& r) {
-  if (!p.shard.sharded()) {
-    be_.init_normal(local, p.init_std, r, 0);
-    return;
-  }
-  const std::int64_t cols = p.global_shape.ndim > 1 ? p.global_shape[1] : 1;
-  const std::int64_t local_cols = p.shape.ndim > 1 ? p.shape[1] : 1;
-  if (p.shard.dim == 0) {
-    std::int64_t at = 0;
-    for (auto [b, e] : p.shard.ranges) {  // whole rows: one contiguous global block per range
-      const std::int64_t n = (e - b) * cols;
-      be_.init_normal(local.flat_slice(at, n), p.init_std, r, b * cols);
-      at += n;
-    }
-    return;
-  }
-  for (std::int64_t row = 0; row < p.shape[0]; ++row) {  // column ranges: one block per row and range
-    std::int64_t c0 = 0;
-    for (auto [b, e] : p.shard.ranges) {
-      be_.init_normal(local.flat_slice(row * local_cols + c0, e - b), p.init_std, r, row * cols + b);
-      c0 += e - b;
-    }
-  }
+  p.shard.for_each_block(p.global_shape, [&](const TensorShard::Block& b) {
+    be_.init_normal(local.flat_slice(b.local, b.count), p.init_std, r, b.global);
+  });
 }
 
 TensorView GptModel::tensor(Entity e, bool grad) const {
@@ -387,7 +357,7 @@ GptModel::BlockWeights GptModel::block_weights(int l, bool grads) const {
 ops::DropoutArgs GptModel::hidden_dropout(float p, const rng::PhiloxArgs& r) const {
   ops::DropoutArgs d;
   d.p = p;
-  d.row_offset = sp_ ? static_cast<std::int64_t>(tp_rank_) * Nl_ : 0;  // this rank's rows of the [N, C] tensor
+  d.row_offset = tp_.first_local_row(N_);  // this rank's rows of the [N, C] tensor
   d.rng = r;
   return d;
 }

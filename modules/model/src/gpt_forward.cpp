@@ -26,17 +26,10 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   auto& bus = world_.events();
   const float p = training ? cfg_.dropout : 0.0f;
 
-  // The embeddings: every rank computes all rows and keeps its own (SP). With vocabulary
-  // parallelism each rank looks up the tokens of its rows (zeros for the others; the positions on
-  // TP rank 0 only) and the sum over TP (all-reduce, or reduce-scatter under SP) is the lookup.
+  // The embeddings: every rank looks up all rows and keeps its own (sequence parallelism), or its
+  // vocabulary rows' part of all, summed over TP (vocabulary parallelism).
   bus.publish(LayerForwardBegin{0});
-  const TensorView emb = sp_ ? full_c_ : res_[0];
-  be_.embedding_forward({emb, tokens_, tensor(wte_, false), tensor(wpe_, false), T_, vocab_begin_, Vp_,
-                         !vp_ || tp_rank_ == 0});
-  if (vp_)
-    reduce_rows(res_[0], emb);
-  else if (sp_)
-    be_.copy(res_[0], my_rows(full_c_));
+  embedding_.forward({full_c_, tokens_, tensor(wte_, false), tensor(wpe_, false), T_}, res_[0]);
   bus.publish(LayerForwardEnd{0});
 
   for (int l = 0; l < L_; ++l) {
@@ -44,23 +37,15 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
     block_forward(l, p, tracker, kAllStages);
     const auto& plan = plan_[static_cast<std::size_t>(l)];
     if (training && plan.distribute)  // keep this rank's rows of the input only (see recompute_block)
-      be_.copy(res_saved_[static_cast<std::size_t>(l)], res_[static_cast<std::size_t>(l)].rows(tp_rank_ * (N / tp_), N / tp_));
+      be_.copy(res_saved_[static_cast<std::size_t>(l)], tp_.row_part(res_[static_cast<std::size_t>(l)]));
     bus.publish(LayerForwardEnd{l + 1});
   }
 
   bus.publish(LayerForwardBegin{L_ + 1});
-  be_.layernorm_forward({sp_ ? local_c_ : lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false),
-                         tensor(lnf_b_, false), cfg_.ln_eps});
-  gather_rows(lnf_, sp_ ? local_c_ : lnf_);
-  linear_forward(lm_head_, {logits_, {}, lnf_, tensor(wte_, false), {}});
-  const TensorView losses = losses_.rows(slot, 1).reshape({N});
-  if (vp_) {  // this rank's columns: statistics, one all-gather of them, then loss and dlogits
-    be_.cross_entropy_stats({ce_stats_, logits_, targets_, vocab_begin_, cfg_.vocab_size});
-    tp_comm_->all_gather(ce_all_stats_.reshape({tp_ * N * 3}), ce_stats_.reshape({N * 3}), be_.stream());
-    be_.cross_entropy_finish({losses, logits_, targets_, ce_all_stats_, vocab_begin_, cfg_.vocab_size, dloss_});
-  } else {
-    be_.cross_entropy({losses, logits_, targets_, cfg_.vocab_size, dloss_});
-  }
+  const TensorView lnf_local = block_layernorm(lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false),
+                                               tensor(lnf_b_, false));
+  lm_head_.forward(impl(lm_head_entity_), {logits_, {}, lnf_, tensor(wte_, false), {}}, lnf_local);
+  loss_.forward(losses_.rows(slot, 1).reshape({N}), logits_, targets_, dloss_);
   bus.publish(LayerForwardEnd{L_ + 1});
   have_forward_ = training;
 }
@@ -70,7 +55,7 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
   const int D = C_ / H_;
   auto w = block_weights(l, false);
   auto& a = acts_[static_cast<std::size_t>(l)];
-  const auto& lin = block_linears_[static_cast<std::size_t>(l)];
+  const BlockLinears& lin = block_linears_[static_cast<std::size_t>(l)];
   // Dropout draws, always all three, so a recompute that replays the tracker's states gets the
   // original masks: attention probabilities are sharded by heads under tensor parallelism, so they
   // come from the model-parallel state; the hidden outputs are replicated and use the default one.
@@ -85,47 +70,52 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
     a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
   }
   if (stages & kAttention) {
-    // LayerNorm on this rank's rows, gathered for the column-parallel QKV; attention on this rank's
+    // LayerNorm on this rank's rows, the column-parallel QKV on all rows; attention on this rank's
     // heads (global head index for dropout).
-    ops::LinearForward qkv{a.qkv.reshape({N, 3 * C_ / tp_}), {}, a.ln1, w.qkv_w, w.qkv_b};
-    if (layernorm_on_load(lin[0])) {
+    ops::LinearForward qkv{a.qkv.reshape({N, qkv_.local_out()}), {}, a.ln1, w.qkv_w, w.qkv_b};
+    TensorView ln1_local;
+    if (layernorm_on_load(lin.qkv)) {
       qkv.x = {};
       qkv.x_ln = {res_[l], w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, cfg_.ln_eps};
     } else {
-      be_.layernorm_forward({sp_ ? local_c_ : a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b, cfg_.ln_eps});
-      gather_rows(a.ln1, sp_ ? local_c_ : a.ln1);
+      ln1_local = block_layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b);
     }
-    linear_forward(lin[0], qkv);
-    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
-                           tp_rank_ * Hl_, H_});
+    qkv_.forward(impl(lin.qkv), qkv, ln1_local);
+    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, head_begin_,
+                           H_});
   }
   if (stages & kAttnOut) {
-    // Row-parallel projection: partial sums, the bias added once (on TP rank 0), then summed over
-    // TP (all-reduce, or reduce-scatter to this rank's rows under SP).
-    linear_forward(lin[1], {scratch_c_, {}, a.atty.reshape({N, C_ / tp_}), w.proj_w, row_parallel_bias(w.proj_b)});
-    reduce_rows(local_c_, scratch_c_);
+    // The row-parallel projection, summed over TP into this rank's rows, then dropout + residual.
+    attn_out_.forward(impl(lin.attn_out), {scratch_c_, {}, a.atty.reshape({N, attn_out_.local_in()}), w.proj_w, w.proj_b},
+                      local_c_);
     be_.residual_forward({a.res2, res_[l], local_c_, hidden_dropout(p, a.attn_drop_rng)});
   }
   if (stages & kMlpIn) {
     // FC1 writes the pre-activation where FC2 applies the GELU as it reads it.
     ops::LinearForward fc1 = gelu_in_fc2_ ? ops::LinearForward{a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b}
                                           : ops::LinearForward{a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b};
-    if (layernorm_on_load(lin[2])) {
+    TensorView ln2_local;
+    if (layernorm_on_load(lin.mlp_in)) {
       fc1.x = {};
       fc1.x_ln = {a.res2, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, cfg_.ln_eps};
     } else {
-      be_.layernorm_forward({sp_ ? local_c_ : a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b, cfg_.ln_eps});
-      gather_rows(a.ln2, sp_ ? local_c_ : a.ln2);
+      ln2_local = block_layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b);
     }
-    linear_forward(lin[2], fc1);
+    mlp_in_.forward(impl(lin.mlp_in), fc1, ln2_local);
   }
   if (stages & kMlpOut) {
-    ops::LinearForward fc2{scratch_c_, {}, a.fc, w.fcp_w, row_parallel_bias(w.fcp_b)};
+    ops::LinearForward fc2{scratch_c_, {}, a.fc, w.fcp_w, w.fcp_b};
     if (gelu_in_fc2_) fc2.x_gelu_pre = a.fc_pre;
-    linear_forward(lin[3], fc2);
-    reduce_rows(local_c_, scratch_c_);
+    mlp_out_.forward(impl(lin.mlp_out), fc2, local_c_);
     be_.residual_forward({res_[l + 1], a.res2, local_c_, hidden_dropout(p, a.mlp_drop_rng)});
   }
+}
+
+TensorView GptModel::block_layernorm(const TensorView& out, const TensorView& mean, const TensorView& rstd,
+                                     const TensorView& x, const TensorView& w, const TensorView& b) {
+  const TensorView local = tp_.sequence_parallel() ? local_c_ : out;
+  be_.layernorm_forward({local, mean, rstd, x, w, b, cfg_.ln_eps});
+  return local;
 }
 
 void GptModel::recompute_block(int l) {
@@ -135,7 +125,7 @@ void GptModel::recompute_block(int l) {
   // Listeners set the RNG tracker back to the states this block's forward started from, and FP8
   // layers reuse their forward scales.
   bus.publish(LayerRecomputeBegin{l + 1});
-  if (plan.distribute) tp_comm_->all_gather(res_[static_cast<std::size_t>(l)], res_saved_[static_cast<std::size_t>(l)], be_.stream());
+  if (plan.distribute) tp_.gather_row_parts(res_[static_cast<std::size_t>(l)], res_saved_[static_cast<std::size_t>(l)]);
   // The block's output (FC2 and the second residual) is never needed again: the next block's saved
   // input is that output, and the backward pass reads only the block's inner activations.
   const unsigned stages = plan.scope == nn::RecomputeScope::attention ? kAttention
@@ -143,32 +133,6 @@ void GptModel::recompute_block(int l) {
                                                                       : kAttention | kAttnOut | kMlpIn;
   block_forward(l, cfg_.dropout, world_.try_resource<rng::RngStatesTracker>(), stages);
   bus.publish(LayerRecomputeEnd{l + 1});
-}
-
-TensorView GptModel::row_parallel_bias(const TensorView& bias) const { return tp_rank_ == 0 ? bias : TensorView{}; }
-
-void GptModel::tp_all_reduce(const TensorView& t) {
-  if (tp_ > 1) tp_comm_->all_reduce(t, parallel::ReduceOp::sum, be_.stream());
-}
-
-void GptModel::gather_rows(const TensorView& full, const TensorView& local) {
-  if (sp_)
-    tp_comm_->all_gather(full, local, be_.stream());
-  else
-    KILN_CHECK(full.data == local.data, "gather_rows without sequence parallelism needs one tensor");
-}
-
-void GptModel::reduce_rows(const TensorView& local, const TensorView& full) {
-  if (sp_) {
-    tp_comm_->reduce_scatter(local, full, parallel::ReduceOp::sum, be_.stream());
-    return;
-  }
-  KILN_CHECK(full.data == local.data, "reduce_rows without sequence parallelism needs one tensor");
-  tp_all_reduce(full);
-}
-
-TensorView GptModel::my_rows(const TensorView& full) const {
-  return sp_ ? full.rows(static_cast<std::int64_t>(tp_rank_) * Nl_, Nl_) : full;
 }
 
 double GptModel::mean_loss(int slots) {
@@ -179,13 +143,7 @@ double GptModel::mean_loss(int slots) {
   be_.synchronize();
   double sum = 0;
   for (float v : host) sum += v;
-  double mean = sum / static_cast<double>(host.size());
-  if (dp_comm_->size() > 1) {  // every DP rank saw a different slice of the global batch
-    float m = static_cast<float>(mean);
-    dp_comm_->all_reduce(TensorView(&m, {1}, DType::f32, Device::cpu), parallel::ReduceOp::avg, nullptr);
-    mean = m;
-  }
-  return mean;
+  return dp_.mean(sum / static_cast<double>(host.size()));  // every DP rank saw its slice of the batch
 }
 
 double GptModel::evaluate(const std::vector<train::Batch>& batches) {

@@ -44,19 +44,16 @@ std::vector<std::pair<std::int64_t, std::int64_t>> zero_ranges(World& w, const P
 
 void install(World& w, const ModelConfig& cfg) {
   const auto& par = w.resource<parallel::ParallelState>();
-  const auto& file = w.resource<RankInfo>().pipeline_file;
-  const int tp = par.tp_size();
-  if (cfg.n_head % tp != 0 || cfg.n_embd % tp != 0)
-    throw ConfigError(cat(file, ": model.n_head = ", cfg.n_head, " and model.n_embd = ", cfg.n_embd,
-                          " must both be divisible by parallel.tp = ", tp));
-  if (par.vocab_parallel && tp > 1 && cfg.padded_vocab() % tp != 0)
-    throw ConfigError(cat(file, ": parallel.vocab_parallel needs the padded vocabulary (", cfg.padded_vocab(),
-                          " = model.vocab_size ", cfg.vocab_size, " rounded up to model.vocab_multiple ",
-                          cfg.vocab_multiple, ") to be divisible by parallel.tp = ", tp));
   const auto& tc = w.resource<train::TrainConfig>();
-  if (tc.seq_len > cfg.max_seq_len)
-    throw ConfigError(cat(file, ": train.seq_len = ", tc.seq_len, " exceeds model.max_seq_len = ", cfg.max_seq_len));
   auto& ts = w.resource<train::TrainState>();
+  if (tc.seq_len > cfg.max_seq_len)
+    throw config_error(w, "train.seq_len", cat(tc.seq_len, " exceeds model.max_seq_len = ", cfg.max_seq_len));
+  // What the model splits over the tensor-parallel group, before any rank allocates anything.
+  const int tp = par.tp_size();
+  for (const auto& problem : parallel::check_splits(
+           tp, GptModel::tensor_parallel_splits(cfg, ts.micro_batch_size * tc.seq_len, par.sequence_parallel && tp > 1,
+                                                par.vocab_parallel && tp > 1)))
+    throw config_error(w, problem.key, problem.message);
   auto& model = w.emplace_resource<GptModel>(w, cfg, ts.micro_batch_size, static_cast<int>(tc.seq_len),
                                              ts.micro_batches);
   model.set_loss_scale(1.0f / static_cast<float>(tc.batch_size * tc.seq_len));

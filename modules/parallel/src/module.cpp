@@ -16,13 +16,27 @@ namespace kiln::parallel {
 
 namespace {
 
+// Pipeline, context and expert parallelism exist as ranks (the topology, the groups, the seeds) but
+// nothing runs them yet: larger sizes would silently train the same model on every stage.
+void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
+  const std::pair<const char*, int> sizes[] = {{"pp", cfg.pp}, {"cp", cfg.cp}, {"ep", cfg.ep}};
+  const char* what[] = {"pipeline", "context", "expert"};
+  for (std::size_t i = 0; i < 3; ++i)
+    if (sizes[i].second > 1)
+      throw config_error(w, cat("parallel.", sizes[i].first),
+                         cat("is ", sizes[i].second, ", but ", what[i],
+                             " parallelism does not run yet (every stage would train the whole model); set it to "
+                             "1 (`kiln topology FILE --world N` still shows the groups of such a layout)"));
+}
+
 void install(World& w, const ParallelConfig& cfg) {
+  refuse_parallelisms_that_do_not_run(w, cfg);
   const auto& r = w.resource<RankInfo>();
   Topology topo = [&] {
     try {
       return Topology(r.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp);
     } catch (const Error& e) {
-      throw ConfigError(cat(r.pipeline_file, ": [parallel] ", e.what()));
+      throw config_error(w, cfg.dp > 0 ? "parallel.dp" : "parallel.tp", cat(e.what(), " (", r.world_size, " ranks)"));
     }
   }();
   w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank), cfg.sequence_parallel, cfg.vocab_parallel});
@@ -59,12 +73,12 @@ void install(World& w, const ParallelConfig& cfg) {
   w.systems().add({"parallel.tp_grad_sync", Phase::grad_sync,
                    [](World& world) {
                      auto& c = world.resource<Communicators>();
-                     if (c.tp->size() == 1) return;
-                     auto& store = world.resource<nn::ParamStore>();
-                     for (Entity e : store.order) {
+                     const auto* store = world.try_resource<nn::ParamStore>();
+                     if (c.tp->size() == 1 || !store) return;  // no parameters: nothing to reduce
+                     for (Entity e : store->order) {
                        const auto& p = world.get<nn::Param>(e);
                        if (p.tp_partial_grad)
-                         c.tp->all_reduce(store.grad_view(p).reshape({p.numel}), ReduceOp::sum, store.stream);
+                         c.tp->all_reduce(store->grad_view(p).reshape({p.numel}), ReduceOp::sum, store->stream);
                      }
                    },
                    {"parallel.dp_grad_sync"}});
@@ -100,17 +114,24 @@ void install(World& w, const ParallelConfig& cfg) {
   }
   w.systems().add({"parallel.dp_grad_sync", Phase::grad_sync, [](World& world) {
                      auto& c = world.resource<Communicators>();
-                     if (c.dp->size() == 1) return;
+                     const auto* store = world.try_resource<nn::ParamStore>();
+                     if (c.dp->size() == 1 || !store) return;  // no parameters: nothing to reduce
                      if (auto& sync = world.resource<DpGradState>().sync) {
                        sync->finish();
                        return;
                      }
-                     auto& grads = world.resource<nn::ParamStore>();
-                     c.dp->all_reduce(grads.grads_flat(), ReduceOp::sum, grads.stream);
+                     c.dp->all_reduce(store->grads_flat(), ReduceOp::sum, store->stream);
                    }});
 }
 
 }  // namespace
+
+TensorParallel tensor_parallel(World& w, ops::Backend& backend) {
+  const auto& par = w.resource<ParallelState>();
+  return TensorParallel(*w.resource<Communicators>().tp, backend, {par.sequence_parallel, par.vocab_parallel});
+}
+
+DataParallel data_parallel(World& w) { return DataParallel(*w.resource<Communicators>().dp); }
 
 void register_module(ModuleRegistry& registry) {
   registry.add(make_module<ParallelConfig>(

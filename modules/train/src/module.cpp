@@ -8,15 +8,13 @@ namespace {
 void install(World& w, const TrainConfig& cfg) {
   const auto& par = w.resource<parallel::ParallelState>();
   const std::int64_t dp = par.dp_size();
-  const auto& file = w.resource<RankInfo>().pipeline_file;
   if (cfg.batch_size % dp != 0)
-    throw ConfigError(cat(file, ": train.batch_size = ", cfg.batch_size, " is not divisible by the ", dp,
-                          " data-parallel ranks"));
+    throw config_error(w, "train.batch_size", cat(cfg.batch_size, " is not divisible by the ", dp, " data-parallel ranks"));
   const std::int64_t per_rank = cfg.batch_size / dp;
   const std::int64_t mbs = cfg.micro_batch_size > 0 ? cfg.micro_batch_size : per_rank;
   if (per_rank % mbs != 0)
-    throw ConfigError(cat(file, ": train.micro_batch_size = ", mbs, " does not divide the per-rank batch of ", per_rank,
-                          " sequences (train.batch_size ", cfg.batch_size, " / dp ", dp, ")"));
+    throw config_error(w, "train.micro_batch_size", cat(mbs, " does not divide the per-rank batch of ", per_rank,
+                                                        " sequences (train.batch_size ", cfg.batch_size, " / dp ", dp, ")"));
   auto& st = w.emplace_resource<TrainState>();
   st.micro_batch_size = static_cast<int>(mbs);
   st.micro_batches = static_cast<int>(per_rank / mbs);

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kiln/engine/config/node.hpp"
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
 
@@ -45,6 +46,18 @@ struct RankInfo {
   std::string pipeline_file;
   int local_world_size = 1;  // ranks sharing this machine (threads of one process, or local processes)
 };
+
+// Where each value of the running pipeline came from (a World resource made by install_pipeline).
+// A module's install reports what only shows once modules meet (a size that does not divide over
+// the ranks, a setting that cannot run yet) as a ConfigError naming the key and its place.
+struct ConfigSources {
+  std::string file;
+  config::Node doc;
+};
+
+// "p.toml:12:1: parallel.pp: <message>" (or the --set argument, or "p.toml (default value)"), as
+// the loader reports failed validations. Without a ConfigSources resource, the RankInfo's file.
+ConfigError config_error(World& world, std::string_view key, const std::string& message);
 
 void register_engine_module(ModuleRegistry& registry);
 

@@ -32,6 +32,7 @@ Node load_document(const std::string& file, const std::vector<std::string>& set_
 
 struct PipelineConfig {
   std::string file;
+  Node doc;                                // the document the values were read from (overrides applied)
   std::vector<std::string> modules;       // install order; "engine" first
   std::map<std::string, std::any> values;  // module name -> its config struct
 
@@ -48,6 +49,10 @@ struct PipelineConfig {
 std::any read_engine_section(const Node& doc, const ModuleRegistry& registry);
 
 PipelineConfig resolve(const Node& doc, const std::string& file, const ModuleRegistry& registry);
+
+// Where the value of `section.key` (dotted, nested keys too) came from: its file:line:column, the
+// --set argument that made it, or "FILE (default value)" when the document does not have it.
+Source source_of(const Node& doc, const std::string& file, std::string_view dotted_key);
 
 // The complete effective config as TOML: every enabled module, every field, defaults filled in,
 // docs as comments. Reading the output back gives the same text.

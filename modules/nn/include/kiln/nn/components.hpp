@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <boost/describe/enum.hpp>
+
 #include "kiln/engine/world.hpp"
 #include "kiln/tensor/shard.hpp"
 #include "kiln/tensor/tensor.hpp"
@@ -52,13 +54,27 @@ struct Layer {
   std::vector<Entity> params;
 };
 
+// What a linear layer does in the network, so modules pick layers by type (the fp8 module runs the
+// block linears in FP8, and the LM head only when asked). The names read the same for every
+// architecture: a GPT-2 MLP's FC1 and a SwiGLU's fused gate/up projection are both mlp_in.
+enum class LinearRole {
+  qkv,       // attention: the fused query/key/value projection (column-parallel)
+  attn_out,  // attention: the output projection (row-parallel)
+  mlp_in,    // MLP: the up projection(s) (column-parallel)
+  mlp_out,   // MLP: the down projection (row-parallel)
+  lm_head,   // the output layer giving the logits
+};
+BOOST_DESCRIBE_ENUM(LinearRole, qkv, attn_out, mlp_in, mlp_out, lm_head)
+// Whether the layer is inside a transformer block (all roles but the LM head).
+inline bool in_block(LinearRole r) { return r != LinearRole::lm_head; }
+
 // A linear layer (a GEMM): weight [out, in] and optional bias.
 struct Linear {
-  std::string role;  // "qkv", "attn_proj", "fc", "fc_proj", "lm_head"
+  LinearRole role = LinearRole::qkv;
   int unit = 0;
   Entity weight{};
   std::optional<Entity> bias;
-  int in = 0, out = 0;
+  int in = 0, out = 0;  // this rank's part (tensor parallelism splits one of them)
   // The model stores this layer's input for the backward pass for this layer alone (no recompute,
   // no other reader): an implementation that keeps its own copy of the input instead
   // (ops::LinearImpl::keeps_input) then saves the model that memory.

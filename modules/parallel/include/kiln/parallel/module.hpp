@@ -6,7 +6,9 @@
 #include "kiln/engine/event_bus.hpp"
 #include "kiln/engine/module.hpp"
 #include "kiln/parallel/communicator.hpp"
+#include "kiln/parallel/data_parallel.hpp"
 #include "kiln/parallel/in_process.hpp"
+#include "kiln/parallel/tensor_parallel.hpp"
 #include "kiln/parallel/topology.hpp"
 
 namespace kiln::parallel {
@@ -33,9 +35,9 @@ struct ParallelConfig {
 };
 KILN_CONFIG(ParallelConfig,
             (tp, "tensor-parallel size"),
-            (pp, "pipeline-parallel size (ranks only; pipeline execution is not implemented yet)"),
-            (cp, "context-parallel size (ranks only)"),
-            (ep, "expert-parallel size (ranks only)"),
+            (pp, "pipeline-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
+            (cp, "context-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
+            (ep, "expert-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
             (dp, "data-parallel size; 0 = world size / (tp * pp * cp * ep)"),
             (sequence_parallel,
              "outside the tensor-parallel regions each TP rank keeps 1/tp of the tokens (LayerNorm, dropout and "
@@ -82,6 +84,13 @@ struct DpGradState {
 struct Communicators {
   std::unique_ptr<Communicator> world, tp, dp, tp_dp;
 };
+
+// This rank's tensor-parallel group, for layers computing on `backend`: the World's TP communicator
+// and the [parallel] section's sequence_parallel and vocab_parallel. (The model builds its layers on
+// it and never touches a communicator.)
+TensorParallel tensor_parallel(World& w, ops::Backend& backend);
+// This rank's data-parallel group.
+DataParallel data_parallel(World& w);
 
 void register_module(ModuleRegistry& registry);
 

@@ -1,0 +1,68 @@
+#include "kiln/parallel/parallel_linear.hpp"
+
+#include "kiln/core/error.hpp"
+
+namespace kiln::parallel {
+
+ColumnParallelLinear::ColumnParallelLinear(const TensorParallel& tp, std::int64_t in, std::int64_t out, int parts,
+                                           bool split)
+    : tp_(tp), in_(in), out_(out), local_out_(out), split_(split && tp.size() > 1) {
+  KILN_CHECK(in > 0 && out > 0 && parts > 0 && out % parts == 0, "column-parallel linear ", in, " -> ", out, " in ",
+             parts, " parts");
+  if (!split_) return;
+  tp.require({out / parts, "column-parallel linear", cat("output features (of ", out, " in ", parts, " parts)")});
+  local_out_ = out / tp.size();
+  shard_ = row_shard(tp, out, parts);
+}
+
+void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearForward& a,
+                                   const TensorView& x_local) const {
+  ops::LinearForward f = a;
+  if (tp_.sequence_parallel()) {
+    KILN_CHECK(a.x && x_local, "a column-parallel linear under sequence parallelism gathers its input: it needs "
+                               "this rank's rows and the tensor to gather them into (LinearForward::x)");
+    tp_.enter(a.x, x_local);
+  } else if (x_local) {
+    f.x = x_local;
+  }
+  impl.forward(f);
+}
+
+TensorView ColumnParallelLinear::backward(const ops::LinearImpl& impl, const ops::LinearBackward& a,
+                                          const TensorView& dx_local) const {
+  impl.backward(a);
+  if (!a.dx) return {};
+  if (!split_) return tp_.local_part(a.dx);  // every rank has the whole input gradient
+  tp_.enter_backward(dx_local, a.dx);
+  return dx_local;
+}
+
+RowParallelLinear::RowParallelLinear(const TensorParallel& tp, std::int64_t in, std::int64_t out)
+    : tp_(tp), in_(in), out_(out), local_in_(in) {
+  KILN_CHECK(in > 0 && out > 0, "row-parallel linear ", in, " -> ", out);
+  if (tp.size() == 1) return;
+  tp.require({in, "row-parallel linear", "input features"});
+  local_in_ = in / tp.size();
+  shard_ = column_shard(tp, in);
+}
+
+void RowParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearForward& a,
+                                const TensorView& out_local) const {
+  ops::LinearForward f = a;
+  if (!tp_.sequence_parallel()) f.out = out_local;
+  if (tp_.rank() != 0) f.bias = {};  // the replicated bias is added once before the sum
+  impl.forward(f);
+  tp_.exit(out_local, f.out);
+}
+
+void RowParallelLinear::backward(const ops::LinearImpl& impl, const ops::LinearBackward& a,
+                                 const TensorView& dout_local) const {
+  ops::LinearBackward b = a;
+  if (tp_.sequence_parallel())
+    tp_.exit_backward(a.dout, dout_local);
+  else
+    b.dout = dout_local;
+  impl.backward(b);
+}
+
+}  // namespace kiln::parallel
