@@ -35,8 +35,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
       attn_out_(tp_, C_, C_),
       mlp_out_(tp_, 4 * C_, C_),
       loss_(tp_, Vp_, cfg.vocab_size, N_),
-      backend_linear_{[this](const ops::LinearForward& a) { be_.linear_forward(a); },
-                      [this](const ops::LinearBackward& a) { be_.linear_backward(a); }} {
+      backend_linear_(ops::backend_linear_impl(be_)) {
   KILN_CHECK(T <= cfg.max_seq_len, "train.seq_len ", T, " exceeds model.max_seq_len ", cfg.max_seq_len);
   for (const auto& d : tensor_parallel_splits(cfg, N_, tp_.sequence_parallel(), tp_.vocab_parallel())) tp_.require(d);
   Hl_ = H_ / tp_.size();

@@ -33,8 +33,9 @@ TensorView ColumnParallelLinear::backward(const ops::LinearImpl& impl, const ops
   impl.backward(a);
   if (!a.dx) return {};
   if (!split_) return tp_.local_part(a.dx);  // every rank has the whole input gradient
-  tp_.enter_backward(dx_local, a.dx);
-  return dx_local;
+  const TensorView local = tp_.sequence_parallel() ? dx_local : a.dx;
+  tp_.enter_backward(local, a.dx);
+  return local;
 }
 
 RowParallelLinear::RowParallelLinear(const TensorParallel& tp, std::int64_t in, std::int64_t out)

@@ -26,4 +26,10 @@ struct LinearImpl {
   bool takes_layernorm_input = false;
 };
 
+// The backend's own linear ops as a LinearImpl (no capabilities), for layers that take one.
+inline LinearImpl backend_linear_impl(Backend& be) {
+  return {[&be](const LinearForward& a) { be.linear_forward(a); },
+          [&be](const LinearBackward& a) { be.linear_backward(a); }};
+}
+
 }  // namespace kiln::ops

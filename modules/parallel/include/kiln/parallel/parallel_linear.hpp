@@ -34,9 +34,9 @@ class ColumnParallelLinear {
   void forward(const ops::LinearImpl& impl, const ops::LinearForward& a, const TensorView& x_local) const;
   // The weight (and bias) gradients, and the input gradient: a.dx [N, in] is this rank's partial
   // sum, summed over the group into `dx_local` (this rank's rows, reduce-scatter) under sequence
-  // parallelism, or in place (all-reduce; `dx_local` must then be a.dx). Returns the view holding
-  // this rank's rows of the input gradient (with `split` false, its rows of a.dx: no communication).
-  // a.x holds the whole input, as in the forward.
+  // parallelism, or in place (all-reduce; `dx_local` unused). Returns the view holding this rank's
+  // rows of the input gradient (with `split` false, its rows of a.dx: no communication). a.x is the
+  // whole input the forward multiplied (under sequence parallelism the gathered one).
   TensorView backward(const ops::LinearImpl& impl, const ops::LinearBackward& a, const TensorView& dx_local) const;
 
  private:

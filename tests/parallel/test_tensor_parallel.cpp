@@ -1,0 +1,316 @@
+// kiln::tensor_parallel's layers on their own (no World, no model): tp = 2 and 4 CPU-thread ranks
+// against the unsplit layer on one rank, with and without sequence parallelism, on random data.
+// What each rank computes alone (its output columns, its weight gradient rows or columns, lookups)
+// must be bit-identical to the unsplit layer; what is summed over the group (partial products)
+// equal to fp32 rounding.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kiln/ops/backend.hpp"
+#include "kiln/ops/linear_impl.hpp"
+#include "kiln/parallel/in_process.hpp"
+#include "kiln/parallel/parallel_linear.hpp"
+#include "kiln/parallel/tensor_parallel.hpp"
+#include "kiln/parallel/vocab_parallel.hpp"
+
+using namespace kiln;
+using namespace kiln::parallel;
+
+namespace {
+
+using Vec = std::vector<float>;
+
+Vec random_vec(std::size_t n, std::uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  Vec v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+TensorView view(Vec& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
+
+// The elements of `global` (a logical tensor of shape `shape`) that `shard` holds, in local order.
+Vec take(const Vec& global, const Shape& shape, const TensorShard& shard) {
+  Vec out(static_cast<std::size_t>(shard.local_shape(shape).numel()));
+  shard.for_each_block(shape, [&](const TensorShard::Block& b) {
+    std::copy_n(global.begin() + b.global, b.count, out.begin() + b.local);
+  });
+  return out;
+}
+
+// Columns [c0, c0 + n) of a row-major [rows, cols] matrix.
+Vec columns(const Vec& m, std::int64_t rows, std::int64_t cols, std::int64_t c0, std::int64_t n) {
+  Vec out(static_cast<std::size_t>(rows * n));
+  for (std::int64_t r = 0; r < rows; ++r) std::copy_n(m.begin() + r * cols + c0, n, out.begin() + r * n);
+  return out;
+}
+
+// Each row's `shard` of a row-major [rows, cols] matrix (a column-parallel layer's output columns).
+Vec shard_columns(const Vec& m, std::int64_t rows, std::int64_t cols, const TensorShard& shard) {
+  Vec out;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const Vec part = take(Vec(m.begin() + r * cols, m.begin() + (r + 1) * cols), {cols}, shard);
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
+Vec rows_of(const Vec& m, std::int64_t cols, std::int64_t r0, std::int64_t n) {
+  return Vec(m.begin() + r0 * cols, m.begin() + (r0 + n) * cols);
+}
+
+double relative_difference(const Vec& a, const Vec& b) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += double(a[i] - b[i]) * (a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// Runs fn(tp) on `size` thread ranks forming one TP group (sequence/vocabulary parallel as asked),
+// each with its own CPU backend; fails the test with every rank's error.
+void run_group(int size, TensorParallelOptions options, const std::function<void(const TensorParallel&)>& fn) {
+  auto hub = std::make_shared<InProcessHub>(size, std::chrono::seconds(20));
+  std::vector<int> members(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) members[static_cast<std::size_t>(r)] = r;
+  std::vector<std::string> errors(static_cast<std::size_t>(size));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto be = ops::make_cpu_backend({.threads = 1});
+        auto comm = hub->communicator("tp", members, r);
+        const TensorParallel tp(*comm, *be, options);
+        fn(tp);
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+        hub->abort(cat("rank ", r, " failed: ", e.what()));
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < size; ++r) CHECK_MESSAGE(errors[static_cast<std::size_t>(r)].empty(), "rank ", r, ": ", errors[static_cast<std::size_t>(r)]);
+}
+
+// One rank alone: the unsplit layer.
+void run_single(const std::function<void(const TensorParallel&)>& fn) { run_group(1, {}, fn); }
+
+struct Layout {
+  int tp;
+  bool sp;
+  std::string str() const { return cat("tp=", tp, sp ? " with sequence parallelism" : ""); }
+};
+const Layout kLayouts[] = {{2, false}, {4, false}, {2, true}, {4, true}};
+
+}  // namespace
+
+TEST_CASE("a column-parallel linear computes the unsplit layer's output columns and weight gradients, and its summed input gradient") {
+  const std::int64_t N = 20, in = 7;
+  for (int parts : {1, 3}) {
+    const std::int64_t out = 24;
+    const Vec x = random_vec(N * in, 1), w = random_vec(out * in, 2), b = random_vec(out, 3), dy = random_vec(N * out, 4);
+    Vec y_ref(N * out), dx_ref(N * in, 0.0f), dw_ref(out * in, 0.0f), db_ref(out, 0.0f);
+    run_single([&](const TensorParallel& tp) {
+      auto& be = tp.backend();
+      Vec xs = x, ws = w, bs = b, dys = dy;
+      be.linear_forward({view(y_ref, {N, out}), {}, view(xs, {N, in}), view(ws, {out, in}), view(bs, {out})});
+      be.linear_backward({view(dx_ref, {N, in}), view(dw_ref, {out, in}), view(db_ref, {out}), view(dys, {N, out}),
+                          view(xs, {N, in}), view(ws, {out, in})});
+    });
+    for (const Layout& L : kLayouts) {
+      INFO(L.str(), ", ", parts, " parts");
+      run_group(L.tp, {L.sp, false}, [&](const TensorParallel& tp) {
+        const ColumnParallelLinear layer(tp, in, out, parts);
+        const std::int64_t lo = layer.local_out(), Nl = tp.local_rows(N);
+        CHECK(lo == out / L.tp);
+        const TensorShard shard = layer.weight_shard();
+        Vec wl = take(w, {out, in}, shard), bl = take(b, {out}, shard);
+        Vec x_full(N * in, 0.0f), x_local = rows_of(x, in, tp.first_local_row(N), Nl);
+        Vec y(N * lo);
+        const auto impl = ops::backend_linear_impl(tp.backend());
+        layer.forward(impl, {view(y, {N, lo}), {}, view(x_full, {N, in}), view(wl, {lo, in}), view(bl, {lo})},
+                      view(x_local, {Nl, in}));
+        CHECK(y == shard_columns(y_ref, N, out, shard));  // this rank's output columns, bit for bit
+        if (L.sp) CHECK(x_full == x);                      // the input was gathered
+
+        Vec dy_local = shard_columns(dy, N, out, shard);
+        Vec& x_used = L.sp ? x_full : x_local;  // the input the forward multiplied
+        Vec dx(N * in, 0.0f), dx_local(Nl * in, 0.0f), dw(lo * in, 0.0f), db(lo, 0.0f);
+        const TensorView got = layer.backward(impl,
+                                              {view(dx, {N, in}), view(dw, {lo, in}), view(db, {lo}),
+                                               view(dy_local, {N, lo}), view(x_used, {N, in}), view(wl, {lo, in})},
+                                              view(dx_local, {Nl, in}));
+        CHECK(dw == take(dw_ref, {out, in}, shard));
+        CHECK(db == take(db_ref, {out}, shard));
+        CHECK(got.numel() == Nl * in);
+        const Vec mine(got.as<float>(), got.as<float>() + got.numel());
+        CHECK(relative_difference(mine, rows_of(dx_ref, in, tp.first_local_row(N), Nl)) < 1e-6);
+      });
+    }
+  }
+}
+
+TEST_CASE("a row-parallel linear sums its partial outputs over the group, the bias added once, and computes its own gradient columns") {
+  const std::int64_t N = 12, in = 24, out = 5;
+  const Vec x = random_vec(N * in, 11), w = random_vec(out * in, 12), b = random_vec(out, 13), dy = random_vec(N * out, 14);
+  Vec y_ref(N * out), dx_ref(N * in, 0.0f), dw_ref(out * in, 0.0f), db_ref(out, 0.0f);
+  run_single([&](const TensorParallel& tp) {
+    auto& be = tp.backend();
+    Vec xs = x, ws = w, bs = b, dys = dy;
+    be.linear_forward({view(y_ref, {N, out}), {}, view(xs, {N, in}), view(ws, {out, in}), view(bs, {out})});
+    be.linear_backward({view(dx_ref, {N, in}), view(dw_ref, {out, in}), view(db_ref, {out}), view(dys, {N, out}),
+                        view(xs, {N, in}), view(ws, {out, in})});
+  });
+  for (const Layout& L : kLayouts) {
+    INFO(L.str());
+    run_group(L.tp, {L.sp, false}, [&](const TensorParallel& tp) {
+      const RowParallelLinear layer(tp, in, out);
+      const std::int64_t li = layer.local_in(), Nl = tp.local_rows(N), r0 = tp.first_local_row(N);
+      const auto [c0, c1] = tp.split(in);
+      CHECK(li == c1 - c0);
+      Vec wl = take(w, {out, in}, layer.weight_shard()), bs = b;
+      Vec xl = columns(x, N, in, c0, li);
+      Vec y_full(N * out, 0.0f), y_local(Nl * out, 0.0f);
+      const auto impl = ops::backend_linear_impl(tp.backend());
+      layer.forward(impl, {view(y_full, {N, out}), {}, view(xl, {N, li}), view(wl, {out, li}), view(bs, {out})},
+                    view(y_local, {Nl, out}));
+      CHECK(relative_difference(y_local, rows_of(y_ref, out, r0, Nl)) < 1e-6);
+
+      Vec dy_full(N * out, 0.0f), dy_local = rows_of(dy, out, r0, Nl);
+      Vec dx(N * li, 0.0f), dw(out * li, 0.0f), db(out, 0.0f);
+      layer.backward(impl,
+                     {view(dx, {N, li}), view(dw, {out, li}), view(db, {out}), view(dy_full, {N, out}),
+                      view(xl, {N, li}), view(wl, {out, li})},
+                     view(dy_local, {Nl, out}));
+      CHECK(dx == columns(dx_ref, N, in, c0, li));
+      CHECK(dw == take(dw_ref, {out, in}, layer.weight_shard()));
+      CHECK(db == db_ref);  // whole on every rank
+    });
+  }
+}
+
+TEST_CASE("a vocabulary-parallel embedding looks up and learns exactly what the whole table does") {
+  const std::int64_t V = 32, C = 6, T = 4, N = 16;
+  const Vec wte = random_vec(V * C, 21), wpe = random_vec(T * C, 22), dout = random_vec(N * C, 23);
+  std::vector<std::int32_t> tokens(N);
+  std::mt19937 g(24);
+  for (auto& t : tokens) t = static_cast<std::int32_t>(g() % V);
+  Vec out_ref(N * C), dwte_ref(V * C, 0.0f), dwpe_ref(T * C, 0.0f);
+  auto tokens_view = [&] { return TensorView(tokens.data(), {N}, DType::i32, Device::cpu); };
+  run_single([&](const TensorParallel& tp) {
+    const VocabParallelEmbedding emb(tp, V, C);
+    Vec we = wte, wp = wpe, d = dout;
+    emb.forward({view(out_ref, {N, C}), tokens_view(), view(we, {V, C}), view(wp, {T, C}), int(T)}, view(out_ref, {N, C}));
+    emb.backward({view(dwte_ref, {V, C}), view(dwpe_ref, {T, C}), view(d, {N, C}), tokens_view(), tokens.data(), int(T)},
+                 view(d, {N, C}));
+  });
+  for (const Layout& L : kLayouts)
+    for (bool vp : {false, true}) {
+      INFO(L.str(), vp ? ", vocabulary parallel" : "");
+      run_group(L.tp, {L.sp, vp}, [&](const TensorParallel& tp) {
+        const VocabParallelEmbedding emb(tp, V, C);
+        const std::int64_t Vl = emb.local_vocab(), Nl = tp.local_rows(N), r0 = tp.first_local_row(N);
+        CHECK(Vl == (vp ? V / L.tp : V));
+        Vec wl = take(wte, {V, C}, emb.weight_shard()), wp = wpe;
+        Vec full(N * C, 0.0f), local(Nl * C, 0.0f);
+        emb.forward({view(full, {N, C}), tokens_view(), view(wl, {Vl, C}), view(wp, {T, C}), int(T)}, view(local, {Nl, C}));
+        CHECK(local == rows_of(out_ref, C, r0, Nl));
+
+        Vec d_full(N * C, 0.0f), d_local = rows_of(dout, C, r0, Nl), dwte(Vl * C, 0.0f), dwpe(T * C, 0.0f);
+        emb.backward({view(dwte, {Vl, C}), view(dwpe, {T, C}), view(d_full, {N, C}), tokens_view(), tokens.data(), int(T)},
+                     view(d_local, {Nl, C}));
+        CHECK(dwte == take(dwte_ref, {V, C}, emb.weight_shard()));
+        CHECK(dwpe == dwpe_ref);
+      });
+    }
+}
+
+TEST_CASE("a vocabulary-parallel cross-entropy gives every rank the whole loss and its columns of dlogits") {
+  const std::int64_t Vp = 40, N = 9;
+  const int V = 37;  // the last 3 columns are padding
+  const Vec logits = random_vec(N * Vp, 31);
+  std::vector<std::int32_t> targets(N);
+  std::mt19937 g(32);
+  for (auto& t : targets) t = static_cast<std::int32_t>(g() % V);
+  targets[4] = -1;  // ignored
+  auto targets_view = [&] { return TensorView(targets.data(), {N}, DType::i32, Device::cpu); };
+  Vec loss_ref(N), dlogits_ref = logits;
+  const float dloss = 1.0f / 9;
+  run_single([&](const TensorParallel& tp) {
+    VocabParallelCrossEntropy(tp, Vp, V, N).forward(view(loss_ref, {N}), view(dlogits_ref, {N, Vp}), targets_view(), dloss);
+  });
+  CHECK(loss_ref[4] == 0.0f);
+  for (int size : {2, 4}) {
+    INFO("tp=", size);
+    run_group(size, {false, true}, [&](const TensorParallel& tp) {
+      const VocabParallelCrossEntropy ce(tp, Vp, V, N);
+      const auto [c0, c1] = tp.split(Vp);
+      Vec mine = columns(logits, N, Vp, c0, c1 - c0), loss(N);
+      ce.forward(view(loss, {N}), view(mine, {N, c1 - c0}), targets_view(), dloss);
+      CHECK(relative_difference(loss, loss_ref) < 1e-6);
+      CHECK(relative_difference(mine, columns(dlogits_ref, N, Vp, c0, c1 - c0)) < 1e-6);
+    });
+  }
+}
+
+TEST_CASE("entering a sequence-parallel region gathers the rows; its backward sums every rank's partial rows") {
+  const std::int64_t N = 8, C = 3;
+  for (int size : {2, 4})
+    run_group(size, {true, false}, [&](const TensorParallel& tp) {
+      const std::int64_t Nl = tp.local_rows(N);
+      REQUIRE(Nl == N / size);
+      Vec local(Nl * C), full(N * C, 0.0f);
+      for (std::int64_t i = 0; i < Nl * C; ++i) local[i] = float(tp.first_local_row(N) * C + i);
+      tp.enter(view(full, {N, C}), view(local, {Nl, C}));
+      for (std::int64_t i = 0; i < N * C; ++i) CHECK(full[i] == float(i));
+      // Every rank holds rank+1 times the whole: the sum of its rows is (1 + ... + size) times them.
+      Vec partial(N * C), mine(Nl * C);
+      for (std::int64_t i = 0; i < N * C; ++i) partial[i] = float(i) * float(tp.rank() + 1);
+      tp.enter_backward(view(mine, {Nl, C}), view(partial, {N, C}));
+      const float times = float(size * (size + 1) / 2);
+      for (std::int64_t i = 0; i < Nl * C; ++i) CHECK(mine[i] == float(tp.first_local_row(N) * C + i) * times);
+      // Rows kept in parts whatever the SP setting: a rank's part and all of them back.
+      Vec part(N / size * C), again(N * C, 0.0f);
+      const TensorView p = tp.row_part(view(full, {N, C}));
+      std::copy_n(p.as<float>(), p.numel(), part.begin());
+      tp.gather_row_parts(view(again, {N, C}), view(part, {N / size, C}));
+      CHECK(again == full);
+    });
+}
+
+TEST_CASE("without sequence parallelism the region's entry is free and its exit an all-reduce in place") {
+  run_group(2, {false, false}, [](const TensorParallel& tp) {
+    Vec t = {1.0f + tp.rank(), 10.0f};
+    tp.enter(view(t, {1, 2}), view(t, {1, 2}));  // nothing to gather
+    CHECK(t == Vec{1.0f + tp.rank(), 10.0f});
+    tp.exit(view(t, {1, 2}), view(t, {1, 2}));
+    CHECK(t == Vec{3.0f, 20.0f});
+    Vec other(2);
+    CHECK_THROWS_WITH(tp.enter(view(t, {1, 2}), view(other, {1, 2})), doctest::Contains("needs one tensor"));
+  });
+}
+
+TEST_CASE("dimensions that do not split over the group are refused, naming the key") {
+  const auto problems =
+      check_splits(4, {{12, "model.n_head", "attention heads"}, {6, "model.vocab_size", "vocabulary rows"}, {8, "k", "x"}});
+  REQUIRE(problems.size() == 1);
+  CHECK(problems[0].key == "model.vocab_size");
+  CHECK(problems[0].message == "6 vocabulary rows do not split over the 4 ranks of the tensor-parallel group (parallel.tp)");
+  CHECK(check_splits(1, {{7, "a", "b"}}).empty());
+  run_group(4, {}, [](const TensorParallel& tp) {
+    CHECK_THROWS_WITH(ColumnParallelLinear(tp, 8, 6), doctest::Contains("do not split over the 4 ranks"));
+    CHECK_THROWS_WITH(RowParallelLinear(tp, 10, 8), doctest::Contains("10 input features do not split"));
+    CHECK_NOTHROW(ColumnParallelLinear(tp, 8, 6, 1, /*split=*/false));
+    const ColumnParallelLinear qkv(tp, 8, 24, 3);  // 3 parts of 8 rows: 2 of each per rank
+    CHECK(qkv.weight_shard().ranges.size() == 3);
+    CHECK(qkv.weight_shard().extent() == 6);
+  });
+}
