@@ -10,17 +10,7 @@ struct AttnShape {
   std::int64_t B, T, H, D, Htot;
 };
 
-AttnShape check_attention(const TensorView& qkv, const TensorView& out, const TensorView& lse, int heads_total,
-                          int head_offset, const char* op) {
-  KILN_CHECK(qkv.ndim() == 5 && qkv.size(2) == 3, op, ": qkv must be [B, T, 3, H, D], got ", qkv.str());
-  AttnShape s{qkv.size(0), qkv.size(1), qkv.size(3), qkv.size(4), heads_total ? heads_total : qkv.size(3)};
-  expect_tensor(qkv, DType::f32, {s.B, s.T, 3, s.H, s.D}, op);
-  expect_tensor(out, DType::f32, {s.B, s.T, s.H, s.D}, op);
-  expect_tensor(lse, DType::f32, {s.B, s.H, s.T}, op);
-  KILN_CHECK(head_offset >= 0 && head_offset + s.H <= s.Htot, op, ": heads [", head_offset, ", ",
-             head_offset + s.H, ") outside ", s.Htot);
-  return s;
-}
+AttnShape shape_of(const AttentionDims& d) { return {d.B, d.T, d.H, d.D, d.heads_total}; }
 
 // Philox element of attention probability (b, h, i, j); see AttentionForward.
 inline std::uint64_t prob_index(const AttnShape& s, int head_offset, std::int64_t b, std::int64_t h, std::int64_t i,
@@ -31,7 +21,7 @@ inline std::uint64_t prob_index(const AttnShape& s, int head_offset, std::int64_
 
 void CpuBackend::attention_forward(const AttentionForward& a) {
   Timer timer(*this, "attention_forward");
-  const auto s = check_attention(a.qkv, a.out, a.lse, a.heads_total, a.head_offset, "attention_forward");
+  const AttnShape s = shape_of(check_args(a, kTarget));
   const float* qkv = a.qkv.as<float>();
   float* out = a.out.as<float>();
   float* lse = a.lse.as<float>();
@@ -77,9 +67,7 @@ void CpuBackend::attention_forward(const AttentionForward& a) {
 
 void CpuBackend::attention_backward(const AttentionBackward& a) {
   Timer timer(*this, "attention_backward");
-  const auto s = check_attention(a.qkv, a.out, a.lse, a.heads_total, a.head_offset, "attention_backward");
-  expect_tensor(a.dqkv, DType::f32, {s.B, s.T, 3, s.H, s.D}, "attention_backward dqkv");
-  expect_tensor(a.dout, DType::f32, {s.B, s.T, s.H, s.D}, "attention_backward dout");
+  const AttnShape s = shape_of(check_args(a, kTarget));
   const float *qkv = a.qkv.as<float>(), *dout = a.dout.as<float>(), *lse = a.lse.as<float>();
   float* dqkv = a.dqkv.as<float>();
   const std::int64_t rs = 3 * s.H * s.D;

@@ -45,15 +45,13 @@ void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
 }
 
 void CpuBackend::zero(const TensorView& t) {
-  check_cpu(t, "zero");
+  check_zero_args(t, kTarget);
   std::memset(t.data, 0, t.bytes());
 }
 
 double CpuBackend::sum_squares(const TensorView& x) {
-  check_cpu(x, "sum_squares");
-  KILN_CHECK(x.dtype == DType::f32, "sum_squares needs f32, got ", x.str());
+  const std::int64_t n = check_f32_tensor("sum_squares", "x", x, kTarget);
   const float* p = x.as<float>();
-  const std::int64_t n = x.numel();
   // Fixed chunking keeps the result independent of the thread count.
   constexpr std::int64_t kChunk = 1 << 14;
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
@@ -77,10 +75,8 @@ std::vector<double> CpuBackend::sum_squares_each(std::span<const TensorView> xs)
 }
 
 void CpuBackend::init_normal(const TensorView& dst, float std, rng::PhiloxArgs r, std::int64_t global_offset) {
-  check_cpu(dst, "init_normal");
-  KILN_CHECK(dst.dtype == DType::f32, "init_normal writes f32, got ", dst.str());
+  const std::int64_t n = check_f32_tensor("init_normal", "dst", dst, kTarget);
   float* d = dst.as<float>();
-  const std::int64_t n = dst.numel();
   const std::uint64_t start = r.start();
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t i = 0; i < n; ++i)
@@ -88,9 +84,7 @@ void CpuBackend::init_normal(const TensorView& dst, float std, rng::PhiloxArgs r
 }
 
 void CpuBackend::fill(const TensorView& dst, float value) {
-  check_cpu(dst, "fill");
-  KILN_CHECK(dst.dtype == DType::f32, "fill writes f32, got ", dst.str());
-  std::fill_n(dst.as<float>(), dst.numel(), value);
+  std::fill_n(dst.as<float>(), check_f32_tensor("fill", "dst", dst, kTarget), value);
 }
 
 int CpuBackend::begin_op(const char* op) {

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "kiln/ops/backend.hpp"
+#include "../op_args.hpp"
 #include "kiln/tensor/bf16.hpp"
 
 namespace kiln::ops::cpu {
@@ -72,6 +73,7 @@ class CpuBackend final : public Backend {
   };
   std::vector<Open> open_;  // ops begun and not ended, by token
 
+  static constexpr ArgTarget kTarget{Device::cpu, DType::f32, false};  // what the op descriptions check
   bool round_;
   int threads_;
   bool profiling_ = false;

@@ -25,17 +25,13 @@ void ignore_row(float* row, std::int64_t V, float& loss) {
 
 void CpuBackend::cross_entropy(const CrossEntropy& a) {
   Timer timer(*this, "cross_entropy");
-  const std::int64_t N = a.logits.size(0), V = a.logits.size(1);
-  expect_tensor(a.logits, DType::f32, {N, V}, "cross_entropy logits");
-  expect_tensor(a.losses, DType::f32, {N}, "cross_entropy losses");
-  expect_tensor(a.targets, DType::i32, {N}, "cross_entropy targets");
-  KILN_CHECK(a.vocab_real > 0 && a.vocab_real <= V, "cross_entropy: vocab_real ", a.vocab_real, " vs V ", V);
+  const CrossEntropyDims d = check_args(a, kTarget);
+  const std::int64_t N = d.N, V = d.V;
   const std::int64_t Vr = a.vocab_real;
   float* logits = a.logits.as<float>();
   float* losses = a.losses.as<float>();
   const auto* targets = a.targets.as<std::int32_t>();
-  for (std::int64_t n = 0; n < N; ++n)
-    KILN_CHECK(targets[n] >= -1 && targets[n] < Vr, "target ", targets[n], " at row ", n, " outside [0, ", Vr, ")");
+  check_targets("cross_entropy", targets, N, Vr);
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     float* row = logits + n * V;
@@ -57,20 +53,14 @@ void CpuBackend::cross_entropy(const CrossEntropy& a) {
 
 void CpuBackend::cross_entropy_stats(const CrossEntropyStats& a) {
   Timer timer(*this, "cross_entropy_stats");
-  const std::int64_t N = a.logits.size(0), V = a.logits.size(1);
-  expect_tensor(a.logits, DType::f32, {N, V}, "cross_entropy_stats logits");
-  expect_tensor(a.stats, DType::f32, {N, 3}, "cross_entropy_stats stats");
-  expect_tensor(a.targets, DType::i32, {N}, "cross_entropy_stats targets");
-  KILN_CHECK(a.vocab_begin >= 0 && a.vocab_real > 0, "cross_entropy_stats: columns from ", a.vocab_begin,
-             ", vocab_real ", a.vocab_real);
+  const CrossEntropyDims d = check_args(a, kTarget);
+  const std::int64_t N = d.N, V = d.V;
   // This rank's real columns: [0, Vr) of its V.
   const std::int64_t Vr = std::clamp<std::int64_t>(a.vocab_real - a.vocab_begin, 0, V);
   const float* logits = a.logits.as<float>();
   float* stats = a.stats.as<float>();
   const auto* targets = a.targets.as<std::int32_t>();
-  for (std::int64_t n = 0; n < N; ++n)
-    KILN_CHECK(targets[n] >= -1 && targets[n] < a.vocab_real, "target ", targets[n], " at row ", n, " outside [0, ",
-               a.vocab_real, ")");
+  check_targets("cross_entropy_stats", targets, N, a.vocab_real);
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     const float* row = logits + n * V;
@@ -87,18 +77,14 @@ void CpuBackend::cross_entropy_stats(const CrossEntropyStats& a) {
 
 void CpuBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
   Timer timer(*this, "cross_entropy_finish");
-  const std::int64_t N = a.logits.size(0), V = a.logits.size(1);
-  KILN_CHECK(a.all_stats.ndim() == 3 && a.all_stats.size(1) == N && a.all_stats.size(2) == 3,
-             "cross_entropy_finish: all_stats ", a.all_stats.str(), " for ", N, " rows");
-  const std::int64_t R = a.all_stats.size(0);
-  expect_tensor(a.logits, DType::f32, {N, V}, "cross_entropy_finish logits");
-  expect_tensor(a.losses, DType::f32, {N}, "cross_entropy_finish losses");
-  expect_tensor(a.all_stats, DType::f32, {R, N, 3}, "cross_entropy_finish all_stats");
+  const CrossEntropyDims d = check_args(a, kTarget);
+  const std::int64_t N = d.N, V = d.V, R = d.ranks;
   const std::int64_t Vr = std::clamp<std::int64_t>(a.vocab_real - a.vocab_begin, 0, V);
   float* logits = a.logits.as<float>();
   float* losses = a.losses.as<float>();
   const float* st = a.all_stats.as<float>();
   const auto* targets = a.targets.as<std::int32_t>();
+  check_targets("cross_entropy_finish", targets, N, a.vocab_real);
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     float* row = logits + n * V;

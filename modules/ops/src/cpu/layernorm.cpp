@@ -7,12 +7,8 @@ namespace kiln::ops::cpu {
 
 void CpuBackend::layernorm_forward(const LayerNormForward& a) {
   Timer timer(*this, "layernorm_forward");
-  const std::int64_t N = a.x.size(0), C = a.x.size(1);
-  expect_tensor(a.out, DType::f32, {N, C}, "layernorm_forward out");
-  expect_tensor(a.mean, DType::f32, {N}, "layernorm_forward mean");
-  expect_tensor(a.rstd, DType::f32, {N}, "layernorm_forward rstd");
-  expect_tensor(a.weight, DType::f32, {C}, "layernorm_forward weight");
-  expect_tensor(a.bias, DType::f32, {C}, "layernorm_forward bias");
+  const RowDims d = check_args(a, kTarget);
+  const std::int64_t N = d.N, C = d.C;
   const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *b = a.bias.as<float>();
   float *out = a.out.as<float>(), *mean = a.mean.as<float>(), *rstd = a.rstd.as<float>();
 #pragma omp parallel for num_threads(threads_) schedule(static)
@@ -28,11 +24,8 @@ void CpuBackend::layernorm_forward(const LayerNormForward& a) {
 
 void CpuBackend::layernorm_backward(const LayerNormBackward& a) {
   Timer timer(*this, "layernorm_backward");
-  const std::int64_t N = a.x.size(0), C = a.x.size(1);
-  expect_tensor(a.dx, DType::f32, {N, C}, "layernorm_backward dx");
-  expect_tensor(a.dweight, DType::f32, {C}, "layernorm_backward dweight");
-  expect_tensor(a.dbias, DType::f32, {C}, "layernorm_backward dbias");
-  expect_tensor(a.dout, DType::f32, {N, C}, "layernorm_backward dout");
+  const RowDims d = check_args(a, kTarget);
+  const std::int64_t N = d.N, C = d.C;
   const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>();
   const float *mean = a.mean.as<float>(), *rstd = a.rstd.as<float>();
   float *dx = a.dx.as<float>(), *dw = a.dweight.as<float>(), *db = a.dbias.as<float>();

@@ -4,11 +4,8 @@ namespace kiln::ops::cpu {
 
 void CpuBackend::residual_forward(const ResidualForward& a) {
   Timer timer(*this, "residual_forward");
-  KILN_CHECK(a.x.ndim() == 2, "residual_forward: x must be [N, C], got ", a.x.str());
-  const std::int64_t N = a.x.size(0), C = a.x.size(1);
-  expect_tensor(a.out, DType::f32, {N, C}, "residual_forward out");
-  expect_tensor(a.residual, DType::f32, {N, C}, "residual_forward residual");
-  expect_tensor(a.x, DType::f32, {N, C}, "residual_forward x");
+  const RowDims dims = check_args(a, kTarget);
+  const std::int64_t N = dims.N, C = dims.C;
   const float *r = a.residual.as<float>(), *x = a.x.as<float>();
   float* out = a.out.as<float>();
   const auto& d = a.dropout;
@@ -29,10 +26,8 @@ void CpuBackend::residual_forward(const ResidualForward& a) {
 
 void CpuBackend::dropout_backward(const DropoutBackward& a) {
   Timer timer(*this, "dropout_backward");
-  KILN_CHECK(a.dout.ndim() == 2, "dropout_backward: dout must be [N, C], got ", a.dout.str());
-  const std::int64_t N = a.dout.size(0), C = a.dout.size(1);
-  expect_tensor(a.dx, DType::f32, {N, C}, "dropout_backward dx");
-  expect_tensor(a.dout, DType::f32, {N, C}, "dropout_backward dout");
+  const RowDims dims = check_args(a, kTarget);
+  const std::int64_t N = dims.N, C = dims.C;
   const float* g = a.dout.as<float>();
   float* dx = a.dx.as<float>();
   const auto& d = a.dropout;

@@ -41,10 +41,8 @@ template <class T>
 T* dptr(const TensorView& t) {
   return static_cast<T*>(t.data);
 }
-int as_int(std::int64_t v, const char* what) {
-  KILN_CHECK(v >= 0 && v <= 0x7fffffff, what, " = ", v, " does not fit a 32-bit int");
-  return static_cast<int>(v);
-}
+// A dimension as the kernels take it: the op descriptions checked that it fits (kTarget.int32_dims).
+int i32(std::int64_t v) { return static_cast<int>(v); }
 }  // namespace
 
 CudaBackend::CudaBackend(int device, const CudaOptions& options)
@@ -196,7 +194,7 @@ void CudaBackend::convert(const TensorView& dst, const TensorView& src) {
 }
 
 void CudaBackend::zero(const TensorView& t) {
-  KILN_CHECK(t.device == Device::cuda && t.contiguous(), "zero of ", t.str());
+  check_zero_args(t, kTarget);
   KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_));
 }
 
@@ -210,8 +208,7 @@ std::vector<double> CudaBackend::sum_squares_each(std::span<const TensorView> xs
   Timer t(*this, "sum_squares");
   std::vector<std::int64_t> first(xs.size() + 1, 0);
   for (std::size_t i = 0; i < xs.size(); ++i) {
-    check_dev(xs[i], DType::f32, "sum_squares");
-    first[i + 1] = first[i] + cuda::sum_squares_partials(xs[i].numel());
+    first[i + 1] = first[i] + cuda::sum_squares_partials(check_f32_tensor("sum_squares", "x", xs[i], kTarget));
   }
   float* partials = scratch_floats(first.back());
   for (std::size_t i = 0; i < xs.size(); ++i)
@@ -226,48 +223,29 @@ std::vector<double> CudaBackend::sum_squares_each(std::span<const TensorView> xs
 }
 
 void CudaBackend::init_normal(const TensorView& dst, float std, rng::PhiloxArgs r, std::int64_t global_offset) {
-  check_dev(dst, DType::f32, "init_normal");
-  cuda::init_normal_f32(dptr<float>(dst), dst.numel(), std, r, global_offset, stream_);
+  const std::int64_t n = check_f32_tensor("init_normal", "dst", dst, kTarget);
+  cuda::init_normal_f32(dptr<float>(dst), n, std, r, global_offset, stream_);
 }
 
 void CudaBackend::fill(const TensorView& dst, float value) {
-  check_dev(dst, DType::f32, "fill");
-  cuda::fill_f32(dptr<float>(dst), value, dst.numel(), stream_);
+  const std::int64_t n = check_f32_tensor("fill", "dst", dst, kTarget);
+  cuda::fill_f32(dptr<float>(dst), value, n, stream_);
 }
 
 void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   Timer t(*this, "embedding_forward");
-  const int N = as_int(a.out.size(0), "N"), C = as_int(a.out.size(1), "C");
-  check_dev(a.out, DType::bf16, "embedding_forward out");
-  check_dev(a.tokens, DType::i32, "embedding_forward tokens");
-  check_dev(a.wte, DType::bf16, "embedding_forward wte");
-  check_dev(a.wpe, DType::bf16, "embedding_forward wpe");
-  KILN_CHECK(a.T > 0 && N % a.T == 0 && a.wpe.size(0) >= a.T, "embedding_forward: T=", a.T, " N=", N);
-  const int V = as_int(a.wte.size(0), "V");
-  const std::int64_t total = a.vocab_total ? a.vocab_total : V;
-  KILN_CHECK(a.vocab_begin >= 0 && a.vocab_begin + V <= total, "embedding_forward rows [", a.vocab_begin, ", ",
-             a.vocab_begin + V, ") outside a vocabulary of ", total);
-  cuda::embedding_forward(dptr<bf16>(a.out), dptr<std::int32_t>(a.tokens), dptr<bf16>(a.wte), dptr<bf16>(a.wpe), N,
-                          a.T, C, a.vocab_begin, V, a.positions, stream_);
+  const EmbeddingDims d = check_args(a, kTarget);
+  cuda::embedding_forward(dptr<bf16>(a.out), dptr<std::int32_t>(a.tokens), dptr<bf16>(a.wte), dptr<bf16>(a.wpe),
+                          i32(d.N), a.T, i32(d.C), a.vocab_begin, i32(d.V), a.positions, stream_);
 }
 
 void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   Timer t(*this, "embedding_backward");
-  const int N = as_int(a.dout.size(0), "N"), C = as_int(a.dout.size(1), "C");
-  check_dev(a.dwte, DType::f32, "embedding_backward dwte");
-  check_dev(a.dwpe, DType::f32, "embedding_backward dwpe");
-  check_dev(a.dout, DType::bf16, "embedding_backward dout");
-  KILN_CHECK(a.tokens_host, "embedding_backward needs the tokens on the host");
-  KILN_CHECK(a.T > 0 && N % a.T == 0 && a.dwpe.size(0) >= a.T, "embedding_backward: T=", a.T, " N=", N);
-  KILN_CHECK(a.dwte.size(1) == C && a.dwpe.size(1) == C, "embedding_backward: ", a.dwte.str(), " ", a.dwpe.str(),
-             " vs C=", C);
+  const EmbeddingDims d = check_args(a, kTarget);
+  const int N = i32(d.N), C = i32(d.C);
   // The kernel writes dwte rows by token id: an id outside the table would write out of bounds.
-  const std::int64_t V = a.dwte.size(0), total = a.vocab_total ? a.vocab_total : V, begin = a.vocab_begin;
-  KILN_CHECK(begin >= 0 && begin + V <= total, "embedding_backward rows [", begin, ", ", begin + V,
-             ") outside a vocabulary of ", total);
-  for (int n = 0; n < N; ++n)
-    KILN_CHECK(a.tokens_host[n] >= 0 && a.tokens_host[n] < total, "token ", a.tokens_host[n], " at position ", n,
-               " outside the vocabulary of ", total);
+  check_tokens("embedding_backward", "tokens_host", a.tokens_host, N, d.vocab_total);
+  const std::int64_t V = d.V, begin = a.vocab_begin;
   // Bucket this table's positions by token on the host (stable), so the kernel sums each token's rows
   // in order; rows are local (token - begin).
   auto mine = [&](int n) { return a.tokens_host[n] >= begin && a.tokens_host[n] < begin + V; };
@@ -294,28 +272,15 @@ void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {
   Timer t(*this, "layernorm_forward");
-  const int N = as_int(a.x.size(0), "N"), C = as_int(a.x.size(1), "C");
-  check_dev(a.out, DType::bf16, "layernorm_forward out");
-  check_dev(a.x, DType::bf16, "layernorm_forward x");
-  check_dev(a.mean, DType::f32, "layernorm_forward mean");
-  check_dev(a.rstd, DType::f32, "layernorm_forward rstd");
-  check_dev(a.weight, DType::bf16, "layernorm_forward weight");
-  check_dev(a.bias, DType::bf16, "layernorm_forward bias");
+  const RowDims d = check_args(a, kTarget);
   cuda::layernorm_forward(dptr<bf16>(a.out), dptr<float>(a.mean), dptr<float>(a.rstd), dptr<bf16>(a.x),
-                          dptr<bf16>(a.weight), dptr<bf16>(a.bias), N, C, a.eps, stream_);
+                          dptr<bf16>(a.weight), dptr<bf16>(a.bias), i32(d.N), i32(d.C), a.eps, stream_);
 }
 
 void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
   Timer t(*this, "layernorm_backward");
-  const int N = as_int(a.x.size(0), "N"), C = as_int(a.x.size(1), "C");
-  check_dev(a.dx, DType::bf16, "layernorm_backward dx");
-  check_dev(a.dweight, DType::f32, "layernorm_backward dweight");
-  check_dev(a.dbias, DType::f32, "layernorm_backward dbias");
-  check_dev(a.dout, DType::bf16, "layernorm_backward dout");
-  check_dev(a.x, DType::bf16, "layernorm_backward x");
-  check_dev(a.weight, DType::bf16, "layernorm_backward weight");
-  check_dev(a.mean, DType::f32, "layernorm_backward mean");
-  check_dev(a.rstd, DType::f32, "layernorm_backward rstd");
+  const RowDims d = check_args(a, kTarget);
+  const int N = i32(d.N), C = i32(d.C);
   float* scratch = scratch_floats(cuda::layernorm_backward_scratch(N, C));
   cuda::layernorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), dptr<float>(a.dbias), scratch,
                            dptr<bf16>(a.dout), dptr<bf16>(a.x), dptr<bf16>(a.weight), dptr<float>(a.mean),
@@ -324,29 +289,16 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
 
 void CudaBackend::linear_forward(const LinearForward& a) {
   Timer t(*this, a.pre_gelu ? "linear_forward_gelu" : "linear_forward");
-  KILN_CHECK(!a.x_gelu_pre && !a.x_ln,
-             "linear_forward: x_gelu_pre and x_ln are for a LinearImpl that takes them, not the backend");
-  const int N = as_int(a.x.size(0), "N"), IC = as_int(a.x.size(1), "IC"), OC = as_int(a.weight.size(0), "OC");
-  check_dev(a.out, DType::bf16, "linear_forward out");
-  check_dev(a.x, DType::bf16, "linear_forward x");
-  check_dev(a.weight, DType::bf16, "linear_forward weight");
-  KILN_CHECK(a.weight.size(1) == IC && a.out.size(0) == N && a.out.size(1) == OC, "linear_forward shapes ",
-             a.x.str(), " ", a.weight.str(), " ", a.out.str());
+  const LinearDims d = check_args(a, kTarget);
   cuda::GemmDesc g;
-  g.M = N;
-  g.N = OC;
-  g.K = IC;
+  g.M = i32(d.N);
+  g.N = i32(d.OC);
+  g.K = i32(d.IC);
   g.A = dptr<bf16>(a.x);
   g.B = dptr<bf16>(a.weight);
   g.trans_b = true;  // out = x @ W^T
   g.D = a.out.data;
-  if (a.bias) {
-    check_dev(a.bias, DType::bf16, "linear_forward bias");
-    KILN_CHECK(a.bias.numel() == OC, "linear_forward bias ", a.bias.str(), " vs OC=", OC);
-  }
   if (a.pre_gelu) {
-    check_dev(a.pre_gelu, DType::bf16, "linear_forward pre_gelu");
-    KILN_CHECK(a.pre_gelu.numel() == a.out.numel(), "linear_forward pre_gelu ", a.pre_gelu.str());
     g.epilogue = Epilogue::gelu;  // without a bias, cuBLASLt's GELU_AUX
     g.aux = dptr<bf16>(a.pre_gelu);
     g.bias = a.bias ? dptr<bf16>(a.bias) : nullptr;
@@ -359,15 +311,9 @@ void CudaBackend::linear_forward(const LinearForward& a) {
 
 void CudaBackend::linear_backward(const LinearBackward& a) {
   Timer t(*this, a.dx_gelu_pre ? "linear_backward_dgelu" : "linear_backward");
-  KILN_CHECK(!a.dout_gelu_pre && !a.x_gelu_pre && !a.x_ln,
-             "linear_backward: dout_gelu_pre, x_gelu_pre and x_ln are for a LinearImpl that takes them, not the backend");
-  const int N = as_int(a.x.size(0), "N"), IC = as_int(a.x.size(1), "IC"), OC = as_int(a.weight.size(0), "OC");
-  check_dev(a.dout, DType::bf16, "linear_backward dout");
-  check_dev(a.x, DType::bf16, "linear_backward x");
-  check_dev(a.weight, DType::bf16, "linear_backward weight");
-  check_dev(a.dweight, DType::f32, "linear_backward dweight");
+  const LinearDims d = check_args(a, kTarget);
+  const int N = i32(d.N), IC = i32(d.IC), OC = i32(d.OC);
   if (a.dx) {
-    check_dev(a.dx, DType::bf16, "linear_backward dx");
     cuda::GemmDesc g;  // dx[N, IC] = dout[N, OC] @ W[OC, IC]
     g.M = N;
     g.N = IC;
@@ -376,7 +322,6 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
     g.B = dptr<bf16>(a.weight);
     g.D = a.dx.data;
     if (a.dx_gelu_pre) {
-      check_dev(a.dx_gelu_pre, DType::bf16, "linear_backward dx_gelu_pre");
       g.epilogue = Epilogue::dgelu;
       g.aux = dptr<bf16>(a.dx_gelu_pre);
     }
@@ -394,7 +339,6 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   w.accumulate = !a.dweight_overwrite;
   gemm_->run(w, stream_);
   if (a.dbias) {
-    check_dev(a.dbias, DType::f32, "linear_backward dbias");
     float* scratch = scratch_floats(cuda::bias_grad_scratch(N, OC));
     cuda::bias_grad(dptr<float>(a.dbias), scratch, tickets(cuda::bias_grad_tickets(OC)), dptr<bf16>(a.dout), N, OC,
                     stream_);
@@ -403,10 +347,8 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
 
 void CudaBackend::gelu_forward(const GeluForward& a) {
   Timer t(*this, "gelu_forward");
-  check_dev(a.out, DType::bf16, "gelu_forward out");
-  check_dev(a.x, DType::bf16, "gelu_forward x");
-  KILN_CHECK(a.out.numel() == a.x.numel(), "gelu_forward ", a.x.str(), " -> ", a.out.str());
-  cuda::gelu_forward(dptr<bf16>(a.out), dptr<bf16>(a.x), a.x.numel(), stream_);
+  const std::int64_t n = check_args(a, kTarget);
+  cuda::gelu_forward(dptr<bf16>(a.out), dptr<bf16>(a.x), n, stream_);
 }
 
 std::size_t CudaBackend::device_memory_in_use() const {
@@ -446,32 +388,22 @@ bool CudaBackend::use_cudnn_attention(float dropout, int B, int T, int H, int D)
 
 void CudaBackend::attention_forward(const AttentionForward& a) {
   Timer t(*this, "attention_forward");
-  KILN_CHECK(a.qkv.ndim() == 5 && a.qkv.size(2) == 3, "attention_forward: qkv must be [B, T, 3, H, D], got ",
-             a.qkv.str());
-  const int B = as_int(a.qkv.size(0), "B"), T = as_int(a.qkv.size(1), "T"), H = as_int(a.qkv.size(3), "H"),
-            D = as_int(a.qkv.size(4), "D");
-  check_dev(a.qkv, DType::bf16, "attention_forward qkv");
-  check_dev(a.out, DType::bf16, "attention_forward out");
-  check_dev(a.lse, DType::f32, "attention_forward lse");
+  const AttentionDims d = check_args(a, kTarget);
+  const int B = i32(d.B), T = i32(d.T), H = i32(d.H), D = i32(d.D);
   if (use_cudnn_attention(a.dropout, B, T, H, D)) {
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->forward_workspace_bytes(B, T, H, D) / sizeof(float)));
     cudnn_->forward(a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
     return;
   }
   cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout,
-                          a.rng, a.head_offset, a.heads_total ? a.heads_total : H, stream_);
+                          a.rng, a.head_offset, i32(d.heads_total), stream_);
 }
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
   Timer t(*this, "attention_backward");
-  const int B = as_int(a.qkv.size(0), "B"), T = as_int(a.qkv.size(1), "T"), H = as_int(a.qkv.size(3), "H"),
-            D = as_int(a.qkv.size(4), "D");
-  check_dev(a.dqkv, DType::bf16, "attention_backward dqkv");
-  check_dev(a.dout, DType::bf16, "attention_backward dout");
+  const AttentionDims d = check_args(a, kTarget);
+  const int B = i32(d.B), T = i32(d.T), H = i32(d.H), D = i32(d.D);
   if (use_cudnn_attention(a.dropout, B, T, H, D)) {
-    check_dev(a.qkv, DType::bf16, "attention_backward qkv");
-    check_dev(a.out, DType::bf16, "attention_backward out");
-    check_dev(a.lse, DType::f32, "attention_backward lse");
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->backward_workspace_bytes(B, T, H, D) / sizeof(float)));
     cudnn_->backward(a.dqkv.data, a.dout.data, a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
     return;
@@ -479,91 +411,56 @@ void CudaBackend::attention_backward(const AttentionBackward& a) {
   float* scratch = scratch_floats(cuda::attention_backward_scratch(B, T, H));
   cuda::attention_backward(dptr<bf16>(a.dqkv), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.out), dptr<float>(a.lse),
                            dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout, a.rng, a.head_offset,
-                           a.heads_total ? a.heads_total : H, stream_);
+                           i32(d.heads_total), stream_);
 }
 
 void CudaBackend::residual_forward(const ResidualForward& a) {
   Timer t(*this, "residual_forward");
-  const int N = as_int(a.x.size(0), "N"), C = as_int(a.x.size(1), "C");
-  check_dev(a.out, DType::bf16, "residual_forward out");
-  check_dev(a.residual, DType::bf16, "residual_forward residual");
-  check_dev(a.x, DType::bf16, "residual_forward x");
-  cuda::residual_forward(dptr<bf16>(a.out), dptr<bf16>(a.residual), dptr<bf16>(a.x), N, C, a.dropout, stream_);
+  const RowDims d = check_args(a, kTarget);
+  cuda::residual_forward(dptr<bf16>(a.out), dptr<bf16>(a.residual), dptr<bf16>(a.x), i32(d.N), i32(d.C), a.dropout,
+                         stream_);
 }
 
 void CudaBackend::dropout_backward(const DropoutBackward& a) {
   Timer t(*this, "dropout_backward");
-  const int N = as_int(a.dout.size(0), "N"), C = as_int(a.dout.size(1), "C");
-  check_dev(a.dx, DType::bf16, "dropout_backward dx");
-  check_dev(a.dout, DType::bf16, "dropout_backward dout");
-  cuda::dropout_backward(dptr<bf16>(a.dx), dptr<bf16>(a.dout), N, C, a.dropout, stream_);
+  const RowDims d = check_args(a, kTarget);
+  cuda::dropout_backward(dptr<bf16>(a.dx), dptr<bf16>(a.dout), i32(d.N), i32(d.C), a.dropout, stream_);
 }
 
 void CudaBackend::cross_entropy(const CrossEntropy& a) {
   Timer t(*this, "cross_entropy");
-  const int N = as_int(a.logits.size(0), "N"), V = as_int(a.logits.size(1), "V");
-  check_dev(a.logits, DType::bf16, "cross_entropy logits");
-  check_dev(a.losses, DType::f32, "cross_entropy losses");
-  check_dev(a.targets, DType::i32, "cross_entropy targets");
-  KILN_CHECK(a.vocab_real > 0 && a.vocab_real <= V, "cross_entropy: vocab_real ", a.vocab_real, " vs V ", V);
-  cuda::cross_entropy(dptr<float>(a.losses), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets), N, V, a.vocab_real,
-                      a.dloss, stream_);
+  const CrossEntropyDims d = check_args(a, kTarget);
+  cuda::cross_entropy(dptr<float>(a.losses), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets), i32(d.N), i32(d.V),
+                      a.vocab_real, a.dloss, stream_);
 }
 
 void CudaBackend::cross_entropy_stats(const CrossEntropyStats& a) {
   Timer t(*this, "cross_entropy_stats");
-  const int N = as_int(a.logits.size(0), "N"), V = as_int(a.logits.size(1), "V");
-  check_dev(a.logits, DType::bf16, "cross_entropy_stats logits");
-  check_dev(a.stats, DType::f32, "cross_entropy_stats stats");
-  check_dev(a.targets, DType::i32, "cross_entropy_stats targets");
-  KILN_CHECK(a.stats.numel() == 3 * std::int64_t(N) && a.targets.numel() == N, "cross_entropy_stats: stats ",
-             a.stats.str(), ", targets ", a.targets.str(), " for ", N, " rows");
-  KILN_CHECK(a.vocab_begin >= 0 && a.vocab_real > 0, "cross_entropy_stats: columns from ", a.vocab_begin,
-             ", vocab_real ", a.vocab_real);
-  cuda::cross_entropy_stats(dptr<float>(a.stats), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets), N, V,
-                            a.vocab_real, a.vocab_begin, stream_);
+  const CrossEntropyDims d = check_args(a, kTarget);
+  cuda::cross_entropy_stats(dptr<float>(a.stats), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets), i32(d.N),
+                            i32(d.V), a.vocab_real, a.vocab_begin, stream_);
 }
 
 void CudaBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
   Timer t(*this, "cross_entropy_finish");
-  const int N = as_int(a.logits.size(0), "N"), V = as_int(a.logits.size(1), "V");
-  check_dev(a.logits, DType::bf16, "cross_entropy_finish logits");
-  check_dev(a.losses, DType::f32, "cross_entropy_finish losses");
-  check_dev(a.targets, DType::i32, "cross_entropy_finish targets");
-  check_dev(a.all_stats, DType::f32, "cross_entropy_finish all_stats");
-  KILN_CHECK(a.all_stats.ndim() == 3 && a.all_stats.size(1) == N && a.all_stats.size(2) == 3,
-             "cross_entropy_finish: all_stats ", a.all_stats.str(), " for ", N, " rows");
+  const CrossEntropyDims d = check_args(a, kTarget);
   cuda::cross_entropy_finish(dptr<float>(a.losses), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets),
-                             dptr<float>(a.all_stats), as_int(a.all_stats.size(0), "ranks"), N, V, a.vocab_real,
-                             a.vocab_begin, a.dloss, stream_);
+                             dptr<float>(a.all_stats), i32(d.ranks), i32(d.N), i32(d.V), a.vocab_real, a.vocab_begin,
+                             a.dloss, stream_);
 }
 
 void CudaBackend::adamw(const AdamW& a) {
   Timer t(*this, "adamw");
-  const std::int64_t P = a.params.numel();
-  check_dev(a.params, DType::f32, "adamw params");
-  check_dev(a.grads, DType::f32, "adamw grads");
-  check_dev(a.m, DType::f32, "adamw m");
-  check_dev(a.v, DType::f32, "adamw v");
-  if (a.params_act) check_dev(a.params_act, DType::bf16, "adamw params_act");
-  // The segments must tile [0, P) exactly; the kernel gets those it updates, end to end in its
-  // work space (each rounded up to a multiple of 4). The table is tiny: uploaded with every call
-  // (stream-ordered staging).
-  std::vector<AdamWSegment> sorted;
-  for (auto& s : a.segments)
-    if (s.count > 0) sorted.push_back(s);
-  std::sort(sorted.begin(), sorted.end(), [](auto& x, auto& y) { return x.offset < y.offset; });
+  // The kernel gets the segments it updates, end to end in its work space (each rounded up to a
+  // multiple of 4). The table is tiny: uploaded with every call (stream-ordered staging).
+  const AdamWPlan plan = check_args(a, kTarget);
   std::vector<cuda::AdamWSegmentDev> table;
-  std::int64_t covered = 0, work = 0;
-  for (auto& s : sorted) {
-    KILN_CHECK(s.offset == covered, "adamw segments must tile [0, ", P, "): a segment starts at ", s.offset,
-               " where ", covered, " was expected");
-    covered += s.count;
+  std::int64_t work = 0;
+  for (const AdamWSegment& s : plan.segments) {
     if (!s.update) continue;
     table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f, work});
     work += (s.count + 3) / 4 * 4;
   }
-  KILN_CHECK(covered == P, "adamw segments cover ", covered, " of ", P, " elements");
   if (table.empty()) return;
   auto* segments = static_cast<const cuda::AdamWSegmentDev*>(upload(table.data(), table.size() * sizeof(table[0]), 1));
   float bc1 = 0, bc2 = 0;

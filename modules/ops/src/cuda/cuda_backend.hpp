@@ -14,6 +14,7 @@
 #include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
 #include "cudnn_attention.hpp"
+#include "../op_args.hpp"
 
 namespace kiln::ops::cuda_impl {
 
@@ -62,6 +63,8 @@ class CudaBackend final : public Backend {
   std::size_t device_memory_in_use() const override;
 
  private:
+  // What the op descriptions check: device tensors, bf16 activations, dimensions the kernels' ints hold.
+  static constexpr ArgTarget kTarget{Device::cuda, DType::bf16, true};
   // Records CUDA events around one op while profiling.
   class Timer {
    public:

@@ -1,0 +1,240 @@
+#include "op_args.hpp"
+
+#include <algorithm>
+
+namespace kiln::ops {
+
+namespace {
+
+constexpr DType f32 = DType::f32, i32 = DType::i32;
+
+// Positions wpe[n % T]: T divides the N tokens and the table holds T rows.
+void check_positions(const OpArgs& c, int T, std::int64_t N, std::int64_t Tmax) {
+  c.check(T > 0 && N % T == 0 && Tmax >= T, "T = ", T, " must be positive, divide N = ", N,
+          " and not exceed the position table's Tmax = ", Tmax);
+}
+
+// This table's rows [vocab_begin, vocab_begin + V) inside the whole vocabulary; returns its size.
+std::int64_t check_vocab_rows(const OpArgs& c, std::int64_t vocab_begin, std::int64_t vocab_total, std::int64_t V) {
+  const std::int64_t total = vocab_total ? vocab_total : V;
+  c.check(vocab_begin >= 0 && vocab_begin + V <= total, "rows [", vocab_begin, ", ", vocab_begin + V,
+          ") outside a vocabulary of ", total);
+  return total;
+}
+
+// This rank's heads [head_offset, head_offset + H) of heads_total (0: H); returns the total.
+std::int64_t check_heads(const OpArgs& c, int head_offset, int heads_total, std::int64_t H) {
+  const std::int64_t total = heads_total ? heads_total : H;
+  c.check(head_offset >= 0 && head_offset + H <= total, "heads [", head_offset, ", ", head_offset + H, ") outside ",
+          total);
+  return total;
+}
+
+}  // namespace
+
+EmbeddingDims check_args(const EmbeddingForward& a, const ArgTarget& on) {
+  OpArgs c("embedding_forward", on);
+  const auto N = c.dim("N"), C = c.dim("C"), V = c.dim("V"), Tmax = c.dim("Tmax");
+  c.tensor("tokens", a.tokens, i32, {N});
+  c.tensor("wte", a.wte, Act, {V, C});
+  c.tensor("wpe", a.wpe, Act, {Tmax, C});
+  c.tensor("out", a.out, Act, {N, C});
+  check_positions(c, a.T, c[N], c[Tmax]);
+  return {c[N], c[C], c[V], c[Tmax], check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};
+}
+
+EmbeddingDims check_args(const EmbeddingBackward& a, const ArgTarget& on) {
+  OpArgs c("embedding_backward", on);
+  const auto N = c.dim("N"), C = c.dim("C"), V = c.dim("V"), Tmax = c.dim("Tmax");
+  c.tensor("dout", a.dout, Act, {N, C});
+  c.tensor("tokens", a.tokens, i32, {N});
+  c.check(a.tokens_host != nullptr, "tokens_host: expected the ", c[N], " tokens on the host, got none");
+  c.tensor("dwte", a.dwte, f32, {V, C});
+  c.tensor("dwpe", a.dwpe, f32, {Tmax, C});
+  check_positions(c, a.T, c[N], c[Tmax]);
+  return {c[N], c[C], c[V], c[Tmax], check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};
+}
+
+RowDims check_args(const LayerNormForward& a, const ArgTarget& on) {
+  OpArgs c("layernorm_forward", on);
+  const auto N = c.dim("N"), C = c.dim("C");
+  c.tensor("x", a.x, Act, {N, C});
+  c.tensor("weight", a.weight, Act, {C});
+  c.tensor("bias", a.bias, Act, {C});
+  c.tensor("out", a.out, Act, {N, C});
+  c.tensor("mean", a.mean, f32, {N});
+  c.tensor("rstd", a.rstd, f32, {N});
+  return {c[N], c[C]};
+}
+
+RowDims check_args(const LayerNormBackward& a, const ArgTarget& on) {
+  OpArgs c("layernorm_backward", on);
+  const auto N = c.dim("N"), C = c.dim("C");
+  c.tensor("x", a.x, Act, {N, C});
+  c.tensor("weight", a.weight, Act, {C});
+  c.tensor("mean", a.mean, f32, {N});
+  c.tensor("rstd", a.rstd, f32, {N});
+  c.tensor("dout", a.dout, Act, {N, C});
+  c.tensor("dx", a.dx, Act, {N, C});
+  c.tensor("dweight", a.dweight, f32, {C});
+  c.tensor("dbias", a.dbias, f32, {C});
+  return {c[N], c[C]};
+}
+
+RowDims check_args(const ResidualForward& a, const ArgTarget& on) {
+  OpArgs c("residual_forward", on);
+  const auto N = c.dim("N"), C = c.dim("C");
+  c.tensor("x", a.x, Act, {N, C});
+  c.tensor("residual", a.residual, Act, {N, C});
+  c.tensor("out", a.out, Act, {N, C});
+  return {c[N], c[C]};
+}
+
+RowDims check_args(const DropoutBackward& a, const ArgTarget& on) {
+  OpArgs c("dropout_backward", on);
+  const auto N = c.dim("N"), C = c.dim("C");
+  c.tensor("dout", a.dout, Act, {N, C});
+  c.tensor("dx", a.dx, Act, {N, C});
+  return {c[N], c[C]};
+}
+
+LinearDims check_args(const LinearForward& a, const ArgTarget& on) {
+  OpArgs c("linear_forward", on);
+  c.unused("x_gelu_pre", static_cast<bool>(a.x_gelu_pre), "for a LinearImpl that takes it (takes_gelu_input), not the backend");
+  c.unused("x_ln", static_cast<bool>(a.x_ln), "for a LinearImpl that takes it (takes_layernorm_input), not the backend");
+  const auto N = c.dim("N"), IC = c.dim("IC"), OC = c.dim("OC");
+  c.tensor("x", a.x, Act, {N, IC});
+  c.tensor("weight", a.weight, Act, {OC, IC});
+  c.optional("bias", a.bias, Act, {OC});
+  c.tensor("out", a.out, Act, {N, OC});
+  c.optional("pre_gelu", a.pre_gelu, Act, {N, OC});
+  return {c[N], c[IC], c[OC]};
+}
+
+LinearDims check_args(const LinearBackward& a, const ArgTarget& on) {
+  OpArgs c("linear_backward", on);
+  c.unused("dout_gelu_pre", static_cast<bool>(a.dout_gelu_pre),
+           "for a LinearImpl that takes it (fuses_dout_gelu), not the backend");
+  c.unused("x_gelu_pre", static_cast<bool>(a.x_gelu_pre), "for a LinearImpl that takes it (takes_gelu_input), not the backend");
+  c.unused("x_ln", static_cast<bool>(a.x_ln), "for a LinearImpl that takes it (takes_layernorm_input), not the backend");
+  const auto N = c.dim("N"), IC = c.dim("IC"), OC = c.dim("OC");
+  c.tensor("x", a.x, Act, {N, IC});
+  c.tensor("weight", a.weight, Act, {OC, IC});
+  c.tensor("dout", a.dout, Act, {N, OC});
+  c.tensor("dweight", a.dweight, f32, {OC, IC});
+  c.optional("dbias", a.dbias, f32, {OC});
+  c.optional("dx", a.dx, Act, {N, IC});
+  c.optional("dx_gelu_pre", a.dx_gelu_pre, Act, {N, IC});
+  return {c[N], c[IC], c[OC]};
+}
+
+std::int64_t check_args(const GeluForward& a, const ArgTarget& on) {
+  OpArgs c("gelu_forward", on);
+  const auto n = c.wide_dim("n");
+  c.elements("x", a.x, Act, n);
+  c.elements("out", a.out, Act, n);
+  return c[n];
+}
+
+AttentionDims check_args(const AttentionForward& a, const ArgTarget& on) {
+  OpArgs c("attention_forward", on);
+  const auto B = c.dim("B"), T = c.dim("T"), H = c.dim("H"), D = c.dim("D");
+  c.tensor("qkv", a.qkv, Act, {B, T, 3, H, D});
+  c.tensor("out", a.out, Act, {B, T, H, D});
+  c.tensor("lse", a.lse, f32, {B, H, T});
+  return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H])};
+}
+
+AttentionDims check_args(const AttentionBackward& a, const ArgTarget& on) {
+  OpArgs c("attention_backward", on);
+  const auto B = c.dim("B"), T = c.dim("T"), H = c.dim("H"), D = c.dim("D");
+  c.tensor("qkv", a.qkv, Act, {B, T, 3, H, D});
+  c.tensor("out", a.out, Act, {B, T, H, D});
+  c.tensor("lse", a.lse, f32, {B, H, T});
+  c.tensor("dout", a.dout, Act, {B, T, H, D});
+  c.tensor("dqkv", a.dqkv, Act, {B, T, 3, H, D});
+  return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H])};
+}
+
+CrossEntropyDims check_args(const CrossEntropy& a, const ArgTarget& on) {
+  OpArgs c("cross_entropy", on);
+  const auto N = c.dim("N"), V = c.dim("V");
+  c.tensor("logits", a.logits, Act, {N, V});
+  c.tensor("targets", a.targets, i32, {N});
+  c.tensor("losses", a.losses, f32, {N});
+  c.check(a.vocab_real > 0 && a.vocab_real <= c[V], "vocab_real ", a.vocab_real, " vs V ", c[V]);
+  return {c[N], c[V], 1};
+}
+
+CrossEntropyDims check_args(const CrossEntropyStats& a, const ArgTarget& on) {
+  OpArgs c("cross_entropy_stats", on);
+  const auto N = c.dim("N"), V = c.dim("V");
+  c.tensor("logits", a.logits, Act, {N, V});
+  c.tensor("targets", a.targets, i32, {N});
+  c.tensor("stats", a.stats, f32, {N, 3});
+  c.check(a.vocab_begin >= 0 && a.vocab_real > 0, "columns from ", a.vocab_begin, ", vocab_real ", a.vocab_real);
+  return {c[N], c[V], 1};
+}
+
+CrossEntropyDims check_args(const CrossEntropyFinish& a, const ArgTarget& on) {
+  OpArgs c("cross_entropy_finish", on);
+  const auto N = c.dim("N"), V = c.dim("V"), R = c.dim("ranks");
+  c.tensor("logits", a.logits, Act, {N, V});
+  c.tensor("targets", a.targets, i32, {N});
+  c.tensor("all_stats", a.all_stats, f32, {R, N, 3});
+  c.tensor("losses", a.losses, f32, {N});
+  c.check(a.vocab_begin >= 0 && a.vocab_real > 0, "columns from ", a.vocab_begin, ", vocab_real ", a.vocab_real);
+  return {c[N], c[V], c[R]};
+}
+
+AdamWPlan check_args(const AdamW& a, const ArgTarget& on) {
+  OpArgs c("adamw", on);
+  const auto P = c.wide_dim("P");
+  c.tensor("params", a.params, f32, {P});
+  c.tensor("grads", a.grads, f32, {P});
+  c.tensor("m", a.m, f32, {P});
+  c.tensor("v", a.v, f32, {P});
+  c.optional("params_act", a.params_act, Act, {P});
+  // The segments must tile [0, P) exactly (in any order; empty ones aside).
+  AdamWPlan plan{c[P], {}};
+  for (const AdamWSegment& s : a.segments) {
+    c.check(s.count >= 0, "a segment at ", s.offset, " has a negative count ", s.count);
+    if (s.count > 0) plan.segments.push_back(s);
+  }
+  std::sort(plan.segments.begin(), plan.segments.end(), [](auto& x, auto& y) { return x.offset < y.offset; });
+  std::int64_t covered = 0;
+  for (const AdamWSegment& s : plan.segments) {
+    c.check(s.offset == covered, "segments must tile [0, ", plan.P, "): a segment starts at ", s.offset, " where ",
+            covered, " was expected");
+    covered += s.count;
+  }
+  c.check(covered == plan.P, "segments cover ", covered, " of ", plan.P, " elements");
+  return plan;
+}
+
+std::int64_t check_f32_tensor(const char* op, const char* arg, const TensorView& t, const ArgTarget& on) {
+  OpArgs c(op, on);
+  const auto n = c.wide_dim("n");
+  c.elements(arg, t, f32, n);
+  return c[n];
+}
+
+void check_zero_args(const TensorView& t, const ArgTarget& on) {
+  OpArgs c("zero", on);
+  c.elements("t", t, ArgDType::any(), c.wide_dim("n"));
+}
+
+void check_tokens(const char* op, const char* arg, const std::int32_t* tokens, std::int64_t n, std::int64_t vocab_total) {
+  for (std::int64_t i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= vocab_total)
+      KILN_THROW(op, " ", arg, ": token ", tokens[i], " at position ", i, " outside the vocabulary of ", vocab_total);
+}
+
+void check_targets(const char* op, const std::int32_t* targets, std::int64_t n, std::int64_t vocab_real) {
+  for (std::int64_t i = 0; i < n; ++i)
+    if (targets[i] < -1 || targets[i] >= vocab_real)
+      KILN_THROW(op, " targets: target ", targets[i], " at row ", i, " outside [0, ", vocab_real,
+                 ") (or -1, an ignored row)");
+}
+
+}  // namespace kiln::ops
