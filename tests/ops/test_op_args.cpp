@@ -412,3 +412,12 @@ TEST_CASE("an op runs without its optional arguments") {
         *view = good;
       }
 }
+
+TEST_CASE("zero takes a tensor of any dtype on the backend's device") {
+  auto b = ops::make_cpu_backend({.threads = 1});
+  std::vector<std::int32_t> ints(4, 7);
+  CHECK(error_of([&] { b->zero(TensorView(ints.data(), {4}, DType::i32, Device::cpu)); }) == "");
+  CHECK(ints == std::vector<std::int32_t>(4, 0));
+  CHECK(error_of([&] { b->zero(TensorView(ints.data(), {4}, DType::i32, Device::cuda)); }) ==
+        "zero t: expected a contiguous tensor of n elements on cpu, got i32[4]@cuda");
+}

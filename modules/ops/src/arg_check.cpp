@@ -5,9 +5,17 @@
 namespace kiln::ops {
 
 std::string ArgDType::str(DType act) const {
-  if (kind_ == Kind::any) return "any dtype";
+  if (kind_ == Kind::any) return "";
   return std::string(name_of(kind_ == Kind::act ? act : fixed_));
 }
+
+namespace {
+// "bf16" in "a contiguous bf16[N, C]"; "tensor" where any dtype will do.
+std::string kind_str(ArgDType dtype, DType act) {
+  const std::string s = dtype.str(act);
+  return s.empty() ? std::string("tensor") : s;
+}
+}  // namespace
 
 OpArgs::Dim OpArgs::add_dim(const char* name, bool wide) {
   if (n_dims_ == kMaxDims) KILN_THROW(op_, ": more than ", kMaxDims, " dimensions in one description");
@@ -69,7 +77,7 @@ void OpArgs::tensor(const char* arg, const TensorView& t, ArgDType dtype, std::i
     ok = e->dim_ >= 0 ? bind(arg, t, e->dim_, t.size(i)) : t.size(i) == e->fixed_;
   if (!ok)
     fail_arg(arg,
-             cat("a contiguous ", dtype.str(target_.act), shape_str(shape), " on ", name_of(target_.device),
+             cat("a contiguous ", kind_str(dtype, target_.act), shape_str(shape), " on ", name_of(target_.device),
                  bound_str(shape, arg)),
              t);
 }
@@ -83,8 +91,9 @@ bool OpArgs::optional(const char* arg, const TensorView& t, ArgDType dtype, std:
 void OpArgs::elements(const char* arg, const TensorView& t, ArgDType dtype, Dim count) {
   if (plain_ok(t, dtype, true) && bind(arg, t, count.index_, t.numel())) return;
   const DimState& d = dims_[count.index_];
+  const std::string dt = dtype.str(target_.act);
   fail_arg(arg,
-           cat("a contiguous ", dtype.str(target_.act), " tensor of ", d.name, " elements on ", name_of(target_.device),
+           cat("a contiguous ", dt, dt.empty() ? "" : " ", "tensor of ", d.name, " elements on ", name_of(target_.device),
                d.bound && d.from != arg ? cat(" with ", d.name, " = ", d.value, " (from ", d.from, ")") : std::string()),
            t);
 }

@@ -40,7 +40,7 @@ class ArgDType {
   constexpr bool accepts(DType t, DType act) const {
     return kind_ == Kind::any || t == (kind_ == Kind::act ? act : fixed_);
   }
-  std::string str(DType act) const;  // "bf16", "f32", "any dtype"
+  std::string str(DType act) const;  // "bf16", "f32"; "" for any
 
  private:
   enum class Kind { fixed, act, any };
