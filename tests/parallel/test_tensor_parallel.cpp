@@ -103,6 +103,23 @@ void run_group(int size, TensorParallelOptions options, const std::function<void
 // One rank alone: the unsplit layer.
 void run_single(const std::function<void(const TensorParallel&)>& fn) { run_group(1, {}, fn); }
 
+// The unsplit linear layer on one rank: y = x W^T + b and its gradients for dy.
+struct LinearReference {
+  Vec y, dx, dw, db;
+};
+LinearReference unsplit_linear(const Vec& x, const Vec& w, const Vec& b, const Vec& dy, std::int64_t N, std::int64_t in,
+                               std::int64_t out) {
+  LinearReference r{Vec(N * out), Vec(N * in, 0.0f), Vec(out * in, 0.0f), Vec(out, 0.0f)};
+  run_single([&](const TensorParallel& tp) {
+    auto& be = tp.backend();
+    Vec xs = x, ws = w, bs = b, dys = dy;
+    be.linear_forward({view(r.y, {N, out}), {}, view(xs, {N, in}), view(ws, {out, in}), view(bs, {out})});
+    be.linear_backward({view(r.dx, {N, in}), view(r.dw, {out, in}), view(r.db, {out}), view(dys, {N, out}),
+                        view(xs, {N, in}), view(ws, {out, in})});
+  });
+  return r;
+}
+
 struct Layout {
   int tp;
   bool sp;
@@ -117,14 +134,7 @@ TEST_CASE("a column-parallel linear computes the unsplit layer's output columns 
   for (int parts : {1, 3}) {
     const std::int64_t out = 24;
     const Vec x = random_vec(N * in, 1), w = random_vec(out * in, 2), b = random_vec(out, 3), dy = random_vec(N * out, 4);
-    Vec y_ref(N * out), dx_ref(N * in, 0.0f), dw_ref(out * in, 0.0f), db_ref(out, 0.0f);
-    run_single([&](const TensorParallel& tp) {
-      auto& be = tp.backend();
-      Vec xs = x, ws = w, bs = b, dys = dy;
-      be.linear_forward({view(y_ref, {N, out}), {}, view(xs, {N, in}), view(ws, {out, in}), view(bs, {out})});
-      be.linear_backward({view(dx_ref, {N, in}), view(dw_ref, {out, in}), view(db_ref, {out}), view(dys, {N, out}),
-                          view(xs, {N, in}), view(ws, {out, in})});
-    });
+    const auto [y_ref, dx_ref, dw_ref, db_ref] = unsplit_linear(x, w, b, dy, N, in, out);
     for (const Layout& L : kLayouts) {
       INFO(L.str(), ", ", parts, " parts");
       run_group(L.tp, {L.sp, false}, [&](const TensorParallel& tp) {
@@ -161,14 +171,7 @@ TEST_CASE("a column-parallel linear computes the unsplit layer's output columns 
 TEST_CASE("a row-parallel linear sums its partial outputs over the group, the bias added once, and computes its own gradient columns") {
   const std::int64_t N = 12, in = 24, out = 5;
   const Vec x = random_vec(N * in, 11), w = random_vec(out * in, 12), b = random_vec(out, 13), dy = random_vec(N * out, 14);
-  Vec y_ref(N * out), dx_ref(N * in, 0.0f), dw_ref(out * in, 0.0f), db_ref(out, 0.0f);
-  run_single([&](const TensorParallel& tp) {
-    auto& be = tp.backend();
-    Vec xs = x, ws = w, bs = b, dys = dy;
-    be.linear_forward({view(y_ref, {N, out}), {}, view(xs, {N, in}), view(ws, {out, in}), view(bs, {out})});
-    be.linear_backward({view(dx_ref, {N, in}), view(dw_ref, {out, in}), view(db_ref, {out}), view(dys, {N, out}),
-                        view(xs, {N, in}), view(ws, {out, in})});
-  });
+  const auto [y_ref, dx_ref, dw_ref, db_ref] = unsplit_linear(x, w, b, dy, N, in, out);
   for (const Layout& L : kLayouts) {
     INFO(L.str());
     run_group(L.tp, {L.sp, false}, [&](const TensorParallel& tp) {
