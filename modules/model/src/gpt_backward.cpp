@@ -47,7 +47,7 @@ void GptModel::backward(const train::Batch& batch) {
     // over TP under SP), or computed by the layer itself as it reads them (layernorm_on_load).
     const bool ln2_on_load = layernorm_on_load(lin.mlp_in), ln1_on_load = layernorm_on_load(lin.qkv);
     if (recompute_ln_ && !ln2_on_load)
-      tp_.enter(a.ln2, block_layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b));
+      tp_.enter(a.ln2, layernorm_local(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b));
     if (recompute_gelu_) be_.gelu_forward({a.fc, a.fc_pre});
     // FC2's input gradient through the GELU: in FC2's data-gradient GEMM, or, where FC1's
     // implementation takes it (LinearImpl::fuses_dout_gelu), in FC1's pass over its output gradient.
@@ -76,7 +76,7 @@ void GptModel::backward(const train::Batch& batch) {
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, Hl_, D}), datty_.reshape({B_, T_, Hl_, D}), a.atty, a.lse, a.qkv,
                             1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, head_begin_, H_});
     if (recompute_ln_ && !ln1_on_load)
-      tp_.enter(a.ln1, block_layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b));
+      tp_.enter(a.ln1, layernorm_local(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b));
     ops::LinearBackward qkv{dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}};
     if (ln1_on_load) {
       qkv.x = {};

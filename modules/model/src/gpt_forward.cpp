@@ -42,7 +42,7 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   }
 
   bus.publish(LayerForwardBegin{L_ + 1});
-  const TensorView lnf_local = block_layernorm(lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false),
+  const TensorView lnf_local = layernorm_local(lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false),
                                                tensor(lnf_b_, false));
   lm_head_.forward(impl(lm_head_entity_), {logits_, {}, lnf_, tensor(wte_, false), {}}, lnf_local);
   loss_.forward(losses_.rows(slot, 1).reshape({N}), logits_, targets_, dloss_);
@@ -78,7 +78,7 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
       qkv.x = {};
       qkv.x_ln = {res_[l], w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, cfg_.ln_eps};
     } else {
-      ln1_local = block_layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b);
+      ln1_local = layernorm_local(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b);
     }
     qkv_.forward(impl(lin.qkv), qkv, ln1_local);
     be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, head_begin_,
@@ -99,7 +99,7 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
       fc1.x = {};
       fc1.x_ln = {a.res2, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, cfg_.ln_eps};
     } else {
-      ln2_local = block_layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b);
+      ln2_local = layernorm_local(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b);
     }
     mlp_in_.forward(impl(lin.mlp_in), fc1, ln2_local);
   }
@@ -111,7 +111,7 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
   }
 }
 
-TensorView GptModel::block_layernorm(const TensorView& out, const TensorView& mean, const TensorView& rstd,
+TensorView GptModel::layernorm_local(const TensorView& out, const TensorView& mean, const TensorView& rstd,
                                      const TensorView& x, const TensorView& w, const TensorView& b) {
   const TensorView local = tp_.sequence_parallel() ? local_c_ : out;
   be_.layernorm_forward({local, mean, rstd, x, w, b, cfg_.ln_eps});

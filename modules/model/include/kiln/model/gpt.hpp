@@ -107,7 +107,7 @@ class GptModel {
   // A LayerNorm of this rank's rows of x into `out`, the input of a column-parallel linear: under
   // sequence parallelism written to the local scratch, which the linear gathers into `out`.
   // Returns what the linear gathers from.
-  TensorView block_layernorm(const TensorView& out, const TensorView& mean, const TensorView& rstd, const TensorView& x,
+  TensorView layernorm_local(const TensorView& out, const TensorView& mean, const TensorView& rstd, const TensorView& x,
                              const TensorView& w, const TensorView& b);
   Entity add_param(const std::string& name, Shape global_shape, const TensorShard& shard, int unit, bool decay,
                    float std, float value, std::vector<Entity>& layer_params);
