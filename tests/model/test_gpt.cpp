@@ -198,6 +198,7 @@ TEST_CASE("parameters are entities with layout, decay and unit components") {
   test::Pipeline p(kTiny);
   auto& w = *p.world;
   auto& store = w.resource<nn::ParamStore>();
+  store.lay_out(w);  // what "params.allocate" does first in Phase::setup
   std::int64_t prev_end = 0;
   int linears = 0;
   for (Entity e : store.order) {

@@ -14,26 +14,24 @@ using namespace kiln;
 
 namespace {
 
-// Lays a parameter out after the previous ones, at the next multiple of kParamAlign (as a model
-// does), and records it as an entity.
-nn::Param& add_param(World& w, nn::ParamStore& store, std::string name, Shape shape, bool decay = false) {
-  const Entity e = w.create(name);
-  auto& p = w.emplace<nn::Param>(e);
+// Registers a parameter (the store lays it out later, as a model's does in Phase::setup).
+nn::Param& add_param(World& w, nn::ParamStore& store, std::string name, Shape shape, bool decay = false, int unit = 0) {
+  nn::Param p;
   p.name = std::move(name);
   p.shape = p.global_shape = shape;
-  p.numel = shape.numel();
-  p.offset = store.total;
   p.weight_decay = decay;
-  store.total += (p.numel + nn::kParamAlign - 1) / nn::kParamAlign * nn::kParamAlign;
-  store.order.push_back(e);
-  return p;
+  p.unit = unit;
+  return w.get<nn::Param>(store.add(w, std::move(p)));
 }
 
-void allocate(nn::ParamStore& store, DType act) {
+// Lays the store out and gives it host buffers of what it holds.
+void allocate(World& w, nn::ParamStore& store, DType act) {
+  store.lay_out(w);
   store.act = act;
-  store.master = Buffer(Device::cpu, static_cast<std::size_t>(store.total) * 4);
-  store.compute = Buffer(Device::cpu, static_cast<std::size_t>(store.total) * size_of(act));
-  store.grads = Buffer(Device::cpu, static_cast<std::size_t>(store.total) * 4);
+  store.master = Buffer(Device::cpu, static_cast<std::size_t>(store.held) * 4);
+  store.compute = Buffer(Device::cpu, static_cast<std::size_t>(store.held) * size_of(act));
+  store.grads = Buffer(Device::cpu, static_cast<std::size_t>(store.held) * 4);
+  if (!store.sharded()) store.point_units_at_held();
 }
 
 std::ptrdiff_t byte_offset(const TensorView& v, const Buffer& b) {
@@ -47,7 +45,7 @@ TEST_CASE("a parameter's views sit at its offset in the master, gradient and com
   nn::ParamStore store;
   add_param(w, store, "wte", {10, 7}, true);
   const nn::Param& b = add_param(w, store, "ln.bias", {7});
-  allocate(store, DType::bf16);
+  allocate(w, store, DType::bf16);
   REQUIRE(b.offset == 128);  // 70 elements rounded up to two alignment units
 
   const TensorView m = store.master_view(b), g = store.grad_view(b), c = store.compute_view(b);
@@ -70,7 +68,7 @@ TEST_CASE("writing through a parameter's view changes the flat buffer at its off
   add_param(w, store, "a", {3, 5});
   const nn::Param& p = add_param(w, store, "b", {2, 33});
   add_param(w, store, "c", {4});
-  allocate(store, DType::f32);
+  allocate(w, store, DType::f32);
   float* flat = store.grads_flat().as<float>();
   for (std::int64_t i = 0; i < store.total; ++i) flat[i] = -1;
 
@@ -95,7 +93,7 @@ TEST_CASE("the flat views span the whole store, alignment padding included") {
   nn::ParamStore store;
   add_param(w, store, "a", {5});
   add_param(w, store, "b", {65});
-  allocate(store, DType::bf16);
+  allocate(w, store, DType::bf16);
   CHECK(store.total == 64 + 128);
   CHECK(store.master_flat().shape == Shape{store.total});
   CHECK(store.master_flat().data == store.master.data());
@@ -112,6 +110,7 @@ TEST_CASE("view_in places a parameter in any buffer laid out like the store") {
   nn::ParamStore store;
   add_param(w, store, "a", {100});
   const nn::Param& p = add_param(w, store, "b", {3, 4});
+  store.lay_out(w);
   std::vector<float> moments(static_cast<std::size_t>(store.total));
   const TensorView flat(moments.data(), {store.total}, DType::f32, Device::cpu);
   const TensorView v = nn::ParamStore::view_in(flat, p);
@@ -133,7 +132,7 @@ TEST_CASE("offsets at multiples of kParamAlign give 256-byte aligned f32 and 128
   std::mt19937 gen(99);
   std::uniform_int_distribution<std::int64_t> size(1, 300);
   for (int i = 0; i < 20; ++i) add_param(w, store, "p" + std::to_string(i), {size(gen)});
-  allocate(store, DType::bf16);
+  allocate(w, store, DType::bf16);
   for (Entity e : store.order) {
     const auto& p = w.get<nn::Param>(e);
     CAPTURE(p.name);
@@ -149,8 +148,107 @@ TEST_CASE("a parameter reaching past the store's buffers is an error") {
   World w;
   nn::ParamStore store;
   nn::Param& p = add_param(w, store, "a", {64});
-  allocate(store, DType::f32);
+  allocate(w, store, DType::f32);
   p.offset = 1;  // a layout the buffers were not made for
   CHECK_THROWS_WITH_AS(store.master_view(p), doctest::Contains("exceeds a buffer"), Error);
   CHECK_THROWS_AS(store.grad_view(p), Error);
+}
+
+TEST_CASE("the layout puts units in ascending order, each padded to a multiple of kParamAlign x shards") {
+  World w;
+  nn::ParamStore store;
+  store.shards = 4;
+  const nn::Param& c = add_param(w, store, "c", {10}, false, 2);  // created first, laid out last
+  const nn::Param& a = add_param(w, store, "a", {70}, false, 0);
+  const nn::Param& b = add_param(w, store, "b", {3}, false, 0);
+  store.lay_out(w);
+  CHECK(a.offset == 0);
+  CHECK(b.offset == 128);
+  REQUIRE(store.num_units() == 3);
+  CHECK(store.units[0].begin == 0);
+  CHECK(store.units[0].end == 256);  // 192 elements padded to a multiple of 64 x 4
+  CHECK(store.units[1].size() == 0);  // no parameter in unit 1
+  CHECK(store.units[2].begin == 256);
+  CHECK(c.offset == 256);
+  CHECK(store.total == 512);
+  CHECK(store.held == 128);
+}
+
+TEST_CASE("the shards of every rank hold each parameter's elements exactly once, each run at its held offset") {
+  std::mt19937 gen(5);
+  std::uniform_int_distribution<std::int64_t> size(1, 500);
+  for (int shards : {1, 2, 3, 4}) {
+    CAPTURE(shards);
+    std::vector<std::vector<int>> seen;  // per parameter: how often each element is held
+    std::vector<std::int64_t> numels;
+    for (int shard = 0; shard < shards; ++shard) {
+      World w;
+      nn::ParamStore store;
+      store.shards = shards;
+      store.shard = shard;
+      std::mt19937 sizes(11);
+      for (int i = 0; i < 12; ++i) add_param(w, store, "p" + std::to_string(i), {size(sizes)}, false, i / 3);
+      store.lay_out(w);
+      if (seen.empty())
+        for (Entity e : store.order) {
+          numels.push_back(w.get<nn::Param>(e).numel);
+          seen.emplace_back(static_cast<std::size_t>(numels.back()), 0);
+        }
+      std::vector<int> held_used(static_cast<std::size_t>(store.held), 0);
+      for (std::size_t i = 0; i < store.order.size(); ++i) {
+        const auto& p = w.get<nn::Param>(store.order[i]);
+        int runs = 0;
+        store.for_each_held(p, [&](const nn::HeldPart& part) {
+          ++runs;
+          // The run's layout elements are those of this shard of the unit, at the matching held place.
+          CHECK(p.offset + part.first >= store.held_begin(p.unit));
+          CHECK(p.offset + part.first + part.count <= store.held_begin(p.unit) + store.held_count(p.unit));
+          CHECK(part.held == store.held_offset(p.unit) + (p.offset + part.first - store.held_begin(p.unit)));
+          for (std::int64_t k = 0; k < part.count; ++k) {
+            ++seen[i][static_cast<std::size_t>(part.first + k)];
+            ++held_used[static_cast<std::size_t>(part.held + k)];
+          }
+        });
+        CHECK(runs <= 1);
+      }
+      for (int u : held_used) CHECK(u <= 1);  // no two runs share a held element
+    }
+    for (const auto& counts : seen)
+      for (int c : counts) CHECK(c == 1);
+  }
+}
+
+TEST_CASE("the gradient zeroing ranges leave out the gradients their first micro-batch writes, per unit") {
+  World w;
+  nn::ParamStore store;
+  add_param(w, store, "ln", {10}, false, 0);
+  const nn::Param& weight = add_param(w, store, "w", {4, 32}, true, 0);
+  add_param(w, store, "bias", {4}, false, 0);
+  add_param(w, store, "w2", {64}, true, 1);
+  for (Entity e : store.order)
+    if (w.get<nn::Param>(e).name == "w" || w.get<nn::Param>(e).name == "w2") w.emplace<nn::GradWrittenFirst>(e);
+  store.lay_out(w);
+  const auto ranges = store.grad_zero_ranges(w);
+  REQUIRE(ranges.size() == 2);
+  // Unit 0: ln (and its padding) before w, then bias and the unit's padding after it.
+  REQUIRE(ranges[0].size() == 2);
+  CHECK(ranges[0][0].begin == 0);
+  CHECK(ranges[0][0].end == weight.offset);
+  CHECK(ranges[0][1].begin == weight.offset + weight.numel);
+  CHECK(ranges[0][1].end == store.units[0].size());
+  CHECK(ranges[1].empty());  // w2 fills its unit
+}
+
+TEST_CASE("a sharded store's whole master views are refused; its units are where someone puts them") {
+  World w;
+  nn::ParamStore store;
+  store.shards = 2;
+  const nn::Param& p = add_param(w, store, "a", {100}, false, 0);
+  allocate(w, store, DType::f32);
+  CHECK(store.held == 64);
+  CHECK_THROWS_WITH(store.master_view(p), doctest::Contains("sharded over 2 ranks"));
+  CHECK_THROWS_WITH(store.compute_view(p), doctest::Contains("not on this rank now"));
+  std::vector<float> gathered(static_cast<std::size_t>(store.units[0].size()));
+  store.unit_compute.assign(1, gathered.data());
+  CHECK(store.compute_view(p).data == gathered.data());
 }

@@ -90,42 +90,39 @@ inline std::vector<float> to_vector(const TensorView& v) {
 
 namespace detail {
 inline void install_toy_model(World& w, const ToyModelConfig& cfg) {
-  auto& be = w.resource<ops::ActiveBackend>().get();
   const auto& par = w.resource<parallel::ParallelState>();
   const int tp = par.tp_size(), r = par.coords.tp;
   KILN_CHECK(cfg.width % tp == 0, "model.width ", cfg.width, " must divide by parallel.tp ", tp);
   auto& store = w.emplace_resource<nn::ParamStore>();
   const auto specs = toy_params(cfg.width);
   for (const auto& spec : specs) {
-    const Entity e = w.create(spec.name);
-    auto& p = w.emplace<nn::Param>(e);
+    nn::Param p;
     p.name = spec.name;
     p.global_shape = spec.global;
     p.shard = toy_shard(spec.split, cfg.width, tp, r);
     p.shape = p.shard.local_shape(spec.global);
-    p.numel = p.shape.numel();
-    p.offset = store.total;
     p.weight_decay = spec.decay;
     p.unit = 1;
-    store.total += (p.numel + nn::kParamAlign - 1) / nn::kParamAlign * nn::kParamAlign;
-    store.order.push_back(e);
+    const Entity e = store.add(w, std::move(p));
     if (spec.name == cfg.updated_elsewhere) w.emplace<nn::UpdatedBy>(e, nn::UpdatedBy{"test"});
   }
   const bool marked = !w.view<nn::Param, nn::UpdatedBy>().empty();
   KILN_CHECK(cfg.updated_elsewhere.empty() || marked, "no parameter '", cfg.updated_elsewhere, "'");
-  store.act = DType::f32;
-  store.master = be.alloc(static_cast<std::size_t>(store.total) * 4);
-  store.compute = be.alloc(static_cast<std::size_t>(store.total) * 4);
-  store.grads = be.alloc(static_cast<std::size_t>(store.total) * 4);
-  be.zero(store.master_flat());
-  be.zero(store.compute_flat());
-  be.zero(store.grads_flat());
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    const auto& p = w.get<nn::Param>(store.order[i]);
-    const auto init = local_part(p.shard, p.global_shape, toy_values(cfg.seed, i, 0, p.global_shape.numel()));
-    std::copy(init.begin(), init.end(), store.master_view(p).as<float>());
-    std::copy(init.begin(), init.end(), store.compute_view(p).as<float>());
-  }
+  // Laid out and allocated in Phase::setup, as the model does ("params.allocate").
+  w.systems().add({"params.allocate", Phase::setup, [seed = cfg.seed](World& world) {
+                     auto& store = world.resource<nn::ParamStore>();
+                     auto& be = world.resource<ops::ActiveBackend>().get();
+                     store.lay_out(world);
+                     store.allocate(be);
+                     be.zero(store.compute_flat());
+                     for (std::size_t i = 0; i < store.order.size(); ++i) {
+                       const auto& p = world.get<nn::Param>(store.order[i]);
+                       const auto init =
+                           local_part(p.shard, p.global_shape, toy_values(seed, i, 0, p.global_shape.numel()));
+                       std::copy(init.begin(), init.end(), store.master_view(p).as<float>());
+                       std::copy(init.begin(), init.end(), store.compute_view(p).as<float>());
+                     }
+                   }});
   w.systems().add({"model.backward", Phase::backward, [cfg](World& world) {
                      const auto step = world.resource<RunControl>().step;
                      auto& store = world.resource<nn::ParamStore>();

@@ -137,9 +137,7 @@ void install(World& w, const Fp8Config& cfg) {
     Fp8Linear* lin = st.linears.back().get();
     // The FP8 copies replace the compute copy of a weight only this layer reads (not the tied LM head).
     if (cfg.weights_in_compute_copy && linear.role != nn::LinearRole::lm_head) {
-      const auto& store = w.resource<nn::ParamStore>();
-      const auto& wp = w.get<nn::Param>(linear.weight);
-      lin->use_master_weight(store.master_view(wp), store.compute_view(wp));
+      st.in_compute_copy.push_back(i);  // bound once the parameters are allocated (fp8.weights)
       // Delayed scaling knows the next forward's weight scale when the optimizer runs: the AdamW
       // step writes the FP8 copies (Fp8Linear::update_weight), the optimizer leaves the weight to us.
       if (cfg.fuse_weight_update && cfg.recipe == RecipeKind::delayed && !w.try_get<nn::UpdatedBy>(linear.weight)) {
@@ -202,6 +200,17 @@ void install(World& w, const Fp8Config& cfg) {
                                << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3") << ")\n";
                      for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16 (dimensions not multiples of 16)\n";
                    }});
+  // The FP8 weight copies in the memory of the weights' compute copies, from their f32 masters.
+  w.systems().add({"fp8.weights", Phase::setup,
+                   [](World& world) {
+                     auto& s = world.resource<Fp8State>();
+                     const auto& store = world.resource<nn::ParamStore>();
+                     for (std::size_t i : s.in_compute_copy) {
+                       const auto& wp = world.get<nn::Param>(world.get<nn::Linear>(s.entities[i]).weight);
+                       s.linears[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));
+                     }
+                   },
+                   {"params.allocate"}});
   // The blocks' FP8 scratch in the model's block scratch (its logits buffer), unless the LM head,
   // which writes the logits, runs in FP8 too.
   if (!cfg.lm_head)

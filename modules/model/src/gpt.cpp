@@ -98,16 +98,8 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   lnf_w_ = add_norm_param("ln_f.weight", L_ + 1, 1.0f, fp);
   lnf_b_ = add_norm_param("ln_f.bias", L_ + 1, 0.0f, fp);
   lm_head_entity_ = add_linear("lm_head", LinearRole::lm_head, L_ + 1, wte_, std::nullopt, C, lm_head_.local_out());
-
-  // The flat buffers.
-  auto& store = world_.resource<ParamStore>();
-  store.act = be_.act_dtype();
-  store.master = be_.alloc(static_cast<std::size_t>(store.total) * 4);
-  store.compute = be_.alloc(static_cast<std::size_t>(store.total) * size_of(store.act));
-  store.grads = be_.alloc(static_cast<std::size_t>(store.total) * 4);
-  store.stream = be_.stream();
-  be_.zero(store.master_flat());  // alignment padding stays zero
-  be_.zero(store.grads_flat());
+  // The flat buffers are laid out and allocated in Phase::setup ("params.allocate"), once a module
+  // that shards them has said how.
 }
 
 std::vector<parallel::SplitDim> GptModel::tensor_parallel_splits(const ModelConfig& cfg, std::int64_t tokens,
@@ -267,22 +259,16 @@ void GptModel::allocate_activations() {
 
 Entity GptModel::add_param(const std::string& name, Shape global_shape, const TensorShard& shard, int unit, bool decay,
                            float std, float value, std::vector<Entity>& layer_params) {
-  auto& store = world_.resource<ParamStore>();
   Param p;
   p.name = name;
   p.global_shape = global_shape;
   p.shard = shard;
   p.shape = shard.local_shape(global_shape);
-  p.numel = p.shape.numel();
-  p.offset = store.total;
   p.weight_decay = decay;
   p.init_std = std;
   p.init_value = value;
   p.unit = unit;
-  store.total += (p.numel + nn::kParamAlign - 1) / nn::kParamAlign * nn::kParamAlign;
-  Entity e = world_.create(name);
-  world_.emplace<Param>(e, std::move(p));
-  store.order.push_back(e);
+  const Entity e = world_.resource<ParamStore>().add(world_, std::move(p));
   layer_params.push_back(e);
   return e;
 }
@@ -319,25 +305,26 @@ ops::LinearBackward GptModel::backward_args(Entity linear, ops::LinearBackward a
 
 void GptModel::initialise(rng::RngStatesTracker& tracker) {
   auto& store = world_.resource<ParamStore>();
+  const TensorView master = store.master_flat();
   for (Entity e : store.order) {
     const auto& p = world_.get<Param>(e);
-    TensorView v = store.master_view(p).reshape({p.numel});
-    if (p.init_std > 0) {
-      // One draw of the whole logical tensor from the default state: element i of the logical
-      // tensor is Philox element i of the draw, whatever part of it this rank holds.
-      auto r = tracker.draw(static_cast<std::uint64_t>(p.global_shape.numel()));
-      init_shard(v, p, r);
-    } else {
-      be_.fill(v, p.init_value);
-    }
+    // One draw of the whole logical tensor from the default state, on every rank: element i of the
+    // logical tensor is Philox element i of the draw, whatever part of it this rank holds (its
+    // tensor-parallel shard, and of that its part of the unit under FSDP).
+    const rng::PhiloxArgs r =
+        p.init_std > 0 ? tracker.draw(static_cast<std::uint64_t>(p.global_shape.numel())) : rng::PhiloxArgs{};
+    store.for_each_held(p, [&](const nn::HeldPart& part) {
+      const TensorView held = ParamStore::held_view(master, part);
+      if (p.init_std == 0) {
+        be_.fill(held, p.init_value);
+        return;
+      }
+      p.shard.for_each_block(p.global_shape, part.first, part.first + part.count, [&](const TensorShard::Block& b) {
+        be_.init_normal(held.flat_slice(b.local - part.first, b.count), p.init_std, r, b.global);
+      });
+    });
   }
   be_.convert(store.compute_flat(), store.master_flat());
-}
-
-void GptModel::init_shard(const TensorView& local, const Param& p, const rng::PhiloxArgs& r) {
-  p.shard.for_each_block(p.global_shape, [&](const TensorShard::Block& b) {
-    be_.init_normal(local.flat_slice(b.local, b.count), p.init_std, r, b.global);
-  });
 }
 
 TensorView GptModel::tensor(Entity e, bool grad) const {

@@ -20,26 +20,30 @@ struct ModelHooks {
   Subscription evaluate;
 };
 
-// [begin, end) element ranges of the flat gradient buffer that the step's zeroing covers: all but the
-// parameters marked nn::GradWrittenFirst, adjacent ranges merged.
-std::vector<std::pair<std::int64_t, std::int64_t>> zero_ranges(World& w, const ParamStore& store) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> out;
-  std::int64_t at = 0;
-  auto add = [&](std::int64_t begin, std::int64_t end) {
-    if (end <= begin) return;
-    if (!out.empty() && out.back().second == begin)
-      out.back().second = end;
-    else
-      out.emplace_back(begin, end);
+// The step's zeroing of the gradient accumulation: per unit whose gradients are where the step
+// accumulates them (ParamStore::unit_grads), every range but the gradients their first micro-batch
+// writes (nn::GradWrittenFirst); ranges that meet in memory are zeroed together.
+void zero_grads(ParamStore& store, ops::Backend& be, const std::vector<std::vector<nn::UnitRange>>& ranges) {
+  float* run = nullptr;
+  std::int64_t n = 0;
+  auto flush = [&] {
+    if (n > 0) be.zero(TensorView(run, {n}, DType::f32, store.grads.device()));
+    n = 0;
   };
-  for (Entity e : store.order) {
-    const auto& p = w.get<nn::Param>(e);
-    if (!w.has<nn::GradWrittenFirst>(e)) continue;
-    add(at, p.offset);
-    at = p.offset + p.numel;
+  for (std::size_t u = 0; u < ranges.size(); ++u) {
+    auto* base = static_cast<float*>(store.unit_grads[u]);
+    if (!base) continue;
+    for (const auto& r : ranges[u]) {
+      if (n > 0 && run + n == base + r.begin) {
+        n += r.size();
+        continue;
+      }
+      flush();
+      run = base + r.begin;
+      n = r.size();
+    }
   }
-  add(at, store.total);
-  return out;
+  flush();
 }
 
 void install(World& w, const ModelConfig& cfg) {
@@ -68,6 +72,13 @@ void install(World& w, const ModelConfig& cfg) {
     w.resource<train::TrainState>().val_loss = w.resource<GptModel>().evaluate(val.batches);
   });
 
+  // The parameters' flat buffers, laid out now that every module has said how (a module that
+  // shards them orders its planning before this system, one that uses them after it).
+  w.systems().add({"params.allocate", Phase::setup, [](World& world) {
+                     auto& store = world.resource<ParamStore>();
+                     store.lay_out(world);
+                     store.allocate(world.resource<ops::ActiveBackend>().get());
+                   }});
   w.systems().add({"model.init", Phase::setup, [](World& world) {
                      auto& m = world.resource<GptModel>();
                      m.allocate_activations();  // after every module attached its components
@@ -79,16 +90,15 @@ void install(World& w, const ModelConfig& cfg) {
                                  << std::fixed << std::setprecision(3)
                                  << static_cast<double>(m.activation_bytes()) / (1 << 30) << " GiB\n"
                                  << std::defaultfloat;
-                   }});
+                   },
+                   {"params.allocate"}});
   // Every gradient but those their first micro-batch writes (the model marked them
   // nn::GradWrittenFirst as it made its parameters, above): the gaps between them.
-  w.systems().add({"model.zero_grad", Phase::step_begin,
-                   [ranges = zero_ranges(w, w.resource<ParamStore>())](World& world) {
+  w.systems().add({"model.zero_grad", Phase::step_begin, [ranges = std::vector<std::vector<nn::UnitRange>>()](
+                                                              World& world) mutable {
                      auto& store = world.resource<ParamStore>();
-                     auto& be = world.resource<ops::ActiveBackend>().get();
-                     const TensorView flat = store.grads_flat();
-                     for (auto [begin, end] : ranges)
-                       be.zero(TensorView(flat.as<float>() + begin, {end - begin}, DType::f32, flat.device));
+                     if (ranges.empty()) ranges = store.grad_zero_ranges(world);
+                     zero_grads(store, world.resource<ops::ActiveBackend>().get(), ranges);
                    }});
   w.systems().add({"model.forward", Phase::forward, [](World& world) {
                      world.resource<GptModel>().forward(world.resource<train::Batch>(),

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -24,72 +25,97 @@ double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t tot
 
 namespace {
 
-// Segments covering the whole flat buffer: each parameter (decayed or not; left alone where another
-// module updates it, nn::UpdatedBy), and its alignment padding (no decay).
+// The parameters' parts this rank holds, ordered by their place in the held buffers.
+struct HeldGradient {
+  const nn::Param* param;
+  nn::HeldPart part;
+  bool updated_here;  // not left to another module (nn::UpdatedBy)
+};
+std::vector<HeldGradient> held_parts(World& w) {
+  const auto& store = w.resource<nn::ParamStore>();
+  std::vector<HeldGradient> out;
+  for (Entity e : store.order) {
+    const auto& p = w.get<nn::Param>(e);
+    store.for_each_held(p, [&](const nn::HeldPart& part) { out.push_back({&p, part, !w.has<nn::UpdatedBy>(e)}); });
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.part.held < b.part.held; });
+  return out;
+}
+
+// Segments covering the held buffers: each parameter's part (decayed or not; left alone where
+// another module updates it, nn::UpdatedBy), and the alignment padding between them (no decay).
 std::vector<ops::AdamWSegment> segments(World& w) {
   const auto& store = w.resource<nn::ParamStore>();
   std::vector<ops::AdamWSegment> out;
   std::int64_t at = 0;
-  for (Entity e : store.order) {
-    const auto& p = w.get<nn::Param>(e);
-    if (p.offset > at) out.push_back({at, p.offset - at, false});
-    out.push_back({p.offset, p.numel, p.weight_decay, w.try_get<nn::UpdatedBy>(e) == nullptr});
-    at = p.offset + p.numel;
+  for (const auto& h : held_parts(w)) {
+    if (h.part.held > at) out.push_back({at, h.part.held - at, false});
+    out.push_back({h.part.held, h.part.count, h.param->weight_decay, h.updated_here});
+    at = h.part.held + h.part.count;
   }
-  if (store.total > at) out.push_back({at, store.total - at, false});
+  if (store.held > at) out.push_back({at, store.held - at, false});
   return out;
 }
 
-// Each parameter's gradient as a flat view, in the store's order.
-std::vector<TensorView> parameter_gradients(World& w) {
-  const auto& store = w.resource<nn::ParamStore>();
+// The gradient of each held part, as flat views, in held order.
+std::vector<TensorView> gradient_views(const nn::ParamStore& store, const std::vector<HeldGradient>& parts) {
   std::vector<TensorView> out;
-  out.reserve(store.order.size());
-  for (Entity e : store.order) {
-    const auto& p = w.get<nn::Param>(e);
-    out.push_back(store.grad_view(p).reshape({p.numel}));
-  }
+  out.reserve(parts.size());
+  for (const auto& h : parts) out.push_back(nn::ParamStore::held_view(store.grads_flat(), h.part));
   return out;
 }
 
-// The squared norm of the whole (logical) gradient. With tensor parallelism a rank holds shards of
-// some parameters and full copies of the others: the shards' squares are summed over the TP group,
-// the replicated parameters counted once (each rank adds 1/tp of theirs before the all-reduce).
+// The squared norm of the whole (logical) gradient. A rank holds shards of some parameters under
+// tensor parallelism and full copies of the others, and under FSDP its part of each unit: the
+// squares are summed over the ranks that together hold one copy of the parameters
+// (Communicators::param_shards), the TP-replicated parameters counted once (each TP rank adds 1/tp
+// of theirs).
 double global_sum_squares(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
-  auto& tp = *w.resource<parallel::Communicators>().tp;
-  if (tp.size() == 1) return be.sum_squares(store.grads_flat());
-  const std::vector<double> each = be.sum_squares_each(parameter_gradients(w));
+  const auto& comms = w.resource<parallel::Communicators>();
+  const int tp = comms.tp->size();
   double local = 0;
-  for (std::size_t i = 0; i < store.order.size(); ++i)
-    local += w.get<nn::Param>(store.order[i]).shard.sharded() ? each[i] : each[i] / tp.size();
+  if (tp == 1) {
+    local = be.sum_squares(store.grads_flat());
+  } else {
+    const auto parts = held_parts(w);
+    const std::vector<double> each = be.sum_squares_each(gradient_views(store, parts));
+    for (std::size_t i = 0; i < parts.size(); ++i) local += parts[i].param->shard.sharded() ? each[i] : each[i] / tp;
+  }
+  if (comms.param_shards->size() == 1) return local;
   float v = static_cast<float>(local);
-  tp.all_reduce(TensorView(&v, {1}, DType::f32, Device::cpu), parallel::ReduceOp::sum, nullptr);
+  comms.param_shards->all_reduce(TensorView(&v, {1}, DType::f32, Device::cpu), parallel::ReduceOp::sum, nullptr);
   return v;
 }
 
-// Names the parameters whose gradient is not finite (slow path, only after a failure).
+// Names the parameters whose gradient (the part held here) is not finite (slow path, only after a
+// failure).
 std::string non_finite_gradients(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
-  const std::vector<double> each = be.sum_squares_each(parameter_gradients(w));
+  const auto parts = held_parts(w);
+  const std::vector<double> each = be.sum_squares_each(gradient_views(store, parts));
   std::string names;
-  for (std::size_t i = 0; i < store.order.size(); ++i)
-    if (!std::isfinite(each[i]))
-      names += (names.empty() ? "'" : ", '") + w.get<nn::Param>(store.order[i]).name + "'";
-  return names.empty() ? "(no single tensor; the sum overflowed)" : names;
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    if (!std::isfinite(each[i])) names += (names.empty() ? "'" : ", '") + parts[i].param->name + "'";
+  if (!names.empty()) return names;
+  return store.sharded() ? "(none of this rank's parts; another rank's, or the sum overflowed)"
+                         : "(no single tensor; the sum overflowed)";
 }
 
 void install(World& w, const OptimConfig& cfg) {
-  auto& be = w.resource<ops::ActiveBackend>().get();
-  const auto& store = w.resource<nn::ParamStore>();
-  auto& st = w.emplace_resource<OptimState>();
-  st.m = be.alloc(static_cast<std::size_t>(store.total) * 4);
-  st.v = be.alloc(static_cast<std::size_t>(store.total) * 4);
-  be.zero(st.m.view(DType::f32, {store.total}));
-  be.zero(st.v.view(DType::f32, {store.total}));
-  // The segments once every module is installed (a later one may mark parameters nn::UpdatedBy).
-  w.systems().add({"optim.segments", Phase::setup,
-                   [](World& world) { world.resource<OptimState>().segments = segments(world); }});
+  w.emplace_resource<OptimState>();
+  // The moments of what this rank holds, once the parameters are laid out.
+  w.systems().add({"optim.setup", Phase::setup,
+                   [](World& world) {
+                     auto& be = world.resource<ops::ActiveBackend>().get();
+                     const auto& store = world.resource<nn::ParamStore>();
+                     auto& st = world.resource<OptimState>();
+                     st.m = be.alloc(static_cast<std::size_t>(store.held) * 4);
+                     st.v = be.alloc(static_cast<std::size_t>(store.held) * 4);
+                     be.zero(st.m.view(DType::f32, {store.held}));
+                     be.zero(st.v.view(DType::f32, {store.held}));
+                   },
+                   {"params.allocate"}});
 
   w.systems().add({"optim.step", Phase::optimizer, [cfg](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
@@ -105,8 +131,11 @@ void install(World& w, const OptimConfig& cfg) {
                      a.params = store.master_flat();
                      a.params_act = store.compute_flat();
                      a.grads = store.grads_flat();
-                     a.m = st.m.view(DType::f32, {store.total});
-                     a.v = st.v.view(DType::f32, {store.total});
+                     a.m = st.m.view(DType::f32, {store.held});
+                     a.v = st.v.view(DType::f32, {store.held});
+                     // At the first step, once every module has said which parameters it updates
+                     // itself (nn::UpdatedBy, during install or setup).
+                     if (st.segments.empty()) st.segments = segments(world);
                      a.segments = st.segments;
                      a.lr = static_cast<float>(learning_rate(cfg, step, world.resource<train::TrainConfig>().steps));
                      a.beta1 = cfg.beta1;

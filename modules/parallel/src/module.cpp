@@ -29,6 +29,22 @@ void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
                              "1 (`kiln topology FILE --world N` still shows the groups of such a layout)"));
 }
 
+// The data-parallel gradient buckets, planned at their first use (the parameters are laid out in
+// Phase::setup): one bucket run per group of consecutive units. Null without buckets.
+DpGradSync* dp_buckets(World& w) {
+  auto& st = w.resource<DpGradState>();
+  if (st.sync || st.bucket_mb <= 0 || st.replaced) return st.sync.get();
+  const auto* store = w.try_resource<nn::ParamStore>();
+  if (!store || !store->laid_out()) return nullptr;
+  std::vector<UnitSpan> spans;
+  for (int u = 0; u < store->num_units(); ++u)
+    if (store->units[u].size() > 0) spans.push_back({u, store->units[u].begin, store->units[u].end});
+  const auto elems = static_cast<std::int64_t>(st.bucket_mb * 1e6 / 4);
+  st.sync = std::make_shared<DpGradSync>(*w.resource<Communicators>().dp, store->grads_flat(),
+                                         plan_buckets(spans, elems), store->stream);
+  return st.sync.get();
+}
+
 void install(World& w, const ParallelConfig& cfg) {
   refuse_parallelisms_that_do_not_run(w, cfg);
   const auto& r = w.resource<RankInfo>();
@@ -59,6 +75,7 @@ void install(World& w, const ParallelConfig& cfg) {
   comms.tp = make("tp", {Axis::tp});
   comms.dp = make("dp", {Axis::dp});
   comms.tp_dp = make("tp_dp", {Axis::tp, Axis::dp});
+  comms.param_shards = comms.tp.get();
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
   if (launch && launch->nccl)
@@ -77,8 +94,11 @@ void install(World& w, const ParallelConfig& cfg) {
                      if (c.tp->size() == 1 || !store) return;  // no parameters: nothing to reduce
                      for (Entity e : store->order) {
                        const auto& p = world.get<nn::Param>(e);
-                       if (p.tp_partial_grad)
-                         c.tp->all_reduce(store->grad_view(p).reshape({p.numel}), ReduceOp::sum, store->stream);
+                       if (!p.tp_partial_grad) continue;
+                       store->for_each_held(p, [&](const nn::HeldPart& part) {
+                         c.tp->all_reduce(nn::ParamStore::held_view(store->grads_flat(), part), ReduceOp::sum,
+                                          store->stream);
+                       });
                      }
                    },
                    {"parallel.dp_grad_sync"}});
@@ -88,35 +108,19 @@ void install(World& w, const ParallelConfig& cfg) {
   // In buckets during the backward pass (see grad_buckets.hpp), or all at once here. Registered
   // whatever the DP size, so other systems can order themselves after it.
   auto& dp_state = w.emplace_resource<DpGradState>();
-  if (cfg.dp_bucket_mb > 0 && comms.dp->size() > 1) {
-    w.systems().add({"parallel.dp_buckets", Phase::setup, [mb = cfg.dp_bucket_mb](World& world) {
-                       auto* store = world.try_resource<nn::ParamStore>();
-                       if (!store) return;  // no parameters: nothing to reduce
-                       std::map<int, UnitSpan> spans;
-                       for (Entity e : store->order) {
-                         const auto& p = world.get<nn::Param>(e);
-                         auto [it, fresh] = spans.try_emplace(p.unit, UnitSpan{p.unit, p.offset, p.offset + p.numel});
-                         it->second.begin = std::min(it->second.begin, p.offset);
-                         it->second.end = std::max(it->second.end, p.offset + p.numel);
-                       }
-                       std::vector<UnitSpan> list;
-                       for (auto& [u, s] : spans) list.push_back(s);
-                       const auto elems = static_cast<std::int64_t>(mb * 1e6 / 4);
-                       world.resource<DpGradState>().sync = std::make_shared<DpGradSync>(
-                           *world.resource<Communicators>().dp, store->grads_flat(), plan_buckets(list, elems),
-                           store->stream);
-                     }});
+  dp_state.bucket_mb = cfg.dp_bucket_mb;
+  if (cfg.dp_bucket_mb > 0 && comms.dp->size() > 1)
     dp_state.on_backward = w.events().subscribe<nn::LayerBackwardEnd>([&w](const nn::LayerBackwardEnd& e) {
       const auto& rc = w.resource<RunControl>();
-      auto& sync = w.resource<DpGradState>().sync;
+      auto* sync = dp_buckets(w);
       if (sync && rc.micro_batch == rc.micro_batches - 1) sync->unit_ready(e.unit);
     });
-  }
   w.systems().add({"parallel.dp_grad_sync", Phase::grad_sync, [](World& world) {
                      auto& c = world.resource<Communicators>();
                      const auto* store = world.try_resource<nn::ParamStore>();
-                     if (c.dp->size() == 1 || !store) return;  // no parameters: nothing to reduce
-                     if (auto& sync = world.resource<DpGradState>().sync) {
+                     // One rank, no parameters, or a module that reduces them itself (fsdp).
+                     if (c.dp->size() == 1 || !store || world.resource<DpGradState>().replaced) return;
+                     if (auto* sync = dp_buckets(world)) {
                        sync->finish();
                        return;
                      }

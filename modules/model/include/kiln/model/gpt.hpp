@@ -58,8 +58,8 @@ class GptModel {
   std::size_t activation_bytes() const { return arena_.bytes(); }
   // The logits buffer, unused while the blocks run (see nn::BlockScratch).
   nn::BlockScratch block_scratch() const { return {logits_.data, logits_.bytes()}; }
-  // Fills the master weights from the tracker's default state (layout-invariant draws) and refreshes
-  // the compute copy.
+  // Fills the master weights this rank holds from the tracker's default state (layout-invariant
+  // draws, by global element index) and refreshes the compute copy.
   void initialise(rng::RngStatesTracker& tracker);
   // One micro-batch forward; the per-token losses go to loss slot `slot`. With `training`, draws
   // dropout masks from the tracker and prepares the backward (the logits become dlogits).
@@ -114,8 +114,6 @@ class GptModel {
   // A LayerNorm's weight or bias: replicated, but under sequence parallelism its gradient is this
   // rank's rows' part (nn::Param::tp_partial_grad).
   Entity add_norm_param(const std::string& name, int unit, float value, std::vector<Entity>& layer_params);
-  // Draws this rank's part of a parameter: each element from its index in the logical tensor.
-  void init_shard(const TensorView& local, const Param& p, const rng::PhiloxArgs& r);
   Entity add_linear(const std::string& name, nn::LinearRole role, int unit, Entity w, std::optional<Entity> b,
                     std::int64_t in, std::int64_t out);
   // The linear's implementation: the backend's linear ops, or the ops::LinearImpl a module attached

@@ -28,7 +28,7 @@ struct AdamWStep {
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0;
   float weight_decay = 0;  // for parameters with Param::weight_decay
   float grad_scale = 1;    // gradient clipping
-  TensorView m, v;         // [ParamStore::total] f32, laid out like the parameter store
+  TensorView m, v;         // [ParamStore::held] f32, laid out like the held parameters
 };
 
 }  // namespace kiln::nn

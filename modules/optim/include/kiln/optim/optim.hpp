@@ -56,7 +56,7 @@ double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t tot
 struct OptimState {
   Buffer m, v;
   std::int64_t steps_taken = 0;
-  std::vector<ops::AdamWSegment> segments;  // made at setup: decay, and parameters left to other modules
+  std::vector<ops::AdamWSegment> segments;  // made at the first step: decay, and parameters left to other modules
 };
 
 void register_module(ModuleRegistry& registry);

@@ -74,15 +74,23 @@ struct LaunchContext {
 
 class DpGradSync;
 
-// World resource: the data-parallel gradient buckets (when parallel.dp_bucket_mb > 0 and dp > 1).
+// World resource: the data-parallel gradient buckets (when parallel.dp_bucket_mb > 0 and dp > 1),
+// planned at their first use.
 struct DpGradState {
+  double bucket_mb = 0;
   std::shared_ptr<DpGradSync> sync;
   Subscription on_backward;
+  // The fsdp module reduces the gradients itself (reduce-scatter to the shards): no DP all-reduce.
+  bool replaced = false;
 };
 
 // World resource: this rank's communicators, one per kind of group.
 struct Communicators {
   std::unique_ptr<Communicator> world, tp, dp, tp_dp;
+  // The ranks among which one copy of the parameters is split, each holding a different part (sums
+  // over all parameters, such as the gradient norm, are taken over them): the TP group, or TP x the
+  // FSDP shard group when the fsdp module shards the parameters (it points this at its own).
+  Communicator* param_shards = nullptr;
 };
 
 // This rank's tensor-parallel group, for layers computing on `backend`: the World's TP communicator

@@ -60,6 +60,15 @@ struct TensorShard {
       }
     }
   }
+  // The same for the local elements [begin, end) only: the blocks clipped to them.
+  template <class F>
+  void for_each_block(const Shape& global, std::int64_t begin, std::int64_t end, F&& f) const {
+    for_each_block(global, [&](const Block& b) {
+      const std::int64_t lo = b.local > begin ? b.local : begin;
+      const std::int64_t hi = b.local + b.count < end ? b.local + b.count : end;
+      if (lo < hi) f(Block{lo, b.global + (lo - b.local), hi - lo});
+    });
+  }
 };
 
 }  // namespace kiln

@@ -1,0 +1,106 @@
+#include "kiln/nn/param_store.hpp"
+
+#include <map>
+
+#include "kiln/core/error.hpp"
+
+namespace kiln::nn {
+
+Entity ParamStore::add(World& w, Param p) {
+  KILN_CHECK(units.empty(), "parameter '", p.name, "' added after the store was laid out");
+  KILN_CHECK(p.unit >= 0, "parameter '", p.name, "' has no layer unit");
+  p.numel = p.shape.numel();
+  Entity e = w.create(p.name);
+  w.emplace<Param>(e, std::move(p));
+  order.push_back(e);
+  return e;
+}
+
+void ParamStore::lay_out(World& w) {
+  KILN_CHECK(units.empty(), "the parameter store is laid out once");
+  KILN_CHECK(shards >= 1 && shard >= 0 && shard < shards, "parameter shard ", shard, " of ", shards);
+  std::map<int, std::vector<Param*>> by_unit;  // ascending units, creation order within each
+  for (Entity e : order) {
+    auto& p = w.get<Param>(e);
+    by_unit[p.unit].push_back(&p);
+  }
+  const int n = by_unit.empty() ? 0 : by_unit.rbegin()->first + 1;
+  units.assign(static_cast<std::size_t>(n), UnitRange{});
+  auto align = [](std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; };
+  std::int64_t at = 0;
+  for (int u = 0; u < n; ++u) {
+    units[u].begin = at;
+    if (auto it = by_unit.find(u); it != by_unit.end())
+      for (Param* p : it->second) {
+        p->offset = at;
+        at += align(p->numel, kParamAlign);
+      }
+    at = align(at, kParamAlign * shards);  // every rank's part of the unit equal and aligned
+    units[u].end = at;
+  }
+  total = at;
+  held = total / shards;
+}
+
+void ParamStore::allocate(ops::Backend& be) {
+  KILN_CHECK(laid_out(), "the parameter store is allocated after lay_out()");
+  act = be.act_dtype();
+  master = be.alloc(static_cast<std::size_t>(held) * sizeof(float));
+  compute = be.alloc(static_cast<std::size_t>(held) * size_of(act));
+  grads = be.alloc(static_cast<std::size_t>(held) * sizeof(float));
+  stream = be.stream();
+  be.zero(master_flat());
+  be.zero(grads_flat());
+  if (!sharded()) point_units_at_held();
+}
+
+void ParamStore::point_units_at_held() {
+  KILN_CHECK(!sharded(), "a sharded store's units are gathered, not held");
+  unit_compute.assign(units.size(), nullptr);
+  unit_grads.assign(units.size(), nullptr);
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    unit_compute[u] = static_cast<char*>(compute.data()) + static_cast<std::size_t>(units[u].begin) * size_of(act);
+    unit_grads[u] = static_cast<char*>(grads.data()) + static_cast<std::size_t>(units[u].begin) * sizeof(float);
+  }
+}
+
+std::vector<std::vector<UnitRange>> ParamStore::grad_zero_ranges(const World& w) const {
+  std::vector<std::vector<UnitRange>> out(units.size());
+  std::vector<std::int64_t> at(units.size(), 0);  // per unit: where the current gap starts
+  auto add = [&](int u, std::int64_t begin, std::int64_t end) {
+    auto& r = out[static_cast<std::size_t>(u)];
+    if (end <= begin) return;
+    if (!r.empty() && r.back().end == begin)
+      r.back().end = end;
+    else
+      r.push_back({begin, end});
+  };
+  for (Entity e : order) {
+    if (!w.has<GradWrittenFirst>(e)) continue;
+    const auto& p = w.get<Param>(e);
+    const std::int64_t first = p.offset - units[p.unit].begin;
+    add(p.unit, at[p.unit], first);
+    at[p.unit] = first + p.numel;
+  }
+  for (std::size_t u = 0; u < units.size(); ++u) add(static_cast<int>(u), at[u], units[u].size());
+  return out;
+}
+
+TensorView ParamStore::master_view(const Param& p) const {
+  KILN_CHECK(!sharded(), "parameter '", p.name, "': the master weights are sharded over ", shards,
+             " ranks; use its held parts (for_each_held)");
+  return master.view(DType::f32, p.shape, static_cast<std::size_t>(p.offset) * sizeof(float));
+}
+
+TensorView ParamStore::at_unit(const std::vector<void*>& where, DType t, const Param& p, const char* what) const {
+  KILN_CHECK(static_cast<std::size_t>(p.unit) < where.size() && where[p.unit] != nullptr, "parameter '", p.name,
+             "': the ", what, " of layer unit ", p.unit, " are not on this rank now");
+  const UnitRange& u = units[p.unit];
+  KILN_CHECK(p.offset >= u.begin && p.offset + p.numel <= u.end, "parameter '", p.name, "' at [", p.offset, ", ",
+             p.offset + p.numel, ") exceeds its layer unit ", p.unit, " [", u.begin, ", ", u.end, ")");
+  const std::size_t bytes = static_cast<std::size_t>(p.offset - u.begin) * size_of(t);
+  const Device device = master.device();
+  return TensorView(static_cast<char*>(where[p.unit]) + bytes, p.shape, t, device);
+}
+
+}  // namespace kiln::nn
