@@ -191,6 +191,28 @@ TEST_CASE("bf16 rounding emulation rounds act outputs to bf16") {
   CHECK(dst[1] != 3.14159f);
 }
 
+TEST_CASE("convert moves f32 to bf16 (round to nearest even) and back exactly") {
+  auto b = ops::make_cpu_backend();
+  std::vector<float> src = random_values(1001, 95, 3.0f), back(src.size());
+  src[0] = 1.0f + 1.0f / 256.0f;  // a tie: rounds to even
+  std::vector<std::uint16_t> half(src.size());
+  const TensorView h(half.data(), {1001}, DType::bf16, Device::cpu);
+  b->convert(h, view(src, {1001}));
+  b->convert(view(back, {1001}), h);
+  CHECK(back[0] == 1.0f);
+  for (std::size_t i = 0; i < src.size(); ++i) CHECK(back[i] == round_bf16(src[i]));
+}
+
+TEST_CASE("add accumulates one f32 tensor into another, element by element") {
+  auto b = ops::make_cpu_backend({.threads = 3});
+  std::vector<float> dst = random_values(777, 96), src = random_values(777, 97), want(dst.size());
+  for (std::size_t i = 0; i < dst.size(); ++i) want[i] = dst[i] + src[i];
+  b->add(view(dst, {777}), view(src, {777}));
+  CHECK(dst == want);
+  std::vector<float> shorter(776);
+  CHECK_THROWS_WITH(b->add(view(dst, {777}), view(shorter, {776})), doctest::Contains("add src"));
+}
+
 TEST_CASE("results do not depend on the number of threads") {
   auto one = ops::make_cpu_backend({.threads = 1});
   auto many = ops::make_cpu_backend({.threads = 3});

@@ -631,6 +631,22 @@ TEST_CASE("cuda fill and convert (both ways) match the CPU exactly") {
   CHECK(same_bits(filled.gpu_values(), filled.cpu_values()));
 }
 
+TEST_CASE("cuda add (dst += src, f32) matches the CPU exactly, aligned or not") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  for (int n : {1, 7, 1001, 65539}) {
+    INFO("n = " << n);
+    auto dst = f32(p, {n + 1}, 93, 2.0f);
+    const auto src = f32(p, {n + 1}, 94, 0.5f, -1.0f);
+    // From element 0 (16-byte aligned) and from element 1 (not): the vector and the scalar paths.
+    for (std::int64_t at : {0, 1}) {
+      const std::int64_t m = n + 1 - at;
+      on_both(p, [&](const Side& s) { s.b().add(s(dst).flat_slice(at, m), s(src).flat_slice(at, m)); });
+      CHECK(same_bits(dst.gpu_values(), dst.cpu_values()));
+    }
+  }
+}
+
 TEST_CASE("cuda sum_squares matches the CPU to 1e-6 relative") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);

@@ -219,6 +219,14 @@ std::int64_t check_f32_tensor(const char* op, const char* arg, const TensorView&
   return c[n];
 }
 
+std::int64_t check_add_args(const TensorView& dst, const TensorView& src, const ArgTarget& on) {
+  OpArgs c("add", on);
+  const auto n = c.wide_dim("n");
+  c.elements("dst", dst, f32, n);
+  c.elements("src", src, f32, n);
+  return c[n];
+}
+
 void check_zero_args(const TensorView& t, const ArgTarget& on) {
   OpArgs c("zero", on);
   c.elements("t", t, ArgDType::any(), c.wide_dim("n"));

@@ -34,14 +34,36 @@ void CpuBackend::copy(const TensorView& dst, const TensorView& src) {
 void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
   check_cpu(dst, "convert dst");
   check_cpu(src, "convert src");
-  KILN_CHECK(dst.numel() == src.numel(), "convert ", src.str(), " -> ", dst.str());
-  KILN_CHECK(dst.dtype == DType::f32 && src.dtype == DType::f32, "the CPU backend converts f32 only, got ",
-             src.str(), " -> ", dst.str());
+  KILN_CHECK(dst.numel() == src.numel() && dst.contiguous() && src.contiguous(), "convert ", src.str(), " -> ",
+             dst.str());
+  const std::int64_t n = src.numel();
+  if (dst.dtype == DType::f32 && src.dtype == DType::f32) {  // to act: rounded as the CUDA backend stores it
+    const float* s = src.as<float>();
+    float* d = dst.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) d[i] = store(s[i]);
+  } else if (dst.dtype == DType::bf16 && src.dtype == DType::f32) {
+    const float* s = src.as<float>();
+    auto* d = dst.as<std::uint16_t>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) d[i] = float_to_bf16_bits(s[i]);
+  } else if (dst.dtype == DType::f32 && src.dtype == DType::bf16) {
+    const auto* s = src.as<std::uint16_t>();
+    float* d = dst.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) d[i] = bf16_bits_to_float(s[i]);
+  } else {
+    KILN_THROW("the CPU backend converts f32 to f32 (act) and between f32 and bf16, not ", src.str(), " -> ",
+               dst.str());
+  }
+}
+
+void CpuBackend::add(const TensorView& dst, const TensorView& src) {
+  const std::int64_t n = check_add_args(dst, src, kTarget);
   const float* s = src.as<float>();
   float* d = dst.as<float>();
-  const std::int64_t n = src.numel();
 #pragma omp parallel for num_threads(threads_) schedule(static)
-  for (std::int64_t i = 0; i < n; ++i) d[i] = store(s[i]);
+  for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
 }
 
 void CpuBackend::zero(const TensorView& t) {

@@ -27,6 +27,7 @@ class CpuBackend final : public Backend {
   std::vector<double> sum_squares_each(std::span<const TensorView> xs) override;
   void init_normal(const TensorView& dst, float std, rng::PhiloxArgs rng, std::int64_t global_offset) override;
   void fill(const TensorView& dst, float value) override;
+  void add(const TensorView& dst, const TensorView& src) override;
 
   void embedding_forward(const EmbeddingForward& a) override;
   void embedding_backward(const EmbeddingBackward& a) override;

@@ -232,6 +232,12 @@ void CudaBackend::fill(const TensorView& dst, float value) {
   cuda::fill_f32(dptr<float>(dst), value, n, stream_);
 }
 
+void CudaBackend::add(const TensorView& dst, const TensorView& src) {
+  Timer t(*this, "add");
+  const std::int64_t n = check_add_args(dst, src, kTarget);
+  cuda::add_f32(dptr<float>(dst), dptr<float>(src), n, stream_);
+}
+
 void CudaBackend::embedding_forward(const EmbeddingForward& a) {
   Timer t(*this, "embedding_forward");
   const EmbeddingDims d = check_args(a, kTarget);

@@ -50,6 +50,23 @@ __global__ void fill_kernel(float* dst, float value, std::int64_t n, bool vec) {
   }
 }
 
+__global__ void add_kernel(float* dst, const float* src, std::int64_t n, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n; i += stride * 4) {
+    if (vec && i + 4 <= n) {
+      float4 d = *reinterpret_cast<const float4*>(dst + i);
+      const float4 a = *reinterpret_cast<const float4*>(src + i);
+      d.x += a.x;
+      d.y += a.y;
+      d.z += a.z;
+      d.w += a.w;
+      *reinterpret_cast<float4*>(dst + i) = d;
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 4; ++j) dst[j] += src[j];
+    }
+  }
+}
+
 // GELU of chunks of 8 bf16 (the same ops::gelu as the CPU); out may alias x (each thread reads
 // its chunk before writing it).
 __global__ void gelu_kernel(bf16* out, const bf16* x, std::int64_t n, bool vec) {
@@ -154,6 +171,12 @@ void convert_bf16_to_f32(float* dst, const bf16* src, std::int64_t n, cudaStream
 void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s) {
   if (n <= 0) return;
   fill_kernel<<<grid_for(ceil_div(n, 4), kThreads), kThreads, 0, s>>>(dst, value, n, aligned16(dst));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void add_f32(float* dst, const float* src, std::int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  add_kernel<<<grid_for(ceil_div(n, 4), kThreads), kThreads, 0, s>>>(dst, src, n, aligned16(dst) && aligned16(src));
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -254,7 +254,8 @@ class Backend {
   virtual Buffer alloc(std::size_t bytes) = 0;
   // Copies between any two devices; same dtype and element count.
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
-  // Converts between f32 and act (bf16 rounding is round-to-nearest-even); same element count.
+  // Converts between f32 and act, or f32 and bf16 (bf16 rounding is round-to-nearest-even); same
+  // element count.
   virtual void convert(const TensorView& dst, const TensorView& src) = 0;
   virtual void zero(const TensorView& t) = 0;
   virtual void synchronize() = 0;
@@ -267,6 +268,9 @@ class Backend {
   // view that is elements [global_offset, global_offset + numel) of a logical tensor.
   virtual void init_normal(const TensorView& dst, float std, rng::PhiloxArgs rng, std::int64_t global_offset) = 0;
   virtual void fill(const TensorView& dst, float value) = 0;
+  // dst += src, elementwise over two f32 tensors of the same element count (partial gradients
+  // added into an accumulated one).
+  virtual void add(const TensorView& dst, const TensorView& src) = 0;
 
   // ---- ops ----
   virtual void embedding_forward(const EmbeddingForward& a) = 0;

@@ -19,6 +19,7 @@ using bf16 = __nv_bfloat16;
 void convert_f32_to_bf16(bf16* dst, const float* src, std::int64_t n, cudaStream_t s);
 void convert_bf16_to_f32(float* dst, const bf16* src, std::int64_t n, cudaStream_t s);
 void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s);
+void add_f32(float* dst, const float* src, std::int64_t n, cudaStream_t s);  // dst += src
 // out[i] = gelu(x[i]) (tanh approximation, ops::gelu); out may alias x.
 void gelu_forward(bf16* out, const bf16* x, std::int64_t n, cudaStream_t s);
 // dst[i] = std * philox_normal(rng.seed, rng.start(), global_offset + i), bit-identical to the CPU.
