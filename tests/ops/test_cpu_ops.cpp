@@ -8,6 +8,7 @@
 
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/rng/philox.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
@@ -25,6 +26,26 @@ TEST_CASE("attention of the first token returns its value vector") {
   b->attention_forward({view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, 3, H, D}), 0.5f});
   for (int h = 0; h < H; ++h)
     for (int d = 0; d < D; ++d) CHECK(out[h * D + d] == doctest::Approx(qkv[2 * H * D + h * D + d]));
+}
+
+TEST_CASE("attention dropout on a batch's later sequences draws what the whole batch draws for them") {
+  auto b = ops::make_cpu_backend();
+  const int B = 3, T = 9, H = 2, D = 4, first = 1;
+  auto qkv = random_values(B * T * 3 * H * D, 41);
+  std::vector<float> out(B * T * H * D), lse(B * H * T);
+  const rng::PhiloxArgs r{77, 5, nullptr};
+  b->attention_forward({view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, 3, H, D}), 0.5f, 0.3f, r});
+  const int Bp = B - first;
+  std::vector<float> part_qkv(qkv.begin() + first * T * 3 * H * D, qkv.end()), part_out(Bp * T * H * D),
+      part_lse(Bp * H * T);
+  ops::AttentionForward a{view(part_out, {Bp, T, H, D}), view(part_lse, {Bp, H, T}), view(part_qkv, {Bp, T, 3, H, D}),
+                          0.5f, 0.3f, r};
+  a.seq_offset = first;
+  b->attention_forward(a);
+  CHECK(part_out == std::vector<float>(out.begin() + first * T * H * D, out.end()));
+  a.seq_offset = 0;  // as if it were the batch's first sequences: other masks
+  b->attention_forward(a);
+  CHECK(part_out != std::vector<float>(out.begin() + first * T * H * D, out.end()));
 }
 
 TEST_CASE("layernorm output has zero mean and unit variance before the affine part") {

@@ -29,6 +29,7 @@ struct Attn {
   Dims s;
   float dropout;
   int head_offset, heads_total;
+  std::int64_t seq_offset = 0;
   rng::PhiloxArgs rng{0x5eed1234ull, 17, nullptr};
   Dual qkv, out, lse, dout, dqkv;
 
@@ -49,12 +50,12 @@ struct Attn {
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(s.D)); }
   ops::AttentionForward fwd_args(bool gpu) const {
     return {gpu ? out.gpu() : out.cpu(), gpu ? lse.gpu() : lse.cpu(), gpu ? qkv.gpu() : qkv.cpu(), scale(),
-            dropout, rng, head_offset, heads_total};
+            dropout, rng, head_offset, heads_total, seq_offset};
   }
   ops::AttentionBackward bwd_args(bool gpu) const {
     return {gpu ? dqkv.gpu() : dqkv.cpu(), gpu ? dout.gpu() : dout.cpu(), gpu ? out.gpu() : out.cpu(),
             gpu ? lse.gpu() : lse.cpu(),   gpu ? qkv.gpu() : qkv.cpu(),   scale(),
-            dropout, rng, head_offset, heads_total};
+            dropout, rng, head_offset, heads_total, seq_offset};
   }
   void forward() {
     out.poison();
@@ -342,6 +343,31 @@ TEST_CASE("cuda attention on a head shard draws what the whole tensor draws") {
   CHECK(b.lse.gpu_values() == slice_lse(a.lse.gpu_values()));
   CHECK(b.dqkv.gpu_values() == slice(a.dqkv.gpu_values(), 3));
   // And the shard agrees with the CPU reference of the shard.
+  KILN_CHECK_CLOSE(b.out, kActTol);
+  KILN_CHECK_CLOSE(b.dqkv, kActTol);
+}
+
+TEST_CASE("cuda attention on a batch's later sequences draws what the whole batch draws for them") {
+  auto p = backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const Dims full{3, 77, 2, 64};
+  const int first = 1;  // the part holds sequences [1, 3): a data-parallel rank's, or a micro-batch's
+  Attn a(p, full, 0.2f);
+  a.forward();
+  a.backward();
+  Attn b(p, {full.B - first, full.T, full.H, full.D}, 0.2f);
+  b.seq_offset = first;
+  auto tail = [&](const std::vector<float>& x) {  // sequences [first, B) of any [B, ...] tensor
+    const std::size_t per = x.size() / full.B;
+    return std::vector<float>(x.begin() + static_cast<std::ptrdiff_t>(per * first), x.end());
+  };
+  b.qkv.set(tail(a.qkv.cpu_values()));
+  b.dout.set(tail(a.dout.cpu_values()));
+  b.forward();
+  b.backward();
+  CHECK(b.out.gpu_values() == tail(a.out.gpu_values()));
+  CHECK(b.lse.gpu_values() == tail(a.lse.gpu_values()));
+  CHECK(b.dqkv.gpu_values() == tail(a.dqkv.gpu_values()));
   KILN_CHECK_CLOSE(b.out, kActTol);
   KILN_CHECK_CLOSE(b.dqkv, kActTol);
 }

@@ -27,6 +27,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
       Vp_(cfg.padded_vocab()),
       L_(cfg.n_layer),
       N_(static_cast<std::int64_t>(B) * T),
+      batch_sequences_(world.resource<train::TrainConfig>().batch_size),
       Nl_(tp_.local_rows(N_)),
       embedding_(tp_, Vp_, C_),
       qkv_(tp_, C_, 3 * C_, 3),
@@ -343,7 +344,9 @@ GptModel::BlockWeights GptModel::block_weights(int l, bool grads) const {
 ops::DropoutArgs GptModel::hidden_dropout(float p, const rng::PhiloxArgs& r) const {
   ops::DropoutArgs d;
   d.p = p;
-  d.row_offset = tp_.first_local_row(N_);  // this rank's rows of the [N, C] tensor
+  // This rank's rows of the step's [batch tokens, C] tensor: its micro-batch's, under sequence
+  // parallelism its part of them.
+  d.row_offset = seq_offset_ * T_ + tp_.first_local_row(N_);
   d.rng = r;
   return d;
 }

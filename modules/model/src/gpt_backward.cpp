@@ -74,7 +74,7 @@ void GptModel::backward(const train::Batch& batch) {
                                                     a.atty.reshape({N, attn_out_.local_in()}), w.proj_w, {}}),
                        dproj);
     be_.attention_backward({dqkv_.reshape({B_, T_, 3, Hl_, D}), datty_.reshape({B_, T_, Hl_, D}), a.atty, a.lse, a.qkv,
-                            1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, head_begin_, H_});
+                            1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, head_begin_, H_, seq_offset_});
     if (recompute_ln_ && !ln1_on_load)
       tp_.enter(a.ln1, layernorm_local(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b));
     ops::LinearBackward qkv{dln_, g.qkv_w, g.qkv_b, dqkv_, a.ln1, w.qkv_w, {}};

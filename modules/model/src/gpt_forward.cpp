@@ -25,6 +25,13 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
 
   auto& bus = world_.events();
   const float p = training ? cfg_.dropout : 0.0f;
+  seq_offset_ = batch.global_index;
+  if (p > 0 && tracker) {  // every micro-batch of the step draws from the same states
+    if (slot == 0)
+      step_rng_ = tracker->get_states();
+    else
+      tracker->set_states(step_rng_);
+  }
 
   // The embeddings: every rank looks up all rows and keeps its own (sequence parallelism), or its
   // vocabulary rows' part of all, summed over TP (vocabulary parallelism).
@@ -64,10 +71,10 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
     KILN_CHECK(tracker, "dropout needs the RNG tracker");
     {
       auto scope = tracker->fork(rng::kModelParallelRng);
-      a.attn_rng = tracker->draw(static_cast<std::uint64_t>(B_) * H_ * T_ * T_);
+      a.attn_rng = tracker->draw(static_cast<std::uint64_t>(batch_sequences_) * H_ * T_ * T_);
     }
-    a.attn_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
-    a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(N) * C_);
+    a.attn_drop_rng = tracker->draw(static_cast<std::uint64_t>(batch_sequences_) * T_ * C_);
+    a.mlp_drop_rng = tracker->draw(static_cast<std::uint64_t>(batch_sequences_) * T_ * C_);
   }
   if (stages & kAttention) {
     // LayerNorm on this rank's rows, the column-parallel QKV on all rows; attention on this rank's
@@ -82,7 +89,7 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
     }
     qkv_.forward(impl(lin.qkv), qkv, ln1_local);
     be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, head_begin_,
-                           H_});
+                           H_, seq_offset_});
   }
   if (stages & kAttnOut) {
     // The row-parallel projection, summed over TP into this rank's rows, then dropout + residual.

@@ -142,6 +142,7 @@ AttentionDims check_args(const AttentionForward& a, const ArgTarget& on) {
   c.tensor("qkv", a.qkv, Act, {B, T, 3, H, D});
   c.tensor("out", a.out, Act, {B, T, H, D});
   c.tensor("lse", a.lse, f32, {B, H, T});
+  c.check(a.seq_offset >= 0, "seq_offset = ", a.seq_offset, " must not be negative");
   return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H])};
 }
 
@@ -153,6 +154,7 @@ AttentionDims check_args(const AttentionBackward& a, const ArgTarget& on) {
   c.tensor("lse", a.lse, f32, {B, H, T});
   c.tensor("dout", a.dout, Act, {B, T, H, D});
   c.tensor("dqkv", a.dqkv, Act, {B, T, 3, H, D});
+  c.check(a.seq_offset >= 0, "seq_offset = ", a.seq_offset, " must not be negative");
   return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H])};
 }
 

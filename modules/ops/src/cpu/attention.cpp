@@ -13,9 +13,9 @@ struct AttnShape {
 AttnShape shape_of(const AttentionDims& d) { return {d.B, d.T, d.H, d.D, d.heads_total}; }
 
 // Philox element of attention probability (b, h, i, j); see AttentionForward.
-inline std::uint64_t prob_index(const AttnShape& s, int head_offset, std::int64_t b, std::int64_t h, std::int64_t i,
-                                std::int64_t j) {
-  return static_cast<std::uint64_t>(((b * s.Htot + head_offset + h) * s.T + i) * s.T + j);
+inline std::uint64_t prob_index(const AttnShape& s, std::int64_t seq_offset, int head_offset, std::int64_t b,
+                                std::int64_t h, std::int64_t i, std::int64_t j) {
+  return static_cast<std::uint64_t>((((seq_offset + b) * s.Htot + head_offset + h) * s.T + i) * s.T + j);
 }
 }  // namespace
 
@@ -54,7 +54,7 @@ void CpuBackend::attention_forward(const AttentionForward& a) {
         for (std::int64_t j = 0; j <= i; ++j) {
           float w = p[j] / sum;
           if (a.dropout > 0) {
-            auto x = rng::philox_u32(a.rng.seed, start, prob_index(s, a.head_offset, b, h, i, j));
+            auto x = rng::philox_u32(a.rng.seed, start, prob_index(s, a.seq_offset, a.head_offset, b, h, i, j));
             w = rng::dropout_keep(x, threshold) ? w * keep_scale : 0.0f;
           }
           const float* v = qkv + (b * s.T + j) * rs + 2 * s.H * s.D + h * s.D;
@@ -93,7 +93,7 @@ void CpuBackend::attention_backward(const AttentionBackward& a) {
           p[j] = std::exp(dot * a.scale - l);
           float m = 1.0f;  // mask / (1 - p_drop)
           if (a.dropout > 0) {
-            auto x = rng::philox_u32(a.rng.seed, start, prob_index(s, a.head_offset, b, h, i, j));
+            auto x = rng::philox_u32(a.rng.seed, start, prob_index(s, a.seq_offset, a.head_offset, b, h, i, j));
             m = rng::dropout_keep(x, threshold) ? keep_scale : 0.0f;
           }
           float dpv = 0;

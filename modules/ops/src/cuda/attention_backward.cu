@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(C::NT)
   if constexpr (DROPOUT) {
     seed = pb.rng.seed;
     start = pb.rng.start();
-    col_base = (static_cast<std::uint64_t>(b) * pb.heads_total + pb.head_offset + h) * T;  // n / T of query 0
+    col_base = (static_cast<std::uint64_t>(pb.seq_offset + b) * pb.heads_total + pb.head_offset + h) * T;  // n / T of query 0
   }
 
   // One query tile: S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += dS^T Q.
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(C::NT)
   if constexpr (DROPOUT) {
     seed = pb.rng.seed;
     start = pb.rng.start();
-    const std::uint64_t bhg = static_cast<std::uint64_t>(b) * pb.heads_total + pb.head_offset + h;
+    const std::uint64_t bhg = static_cast<std::uint64_t>(pb.seq_offset + b) * pb.heads_total + pb.head_offset + h;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) row_n[hr] = (bhg * T + static_cast<std::uint64_t>(wr0 + g + 8 * hr)) * T;
   }
@@ -491,9 +491,9 @@ std::int64_t attention_backward_scratch(int B, int T, int H) { return static_cas
 
 void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* out, const float* lse,
                         const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                        int head_offset, int heads_total, cudaStream_t s) {
-  const attn::Problem pb =
-      attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, "attention_backward");
+                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s) {
+  const attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
+                                              "attention_backward");
   if (static_cast<std::int64_t>(B) * T * H == 0) return;
   KILN_CHECK(attn::aligned16(dqkv) && attn::aligned16(dout) && attn::aligned16(out) && attn::aligned16(qkv),
              "attention_backward: dqkv, dout, out and qkv must be 16-byte aligned");

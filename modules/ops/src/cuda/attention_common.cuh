@@ -34,6 +34,7 @@ inline constexpr int kPad = D + 8;
 struct Problem {
   int B, T, H;
   int head_offset, heads_total;  // for the dropout stream index
+  std::int64_t seq_offset;       // likewise: the global index of sequence 0
   float scale;                   // softmax scale
   float scale_log2;              // scale * log2(e): scores go through exp2
   float keep_scale;              // 1 / (1 - p), 1 without dropout
@@ -273,7 +274,7 @@ __device__ __forceinline__ void wgmma_rs_nmajor<128>(float (&d)[16][4], const st
 
 // ---------------------------------------------------------------------------------------------
 // Dropout masks. Probability (b, h, i, j) is kept iff dropout_keep(philox_u32(seed, start, n)) with
-// n = ((b * heads_total + head_offset + h) * T + i) * T + j, i.e. word n % 4 of Philox block
+// n = (((seq_offset + b) * heads_total + head_offset + h) * T + i) * T + j, i.e. word n % 4 of Philox block
 // start + n / 4. Each block gives 4 consecutive n, so lanes compute disjoint blocks and exchange
 // keep bits by shuffles: 1/4 of a Philox call per probability (plus one block per run when T is
 // not a multiple of 4 and runs do not start on a block boundary).
@@ -340,7 +341,7 @@ __device__ __forceinline__ void keep_bits_col16(std::uint64_t seed, std::uint64_
 // ---------------------------------------------------------------------------------------------
 // Checks the arguments shared by forward and backward (throws kiln::Error) and returns the Problem.
 inline Problem make_problem(int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                            int head_offset, int heads_total, const char* op) {
+                            int head_offset, int heads_total, std::int64_t seq_offset, const char* op) {
   KILN_CHECK(D == 16 || D == 32 || D == 64 || D == 128, op, ": head dim D = ", D,
              " is not supported (the CUDA kernels take D = 16, 32, 64 or 128)");
   KILN_CHECK(B >= 0 && T >= 0 && H >= 0, op, ": bad shape B=", B, " T=", T, " H=", H);
@@ -357,6 +358,8 @@ inline Problem make_problem(int B, int T, int H, int D, float scale, float dropo
   p.H = H;
   p.head_offset = head_offset;
   p.heads_total = heads_total;
+  KILN_CHECK(seq_offset >= 0, op, ": negative sequence offset ", seq_offset);
+  p.seq_offset = seq_offset;
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
   p.keep_scale = dropout > 0 ? 1.0f / (1.0f - dropout) : 1.0f;

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restri
   if constexpr (DROPOUT) {
     seed = pb.rng.seed;
     start = pb.rng.start();
-    const std::uint64_t bhg = static_cast<std::uint64_t>(b) * pb.heads_total + pb.head_offset + h;
+    const std::uint64_t bhg = static_cast<std::uint64_t>(pb.seq_offset + b) * pb.heads_total + pb.head_offset + h;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(C::NT, 1)
   if constexpr (DROPOUT) {
     seed = pb.rng.seed;
     start = pb.rng.start();
-    const std::uint64_t bhg = static_cast<std::uint64_t>(b) * pb.heads_total + pb.head_offset + h;
+    const std::uint64_t bhg = static_cast<std::uint64_t>(pb.seq_offset + b) * pb.heads_total + pb.head_offset + h;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) row_n[hr] = (bhg * T + static_cast<std::uint64_t>(wr0 + g + 8 * hr)) * T;
   }
@@ -483,9 +483,10 @@ void dispatch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb,
 }  // namespace attn
 
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
-                       rng::PhiloxArgs rng, int head_offset, int heads_total, cudaStream_t s) {
-  const attn::Problem pb =
-      attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, "attention_forward");
+                       rng::PhiloxArgs rng, int head_offset, int heads_total, std::int64_t seq_offset,
+                       cudaStream_t s) {
+  const attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
+                                              "attention_forward");
   if (static_cast<std::int64_t>(B) * T * H == 0) return;
   KILN_CHECK(attn::aligned16(out) && attn::aligned16(qkv), "attention_forward: qkv and out must be 16-byte aligned");
   KILN_CHECK(static_cast<std::int64_t>(B) * H <= 0x7fffffff, "attention_forward: B * H = ", static_cast<std::int64_t>(B) * H, " is too large");

@@ -402,7 +402,7 @@ void CudaBackend::attention_forward(const AttentionForward& a) {
     return;
   }
   cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout,
-                          a.rng, a.head_offset, i32(d.heads_total), stream_);
+                          a.rng, a.head_offset, i32(d.heads_total), a.seq_offset, stream_);
 }
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
@@ -417,7 +417,7 @@ void CudaBackend::attention_backward(const AttentionBackward& a) {
   float* scratch = scratch_floats(cuda::attention_backward_scratch(B, T, H));
   cuda::attention_backward(dptr<bf16>(a.dqkv), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.out), dptr<float>(a.lse),
                            dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout, a.rng, a.head_offset,
-                           i32(d.heads_total), stream_);
+                           i32(d.heads_total), a.seq_offset, stream_);
 }
 
 void CudaBackend::residual_forward(const ResidualForward& a) {

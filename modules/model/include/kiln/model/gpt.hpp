@@ -62,7 +62,11 @@ class GptModel {
   // draws, by global element index) and refreshes the compute copy.
   void initialise(rng::RngStatesTracker& tracker);
   // One micro-batch forward; the per-token losses go to loss slot `slot`. With `training`, draws
-  // dropout masks from the tracker and prepares the backward (the logits become dlogits).
+  // dropout masks from the tracker and prepares the backward (the logits become dlogits). Dropout
+  // masks are functions of the step and of the token's place in the step's global batch
+  // (train::Batch::global_index): every micro-batch draws from the states the step's first one
+  // started from, each element at its global index, so any split of the batch over data-parallel
+  // ranks and micro-batches draws what one rank with the whole batch would.
   void forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker);
   // Backward of the last training forward; accumulates into the gradient buffer.
   void backward(const train::Batch& batch);
@@ -138,6 +142,9 @@ class GptModel {
   int B_, T_, slots_;
   int C_, H_, Vp_, L_;
   std::int64_t N_;   // tokens of a micro-batch
+  std::int64_t batch_sequences_;  // sequences of the step's global batch (all ranks, all micro-batches)
+  std::int64_t seq_offset_ = 0;   // the global index of the current micro-batch's first sequence
+  rng::RngSnapshot step_rng_;     // the tracker's states at the step's first micro-batch
   std::int64_t Nl_;  // this rank's tokens outside the TP regions (N without sequence parallelism)
   int Hl_ = 0;       // this rank's attention heads
   int head_begin_ = 0;

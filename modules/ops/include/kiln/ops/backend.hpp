@@ -143,8 +143,9 @@ struct LinearBackward {
 
 // Causal multi-head attention on the fused QKV projection, softmax(q k^T * scale) v, with dropout p
 // on the attention probabilities: probability (b, h, i, j) draws Philox element
-// ((b * heads_total + head_offset + h) * T + i) * T + j, so a tensor-parallel shard of the heads
-// draws what the whole tensor would.
+// (((seq_offset + b) * heads_total + head_offset + h) * T + i) * T + j, so a tensor-parallel shard
+// of the heads, or a data-parallel rank's (or micro-batch's) sequences, draws what the whole
+// step's batch would.
 struct AttentionForward {
   TensorView out;  // [B, T, H, D] act
   TensorView lse;  // [B, H, T] f32: log-sum-exp of each row of the scaled scores
@@ -154,6 +155,7 @@ struct AttentionForward {
   rng::PhiloxArgs rng;
   int head_offset = 0;
   int heads_total = 0;  // 0: H
+  std::int64_t seq_offset = 0;  // the global index of sequence 0 (dropout)
 };
 struct AttentionBackward {
   TensorView dqkv;  // [B, T, 3, H, D] act
@@ -166,6 +168,7 @@ struct AttentionBackward {
   rng::PhiloxArgs rng;
   int head_offset = 0;
   int heads_total = 0;
+  std::int64_t seq_offset = 0;
 };
 
 // out = residual + dropout(x)

@@ -64,12 +64,13 @@ void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout
 // ---- attention (flash-style, causal, deterministic backward) ----
 // q, k, v interleaved as qkv [B, T, 3, H, D]; out [B, T, H, D]; lse [B, H, T]. D in {16, 32, 64, 128}.
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
-                       rng::PhiloxArgs rng, int head_offset, int heads_total, cudaStream_t s);
+                       rng::PhiloxArgs rng, int head_offset, int heads_total, std::int64_t seq_offset,
+                       cudaStream_t s);
 // `scratch` holds attention_backward_scratch(B, T, H) floats.
 std::int64_t attention_backward_scratch(int B, int T, int H);
 void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* out, const float* lse,
                         const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                        int head_offset, int heads_total, cudaStream_t s);
+                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s);
 
 // ---- loss and optimizer ----
 void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real, float dloss,
