@@ -8,6 +8,7 @@
 #include "kiln/model/module.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/optim/optim.hpp"
+#include "kiln/parallel/fsdp.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/rng/module.hpp"
 #include "kiln/train/train.hpp"
@@ -26,6 +27,7 @@ void register_builtin_modules(ModuleRegistry& registry) {
   log::register_module(registry);
   fp8::register_module(registry);
   checkpoint::register_module(registry);
+  parallel::register_fsdp_module(registry);
 }
 
 }  // namespace kiln

@@ -58,18 +58,9 @@ void install(World& w, const ParallelConfig& cfg) {
   w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank), cfg.sequence_parallel, cfg.vocab_parallel});
 
   auto& comms = w.emplace_resource<Communicators>();
-  auto* launch = w.try_resource<LaunchContext>();
   // Every rank creates its groups in the same order (NCCL splits are collective over the world).
-  auto make = [&](const std::string& name, std::initializer_list<Axis> axes) -> std::unique_ptr<Communicator> {
-    const std::vector<int> members = topo.group(r.rank, axes);
-    if (members.size() == 1) return make_self_communicator(name, r.rank);
-#ifdef KILN_WITH_CUDA
-    if (launch && launch->nccl) return launch->nccl->group(name, topo.group_index(r.rank, axes), members);
-#endif
-    if (!launch || !launch->hub)
-      KILN_THROW("rank ", r.rank, ": a ", members.size(), "-rank '", name,
-                 "' group needs a launcher (kiln run --nproc N)");
-    return launch->hub->communicator(name, members, r.rank);
+  auto make = [&](const std::string& name, std::initializer_list<Axis> axes) {
+    return make_group(w, name, topo.group_index(r.rank, axes), topo.group(r.rank, axes));
   };
   comms.world = make("world", {Axis::tp, Axis::cp, Axis::ep, Axis::dp, Axis::pp});
   comms.tp = make("tp", {Axis::tp});
@@ -78,7 +69,7 @@ void install(World& w, const ParallelConfig& cfg) {
   comms.param_shards = comms.tp.get();
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
-  if (launch && launch->nccl)
+  if (auto* launch = w.try_resource<LaunchContext>(); launch && launch->nccl)
     w.systems().add({"parallel.check", Phase::step_end,
                      [nccl = launch->nccl](World&) { nccl->check(); }});
 #endif
@@ -129,6 +120,20 @@ void install(World& w, const ParallelConfig& cfg) {
 }
 
 }  // namespace
+
+std::unique_ptr<Communicator> make_group(World& w, const std::string& name, int color, const std::vector<int>& members) {
+  const auto& r = w.resource<RankInfo>();
+  if (members.size() == 1) return make_self_communicator(name, r.rank);
+  auto* launch = w.try_resource<LaunchContext>();
+#ifdef KILN_WITH_CUDA
+  if (launch && launch->nccl) return launch->nccl->group(name, color, members);
+#else
+  (void)color;
+#endif
+  if (!launch || !launch->hub)
+    KILN_THROW("rank ", r.rank, ": a ", members.size(), "-rank '", name, "' group needs a launcher (kiln run --nproc N)");
+  return launch->hub->communicator(name, members, r.rank);
+}
 
 TensorParallel tensor_parallel(World& w, ops::Backend& backend) {
   const auto& par = w.resource<ParallelState>();

@@ -43,3 +43,41 @@ std::unique_ptr<SideStream> SideStream::create(void* compute_stream) {
 }
 
 }  // namespace kiln::parallel
+
+#include "kiln/parallel/stream_event.hpp"
+
+namespace kiln::parallel {
+
+StreamEvent::~StreamEvent() {
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+StreamEvent& StreamEvent::operator=(StreamEvent&& o) noexcept {
+  if (this != &o) {
+    if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+    event_ = o.event_;
+    o.event_ = nullptr;
+  }
+  return *this;
+}
+
+void StreamEvent::record(void* stream) {
+  if (!stream) return;
+  if (!event_) {
+    cudaEvent_t e = nullptr;
+    KILN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    event_ = e;
+  }
+  KILN_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)));
+}
+
+void StreamEvent::wait(void* stream) const {
+  if (!stream || !event_) return;
+  KILN_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0));
+}
+
+void StreamEvent::synchronize() const {
+  if (event_) KILN_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)));
+}
+
+}  // namespace kiln::parallel

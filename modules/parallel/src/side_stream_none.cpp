@@ -6,3 +6,19 @@ namespace kiln::parallel {
 std::unique_ptr<SideStream> SideStream::create(void*) { return nullptr; }
 
 }  // namespace kiln::parallel
+
+#include "kiln/parallel/stream_event.hpp"
+
+namespace kiln::parallel {
+
+StreamEvent::~StreamEvent() = default;
+StreamEvent& StreamEvent::operator=(StreamEvent&& o) noexcept {
+  event_ = o.event_;
+  o.event_ = nullptr;
+  return *this;
+}
+void StreamEvent::record(void*) {}
+void StreamEvent::wait(void*) const {}
+void StreamEvent::synchronize() const {}
+
+}  // namespace kiln::parallel

@@ -93,6 +93,11 @@ struct Communicators {
   Communicator* param_shards = nullptr;
 };
 
+// This rank's communicator of the group `members` (global ranks, ascending; this rank among them),
+// one of the groups `color` numbers (each group its own color). Collective over the world: every
+// rank asks for its group of the kind at the same time.
+std::unique_ptr<Communicator> make_group(World& w, const std::string& name, int color, const std::vector<int>& members);
+
 // This rank's tensor-parallel group, for layers computing on `backend`: the World's TP communicator
 // and the [parallel] section's sequence_parallel and vocab_parallel. (The model builds its layers on
 // it and never touches a communicator.)

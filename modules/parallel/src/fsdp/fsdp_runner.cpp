@@ -1,0 +1,300 @@
+#include "fsdp_runner.hpp"
+
+#include <algorithm>
+
+#include "kiln/core/error.hpp"
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/components.hpp"
+
+namespace kiln::parallel::fsdp {
+
+Runner::Runner(World& w, const FsdpConfig& cfg, Communicator& shard, Communicator* replica, ops::Backend& backend)
+    : w_(w), cfg_(cfg), shard_(shard), replica_(replica), store_(w.resource<nn::ParamStore>()), be_(backend) {}
+
+Runner::~Runner() {
+  // Nothing may still read or write the buffers when they go.
+  if (comm_) comm_mark_.record(comm_), comm_mark_.synchronize();
+}
+
+TensorView Runner::held(const Buffer& b, DType t, int unit) const {
+  return b.view(t, {store_.held_count(unit)}, static_cast<std::size_t>(store_.held_offset(unit)) * size_of(t));
+}
+
+void Runner::setup() {
+  KILN_CHECK(store_.sharded() && store_.shards == shard_.size() && store_.shard == shard_.rank(),
+             "fsdp: the parameter store is split in ", store_.shards, " parts, part ", store_.shard,
+             " here, but the shard group has ", shard_.size(), " ranks, this one ", shard_.rank());
+  units_ = store_.num_units();
+  compute_ = be_.stream();
+  side_ = SideStream::create(compute_);
+  comm_ = side_ ? side_->stream() : nullptr;
+  reduce_dtype_ = cfg_.reduce_dtype == FsdpDType::bf16 ? DType::bf16 : DType::f32;
+  const auto U = static_cast<std::size_t>(units_);
+  auto size = [&](int u) { return store_.units[static_cast<std::size_t>(u)].size(); };
+
+  // Which unit reads which units' weights: its own, and those its linears' parameters belong to
+  // (a tied LM head reads the embeddings' unit).
+  uses_.assign(U, {});
+  for (int u = 0; u < units_; ++u) uses_[u] = {u};
+  for (Entity e : w_.view<nn::Linear>()) {
+    const auto& lin = w_.get<nn::Linear>(e);
+    std::vector<Entity> params = {lin.weight};
+    if (lin.bias) params.push_back(*lin.bias);
+    for (Entity p : params) {
+      const int pu = w_.get<nn::Param>(p).unit;
+      auto& list = uses_[static_cast<std::size_t>(lin.unit)];
+      if (std::find(list.begin(), list.end(), pu) == list.end()) list.push_back(pu);
+    }
+  }
+  readers_.assign(U, 0);
+  for (const auto& list : uses_)
+    for (int v : list) ++readers_[static_cast<std::size_t>(v)];
+  // Kept gathered from first use to last: units read by others, and the last unit (its backward
+  // follows its forward at once).
+  kept_.assign(U, false);
+  for (int u = 0; u < units_; ++u) kept_[u] = readers_[u] > 1 || u == units_ - 1;
+  zero_ranges_ = store_.grad_zero_ranges(w_);
+
+  // Gather buffers: kept units' (every unit's with shard_grad_op) own, and a pool of prefetch + 1.
+  const DType act = store_.act;
+  own_slot_.assign(U, -1);
+  own_grad_.assign(U, -1);
+  std::int64_t pool_units = 0;
+  for (int u = 0; u < units_; ++u) {
+    if (size(u) == 0) continue;
+    if (kept(u) || cfg_.strategy == FsdpStrategy::shard_grad_op) {
+      own_slot_[u] = static_cast<int>(slots_.size());
+      slots_.push_back(Slot{be_.alloc(static_cast<std::size_t>(size(u)) * size_of(act))});
+    } else {
+      pool_units = std::max(pool_units, size(u));
+    }
+  }
+  pool_begin_ = slots_.size();
+  if (pool_units > 0)
+    for (int i = 0; i <= cfg_.prefetch; ++i)
+      slots_.push_back(Slot{be_.alloc(static_cast<std::size_t>(pool_units) * size_of(act))});
+  for (const auto& s : slots_) gathered_bytes_ += s.memory.bytes();
+
+  // Gradient buffers: kept units' own (their readers' backward passes span other units'), and two
+  // for the rest (one accumulating, one being reduce-scattered).
+  std::int64_t grad_pool = 0, max_held = 0;
+  auto grad_slot = [&](std::int64_t elems) {
+    GradSlot g{be_.alloc(static_cast<std::size_t>(elems) * 4)};
+    if (reduce_dtype_ == DType::bf16) g.low = be_.alloc(static_cast<std::size_t>(elems) * 2);
+    grad_buffer_bytes_ += g.memory.bytes() + g.low.bytes();
+    return g;
+  };
+  for (int u = 0; u < units_; ++u) {
+    if (size(u) == 0) continue;
+    max_held = std::max(max_held, store_.held_count(u));
+    if (kept(u)) {
+      own_grad_[u] = static_cast<int>(grad_slots_.size());
+      grad_slots_.push_back(grad_slot(size(u)));
+    } else {
+      grad_pool = std::max(grad_pool, size(u));
+    }
+  }
+  grad_pool_begin_ = grad_slots_.size();
+  if (grad_pool > 0)
+    for (int i = 0; i < 2; ++i) grad_slots_.push_back(grad_slot(grad_pool));
+  for (auto& p : partials_) {
+    p.memory = be_.alloc(static_cast<std::size_t>(max_held) * size_of(reduce_dtype_));
+    grad_buffer_bytes_ += p.memory.bytes();
+  }
+  if (reduce_dtype_ == DType::bf16) {
+    partial_f32_ = be_.alloc(static_cast<std::size_t>(max_held) * 4);
+    grad_buffer_bytes_ += partial_f32_.bytes();
+  }
+  grad_slot_of_.assign(U, -1);
+  readers_left_.assign(U, 0);
+  store_.unit_compute.assign(U, nullptr);
+  store_.unit_grads.assign(U, nullptr);
+}
+
+FsdpMemory Runner::memory() const {
+  const std::size_t act = size_of(store_.act);
+  const auto held = static_cast<std::size_t>(store_.held), total = static_cast<std::size_t>(store_.total);
+  FsdpMemory m;
+  m.params = held * (4 + act);
+  m.grads = held * 4 + grad_buffer_bytes_;
+  m.optimizer = held * 8;
+  m.gathered = gathered_bytes_;
+  m.params_unsharded = total * (4 + act);
+  m.grads_unsharded = total * 4;
+  m.optimizer_unsharded = total * 8;
+  m.shards = store_.shards;
+  return m;
+}
+
+Runner::Slot* Runner::slot_of(int unit) {
+  if (own_slot_[unit] >= 0) return &slots_[static_cast<std::size_t>(own_slot_[unit])];
+  for (std::size_t i = pool_begin_; i < slots_.size(); ++i)
+    if (slots_[i].unit == unit) return &slots_[i];
+  return nullptr;
+}
+
+Runner::Slot* Runner::gather(int unit, bool required) {
+  Slot* s = slot_of(unit);
+  if (s && s->unit == unit && s->version == version_) return s;  // gathered (or on its way), fresh
+  if (!s) {
+    for (std::size_t i = pool_begin_; i < slots_.size() && !s; ++i)
+      if (!slots_[i].in_use) s = &slots_[i];
+    if (!s) {
+      KILN_CHECK(!required, "fsdp: no free gather buffer for layer unit ", unit, " (", cfg_.prefetch + 1,
+                 " buffers, all gathered for units in use)");
+      return nullptr;
+    }
+  }
+  if (s->unit >= 0 && s->unit != unit) store_.unit_compute[static_cast<std::size_t>(s->unit)] = nullptr;
+  s->unit = unit;
+  s->version = version_;
+  s->in_use = true;
+  // After everything the compute stream has queued: the optimizer's write of the held compute
+  // copy, and the last reads of the slot's previous unit.
+  compute_mark_.record(compute_);
+  compute_mark_.wait(comm_);
+  const std::int64_t n = store_.units[static_cast<std::size_t>(unit)].size();
+  shard_.all_gather(s->memory.view(store_.act, {n}), held(store_.compute, store_.act, unit), comm_);
+  s->gathered.record(comm_);
+  return s;
+}
+
+void Runner::use(int unit) {
+  if (store_.units[static_cast<std::size_t>(unit)].size() == 0) return;
+  Slot* s = gather(unit, true);
+  s->in_use = true;
+  s->gathered.wait(compute_);
+  store_.unit_compute[static_cast<std::size_t>(unit)] = s->memory.data();
+}
+
+void Runner::release(int unit) {
+  if (Slot* s = slot_of(unit); s && s->unit == unit) s->in_use = false;  // its data stays until taken
+}
+
+void Runner::prefetch(int from, int step) {
+  for (int k = 1; k <= cfg_.prefetch; ++k) {
+    const int v = from + k * step;
+    if (v < 0 || v >= units_) return;
+    if (store_.units[static_cast<std::size_t>(v)].size() == 0) continue;
+    if (!gather(v, false)) return;
+  }
+}
+
+void Runner::forward_begin(int unit) {
+  for (int v : uses_[static_cast<std::size_t>(unit)]) use(v);
+  prefetch(unit, +1);
+}
+
+void Runner::forward_end(int unit) {
+  if (cfg_.strategy != FsdpStrategy::shard_grad_op && !kept(unit)) release(unit);
+}
+
+void Runner::assign_grads(int unit) {
+  if (store_.units[static_cast<std::size_t>(unit)].size() == 0 || grad_slot_of_[unit] >= 0) return;
+  int g = own_grad_[unit];
+  for (std::size_t i = grad_pool_begin_; i < grad_slots_.size() && g < 0; ++i)
+    if (grad_slots_[i].unit < 0) g = static_cast<int>(i);
+  KILN_CHECK(g >= 0, "fsdp: no free gradient buffer for layer unit ", unit);
+  GradSlot& slot = grad_slots_[static_cast<std::size_t>(g)];
+  slot.reduced.wait(compute_);  // its last reduce-scatter has read it
+  slot.unit = unit;
+  grad_slot_of_[unit] = g;
+  readers_left_[unit] = readers_[unit];
+  // A fresh micro-batch's buffer: the first micro-batch writes the gradients their linears write
+  // first (nn::GradWrittenFirst), the others add to them.
+  const std::int64_t n = store_.units[static_cast<std::size_t>(unit)].size();
+  auto* base = static_cast<float*>(slot.memory.data());
+  const Device dev = slot.memory.device();
+  if (w_.resource<RunControl>().micro_batch == 0) {
+    for (const auto& r : zero_ranges_[static_cast<std::size_t>(unit)])
+      be_.zero(TensorView(base + r.begin, {r.size()}, DType::f32, dev));
+  } else {
+    be_.zero(TensorView(base, {n}, DType::f32, dev));
+  }
+  store_.unit_grads[static_cast<std::size_t>(unit)] = base;
+}
+
+void Runner::backward_begin(int unit) {
+  for (int v : uses_[static_cast<std::size_t>(unit)]) {
+    use(v);
+    assign_grads(v);
+  }
+  prefetch(unit, -1);
+}
+
+void Runner::backward_end(int unit) {
+  for (int v : uses_[static_cast<std::size_t>(unit)]) {
+    if (store_.units[static_cast<std::size_t>(v)].size() == 0) continue;
+    KILN_CHECK(readers_left_[v] > 0, "fsdp: layer unit ", v, "'s gradients reduced twice in one micro-batch");
+    if (--readers_left_[v] > 0) continue;
+    reduce(v);
+    release(v);  // the last reader is done with its weights too
+  }
+  release(unit);
+}
+
+void Runner::reduce(int unit) {
+  GradSlot& g = grad_slots_[static_cast<std::size_t>(grad_slot_of_[unit])];
+  const std::int64_t n = store_.units[static_cast<std::size_t>(unit)].size();
+  const bool first = w_.resource<RunControl>().micro_batch == 0;
+  TensorView in = g.memory.view(DType::f32, {n});
+  if (reduce_dtype_ == DType::bf16) {
+    const TensorView low = g.low.view(DType::bf16, {n});
+    be_.convert(low, in);
+    in = low;
+  }
+  // The step's first micro-batch writes this rank's part of the gradients; the others (and a bf16
+  // reduction) go through a partial sum, added on the compute stream later (add_pending).
+  TensorView out;
+  Partial* partial = nullptr;
+  if (first && reduce_dtype_ == DType::f32) {
+    out = held(store_.grads, DType::f32, unit);
+  } else {
+    add_pending();
+    partial = &partials_[next_partial_];
+    next_partial_ ^= 1;
+    partial->unit = unit;
+    partial->overwrite = first;
+    out = partial->memory.view(reduce_dtype_, {store_.held_count(unit)});
+  }
+  compute_mark_.record(compute_);
+  compute_mark_.wait(comm_);
+  shard_.reduce_scatter(out, in, ReduceOp::sum, comm_);
+  g.reduced.record(comm_);
+  if (partial) partial->ready.record(comm_);
+  store_.unit_grads[static_cast<std::size_t>(unit)] = nullptr;
+  grad_slot_of_[unit] = -1;
+  g.unit = -1;
+}
+
+void Runner::add_pending() {
+  for (auto& p : partials_) {
+    if (p.unit < 0) continue;
+    p.ready.wait(compute_);
+    const std::int64_t n = store_.held_count(p.unit);
+    const TensorView dst = held(store_.grads, DType::f32, p.unit);
+    TensorView src = p.memory.view(reduce_dtype_, {n});
+    if (reduce_dtype_ == DType::bf16) {
+      const TensorView wide = partial_f32_.view(DType::f32, {n});
+      be_.convert(p.overwrite ? dst : wide, src);
+      src = wide;
+    }
+    if (!p.overwrite)
+      be_.add(dst, src);
+    else if (reduce_dtype_ == DType::f32)
+      be_.copy(dst, src);
+    p.unit = -1;
+  }
+}
+
+void Runner::finish_gradients() {
+  for (int u = 0; u < units_; ++u)
+    KILN_CHECK(grad_slot_of_[u] < 0, "fsdp: layer unit ", u, "'s gradients were never reduced this step (",
+               readers_left_[u], " of its readers did not end their backward pass)");
+  add_pending();
+  comm_mark_.record(comm_);
+  comm_mark_.wait(compute_);
+  if (replica_ && replica_->size() > 1) replica_->all_reduce(store_.grads_flat(), ReduceOp::sum, compute_);
+}
+
+}  // namespace kiln::parallel::fsdp

@@ -1,0 +1,142 @@
+// The "fsdp" engine module: checks the layout, makes the shard (and replica) groups, tells the
+// parameter store how it is split, and drives the Runner from the layer events.
+#include <algorithm>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <vector>
+
+#include "fsdp_runner.hpp"
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/nn/events.hpp"
+#include "kiln/ops/module.hpp"
+#include "kiln/parallel/fsdp.hpp"
+#include "kiln/parallel/module.hpp"
+
+namespace kiln::parallel {
+
+namespace {
+
+// World resource: the groups the module made and its machinery.
+struct FsdpState {
+  std::unique_ptr<Communicator> own_shard, own_replica, own_param_shards;
+  std::unique_ptr<fsdp::Runner> runner;
+  std::vector<Subscription> subscriptions;
+};
+
+// The ranks that differ from this one only in their data-parallel rank, for the DP ranks `dps`.
+std::vector<int> dp_members(const ParallelState& par, const std::vector<int>& dps) {
+  std::vector<int> out;
+  for (int d : dps) {
+    Coords c = par.coords;
+    c.dp = d;
+    out.push_back(par.topology.rank(c));
+  }
+  return out;
+}
+
+double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+void install(World& w, const FsdpConfig& cfg) {
+  const auto& par = w.resource<ParallelState>();
+  auto& comms = w.resource<Communicators>();
+  auto& be = w.resource<ops::ActiveBackend>().get();
+  const int dp = par.dp_size(), d = par.coords.dp;
+  if (cfg.strategy != FsdpStrategy::hybrid_shard && cfg.shard_size != 0)
+    throw config_error(w, "fsdp.shard_size",
+                       "only hybrid_shard takes a shard size (the other strategies shard over all data-parallel ranks)");
+  int S = dp;
+  if (cfg.strategy == FsdpStrategy::hybrid_shard) {
+    if (cfg.shard_size <= 0 || dp % cfg.shard_size != 0)
+      throw config_error(w, "fsdp.shard_size",
+                         cat(cfg.shard_size, " does not divide the ", dp, " data-parallel ranks (hybrid_shard shards "
+                             "inside groups of shard_size of them)"));
+    S = cfg.shard_size;
+  }
+  if (cfg.param_dtype == FsdpDType::fp32 && be.device() == Device::cuda)
+    throw config_error(w, "fsdp.param_dtype", "fp32: the CUDA backend computes with bf16 weights");
+  // no_shard is plain data parallelism (the parallel module's buckets); one rank per shard group
+  // has whole units: nothing to gather or reduce-scatter, its gradients reduce as in plain DP.
+  if (cfg.strategy == FsdpStrategy::no_shard || S == 1) {
+    if (w.resource<RankInfo>().rank == 0)
+      std::cout << "fsdp: " << (cfg.strategy == FsdpStrategy::no_shard ? "no_shard" : "one rank per shard group")
+                << ": parameters whole on every rank, gradients all-reduced over the " << dp
+                << " data-parallel ranks\n";
+    return;
+  }
+
+  auto& st = w.emplace_resource<FsdpState>();
+  // Shard groups: S consecutive DP ranks; replica groups (hybrid): the DP ranks of equal index in
+  // their shard group. Every rank makes them in the same order.
+  const int k = d / S, i = d % S;
+  std::vector<int> shard_dps, replica_dps;
+  for (int j = 0; j < S; ++j) shard_dps.push_back(k * S + j);
+  for (int j = 0; j < dp / S; ++j) replica_dps.push_back(j * S + i);
+  Communicator* shard = comms.dp.get();
+  Communicator* replica = nullptr;
+  Communicator* param_shards = comms.tp_dp.get();  // TP x the shard group
+  if (S < dp) {
+    const auto shard_members = dp_members(par, shard_dps), replica_members = dp_members(par, replica_dps);
+    st.own_shard = make_group(w, "fsdp_shard", shard_members.front(), shard_members);
+    st.own_replica = make_group(w, "fsdp_replica", replica_members.front(), replica_members);
+    std::vector<int> tp_shard;
+    for (int t = 0; t < par.tp_size(); ++t)
+      for (int j : shard_dps) {
+        Coords c = par.coords;
+        c.tp = t;
+        c.dp = j;
+        tp_shard.push_back(par.topology.rank(c));
+      }
+    std::sort(tp_shard.begin(), tp_shard.end());
+    st.own_param_shards = make_group(w, "fsdp_tp_shard", tp_shard.front(), tp_shard);
+    shard = st.own_shard.get();
+    replica = st.own_replica.get();
+    param_shards = st.own_param_shards.get();
+  }
+  comms.param_shards = param_shards;
+  w.resource<DpGradState>().replaced = true;  // the gradients are reduce-scattered here instead
+
+  // The parameter store holds this rank's part of every unit from its layout on.
+  auto& store = w.resource<nn::ParamStore>();
+  store.shards = S;
+  store.shard = i;
+  st.runner = std::make_unique<fsdp::Runner>(w, cfg, *shard, replica, be);
+
+  w.systems().add({"fsdp.setup", Phase::setup,
+                   [](World& world) {
+                     auto& s = world.resource<FsdpState>();
+                     s.runner->setup();
+                     const FsdpMemory m = world.emplace_resource<FsdpMemory>(s.runner->memory());
+                     const auto& r = world.resource<RankInfo>();
+                     std::ostringstream os;
+                     os << std::fixed << std::setprecision(3) << "fsdp rank " << r.rank << " holds 1/" << m.shards
+                        << ": parameters " << gib(m.params) << " GiB (unsharded " << gib(m.params_unsharded)
+                        << "), gradients " << gib(m.grads) << " (" << gib(m.grads_unsharded) << "), optimizer state "
+                        << gib(m.optimizer) << " (" << gib(m.optimizer_unsharded) << "), gathered units "
+                        << gib(m.gathered) << "\n";
+                     std::cout << os.str();
+                   },
+                   {"params.allocate"}});
+  auto& bus = w.events();
+  fsdp::Runner* run = st.runner.get();
+  st.subscriptions.push_back(bus.subscribe<nn::LayerForwardBegin>([run](const auto& e) { run->forward_begin(e.unit); }));
+  st.subscriptions.push_back(bus.subscribe<nn::LayerForwardEnd>([run](const auto& e) { run->forward_end(e.unit); }));
+  st.subscriptions.push_back(bus.subscribe<nn::LayerBackwardBegin>([run](const auto& e) { run->backward_begin(e.unit); }));
+  st.subscriptions.push_back(bus.subscribe<nn::LayerBackwardEnd>([run](const auto& e) { run->backward_end(e.unit); }));
+  st.subscriptions.push_back(bus.subscribe<nn::AdamWStep>([run](const auto&) { run->weights_changed(); }));
+  // The step's gradients complete before the TP sums of sequence-parallel partial gradients and
+  // everything after them (FP8 amax reduction, the optimizer).
+  w.systems().add({"fsdp.grad_sync", Phase::grad_sync, [run](World&) { run->finish_gradients(); },
+                   {"parallel.dp_grad_sync"}, {"parallel.tp_grad_sync"}});
+}
+
+}  // namespace
+
+void register_fsdp_module(ModuleRegistry& registry) {
+  registry.add(make_module<FsdpConfig>(
+      "fsdp", "fully sharded data parallelism: parameters, gradients and optimizer state sharded per layer unit",
+      {"model", "parallel"}, install));
+}
+
+}  // namespace kiln::parallel
