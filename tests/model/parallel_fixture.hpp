@@ -1,6 +1,7 @@
 #pragma once
 // Runs a pipeline on N CPU-thread ranks and records, per step, the loss and every parameter's full
-// logical gradient (TP shards put back in place), for comparing runs of different layouts.
+// logical gradient (TP shards and FSDP parts put back in place), and the final weights, for
+// comparing runs of different layouts.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -25,30 +26,25 @@ struct Trace {
   std::shared_ptr<std::mutex> m = std::make_shared<std::mutex>();
   std::vector<double> loss;
   std::vector<std::map<std::string, std::vector<float>>> grads;
+  std::map<std::string, std::vector<float>> weights;  // the f32 master weights after the last step
 };
 
-// Writes a rank's local gradient of `p` into the logical tensor `full`.
-inline void scatter_shard(const nn::Param& p, const float* local, std::vector<float>& full) {
-  const std::int64_t cols = p.global_shape.ndim > 1 ? p.global_shape[1] : 1;
-  const std::int64_t lcols = p.shape.ndim > 1 ? p.shape[1] : 1;
-  if (!p.shard.sharded()) {
-    std::copy(local, local + p.numel, full.begin());
-    return;
-  }
-  if (p.shard.dim == 0) {
-    std::int64_t at = 0;
-    for (auto [b, e] : p.shard.ranges) {
-      std::copy(local + at, local + at + (e - b) * cols, full.begin() + b * cols);
-      at += (e - b) * cols;
-    }
-    return;
-  }
-  for (std::int64_t r = 0; r < p.shape[0]; ++r) {
-    std::int64_t c0 = 0;
-    for (auto [b, e] : p.shard.ranges) {
-      std::copy(local + r * lcols + c0, local + r * lcols + c0 + (e - b), full.begin() + r * cols + b);
-      c0 += e - b;
-    }
+// Writes the parts of every parameter that this rank holds, of a flat buffer laid out like the
+// store's held elements (the gradients, the master weights), into the logical tensors of `out`:
+// its tensor-parallel shard of each parameter, and of that its FSDP part. Ranks holding the same
+// elements write the same values.
+inline void write_held(World& w, const nn::ParamStore& store, const TensorView& flat,
+                       std::map<std::string, std::vector<float>>& out) {
+  for (Entity e : store.order) {
+    const auto& p = w.get<nn::Param>(e);
+    auto& full = out[p.name];
+    full.resize(static_cast<std::size_t>(p.global_shape.numel()));
+    store.for_each_held(p, [&](const nn::HeldPart& part) {
+      const float* held = nn::ParamStore::held_view(flat, part).as<float>();
+      p.shard.for_each_block(p.global_shape, part.first, part.first + part.count, [&](const TensorShard::Block& b) {
+        std::copy(held + (b.local - part.first), held + (b.local - part.first) + b.count, full.begin() + b.global);
+      });
+    });
   }
 }
 
@@ -65,8 +61,6 @@ inline Trace run_ranks(const std::string& toml, int nproc, std::vector<std::stri
   auto outcomes = parallel::run_thread_ranks(nproc, cfg, reg, [&trace](World& w) {
     w.systems().add({"test.trace", Phase::grad_sync,
                      [&trace](World& world) {
-                       const auto& par = world.resource<parallel::ParallelState>();
-                       if (par.coords.dp != 0) return;  // after the syncs every DP rank holds the same
                        const auto step = static_cast<std::size_t>(world.resource<RunControl>().step);
                        const auto& store = world.resource<nn::ParamStore>();
                        std::lock_guard lk(*trace.m);
@@ -75,15 +69,14 @@ inline Trace run_ranks(const std::string& toml, int nproc, std::vector<std::stri
                          trace.loss.resize(step);
                        }
                        trace.loss[step - 1] = world.resource<train::TrainState>().loss;
-                       for (Entity e : store.order) {
-                         const auto& p = world.get<nn::Param>(e);
-                         if (!p.shard.sharded() && par.coords.tp != 0) continue;
-                         auto& full = trace.grads[step - 1][p.name];
-                         full.resize(static_cast<std::size_t>(p.global_shape.numel()));
-                         scatter_shard(p, store.grad_view(p).as<float>(), full);
-                       }
+                       write_held(world, store, store.grads_flat(), trace.grads[step - 1]);
                      },
                      {"model.loss", "parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
+    w.systems().add({"test.weights", Phase::shutdown, [&trace](World& world) {
+                       const auto& store = world.resource<nn::ParamStore>();
+                       std::lock_guard lk(*trace.m);
+                       write_held(world, store, store.master_flat(), trace.weights);
+                     }});
   });
   INFO(parallel::describe_failures(outcomes));
   for (auto& o : outcomes) REQUIRE(o.ok);

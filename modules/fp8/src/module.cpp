@@ -200,11 +200,18 @@ void install(World& w, const Fp8Config& cfg) {
                                << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3") << ")\n";
                      for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16 (dimensions not multiples of 16)\n";
                    }});
-  // The FP8 weight copies in the memory of the weights' compute copies, from their f32 masters.
+  // The FP8 weight copies in the memory of the weights' compute copies, from their f32 masters;
+  // where the masters are sharded over ranks (nn::ParamStore::sharded), the layers quantise the
+  // gathered compute copy instead and the optimizer updates every weight.
   w.systems().add({"fp8.weights", Phase::setup,
                    [](World& world) {
                      auto& s = world.resource<Fp8State>();
                      const auto& store = world.resource<nn::ParamStore>();
+                     if (store.sharded()) {
+                       for (std::size_t i : s.fused) world.remove<nn::UpdatedBy>(world.get<nn::Linear>(s.entities[i]).weight);
+                       s.fused.clear();
+                       s.in_compute_copy.clear();
+                     }
                      for (std::size_t i : s.in_compute_copy) {
                        const auto& wp = world.get<nn::Param>(world.get<nn::Linear>(s.entities[i]).weight);
                        s.linears[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));

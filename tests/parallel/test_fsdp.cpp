@@ -1,0 +1,220 @@
+// The fsdp module on CPU-thread ranks: every strategy against the single-rank run of the same global
+// batch (losses, whole gradients and final weights), deferred initialisation, what each rank holds,
+// and the config errors.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../model/parallel_fixture.hpp"
+#include "kiln/builtin.hpp"
+#include "kiln/engine/config/pipeline.hpp"
+#include "kiln/optim/optim.hpp"
+#include "kiln/parallel/fsdp.hpp"
+#include "kiln/parallel/thread_ranks.hpp"
+
+using namespace kiln;
+
+namespace {
+
+using test::Trace;
+using Sets = std::vector<std::string>;
+
+// Three blocks, so that units come and go while others are gathered ahead.
+const char* kTiny = R"(
+[engine]
+device = "cpu"
+[backend]
+cpu_threads = 1
+[train]
+steps = 20
+seed = 5
+batch_size = 8
+seq_len = 32
+[model]
+n_layer = 3
+n_head = 4
+n_embd = 32
+vocab_size = 96
+max_seq_len = 32
+[optim]
+lr = 2e-3
+warmup_steps = 3
+[data]
+synthetic_vocab = 96
+[parallel]
+timeout_s = 60
+)";
+
+Sets operator+(Sets a, const Sets& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::string join(const Sets& s) {
+  std::string out;
+  for (const auto& x : s) out += (out.empty() ? "" : " ") + x;
+  return out;
+}
+
+Trace run(int nproc, const Sets& sets) { return test::run_ranks(kTiny, nproc, sets); }
+
+// Worst relative L2 difference of the final weights, over all parameters together.
+double weight_difference(const Trace& a, const Trace& ref) {
+  double num = 0, den = 0;
+  for (const auto& [name, w] : ref.weights) {
+    const auto& v = a.weights.at(name);
+    REQUIRE(v.size() == w.size());
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      num += double(v[i] - w[i]) * (v[i] - w[i]);
+      den += double(w[i]) * w[i];
+    }
+  }
+  return std::sqrt(num / den);
+}
+
+void compare(const Trace& a, const Trace& ref, const std::string& what, double tolerance) {
+  test::compare_traces(a, ref, what, tolerance);
+  const double dw = weight_difference(a, ref);
+  MESSAGE(what << ": final weights differ by " << dw << " (relative)");
+  if (tolerance == 0)
+    CHECK(a.weights == ref.weights);
+  else
+    CHECK(dw <= tolerance);
+}
+
+const Sets kFull = {"fsdp.strategy=full_shard"}, kGradOp = {"fsdp.strategy=shard_grad_op"},
+           kHybrid = {"fsdp.strategy=hybrid_shard", "fsdp.shard_size=2"};
+
+}  // namespace
+
+TEST_CASE("every FSDP strategy on 2 and 4 ranks matches the single-rank run: losses, gradients, weights") {
+  const Trace single = run(1, {});
+  REQUIRE(single.loss.size() == 20);
+  compare(run(2, kFull), single, "full_shard on 2", 1e-5);
+  compare(run(4, kFull), single, "full_shard on 4", 1e-5);
+  compare(run(2, kGradOp), single, "shard_grad_op on 2", 1e-5);
+  compare(run(4, kGradOp), single, "shard_grad_op on 4", 1e-5);
+  compare(run(4, kHybrid), single, "hybrid_shard 2 x 2", 1e-5);
+  compare(run(2, {"fsdp.strategy=no_shard"}), single, "no_shard on 2", 1e-5);
+  compare(run(4, kFull + Sets{"parallel.tp=2"}), single, "tp=2 x full_shard on 2", 1e-5);
+}
+
+TEST_CASE("FSDP matches the single-rank run with dropout and full recompute, sequence and vocabulary parallelism") {
+  const Sets drop = {"model.dropout=0.1", "activation_checkpoint.mode=full"};
+  const Trace single = run(1, drop);
+  compare(run(4, drop + kFull), single, "full_shard on 4, dropout, full recompute", 1e-5);
+  compare(run(4, drop + kHybrid + Sets{"train.micro_batch_size=1"}), single,
+          "hybrid_shard 2 x 2, dropout, full recompute, 2 micro-batches", 1e-5);
+  compare(run(4, drop + kFull +
+                     Sets{"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.vocab_parallel=true"}),
+          single, "tp=2 (sequence and vocabulary parallel) x full_shard on 2, dropout, full recompute", 1e-5);
+  compare(run(2, drop + kGradOp + Sets{"activation_checkpoint.mode=selective"}), single,
+          "shard_grad_op on 2, dropout, selective recompute", 1e-5);
+}
+
+TEST_CASE("FSDP with micro-batches, any prefetch depth, and gradients reduced in bf16") {
+  const Trace single = run(1, {});
+  compare(run(2, kFull + Sets{"train.micro_batch_size=2"}), single, "full_shard on 2, 2 micro-batches", 1e-5);
+  compare(run(2, kFull + Sets{"fsdp.prefetch=0"}), single, "full_shard on 2, prefetch 0", 1e-5);
+  compare(run(4, kFull + Sets{"fsdp.prefetch=3"}), single, "full_shard on 4, prefetch 3", 1e-5);
+  // The summed gradients rounded once to bf16 (8-bit mantissa: up to 2^-9 relative per element).
+  compare(run(2, kFull + Sets{"fsdp.reduce_dtype=bf16"}), single, "full_shard on 2, bf16 reduction", 5e-3);
+}
+
+TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data parallelism computes") {
+  // Without clipping (whose norm FSDP sums over shards in another order), the shards' update is
+  // the whole update, element by element: bit for bit what two data-parallel replicas compute.
+  // Against one rank with the whole batch, bf16 and FP8 rounding of the weights turn the batch's
+  // fp32 summation order into differences of 1e-5 (bf16) to 1e-4 (FP8), for plain data
+  // parallelism and FSDP alike; see docs/ARCHITECTURE.md.
+  const Sets base = {"optim.grad_clip=0"};
+  for (const Sets& precision : {Sets{"backend.cpu_round_bf16=true"}, Sets{"fp8.enabled=true"},
+                                Sets{"fp8.enabled=true", "fp8.recipe=current"}}) {
+    const Trace dp = run(2, base + precision);
+    compare(run(2, base + precision + kFull), dp, join(precision) + ": full_shard against dp=2", 0);
+    compare(run(2, base + precision + kGradOp), dp, join(precision) + ": shard_grad_op against dp=2", 0);
+  }
+}
+
+TEST_CASE("deferred initialisation: each rank draws only its part, and the parts are the single-rank weights") {
+  const Sets init = {"train.steps=0"};
+  const Trace single = run(1, init);
+  REQUIRE(!single.weights.empty());
+  for (const auto& [n, sets] : std::vector<std::pair<int, Sets>>{
+           {2, kFull}, {4, kFull}, {4, kHybrid}, {4, kFull + Sets{"parallel.tp=2", "parallel.vocab_parallel=true"}}}) {
+    INFO(n, " ranks, ", join(sets));
+    CHECK(run(n, init + sets).weights == single.weights);
+  }
+}
+
+TEST_CASE("each rank holds 1/N of the parameters, gradients and optimizer state, and a few gathered units") {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  std::mutex m;
+  struct Held {
+    std::size_t master, grads, moments;
+    parallel::FsdpMemory fsdp;
+  };
+  auto held = [&](int nproc, const Sets& sets) {
+    auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+    config::apply_overrides(doc, sets + Sets{"train.steps=1"});
+    std::vector<Held> out;
+    auto outcomes = parallel::run_thread_ranks(nproc, config::resolve(doc, "tiny.toml", reg), reg, {}, [&](World& w) {
+      const auto& store = w.resource<nn::ParamStore>();
+      const auto& opt = w.resource<optim::OptimState>();
+      const auto* mem = w.try_resource<parallel::FsdpMemory>();
+      std::lock_guard lk(m);
+      out.push_back({store.master.bytes(), store.grads.bytes(), opt.m.bytes() + opt.v.bytes(),
+                     mem ? *mem : parallel::FsdpMemory{}});
+    });
+    for (auto& o : outcomes) REQUIRE(o.ok);
+    return out;
+  };
+  const Held whole = held(1, {}).front();
+  for (const auto& [n, prefetch] : std::vector<std::pair<int, int>>{{2, 1}, {4, 1}, {4, 0}}) {
+    INFO(n, " ranks, prefetch ", prefetch);
+    for (const Held& h : held(n, kFull + Sets{"fsdp.prefetch=" + std::to_string(prefetch)})) {
+      // 1/N of the unsharded figure, up to the padding that makes every part equal (64 x N
+      // elements per unit at most).
+      const std::size_t pad = 5 * 64 * static_cast<std::size_t>(n) * 4;
+      CHECK(h.master * n <= whole.master + pad);
+      CHECK(h.master * n >= whole.master);
+      CHECK(h.grads * n <= whole.grads + pad);
+      CHECK(h.moments * n <= whole.moments + 2 * pad);
+      CHECK(h.fsdp.shards == n);
+      CHECK(h.fsdp.params * n == h.fsdp.params_unsharded);
+      CHECK(h.fsdp.optimizer * n == h.fsdp.optimizer_unsharded);
+      // Gathered: the embeddings and the final unit (kept) and prefetch + 1 block-sized buffers.
+      const std::size_t C = 32, block = (12 * C * C + 13 * C + 63) / 64 * 64, emb = 128 * C + 32 * C;
+      CHECK(h.fsdp.gathered <= (emb + 2 * C + 2 * 64 * n + (prefetch + 1) * (block + 64 * n)) * 4);
+      CHECK(h.fsdp.gathered >= (emb + (prefetch + 1) * block) * 4);
+    }
+  }
+}
+
+TEST_CASE("FSDP settings that do not fit are config errors naming the key and its line") {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto failure = [&](int nproc, const std::string& toml) {
+    auto doc = config::parse_toml_text(std::string(kTiny) + toml, "tiny.toml");
+    auto outcomes = parallel::run_thread_ranks(nproc, config::resolve(doc, "tiny.toml", reg), reg);
+    REQUIRE(!outcomes.empty());
+    CHECK_FALSE(outcomes[0].ok);
+    CHECK(outcomes[0].config_error);
+    return outcomes[0].error;
+  };
+  // The appended [fsdp] section starts on the line after the pipeline text's last.
+  const int fsdp_line = static_cast<int>(std::count(kTiny, kTiny + std::strlen(kTiny), '\n')) + 1;
+  auto at = [&](int line) { return "tiny.toml:" + std::to_string(fsdp_line + line) + ":1: "; };
+  CHECK(failure(4, "[fsdp]\nstrategy = \"hybrid_shard\"\nshard_size = 3\n")
+            .find(at(2) + "fsdp.shard_size: 3 does not divide the 4 data-parallel ranks") != std::string::npos);
+  CHECK(failure(2, "[fsdp]\nshard_size = 2\n").find(at(1) + "fsdp.shard_size: only hybrid_shard takes a shard size") !=
+        std::string::npos);
+  CHECK(failure(4, "[fsdp]\nstrategy = \"hybrid_shard\"\n").find("fsdp.shard_size: 0 does not divide") !=
+        std::string::npos);
+}
