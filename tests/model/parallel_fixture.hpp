@@ -16,6 +16,7 @@
 #include "kiln/engine/config/pipeline.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/param_store.hpp"
+#include "kiln/ops/module.hpp"
 #include "kiln/parallel/thread_ranks.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
@@ -33,8 +34,11 @@ struct Trace {
 // store's held elements (the gradients, the master weights), into the logical tensors of `out`:
 // its tensor-parallel shard of each parameter, and of that its FSDP part. Ranks holding the same
 // elements write the same values.
-inline void write_held(World& w, const nn::ParamStore& store, const TensorView& flat,
+inline void write_held(World& w, const nn::ParamStore& store, const TensorView& device_flat,
                        std::map<std::string, std::vector<float>>& out) {
+  std::vector<float> host(static_cast<std::size_t>(device_flat.numel()));
+  const TensorView flat(host.data(), device_flat.shape, DType::f32, Device::cpu);
+  w.resource<ops::ActiveBackend>().get().copy(flat, device_flat);
   for (Entity e : store.order) {
     const auto& p = w.get<nn::Param>(e);
     auto& full = out[p.name];

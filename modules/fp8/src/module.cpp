@@ -54,17 +54,8 @@ void reduce_amaxes(World& w) {
   auto& st = w.resource<Fp8State>();
   if (!st.amax_comm || st.amax_comm->size() == 1 || st.meta->size() == 0) return;
   const TensorView am = st.meta->amaxes();
-  if (am.device == Device::cpu) {
-    st.amax_comm->all_reduce(am, parallel::ReduceOp::max, nullptr);
-  } else if (st.amax_via_host) {
-    std::vector<float> host(static_cast<std::size_t>(am.numel()));
-    st.ops->copy(host.data(), am.data, am.bytes());
-    st.amax_comm->all_reduce(TensorView(host.data(), am.shape, DType::f32, Device::cpu), parallel::ReduceOp::max,
-                             nullptr);
-    st.ops->copy(am.data, host.data(), am.bytes());
-  } else {
-    st.amax_comm->all_reduce(am, parallel::ReduceOp::max, w.resource<ops::ActiveBackend>().get().stream());
-  }
+  st.amax_comm->all_reduce(am, parallel::ReduceOp::max,
+                           am.device == Device::cpu ? nullptr : w.resource<ops::ActiveBackend>().get().stream());
 }
 
 void install(World& w, const Fp8Config& cfg) {
@@ -189,8 +180,6 @@ void install(World& w, const Fp8Config& cfg) {
       w.events().subscribe<nn::LayerRecomputeEnd>([&st](const nn::LayerRecomputeEnd&) { st.replaying = false; }));
 
   st.amax_comm = amax_communicator(w, cfg.amax_group);
-  auto* launch = w.try_resource<parallel::LaunchContext>();
-  st.amax_via_host = launch && launch->hub;
 
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size();
   w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, cfg, skipped](World& world) {

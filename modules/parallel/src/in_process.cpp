@@ -44,6 +44,39 @@ float load(const void* p, DType t, std::int64_t i) {
   }
 }
 
+// A collective's buffer in host memory: the tensor itself, or (a device tensor) a host copy taken
+// once `stream` has finished its queued work, written back by store_back(). Ranks as threads on
+// one GPU (tests, one-GPU runs of multi-rank code) then collect through the host; the collective
+// completes before returning, which is stronger than queueing it on the stream.
+class HostStage {
+ public:
+  HostStage(const TensorView& t, void* stream, bool copy_in) : t_(t), host_(t) {
+    if (t.device == Device::cpu) {
+      KILN_CHECK(!stream, "a host tensor's collective takes no stream, got one for ", t.str());
+      return;
+    }
+#ifdef KILN_WITH_CUDA
+    KILN_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+    bytes_.resize(t.bytes());
+    host_ = TensorView(bytes_.data(), t.shape, t.dtype, Device::cpu);
+    if (copy_in) KILN_CUDA_CHECK(cudaMemcpy(bytes_.data(), t.data, t.bytes(), cudaMemcpyDeviceToHost));
+#else
+    (void)copy_in;
+    KILN_THROW("a device tensor in a build without CUDA: ", t.str());
+#endif
+  }
+  const TensorView& host() const { return host_; }
+  void store_back() {
+#ifdef KILN_WITH_CUDA
+    if (t_.device != Device::cpu) KILN_CUDA_CHECK(cudaMemcpy(t_.data, bytes_.data(), t_.bytes(), cudaMemcpyHostToDevice));
+#endif
+  }
+
+ private:
+  TensorView t_, host_;
+  std::vector<char> bytes_;
+};
+
 }  // namespace
 
 class InProcessCommunicator final : public Communicator {
@@ -58,46 +91,54 @@ class InProcessCommunicator final : public Communicator {
   const std::vector<int>& members() const override { return g_->members; }
 
   void all_reduce(const TensorView& buf, ReduceOp op, void* stream) override {
-    check(buf, stream, "all_reduce");
+    check(buf, "all_reduce");
+    HostStage b(buf, stream, true);
     const std::string what = cat("all_reduce(", reduce_op_name(op), ", ", buf.str(), ")");
-    enter(buf.data, what);
+    enter(b.host().data, what);
     std::vector<float> result = reduce(buf.dtype, buf.numel(), 0, op);
     sync(what);
-    store(buf, result);
+    store(b.host(), result);
+    b.store_back();
   }
 
   void all_gather(const TensorView& out, const TensorView& in, void* stream) override {
-    check(in, stream, "all_gather");
-    check(out, stream, "all_gather");
+    check(in, "all_gather");
+    check(out, "all_gather");
     KILN_CHECK(out.dtype == in.dtype && out.numel() == in.numel() * size(), name_, " all_gather: out ", out.str(),
                " must hold ", size(), " x ", in.str());
+    HostStage i(in, stream, true), o(out, stream, false);
     const std::string what = cat("all_gather(", in.str(), ")");
-    enter(in.data, what);
+    enter(i.host().data, what);
     const std::size_t bytes = in.bytes();
     for (int r = 0; r < size(); ++r)
-      std::memcpy(static_cast<char*>(out.data) + r * bytes, g_->in[static_cast<std::size_t>(r)], bytes);
+      std::memcpy(static_cast<char*>(o.host().data) + r * bytes, g_->in[static_cast<std::size_t>(r)], bytes);
     sync(what);
+    o.store_back();
   }
 
   void reduce_scatter(const TensorView& out, const TensorView& in, ReduceOp op, void* stream) override {
-    check(in, stream, "reduce_scatter");
-    check(out, stream, "reduce_scatter");
+    check(in, "reduce_scatter");
+    check(out, "reduce_scatter");
     KILN_CHECK(out.dtype == in.dtype && in.numel() == out.numel() * size(), name_, " reduce_scatter: in ", in.str(),
                " must hold ", size(), " x ", out.str());
+    HostStage i(in, stream, true), o(out, stream, false);
     const std::string what = cat("reduce_scatter(", reduce_op_name(op), ", ", in.str(), ")");
-    enter(in.data, what);
+    enter(i.host().data, what);
     std::vector<float> result = reduce(in.dtype, out.numel(), out.numel() * me_, op);
     sync(what);
-    store(out, result);
+    store(o.host(), result);
+    o.store_back();
   }
 
   void broadcast(const TensorView& buf, int root, void* stream) override {
-    check(buf, stream, "broadcast");
+    check(buf, "broadcast");
     KILN_CHECK(root >= 0 && root < size(), name_, " broadcast: root ", root, " outside the group of ", size());
+    HostStage b(buf, stream, true);
     const std::string what = cat("broadcast(root ", root, ", ", buf.str(), ")");
-    enter(buf.data, what);
-    if (me_ != root) std::memcpy(buf.data, g_->in[static_cast<std::size_t>(root)], buf.bytes());
+    enter(b.host().data, what);
+    if (me_ != root) std::memcpy(b.host().data, g_->in[static_cast<std::size_t>(root)], buf.bytes());
     sync(what);
+    b.store_back();
   }
 
   void barrier() override {
@@ -105,10 +146,7 @@ class InProcessCommunicator final : public Communicator {
   }
 
  private:
-  void check(const TensorView& t, void* stream, const char* op) const {
-    if (t.device != Device::cpu || stream)
-      KILN_THROW("rank ", global_, ": the in-process communicator '", name_, "' works on host memory (", op, " of ",
-                 t.str(), ")");
+  void check(const TensorView& t, const char* op) const {
     KILN_CHECK(t.contiguous(), name_, " ", op, " needs a contiguous tensor, got ", t.str());
   }
 

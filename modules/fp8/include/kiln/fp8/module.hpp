@@ -78,7 +78,6 @@ struct Fp8State {
   std::vector<std::size_t> fused;                    // linears whose weight update is fused (fuse_weight_update)
   std::int64_t fused_update_step = -1;               // the step whose optimizer update ran fused
   parallel::Communicator* amax_comm = nullptr;
-  bool amax_via_host = false;  // the communicator takes host memory only (in-process ranks)
   std::int64_t updates = 0;    // delayed updates done
   bool replaying = false;      // inside an activation recompute (nn::LayerRecomputeBegin .. End)
   std::vector<Subscription> subscriptions;

@@ -3,7 +3,9 @@
 // InProcessHub connects them. Reductions run in group order on every rank, so all ranks get
 // identical bits. A failing rank aborts the hub, and every rank waiting in (or later entering) a
 // collective stops with a message naming the failed rank; a rank that never arrives makes the
-// others stop after the timeout, naming the ranks they waited for and the collective.
+// others stop after the timeout, naming the ranks they waited for and the collective. Device
+// tensors (ranks as threads sharing one GPU) go through host memory: the collective waits for the
+// stream's queued work, and is complete when it returns.
 #include <chrono>
 #include <condition_variable>
 #include <map>

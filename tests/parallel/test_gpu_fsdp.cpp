@@ -1,0 +1,67 @@
+// FSDP's device path (gathers and reduce-scatters on a communication stream, the events between it
+// and the compute stream) on one GPU: two ranks as threads of this process share it, their
+// collectives going through host memory. Skipped without a GPU.
+#include <doctest/doctest.h>
+
+#include "../model/parallel_fixture.hpp"
+#include "kiln/ops/backend.hpp"
+#include "kiln_test.hpp"
+
+using namespace kiln;
+
+namespace {
+
+using Sets = std::vector<std::string>;
+
+const char* kModel = R"(
+[engine]
+device = "cuda"
+[backend]
+cuda_device = 0
+[train]
+steps = 8
+seed = 23
+batch_size = 8
+seq_len = 64
+[model]
+n_layer = 3
+n_head = 4
+n_embd = 128
+vocab_size = 300
+max_seq_len = 64
+[optim]
+lr = 1e-3
+grad_clip = 0
+[data]
+synthetic_vocab = 300
+[parallel]
+timeout_s = 120
+)";
+
+Sets operator+(Sets a, const Sets& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA: FSDP on two thread ranks sharing a GPU computes what data parallelism does, bf16 and FP8") {
+  if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  // FP8 layers quantise the compute copy in both runs (under FSDP the masters are sharded).
+  for (const Sets& precision : {Sets{}, Sets{"fp8.enabled=true", "fp8.weights_in_compute_copy=false"},
+                                Sets{"fp8.enabled=true", "fp8.recipe=current"}}) {
+    const test::Trace dp = test::run_ranks(kModel, 2, precision);
+    for (const Sets& fsdp : {Sets{"fsdp.strategy=full_shard"}, Sets{"fsdp.strategy=full_shard", "fsdp.prefetch=2",
+                                                                     "train.micro_batch_size=2"},
+                             Sets{"fsdp.strategy=shard_grad_op"}}) {
+      std::string what;
+      for (const auto& s : precision + fsdp) what += s + " ";
+      const test::Trace f = test::run_ranks(kModel, 2, precision + fsdp);
+      // Micro-batches add each one's reduced part (FSDP) rather than reduce the sum (DP): another
+      // order, fp32 rounding; otherwise the same bits.
+      const bool micro = std::find(fsdp.begin(), fsdp.end(), "train.micro_batch_size=2") != fsdp.end();
+      test::compare_traces(f, micro ? test::run_ranks(kModel, 2, precision + Sets{"train.micro_batch_size=2"}) : dp,
+                           what, micro ? 1e-3 : 0);
+    }
+  }
+}
