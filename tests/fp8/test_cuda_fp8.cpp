@@ -622,6 +622,25 @@ TEST_CASE("cuBLASLt FP8 GEMMs (forward, dgrad, wgrad) match products of the dequ
   CHECK_THROWS_WITH_AS(gpu->gemm(bad), doctest::Contains("multiples of 16"), Error);
 }
 
+TEST_CASE("the CUDA transpose of one-byte codes matches the CPU at awkward shapes") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops();
+  std::mt19937 gen(61);
+  for (auto [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {33, 65}, {7, 1000}, {2048, 96}, {130, 31}}) {
+    INFO(rows, " x ", cols);
+    std::vector<std::uint8_t> in(static_cast<std::size_t>(rows * cols)), want(in.size());
+    for (auto& b : in) b = static_cast<std::uint8_t>(gen());
+    cpu->transpose(TensorView(want.data(), {cols, rows}, DType::e4m3, Device::cpu),
+                   TensorView(in.data(), {rows, cols}, DType::e4m3, Device::cpu));
+    for (std::int64_t r = 0; r < rows; ++r) REQUIRE(want[static_cast<std::size_t>(r)] == in[static_cast<std::size_t>(r * cols)]);
+    Buffer din = upload(in), dout(Device::cuda, in.size());
+    gpu->transpose(TensorView(dout.data(), {cols, rows}, DType::e4m3, Device::cuda),
+                   TensorView(din.data(), {rows, cols}, DType::e4m3, Device::cuda));
+    CHECK(download<std::uint8_t>(dout.data(), in.size()) == want);
+  }
+}
+
 TEST_CASE("the delayed scaling update kernel is bit-identical to the CPU") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);

@@ -61,6 +61,21 @@ TEST_CASE("CPU quantize writes the rowwise copy, its transpose and max-accumulat
   CHECK(row[3] == 0x7f);
 }
 
+TEST_CASE("CPU transpose of one-byte codes puts element (r, c) at (c, r) and refuses wider elements") {
+  auto ops = make_cpu_ops({.threads = 2});
+  const std::int64_t rows = 5, cols = 7;
+  std::vector<std::uint8_t> in(rows * cols), out(rows * cols);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<std::uint8_t>(3 * i + 1);
+  ops->transpose(TensorView(out.data(), {cols, rows}, DType::u8, Device::cpu),
+                 TensorView(in.data(), {rows, cols}, DType::u8, Device::cpu));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) CHECK(out[c * rows + r] == in[r * cols + c]);
+  std::vector<std::uint16_t> wide(rows * cols);
+  CHECK_THROWS_WITH(ops->transpose(TensorView(wide.data(), {cols, rows}, DType::bf16, Device::cpu),
+                                   TensorView(wide.data(), {rows, cols}, DType::bf16, Device::cpu)),
+                    doctest::Contains("codes of one byte"));
+}
+
 TEST_CASE("CPU FP8 GEMM: D = deq(X) deq(Y)^T with bias, GELU, dGELU and accumulation") {
   auto ops = make_cpu_ops({.threads = 3});
   const int M = 6, N = 10, K = 12;

@@ -187,7 +187,10 @@ TEST_CASE("the shards of every rank hold each parameter's elements exactly once,
       store.shards = shards;
       store.shard = shard;
       std::mt19937 sizes(11);
-      for (int i = 0; i < 12; ++i) add_param(w, store, "p" + std::to_string(i), {size(sizes)}, false, i / 3);
+      for (int i = 0; i < 12; ++i) {
+        add_param(w, store, "p" + std::to_string(i), {size(sizes)}, false, i / 3);
+        if (i % 4 == 1) w.emplace<nn::ByteCompute>(store.order.back());  // gathered as bytes, laid out apart
+      }
       store.lay_out(w);
       if (seen.empty())
         for (Entity e : store.order) {
@@ -198,12 +201,20 @@ TEST_CASE("the shards of every rank hold each parameter's elements exactly once,
       for (std::size_t i = 0; i < store.order.size(); ++i) {
         const auto& p = w.get<nn::Param>(store.order[i]);
         int runs = 0;
+        // The parameter's group: the one-byte compute copies first in a sharded store.
+        const auto groups = store.groups(p.unit);
+        const nn::UnitGroup* g = nullptr;
+        for (const auto& x : groups)
+          if (p.offset >= x.begin && p.offset < x.begin + x.count) g = &x;
+        REQUIRE(g);
+        CHECK(g->bytes == (shards > 1 && w.has<nn::ByteCompute>(store.order[i])));
+        const std::int64_t part_size = g->count / shards, first = g->begin + shard * part_size;
         store.for_each_held(p, [&](const nn::HeldPart& part) {
           ++runs;
-          // The run's layout elements are those of this shard of the unit, at the matching held place.
-          CHECK(p.offset + part.first >= store.held_begin(p.unit));
-          CHECK(p.offset + part.first + part.count <= store.held_begin(p.unit) + store.held_count(p.unit));
-          CHECK(part.held == store.held_offset(p.unit) + (p.offset + part.first - store.held_begin(p.unit)));
+          // The run's layout elements are this shard's part of the group, at the matching held place.
+          CHECK(p.offset + part.first >= first);
+          CHECK(p.offset + part.first + part.count <= first + part_size);
+          CHECK(part.held == g->begin / shards + (p.offset + part.first - first));
           for (std::int64_t k = 0; k < part.count; ++k) {
             ++seen[i][static_cast<std::size_t>(part.first + k)];
             ++held_used[static_cast<std::size_t>(part.held + k)];

@@ -128,10 +128,12 @@ TEST_CASE("FSDP with micro-batches, any prefetch depth, and gradients reduced in
 
 TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data parallelism computes") {
   // Without clipping (whose norm FSDP sums over shards in another order), the shards' update is
-  // the whole update, element by element: bit for bit what two data-parallel replicas compute.
-  // Against one rank with the whole batch, bf16 and FP8 rounding of the weights turn the batch's
-  // fp32 summation order into differences of 1e-5 (bf16) to 1e-4 (FP8), for plain data
-  // parallelism and FSDP alike; see docs/ARCHITECTURE.md.
+  // the whole update, element by element: bit for bit what two data-parallel replicas compute. In
+  // FP8 each rank quantises its part of every block weight with the scale the ranks agree on and
+  // the codes are gathered: the same codes plain DP makes from each whole f32 master. Against one
+  // rank with the whole batch, bf16 and FP8 rounding of the weights turn the batch's fp32
+  // summation order into differences of 1e-5 (bf16) to 1e-4 (FP8), for plain data parallelism and
+  // FSDP alike; see docs/ARCHITECTURE.md.
   const Sets base = {"optim.grad_clip=0"};
   for (const Sets& precision : {Sets{"backend.cpu_round_bf16=true"}, Sets{"fp8.enabled=true"},
                                 Sets{"fp8.enabled=true", "fp8.recipe=current"}}) {
@@ -195,6 +197,26 @@ TEST_CASE("each rank holds 1/N of the parameters, gradients and optimizer state,
       CHECK(h.fsdp.gathered >= (emb + (prefetch + 1) * block) * 4);
     }
   }
+}
+
+TEST_CASE("with FP8 the block weights are gathered as one-byte codes") {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto gathered = [&](const Sets& sets) {
+    auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+    config::apply_overrides(doc, sets + kFull + Sets{"train.steps=1"});
+    std::size_t bytes = 0;
+    std::mutex m;
+    auto outcomes = parallel::run_thread_ranks(2, config::resolve(doc, "tiny.toml", reg), reg, {}, [&](World& w) {
+      std::lock_guard lk(m);
+      bytes = w.resource<parallel::FsdpMemory>().gathered;
+    });
+    for (auto& o : outcomes) REQUIRE(o.ok);
+    return bytes;
+  };
+  // Two pool buffers (prefetch 1) of a block's image: its four weight matrices (12 C^2 elements,
+  // C = 32) take one byte each instead of the CPU backend's four.
+  CHECK(gathered({}) - gathered({"fp8.enabled=true"}) == 2 * 12 * 32 * 32 * 3);
 }
 
 TEST_CASE("FSDP settings that do not fit are config errors naming the key and its line") {

@@ -136,6 +136,33 @@ void Fp8Linear::update_weight(AdamWQuantizeArgs u, std::int64_t version) {
   cache_.cols = IC;
 }
 
+bool Fp8Linear::weight_scale_from_tensor() const {
+  return recipe_.kind == RecipeKind::current || !meta_.ready(slot(TensorRole::weight).index);
+}
+
+float* Fp8Linear::weight_amax() {
+  const ScalingSlot s = slot(TensorRole::weight);
+  if (recipe_.kind == RecipeKind::current) {
+    ops_.zero(s.amax_now, sizeof(float));
+    return s.amax_now;
+  }
+  return s.amax;  // delayed scaling's first step: recorded as this step's
+}
+
+void Fp8Linear::weight_scale_from_amax() {
+  const ScalingSlot s = slot(TensorRole::weight);
+  ops_.scale_from_amax(recipe_.kind == RecipeKind::current ? s.amax_now : s.amax, s.scale, s.scale_inv, s.fp8_max,
+                       recipe_.margin);
+  if (recipe_.kind == RecipeKind::delayed) meta_.set_ready(s.index);
+}
+
+void Fp8Linear::quantize_weight_part(const TensorView& master_part, void* codes) {
+  const ScalingSlot s = slot(TensorRole::weight);
+  const std::int64_t n = master_part.numel();
+  const bool record = recipe_.kind == RecipeKind::delayed && meta_.ready(s.index);
+  ops_.quantize(master_part.reshape({1, n}), view(s, codes, nullptr, 1, n), record ? s.amax : nullptr);
+}
+
 void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
   // The input, or the pre-activation it is the GELU of, or the residual it is the LayerNorm of
@@ -146,10 +173,15 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", x.str(), ", weight ", a.weight.str());
   const std::int64_t N = x.size(0), IC = x.size(1);
   expect(x, act, N, IC, name_ + (gelu ? " forward x_gelu_pre" : ln ? " forward x_ln.x" : " forward x"));
-  // A replay (activation recompute) reuses the original forward's FP8 weight and scales.
-  KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
-             ": a replayed forward needs the weight of the original one");
-  ensure_weight(a.weight, weight_version);
+  if (a.weight.dtype == DType::u8) {  // the gathered codes themselves (a replay gets the same again)
+    cache_.rowwise = a.weight.data;
+    cache_.valid = false;
+  } else {
+    // A replay (activation recompute) reuses the original forward's FP8 weight and scales.
+    KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
+               ": a replayed forward needs the weight of the original one");
+    ensure_weight(a.weight, weight_version);
+  }
   const ScalingSlot s = slot(TensorRole::input);
   void* xq = ws_.get(static_cast<std::size_t>(N * IC));
   const Fp8TensorView out = view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC);
@@ -197,7 +229,7 @@ void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForwa
 void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) {
   const DType act = ops_.act_dtype();
   const std::int64_t N = xq.size(0), IC = xq.size(1), OC = a.weight.size(0);
-  expect(a.weight, act, OC, IC, name_ + " forward weight");
+  expect(a.weight, a.weight.dtype == DType::u8 ? DType::u8 : act, OC, IC, name_ + " forward weight");
   expect(a.out, act, N, OC, name_ + " forward out");
   if (a.bias) KILN_CHECK(a.bias.dtype == act && a.bias.numel() == OC, name_, " forward bias ", a.bias.str());
   if (a.pre_gelu) expect(a.pre_gelu, act, N, OC, name_ + " forward pre_gelu");
@@ -228,14 +260,26 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " backward: x ", x.str(), ", weight ", a.weight.str());
   const std::int64_t N = x.size(0), IC = x.size(1), OC = a.weight.size(0);
   if (!keep_input_) expect(x, act, N, IC, name_ + (gelu ? " backward x_gelu_pre" : ln ? " backward x_ln.x" : " backward x"));
-  expect(a.weight, act, OC, IC, name_ + " backward weight");
+  const bool gathered = a.weight.dtype == DType::u8;  // the weight's gathered codes
+  expect(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
   expect(a.dout, act, N, OC, name_ + " backward dout");
   expect(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
   if (a.dx) expect(a.dx, act, N, IC, name_ + " backward dx");
   if (a.dx_gelu_pre) expect(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
   if (a.dbias) KILN_CHECK(a.dbias.dtype == DType::f32 && a.dbias.numel() == OC, name_, " backward dbias ", a.dbias.str());
   // The forward pass made the weight's copies; a different tensor (a library caller) is re-quantised.
-  if (!weight_cached(a.weight)) ensure_weight(a.weight, cache_.version);
+  // Gathered codes give the colwise copy by a transpose, for the data gradient.
+  void* weight_colwise = nullptr;
+  if (gathered) {
+    if (a.dx) {
+      KILN_CHECK(transposed_, name_, ": a gathered FP8 weight needs a transpose scratch (use_transpose_scratch)");
+      weight_colwise = transposed_->get(static_cast<std::size_t>(OC * IC));
+      ops_.transpose(TensorView(weight_colwise, {IC, OC}, DType::u8, ops_.device()), a.weight);
+    }
+  } else {
+    if (!weight_cached(a.weight)) ensure_weight(a.weight, cache_.version);
+    weight_colwise = cache_.colwise;
+  }
 
   const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight), sg = slot(TensorRole::grad_output);
   const Device dev = ops_.device();
@@ -280,7 +324,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
     g.what = "fp8_gemm_dgrad";
     g.x = TensorView(gr, {N, OC}, dtype_of(sg.format), dev);
     g.x_scale_inv = sg.scale_inv;
-    g.y = TensorView(cache_.colwise, {IC, OC}, dtype_of(sw.format), dev);
+    g.y = TensorView(weight_colwise, {IC, OC}, dtype_of(sw.format), dev);
     g.y_scale_inv = sw.scale_inv;
     g.d = a.dx;
     if (a.dx_gelu_pre) {

@@ -58,6 +58,48 @@ void reduce_amaxes(World& w) {
                            am.device == Device::cpu ? nullptr : w.resource<ops::ActiveBackend>().get().stream());
 }
 
+// With sharded masters: each gathered layer's part of its weight quantised into the held codes, with
+// the weight scale; where that scale comes from the weight itself, from the largest amax of all its
+// parts (one all-reduce over the ranks holding parts, for all the layers at once).
+void quantize_weight_parts(World& w) {
+  auto& st = w.resource<Fp8State>();
+  const auto& store = w.resource<nn::ParamStore>();
+  struct Part {
+    Fp8Linear* lin;
+    const nn::Param* param;
+    nn::HeldPart held;
+    bool here = false;
+  };
+  std::vector<Part> parts;
+  bool agree = false;
+  for (std::size_t i : st.gathered) {
+    Part p{st.linears[i].get(), &w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight), {}};
+    store.for_each_held(*p.param, [&](const nn::HeldPart& h) {
+      p.held = h;
+      p.here = true;
+    });
+    if (p.lin->weight_scale_from_tensor()) {
+      agree = true;
+      float* amax = p.lin->weight_amax();
+      if (p.here) st.ops->amax(nn::ParamStore::held_view(store.master_flat(), p.held), amax);
+    }
+    parts.push_back(p);
+  }
+  if (agree) {
+    auto& ranks = *w.resource<parallel::Communicators>().held_parts;
+    const TensorView amaxes = st.recipe.kind == RecipeKind::current ? st.meta->amaxes_now() : st.meta->amaxes();
+    if (ranks.size() > 1)
+      ranks.all_reduce(amaxes, parallel::ReduceOp::max,
+                       amaxes.device == Device::cpu ? nullptr : w.resource<ops::ActiveBackend>().get().stream());
+    for (auto& p : parts)
+      if (p.lin->weight_scale_from_tensor()) p.lin->weight_scale_from_amax();
+  }
+  for (auto& p : parts)
+    if (p.here)
+      p.lin->quantize_weight_part(nn::ParamStore::held_view(store.master_flat(), p.held),
+                                  store.held_codes(*p.param, p.held));
+}
+
 void install(World& w, const Fp8Config& cfg) {
   if (!cfg.enabled) return;
   const auto& file = w.resource<RankInfo>().pipeline_file;
@@ -114,6 +156,7 @@ void install(World& w, const Fp8Config& cfg) {
   st.meta = std::make_unique<Fp8MetaStore>(*st.ops, formats,
                                            cfg.recipe == RecipeKind::delayed ? cfg.amax_history_len : 1);
   st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
+  st.transposed = std::make_unique<Fp8Workspace>(*st.ops);
   for (std::size_t i = 0; i < st.entities.size(); ++i) {
     const Entity e = st.entities[i];
     const int first = static_cast<int>(i) * kRolesPerLinear;
@@ -129,6 +172,7 @@ void install(World& w, const Fp8Config& cfg) {
     // The FP8 copies replace the compute copy of a weight only this layer reads (not the tied LM head).
     if (cfg.weights_in_compute_copy && linear.role != nn::LinearRole::lm_head) {
       st.in_compute_copy.push_back(i);  // bound once the parameters are allocated (fp8.weights)
+      w.emplace<nn::ByteCompute>(linear.weight);  // gathered as FP8 codes where the masters are sharded
       // Delayed scaling knows the next forward's weight scale when the optimizer runs: the AdamW
       // step writes the FP8 copies (Fp8Linear::update_weight), the optimizer leaves the weight to us.
       if (cfg.fuse_weight_update && cfg.recipe == RecipeKind::delayed && !w.try_get<nn::UpdatedBy>(linear.weight)) {
@@ -148,10 +192,16 @@ void install(World& w, const Fp8Config& cfg) {
                                       /*takes_layernorm_input=*/true});
   }
 
-  // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies. Runs after
+  // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies; or, with
+  // sharded masters, the FP8 codes of every rank's parts of the updated weights. Runs after
   // fp8.scale_update (Phase::grad_sync), so the copies take the scales the next forward uses.
-  if (!st.fused.empty())
+  if (!st.fused.empty() || !st.in_compute_copy.empty())
     st.subscriptions.push_back(w.events().subscribe<nn::AdamWStep>([&w, &st](const nn::AdamWStep& e) {
+      if (!st.gathered.empty()) {
+        quantize_weight_parts(w);
+        return;
+      }
+      if (st.fused.empty()) return;
       const auto& store = w.resource<nn::ParamStore>();
       st.invalidate_weights();
       st.fused_update_step = w.resource<RunControl>().step;
@@ -189,9 +239,12 @@ void install(World& w, const Fp8Config& cfg) {
                                << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3") << ")\n";
                      for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16 (dimensions not multiples of 16)\n";
                    }});
-  // The FP8 weight copies in the memory of the weights' compute copies, from their f32 masters;
-  // where the masters are sharded over ranks (nn::ParamStore::sharded), the layers quantise the
-  // gathered compute copy instead and the optimizer updates every weight.
+  // The FP8 weight copies in the memory of the weights' compute copies, from their f32 masters.
+  // Where the masters are sharded over ranks (nn::ParamStore::sharded), those weights' compute
+  // copies are one-byte codes instead (nn::ByteCompute, attached above): every rank quantises its
+  // part with the scale the ranks agree on, the parts are gathered as codes, and the layers read
+  // them as the weight's rowwise copy (transposing them for the data gradient); the optimizer then
+  // updates every weight, and the parts are quantised again after it (quantize_weight_parts).
   w.systems().add({"fp8.weights", Phase::setup,
                    [](World& world) {
                      auto& s = world.resource<Fp8State>();
@@ -199,14 +252,17 @@ void install(World& w, const Fp8Config& cfg) {
                      if (store.sharded()) {
                        for (std::size_t i : s.fused) world.remove<nn::UpdatedBy>(world.get<nn::Linear>(s.entities[i]).weight);
                        s.fused.clear();
+                       s.gathered = std::move(s.in_compute_copy);
                        s.in_compute_copy.clear();
+                       for (std::size_t i : s.gathered) s.linears[i]->use_transpose_scratch(*s.transposed);
+                       quantize_weight_parts(world);
                      }
                      for (std::size_t i : s.in_compute_copy) {
                        const auto& wp = world.get<nn::Param>(world.get<nn::Linear>(s.entities[i]).weight);
                        s.linears[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));
                      }
                    },
-                   {"params.allocate"}});
+                   {"params.allocate", "model.init"}});
   // The blocks' FP8 scratch in the model's block scratch (its logits buffer), unless the LM head,
   // which writes the logits, runs in FP8 too.
   if (!cfg.lm_head)

@@ -16,4 +16,13 @@ inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device)
   c.check(!a.out.rowwise == !a.out.colwise, "both FP8 copies or neither");
 }
 
+// out [cols, rows] and in [rows, cols]: contiguous one-byte tensors of one dtype on `device`.
+inline void check_transpose_args(const TensorView& out, const TensorView& in, Device device) {
+  ops::OpArgs c("fp8 transpose", {device, DType::bf16, false});
+  const auto rows = c.wide_dim("rows"), cols = c.wide_dim("cols");
+  c.tensor("in", in, ops::ArgDType::any(), {rows, cols});
+  c.tensor("out", out, in.dtype, {cols, rows});
+  c.check(size_of(in.dtype) == 1, "codes of one byte, got ", in.str());
+}
+
 }  // namespace kiln::fp8

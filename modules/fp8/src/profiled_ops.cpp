@@ -55,6 +55,10 @@ class ProfiledOps final : public Fp8Ops {
     Scope s(be_, "fp8_dgelu");
     in_->dgelu(dy, pre);
   }
+  void transpose(const TensorView& out, const TensorView& in) override {
+    Scope s(be_, "fp8_transpose");
+    in_->transpose(out, in);
+  }
   void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {
     Scope s(be_, "fp8_dequantize");
     in_->dequantize(out, q, scale_inv);

@@ -19,10 +19,10 @@ Entity ParamStore::add(World& w, Param p) {
 void ParamStore::lay_out(World& w) {
   KILN_CHECK(units.empty(), "the parameter store is laid out once");
   KILN_CHECK(shards >= 1 && shard >= 0 && shard < shards, "parameter shard ", shard, " of ", shards);
-  std::map<int, std::vector<Param*>> by_unit;  // ascending units, creation order within each
+  std::map<int, std::vector<std::pair<Entity, Param*>>> by_unit;  // ascending units, creation order within each
   for (Entity e : order) {
     auto& p = w.get<Param>(e);
-    by_unit[p.unit].push_back(&p);
+    by_unit[p.unit].push_back({e, &p});
   }
   const int n = by_unit.empty() ? 0 : by_unit.rbegin()->first + 1;
   units.assign(static_cast<std::size_t>(n), UnitRange{});
@@ -30,12 +30,19 @@ void ParamStore::lay_out(World& w) {
   std::int64_t at = 0;
   for (int u = 0; u < n; ++u) {
     units[u].begin = at;
-    if (auto it = by_unit.find(u); it != by_unit.end())
-      for (Param* p : it->second) {
-        p->offset = at;
-        at += align(p->numel, kParamAlign);
-      }
-    at = align(at, kParamAlign * shards);  // every rank's part of the unit equal and aligned
+    auto it = by_unit.find(u);
+    // A sharded store gathers the one-byte compute copies apart: their parameters first.
+    for (bool bytes : {true, false}) {
+      if (it != by_unit.end())
+        for (auto [e, p] : it->second) {
+          const bool is_bytes = sharded() && w.has<ByteCompute>(e);
+          if (is_bytes != bytes) continue;
+          p->offset = at;
+          at += align(p->numel, kParamAlign);
+        }
+      at = align(at, kParamAlign * shards);  // every rank's part of each group equal and aligned
+      if (bytes) units[u].split = at;
+    }
     units[u].end = at;
   }
   total = at;
@@ -86,21 +93,60 @@ std::vector<std::vector<UnitRange>> ParamStore::grad_zero_ranges(const World& w)
   return out;
 }
 
+std::vector<UnitGroup> ParamStore::groups(int u) const {
+  const UnitRange& r = units[static_cast<std::size_t>(u)];
+  std::vector<UnitGroup> out;
+  if (r.split > r.begin) out.push_back({r.begin, r.split - r.begin, true, 0});
+  if (r.end > r.split)
+    out.push_back({r.split, r.end - r.split, false, static_cast<std::size_t>(r.split - r.begin)});
+  return out;
+}
+
+std::size_t ParamStore::image_bytes(int u) const {
+  const UnitRange& r = units[static_cast<std::size_t>(u)];
+  return static_cast<std::size_t>(r.split - r.begin) + static_cast<std::size_t>(r.end - r.split) * size_of(act);
+}
+
 TensorView ParamStore::master_view(const Param& p) const {
   KILN_CHECK(!sharded(), "parameter '", p.name, "': the master weights are sharded over ", shards,
              " ranks; use its held parts (for_each_held)");
   return master.view(DType::f32, p.shape, static_cast<std::size_t>(p.offset) * sizeof(float));
 }
 
-TensorView ParamStore::at_unit(const std::vector<void*>& where, DType t, const Param& p, const char* what) const {
+void* ParamStore::at_unit(const std::vector<void*>& where, const Param& p, std::size_t bytes, const char* what) const {
   KILN_CHECK(static_cast<std::size_t>(p.unit) < where.size() && where[p.unit] != nullptr, "parameter '", p.name,
              "': the ", what, " of layer unit ", p.unit, " are not on this rank now");
   const UnitRange& u = units[p.unit];
   KILN_CHECK(p.offset >= u.begin && p.offset + p.numel <= u.end, "parameter '", p.name, "' at [", p.offset, ", ",
              p.offset + p.numel, ") exceeds its layer unit ", p.unit, " [", u.begin, ", ", u.end, ")");
-  const std::size_t bytes = static_cast<std::size_t>(p.offset - u.begin) * size_of(t);
-  const Device device = master.device();
-  return TensorView(static_cast<char*>(where[p.unit]) + bytes, p.shape, t, device);
+  return static_cast<char*>(where[p.unit]) + bytes;
+}
+
+TensorView ParamStore::compute_view(const Param& p) const {
+  const UnitRange& u = units.at(static_cast<std::size_t>(p.unit));
+  if (p.offset < u.split)  // one-byte codes, at their element's place in the group
+    return TensorView(at_unit(unit_compute, p, static_cast<std::size_t>(p.offset - u.begin), "compute weights"),
+                      p.shape, DType::u8, master.device());
+  const std::size_t bytes =
+      static_cast<std::size_t>(u.split - u.begin) + static_cast<std::size_t>(p.offset - u.split) * size_of(act);
+  return TensorView(at_unit(unit_compute, p, bytes, "compute weights"), p.shape, act, master.device());
+}
+
+TensorView ParamStore::held_compute(const UnitGroup& g) const {
+  auto* at = static_cast<char*>(compute.data()) + static_cast<std::size_t>(g.begin / shards) * size_of(act);
+  return TensorView(at, {g.count / shards}, g.bytes ? DType::u8 : act, compute.device());
+}
+
+std::uint8_t* ParamStore::held_codes(const Param& p, const HeldPart& part) const {
+  const UnitRange& u = units.at(static_cast<std::size_t>(p.unit));
+  KILN_CHECK(p.offset < u.split, "parameter '", p.name, "' has no one-byte compute copy");
+  const UnitGroup g{u.begin, u.split - u.begin, true, 0};
+  return held_compute(g).as<std::uint8_t>() + (part.held - u.begin / shards);
+}
+
+TensorView ParamStore::grad_view(const Param& p) const {
+  const std::size_t bytes = static_cast<std::size_t>(p.offset - units.at(static_cast<std::size_t>(p.unit)).begin) * 4;
+  return TensorView(at_unit(unit_grads, p, bytes, "gradients"), p.shape, DType::f32, master.device());
 }
 
 }  // namespace kiln::nn

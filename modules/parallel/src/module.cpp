@@ -67,6 +67,8 @@ void install(World& w, const ParallelConfig& cfg) {
   comms.dp = make("dp", {Axis::dp});
   comms.tp_dp = make("tp_dp", {Axis::tp, Axis::dp});
   comms.param_shards = comms.tp.get();
+  comms.self = make_self_communicator("self", r.rank);
+  comms.held_parts = comms.self.get();
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
   if (auto* launch = w.try_resource<LaunchContext>(); launch && launch->nccl)

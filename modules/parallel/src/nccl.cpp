@@ -24,7 +24,8 @@ ncclDataType_t nccl_type(DType t) {
     case DType::f32: return ncclFloat32;
     case DType::bf16: return ncclBfloat16;
     case DType::i32: return ncclInt32;
-    default: KILN_THROW("NCCL collectives support f32, bf16 and i32, not ", name_of(t));
+    case DType::u8: return ncclUint8;
+    default: KILN_THROW("NCCL collectives support f32, bf16, i32 and u8, not ", name_of(t));
   }
 }
 ncclRedOp_t nccl_op(ReduceOp op) {

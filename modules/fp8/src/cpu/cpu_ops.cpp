@@ -120,6 +120,16 @@ class CpuOps final : public Fp8Ops {
     for (std::int64_t i = 0; i < q.numel(); ++i) o[i] = decode(in[i], f) * si;
   }
 
+  void transpose(const TensorView& out, const TensorView& in) override {
+    check_transpose_args(out, in, Device::cpu);
+    const std::uint8_t* src = in.as<std::uint8_t>();
+    std::uint8_t* dst = out.as<std::uint8_t>();
+    const std::int64_t rows = in.size(0), cols = in.size(1);
+#pragma omp parallel for num_threads(threads_) schedule(static) if (rows * cols >= kParallelWork)
+    for (std::int64_t c = 0; c < cols; ++c)
+      for (std::int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c];
+  }
+
   void gemm(const GemmArgs& g) override {
     const Format fx = format_of(g.x, "fp8 gemm x"), fy = format_of(g.y, "fp8 gemm y");
     KILN_CHECK(fx == Format::e4m3 || fy == Format::e4m3, "fp8 gemm: E5M2 x E5M2 products are not supported");

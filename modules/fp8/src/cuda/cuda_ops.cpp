@@ -169,6 +169,11 @@ class CudaOps final : public Fp8Ops {
                      q.numel(), scale_inv, stream_);
   }
 
+  void transpose(const TensorView& out, const TensorView& in) override {
+    check_transpose_args(out, in, Device::cuda);
+    cuda::transpose_bytes(out.as<std::uint8_t>(), in.as<std::uint8_t>(), in.size(0), in.size(1), stream_);
+  }
+
   void gemm(const GemmArgs& g) override { gemm_->run(g, static_cast<cudaStream_t>(stream_)); }
 
   void bias_grad(const TensorView& dbias, const TensorView& dy) override {

@@ -55,24 +55,23 @@ void Runner::setup() {
   for (int u = 0; u < units_; ++u) kept_[u] = readers_[u] > 1 || u == units_ - 1;
   zero_ranges_ = store_.grad_zero_ranges(w_);
 
-  // Gather buffers: kept units' (every unit's with shard_grad_op) own, and a pool of prefetch + 1.
-  const DType act = store_.act;
+  // Gather buffers (of a unit's compute image: its one-byte group, then the act group): kept
+  // units' (every unit's with shard_grad_op) own, and a pool of prefetch + 1.
   own_slot_.assign(U, -1);
   own_grad_.assign(U, -1);
-  std::int64_t pool_units = 0;
+  std::size_t pool_bytes = 0;
   for (int u = 0; u < units_; ++u) {
     if (size(u) == 0) continue;
     if (kept(u) || cfg_.strategy == FsdpStrategy::shard_grad_op) {
       own_slot_[u] = static_cast<int>(slots_.size());
-      slots_.push_back(Slot{be_.alloc(static_cast<std::size_t>(size(u)) * size_of(act))});
+      slots_.push_back(Slot{be_.alloc(store_.image_bytes(u))});
     } else {
-      pool_units = std::max(pool_units, size(u));
+      pool_bytes = std::max(pool_bytes, store_.image_bytes(u));
     }
   }
   pool_begin_ = slots_.size();
-  if (pool_units > 0)
-    for (int i = 0; i <= cfg_.prefetch; ++i)
-      slots_.push_back(Slot{be_.alloc(static_cast<std::size_t>(pool_units) * size_of(act))});
+  if (pool_bytes > 0)
+    for (int i = 0; i <= cfg_.prefetch; ++i) slots_.push_back(Slot{be_.alloc(pool_bytes)});
   for (const auto& s : slots_) gathered_bytes_ += s.memory.bytes();
 
   // Gradient buffers: kept units' own (their readers' backward passes span other units'), and two
@@ -153,8 +152,13 @@ Runner::Slot* Runner::gather(int unit, bool required) {
   // copy, and the last reads of the slot's previous unit.
   compute_mark_.record(compute_);
   compute_mark_.wait(comm_);
-  const std::int64_t n = store_.units[static_cast<std::size_t>(unit)].size();
-  shard_.all_gather(s->memory.view(store_.act, {n}), held(store_.compute, store_.act, unit), comm_);
+  // Each group's parts from every rank: act-dtype elements, or one-byte codes (nn::ByteCompute)
+  // from the start of their held compute copy.
+  const Device dev = s->memory.device();
+  for (const nn::UnitGroup& g : store_.groups(unit)) {
+    const TensorView part = store_.held_compute(g);
+    shard_.all_gather(TensorView(static_cast<char*>(s->memory.data()) + g.image, {g.count}, part.dtype, dev), part, comm_);
+  }
   s->gathered.record(comm_);
   return s;
 }
@@ -259,7 +263,12 @@ void Runner::reduce(int unit) {
   }
   compute_mark_.record(compute_);
   compute_mark_.wait(comm_);
-  shard_.reduce_scatter(out, in, ReduceOp::sum, comm_);
+  // Group by group: a rank's part of the unit is its part of each group, one after the other.
+  const std::int64_t S = store_.shards, first_element = store_.units[static_cast<std::size_t>(unit)].begin;
+  for (const nn::UnitGroup& grp : store_.groups(unit)) {
+    const std::int64_t at = grp.begin - first_element;
+    shard_.reduce_scatter(out.flat_slice(at / S, grp.count / S), in.flat_slice(at, grp.count), ReduceOp::sum, comm_);
+  }
   g.reduced.record(comm_);
   if (partial) partial->ready.record(comm_);
   store_.unit_grads[static_cast<std::size_t>(unit)] = nullptr;

@@ -95,6 +95,7 @@ void install(World& w, const FsdpConfig& cfg) {
     param_shards = st.own_param_shards.get();
   }
   comms.param_shards = param_shards;
+  comms.held_parts = shard;
   w.resource<DpGradState>().replaced = true;  // the gradients are reduce-scattered here instead
 
   // The parameter store holds this rank's part of every unit from its layout on.

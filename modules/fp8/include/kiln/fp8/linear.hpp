@@ -85,6 +85,23 @@ class Fp8Linear {
   // reuses. Otherwise (current scaling, no scale yet) the update alone: the forward quantises.
   void update_weight(AdamWQuantizeArgs u, std::int64_t version);
 
+  // ---- a weight made of parts (sharded masters) and gathered as FP8 codes ----
+  // A forward or backward handed a u8 weight [OC, IC] reads it as the weight's rowwise codes, made
+  // by quantize_weight_part on every rank with this layer's weight scale and gathered by whoever
+  // shards the parameters; the backward transposes them into `scratch` for the data gradient.
+  void use_transpose_scratch(Fp8Workspace& scratch) { transposed_ = &scratch; }
+  // Whether the weight's scale comes from the weight's own amax now (current scaling, or delayed
+  // scaling's first step). Then each part's amax goes into weight_amax() (zeroed here under current
+  // scaling), the ranks agree on the largest (Fp8MetaStore::amaxes_now, or amaxes() under delayed
+  // scaling), and weight_scale_from_amax() sets the scale, before any part is quantised.
+  bool weight_scale_from_tensor() const;
+  float* weight_amax();
+  void weight_scale_from_amax();
+  // A part of the weight (f32 master elements, flat) quantised into `codes` with the weight scale;
+  // under delayed scaling with a scale from the history, its amax max-accumulated as this step's
+  // (the amax reduction makes it the whole weight's).
+  void quantize_weight_part(const TensorView& master_part, void* codes);
+
   // Forward on an input its producer already quantised (e.g. a LayerNorm writing FP8): `x.rowwise`
   // [N, IC] in input_slot().format, quantised with *input_slot().scale; under delayed scaling the
   // producer also max-accumulates max|x| into *input_slot().amax. `a.x` still names the
@@ -120,6 +137,7 @@ class Fp8Linear {
   Buffer kept_;               // keep_input: the colwise input copy [IC, N] of the last forward
   std::int64_t kept_rows_ = 0, kept_cols_ = 0;
   TensorView master_, compute_;  // use_master_weight
+  Fp8Workspace* transposed_ = nullptr;  // use_transpose_scratch
   struct WeightCache {
     void* rowwise = nullptr;  // [OC, IC]
     void* colwise = nullptr;  // [IC, OC]

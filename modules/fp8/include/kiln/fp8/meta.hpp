@@ -44,6 +44,7 @@ class Fp8MetaStore {
   TensorView history() const { return view(0, {len_, n_}); }
   TensorView scales() const { return view(len_ * n_, {n_}); }
   TensorView fp8_maxes() const { return view((len_ + 1) * n_, {n_}); }
+  TensorView amaxes_now() const { return view((len_ + 2) * n_, {n_}); }
   TensorView scale_invs() const { return view(inv_offset(), {n_, kScaleInvStride}); }  // column 0
   TensorView state() const { return view(0, {inv_offset() + kScaleInvStride * n_}); }  // everything
   static constexpr int kScaleInvStride = 4;

@@ -75,6 +75,8 @@ struct Fp8State {
   std::vector<std::unique_ptr<Fp8Linear>> linears;   // their layers, same order
   std::int64_t weights_version = 0;                  // the cached FP8 weights are of this version
   std::vector<std::size_t> in_compute_copy;          // linears whose FP8 weights live in the compute copy
+  std::vector<std::size_t> gathered;                 // sharded masters: linears reading gathered FP8 codes
+  std::unique_ptr<Fp8Workspace> transposed;          // their weights' colwise copies, one layer at a time
   std::vector<std::size_t> fused;                    // linears whose weight update is fused (fuse_weight_update)
   std::int64_t fused_update_step = -1;               // the step whose optimizer update ran fused
   parallel::Communicator* amax_comm = nullptr;

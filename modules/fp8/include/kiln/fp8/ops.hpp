@@ -111,6 +111,9 @@ class Fp8Ops {
   virtual void dgelu(const TensorView& dy, const TensorView& pre) = 0;
   // out (f32, same shape) = decode(q) * *scale_inv.
   virtual void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) = 0;
+  // out [cols, rows] = in [rows, cols] transposed: one-byte codes (an FP8 tensor's, or u8), copied
+  // as they are (the colwise copy of a weight whose rowwise copy was gathered).
+  virtual void transpose(const TensorView& out, const TensorView& in) = 0;
   virtual void gemm(const GemmArgs& g) = 0;
   // dbias[n] += sum over m of dy[m, n] (dy act, dbias f32).
   virtual void bias_grad(const TensorView& dbias, const TensorView& dy) = 0;

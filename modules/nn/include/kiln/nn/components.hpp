@@ -39,6 +39,12 @@ struct UpdatedBy {
   std::string module;
 };
 
+// On a Param: its compute copy is one byte per element (an FP8 weight's codes; the module that
+// attaches it writes this rank's bytes and reads the gathered ones). A sharded store lays such
+// parameters out apart in each unit and gathers their compute copy as bytes (half of bf16's);
+// unsharded stores ignore it.
+struct ByteCompute {};
+
 // On a Param: its gradient has one producer, a linear layer's weight gradient, which writes it on a
 // step's first micro-batch (LinearBackward::dweight_overwrite) and adds to it on the others; the
 // step's gradient zeroing leaves it out.

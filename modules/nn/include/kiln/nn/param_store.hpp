@@ -28,10 +28,23 @@ namespace kiln::nn {
 
 inline constexpr std::int64_t kParamAlign = 64;  // elements: 256-byte aligned f32, 128-byte bf16
 
-// A layer unit's elements [begin, end) of the layout.
+// A layer unit's elements [begin, end) of the layout. In a sharded store the parameters whose
+// compute copy is one byte per element (ByteCompute) come first, in [begin, split), each group
+// padded to a multiple of kParamAlign * shards; unsharded, split == begin.
 struct UnitRange {
   std::int64_t begin = 0, end = 0;
+  std::int64_t split = 0;
   std::int64_t size() const { return end - begin; }
+};
+
+// One of a unit's parameter groups, as a sharded store splits it: `count` layout elements from
+// `begin`, compute copy one byte (bytes) or act-dtype per element. A rank holds count / shards of
+// them, at held offset begin / shards. The unit's compute image (ParamStore::unit_compute) holds
+// the group from byte `image` on.
+struct UnitGroup {
+  std::int64_t begin = 0, count = 0;
+  bool bytes = false;
+  std::size_t image = 0;
 };
 
 // A run of one parameter's elements that this rank holds: `count` elements from element `first` of
@@ -64,10 +77,13 @@ struct ParamStore {
   bool laid_out() const { return !units.empty() || order.empty(); }
   bool sharded() const { return shards > 1; }
   int num_units() const { return static_cast<int>(units.size()); }
-  // Unit u's part held here: its first layout element, element count and held offset.
-  std::int64_t held_begin(int u) const { return units[u].begin + shard * (units[u].size() / shards); }
+  // Unit u's part held here: held_count elements from held_offset of the held buffers (its groups'
+  // parts, one after the other).
   std::int64_t held_count(int u) const { return units[u].size() / shards; }
   std::int64_t held_offset(int u) const { return units[u].begin / shards; }
+  // Unit u's groups (none, one or two), bytes first; and the bytes of its compute image.
+  std::vector<UnitGroup> groups(int u) const;
+  std::size_t image_bytes(int u) const;
   // Allocates the held buffers on `be` (master and gradients zeroed: padding stays zero) and, when
   // unsharded, points every unit's compute and gradient location at them.
   void allocate(ops::Backend& be);
@@ -78,12 +94,15 @@ struct ParamStore {
   TensorView compute_flat() const { return compute.view(act, {held}); }
   TensorView grads_flat() const { return grads.view(DType::f32, {held}); }
   // f(HeldPart) for each run of p's elements held here, in element order (one run at most per
-  // parameter: a unit's part is one range of the layout).
+  // parameter: its group's part is one range of the layout).
   template <class F>
   void for_each_held(const Param& p, F&& f) const {
-    const std::int64_t b = held_begin(p.unit), e = b + held_count(p.unit);
-    const std::int64_t lo = std::max(b, p.offset), hi = std::min(e, p.offset + p.numel);
-    if (lo < hi) f(HeldPart{lo - p.offset, hi - lo, held_offset(p.unit) + (lo - b)});
+    const UnitRange& u = units[static_cast<std::size_t>(p.unit)];
+    const bool first = p.offset < u.split;
+    const std::int64_t gb = first ? u.begin : u.split, ge = first ? u.split : u.end, part = (ge - gb) / shards;
+    const std::int64_t b = gb + shard * part;
+    const std::int64_t lo = std::max(b, p.offset), hi = std::min(b + part, p.offset + p.numel);
+    if (lo < hi) f(HeldPart{lo - p.offset, hi - lo, gb / shards + (lo - b)});
   }
   // The held elements `part` of a flat buffer laid out like the held ones (master, grads, moments).
   static TensorView held_view(const TensorView& flat, const HeldPart& part) { return flat.flat_slice(part.held, part.count); }
@@ -96,8 +115,14 @@ struct ParamStore {
   // p's whole f32 master weight (only where the store is not sharded).
   TensorView master_view(const Param& p) const;
   // p in its unit's compute weights / gradient accumulation, wherever they are now.
-  TensorView compute_view(const Param& p) const { return at_unit(unit_compute, act, p, "compute weights"); }
-  TensorView grad_view(const Param& p) const { return at_unit(unit_grads, DType::f32, p, "gradients"); }
+  // (A ByteCompute parameter of a sharded store: its one-byte codes, u8, p's shape.)
+  TensorView compute_view(const Param& p) const;
+  TensorView grad_view(const Param& p) const;
+  // A group's part of the held compute copy, as the gathers move it: act-dtype elements, or (a
+  // one-byte group) codes from the start of the group's held memory.
+  TensorView held_compute(const UnitGroup& g) const;
+  // The held codes of a ByteCompute parameter's held part.
+  std::uint8_t* held_codes(const Param& p, const HeldPart& part) const;
   // p's view in any flat buffer laid out like the whole layout (e.g. the optimizer's moments of an
   // unsharded store).
   static TensorView view_in(const TensorView& flat, const Param& p) {
@@ -106,7 +131,8 @@ struct ParamStore {
   }
 
  private:
-  TensorView at_unit(const std::vector<void*>& where, DType t, const Param& p, const char* what) const;
+  // p's unit's location in `where`, plus byte offset `bytes`, checked.
+  void* at_unit(const std::vector<void*>& where, const Param& p, std::size_t bytes, const char* what) const;
 };
 
 }  // namespace kiln::nn

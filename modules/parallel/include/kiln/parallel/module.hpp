@@ -91,6 +91,11 @@ struct Communicators {
   // over all parameters, such as the gradient norm, are taken over them): the TP group, or TP x the
   // FSDP shard group when the fsdp module shards the parameters (it points this at its own).
   Communicator* param_shards = nullptr;
+  // The ranks among which each of this rank's parameters is split, each holding another part of
+  // it (a module making a part's values from a statistic of the whole tensor agrees on it over
+  // them): a group of this rank alone, or the FSDP shard group (the fsdp module points this at it).
+  Communicator* held_parts = nullptr;
+  std::unique_ptr<Communicator> self;  // this rank alone
 };
 
 // This rank's communicator of the group `members` (global ranks, ascending; this rank among them),

@@ -5,7 +5,8 @@
 
 namespace kiln {
 
-enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2, i32, u16 };
+// u8: raw bytes (an FP8 tensor's codes moved or stored without their format).
+enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2, i32, u16, u8 };
 
 constexpr std::size_t size_of(DType t) {
   switch (t) {
@@ -15,6 +16,7 @@ constexpr std::size_t size_of(DType t) {
     case DType::e5m2: return 1;
     case DType::i32: return 4;
     case DType::u16: return 2;
+    case DType::u8: return 1;
   }
   return 0;
 }
@@ -27,6 +29,7 @@ constexpr std::string_view name_of(DType t) {
     case DType::e5m2: return "e5m2";
     case DType::i32: return "i32";
     case DType::u16: return "u16";
+    case DType::u8: return "u8";
   }
   return "?";
 }

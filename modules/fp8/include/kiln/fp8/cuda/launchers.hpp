@@ -71,6 +71,8 @@ void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp
 
 // out[i] = decode(q[i]) * *scale_inv.
 void dequantize(float* out, const std::uint8_t* q, Format f, std::int64_t n, const float* scale_inv, cudaStream_t s);
+// out [cols, rows] = in [rows, cols]^T, bytes.
+void transpose_bytes(std::uint8_t* out, const std::uint8_t* in, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
 // The delayed-scaling update of every slot (DelayedUpdateArgs): one kernel, one thread per slot.
 void delayed_update(const DelayedUpdateArgs& a, cudaStream_t s);
