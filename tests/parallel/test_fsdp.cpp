@@ -136,6 +136,7 @@ TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data p
   // FSDP alike; see docs/ARCHITECTURE.md.
   const Sets base = {"optim.grad_clip=0"};
   for (const Sets& precision : {Sets{"backend.cpu_round_bf16=true"}, Sets{"fp8.enabled=true"},
+                                Sets{"fp8.enabled=true", "fp8.fuse_weight_update=false"},
                                 Sets{"fp8.enabled=true", "fp8.recipe=current"}}) {
     const Trace dp = run(2, base + precision);
     compare(run(2, base + precision + kFull), dp, join(precision) + ": full_shard against dp=2", 0);

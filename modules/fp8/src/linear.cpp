@@ -163,6 +163,17 @@ void Fp8Linear::quantize_weight_part(const TensorView& master_part, void* codes)
   ops_.quantize(master_part.reshape({1, n}), view(s, codes, nullptr, 1, n), record ? s.amax : nullptr);
 }
 
+void Fp8Linear::update_weight_part(AdamWQuantizeArgs u, void* codes) {
+  const ScalingSlot s = slot(TensorRole::weight);
+  KILN_CHECK(recipe_.kind == RecipeKind::delayed && meta_.ready(s.index), name_,
+             ": a fused update of a weight part needs delayed scaling with a known scale");
+  const std::int64_t n = u.param.numel();
+  for (TensorView* t : {&u.param, &u.grad, &u.m, &u.v}) *t = t->reshape({1, n});
+  u.out = view(s, codes, nullptr, 1, n);
+  u.amax = s.amax;
+  ops_.adamw_quantize(u);
+}
+
 void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
   // The input, or the pre-activation it is the GELU of, or the residual it is the LayerNorm of

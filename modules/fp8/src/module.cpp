@@ -100,6 +100,31 @@ void quantize_weight_parts(World& w) {
                                   store.held_codes(*p.param, p.held));
 }
 
+// With sharded masters and the fused update: each rank's part of each weight left to us, updated by
+// the optimizer's AdamW step (nn::AdamWStep) and quantised into its held codes in one pass.
+void update_weight_parts(World& w, const nn::AdamWStep& e) {
+  auto& st = w.resource<Fp8State>();
+  const auto& store = w.resource<nn::ParamStore>();
+  for (std::size_t i : st.fused) {
+    const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
+    store.for_each_held(p, [&](const nn::HeldPart& part) {
+      AdamWQuantizeArgs u;
+      u.param = nn::ParamStore::held_view(store.master_flat(), part);
+      u.grad = nn::ParamStore::held_view(store.grads_flat(), part);
+      u.m = nn::ParamStore::held_view(e.m, part);
+      u.v = nn::ParamStore::held_view(e.v, part);
+      u.lr = e.lr;
+      u.beta1 = e.beta1;
+      u.beta2 = e.beta2;
+      u.eps = e.eps;
+      u.weight_decay = p.weight_decay ? e.weight_decay : 0.0f;
+      u.grad_scale = e.grad_scale;
+      u.step = e.step;
+      st.linears[i]->update_weight_part(u, store.held_codes(p, part));
+    });
+  }
+}
+
 void install(World& w, const Fp8Config& cfg) {
   if (!cfg.enabled) return;
   const auto& file = w.resource<RankInfo>().pipeline_file;
@@ -197,11 +222,15 @@ void install(World& w, const Fp8Config& cfg) {
   // fp8.scale_update (Phase::grad_sync), so the copies take the scales the next forward uses.
   if (!st.fused.empty() || !st.in_compute_copy.empty())
     st.subscriptions.push_back(w.events().subscribe<nn::AdamWStep>([&w, &st](const nn::AdamWStep& e) {
-      if (!st.gathered.empty()) {
+      if (!st.gathered.empty() && st.fused.empty()) {
         quantize_weight_parts(w);
         return;
       }
       if (st.fused.empty()) return;
+      if (!st.gathered.empty()) {  // each rank's part of the weights, updated with its codes
+        update_weight_parts(w, e);
+        return;
+      }
       const auto& store = w.resource<nn::ParamStore>();
       st.invalidate_weights();
       st.fused_update_step = w.resource<RunControl>().step;
@@ -243,15 +272,14 @@ void install(World& w, const Fp8Config& cfg) {
   // Where the masters are sharded over ranks (nn::ParamStore::sharded), those weights' compute
   // copies are one-byte codes instead (nn::ByteCompute, attached above): every rank quantises its
   // part with the scale the ranks agree on, the parts are gathered as codes, and the layers read
-  // them as the weight's rowwise copy (transposing them for the data gradient); the optimizer then
-  // updates every weight, and the parts are quantised again after it (quantize_weight_parts).
+  // them as the weight's rowwise copy (transposing them for the data gradient). After each optimizer
+  // step the parts are quantised again (quantize_weight_parts), or, under delayed scaling with the
+  // fused update, updated and quantised in one pass (update_weight_parts).
   w.systems().add({"fp8.weights", Phase::setup,
                    [](World& world) {
                      auto& s = world.resource<Fp8State>();
                      const auto& store = world.resource<nn::ParamStore>();
                      if (store.sharded()) {
-                       for (std::size_t i : s.fused) world.remove<nn::UpdatedBy>(world.get<nn::Linear>(s.entities[i]).weight);
-                       s.fused.clear();
                        s.gathered = std::move(s.in_compute_copy);
                        s.in_compute_copy.clear();
                        for (std::size_t i : s.gathered) s.linears[i]->use_transpose_scratch(*s.transposed);

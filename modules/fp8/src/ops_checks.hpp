@@ -5,7 +5,8 @@
 
 namespace kiln::fp8 {
 
-// param, grad, m, v: f32 [rows, cols] on `device`, contiguous, one shape; both FP8 copies or neither.
+// param, grad, m, v: f32 [rows, cols] on `device`, contiguous, one shape; no colwise copy without
+// the rowwise one.
 inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device) {
   ops::OpArgs c("fp8 adamw_quantize", {device, DType::f32, false});
   const auto rows = c.wide_dim("rows"), cols = c.wide_dim("cols");
@@ -13,7 +14,7 @@ inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device)
   c.tensor("grad", a.grad, DType::f32, {rows, cols});
   c.tensor("m", a.m, DType::f32, {rows, cols});
   c.tensor("v", a.v, DType::f32, {rows, cols});
-  c.check(!a.out.rowwise == !a.out.colwise, "both FP8 copies or neither");
+  c.check(a.out.rowwise || !a.out.colwise, "the colwise FP8 copy only with the rowwise one");
 }
 
 // out [cols, rows] and in [rows, cols]: contiguous one-byte tensors of one dtype on `device`.

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads)
         const auto* src = reinterpret_cast<const std::uint32_t*>(tile + lr * kStride + lv * 16);
         *reinterpret_cast<uint4*>(row + static_cast<size_t>(gr) * cols + gc) = make_uint4(src[0], src[1], src[2], src[3]);
       }
-      store_transposed(tile, col, r0, c0, rows, cols);
+      if (col) store_transposed(tile, col, r0, c0, rows, cols);
       __syncthreads();  // the next tile overwrites the shared tile
     }
   }
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
     if (QUANT) {
       const std::uint8_t q = cvt1<F>(__fmul_rn(p, scale));
       row[i] = q;
-      col[(i % cols) * rows + i / cols] = q;
+      if (col) col[(i % cols) * rows + i / cols] = q;
       if (AMAX) local = max(local, abs_bits(p));
     }
   }
@@ -111,7 +111,7 @@ template <Format F, bool QUANT, bool AMAX>
 void launch(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
   const bool tiled = a.rows % 16 == 0 && a.cols % 16 == 0 && a.rows <= 0x7fffffff && a.cols <= 0x7fffffff &&
                      aligned16(a.param) && aligned16(a.grad) && aligned16(a.m) && aligned16(a.v) &&
-                     (!QUANT || (aligned16(a.rowwise) && aligned16(a.colwise)));
+                     (!QUANT || (aligned16(a.rowwise) && (!a.colwise || aligned16(a.colwise))));
   if (tiled) {
     const long long tiles = ((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
     const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
@@ -142,8 +142,8 @@ void with_flags(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
 void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s) {
   KILN_CHECK(a.rows >= 0 && a.cols >= 0 && a.param && a.grad && a.m && a.v, "fp8 adamw_quantize: [", a.rows, ",",
              a.cols, "]");
-  KILN_CHECK(!a.rowwise == !a.colwise && (!a.rowwise || a.scale), "fp8 adamw_quantize: both FP8 copies and a "
-             "scale, or neither");
+  KILN_CHECK((a.rowwise || !a.colwise) && (!a.rowwise || a.scale), "fp8 adamw_quantize: the rowwise copy (and the "
+             "colwise one) with a scale, or neither");
   if (a.rows == 0 || a.cols == 0) return;
   float bc1 = 0, bc2 = 0;
   ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);

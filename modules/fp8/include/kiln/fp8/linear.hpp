@@ -101,6 +101,10 @@ class Fp8Linear {
   // under delayed scaling with a scale from the history, its amax max-accumulated as this step's
   // (the amax reduction makes it the whole weight's).
   void quantize_weight_part(const TensorView& master_part, void* codes);
+  // The optimizer's step of a part of the weight (`u`: the part's f32 master, grad, m and v, flat,
+  // and the hyperparameters) and its codes in one pass (delayed scaling, the scale known), as
+  // update_weight does for a whole weight.
+  void update_weight_part(AdamWQuantizeArgs u, void* codes);
 
   // Forward on an input its producer already quantised (e.g. a LayerNorm writing FP8): `x.rowwise`
   // [N, IC] in input_slot().format, quantised with *input_slot().scale; under delayed scaling the

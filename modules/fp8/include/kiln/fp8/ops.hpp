@@ -68,12 +68,12 @@ struct GradQuantizeArgs {
 // One AdamW step of an f32 master weight and, given out's copies, its quantisation in the same pass
 // (the fp8 module's fused weight update, see Fp8Linear::update_weight): per element
 // ops::adamw_update(param, m, v, grad * grad_scale, ...) with the bias corrections of `step`
-// (ops::adamw_bias_corrections), exactly as the optimizer's AdamW; then, with out.rowwise and
-// out.colwise, both copies of the updated param encoded with *out.scale and max |param|
+// (ops::adamw_bias_corrections), exactly as the optimizer's AdamW; then, with out.rowwise (and
+// out.colwise), the copies of the updated param encoded with *out.scale and max |param|
 // max-accumulated into *amax (unless null), exactly as quantize(param, out, amax) after the update.
 struct AdamWQuantizeArgs {
   TensorView param, grad, m, v;  // [rows, cols] f32; param, m, v updated in place
-  Fp8TensorView out;             // both copies, or neither (the update alone)
+  Fp8TensorView out;             // both copies, the rowwise one (a part of a weight), or neither
   float* amax = nullptr;
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0, grad_scale = 1;
   std::int64_t step = 1;
