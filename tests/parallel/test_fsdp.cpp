@@ -13,6 +13,7 @@
 #include "../model/parallel_fixture.hpp"
 #include "kiln/builtin.hpp"
 #include "kiln/engine/config/pipeline.hpp"
+#include "kiln/nn/events.hpp"
 #include "kiln/optim/optim.hpp"
 #include "kiln/parallel/fsdp.hpp"
 #include "kiln/parallel/thread_ranks.hpp"
@@ -218,6 +219,30 @@ TEST_CASE("with FP8 the block weights are gathered as one-byte codes") {
   // Two pool buffers (prefetch 1) of a block's image: its four weight matrices (12 C^2 elements,
   // C = 32) take one byte each instead of the CPU backend's four.
   CHECK(gathered({}) - gathered({"fp8.enabled=true"}) == 2 * 12 * 32 * 32 * 3);
+}
+
+TEST_CASE("a rank that fails in the backward pass stops the others waiting in FSDP's collectives, naming it") {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+  config::apply_overrides(doc, kFull + Sets{"train.steps=5"});
+  // Rank 1 fails as block 1's backward pass begins: rank 0 goes on to gather or reduce-scatter a
+  // unit and waits for it there.
+  std::vector<Subscription> keep(2);
+  auto outcomes = parallel::run_thread_ranks(2, config::resolve(doc, "tiny.toml", reg), reg, [&](World& w) {
+    const int rank = w.resource<RankInfo>().rank;
+    if (rank != 1) return;
+    keep[1] = w.events().subscribe<nn::LayerBackwardBegin>([&w](const nn::LayerBackwardBegin& e) {
+      if (e.unit == 2 && w.resource<RunControl>().step == 2) KILN_THROW("rank 1 fails in block 1's backward");
+    });
+  });
+  REQUIRE_FALSE(outcomes[1].ok);
+  REQUIRE_FALSE(outcomes[0].ok);
+  CHECK(outcomes[1].error.find("fails in block 1's backward") != std::string::npos);
+  CHECK(outcomes[0].error.find("rank 1 failed") != std::string::npos);
+  const bool in_fsdp = outcomes[0].error.find("all_gather") != std::string::npos ||
+                       outcomes[0].error.find("reduce_scatter") != std::string::npos;
+  CHECK_MESSAGE(in_fsdp, outcomes[0].error);
 }
 
 TEST_CASE("FSDP settings that do not fit are config errors naming the key and its line") {

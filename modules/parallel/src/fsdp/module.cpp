@@ -36,7 +36,7 @@ std::vector<int> dp_members(const ParallelState& par, const std::vector<int>& dp
   return out;
 }
 
-double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
 void install(World& w, const FsdpConfig& cfg) {
   const auto& par = w.resource<ParallelState>();
@@ -111,11 +111,11 @@ void install(World& w, const FsdpConfig& cfg) {
                      const FsdpMemory m = world.emplace_resource<FsdpMemory>(s.runner->memory());
                      const auto& r = world.resource<RankInfo>();
                      std::ostringstream os;
-                     os << std::fixed << std::setprecision(3) << "fsdp rank " << r.rank << " holds 1/" << m.shards
-                        << ": parameters " << gib(m.params) << " GiB (unsharded " << gib(m.params_unsharded)
-                        << "), gradients " << gib(m.grads) << " (" << gib(m.grads_unsharded) << "), optimizer state "
-                        << gib(m.optimizer) << " (" << gib(m.optimizer_unsharded) << "), gathered units "
-                        << gib(m.gathered) << "\n";
+                     os << std::fixed << std::setprecision(1) << "fsdp rank " << r.rank << " holds 1/" << m.shards
+                        << ": parameters " << mib(m.params) << " MiB (unsharded " << mib(m.params_unsharded)
+                        << "), gradients " << mib(m.grads) << " (" << mib(m.grads_unsharded) << "), optimizer state "
+                        << mib(m.optimizer) << " (" << mib(m.optimizer_unsharded) << "), gathered units "
+                        << mib(m.gathered) << "\n";
                      std::cout << os.str();
                    },
                    {"params.allocate"}});
