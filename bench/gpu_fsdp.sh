@@ -68,6 +68,7 @@ if [ "${TORCH:-0}" = 1 ]; then
   done
 fi
 
+rm -f "$OUT/run.txt"
 echo "================ FSDP summary ($N GPUs) ================"
 python3 - "$OUT" <<'PY'
 import json, statistics, sys, pathlib

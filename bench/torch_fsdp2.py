@@ -61,7 +61,7 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied LM head
-        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
 
 
 def main():
