@@ -95,6 +95,10 @@ expect 2 "--set parallel.pp=2: parallel.pp: is 2, but pipeline parallelism does 
 expect 2 "cp.toml:$(( $(wc -l < tiny.toml) + 2 )):1: parallel.cp: is 2, but context parallelism does not run yet" -- \
   "$KILN" run cp.toml --nproc 2
 expect 2 "tiny.toml:9:1: model.n_head: 2 attention heads do not split over the 3 ranks" -- "$KILN" run tiny.toml --nproc 3 --set parallel.tp=3
+expect 2 "--set fsdp.shard_size=3: fsdp.shard_size: 3 does not divide the 4 data-parallel ranks" -- \
+  "$KILN" run tiny.toml --nproc 4 --set fsdp.strategy=hybrid_shard --set fsdp.shard_size=3
+# FSDP trains, each rank saying what it holds.
+expect 0 "fsdp rank 1 holds 1/2" -- "$KILN" run tiny.toml --nproc 2 --set fsdp.strategy=full_shard --set train.steps=2
 printf '[engine]\n' > notrain.toml
 expect 2 "needs a [train] section" -- "$KILN" run notrain.toml
 
