@@ -100,6 +100,19 @@ void quantize_weight_parts(World& w) {
                                   store.held_codes(*p.param, p.held));
 }
 
+// The optimizer step's hyperparameters for one weight; the caller names the tensors.
+AdamWQuantizeArgs step_args(const nn::AdamWStep& e, const nn::Param& p) {
+  AdamWQuantizeArgs u;
+  u.lr = e.lr;
+  u.beta1 = e.beta1;
+  u.beta2 = e.beta2;
+  u.eps = e.eps;
+  u.weight_decay = p.weight_decay ? e.weight_decay : 0.0f;
+  u.grad_scale = e.grad_scale;
+  u.step = e.step;
+  return u;
+}
+
 // With sharded masters and the fused update: each rank's part of each weight left to us, updated by
 // the optimizer's AdamW step (nn::AdamWStep) and quantised into its held codes in one pass.
 void update_weight_parts(World& w, const nn::AdamWStep& e) {
@@ -108,18 +121,11 @@ void update_weight_parts(World& w, const nn::AdamWStep& e) {
   for (std::size_t i : st.fused) {
     const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
     store.for_each_held(p, [&](const nn::HeldPart& part) {
-      AdamWQuantizeArgs u;
+      AdamWQuantizeArgs u = step_args(e, p);
       u.param = nn::ParamStore::held_view(store.master_flat(), part);
       u.grad = nn::ParamStore::held_view(store.grads_flat(), part);
       u.m = nn::ParamStore::held_view(e.m, part);
       u.v = nn::ParamStore::held_view(e.v, part);
-      u.lr = e.lr;
-      u.beta1 = e.beta1;
-      u.beta2 = e.beta2;
-      u.eps = e.eps;
-      u.weight_decay = p.weight_decay ? e.weight_decay : 0.0f;
-      u.grad_scale = e.grad_scale;
-      u.step = e.step;
       st.linears[i]->update_weight_part(u, store.held_codes(p, part));
     });
   }
@@ -236,17 +242,10 @@ void install(World& w, const Fp8Config& cfg) {
       st.fused_update_step = w.resource<RunControl>().step;
       for (std::size_t i : st.fused) {
         const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
-        AdamWQuantizeArgs u;
+        AdamWQuantizeArgs u = step_args(e, p);
         u.grad = store.grad_view(p);
         u.m = nn::ParamStore::view_in(e.m, p);
         u.v = nn::ParamStore::view_in(e.v, p);
-        u.lr = e.lr;
-        u.beta1 = e.beta1;
-        u.beta2 = e.beta2;
-        u.eps = e.eps;
-        u.weight_decay = p.weight_decay ? e.weight_decay : 0.0f;
-        u.grad_scale = e.grad_scale;
-        u.step = e.step;
         st.linears[i]->update_weight(u, st.weights_version);
       }
     }));
