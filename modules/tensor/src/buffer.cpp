@@ -31,9 +31,30 @@ Buffer::Buffer(Device device, std::size_t bytes) : bytes_(bytes), device_(device
   }
 }
 
+Buffer Buffer::pinned(std::size_t bytes) {
+#ifdef KILN_WITH_CUDA
+  Buffer b;
+  if (bytes == 0) return b;
+  cudaError_t e = cudaHostAlloc(&b.data_, bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    KILN_THROW("cannot allocate ", bytes / (1 << 20), " MiB of pinned host memory: ", cudaGetErrorString(e));
+  }
+  b.bytes_ = bytes;
+  b.pinned_ = true;
+  return b;
+#else
+  return Buffer(Device::cpu, bytes);
+#endif
+}
+
 void Buffer::release() noexcept {
   if (!data_) return;
-  if (device_ == Device::cpu) {
+  if (pinned_) {
+#ifdef KILN_WITH_CUDA
+    cudaFreeHost(data_);
+#endif
+  } else if (device_ == Device::cpu) {
     std::free(data_);
   } else {
 #ifdef KILN_WITH_CUDA
@@ -42,6 +63,7 @@ void Buffer::release() noexcept {
   }
   data_ = nullptr;
   bytes_ = 0;
+  pinned_ = false;
 }
 
 TensorView Buffer::view(DType dtype, Shape shape) const { return view(dtype, shape, 0); }

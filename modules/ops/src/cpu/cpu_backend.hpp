@@ -19,6 +19,7 @@ class CpuBackend final : public Backend {
   double peak_bf16_flops() const override { return 0; }
 
   Buffer alloc(std::size_t bytes) override { return Buffer(Device::cpu, bytes); }
+  Buffer alloc_host(std::size_t bytes) override { return Buffer(Device::cpu, bytes); }
   void copy(const TensorView& dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;
   void zero(const TensorView& t) override;

@@ -29,6 +29,7 @@ class CudaBackend final : public Backend {
   double peak_bf16_flops() const override { return peak_flops_; }
 
   Buffer alloc(std::size_t bytes) override { return Buffer(Device::cuda, bytes); }
+  Buffer alloc_host(std::size_t bytes) override { return Buffer::pinned(bytes); }
   void copy(const TensorView& dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;
   void zero(const TensorView& t) override;

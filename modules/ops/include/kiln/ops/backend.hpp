@@ -255,6 +255,8 @@ class Backend {
 
   // ---- memory ----
   virtual Buffer alloc(std::size_t bytes) = 0;
+  // Host memory the device copies to and from fastest (pinned on CUDA), for staging.
+  virtual Buffer alloc_host(std::size_t bytes) = 0;
   // Copies between any two devices; same dtype and element count.
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
   // Converts between f32 and act, or f32 and bf16 (bf16 rounding is round-to-nearest-even); same
