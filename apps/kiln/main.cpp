@@ -42,6 +42,9 @@ int main(int argc, char** argv) {
   } catch (const kiln::ConfigError& e) {
     std::cerr << "kiln: config error:\n" << e.what() << "\n";
     return 2;
+  } catch (const kiln::FileError& e) {
+    std::cerr << "kiln: error: " << e.what() << "\n";
+    return 2;
   } catch (const boost::program_options::error& e) {
     std::cerr << "kiln " << cmd << ": " << e.what() << " (see `kiln " << cmd << " --help`)\n";
     return 2;

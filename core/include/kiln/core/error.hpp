@@ -37,8 +37,17 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
+// A file kiln reads or writes is bad or cannot be written: a corrupt or incomplete checkpoint, a
+// safetensors file whose header does not hold, a disk that is full. The message names the file
+// (and the tensor and rank where there is one); the runner exits with code 2, as for config errors.
+class FileError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace kiln
 
+#define KILN_FILE_ERROR(...) throw ::kiln::FileError(::kiln::cat(__VA_ARGS__), __FILE__, __LINE__)
 #define KILN_THROW(...) throw ::kiln::Error(::kiln::cat(__VA_ARGS__), __FILE__, __LINE__)
 #define KILN_CHECK(cond, ...)                                                                          \
   do {                                                                                                 \
