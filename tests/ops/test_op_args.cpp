@@ -133,6 +133,11 @@ std::vector<OpCase> all_ops(Storage& st) {
         {{"dqkv", &a->dqkv}, {"dout", &a->dout}, {"out", &a->out}, {"lse", &a->lse}, {"qkv", &a->qkv}});
   }
   {
+    auto a = std::make_shared<ops::AttentionDecode>();
+    *a = {st.f32({B, H, D}), st.f32({B, AT, 3, H, D}), static_cast<int>(AT), 0.5f};
+    add("attention_decode", a, &ops::Backend::attention_decode, {{"out", &a->out}, {"qkv", &a->qkv}});
+  }
+  {
     auto a = std::make_shared<ops::ResidualForward>();
     *a = {st.f32({N, C}), st.f32({N, C}), st.f32({N, C})};
     add("residual_forward", a, &ops::Backend::residual_forward,

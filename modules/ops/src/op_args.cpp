@@ -158,6 +158,16 @@ AttentionDims check_args(const AttentionBackward& a, const ArgTarget& on) {
   return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H])};
 }
 
+AttentionDecodeDims check_args(const AttentionDecode& a, const ArgTarget& on) {
+  OpArgs c("attention_decode", on);
+  const auto B = c.dim("B"), Tmax = c.dim("Tmax"), H = c.dim("H"), D = c.dim("D");
+  c.tensor("qkv", a.qkv, Act, {B, Tmax, 3, H, D});
+  c.tensor("out", a.out, Act, {B, H, D});
+  c.check(a.length >= 1 && a.length <= c[Tmax], "length = ", a.length, " must be in [1, Tmax = ", c[Tmax], "]");
+  c.check(a.scale > 0 && a.scale < 3.0e38f, "scale must be positive and finite, got ", a.scale);
+  return {c[B], c[Tmax], c[H], c[D], a.length};
+}
+
 CrossEntropyDims check_args(const CrossEntropy& a, const ArgTarget& on) {
   OpArgs c("cross_entropy", on);
   const auto N = c.dim("N"), V = c.dim("V");

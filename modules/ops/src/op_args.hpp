@@ -46,6 +46,11 @@ struct AttentionDims {
 AttentionDims check_args(const AttentionForward& a, const ArgTarget& on);
 AttentionDims check_args(const AttentionBackward& a, const ArgTarget& on);
 
+struct AttentionDecodeDims {
+  std::int64_t B, Tmax, H, D, length;
+};
+AttentionDecodeDims check_args(const AttentionDecode& a, const ArgTarget& on);
+
 struct CrossEntropyDims {
   std::int64_t N, V;
   std::int64_t ranks;  // CrossEntropyFinish's all_stats rows; 1 for the others

@@ -122,4 +122,40 @@ void CpuBackend::attention_backward(const AttentionBackward& a) {
     }
 }
 
+// Row length - 1 of attention_forward's loops (dropout 0), in the same order of operations.
+void CpuBackend::attention_decode(const AttentionDecode& a) {
+  Timer timer(*this, "attention_decode");
+  const AttentionDecodeDims s = check_args(a, kTarget);
+  const float* qkv = a.qkv.as<float>();
+  float* out = a.out.as<float>();
+  const std::int64_t rs = 3 * s.H * s.D, n = s.length;
+#pragma omp parallel for collapse(2) num_threads(threads_) schedule(static)
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t h = 0; h < s.H; ++h) {
+      const float* seq = qkv + b * s.Tmax * rs;
+      const float* q = seq + (n - 1) * rs + h * s.D;
+      std::vector<float> p(static_cast<std::size_t>(n)), acc(static_cast<std::size_t>(s.D), 0.0f);
+      float mx = -INFINITY;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const float* k = seq + j * rs + s.H * s.D + h * s.D;
+        float dot = 0;
+        for (std::int64_t d = 0; d < s.D; ++d) dot += q[d] * k[d];
+        p[j] = dot * a.scale;
+        mx = std::max(mx, p[j]);
+      }
+      float sum = 0;
+      for (std::int64_t j = 0; j < n; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        sum += p[j];
+      }
+      for (std::int64_t j = 0; j < n; ++j) {
+        const float w = p[j] / sum;
+        const float* v = seq + j * rs + 2 * s.H * s.D + h * s.D;
+        for (std::int64_t d = 0; d < s.D; ++d) acc[d] += w * v[d];
+      }
+      float* o = out + (b * s.H + h) * s.D;
+      for (std::int64_t d = 0; d < s.D; ++d) o[d] = store(acc[d]);
+    }
+}
+
 }  // namespace kiln::ops::cpu

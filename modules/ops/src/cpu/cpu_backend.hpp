@@ -39,6 +39,7 @@ class CpuBackend final : public Backend {
   void gelu_forward(const GeluForward& a) override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
+  void attention_decode(const AttentionDecode& a) override;
   void residual_forward(const ResidualForward& a) override;
   void dropout_backward(const DropoutBackward& a) override;
   void cross_entropy(const CrossEntropy& a) override;

@@ -420,6 +420,14 @@ void CudaBackend::attention_backward(const AttentionBackward& a) {
                            i32(d.heads_total), a.seq_offset, stream_);
 }
 
+void CudaBackend::attention_decode(const AttentionDecode& a) {
+  Timer t(*this, "attention_decode");
+  const AttentionDecodeDims d = check_args(a, kTarget);
+  const int B = i32(d.B), H = i32(d.H), D = i32(d.D), length = i32(d.length);
+  float* scratch = scratch_floats(cuda::attention_decode_scratch(B, H, D, length));
+  cuda::attention_decode(dptr<bf16>(a.out), scratch, dptr<bf16>(a.qkv), B, i32(d.Tmax), H, D, length, a.scale, stream_);
+}
+
 void CudaBackend::residual_forward(const ResidualForward& a) {
   Timer t(*this, "residual_forward");
   const RowDims d = check_args(a, kTarget);

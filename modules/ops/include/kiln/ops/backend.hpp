@@ -171,6 +171,18 @@ struct AttentionBackward {
   std::int64_t seq_offset = 0;
 };
 
+// Attention of the newest position of each sequence over every position so far (generation with a
+// KV cache), no dropout: out[b, h] = softmax(q k^T * scale) v with q = qkv[b, length - 1, 0, h] and
+// k, v = qkv[b, 0..length-1, 1 and 2, h]; row length - 1 of attention_forward on qkv[:, :length].
+// The cache is the fused QKV projection of every position, the layout attention_forward reads: the
+// QKV linear writes each new row straight into it, and a prompt's rows are attention_forward's input.
+struct AttentionDecode {
+  TensorView out;  // [B, H, D] act
+  TensorView qkv;  // [B, Tmax, 3, H, D] act; rows [0, length) are read
+  int length = 0;  // 1 <= length <= Tmax
+  float scale = 0;
+};
+
 // out = residual + dropout(x)
 struct ResidualForward {
   TensorView out;       // [N, C] act (may alias residual)
@@ -287,6 +299,7 @@ class Backend {
   virtual void gelu_forward(const GeluForward& a) = 0;
   virtual void attention_forward(const AttentionForward& a) = 0;
   virtual void attention_backward(const AttentionBackward& a) = 0;
+  virtual void attention_decode(const AttentionDecode& a) = 0;
   virtual void residual_forward(const ResidualForward& a) = 0;
   virtual void dropout_backward(const DropoutBackward& a) = 0;
   virtual void cross_entropy(const CrossEntropy& a) = 0;

@@ -72,6 +72,13 @@ void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16
                         const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
                         int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s);
 
+// ---- decode attention (generation with a KV cache; see ops::AttentionDecode) ----
+// qkv [B, Tmax, 3, H, D], the query at row length - 1; out [B, H, D]; any D <= 256. `scratch` holds
+// attention_decode_scratch(B, H, D, length) floats (0: none needed).
+std::int64_t attention_decode_scratch(int B, int H, int D, int length);
+void attention_decode(bf16* out, float* scratch, const bf16* qkv, int B, int Tmax, int H, int D, int length,
+                      float scale, cudaStream_t s);
+
 // ---- loss and optimizer ----
 void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real, float dloss,
                    cudaStream_t s);

@@ -1,0 +1,84 @@
+#pragma once
+// Autoregressive generation from GPT-2 weights with a KV cache. An inference class apart from the
+// training model (GptModel keeps only what training needs): the same forward pass (LayerNorm eps,
+// tanh GELU, 1/sqrt(D) attention scale, pre-norm residuals, LM head tied to wte) through the same
+// backend ops, on one sequence.
+//
+// The KV cache of each block is its fused QKV projection for every position, [max_seq_len, 3, H, D]
+// (the layout attention_forward reads): the QKV linear writes each new position's row into it, a
+// prompt is prefilled by the causal attention_forward over its rows, and each later token attends
+// over the cache with attention_decode. The cached q rows cost a third more memory than K and V
+// alone, and save every copy.
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kiln/model/arena.hpp"
+#include "kiln/model/config.hpp"
+#include "kiln/model/sampling.hpp"
+#include "kiln/ops/backend.hpp"
+
+namespace kiln::model {
+
+// A parameter's whole f32 weight by its kiln name ("wte", "blocks.0.attn.qkv.weight", ...), in its
+// global shape, row-major (see GptModel for the names and shapes).
+using WeightSource = std::function<std::vector<float>(const std::string& name)>;
+
+class Generator {
+ public:
+  // Uploads the weights in the backend's activation dtype (rounded as the training compute copy is)
+  // and allocates the cache and the activations for max_seq_len positions.
+  Generator(const ModelConfig& cfg, ops::Backend& backend, const WeightSource& weights);
+
+  // Positions in the cache, and how many it holds at most (model.max_seq_len).
+  int length() const { return length_; }
+  int capacity() const { return cfg_.max_seq_len; }
+  void reset() { length_ = 0; }
+
+  // Empties the cache and runs the prompt in one pass of causal attention. Returns the next-token
+  // logits over the real vocabulary: of every prompt position ([prompt.size(), vocab_size] row-major)
+  // with all_positions, else of the last one ([vocab_size]).
+  std::vector<float> prefill(std::span<const int> prompt, bool all_positions = false);
+  // Appends one token at position length() (which must be below capacity()); returns the logits of
+  // the token that follows it, [vocab_size].
+  std::vector<float> decode(int token);
+
+  // Prefills the prompt, then samples `new_tokens` tokens one at a time; returns them. At the
+  // context limit it stops early: the prompt and the new tokens together never exceed
+  // max_seq_len, so every returned token was predicted from its whole context (no sliding window).
+  std::vector<int> generate(std::span<const int> prompt, int new_tokens, const SamplingOptions& options);
+
+ private:
+  struct Block {
+    TensorView ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fcp_w, fcp_b;
+    TensorView cache;  // [max_seq_len, 3C]: this block's q, k, v of every position
+  };
+  void upload(const WeightSource& weights);
+  // Runs `tokens` at positions [length(), length() + n): a prompt from position 0 (causal attention
+  // over its rows), or one token over the cache.
+  void forward(std::span<const int> tokens);
+  // Logits over the real vocabulary of x rows [first, first + count), after the final LayerNorm.
+  std::vector<float> logits(int first, int count);
+  void check_tokens(std::span<const int> tokens) const;
+
+  ModelConfig cfg_;
+  ops::Backend& be_;
+  int C_, H_, D_, Vp_, Tmax_;
+  int length_ = 0;
+  int logit_rows_;  // rows of logits computed at once (bounds the logits buffers)
+
+  Arena weights_, acts_;
+  TensorView wte_, wpe_, lnf_w_, lnf_b_;
+  std::vector<Block> blocks_;
+  TensorView tokens_;           // [Tmax] i32
+  TensorView x_, ln_, atty_, tmp_;  // [Tmax, C]: residual stream, LayerNorm output, attention output, linear output
+  TensorView mean_, rstd_;      // [Tmax] f32
+  TensorView lse_;              // [H * Tmax] f32 (attention_forward's statistic, unused here)
+  TensorView fc_pre_, fc_;      // [Tmax, 4C]
+  TensorView logits_, logits_f32_;  // [logit_rows, Vp]
+  std::vector<std::int32_t> host_tokens_;
+};
+
+}  // namespace kiln::model
