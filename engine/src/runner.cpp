@@ -7,7 +7,8 @@ namespace kiln {
 void install_pipeline(World& world, const config::PipelineConfig& cfg, const ModuleRegistry& registry) {
   if (!world.has_resource<RunControl>()) world.emplace_resource<RunControl>();
   if (!world.has_resource<RankInfo>()) world.emplace_resource<RankInfo>(RankInfo{0, 1, 0, cfg.file});
-  if (!world.has_resource<ConfigSources>()) world.emplace_resource<ConfigSources>(ConfigSources{cfg.file, cfg.doc});
+  if (!world.has_resource<ConfigSources>())
+    world.emplace_resource<ConfigSources>(ConfigSources{cfg.file, cfg.doc, config::to_toml(cfg, registry)});
   for (auto& name : cfg.modules) {
     const auto& desc = registry.get(name);
     try {

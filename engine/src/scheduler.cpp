@@ -61,9 +61,18 @@ void Scheduler::build() {
                              ") cannot run after '", systems_[u].name, "' (phase ", phase_name(pu), ")"));
     }
   };
+  auto wants = [](const std::vector<std::string>& names) {
+    return std::find(names.begin(), names.end(), kAllSystems) != names.end();
+  };
   for (std::size_t i = 0; i < systems_.size(); ++i) {
     const auto& s = systems_[i];
+    for (std::size_t j = 0; j < systems_.size(); ++j) {  // "*": every other system of the phase
+      if (j == i || systems_[j].phase != s.phase) continue;
+      if (wants(s.after) && !wants(systems_[j].after)) edge(j, i);
+      if (wants(s.before) && !wants(systems_[j].before)) edge(i, j);
+    }
     for (auto& a : s.after) {
+      if (a == kAllSystems) continue;
       auto it = index.find(a);
       if (it == index.end())
         problems.push_back(cat("system '", s.name, "' wants to run after unknown system '", a, "'"));
@@ -71,6 +80,7 @@ void Scheduler::build() {
         edge(it->second, i);
     }
     for (auto& b : s.before) {
+      if (b == kAllSystems) continue;
       auto it = index.find(b);
       if (it == index.end())
         problems.push_back(cat("system '", s.name, "' wants to run before unknown system '", b, "'"));

@@ -38,6 +38,18 @@ TEST_CASE("before and after constraints reorder systems") {
   CHECK(w.systems().order(Phase::step_end) == std::vector<std::string>{"first", "timer", "log"});
 }
 
+TEST_CASE("a system after \"*\" runs after every other system of its phase, one before \"*\" before them") {
+  World w;
+  w.emplace_resource<Log>();
+  w.systems().add(sys("last", Phase::setup, {kiln::kAllSystems}));
+  w.systems().add(sys("a", Phase::setup));
+  w.systems().add(sys("first", Phase::setup, {}, {kiln::kAllSystems}));
+  w.systems().add(sys("b", Phase::setup, {"a"}));
+  w.systems().add(sys("other_phase", Phase::step_begin));
+  w.systems().build();
+  CHECK(w.systems().order(Phase::setup) == std::vector<std::string>{"first", "a", "b", "last"});
+}
+
 TEST_CASE("constraints across phases agree with phase order or are errors") {
   World w;
   w.systems().add(sys("opt", Phase::optimizer, {"fwd"}));

@@ -1,6 +1,7 @@
 #include "kiln/builtin.hpp"
 
 #include "kiln/checkpoint/module.hpp"
+#include "kiln/checkpoint/training_checkpoint.hpp"
 #include "kiln/data/module.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/fp8/module.hpp"
@@ -27,6 +28,7 @@ void register_builtin_modules(ModuleRegistry& registry) {
   log::register_module(registry);
   fp8::register_module(registry);
   checkpoint::register_module(registry);
+  checkpoint::register_state_module(registry);
   parallel::register_fsdp_module(registry);
 }
 

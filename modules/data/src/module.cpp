@@ -4,6 +4,7 @@
 #include "kiln/parallel/module.hpp"
 #include "kiln/rng/philox.hpp"
 #include "kiln/rng/seed_policy.hpp"
+#include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::data {
@@ -43,6 +44,10 @@ void install(World& w, const DataConfig& cfg) {
   const auto& tc = w.resource<train::TrainConfig>();
   const int T = static_cast<int>(tc.seq_len);
   auto& st = w.emplace_resource<DataState>();
+  // The global position (samples consumed by all ranks): a checkpoint restores it under any layout.
+  w.resource<train::TrainingState>().counters.push_back(
+      {"data.position", [&st] { return static_cast<std::int64_t>(st.position); },
+       [&st](std::int64_t v) { st.position = static_cast<std::uint64_t>(v); }});
   const std::uint64_t data_seed = rng::mix64(tc.seed ^ 0x64617461ull);  // "data"
   if (cfg.synthetic_vocab == 0) {
     st.train = open_split(cfg.train_files, cfg.format, T, "data.train_files");

@@ -16,6 +16,7 @@
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/module.hpp"
+#include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 #include "profiled_ops.hpp"
 
@@ -129,6 +130,43 @@ void update_weight_parts(World& w, const nn::AdamWStep& e) {
       st.linears[i]->update_weight_part(u, store.held_codes(p, part));
     });
   }
+}
+
+// The scaling state in training-state checkpoints. Under the layout that saved it each rank takes
+// its own back; under another, the slot-wise union of every rank's (Fp8MetaSnapshot::combine).
+void save_scaling_state(World& w, Fp8State& st) {
+  w.resource<train::TrainingState>().blobs.push_back(
+      {"fp8", [&st] { return st.meta->snapshot(*st.ops).serialize(); },
+       [&w, &st](const train::SavedBlobs& saved) -> std::function<void()> {
+         const bool rank0 = w.resource<RankInfo>().rank == 0;
+         if (saved.all.empty()) {
+           if (rank0) std::cout << "fp8: " << saved.checkpoint << " has no FP8 scaling state; scaling starts afresh\n";
+           return [] {};
+         }
+         Fp8MetaSnapshot snap;
+         try {
+           if (saved.own) {
+             snap = Fp8MetaSnapshot::deserialize(*saved.own);
+           } else {
+             std::vector<Fp8MetaSnapshot> all;
+             for (auto& b : saved.all) all.push_back(Fp8MetaSnapshot::deserialize(b));
+             snap = Fp8MetaSnapshot::combine(all);
+           }
+           // restore()'s checks, before anything changes.
+           if (snap.n != st.meta->size() || snap.len != st.meta->history_len())
+             throw Error(cat("FP8 scaling state of ", snap.n, " tensors with amax histories of ", snap.len,
+                             " steps; this run has ", st.meta->size(), " tensors with ", st.meta->history_len(),
+                             " (fp8.amax_history_len, or another model)"));
+         } catch (const Error& e) {
+           KILN_FILE_ERROR("checkpoint ", saved.checkpoint, ": ", e.what());
+         }
+         return [&st, snap, rank0, combined = !saved.own] {
+           st.meta->restore(*st.ops, snap);
+           if (combined && rank0)
+             std::cout << "fp8: the layout changed: each tensor's amax history is the maximum over the ranks that "
+                          "saved it\n";
+         };
+       }});
 }
 
 void install(World& w, const Fp8Config& cfg) {
@@ -249,6 +287,14 @@ void install(World& w, const Fp8Config& cfg) {
         st.linears[i]->update_weight(u, st.weights_version);
       }
     }));
+
+  // A checkpoint loaded new weights and scales: the FP8 copies are made again from them.
+  st.subscriptions.push_back(w.events().subscribe<nn::ParamsLoaded>([&w, &st](const nn::ParamsLoaded&) {
+    if (!st.gathered.empty()) quantize_weight_parts(w);
+    st.invalidate_weights();
+    st.fused_update_step = -1;
+  }));
+  save_scaling_state(w, st);
 
   // Activation recompute replays forwards: same scales, no second amax (see Fp8Linear).
   st.subscriptions.push_back(w.events().subscribe<nn::LayerRecomputeBegin>([&st](const nn::LayerRecomputeBegin&) {

@@ -8,6 +8,7 @@
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/log/log.hpp"
+#include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::log {
@@ -37,13 +38,31 @@ struct MetricsFile {
   std::unique_ptr<std::ofstream> out;
 };
 
+// Opens the metrics file at the first step. A run resumed from a checkpoint at step s continues
+// the file: the lines of steps up to s stay, later ones (written after that checkpoint by the run
+// that stopped) go, so the file reads as one run.
+void open_metrics(MetricsFile& mf, const std::string& path, std::int64_t resumed_from) {
+  std::string kept;
+  if (resumed_from > 0) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+          j["step"].get<std::int64_t>() <= resumed_from)
+        kept += line + "\n";
+    }
+  }
+  mf.out = std::make_unique<std::ofstream>(path, std::ios::trunc);
+  if (!*mf.out) KILN_THROW("log.metrics: cannot open '", path, "' for writing");
+  *mf.out << kept;
+}
+
 void install(World& w, const LogConfig& cfg) {
   const bool rank0 = w.resource<RankInfo>().rank == 0;
-  auto& mf = w.emplace_resource<MetricsFile>();
-  if (cfg.metrics && rank0) {
-    mf.out = std::make_unique<std::ofstream>(*cfg.metrics, std::ios::trunc);
-    if (!*mf.out) KILN_THROW("log.metrics: cannot open '", *cfg.metrics, "' for writing");
-  }
+  w.emplace_resource<MetricsFile>();
+  if (cfg.metrics && rank0 && !std::ofstream(*cfg.metrics, std::ios::app))  // appending changes nothing yet
+    KILN_THROW("log.metrics: cannot open '", *cfg.metrics, "' for writing");
   w.systems().add({"log.step",
                    Phase::step_end,
                    [cfg, rank0](World& world) {
@@ -58,6 +77,7 @@ void install(World& w, const LogConfig& cfg) {
                                                      ts.mfu, ts.step_ms, ts.val_loss)
                                  << std::endl;
                      auto& mf = world.resource<MetricsFile>();
+                     if (cfg.metrics && !mf.out) open_metrics(mf, *cfg.metrics, world.resource<train::TrainingState>().resumed_from);
                      if (mf.out) {  // non-finite values are written as null
                        nlohmann::ordered_json j = {{"step", ts.step},         {"loss", ts.loss},
                                                    {"lr", ts.lr},             {"grad_norm", ts.grad_norm},

@@ -9,6 +9,7 @@
 #include "kiln/ops/module.hpp"
 #include "kiln/optim/optim.hpp"
 #include "kiln/parallel/module.hpp"
+#include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::optim {
@@ -103,7 +104,15 @@ std::string non_finite_gradients(World& w, ops::Backend& be) {
 }
 
 void install(World& w, const OptimConfig& cfg) {
-  w.emplace_resource<OptimState>();
+  auto& state = w.emplace_resource<OptimState>();
+  // What a checkpoint saves: the moments (laid out like the held parameters) and the step count
+  // (the bias corrections).
+  auto& saved = w.resource<train::TrainingState>();
+  const auto held = [&w] { return w.resource<nn::ParamStore>().held; };
+  saved.held.push_back({"optimizer/exp_avg", [&state, held] { return state.m.view(DType::f32, {held()}); }});
+  saved.held.push_back({"optimizer/exp_avg_sq", [&state, held] { return state.v.view(DType::f32, {held()}); }});
+  saved.counters.push_back({"optimizer.steps", [&state] { return state.steps_taken; },
+                            [&state](std::int64_t v) { state.steps_taken = v; }});
   // The moments of what this rank holds, once the parameters are laid out.
   w.systems().add({"optim.setup", Phase::setup,
                    [](World& world) {

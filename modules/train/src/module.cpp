@@ -1,5 +1,6 @@
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/parallel/module.hpp"
+#include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::train {
@@ -20,6 +21,9 @@ void install(World& w, const TrainConfig& cfg) {
   st.micro_batches = static_cast<int>(per_rank / mbs);
   st.tokens_per_step = cfg.batch_size * cfg.seq_len;
   st.ranks = par.topology.world();
+  auto& saved = w.emplace_resource<TrainingState>();
+  saved.counters.push_back({"train.tokens_seen", [&st] { return st.tokens_seen; },
+                            [&st](std::int64_t v) { st.tokens_seen = v; }});
   w.emplace_resource<Batch>();
   w.emplace_resource<ValidationSet>();
 
@@ -44,7 +48,10 @@ void install(World& w, const TrainConfig& cfg) {
                      st.tokens_per_s = st.tokens_per_step / (st.step_ms / 1000.0);
                      st.mfu = st.peak_flops > 0 ? st.flops_per_token * st.tokens_per_s / (st.peak_flops * st.ranks) : 0;
                      auto& ctl = world.resource<RunControl>();
-                     if (ctl.step >= world.resource<TrainConfig>().steps) ctl.request_stop("train.steps reached");
+                     const auto& c = world.resource<TrainConfig>();
+                     if (ctl.step >= c.steps) ctl.request_stop("train.steps reached");
+                     else if (c.exit_interval > 0 && ctl.step % c.exit_interval == 0)
+                       ctl.request_stop(cat("train.exit_interval: stopping after step ", ctl.step));
                    }});
 }
 }  // namespace

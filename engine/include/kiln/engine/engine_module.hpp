@@ -53,6 +53,7 @@ struct RankInfo {
 struct ConfigSources {
   std::string file;
   config::Node doc;
+  std::string effective;  // the complete effective configuration as TOML (what `kiln config` prints)
 };
 
 // "p.toml:12:1: parallel.pp: <message>" (or the --set argument, or "p.toml (default value)"), as

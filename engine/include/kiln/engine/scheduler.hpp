@@ -31,6 +31,9 @@ std::string_view phase_name(Phase p);
 std::optional<Phase> phase_from_name(std::string_view name);
 const std::array<Phase, kPhaseCount>& all_phases();
 
+// In SystemDesc::after (before): every other system of the phase, except those that ask the same.
+inline constexpr const char* kAllSystems = "*";
+
 struct SystemDesc {
   std::string name;                  // unique, e.g. "model.forward"
   Phase phase = Phase::step_begin;

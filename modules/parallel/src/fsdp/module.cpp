@@ -126,6 +126,7 @@ void install(World& w, const FsdpConfig& cfg) {
   st.subscriptions.push_back(bus.subscribe<nn::LayerBackwardBegin>([run](const auto& e) { run->backward_begin(e.unit); }));
   st.subscriptions.push_back(bus.subscribe<nn::LayerBackwardEnd>([run](const auto& e) { run->backward_end(e.unit); }));
   st.subscriptions.push_back(bus.subscribe<nn::AdamWStep>([run](const auto&) { run->weights_changed(); }));
+  st.subscriptions.push_back(bus.subscribe<nn::ParamsLoaded>([run](const auto&) { run->weights_changed(); }));
   // The step's gradients complete before the TP sums of sequence-parallel partial gradients and
   // everything after them (FP8 amax reduction, the optimizer).
   w.systems().add({"fsdp.grad_sync", Phase::grad_sync, [run](World&) { run->finish_gradients(); },

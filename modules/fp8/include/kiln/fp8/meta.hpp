@@ -13,6 +13,9 @@
 //                       because cuBLASLt wants 16-byte-aligned scale pointers
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kiln/fp8/ops.hpp"
@@ -29,6 +32,19 @@ struct ScalingSlot {
   float* amax_now = nullptr;
   float* scale = nullptr;
   float* scale_inv = nullptr;
+};
+
+// A meta store's state by value, as a checkpoint saves it.
+struct Fp8MetaSnapshot {
+  int n = 0, len = 0;
+  std::vector<std::uint8_t> formats, ready;  // per slot
+  std::vector<float> state;                  // Fp8MetaStore::state()
+  std::string serialize() const;             // little-endian bytes
+  static Fp8MetaSnapshot deserialize(std::string_view bytes);  // throws kiln::Error on malformed bytes
+  // The states of several ranks' stores of the same slots as one: each slot's amax history the
+  // elementwise maximum, its scale the smallest (its inverse to match), ready if any was: the
+  // scaling the whole tensors would have had, never one that overflows a rank's part.
+  static Fp8MetaSnapshot combine(const std::vector<Fp8MetaSnapshot>& ranks);
 };
 
 class Fp8MetaStore {
@@ -48,6 +64,8 @@ class Fp8MetaStore {
   TensorView scale_invs() const { return view(inv_offset(), {n_, kScaleInvStride}); }  // column 0
   TensorView state() const { return view(0, {inv_offset() + kScaleInvStride * n_}); }  // everything
   static constexpr int kScaleInvStride = 4;
+  // Where scale_invs() starts in state(), for n slots and histories of len.
+  static std::int64_t scale_inv_offset(int n, int len) { return (static_cast<std::int64_t>(len + 3) * n + 3) / 4 * 4; }
   const std::vector<Format>& formats() const { return formats_; }
 
   // Delayed scaling before a slot's first update has no history to draw a scale from: the first
@@ -60,9 +78,13 @@ class Fp8MetaStore {
   // The delayed update of every slot (see DelayedUpdateArgs); marks them ready.
   void update(Fp8Ops& ops, AmaxAlgo algo, int margin);
 
+  Fp8MetaSnapshot snapshot(Fp8Ops& ops) const;
+  // Throws a kiln::Error naming both unless the snapshot has this store's slots, formats and history.
+  void restore(Fp8Ops& ops, const Fp8MetaSnapshot& s);
+
  private:
   TensorView view(std::int64_t offset, Shape shape) const;
-  std::int64_t inv_offset() const { return (static_cast<std::int64_t>(len_ + 3) * n_ + 3) / 4 * 4; }
+  std::int64_t inv_offset() const { return scale_inv_offset(n_, len_); }
   int n_ = 0, len_ = 0;
   std::vector<Format> formats_;
   std::vector<std::uint8_t> ready_;

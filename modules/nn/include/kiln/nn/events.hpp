@@ -31,4 +31,11 @@ struct AdamWStep {
   TensorView m, v;         // [ParamStore::held] f32, laid out like the held parameters
 };
 
+// Published (in Phase::setup) after a checkpoint replaced the held master weights, their compute
+// copy and the other training state: whoever keeps copies derived from the weights (gathered FSDP
+// units, FP8 weight codes) makes them again.
+struct ParamsLoaded {
+  std::int64_t step = 0;  // the checkpoint's
+};
+
 }  // namespace kiln::nn

@@ -17,6 +17,7 @@ struct TrainConfig {
   std::int64_t batch_size = 8;
   std::int64_t micro_batch_size = 0;
   std::int64_t seq_len = 1024;
+  std::int64_t exit_interval = 0;
   void validate(config::Checks& c) const {
     c.expect(steps >= 0, "steps", "must be >= 0");
     c.expect(batch_size > 0, "batch_size", "must be positive");
@@ -24,6 +25,7 @@ struct TrainConfig {
     c.expect(micro_batch_size == 0 || batch_size % micro_batch_size == 0, "micro_batch_size",
              "must divide train.batch_size");
     c.expect(seq_len > 0, "seq_len", "must be positive");
+    c.expect(exit_interval >= 0, "exit_interval", "must be >= 0 (0: run to train.steps)");
   }
 };
 KILN_CONFIG(TrainConfig,
@@ -31,7 +33,10 @@ KILN_CONFIG(TrainConfig,
             (seed, "master seed: weights, dropout and data order derive from it"),
             (batch_size, "global batch in sequences, whatever the number of ranks"),
             (micro_batch_size, "sequences per forward/backward on one rank; 0 = batch_size / dp"),
-            (seq_len, "tokens per sequence"))
+            (seq_len, "tokens per sequence"),
+            (exit_interval,
+             "stop this run after a step that is a multiple of this (as Megatron's --exit-interval), after the "
+             "checkpoint module saved it; a later run resumes there; 0: run to train.steps"))
 
 // The micro-batch in flight on this rank: B sequences of T tokens and their targets (host memory;
 // the model uploads them). Filled in the data phase.
