@@ -117,15 +117,16 @@ int cmd_run(const Args& args) {
   if (uses_cuda(*p)) return parallel::run_local_processes(nproc, rank_arguments(args), timeout_of(*p));
 
   auto outcomes = parallel::run_thread_ranks(nproc, p->config, p->registry);
-  bool config_error = false, failed = false;
+  bool config_error = false, file_error = false, failed = false;
   for (auto& o : outcomes) {
     failed |= !o.ok;
     config_error |= o.config_error;
+    file_error |= o.file_error;
   }
   if (failed) {
     std::cerr << "kiln: " << (config_error ? "config error" : "error") << " (" << nproc << " ranks):\n"
               << parallel::describe_failures(outcomes) << "\n";
-    return config_error ? 2 : 1;
+    return config_error || file_error ? 2 : 1;
   }
   std::cout << "done: " << nproc << " ranks finished train.steps\n";
   return 0;

@@ -35,6 +35,7 @@ std::vector<RankOutcome> run_thread_ranks(int nproc, const config::PipelineConfi
       } catch (const std::exception& e) {
         out.ok = false;
         out.config_error = dynamic_cast<const ConfigError*>(&e) != nullptr;
+        out.file_error = dynamic_cast<const FileError*>(&e) != nullptr;
         out.error = e.what();
         // The first failure is the root cause; later ones are the others stopping because of it.
         hub->abort(cat("rank ", r, " failed: ", e.what()));

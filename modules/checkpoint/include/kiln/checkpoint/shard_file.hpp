@@ -1,6 +1,6 @@
 #pragma once
 // One rank's shard file of a checkpoint: the pieces of tensors and the blobs the rank saves, one
-// after the other, each at a 4 KiB boundary, with an XXH3-64 of each and of the whole file.
+// after the other, each at a 64-byte boundary, with an XXH3-64 of each and of the whole file.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -9,7 +9,7 @@
 
 namespace kiln::checkpoint {
 
-inline constexpr std::uint64_t kRecordAlign = 4096;
+inline constexpr std::uint64_t kRecordAlign = 64;
 
 class ShardFile {
  public:

@@ -15,6 +15,7 @@ struct RankOutcome {
   int rank = 0;
   bool ok = true;
   bool config_error = false;
+  bool file_error = false;  // a kiln::FileError (a bad checkpoint, a full disk)
   std::string error;  // the rank's own message
 };
 
