@@ -14,6 +14,7 @@
 
 #include "../model/parallel_fixture.hpp"
 #include "kiln/checkpoint/reader.hpp"
+#include "kiln/model/hf_gpt2.hpp"
 
 using namespace kiln;
 namespace fs = std::filesystem;
@@ -287,4 +288,40 @@ TEST_CASE("a full disk during a save is an error naming the file; the previous c
   CHECK(checkpoint::latest_checkpoint(d.path) == d.path + "/step_000002");
   CHECK(!fs::exists(d.path + "/step_000003"));
   checkpoint::CheckpointReader(d.path + "/step_000002").verify_all();
+}
+
+TEST_CASE("exported to safetensors and read back with model.init_from, the weights are bit-identical (TP=2 too)") {
+  TempDir d;
+  run(1, saving(d.path, {"train.steps=2"}));
+  checkpoint::CheckpointReader reader(d.path + "/step_000002");
+  model::ModelConfig cfg;
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.n_embd = 32;
+  cfg.vocab_size = 96;
+  cfg.max_seq_len = 32;
+  std::map<std::string, std::vector<float>> saved;
+  for (auto& t : reader.manifest().tensors) {
+    if (t.name.rfind("model/", 0) != 0) continue;
+    checkpoint::Piece whole{std::vector<std::int64_t>(t.shape.size(), 0), t.shape, 0, 1};
+    for (auto x : t.shape) whole.flat_end *= x;
+    auto& v = saved[t.name.substr(6)];
+    v.resize(static_cast<std::size_t>(whole.flat_end));
+    reader.read(t, whole, v.data());
+  }
+  const std::string file = d.path + "/export/model.safetensors";
+  fs::create_directories(d.path + "/export");
+  model::export_hf_gpt2(cfg, [&](const std::string& name) { return saved.at(name).data(); }, file);
+  for (int tp : {1, 2}) {
+    CAPTURE(tp);
+    const Trace t = run(tp, {"parallel.tp=" + std::to_string(tp), "train.steps=0", "model.init_from=\"" + file + "\""});
+    for (auto& [name, w] : saved) {
+      const auto& got = t.weights.at(name);
+      REQUIRE(got.size() == w.size());
+      // The embedding's padding rows (vocabulary 96 padded to 128) are not exported; they start at zero.
+      const std::size_t n = name == "wte" ? 96 * 32 : w.size();
+      CHECK(std::equal(w.begin(), w.begin() + static_cast<std::ptrdiff_t>(n), got.begin()));
+      CHECK(std::all_of(got.begin() + static_cast<std::ptrdiff_t>(n), got.end(), [](float x) { return x == 0; }));
+    }
+  }
 }

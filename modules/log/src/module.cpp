@@ -71,6 +71,11 @@ void install(World& w, const LogConfig& cfg) {
                      const bool last = ts.step >= steps;
                      if (cfg.val_every > 0 && (ts.step % cfg.val_every == 0 || last))
                        world.events().publish(train::EvaluationRequested{ts.step});
+                     if (cfg.sample_every > 0 && (ts.step % cfg.sample_every == 0 || last)) {
+                       ts.sample.reset();
+                       world.events().publish(train::SampleRequested{ts.step, cfg.sample_prompt, cfg.sample_tokens});
+                       if (rank0 && ts.sample) std::cout << "sample (step " << ts.step << "): " << *ts.sample << std::endl;
+                     }
                      if (!rank0) return;
                      if (ts.step == 1 || last || ts.step % cfg.every == 0 || ts.val_loss)
                        std::cout << format_step_line(ts.step, steps, ts.loss, ts.lr, ts.grad_norm, ts.tokens_per_s,

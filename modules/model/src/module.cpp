@@ -5,6 +5,8 @@
 #include <iomanip>
 #include <iostream>
 
+#include "init_from.hpp"
+#include "sample.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/module.hpp"
@@ -17,7 +19,7 @@ namespace {
 
 // Subscriptions live as long as the World.
 struct ModelHooks {
-  Subscription evaluate;
+  Subscription evaluate, sample;
 };
 
 // The step's zeroing of the gradient accumulation: per unit whose gradients are where the step
@@ -72,6 +74,11 @@ void install(World& w, const ModelConfig& cfg) {
     w.resource<train::TrainState>().val_loss = w.resource<GptModel>().evaluate(val.batches);
   });
 
+  hooks.sample = w.events().subscribe<train::SampleRequested>([&w, cfg](const train::SampleRequested& e) {
+    const std::string text = sample_text(w, cfg, e);
+    if (!text.empty()) w.resource<train::TrainState>().sample = text;
+  });
+
   // The parameters' flat buffers, laid out now that every module has said how (a module that
   // shards them orders its planning before this system, one that uses them after it).
   w.systems().add({"params.allocate", Phase::setup, [](World& world) {
@@ -92,6 +99,9 @@ void install(World& w, const ModelConfig& cfg) {
                                  << std::defaultfloat;
                    },
                    {"params.allocate"}});
+  if (!cfg.init_from.empty())
+    w.systems().add({"model.init_from", Phase::setup,
+                     [cfg](World& world) { load_initial_weights(world, cfg, cfg.init_from); }, {"model.init"}});
   // Every gradient but those their first micro-batch writes (the model marked them
   // nn::GradWrittenFirst as it made its parameters, above): the gaps between them.
   w.systems().add({"model.zero_grad", Phase::step_begin, [ranges = std::vector<std::vector<nn::UnitRange>>()](

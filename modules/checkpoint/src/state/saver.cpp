@@ -154,15 +154,26 @@ void Saver::finalize(const std::string& fragment) {
       out.write(text.data(), text.size());
       out.close();
       sync_directory(tmp);
-      std::error_code ec;
-      if (fs::exists(final_dir, ec)) fs::remove_all(final_dir, ec);  // a save of this step before (a rerun)
+      // A directory goes by renaming it to a .tmp name first, so that one half removed never
+      // looks complete (the next save clears .tmp directories).
+      auto retire = [&](const std::string& dir) {
+        const std::string gone = dir + ".retired.tmp";
+        std::error_code ec;
+        fs::remove_all(gone, ec);
+        rename_path(dir, gone);
+        return gone;
+      };
+      std::string replaced;
+      if (fs::exists(final_dir)) replaced = retire(final_dir);  // a save of this step before (a rerun)
       rename_path(tmp, final_dir);
       sync_directory(cfg_.dir);
       write_file_atomically(cfg_.dir + "/latest", step_directory_name(step_) + "\n");
+      std::error_code ec;
+      if (!replaced.empty()) fs::remove_all(replaced, ec);
       if (cfg_.keep > 0) {
         auto done = complete_checkpoints(cfg_.dir);
         for (std::size_t i = 0; i + static_cast<std::size_t>(cfg_.keep) < done.size(); ++i)
-          if (done[i].path != final_dir) fs::remove_all(done[i].path, ec);
+          if (done[i].path != final_dir) fs::remove_all(retire(done[i].path), ec);
       }
     } catch (...) {
       failed = std::current_exception();

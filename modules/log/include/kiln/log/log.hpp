@@ -14,15 +14,25 @@ struct LogConfig {
   std::int64_t every = 1;
   std::int64_t val_every = 0;
   std::optional<std::string> metrics;
+  std::int64_t sample_every = 0;
+  int sample_tokens = 64;
+  std::string sample_prompt = "The ";
   void validate(config::Checks& c) const {
     c.expect(every > 0, "every", "must be positive");
     c.expect(val_every >= 0, "val_every", "must be >= 0 (0 = never)");
+    c.expect(sample_every >= 0, "sample_every", "must be >= 0 (0 = never)");
+    c.expect(sample_tokens > 0, "sample_tokens", "must be positive");
   }
 };
 KILN_CONFIG(LogConfig,
             (every, "print a step line every this many steps (and always the first and the last)"),
             (val_every, "measure the validation loss every this many steps (and at the last); 0 = never"),
-            (metrics, "write one JSON object per step to this JSONL file"))
+            (metrics, "write one JSON object per step to this JSONL file"),
+            (sample_every,
+             "print text the model generates every this many steps (and at the last), as llm.c does; needs the "
+             "whole model on rank 0 (parallel.tp = 1, no fsdp sharding); 0 = never"),
+            (sample_tokens, "tokens each sample generates"),
+            (sample_prompt, "the text samples start from"))
 
 // The step line, e.g. "step   12/200 | loss 3.4512 | ...".
 std::string format_step_line(std::int64_t step, std::int64_t steps, double loss, double lr, double grad_norm,

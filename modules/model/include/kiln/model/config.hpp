@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/config/schema.hpp"
@@ -18,6 +19,7 @@ struct ModelConfig {
   float ln_eps = 1e-5f;
   bool recompute_norm = true;
   bool recompute_gelu = true;
+  std::string init_from;
   void validate(config::Checks& c) const {
     c.expect(n_layer > 0, "n_layer", "must be positive");
     c.expect(n_head > 0, "n_head", "must be positive");
@@ -47,6 +49,10 @@ KILN_CONFIG(ModelConfig,
              "saved values per token and layer)"),
             (recompute_gelu,
              "recompute the GELU activations in the backward pass instead of keeping them (4 of 16 saved values "
-             "per token and layer)"))
+             "per token and layer)"),
+            (init_from,
+             "start from these weights instead of random ones: a safetensors file with Hugging Face GPT-2 names "
+             "(config.json beside it is not read; this section's shape must match); a checkpoint to resume from "
+             "takes precedence"))
 
 }  // namespace kiln::model

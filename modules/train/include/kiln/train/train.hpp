@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "kiln/engine/config/reflect.hpp"
@@ -57,6 +58,13 @@ struct EvaluationRequested {
   std::int64_t step = 0;
 };
 
+// Asks for text generated from the current weights (the model answers by filling TrainState::sample).
+struct SampleRequested {
+  std::int64_t step = 0;
+  std::string prompt;
+  int tokens = 0;
+};
+
 // What the step reports: written by the modules that know (model: loss, flops; optimizer: lr,
 // grad norm; train: timing), read by the log module.
 struct TrainState {
@@ -69,6 +77,7 @@ struct TrainState {
   double lr = 0;
   double grad_norm = 0;
   std::optional<double> val_loss;
+  std::optional<std::string> sample;  // generated text, when a sample was requested
   double step_ms = 0;
   double tokens_per_s = 0;
   double flops_per_token = 0;  // model FLOPs per trained token (see docs/PERF.md)

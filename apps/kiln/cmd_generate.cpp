@@ -1,0 +1,73 @@
+#include <iostream>
+#include <sstream>
+
+#include <boost/program_options.hpp>
+
+#include "commands.hpp"
+#include "kiln/data/tokenizer.hpp"
+#include "kiln/model/generator.hpp"
+#include "kiln/ops/backend.hpp"
+#include "model_source.hpp"
+
+namespace po = boost::program_options;
+
+namespace kiln::app {
+
+int cmd_generate(const Args& args) {
+  po::options_description opts(
+      "kiln generate CHECKPOINT_OR_SAFETENSORS --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]\n\n"
+      "Prints the prompt and N tokens sampled after it (a KV cache on the GPU, or on the CPU backend). Byte-level "
+      "models (vocabulary 256) read and write text; others take --prompt-ids and print token ids.\n\noptions");
+  std::string input, prompt, prompt_ids, device;
+  int tokens = 64, top_k = 0;
+  float temperature = 1.0f;
+  std::uint64_t seed = 0;
+  opts.add_options()("help,h", "show this help")("prompt", po::value(&prompt), "the text to continue")(
+      "prompt-ids", po::value(&prompt_ids), "the prompt as token ids, space-separated (any vocabulary)")(
+      "tokens", po::value(&tokens)->default_value(64), "tokens to generate")(
+      "temperature", po::value(&temperature)->default_value(1.0f), "0: always the most likely token")(
+      "top-k", po::value(&top_k)->default_value(0), "sample among the k most likely tokens; 0: all")(
+      "seed", po::value(&seed)->default_value(0), "sampling seed")(
+      "device", po::value(&device)->default_value("auto"), "cpu, cuda, or auto (cuda when there is a GPU)")(
+      "input", po::value(&input), "checkpoint directory or .safetensors file");
+  po::positional_options_description pos;
+  pos.add("input", 1);
+  if (!parse_args(args, opts, pos)) return 0;
+  if (input.empty()) throw po::error("a CHECKPOINT or .safetensors file is required");
+  if (tokens < 1) throw po::error("--tokens must be at least 1");
+  if (device != "cpu" && device != "cuda" && device != "auto") throw po::error("--device must be cpu, cuda or auto");
+  const ModelSource src = open_model(input);
+  const bool bytes = src.config.vocab_size <= 256;
+  std::vector<int> ids;
+  if (!prompt_ids.empty()) {
+    std::istringstream in(prompt_ids);
+    for (int t; in >> t;) ids.push_back(t);
+  } else if (bytes) {
+    for (auto t : data::byte_encode(prompt)) ids.push_back(t);
+  } else if (!prompt.empty()) {
+    throw po::error("this model's vocabulary has " + std::to_string(src.config.vocab_size) +
+                    " tokens: text prompts need its tokenizer, which kiln does not have yet; give --prompt-ids");
+  }
+  if (ids.empty()) throw po::error("give a --prompt (or --prompt-ids)");
+
+  const bool cuda = device == "cuda" || (device == "auto" && ops::cuda_available());
+  auto backend = cuda ? ops::make_cuda_backend() : ops::make_cpu_backend();
+  model::Generator gen(src.config, *backend, src.weights);
+  model::SamplingOptions o;
+  o.temperature = temperature;
+  o.top_k = top_k;
+  o.seed = seed;
+  const std::vector<int> out = gen.generate(ids, tokens, o);
+  if (bytes) {
+    std::vector<std::uint16_t> all(ids.begin(), ids.end());
+    all.insert(all.end(), out.begin(), out.end());
+    std::cout << data::byte_decode(all) << "\n";
+  } else {
+    for (std::size_t i = 0; i < ids.size() + out.size(); ++i)
+      std::cout << (i ? " " : "") << (i < ids.size() ? ids[i] : out[i - ids.size()]);
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+}  // namespace kiln::app

@@ -1,0 +1,70 @@
+#include "model_source.hpp"
+
+#include <filesystem>
+#include <memory>
+
+#include "kiln/builtin.hpp"
+#include "kiln/checkpoint/files.hpp"
+#include "kiln/checkpoint/reader.hpp"
+#include "kiln/engine/config/node.hpp"
+#include "kiln/engine/module.hpp"
+#include "kiln/model/hf_gpt2.hpp"
+
+namespace kiln::app {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The [model] section of the configuration a checkpoint saved.
+model::ModelConfig saved_model_config(const std::string& toml, const std::string& origin) {
+  ModuleRegistry registry;
+  register_builtin_modules(registry);
+  const config::Node doc = config::parse_toml_text(toml, origin);
+  config::Errors errors;
+  std::any value = registry.get("model").schema.read(doc.find("model"), "model", errors);
+  errors.throw_if_any();
+  return std::any_cast<model::ModelConfig>(value);
+}
+
+ModelSource from_checkpoint(const std::string& path) {
+  auto reader = std::make_shared<checkpoint::CheckpointReader>(checkpoint::resolve_checkpoint(path));
+  ModelSource s;
+  s.description = reader->dir();
+  s.config = saved_model_config(reader->manifest().config, reader->dir() + "/manifest.json (config)");
+  s.weights = [reader](const std::string& name) {
+    const auto* t = reader->manifest().tensor("model/" + name);
+    if (!t) KILN_FILE_ERROR("checkpoint ", reader->dir(), " has no tensor 'model/", name, "'");
+    checkpoint::Piece whole{std::vector<std::int64_t>(t->shape.size(), 0), t->shape, 0, 1};
+    for (auto d : t->shape) whole.flat_end *= d;
+    std::vector<float> out(static_cast<std::size_t>(whole.flat_end));
+    reader->read(*t, whole, out.data());
+    return out;
+  };
+  return s;
+}
+
+ModelSource from_safetensors(const std::string& path) {
+  const std::string config = (fs::path(path).parent_path() / "config.json").string();
+  if (!fs::exists(config))
+    KILN_FILE_ERROR(path, ": no config.json beside it (the model's shape: n_layer, n_head, n_embd, ...)");
+  ModelSource s;
+  s.description = path;
+  s.config = model::read_hf_gpt2_config(config);
+  auto weights = std::make_shared<std::map<std::string, std::vector<float>>>(model::import_hf_gpt2(s.config, path));
+  s.weights = [weights, path](const std::string& name) {
+    auto it = weights->find(name);
+    if (it == weights->end()) KILN_FILE_ERROR(path, ": no tensor for kiln's parameter '", name, "'");
+    return it->second;
+  };
+  return s;
+}
+
+}  // namespace
+
+ModelSource open_model(const std::string& path) {
+  if (fs::is_regular_file(path)) return from_safetensors(path);
+  return from_checkpoint(path);
+}
+
+}  // namespace kiln::app
