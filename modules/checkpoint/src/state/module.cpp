@@ -1,4 +1,6 @@
 // The "checkpoint" engine module: when to save and what to resume from.
+#include <chrono>
+#include <iomanip>
 #include <iostream>
 #include <memory>
 
@@ -31,8 +33,13 @@ void resume(World& w, const CheckpointConfig& cfg) {
   } else {
     dir = resolve_checkpoint(cfg.resume);
   }
+  const auto t0 = std::chrono::steady_clock::now();
   const std::int64_t step = load_checkpoint(w, dir);
-  if (rank0) std::cout << "checkpoint: resumed from " << dir << " at step " << step << "\n";
+  if (rank0)
+    std::cout << "checkpoint: resumed from " << dir << " at step " << step << " (loaded in " << std::fixed
+              << std::setprecision(2) << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+              << " s)\n"
+              << std::defaultfloat;
   auto& ctl = w.resource<RunControl>();
   if (ctl.step >= w.resource<train::TrainConfig>().steps) ctl.request_stop("train.steps reached");
 }
