@@ -70,14 +70,15 @@ save() {  # name steps every extra...
   local rc=$?
   cat "$W/$name.txt" >> "$log"
   note "1.3B $name rc=$rc:"
-  while read -r line; do note "    $line"; done < <(grep -E "^checkpoint: (saved|resumed)|peak device" "$W/$name.txt")
+  while read -r line; do note "    $line"; done < <(grep -E "^checkpoint: (saved|resumed|host staging)|peak device" "$W/$name.txt")
   note "    step ms: $(grep -o '"step_ms":[0-9.]*' "$OUT/ckpt-$name.jsonl" | cut -d: -f2 | cut -d. -f1 | tr '\n' ' ')"
 }
+save async 9 3 --set checkpoint.async=true
+rm -rf "$W/async"
 save sync 6 3
 save resume 8 100 --set checkpoint.dir="$W/sync" --set checkpoint.at_end=false
 du -sh "$W/sync"/step_* >> "$log" 2>&1
 rm -rf "$W/sync"
-save async 9 3 --set checkpoint.async=true
 rm -rf "$W"
 
 echo "==== summary ===="

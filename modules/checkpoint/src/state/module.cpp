@@ -49,7 +49,16 @@ void install(World& w, const CheckpointConfig& cfg) {
   run.saver = std::make_unique<Saver>(w, cfg);
   Saver* saver = run.saver.get();
   // After every other setup system: the state it loads must exist, and nothing may overwrite it.
-  w.systems().add({"checkpoint.resume", Phase::setup, [cfg](World& world) { resume(world, cfg); }, {kAllSystems}});
+  w.systems().add({"checkpoint.resume", Phase::setup, [cfg, saver](World& world) {
+                     resume(world, cfg);
+                     if (cfg.every <= 0) return;
+                     const double s = saver->reserve();
+                     if (world.resource<RankInfo>().rank == 0 && s > 0.5)
+                       std::cout << "checkpoint: host staging memory for saves allocated in " << std::fixed
+                                 << std::setprecision(2) << s << " s\n"
+                                 << std::defaultfloat;
+                   },
+                   {kAllSystems}});
   w.systems().add({"checkpoint.save", Phase::checkpoint, [cfg, saver](World& world) {
                      const auto& ctl = world.resource<RunControl>();
                      saver->complete(false);  // a background save finished on every rank: make it complete

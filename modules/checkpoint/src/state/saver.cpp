@@ -43,15 +43,22 @@ Saver::~Saver() {
   if (writing_.valid()) writing_.wait();
 }
 
+double Saver::reserve() {
+  const double t0 = now_s();
+  const std::size_t need = static_cast<std::size_t>(w_.resource<nn::ParamStore>().held) * 4 * held_families(w_).size();
+  if (staging_.bytes() < need) {
+    staging_ = Buffer();
+    staging_ = w_.resource<ops::ActiveBackend>().get().alloc_host(need);
+  }
+  return now_s() - t0;
+}
+
 void Saver::stage() {
   auto& be = w_.resource<ops::ActiveBackend>().get();
   const auto& store = w_.resource<nn::ParamStore>();
   const auto families = held_families(w_);
-  const std::size_t per = static_cast<std::size_t>(store.held) * 4, need = per * families.size();
-  if (staging_.bytes() < need) {
-    staging_ = Buffer();
-    staging_ = be.alloc_host(need);
-  }
+  const std::size_t per = static_cast<std::size_t>(store.held) * 4;
+  reserve();
   for (std::size_t f = 0; f < families.size(); ++f)
     be.copy(staging_.view(DType::f32, {store.held}, f * per), families[f].second);
   be.synchronize();
@@ -194,7 +201,7 @@ void Saver::finalize(const std::string& fragment) {
     }();
     std::cout << "checkpoint: saved " << final_dir << " (" << std::fixed << std::setprecision(1)
               << static_cast<double>(all_bytes) / (1 << 20) << " MiB; the step waited " << std::setprecision(3)
-              << blocked_s_ << " s, " << (cfg_.async ? "written in the background in " : "written in ")
+              << (cfg_.async ? blocked_s_ : now_s() - started_) << " s, " << (cfg_.async ? "written in the background in " : "written in ")
               << now_s() - started_ << " s)\n"
               << std::defaultfloat;
   }

@@ -20,6 +20,9 @@ class Saver {
   Saver(World& w, CheckpointConfig cfg) : w_(w), cfg_(std::move(cfg)) {}
   ~Saver();  // waits for a write in flight (never completes it: that takes every rank)
 
+  // Allocates the host staging memory (pinned on CUDA) a save needs, if not yet done; returns
+  // the seconds it took. Done at setup when saves are planned, so no step pays for pinning.
+  double reserve();
   // Collective. Waits for a save in flight to complete, then starts saving `step`.
   void start(std::int64_t step);
   bool pending() const { return writing_.valid(); }
