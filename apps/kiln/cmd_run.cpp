@@ -57,7 +57,7 @@ int run_as_rank(const parallel::LaunchEnv& env, LoadedPipeline& p) {
     world.emplace_resource<parallel::LaunchContext>(parallel::LaunchContext{nullptr, nccl});
     install_pipeline(world, p.config, p.registry);
     run_pipeline(world);
-    if (env.rank == 0) std::cout << "done: " << env.world << " ranks finished train.steps\n";
+    if (env.rank == 0) std::cout << "done: " << env.world << " ranks: " << world.resource<RunControl>().stop_reason << "\n";
   }
   rendezvous->finish();
   return 0;
@@ -128,7 +128,7 @@ int cmd_run(const Args& args) {
               << parallel::describe_failures(outcomes) << "\n";
     return config_error || file_error ? 2 : 1;
   }
-  std::cout << "done: " << nproc << " ranks finished train.steps\n";
+  std::cout << "done: " << nproc << " ranks: " << outcomes.front().stop_reason << "\n";
   return 0;
 }
 

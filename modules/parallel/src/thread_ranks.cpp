@@ -31,6 +31,7 @@ std::vector<RankOutcome> run_thread_ranks(int nproc, const config::PipelineConfi
         install_pipeline(world, cfg, registry);
         if (before_run) before_run(world);
         run_pipeline(world);
+        out.stop_reason = world.resource<RunControl>().stop_reason;
         if (after_run) after_run(world);
       } catch (const std::exception& e) {
         out.ok = false;

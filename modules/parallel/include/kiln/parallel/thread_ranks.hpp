@@ -17,6 +17,7 @@ struct RankOutcome {
   bool config_error = false;
   bool file_error = false;  // a kiln::FileError (a bad checkpoint, a full disk)
   std::string error;  // the rank's own message
+  std::string stop_reason;  // why the step loop stopped (RunControl::stop_reason), when ok
 };
 
 // Builds and runs one World per rank on `nproc` threads. `before_run` (after the modules are
