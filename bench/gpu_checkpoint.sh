@@ -55,6 +55,24 @@ note "kiln generate rc=$? in $(awk "BEGIN{print $(date +%s.%N) - $start}") s: $(
 cat "$W/gen.txt" >> "$log"
 rm -rf "$W/tiny" "$W/export"
 
+# The headline pipeline (FSDP full_shard, FP8, recompute with dropout, async checkpoints) on one
+# GPU: 60 steps straight, and stopped at 30 then run again; steps 31-60 must match bit for bit.
+hl=(pipelines/fsdp-fp8.toml --set train.steps=60 --set checkpoint.every=30 --set log.val_every=0 --set log.every=10)
+timeout 200 "$K" run "${hl[@]}" --set checkpoint.dir="$W/hl-straight" --set log.metrics="$OUT/hl-straight.jsonl" \
+  > "$W/hl.txt" 2>&1
+rc1=$?
+timeout 200 "$K" run "${hl[@]}" --set checkpoint.dir="$W/hl" --set log.metrics="$OUT/hl-resumed.jsonl" \
+  --set train.exit_interval=30 >> "$W/hl.txt" 2>&1
+timeout 200 "$K" run "${hl[@]}" --set checkpoint.dir="$W/hl" --set log.metrics="$OUT/hl-resumed.jsonl" >> "$W/hl.txt" 2>&1
+rc2=$?
+cat "$W/hl.txt" >> "$log"
+hl_losses() { grep -o '"step":[0-9]*,"loss":[^,]*' "$1" | awk -F'[:,]' '$2 > 30'; }
+if diff -q <(hl_losses "$OUT/hl-straight.jsonl") <(hl_losses "$OUT/hl-resumed.jsonl") >/dev/null &&
+  [ "$(hl_losses "$OUT/hl-straight.jsonl" | wc -l)" = 30 ]; then same="steps 31-60 bit-identical after the resume"
+else same="steps 31-60 DIFFER after the resume"; fi
+note "pipelines/fsdp-fp8.toml on one GPU: rc=$rc1/$rc2, $same; $(grep -E '^step 60/' "$W/hl.txt" | head -1 | cut -d'|' -f2,5,7)"
+rm -rf "$W/hl" "$W/hl-straight"
+
 # 3. The 1.3B model's training state.
 dd_line=$(dd if=/dev/zero of="$W/dd.bin" bs=64M count=160 conv=fsync 2>&1 | tail -1)
 rm -f "$W/dd.bin"
