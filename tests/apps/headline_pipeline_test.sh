@@ -21,8 +21,11 @@ fail() { echo "FAIL: $*"; exit 1; }
   { cat straight.txt; fail "the straight run failed"; }
 grep -q "fsdp rank 1 holds 1/2" straight.txt || { cat straight.txt; fail "FSDP did not shard over two ranks"; }
 grep -q "activation checkpoint: full recompute in 2 of 2 blocks" straight.txt || fail "no activation checkpointing"
-grep -q "fp8" <("$KILN" config "$PIPELINE") || fail "fp8 is not configured"
+grep -q "fp8: 8 of 9 linear layers in FP8 (delayed scaling" straight.txt || { cat straight.txt; fail "FP8 is not on"; }
 [ -f straight/step_000030/manifest.json ] || fail "no checkpoint at step 30"
+for blob in rng fp8; do  # the RNG tracker's states and the FP8 scaling state are in the checkpoint
+  grep -q "\"name\": *\"$blob\"" straight/step_000030/manifest.json || fail "the checkpoint lacks the $blob state"
+done
 
 "$KILN" run "$PIPELINE" "${small[@]}" --set checkpoint.dir=ck --set log.metrics=resumed.jsonl \
   --set train.exit_interval=20 > first.txt 2>&1 || { cat first.txt; fail "the first half failed"; }
