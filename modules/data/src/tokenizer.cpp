@@ -1,12 +1,14 @@
 #include "kiln/data/tokenizer.hpp"
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
-#include "kiln/data/shard.hpp"
 #include "kiln/core/error.hpp"
+#include "kiln/data/bpe.hpp"
+#include "kiln/data/shard.hpp"
 
 namespace kiln::data {
 
@@ -20,6 +22,54 @@ std::string byte_decode(const std::vector<std::uint16_t>& tokens) {
   std::string s(tokens.size(), '\0');
   for (std::size_t i = 0; i < tokens.size(); ++i) s[i] = static_cast<char>(tokens[i] & 0xff);
   return s;
+}
+
+void ByteTokenizer::encode(std::string_view text, std::vector<std::uint32_t>& out) {
+  for (char c : text) out.push_back(static_cast<unsigned char>(c));
+}
+
+std::string ByteTokenizer::decode(std::span<const std::uint32_t> ids) const {
+  std::string s(ids.size(), '\0');
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] > 255) KILN_THROW("token id ", ids[i], " is not a byte (the byte tokenizer has 256 tokens)");
+    s[i] = static_cast<char>(ids[i]);
+  }
+  return s;
+}
+
+std::optional<std::string> find_gpt2_files(const std::vector<std::string>& dirs) {
+  namespace fs = std::filesystem;
+  for (const auto& d : dirs) {
+    std::error_code ec;
+    if (fs::is_regular_file(fs::path(d) / "encoder.json", ec) && fs::is_regular_file(fs::path(d) / "vocab.bpe", ec))
+      return d;
+  }
+  return std::nullopt;
+}
+
+std::unique_ptr<TextTokenizer> open_tokenizer(const std::string& spec, const std::vector<std::string>& gpt2_dirs) {
+  namespace fs = std::filesystem;
+  if (spec == "bytes") return std::make_unique<ByteTokenizer>();
+  auto gpt2_in = [](const std::string& dir) {
+    return std::make_unique<BpeTokenizer>(read_gpt2_vocabulary((fs::path(dir) / "encoder.json").string(),
+                                                               (fs::path(dir) / "vocab.bpe").string()));
+  };
+  if (spec == "gpt2") {
+    if (auto dir = find_gpt2_files(gpt2_dirs)) return gpt2_in(*dir);
+    std::string where;
+    for (const auto& d : gpt2_dirs) where += cat(where.empty() ? "" : ", ", d);
+    KILN_FILE_ERROR("tokenizer gpt2: GPT-2's encoder.json and vocab.bpe are in none of: ", where.empty() ? "(no place)" : where,
+                    " (scripts/fetch-tokenizers.sh fetches them; or give their directory)");
+  }
+  std::error_code ec;
+  if (fs::is_directory(spec, ec)) {
+    if (!find_gpt2_files({spec}))
+      KILN_FILE_ERROR(spec, ": a tokenizer directory must hold GPT-2's encoder.json and vocab.bpe");
+    return gpt2_in(spec);
+  }
+  if (fs::is_regular_file(spec, ec)) return std::make_unique<BpeTokenizer>(read_tiktoken_vocabulary(spec));
+  KILN_FILE_ERROR("tokenizer \"", spec, "\": not bytes, gpt2, a directory with encoder.json + vocab.bpe, or a tiktoken "
+                  "rank file (no such file or directory)");
 }
 
 std::string strip_pos_tags(std::string_view tagged) {
@@ -63,25 +113,45 @@ TokenizeResult tokenize_files(const std::vector<std::string>& inputs, const std:
   if (options.val_fraction < 0 || options.val_fraction >= 1)
     KILN_THROW("tokenize: the validation fraction must be in [0, 1), got ", options.val_fraction);
   if (options.shard_tokens <= 0) KILN_THROW("tokenize: shard size must be positive");
-  std::string text;
+  ByteTokenizer bytes;
+  TextTokenizer& tokenizer = options.tokenizer ? *options.tokenizer : bytes;
+  const auto separator = tokenizer.document_separator();
+  TokenizeResult result;
+  std::vector<std::uint32_t> tokens;
+  std::string text;  // without a separator, the files are joined into one text
+  double seconds = 0;
+  auto encode = [&](std::string_view t) {
+    const auto start = std::chrono::steady_clock::now();
+    tokenizer.encode(t, tokens);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    result.text_bytes += static_cast<std::int64_t>(t.size());
+  };
   for (auto& path : inputs) {
     std::ifstream in(path, std::ios::binary);
-    if (!in) KILN_THROW(path, ": cannot read the input text");
+    if (!in) KILN_FILE_ERROR(path, ": cannot read the input text");
     std::stringstream ss;
     ss << in.rdbuf();
     std::string t = options.strip_pos_tags ? strip_pos_tags(ss.str()) : ss.str();
-    if (!text.empty() && text.back() != '\n') text += '\n';
-    text += t;
+    if (separator) {
+      tokens.push_back(*separator);
+      encode(t);
+    } else {
+      if (!text.empty() && text.back() != '\n') text += '\n';
+      text += t;
+    }
   }
-  auto tokens = byte_encode(text);
+  if (!separator) encode(text);
+  result.encode_seconds = seconds;
+  const bool wide = tokenizer.vocab_size() > 65536;
+  result.token_bytes = wide ? 4 : 2;
   const std::size_t n_val = static_cast<std::size_t>(static_cast<double>(tokens.size()) * options.val_fraction);
   const std::size_t n_train = tokens.size() - n_val;
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
-  if (ec) KILN_THROW(out_dir, ": cannot create the output directory: ", ec.message());
-  TokenizeResult result;
+  if (ec) KILN_FILE_ERROR(out_dir, ": cannot create the output directory: ", ec.message());
   result.train_tokens = static_cast<std::int64_t>(n_train);
   result.val_tokens = static_cast<std::int64_t>(n_val);
+  std::vector<std::uint16_t> narrow;
   auto write = [&](const char* split, std::size_t begin, std::size_t end) {
     int index = 0;
     for (std::size_t s = begin; s < end;) {
@@ -89,7 +159,13 @@ TokenizeResult tokenize_files(const std::vector<std::string>& inputs, const std:
       char name[64];
       std::snprintf(name, sizeof name, "%s_%06d.bin", split, index++);
       auto path = (std::filesystem::path(out_dir) / name).string();
-      write_llmc_shard(path, std::span<const std::uint16_t>(tokens.data() + s, e - s));
+      std::span<const std::uint32_t> part(tokens.data() + s, e - s);
+      if (wide) {
+        KILN_THROW(path, ": token ids above 65535 need uint32 shards, which kiln cannot write yet");
+      } else {
+        narrow.assign(part.begin(), part.end());
+        write_llmc_shard(path, std::span<const std::uint16_t>(narrow));
+      }
       result.files.push_back(path);
       s = e;
     }

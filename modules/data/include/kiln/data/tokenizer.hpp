@@ -1,6 +1,10 @@
 #pragma once
-// The byte-level tokenizer (vocabulary 256: token = byte value) and corpus preparation helpers.
+// Tokenizers behind one interface (bytes: token = byte value, vocabulary 256; byte-level BPE in
+// bpe.hpp), the choice of one by name, and corpus preparation into llm.c shards.
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -10,6 +14,46 @@ namespace kiln::data {
 std::vector<std::uint16_t> byte_encode(std::string_view text);
 std::string byte_decode(const std::vector<std::uint16_t>& tokens);
 
+// Text to token ids and back. Not thread-safe (BPE keeps a cache of pieces): one per thread.
+class TextTokenizer {
+ public:
+  virtual ~TextTokenizer() = default;
+  // Appends the ids of `text`, any bytes (not only valid UTF-8). Special tokens' names
+  // ("<|endoftext|>") are ordinary text here, as in GPT-2's encoder and tiktoken's encode_ordinary.
+  virtual void encode(std::string_view text, std::vector<std::uint32_t>& out) = 0;
+  std::vector<std::uint32_t> encode(std::string_view text) {
+    std::vector<std::uint32_t> out;
+    encode(text, out);
+    return out;
+  }
+  // The tokens' bytes, concatenated: decode(encode(t)) == t for every byte string t. An id outside
+  // the vocabulary is an error.
+  virtual std::string decode(std::span<const std::uint32_t> ids) const = 0;
+  virtual std::uint32_t vocab_size() const = 0;
+  // The token put before each document when documents are tokenized into one stream, as llm.c's
+  // data scripts do (GPT-2: <|endoftext|>); none for the byte tokenizer.
+  virtual std::optional<std::uint32_t> document_separator() const { return std::nullopt; }
+  // What it is, for messages: "GPT-2 BPE (DIR/encoder.json + vocab.bpe, 50257 tokens)".
+  virtual std::string description() const = 0;
+};
+
+class ByteTokenizer final : public TextTokenizer {
+ public:
+  using TextTokenizer::encode;
+  void encode(std::string_view text, std::vector<std::uint32_t>& out) override;
+  std::string decode(std::span<const std::uint32_t> ids) const override;
+  std::uint32_t vocab_size() const override { return 256; }
+  std::string description() const override { return "bytes (256 tokens)"; }
+};
+
+// The directory of GPT-2's files (encoder.json + vocab.bpe) among `dirs`: the first holding both.
+std::optional<std::string> find_gpt2_files(const std::vector<std::string>& dirs);
+
+// A tokenizer by name: "bytes"; "gpt2" (GPT-2's encoder.json + vocab.bpe from the first of
+// `gpt2_dirs` that has them); a directory holding encoder.json + vocab.bpe; or a tiktoken rank file
+// (cl100k_base.tiktoken, Llama 3's tokenizer.model). Errors name what was looked for and where.
+std::unique_ptr<TextTokenizer> open_tokenizer(const std::string& spec, const std::vector<std::string>& gpt2_dirs);
+
 // Turns part-of-speech tagged text ("The/at jury/nn said/vbd ./.") into plain text ("The jury
 // said."): keeps each word before its last '/', turns `` and '' into ", and joins punctuation.
 std::string strip_pos_tags(std::string_view tagged);
@@ -18,13 +62,19 @@ struct TokenizeOptions {
   double val_fraction = 0.1;        // the last fraction of the token stream goes to validation
   std::int64_t shard_tokens = 100'000'000;
   bool strip_pos_tags = false;
+  // nullptr: bytes. A tokenizer with a document separator gets it before each file (llm.c's
+  // fineweb.py puts <|endoftext|> before each document); without one, files are joined by a newline.
+  TextTokenizer* tokenizer = nullptr;
 };
 struct TokenizeResult {
   std::int64_t train_tokens = 0, val_tokens = 0;
   std::vector<std::string> files;
+  std::int64_t text_bytes = 0;   // what was encoded (after stripping tags)
+  double encode_seconds = 0;     // encoding alone (no reading or writing)
+  int token_bytes = 2;           // 2: llm.c's GPT-2 shards; 4: its Llama 3 shards (ids above 65535)
 };
-// Reads the text files (in the order given), tokenizes them byte-level, and writes
-// DIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin in llm.c format.
+// Reads the text files (in the order given), tokenizes them, and writes DIR/train_NNNNNN.bin and
+// DIR/val_NNNNNN.bin as llm.c shards: uint16 tokens when the vocabulary fits, else uint32.
 TokenizeResult tokenize_files(const std::vector<std::string>& inputs, const std::string& out_dir,
                               const TokenizeOptions& options);
 
