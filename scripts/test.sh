@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/fetch-tokenizers.sh  # GPT-2's encoder.json + vocab.bpe for the tokenizer tests
 ctest --test-dir build --output-on-failure -j "$(nproc)"

@@ -16,9 +16,11 @@ namespace kiln::app {
 int cmd_generate(const Args& args) {
   po::options_description opts(
       "kiln generate CHECKPOINT_OR_SAFETENSORS --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]\n\n"
-      "Prints the prompt and N tokens sampled after it (a KV cache on the GPU, or on the CPU backend). Byte-level "
-      "models (vocabulary 256) read and write text; others take --prompt-ids and print token ids.\n\noptions");
-  std::string input, prompt, prompt_ids, device;
+      "Prints the prompt and N tokens sampled after it (a KV cache on the GPU, or on the CPU backend). Text is\n"
+      "encoded and decoded by --tokenizer: by default bytes for a vocabulary of at most 256, GPT-2's BPE for\n"
+      "50257 (when scripts/fetch-tokenizers.sh has fetched its files). Without a tokenizer, give --prompt-ids:\n"
+      "token ids are printed.\n\noptions");
+  std::string input, prompt, prompt_ids, device, tokenizer_spec;
   int tokens = 64, top_k = 0;
   float temperature = 1.0f;
   std::uint64_t seed = 0;
@@ -29,6 +31,7 @@ int cmd_generate(const Args& args) {
       "top-k", po::value(&top_k)->default_value(0), "sample among the k most likely tokens; 0: all")(
       "seed", po::value(&seed)->default_value(0), "sampling seed")(
       "device", po::value(&device)->default_value("auto"), "cpu, cuda, or auto (cuda when there is a GPU)")(
+      "tokenizer", po::value(&tokenizer_spec), "bytes, gpt2, a directory with encoder.json + vocab.bpe, or a tiktoken file")(
       "input", po::value(&input), "checkpoint directory or .safetensors file");
   po::positional_options_description pos;
   pos.add("input", 1);
@@ -37,16 +40,18 @@ int cmd_generate(const Args& args) {
   if (tokens < 1) throw po::error("--tokens must be at least 1");
   if (device != "cpu" && device != "cuda" && device != "auto") throw po::error("--device must be cpu, cuda or auto");
   const ModelSource src = open_model(input);
-  const bool bytes = src.config.vocab_size <= 256;
+  const auto tokenizer = model_tokenizer(src, tokenizer_spec);
   std::vector<int> ids;
   if (!prompt_ids.empty()) {
     std::istringstream in(prompt_ids);
     for (int t; in >> t;) ids.push_back(t);
-  } else if (bytes) {
-    for (auto t : data::byte_encode(prompt)) ids.push_back(t);
+  } else if (tokenizer) {
+    for (auto t : tokenizer->encode(prompt)) ids.push_back(static_cast<int>(t));
   } else if (!prompt.empty()) {
     throw po::error("this model's vocabulary has " + std::to_string(src.config.vocab_size) +
-                    " tokens: text prompts need its tokenizer, which kiln does not have yet; give --prompt-ids");
+                    " tokens and no tokenizer was found for it" +
+                    (src.config.vocab_size == 50257 ? " (GPT-2's files: scripts/fetch-tokenizers.sh fetches them)" : "") +
+                    ": give --tokenizer gpt2|bytes|PATH (or --prompt-ids)");
   }
   if (ids.empty()) throw po::error("give a --prompt (or --prompt-ids)");
 
@@ -58,10 +63,10 @@ int cmd_generate(const Args& args) {
   o.top_k = top_k;
   o.seed = seed;
   const std::vector<int> out = gen.generate(ids, tokens, o);
-  if (bytes) {
-    std::vector<std::uint16_t> all(ids.begin(), ids.end());
+  if (tokenizer) {
+    std::vector<std::uint32_t> all(ids.begin(), ids.end());
     all.insert(all.end(), out.begin(), out.end());
-    std::cout << data::byte_decode(all) << "\n";
+    std::cout << tokenizer->decode(all) << "\n";
   } else {
     for (std::size_t i = 0; i < ids.size() + out.size(); ++i)
       std::cout << (i ? " " : "") << (i < ids.size() ? ids[i] : out[i - ids.size()]);

