@@ -12,7 +12,8 @@ using namespace kiln;
 
 namespace {
 
-using Sets = std::vector<std::string>;
+using test::Sets;
+using test::operator+;
 
 const char* kModel = R"(
 [engine]
@@ -38,11 +39,6 @@ synthetic_vocab = 300
 [parallel]
 timeout_s = 120
 )";
-
-Sets operator+(Sets a, const Sets& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 }  // namespace
 

@@ -22,7 +22,8 @@ namespace fs = std::filesystem;
 namespace {
 
 using test::Trace;
-using Sets = std::vector<std::string>;
+using test::Sets;
+using test::operator+;
 
 const char* kTiny = R"(
 [engine]
@@ -49,11 +50,6 @@ synthetic_vocab = 96
 [parallel]
 timeout_s = 60
 )";
-
-Sets operator+(Sets a, const Sets& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 // A fresh folder for one test's checkpoints.
 struct TempDir {

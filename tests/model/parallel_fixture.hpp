@@ -23,6 +23,13 @@
 
 namespace kiln::test {
 
+// `--set` overrides of a test run; `a + b` is a's followed by b's.
+using Sets = std::vector<std::string>;
+inline Sets operator+(Sets a, const Sets& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 struct Trace {
   std::shared_ptr<std::mutex> m = std::make_shared<std::mutex>();
   std::vector<double> loss;

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -136,5 +137,38 @@ inline double rel_error(const std::vector<float>& a, const std::vector<float>& b
     INFO(#dual " relative error " << err_);                                           \
     CHECK(err_ < (tol));                                                              \
   } while (0)
+
+// ---- running an op on both backends ----
+
+// One side of the pair: picks the backend and the matching view of each Dual.
+struct Side {
+  BackendPair& pair;
+  bool gpu;
+  ops::Backend& b() const { return gpu ? *pair.gpu : *pair.cpu; }
+  TensorView operator()(const Dual& d) const { return gpu ? d.gpu() : d.cpu(); }
+};
+
+// Runs f on the CPU side, then on the GPU side, and waits for the GPU.
+inline void on_both(BackendPair& p, const std::function<void(const Side&)>& f) {
+  f(Side{p, false});
+  f(Side{p, true});
+  p.gpu->synchronize();
+}
+
+inline Dual act(BackendPair& p, Shape s, std::uint64_t seed, float scale = 1.0f, float shift = 0.0f) {
+  Dual d(p, Kind::act, s);
+  d.set(random_values(static_cast<std::size_t>(s.numel()), seed, scale, shift));
+  return d;
+}
+inline Dual f32(BackendPair& p, Shape s, std::uint64_t seed, float scale = 1.0f, float shift = 0.0f) {
+  Dual d(p, Kind::f32, s);
+  d.set(random_values(static_cast<std::size_t>(s.numel()), seed, scale, shift));
+  return d;
+}
+inline Dual poisoned(BackendPair& p, Kind k, Shape s) {
+  Dual d(p, k, s);
+  d.poison();
+  return d;
+}
 
 }  // namespace kiln::test

@@ -21,27 +21,17 @@
 #include "op_harness.hpp"
 
 using namespace kiln;
+using test::act;
 using test::Dual;
+using test::f32;
+using test::on_both;
+using test::poisoned;
+using test::Side;
 using test::Kind;
 using test::random_ints;
 using test::random_values;
 
 namespace {
-
-// One side of the pair: picks the backend and the matching view of each Dual.
-struct Side {
-  test::BackendPair& pair;
-  bool gpu;
-  ops::Backend& b() const { return gpu ? *pair.gpu : *pair.cpu; }
-  TensorView operator()(const Dual& d) const { return gpu ? d.gpu() : d.cpu(); }
-};
-
-// Runs f on the CPU side, then on the GPU side, and waits for the GPU.
-void on_both(test::BackendPair& p, const std::function<void(const Side&)>& f) {
-  f(Side{p, false});
-  f(Side{p, true});
-  p.gpu->synchronize();
-}
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -52,22 +42,6 @@ std::size_t mismatches(const std::vector<float>& a, const std::vector<float>& b)
   std::size_t n = 0;
   for (std::size_t i = 0; i < a.size(); ++i) n += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
   return n;
-}
-
-Dual act(test::BackendPair& p, Shape s, std::uint64_t seed, float scale = 1.0f, float shift = 0.0f) {
-  Dual d(p, Kind::act, s);
-  d.set(random_values(static_cast<std::size_t>(s.numel()), seed, scale, shift));
-  return d;
-}
-Dual f32(test::BackendPair& p, Shape s, std::uint64_t seed, float scale = 1.0f, float shift = 0.0f) {
-  Dual d(p, Kind::f32, s);
-  d.set(random_values(static_cast<std::size_t>(s.numel()), seed, scale, shift));
-  return d;
-}
-Dual poisoned(test::BackendPair& p, Kind k, Shape s) {
-  Dual d(p, k, s);
-  d.poison();
-  return d;
 }
 
 }  // namespace

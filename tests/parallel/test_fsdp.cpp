@@ -23,7 +23,8 @@ using namespace kiln;
 namespace {
 
 using test::Trace;
-using Sets = std::vector<std::string>;
+using test::Sets;
+using test::operator+;
 
 // Three blocks, so that units come and go while others are gathered ahead.
 const char* kTiny = R"(
@@ -50,11 +51,6 @@ synthetic_vocab = 96
 [parallel]
 timeout_s = 60
 )";
-
-Sets operator+(Sets a, const Sets& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 std::string join(const Sets& s) {
   std::string out;

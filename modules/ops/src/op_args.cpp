@@ -30,6 +30,15 @@ std::int64_t check_heads(const OpArgs& c, int head_offset, int heads_total, std:
   return total;
 }
 
+// A grouped-query attention op's fused QKV `arg`: [B, T, H + 2 kv_heads, D] with H a multiple of
+// kv_heads (H bound already, by the output). Returns kv_heads.
+std::int64_t check_gqa(OpArgs& c, const char* arg, const TensorView& t, OpArgs::Dim B, OpArgs::Dim T, OpArgs::Dim H,
+                       OpArgs::Dim D, int kv_heads) {
+  c.check(kv_heads > 0 && c[H] % kv_heads == 0, "kv_heads = ", kv_heads, " must divide the ", c[H], " query heads");
+  c.tensor(arg, t, Act, {B, T, c[H] + 2 * kv_heads, D});
+  return kv_heads;
+}
+
 }  // namespace
 
 EmbeddingDims check_args(const EmbeddingForward& a, const ArgTarget& on) {
@@ -139,33 +148,90 @@ std::int64_t check_args(const GeluForward& a, const ArgTarget& on) {
 AttentionDims check_args(const AttentionForward& a, const ArgTarget& on) {
   OpArgs c("attention_forward", on);
   const auto B = c.dim("B"), T = c.dim("T"), H = c.dim("H"), D = c.dim("D");
-  c.tensor("qkv", a.qkv, Act, {B, T, 3, H, D});
+  if (a.kv_heads == 0) c.tensor("qkv", a.qkv, Act, {B, T, 3, H, D});
   c.tensor("out", a.out, Act, {B, T, H, D});
+  const std::int64_t K = a.kv_heads == 0 ? c[H] : check_gqa(c, "qkv", a.qkv, B, T, H, D, a.kv_heads);
   c.tensor("lse", a.lse, f32, {B, H, T});
   c.check(a.seq_offset >= 0, "seq_offset = ", a.seq_offset, " must not be negative");
-  return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H])};
+  return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H]), K};
 }
 
 AttentionDims check_args(const AttentionBackward& a, const ArgTarget& on) {
   OpArgs c("attention_backward", on);
   const auto B = c.dim("B"), T = c.dim("T"), H = c.dim("H"), D = c.dim("D");
-  c.tensor("qkv", a.qkv, Act, {B, T, 3, H, D});
+  if (a.kv_heads == 0) c.tensor("qkv", a.qkv, Act, {B, T, 3, H, D});
   c.tensor("out", a.out, Act, {B, T, H, D});
+  const std::int64_t K = a.kv_heads == 0 ? c[H] : check_gqa(c, "qkv", a.qkv, B, T, H, D, a.kv_heads);
   c.tensor("lse", a.lse, f32, {B, H, T});
   c.tensor("dout", a.dout, Act, {B, T, H, D});
-  c.tensor("dqkv", a.dqkv, Act, {B, T, 3, H, D});
+  if (a.kv_heads == 0) c.tensor("dqkv", a.dqkv, Act, {B, T, 3, H, D});
+  else check_gqa(c, "dqkv", a.dqkv, B, T, H, D, a.kv_heads);
   c.check(a.seq_offset >= 0, "seq_offset = ", a.seq_offset, " must not be negative");
-  return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H])};
+  return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H]), K};
 }
 
 AttentionDecodeDims check_args(const AttentionDecode& a, const ArgTarget& on) {
   OpArgs c("attention_decode", on);
   const auto B = c.dim("B"), Tmax = c.dim("Tmax"), H = c.dim("H"), D = c.dim("D");
-  c.tensor("qkv", a.qkv, Act, {B, Tmax, 3, H, D});
+  if (a.kv_heads == 0) c.tensor("qkv", a.qkv, Act, {B, Tmax, 3, H, D});
   c.tensor("out", a.out, Act, {B, H, D});
+  const std::int64_t K = a.kv_heads == 0 ? c[H] : check_gqa(c, "qkv", a.qkv, B, Tmax, H, D, a.kv_heads);
   c.check(a.length >= 1 && a.length <= c[Tmax], "length = ", a.length, " must be in [1, Tmax = ", c[Tmax], "]");
   c.check(a.scale > 0 && a.scale < 3.0e38f, "scale must be positive and finite, got ", a.scale);
-  return {c[B], c[Tmax], c[H], c[D], a.length};
+  return {c[B], c[Tmax], c[H], c[D], a.length, K};
+}
+
+RowDims check_args(const RmsNormForward& a, const ArgTarget& on) {
+  OpArgs c("rmsnorm_forward", on);
+  const auto N = c.dim("N"), C = c.dim("C");
+  c.tensor("x", a.x, Act, {N, C});
+  c.tensor("weight", a.weight, Act, {C});
+  c.tensor("out", a.out, Act, {N, C});
+  c.tensor("rstd", a.rstd, f32, {N});
+  c.check(a.eps > 0, "eps = ", a.eps, " must be positive");
+  return {c[N], c[C]};
+}
+
+RowDims check_args(const RmsNormBackward& a, const ArgTarget& on) {
+  OpArgs c("rmsnorm_backward", on);
+  const auto N = c.dim("N"), C = c.dim("C");
+  c.tensor("x", a.x, Act, {N, C});
+  c.tensor("weight", a.weight, Act, {C});
+  c.tensor("dout", a.dout, Act, {N, C});
+  c.tensor("dx", a.dx, Act, {N, C});
+  c.tensor("dweight", a.dweight, f32, {C});
+  c.tensor("rstd", a.rstd, f32, {N});
+  return {c[N], c[C]};
+}
+
+RopeDims check_args(const Rope& a, const ArgTarget& on) {
+  OpArgs c("rope", on);
+  const auto B = c.dim("B"), T = c.dim("T"), heads = c.dim("heads"), D = c.dim("D");
+  c.tensor("x", a.x, Act, {B, T, heads, D});
+  c.check(c[D] % 2 == 0, "the head dimension D = ", c[D], " must be even");
+  c.check(a.rotated_heads >= 0 && a.rotated_heads <= c[heads], "rotated_heads = ", a.rotated_heads,
+          " must be in [0, ", c[heads], "]");
+  c.check(a.theta > 1.0f, "theta = ", a.theta, " must be above 1");
+  c.check(a.pos_offset >= 0, "pos_offset = ", a.pos_offset, " must not be negative");
+  return {c[B], c[T], c[heads], c[D]};
+}
+
+RowDims check_args(const SwigluForward& a, const ArgTarget& on) {
+  OpArgs c("swiglu_forward", on);
+  const auto N = c.dim("N"), F = c.dim("F");
+  c.tensor("out", a.out, Act, {N, F});
+  c.tensor("x", a.x, Act, {N, 2 * c[F]});
+  return {c[N], c[F]};
+}
+
+RowDims check_args(const SwigluBackward& a, const ArgTarget& on) {
+  OpArgs c("swiglu_backward", on);
+  const auto N = c.dim("N"), F = c.dim("F");
+  c.tensor("dout", a.dout, Act, {N, F});
+  c.tensor("x", a.x, Act, {N, 2 * c[F]});
+  c.tensor("dx", a.dx, Act, {N, 2 * c[F]});
+  c.check(a.dx.data != a.x.data, "dx must not alias x");
+  return {c[N], c[F]};
 }
 
 CrossEntropyDims check_args(const CrossEntropy& a, const ArgTarget& on) {

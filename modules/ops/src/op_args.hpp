@@ -29,6 +29,16 @@ RowDims check_args(const LayerNormForward& a, const ArgTarget& on);
 RowDims check_args(const LayerNormBackward& a, const ArgTarget& on);
 RowDims check_args(const ResidualForward& a, const ArgTarget& on);
 RowDims check_args(const DropoutBackward& a, const ArgTarget& on);
+RowDims check_args(const RmsNormForward& a, const ArgTarget& on);
+RowDims check_args(const RmsNormBackward& a, const ArgTarget& on);
+// SwiGLU: N and F (the output's columns; C = F).
+RowDims check_args(const SwigluForward& a, const ArgTarget& on);
+RowDims check_args(const SwigluBackward& a, const ArgTarget& on);
+
+struct RopeDims {
+  std::int64_t B, T, heads, D;
+};
+RopeDims check_args(const Rope& a, const ArgTarget& on);
 
 struct LinearDims {
   std::int64_t N, IC, OC;
@@ -42,12 +52,14 @@ std::int64_t check_args(const GeluForward& a, const ArgTarget& on);
 struct AttentionDims {
   std::int64_t B, T, H, D;
   std::int64_t heads_total;  // heads_total, or H
+  std::int64_t K;            // key/value heads: kv_heads, or H
 };
 AttentionDims check_args(const AttentionForward& a, const ArgTarget& on);
 AttentionDims check_args(const AttentionBackward& a, const ArgTarget& on);
 
 struct AttentionDecodeDims {
   std::int64_t B, Tmax, H, D, length;
+  std::int64_t K;  // key/value heads: kv_heads, or H
 };
 AttentionDecodeDims check_args(const AttentionDecode& a, const ArgTarget& on);
 

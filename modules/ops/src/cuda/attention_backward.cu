@@ -76,7 +76,8 @@ struct DkvTraits<128> {
 template <class C, bool DROPOUT>
 __global__ void __launch_bounds__(C::NT)
     attention_dkv_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout, const float* __restrict__ lse,
-                         const float* __restrict__ dsum, const bf16* __restrict__ qkv, const Problem pb) {
+                         const float* __restrict__ dsum, const bf16* __restrict__ qkv, const Problem pb,
+                         bf16* __restrict__ dkv_heads) {
   constexpr int D = C::D, BM = C::BM, BN = C::BN, NT = C::NT, P = kPad<D>;
   constexpr int KS = D / 16, NQ = BM / 8, DT = D / 8;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -92,10 +93,11 @@ __global__ void __launch_bounds__(C::NT)
   const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
   const int k0 = blockIdx.y * BN;  // block 0 (the most queries) starts first
   const int kw0 = k0 + warp * 16;  // first key of this warp
-  const std::int64_t ld = 3LL * H * D, ldo = static_cast<std::int64_t>(H) * D;
-  const bf16* gQ = qkv + static_cast<std::int64_t>(b) * T * ld + h * D;
-  const bf16* gK = gQ + H * D;
-  const bf16* gV = gK + H * D;
+  const std::int64_t ld = qkv_ld(pb, D), ldo = static_cast<std::int64_t>(H) * D;
+  const bf16* base = qkv + static_cast<std::int64_t>(b) * T * ld;
+  const bf16* gQ = base + q_at(pb, h, D);
+  const bf16* gK = base + k_at(pb, h, D);
+  const bf16* gV = base + v_at(pb, h, D);
   const bf16* gdO = dout + static_cast<std::int64_t>(b) * T * ldo + h * D;
   const float* gL = lse + static_cast<std::int64_t>(bh) * T;
   const float* gD = dsum + static_cast<std::int64_t>(bh) * T;
@@ -265,9 +267,16 @@ __global__ void __launch_bounds__(C::NT)
           pack_bf16(dv[dt][2 * hr] * pb.keep_scale, dv[dt][2 * hr + 1] * pb.keep_scale);
     }
   __syncwarp();
-  bf16* gdK = dqkv + static_cast<std::int64_t>(b) * T * ld + H * D + h * D;
+  if (dkv_heads) {  // grouped queries: this query head's share, [B, T, 2, H, D], summed per group later
+    const std::int64_t ld2 = 2LL * H * D;
+    bf16* gdK = dkv_heads + static_cast<std::int64_t>(b) * T * ld2 + static_cast<std::int64_t>(h) * D;
+    store_rows<D, 16>(gdK, ld2, kw0, T, sdK, lane);
+    store_rows<D, 16>(gdK + static_cast<std::int64_t>(H) * D, ld2, kw0, T, sdV, lane);
+    return;
+  }
+  bf16* gdK = dqkv + static_cast<std::int64_t>(b) * T * ld + k_at(pb, h, D);
   store_rows<D, 16>(gdK, ld, kw0, T, sdK, lane);
-  store_rows<D, 16>(gdK + H * D, ld, kw0, T, sdV, lane);
+  store_rows<D, 16>(dqkv + static_cast<std::int64_t>(b) * T * ld + v_at(pb, h, D), ld, kw0, T, sdV, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -306,10 +315,11 @@ __global__ void __launch_bounds__(C::NT)
   const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest (last) query blocks start first
   const int wr0 = q0 + warp * 16;
-  const std::int64_t ld = 3LL * H * D, ldo = static_cast<std::int64_t>(H) * D;
-  const bf16* gQ = qkv + static_cast<std::int64_t>(b) * T * ld + h * D;
-  const bf16* gK = gQ + H * D;
-  const bf16* gV = gK + H * D;
+  const std::int64_t ld = qkv_ld(pb, D), ldo = static_cast<std::int64_t>(H) * D;
+  const bf16* base = qkv + static_cast<std::int64_t>(b) * T * ld;
+  const bf16* gQ = base + q_at(pb, h, D);
+  const bf16* gK = base + k_at(pb, h, D);
+  const bf16* gV = base + v_at(pb, h, D);
   const int n_tiles = (min(q0 + BM, T) + BN - 1) / BN;
 
   load_tile<D, BM, NT>(sQ, gQ, ld, q0, T, tid);
@@ -445,15 +455,34 @@ __global__ void __launch_bounds__(C::NT)
       *reinterpret_cast<std::uint32_t*>(sdQ + (g + 8 * hr) * P + dt * 8 + 2 * t) =
           pack_bf16(dq[dt][2 * hr] * pb.scale, dq[dt][2 * hr + 1] * pb.scale);
   __syncwarp();
-  store_rows<D, 16>(dqkv + static_cast<std::int64_t>(b) * T * ld + h * D, ld, wr0, T, sdQ, lane);
+  store_rows<D, 16>(dqkv + static_cast<std::int64_t>(b) * T * ld + q_at(pb, h, D), ld, wr0, T, sdQ, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------
+// dK and dV of each key/value head: the sum over its query heads' shares (kv_heads: [B, T, 2, H, D]),
+// in f32 in head order, rounded once.
+__global__ void attention_dkv_group_sum(bf16* __restrict__ dqkv, const bf16* __restrict__ kv_heads, const Problem pb,
+                                        int D) {
+  const int group = pb.H / pb.K;
+  const std::int64_t work = static_cast<std::int64_t>(pb.B) * pb.T * 2 * pb.K * D;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < work;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % D);
+    const int kv = static_cast<int>((i / D) % pb.K);
+    const int which = static_cast<int>((i / (static_cast<std::int64_t>(D) * pb.K)) % 2);  // 0: K, 1: V
+    const std::int64_t bt = i / (2LL * pb.K * D);
+    const bf16* src = kv_heads + bt * 2 * pb.H * D + (static_cast<std::int64_t>(which) * pb.H + kv * group) * D + d;
+    float sum = 0;
+    for (int j = 0; j < group; ++j) sum += __bfloat162float(src[static_cast<std::int64_t>(j) * D]);
+    dqkv[bt * qkv_ld(pb, D) + static_cast<std::int64_t>(pb.H + which * pb.K + kv) * D + d] = __float2bfloat16_rn(sum);
+  }
+}
+
 template <int D, bool DROPOUT>
 void launch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out, const float* lse, const bf16* qkv,
-                     const Problem& pb, cudaStream_t s) {
+                     const Problem& pb, cudaStream_t s, bf16* kv_heads) {
   const std::int64_t rows = static_cast<std::int64_t>(pb.B) * pb.T * pb.H;
   const std::int64_t threads = rows * (D / 8);
   attention_dsum_kernel<D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, s>>>(dsum, dout, out, pb.T,
@@ -464,8 +493,14 @@ void launch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out,
   auto dkv = attention_dkv_kernel<KV, DROPOUT>;
   KILN_CUDA_CHECK(cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, KV::kSmem));
   const dim3 grid_kv(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + KV::BN - 1) / KV::BN));
-  dkv<<<grid_kv, KV::NT, KV::kSmem, s>>>(dqkv, dout, lse, dsum, qkv, pb);
+  dkv<<<grid_kv, KV::NT, KV::kSmem, s>>>(dqkv, dout, lse, dsum, qkv, pb, kv_heads);
   KILN_CUDA_LAUNCH_CHECK();
+  if (kv_heads) {
+    const std::int64_t work = static_cast<std::int64_t>(pb.B) * pb.T * 2 * pb.K * D;
+    attention_dkv_group_sum<<<static_cast<unsigned>(std::min<std::int64_t>((work + 255) / 256, 65535)), 256, 0, s>>>(
+        dqkv, kv_heads, pb, D);
+    KILN_CUDA_LAUNCH_CHECK();
+  }
 
   using Q = typename DqTraits<D>::Cfg;
   auto dq = attention_dq_kernel<Q, DROPOUT>;
@@ -477,23 +512,32 @@ void launch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out,
 
 template <int D>
 void dispatch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out, const float* lse, const bf16* qkv,
-                       const Problem& pb, bool dropout, cudaStream_t s) {
+                       const Problem& pb, bool dropout, cudaStream_t s, bf16* kv_heads) {
   if (dropout)
-    launch_backward<D, true>(dqkv, dsum, dout, out, lse, qkv, pb, s);
+    launch_backward<D, true>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
   else
-    launch_backward<D, false>(dqkv, dsum, dout, out, lse, qkv, pb, s);
+    launch_backward<D, false>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
 }
 
 }  // namespace
 }  // namespace attn
 
-std::int64_t attention_backward_scratch(int B, int T, int H) { return static_cast<std::int64_t>(B) * T * H; }
+namespace {
+// The D_i rows, rounded up to 16 bytes; then, with grouped queries, each query head's dK and dV.
+std::int64_t dsum_floats(int B, int T, int H) { return (static_cast<std::int64_t>(B) * T * H + 3) / 4 * 4; }
+}  // namespace
+
+std::int64_t attention_backward_scratch(int B, int T, int H, int D, int kv_heads) {
+  const bool grouped = kv_heads != 0 && kv_heads != H;
+  return dsum_floats(B, T, H) + (grouped ? static_cast<std::int64_t>(B) * T * H * D : 0);  // 2 bf16 per float
+}
 
 void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* out, const float* lse,
                         const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s) {
+                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s, int kv_heads) {
   const attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
-                                              "attention_backward");
+                                              "attention_backward", kv_heads);
+  bf16* kv_share = pb.K != pb.H ? reinterpret_cast<bf16*>(scratch + dsum_floats(B, T, H)) : nullptr;
   if (static_cast<std::int64_t>(B) * T * H == 0) return;
   KILN_CHECK(attn::aligned16(dqkv) && attn::aligned16(dout) && attn::aligned16(out) && attn::aligned16(qkv),
              "attention_backward: dqkv, dout, out and qkv must be 16-byte aligned");
@@ -501,10 +545,10 @@ void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16
              static_cast<std::int64_t>(B) * H, " is too large");
   const bool drop = dropout > 0;
   switch (D) {
-    case 16: attn::dispatch_backward<16>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s); break;
-    case 32: attn::dispatch_backward<32>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s); break;
-    case 64: attn::dispatch_backward<64>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s); break;
-    default: attn::dispatch_backward<128>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s); break;
+    case 16: attn::dispatch_backward<16>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s, kv_share); break;
+    case 32: attn::dispatch_backward<32>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s, kv_share); break;
+    case 64: attn::dispatch_backward<64>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s, kv_share); break;
+    default: attn::dispatch_backward<128>(dqkv, scratch, dout, out, lse, qkv, pb, drop, s, kv_share); break;
   }
 }
 

@@ -33,6 +33,7 @@ inline constexpr int kPad = D + 8;
 // What every attention kernel needs to know about the problem.
 struct Problem {
   int B, T, H;
+  int K;                         // key/value heads (H: multi-head); query head h reads kv head h / (H / K)
   int head_offset, heads_total;  // for the dropout stream index
   std::int64_t seq_offset;       // likewise: the global index of sequence 0
   float scale;                   // softmax scale
@@ -41,6 +42,21 @@ struct Problem {
   std::uint32_t threshold;       // dropout_threshold(p)
   rng::PhiloxArgs rng;
 };
+
+// The fused QKV's token stride ([B, T, H + 2K, D]) and where query head h's q, k and v start in a
+// token's row.
+__host__ __device__ __forceinline__ std::int64_t qkv_ld(const Problem& p, int D) {
+  return static_cast<std::int64_t>(p.H + 2 * p.K) * D;
+}
+__host__ __device__ __forceinline__ std::int64_t q_at(const Problem&, int h, int D) {
+  return static_cast<std::int64_t>(h) * D;
+}
+__host__ __device__ __forceinline__ std::int64_t k_at(const Problem& p, int h, int D) {
+  return static_cast<std::int64_t>(p.H + h / (p.H / p.K)) * D;
+}
+__host__ __device__ __forceinline__ std::int64_t v_at(const Problem& p, int h, int D) {
+  return static_cast<std::int64_t>(p.H + p.K + h / (p.H / p.K)) * D;
+}
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -341,7 +357,7 @@ __device__ __forceinline__ void keep_bits_col16(std::uint64_t seed, std::uint64_
 // ---------------------------------------------------------------------------------------------
 // Checks the arguments shared by forward and backward (throws kiln::Error) and returns the Problem.
 inline Problem make_problem(int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                            int head_offset, int heads_total, std::int64_t seq_offset, const char* op) {
+                            int head_offset, int heads_total, std::int64_t seq_offset, const char* op, int K) {
   KILN_CHECK(D == 16 || D == 32 || D == 64 || D == 128, op, ": head dim D = ", D,
              " is not supported (the CUDA kernels take D = 16, 32, 64 or 128)");
   KILN_CHECK(B >= 0 && T >= 0 && H >= 0, op, ": bad shape B=", B, " T=", T, " H=", H);
@@ -352,10 +368,13 @@ inline Problem make_problem(int B, int T, int H, int D, float scale, float dropo
   if (heads_total == 0) heads_total = H;
   KILN_CHECK(head_offset >= 0 && head_offset + H <= heads_total, op, ": heads [", head_offset, ", ",
              head_offset + H, ") outside ", heads_total);
+  if (K == 0) K = H;
+  KILN_CHECK(K > 0 ? H % K == 0 : H == 0, op, ": ", K, " key/value heads do not divide ", H, " query heads");
   Problem p{};
   p.B = B;
   p.T = T;
   p.H = H;
+  p.K = K > 0 ? K : 1;
   p.head_offset = head_offset;
   p.heads_total = heads_total;
   KILN_CHECK(seq_offset >= 0, op, ": negative sequence offset ", seq_offset);

@@ -52,12 +52,15 @@ __device__ __forceinline__ void merge(float& m, float& s, float (&a)[E], float m
 template <int E>
 __global__ void __launch_bounds__(kThreads)
     decode_kernel(bf16* __restrict__ out, float* __restrict__ part, const bf16* __restrict__ qkv, int Tmax, int H,
-                  int D, int length, int chunk, float scale_log2) {
+                  int D, int length, int chunk, float scale_log2, int K) {
   const int bh = blockIdx.x, split = blockIdx.y, b = bh / H, h = bh - b * H;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const std::int64_t ld = 3LL * H * D;
-  const bf16* seq = qkv + static_cast<std::int64_t>(b) * Tmax * ld + static_cast<std::int64_t>(h) * D;
-  const bf16* q = seq + static_cast<std::int64_t>(length - 1) * ld;
+  const std::int64_t ld = static_cast<std::int64_t>(H + 2 * K) * D;  // [B, Tmax, H + 2K, D]
+  const int kv = h / (H / K);
+  const bf16* seq = qkv + static_cast<std::int64_t>(b) * Tmax * ld;
+  const bf16* q = seq + static_cast<std::int64_t>(length - 1) * ld + static_cast<std::int64_t>(h) * D;
+  const bf16* keys = seq + static_cast<std::int64_t>(H + kv) * D;
+  const bf16* values = seq + static_cast<std::int64_t>(H + K + kv) * D;
   float qf[E], acc[E];
 #pragma unroll
   for (int i = 0; i < E; ++i) {
@@ -74,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
       const int t = tb + u * kWarps;
       float dot = 0.0f;
       if (t < t1) {
-        const bf16* k = seq + static_cast<std::int64_t>(t) * ld + static_cast<std::int64_t>(H) * D;
+        const bf16* k = keys + static_cast<std::int64_t>(t) * ld;
 #pragma unroll
         for (int i = 0; i < E; ++i) {
           const int d = lane + kWarp * i;
@@ -97,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
       if (t < t1) {
         const float p = exp2f(score[u] - mn);
         s += p;
-        const bf16* v = seq + static_cast<std::int64_t>(t) * ld + 2LL * H * D;
+        const bf16* v = values + static_cast<std::int64_t>(t) * ld;
 #pragma unroll
         for (int i = 0; i < E; ++i) {
           const int d = lane + kWarp * i;
@@ -160,9 +163,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(bf16* __restrict__ ou
 
 template <int E>
 void launch(bf16* out, float* scratch, const bf16* qkv, int BH, int Tmax, int H, int D, int length, float scale_log2,
-            Split sp, cudaStream_t s) {
+            Split sp, cudaStream_t s, int K) {
   decode_kernel<E><<<dim3(BH, sp.splits), kThreads, 0, s>>>(out, scratch, qkv, Tmax, H, D, length, sp.chunk,
-                                                            scale_log2);
+                                                            scale_log2, K);
   KILN_CUDA_LAUNCH_CHECK();
   if (sp.splits == 1) return;
   combine_kernel<<<BH, kThreads, 0, s>>>(out, scratch, D, sp.splits);
@@ -180,7 +183,9 @@ std::int64_t attention_decode_scratch(int B, int H, int D, int length) {
 }
 
 void attention_decode(bf16* out, float* scratch, const bf16* qkv, int B, int Tmax, int H, int D, int length,
-                      float scale, cudaStream_t s) {
+                      float scale, cudaStream_t s, int kv_heads) {
+  const int K = kv_heads ? kv_heads : H;
+  KILN_CHECK(K > 0 ? H % K == 0 : H == 0, "attention_decode: ", K, " key/value heads do not divide ", H, " query heads");
   KILN_CHECK(D >= 1 && D <= 256, "attention_decode: head dim D = ", D, " is not supported (the kernel takes D <= 256)");
   KILN_CHECK(length >= 1 && length <= Tmax, "attention_decode: length ", length, " outside [1, Tmax = ", Tmax, "]");
   KILN_CHECK(static_cast<std::int64_t>(B) * H <= 0x7fffffff, "attention_decode: B * H is too large");
@@ -189,13 +194,13 @@ void attention_decode(bf16* out, float* scratch, const bf16* qkv, int B, int Tma
   const decode::Split sp = decode::split_of(BH, length);
   const float sl = scale * decode::kLog2e;
   if (D <= 32)
-    decode::launch<1>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s);
+    decode::launch<1>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s, K > 0 ? K : 1);
   else if (D <= 64)
-    decode::launch<2>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s);
+    decode::launch<2>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s, K > 0 ? K : 1);
   else if (D <= 128)
-    decode::launch<4>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s);
+    decode::launch<4>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s, K > 0 ? K : 1);
   else
-    decode::launch<8>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s);
+    decode::launch<8>(out, scratch, qkv, BH, Tmax, H, D, length, sl, sp, s, K > 0 ? K : 1);
 }
 
 }  // namespace kiln::cuda

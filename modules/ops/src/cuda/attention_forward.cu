@@ -55,10 +55,11 @@ __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restri
   const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest (last) query blocks start first
   const int wr0 = q0 + warp * 16 * MT;                // first query row of this warp
-  const std::int64_t ld = 3LL * H * D;                // token stride of qkv
-  const bf16* gQ = qkv + static_cast<std::int64_t>(b) * T * ld + h * D;
-  const bf16* gK = gQ + H * D;
-  const bf16* gV = gK + H * D;
+  const std::int64_t ld = qkv_ld(pb, D);              // token stride of qkv
+  const bf16* base = qkv + static_cast<std::int64_t>(b) * T * ld;
+  const bf16* gQ = base + q_at(pb, h, D);
+  const bf16* gK = base + k_at(pb, h, D);
+  const bf16* gV = base + v_at(pb, h, D);
   const int n_tiles = (min(q0 + BM, T) + BN - 1) / BN;  // keys [0, last row of the block]
 
   load_tile<D, BM, NT>(sQ, gQ, ld, q0, T, tid);
@@ -300,10 +301,11 @@ __global__ void __launch_bounds__(C::NT, 1)
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BM;  // the longest (last) query blocks start first
   const int wg0 = q0 + wg * 64;                      // first query row of this warpgroup
   const int wr0 = wg0 + (warp & 3) * 16;             // first query row of this warp
-  const std::int64_t ld = 3LL * H * D;
-  const bf16* gQ = qkv + static_cast<std::int64_t>(b) * T * ld + h * D;
-  const bf16* gK = gQ + H * D;
-  const bf16* gV = gK + H * D;
+  const std::int64_t ld = qkv_ld(pb, D);
+  const bf16* base = qkv + static_cast<std::int64_t>(b) * T * ld;
+  const bf16* gQ = base + q_at(pb, h, D);
+  const bf16* gK = base + k_at(pb, h, D);
+  const bf16* gV = base + v_at(pb, h, D);
   const int n_tiles = (min(q0 + BM, T) + BN - 1) / BN;
 
   load_tile_sw128<D, BM, NT>(sQ, gQ, ld, q0, T, tid);
@@ -484,9 +486,9 @@ void dispatch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb,
 
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
                        rng::PhiloxArgs rng, int head_offset, int heads_total, std::int64_t seq_offset,
-                       cudaStream_t s) {
+                       cudaStream_t s, int kv_heads) {
   const attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
-                                              "attention_forward");
+                                              "attention_forward", kv_heads);
   if (static_cast<std::int64_t>(B) * T * H == 0) return;
   KILN_CHECK(attn::aligned16(out) && attn::aligned16(qkv), "attention_forward: qkv and out must be 16-byte aligned");
   KILN_CHECK(static_cast<std::int64_t>(B) * H <= 0x7fffffff, "attention_forward: B * H = ", static_cast<std::int64_t>(B) * H, " is too large");

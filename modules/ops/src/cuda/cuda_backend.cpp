@@ -357,6 +357,41 @@ void CudaBackend::gelu_forward(const GeluForward& a) {
   cuda::gelu_forward(dptr<bf16>(a.out), dptr<bf16>(a.x), n, stream_);
 }
 
+void CudaBackend::rmsnorm_forward(const RmsNormForward& a) {
+  Timer t(*this, "rmsnorm_forward");
+  const RowDims d = check_args(a, kTarget);
+  cuda::rmsnorm_forward(dptr<bf16>(a.out), dptr<float>(a.rstd), dptr<bf16>(a.x), dptr<bf16>(a.weight), i32(d.N),
+                        i32(d.C), a.eps, stream_);
+}
+
+void CudaBackend::rmsnorm_backward(const RmsNormBackward& a) {
+  Timer t(*this, "rmsnorm_backward");
+  const RowDims d = check_args(a, kTarget);
+  const int N = i32(d.N), C = i32(d.C);
+  float* scratch = scratch_floats(cuda::rmsnorm_backward_scratch(N, C));
+  cuda::rmsnorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.x),
+                         dptr<bf16>(a.weight), dptr<float>(a.rstd), N, C, stream_);
+}
+
+void CudaBackend::rope(const Rope& a) {
+  Timer t(*this, "rope");
+  const RopeDims d = check_args(a, kTarget);
+  cuda::rope(dptr<bf16>(a.x), i32(d.B), i32(d.T), i32(d.heads), a.rotated_heads, i32(d.D), a.theta, a.pos_offset,
+             a.inverse, stream_);
+}
+
+void CudaBackend::swiglu_forward(const SwigluForward& a) {
+  Timer t(*this, "swiglu_forward");
+  const RowDims d = check_args(a, kTarget);
+  cuda::swiglu_forward(dptr<bf16>(a.out), dptr<bf16>(a.x), d.N, i32(d.C), stream_);
+}
+
+void CudaBackend::swiglu_backward(const SwigluBackward& a) {
+  Timer t(*this, "swiglu_backward");
+  const RowDims d = check_args(a, kTarget);
+  cuda::swiglu_backward(dptr<bf16>(a.dx), dptr<bf16>(a.dout), dptr<bf16>(a.x), d.N, i32(d.C), stream_);
+}
+
 std::size_t CudaBackend::device_memory_in_use() const {
   // Device-wide free memory is all CUDA reports; its drop since construction is what this process
   // (mostly this backend and its model) has taken, other processes on the GPU aside.
@@ -396,28 +431,31 @@ void CudaBackend::attention_forward(const AttentionForward& a) {
   Timer t(*this, "attention_forward");
   const AttentionDims d = check_args(a, kTarget);
   const int B = i32(d.B), T = i32(d.T), H = i32(d.H), D = i32(d.D);
-  if (use_cudnn_attention(a.dropout, B, T, H, D)) {
+  // Grouped-query attention runs kiln's kernels (kiln's cuDNN graphs are multi-head only, for now).
+  const bool grouped = a.kv_heads != 0 && a.kv_heads != H;
+  if (!grouped && use_cudnn_attention(a.dropout, B, T, H, D)) {
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->forward_workspace_bytes(B, T, H, D) / sizeof(float)));
     cudnn_->forward(a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
     return;
   }
   cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout,
-                          a.rng, a.head_offset, i32(d.heads_total), a.seq_offset, stream_);
+                          a.rng, a.head_offset, i32(d.heads_total), a.seq_offset, stream_, a.kv_heads);
 }
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
   Timer t(*this, "attention_backward");
   const AttentionDims d = check_args(a, kTarget);
   const int B = i32(d.B), T = i32(d.T), H = i32(d.H), D = i32(d.D);
-  if (use_cudnn_attention(a.dropout, B, T, H, D)) {
+  const bool grouped = a.kv_heads != 0 && a.kv_heads != H;
+  if (!grouped && use_cudnn_attention(a.dropout, B, T, H, D)) {
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->backward_workspace_bytes(B, T, H, D) / sizeof(float)));
     cudnn_->backward(a.dqkv.data, a.dout.data, a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
     return;
   }
-  float* scratch = scratch_floats(cuda::attention_backward_scratch(B, T, H));
+  float* scratch = scratch_floats(cuda::attention_backward_scratch(B, T, H, D, a.kv_heads));
   cuda::attention_backward(dptr<bf16>(a.dqkv), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.out), dptr<float>(a.lse),
                            dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout, a.rng, a.head_offset,
-                           i32(d.heads_total), a.seq_offset, stream_);
+                           i32(d.heads_total), a.seq_offset, stream_, a.kv_heads);
 }
 
 void CudaBackend::attention_decode(const AttentionDecode& a) {
@@ -425,7 +463,8 @@ void CudaBackend::attention_decode(const AttentionDecode& a) {
   const AttentionDecodeDims d = check_args(a, kTarget);
   const int B = i32(d.B), H = i32(d.H), D = i32(d.D), length = i32(d.length);
   float* scratch = scratch_floats(cuda::attention_decode_scratch(B, H, D, length));
-  cuda::attention_decode(dptr<bf16>(a.out), scratch, dptr<bf16>(a.qkv), B, i32(d.Tmax), H, D, length, a.scale, stream_);
+  cuda::attention_decode(dptr<bf16>(a.out), scratch, dptr<bf16>(a.qkv), B, i32(d.Tmax), H, D, length, a.scale, stream_,
+                         a.kv_heads);
 }
 
 void CudaBackend::residual_forward(const ResidualForward& a) {

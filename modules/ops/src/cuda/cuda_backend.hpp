@@ -47,6 +47,11 @@ class CudaBackend final : public Backend {
   void linear_forward(const LinearForward& a) override;
   void linear_backward(const LinearBackward& a) override;
   void gelu_forward(const GeluForward& a) override;
+  void rmsnorm_forward(const RmsNormForward& a) override;
+  void rmsnorm_backward(const RmsNormBackward& a) override;
+  void rope(const Rope& a) override;
+  void swiglu_forward(const SwigluForward& a) override;
+  void swiglu_backward(const SwigluBackward& a) override;
   void attention_forward(const AttentionForward& a) override;
   void attention_backward(const AttentionBackward& a) override;
   void attention_decode(const AttentionDecode& a) override;

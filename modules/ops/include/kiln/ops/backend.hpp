@@ -119,6 +119,48 @@ struct GeluForward {
   TensorView x;    // act, same element count
 };
 
+// RMSNorm (Llama): out = x * rstd * weight, rstd = 1 / sqrt(mean over the row of x^2 + eps).
+struct RmsNormForward {
+  TensorView out;     // [N, C] act
+  TensorView rstd;    // [N] f32
+  TensorView x;       // [N, C] act
+  TensorView weight;  // [C] act
+  float eps = 1e-5f;
+};
+struct RmsNormBackward {
+  TensorView dx;       // [N, C] act, ACCUMULATED (the residual stream's gradient)
+  TensorView dweight;  // [C] f32, accumulated
+  TensorView dout;     // [N, C] act
+  TensorView x;        // [N, C] act (forward input)
+  TensorView weight;   // [C] act
+  TensorView rstd;     // [N] f32
+};
+
+// Rotary position embedding, in place, on the first `rotated_heads` heads of every position of
+// x = [B, T, heads, D] (the fused QKV: its query and key heads). For i < D/2 the pair (x[i],
+// x[i + D/2]) rotates by the angle (pos_offset + t) * theta^(-2i/D), t the position in its sequence
+// (rotate_half, the layout of Hugging Face's Llama). inverse: by minus the angle, which is the
+// backward pass (the rotation's transpose) applied to the gradient.
+struct Rope {
+  TensorView x;  // [B, T, heads, D] act, rotated in place
+  int rotated_heads = 0;
+  float theta = 10000.0f;
+  std::int64_t pos_offset = 0;
+  bool inverse = false;
+};
+
+// SwiGLU (Llama's MLP): out[n, f] = silu(x[n, f]) * x[n, F + f], silu(g) = g / (1 + exp(-g)): x
+// holds the gate projection's F columns, then the up projection's (FC1's output).
+struct SwigluForward {
+  TensorView out;  // [N, F] act
+  TensorView x;    // [N, 2F] act
+};
+struct SwigluBackward {
+  TensorView dx;    // [N, 2F] act (written; may not alias x)
+  TensorView dout;  // [N, F] act
+  TensorView x;     // [N, 2F] act (forward input)
+};
+
 struct LinearBackward {
   TensorView dx;           // [N, IC] act = dout @ weight; optional (skipped when empty)
   TensorView dweight;      // [OC, IC] f32, accumulated: += dout^T @ x (written: = with dweight_overwrite)
@@ -146,29 +188,35 @@ struct LinearBackward {
 // (((seq_offset + b) * heads_total + head_offset + h) * T + i) * T + j, so a tensor-parallel shard
 // of the heads, or a data-parallel rank's (or micro-batch's) sequences, draws what the whole
 // step's batch would.
+// Grouped-query attention (kv_heads = K > 0, H a multiple of K): qkv is [B, T, H + 2K, D], the H
+// query heads, then K key heads, then K value heads of each position; query head h reads key and
+// value head h / (H / K) (K = 1: multi-query). kv_heads = 0 is the [B, T, 3, H, D] layout of
+// multi-head attention (the same bytes as kv_heads = H).
 struct AttentionForward {
   TensorView out;  // [B, T, H, D] act
   TensorView lse;  // [B, H, T] f32: log-sum-exp of each row of the scaled scores
-  TensorView qkv;  // [B, T, 3, H, D] act
+  TensorView qkv;  // [B, T, 3, H, D] act, or [B, T, H + 2 kv_heads, D]
   float scale = 0;
   float dropout = 0;
   rng::PhiloxArgs rng;
   int head_offset = 0;
   int heads_total = 0;  // 0: H
   std::int64_t seq_offset = 0;  // the global index of sequence 0 (dropout)
+  int kv_heads = 0;             // 0: multi-head attention
 };
 struct AttentionBackward {
-  TensorView dqkv;  // [B, T, 3, H, D] act
+  TensorView dqkv;  // qkv's shape, act; a key or value head's gradient sums over its query heads
   TensorView dout;  // [B, T, H, D] act
   TensorView out;   // [B, T, H, D] act (forward output)
   TensorView lse;   // [B, H, T] f32
-  TensorView qkv;   // [B, T, 3, H, D] act
+  TensorView qkv;   // [B, T, 3, H, D] act, or [B, T, H + 2 kv_heads, D]
   float scale = 0;
   float dropout = 0;
   rng::PhiloxArgs rng;
   int head_offset = 0;
   int heads_total = 0;
   std::int64_t seq_offset = 0;
+  int kv_heads = 0;
 };
 
 // Attention of the newest position of each sequence over every position so far (generation with a
@@ -178,9 +226,10 @@ struct AttentionBackward {
 // QKV linear writes each new row straight into it, and a prompt's rows are attention_forward's input.
 struct AttentionDecode {
   TensorView out;  // [B, H, D] act
-  TensorView qkv;  // [B, Tmax, 3, H, D] act; rows [0, length) are read
+  TensorView qkv;  // [B, Tmax, 3, H, D] act, or [B, Tmax, H + 2 kv_heads, D]; rows [0, length) are read
   int length = 0;  // 1 <= length <= Tmax
   float scale = 0;
+  int kv_heads = 0;  // as AttentionForward
 };
 
 // out = residual + dropout(x)
@@ -297,6 +346,11 @@ class Backend {
   virtual void linear_forward(const LinearForward& a) = 0;
   virtual void linear_backward(const LinearBackward& a) = 0;
   virtual void gelu_forward(const GeluForward& a) = 0;
+  virtual void rmsnorm_forward(const RmsNormForward& a) = 0;
+  virtual void rmsnorm_backward(const RmsNormBackward& a) = 0;
+  virtual void rope(const Rope& a) = 0;
+  virtual void swiglu_forward(const SwigluForward& a) = 0;
+  virtual void swiglu_backward(const SwigluBackward& a) = 0;
   virtual void attention_forward(const AttentionForward& a) = 0;
   virtual void attention_backward(const AttentionBackward& a) = 0;
   virtual void attention_decode(const AttentionDecode& a) = 0;

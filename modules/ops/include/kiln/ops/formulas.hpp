@@ -34,6 +34,34 @@ KILN_HD float gelu_grad(float x) {
   return s + 2.0f * x * (s * (1.0f - s)) * du;
 }
 
+// SiLU (swish) through the logistic function, and its derivative: silu(g) = g s, s = 1 / (1 + e^-g);
+// silu'(g) = s (1 + g (1 - s)). SwiGLU is silu(gate) * up.
+KILN_HD float silu_logistic(float g) {
+#ifdef __CUDA_ARCH__
+  return __fdividef(1.0f, 1.0f + __expf(-g));
+#else
+  return 1.0f / (1.0f + std::exp(-g));
+#endif
+}
+KILN_HD float silu(float g) { return g * silu_logistic(g); }
+KILN_HD float silu_grad(float g) {
+  const float s = silu_logistic(g);
+  return s * (1.0f + g * (1.0f - s));
+}
+
+// RoPE's inverse frequency of pair i of a D-wide head: theta^(-2i/D), in f32 as Hugging Face's
+// Llama computes it; the angle of position pos is pos * rope_inv_freq(i, D, theta), rounded to f32.
+KILN_HD float rope_inv_freq(int i, int D, float theta) {
+  return 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+}
+
+// RMSNorm's rstd of one row as the CPU backend computes it (one pass in f32).
+inline float rmsnorm_row_rstd(const float* x, std::int64_t C, float eps) {
+  float ss = 0;
+  for (std::int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
+  return 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+}
+
 // LayerNorm's output from an element's statistics (mean, rstd = 1 / sqrt(var + eps)).
 KILN_HD float layernorm_apply(float x, float mean, float rstd, float w, float b) { return (x - mean) * rstd * w + b; }
 

@@ -49,6 +49,19 @@ std::int64_t layernorm_backward_scratch(int N, int C);
 void layernorm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const bf16* dout, const bf16* x,
                         const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s);
 
+// ---- Llama's ops: RMSNorm, rotary embeddings, SwiGLU ----
+void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, int N, int C, float eps, cudaStream_t s);
+// dx is accumulated (bf16). `scratch` holds rmsnorm_backward_scratch(N, C) floats.
+std::int64_t rmsnorm_backward_scratch(int N, int C);
+void rmsnorm_backward(bf16* dx, float* dweight, float* scratch, const bf16* dout, const bf16* x, const bf16* weight,
+                      const float* rstd, int N, int C, cudaStream_t s);
+// In place on the first `rotated` heads of x [B, T, heads, D] (ops::Rope).
+void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, std::int64_t pos_offset, bool inverse,
+          cudaStream_t s);
+// x [N, 2F] = gate | up; out [N, F]; dx [N, 2F] written.
+void swiglu_forward(bf16* out, const bf16* x, std::int64_t N, int F, cudaStream_t s);
+void swiglu_backward(bf16* dx, const bf16* dout, const bf16* x, std::int64_t N, int F, cudaStream_t s);
+
 // ---- residual and dropout ----
 void residual_forward(bf16* out, const bf16* residual, const bf16* x, int N, int C, const ops::DropoutArgs& d,
                       cudaStream_t s);
@@ -62,22 +75,23 @@ std::int64_t bias_grad_tickets(int OC);
 void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s);
 
 // ---- attention (flash-style, causal, deterministic backward) ----
-// q, k, v interleaved as qkv [B, T, 3, H, D]; out [B, T, H, D]; lse [B, H, T]. D in {16, 32, 64, 128}.
+// q, k, v interleaved as qkv [B, T, 3, H, D] (kv_heads = 0), or grouped: [B, T, H + 2 kv_heads, D]
+// (ops::AttentionForward); out [B, T, H, D]; lse [B, H, T]. D in {16, 32, 64, 128}.
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
                        rng::PhiloxArgs rng, int head_offset, int heads_total, std::int64_t seq_offset,
-                       cudaStream_t s);
-// `scratch` holds attention_backward_scratch(B, T, H) floats.
-std::int64_t attention_backward_scratch(int B, int T, int H);
+                       cudaStream_t s, int kv_heads = 0);
+// `scratch` holds attention_backward_scratch(B, T, H, D, kv_heads) floats, 16-byte aligned.
+std::int64_t attention_backward_scratch(int B, int T, int H, int D, int kv_heads = 0);
 void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* out, const float* lse,
                         const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s);
+                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s, int kv_heads = 0);
 
 // ---- decode attention (generation with a KV cache; see ops::AttentionDecode) ----
-// qkv [B, Tmax, 3, H, D], the query at row length - 1; out [B, H, D]; any D <= 256. `scratch` holds
-// attention_decode_scratch(B, H, D, length) floats (0: none needed).
+// qkv [B, Tmax, 3, H, D] or [B, Tmax, H + 2 kv_heads, D], the query at row length - 1; out [B, H, D];
+// any D <= 256. `scratch` holds attention_decode_scratch(B, H, D, length) floats (0: none needed).
 std::int64_t attention_decode_scratch(int B, int H, int D, int length);
 void attention_decode(bf16* out, float* scratch, const bf16* qkv, int B, int Tmax, int H, int D, int length,
-                      float scale, cudaStream_t s);
+                      float scale, cudaStream_t s, int kv_heads = 0);
 
 // ---- loss and optimizer ----
 void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real, float dloss,

@@ -1,0 +1,243 @@
+// Llama's ops on the CPU reference backend: RMSNorm, rotary embeddings, SwiGLU and grouped-query
+// attention, each backward against central finite differences of its forward (the loss is
+// L = sum(out * w) with fixed random weights w), and the forwards against direct formulas.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "kiln/ops/backend.hpp"
+#include "kiln/ops/formulas.hpp"
+#include "op_harness.hpp"
+
+using namespace kiln;
+using kiln::test::random_values;
+
+namespace {
+
+TensorView view(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
+
+double dot(const std::vector<float>& a, const std::vector<float>& w) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += double(a[i]) * w[i];
+  return s;
+}
+
+// analytic[i] against the central difference of loss() in x[i], relative to the largest |gradient|.
+void check_gradient(const char* what, std::vector<float>& x, const std::vector<float>& analytic,
+                    const std::function<double()>& loss, int samples = 60, float h = 1e-2f, double tol = 2e-3) {
+  REQUIRE(x.size() == analytic.size());
+  double scale = 1e-6;
+  for (float g : analytic) scale = std::max(scale, double(std::fabs(g)));
+  const std::size_t step = std::max<std::size_t>(1, x.size() / samples);
+  double worst = 0;
+  for (std::size_t i = 0; i < x.size(); i += step) {
+    const float saved = x[i];
+    x[i] = saved + h;
+    const double lp = loss();
+    x[i] = saved - h;
+    const double lm = loss();
+    x[i] = saved;
+    worst = std::max(worst, std::fabs((lp - lm) / (2.0 * h) - analytic[i]) / scale);
+  }
+  INFO(what << ": worst error relative to max |grad| = " << worst);
+  CHECK(worst < tol);
+}
+
+std::unique_ptr<ops::Backend> cpu() { return ops::make_cpu_backend({.round_bf16 = false, .threads = 2}); }
+
+}  // namespace
+
+TEST_CASE("rmsnorm: rows of unit root mean square times the weight; backward matches finite differences") {
+  auto b = cpu();
+  const int N = 7, C = 13;
+  auto x = random_values(N * C, 50, 2.0f, 0.3f), w = random_values(C, 51, 0.5f, 1.0f), lw = random_values(N * C, 52);
+  std::vector<float> out(N * C), rstd(N);
+  auto forward = [&] {
+    b->rmsnorm_forward({view(out, {N, C}), view(rstd, {N}), view(x, {N, C}), view(w, {C}), 1e-5f});
+    return dot(out, lw);
+  };
+  forward();
+  for (int n = 0; n < N; ++n) {
+    double ss = 0;
+    for (int c = 0; c < C; ++c) ss += double(out[n * C + c] / w[c]) * (out[n * C + c] / w[c]);
+    CHECK(std::sqrt(ss / C) == doctest::Approx(1.0).epsilon(1e-4));
+  }
+  auto start = random_values(N * C, 53);  // dx accumulates onto this
+  std::vector<float> dx = start, dw = random_values(C, 54), dw0 = dw;
+  b->rmsnorm_backward({view(dx, {N, C}), view(dw, {C}), view(lw, {N, C}), view(x, {N, C}), view(w, {C}),
+                       view(rstd, {N})});
+  for (int i = 0; i < N * C; ++i) dx[i] -= start[i];
+  for (int c = 0; c < C; ++c) dw[c] -= dw0[c];
+  check_gradient("rmsnorm dx", x, dx, forward);
+  check_gradient("rmsnorm dw", w, dw, forward);
+}
+
+TEST_CASE("rope rotates each query and key pair by its position's angle; the inverse undoes it") {
+  auto b = cpu();
+  const int B = 2, T = 5, heads = 5, rotated = 3, D = 6;
+  const float theta = 500000.0f;
+  const auto x0 = random_values(B * T * heads * D, 60);
+  auto x = x0;
+  b->rope({view(x, {B, T, heads, D}), rotated, theta, 3});
+  for (int bb = 0; bb < B; ++bb)
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < heads; ++h)
+        for (int i = 0; i < D / 2; ++i) {
+          const std::size_t at = ((bb * T + t) * heads + h) * D;
+          const double angle = (3 + t) * std::pow(double(theta), -2.0 * i / D);
+          const double a = x0[at + i], c = x0[at + i + D / 2];
+          const double want0 = h < rotated ? a * std::cos(angle) - c * std::sin(angle) : a;
+          const double want1 = h < rotated ? c * std::cos(angle) + a * std::sin(angle) : c;
+          CHECK(x[at + i] == doctest::Approx(want0).epsilon(1e-4));
+          CHECK(x[at + i + D / 2] == doctest::Approx(want1).epsilon(1e-4));
+        }
+  b->rope({view(x, {B, T, heads, D}), rotated, theta, 3, true});
+  for (std::size_t i = 0; i < x.size(); ++i) CHECK(x[i] == doctest::Approx(x0[i]).epsilon(1e-5));
+}
+
+TEST_CASE("rope backward (the inverse rotation of the gradient) matches finite differences") {
+  auto b = cpu();
+  const int B = 2, T = 4, heads = 3, rotated = 2, D = 8;
+  auto x = random_values(B * T * heads * D, 61), lw = random_values(x.size(), 62);
+  auto forward = [&] {
+    std::vector<float> y = x;
+    b->rope({view(y, {B, T, heads, D}), rotated, 10000.0f, 1});
+    return dot(y, lw);
+  };
+  std::vector<float> dx = lw;
+  b->rope({view(dx, {B, T, heads, D}), rotated, 10000.0f, 1, true});
+  check_gradient("rope dx", x, dx, forward);
+}
+
+TEST_CASE("swiglu is silu(gate) * up; backward matches finite differences") {
+  auto b = cpu();
+  const int N = 6, F = 11;
+  auto x = random_values(N * 2 * F, 70, 2.0f), lw = random_values(N * F, 71);
+  std::vector<float> out(N * F);
+  auto forward = [&] {
+    b->swiglu_forward({view(out, {N, F}), view(x, {N, 2 * F})});
+    return dot(out, lw);
+  };
+  forward();
+  for (int n = 0; n < N; ++n)
+    for (int f = 0; f < F; ++f) {
+      const double g = x[n * 2 * F + f], u = x[n * 2 * F + F + f];
+      CHECK(out[n * F + f] == doctest::Approx(g / (1 + std::exp(-g)) * u).epsilon(1e-5));
+    }
+  std::vector<float> dx(x.size());
+  b->swiglu_backward({view(dx, {N, 2 * F}), view(lw, {N, F}), view(x, {N, 2 * F})});
+  check_gradient("swiglu dx", x, dx, forward);
+}
+
+TEST_CASE("grouped-query attention equals multi-head attention on keys and values repeated per group") {
+  auto b = cpu();
+  const int B = 2, T = 7, H = 6, D = 4;
+  for (int K : {1, 2, 3, 6}) {
+    INFO("kv_heads = " << K);
+    const int g = H / K;
+    auto qkv = random_values(B * T * (H + 2 * K) * D, 80 + K);
+    // The same attention as multi-head: [B, T, 3, H, D] with key/value head h / g copied to head h.
+    std::vector<float> mha(B * T * 3 * H * D);
+    for (int p = 0; p < B * T; ++p)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) {
+          const float* row = qkv.data() + p * (H + 2 * K) * D;
+          mha[(p * 3 + 0) * H * D + h * D + d] = row[h * D + d];
+          mha[(p * 3 + 1) * H * D + h * D + d] = row[(H + h / g) * D + d];
+          mha[(p * 3 + 2) * H * D + h * D + d] = row[(H + K + h / g) * D + d];
+        }
+    std::vector<float> out(B * T * H * D), lse(B * H * T), out_mha(out.size()), lse_mha(lse.size());
+    const rng::PhiloxArgs r{99, 3, nullptr};
+    ops::AttentionForward a{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f,
+                            0.2f, r};
+    a.kv_heads = K;
+    b->attention_forward(a);
+    b->attention_forward({view(out_mha, {B, T, H, D}), view(lse_mha, {B, H, T}), view(mha, {B, T, 3, H, D}), 0.5f,
+                          0.2f, r});
+    CHECK(out == out_mha);
+    CHECK(lse == lse_mha);
+    // The backward: dq per head, dk and dv summed over each group's heads.
+    auto dout = random_values(out.size(), 90 + K);
+    std::vector<float> dqkv(qkv.size()), dmha(mha.size());
+    ops::AttentionBackward g_args{view(dqkv, {B, T, H + 2 * K, D}), view(dout, {B, T, H, D}), view(out, {B, T, H, D}),
+                                  view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f, 0.2f, r};
+    g_args.kv_heads = K;
+    b->attention_backward(g_args);
+    b->attention_backward({view(dmha, {B, T, 3, H, D}), view(dout, {B, T, H, D}), view(out_mha, {B, T, H, D}),
+                           view(lse_mha, {B, H, T}), view(mha, {B, T, 3, H, D}), 0.5f, 0.2f, r});
+    double worst = 0;
+    for (int p = 0; p < B * T; ++p)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) {
+          const float* row = dqkv.data() + p * (H + 2 * K) * D;
+          worst = std::max(worst, double(std::fabs(row[h * D + d] - dmha[(p * 3 + 0) * H * D + h * D + d])));
+        }
+    for (int p = 0; p < B * T; ++p)
+      for (int kv = 0; kv < K; ++kv)
+        for (int d = 0; d < D; ++d) {
+          double sk = 0, sv = 0;
+          for (int j = 0; j < g; ++j) {
+            sk += dmha[(p * 3 + 1) * H * D + (kv * g + j) * D + d];
+            sv += dmha[(p * 3 + 2) * H * D + (kv * g + j) * D + d];
+          }
+          const float* row = dqkv.data() + p * (H + 2 * K) * D;
+          worst = std::max({worst, std::fabs(row[(H + kv) * D + d] - sk), std::fabs(row[(H + K + kv) * D + d] - sv)});
+        }
+    CHECK(worst < 1e-5);
+  }
+}
+
+TEST_CASE("grouped-query attention backward matches finite differences") {
+  auto b = cpu();
+  const int B = 2, T = 5, H = 4, K = 2, D = 4;
+  auto qkv = random_values(B * T * (H + 2 * K) * D, 95), lw = random_values(B * T * H * D, 96);
+  std::vector<float> out(B * T * H * D), lse(B * H * T);
+  auto forward = [&] {
+    ops::AttentionForward a{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+    a.kv_heads = K;
+    b->attention_forward(a);
+    return dot(out, lw);
+  };
+  forward();
+  std::vector<float> dqkv(qkv.size());
+  ops::AttentionBackward a{view(dqkv, {B, T, H + 2 * K, D}), view(lw, {B, T, H, D}), view(out, {B, T, H, D}),
+                           view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+  a.kv_heads = K;
+  b->attention_backward(a);
+  check_gradient("gqa dqkv", qkv, dqkv, forward, 100);
+}
+
+TEST_CASE("grouped-query decode is row length - 1 of the grouped forward") {
+  auto b = cpu();
+  const int B = 2, Tmax = 9, H = 4, K = 1, D = 8, length = 6;
+  auto qkv = random_values(B * Tmax * (H + 2 * K) * D, 97);
+  std::vector<float> dec(B * H * D);
+  ops::AttentionDecode a{view(dec, {B, H, D}), view(qkv, {B, Tmax, H + 2 * K, D}), length, 0.35f};
+  a.kv_heads = K;
+  b->attention_decode(a);
+  std::vector<float> prefix(B * length * (H + 2 * K) * D);
+  for (int bb = 0; bb < B; ++bb)
+    std::copy_n(qkv.begin() + bb * Tmax * (H + 2 * K) * D, length * (H + 2 * K) * D,
+                prefix.begin() + bb * length * (H + 2 * K) * D);
+  std::vector<float> out(B * length * H * D), lse(B * H * length);
+  ops::AttentionForward f{view(out, {B, length, H, D}), view(lse, {B, H, length}),
+                          view(prefix, {B, length, H + 2 * K, D}), 0.35f};
+  f.kv_heads = K;
+  b->attention_forward(f);
+  for (int bb = 0; bb < B; ++bb)
+    for (int i = 0; i < H * D; ++i)
+      CHECK(dec[bb * H * D + i] == doctest::Approx(out[(bb * length + length - 1) * H * D + i]).epsilon(1e-5));
+}
+
+TEST_CASE("llama ops reject shapes that do not fit, naming the argument") {
+  auto b = cpu();
+  std::vector<float> x(2 * 3 * 2 * 5), y(20), z(36);
+  CHECK_THROWS_WITH(b->rope({view(x, {2, 3, 2, 5}), 2, 10000.0f}), doctest::Contains("D = 5 must be even"));
+  CHECK_THROWS_WITH(b->swiglu_forward({view(y, {4, 5}), view(z, {4, 9})}), doctest::Contains("swiglu_forward"));
+  std::vector<float> qkv(1 * 2 * 8 * 4), out(1 * 2 * 5 * 4), lse(1 * 5 * 2);
+  ops::AttentionForward a{view(out, {1, 2, 5, 4}), view(lse, {1, 5, 2}), view(qkv, {1, 2, 8, 4}), 0.5f};
+  a.kv_heads = 2;  // 2 does not divide 5 query heads
+  CHECK_THROWS_WITH(b->attention_forward(a), doctest::Contains("must divide the 5 query heads"));
+}
