@@ -35,7 +35,8 @@ void save_states(World& w, RngStatesTracker& tracker) {
            if (old.default_state.seed == now.default_state.seed) now.default_state = old.default_state;
            else fresh.push_back("default");
            for (auto& [name, state] : now.states) {
-             auto it = std::find_if(old.states.begin(), old.states.end(), [&](auto& s) { return s.first == name; });
+             const auto& key = name;  // clang 14 cannot capture a structured binding
+             auto it = std::find_if(old.states.begin(), old.states.end(), [&](auto& s) { return s.first == key; });
              if (it != old.states.end() && it->second.seed == state.seed) state = it->second;
              else fresh.push_back(name);
            }

@@ -28,12 +28,27 @@ struct Node {
   std::vector<Node> array;
   std::vector<std::pair<std::string, Node>> table;  // in document order
 
+  // Declared here and defaulted below the class: clang (14) would otherwise instantiate the
+  // vectors' constexpr destructors inside the class, where the pair's Node is still incomplete.
+  Node();
+  Node(const Node&);
+  Node(Node&&) noexcept;
+  Node& operator=(const Node&);
+  Node& operator=(Node&&) noexcept;
+  ~Node();
+
   const Node* find(std::string_view key) const;
   Node* find(std::string_view key);
   // Finds or appends a table entry (used when --set creates keys).
   Node& child(std::string_view key, Source src);
   std::string_view kind_name() const;
 };
+inline Node::Node() = default;
+inline Node::Node(const Node&) = default;
+inline Node::Node(Node&&) noexcept = default;
+inline Node& Node::operator=(const Node&) = default;
+inline Node& Node::operator=(Node&&) noexcept = default;
+inline Node::~Node() = default;
 
 // Collects every problem found while reading, so one run reports them all at once.
 class Errors {
