@@ -102,10 +102,10 @@ expect 0 "fsdp rank 1 holds 1/2" -- "$KILN" run tiny.toml --nproc 2 --set fsdp.s
 printf '[engine]\n' > notrain.toml
 expect 2 "needs a [train] section" -- "$KILN" run notrain.toml
 
-# Data errors name the file.
-expect 1 "data.train_files = \"missing/*.bin\": no file matches" -- "$KILN" run tiny.toml --set data.train_files=missing/*.bin
+# Data errors name the file (exit code 2, as every bad input).
+expect 2 "data.train_files = \"missing/*.bin\": no file matches" -- "$KILN" run tiny.toml --set data.train_files=missing/*.bin
 head -c 2000 data/tiny/train_000000.bin > data/tiny/cut.bin
-expect 1 "cut.bin: llm.c shard header says" -- "$KILN" run tiny.toml --set data.train_files=data/tiny/cut.bin
+expect 2 "cut.bin: llm.c shard header says" -- "$KILN" run tiny.toml --set data.train_files=data/tiny/cut.bin
 
 # Modules, topology, plugins, help, unknown commands.
 expect 0 "[model] the GPT-2 transformer" -- "$KILN" modules

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <vector>
 
 #include "kiln/core/error.hpp"
 #include "kiln/rng/philox.hpp"
@@ -26,17 +27,18 @@ void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targ
   std::size_t s = static_cast<std::size_t>(std::upper_bound(first_.begin(), first_.end(), w) - first_.begin()) - 1;
   // Skip shards too short to hold a window (their first_ equals the next one's).
   while (s + 1 < first_.size() && first_[s + 1] <= w) ++s;
-  const auto tok = shards_[s].tokens();
   const std::size_t start = static_cast<std::size_t>(w - first_[s]) * T_;
+  std::vector<std::uint16_t> tok(static_cast<std::size_t>(T_) + 1);
+  shards_[s].read(start, tok.size(), tok.data());
   for (int t = 0; t < T_; ++t) {
-    inputs[t] = tok[start + t];
-    targets[t] = tok[start + t + 1];
+    inputs[t] = tok[t];
+    targets[t] = tok[t + 1];
   }
   if (vocab_limit > 0)
     for (int t = 0; t <= T_; ++t)
-      if (tok[start + t] >= vocab_limit)
-        KILN_THROW(shards_[s].path(), ": token ", tok[start + t], " at position ", start + t,
-                   " is outside the model's vocabulary of ", vocab_limit);
+      if (tok[t] >= vocab_limit)
+        KILN_FILE_ERROR(shards_[s].path(), ": token ", tok[t], " at position ", start + t,
+                        " is outside the model's vocabulary of ", vocab_limit);
 }
 
 SampleOrder::SampleOrder(std::uint64_t windows, std::uint64_t seed, bool shuffle)

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <glob.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,61 +15,89 @@
 
 namespace kiln::data {
 
+namespace {
+// Reads up to `n` bytes at `offset`, retrying short reads; returns how many there were.
+std::size_t pread_full(int fd, void* out, std::size_t n, std::size_t offset, const std::string& path) {
+  std::size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, static_cast<char*>(out) + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      KILN_FILE_ERROR(path, ": cannot read token shard: ", std::strerror(errno));
+    }
+    if (r == 0) break;
+    done += static_cast<std::size_t>(r);
+  }
+  return done;
+}
+}  // namespace
+
 TokenShard::TokenShard(const std::string& path, ShardFormat format) : path_(path), format_(format) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) KILN_THROW(path, ": cannot open token shard: ", std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    KILN_THROW(path, ": cannot stat token shard: ", std::strerror(errno));
-  }
-  map_bytes_ = static_cast<std::size_t>(st.st_size);
-  if (map_bytes_ == 0) {
-    ::close(fd);
-    KILN_THROW(path, ": token shard is empty");
-  }
-  map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    KILN_THROW(path, ": cannot map token shard: ", std::strerror(errno));
-  }
-  const auto* header = static_cast<const std::int32_t*>(map_);
-  const bool has_magic = map_bytes_ >= 4 && header[0] == kLlmcMagic;
-  if (format_ == ShardFormat::auto_) format_ = has_magic ? ShardFormat::llmc : ShardFormat::raw;
-  if (format_ == ShardFormat::llmc) {
-    const std::size_t header_bytes = kLlmcHeaderInts * sizeof(std::int32_t);
-    if (map_bytes_ < header_bytes)
-      KILN_THROW(path, ": truncated llm.c shard: ", map_bytes_, " bytes, shorter than the 1024-byte header");
-    if (header[0] != kLlmcMagic)
-      KILN_THROW(path, ": not an llm.c shard: magic is ", header[0], ", expected ", kLlmcMagic);
-    if (header[1] != 1)
-      KILN_THROW(path, ": llm.c shard version ", header[1], " is not supported (version 1: uint16 tokens)");
-    if (header[2] < 0) KILN_THROW(path, ": llm.c shard header has a negative token count ", header[2]);
-    count_ = static_cast<std::size_t>(header[2]);
-    const std::size_t expect = header_bytes + count_ * sizeof(std::uint16_t);
-    if (map_bytes_ != expect)
-      KILN_THROW(path, ": llm.c shard header says ", count_, " tokens (", expect, " bytes) but the file has ",
-                 map_bytes_, " bytes", map_bytes_ < expect ? " (truncated?)" : "");
-    tokens_ = reinterpret_cast<const std::uint16_t*>(static_cast<const char*>(map_) + header_bytes);
-  } else {
-    if (map_bytes_ % 2 != 0)
-      KILN_THROW(path, ": raw uint16 token file has an odd size of ", map_bytes_, " bytes (truncated?)");
-    count_ = map_bytes_ / 2;
-    tokens_ = static_cast<const std::uint16_t*>(map_);
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) KILN_FILE_ERROR(path, ": cannot open token shard: ", std::strerror(errno));
+  try {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) KILN_FILE_ERROR(path, ": cannot stat token shard: ", std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) KILN_FILE_ERROR(path, ": not a regular file");
+    const auto file_bytes = static_cast<std::size_t>(st.st_size);
+    if (file_bytes == 0) KILN_FILE_ERROR(path, ": token shard is empty");
+    std::int32_t header[kLlmcHeaderInts] = {};
+    const std::size_t header_bytes = sizeof header;
+    const std::size_t got = pread_full(fd_, header, std::min(header_bytes, file_bytes), 0, path);
+    const bool has_magic = got >= 4 && header[0] == kLlmcMagic;
+    if (format_ == ShardFormat::auto_) format_ = has_magic ? ShardFormat::llmc : ShardFormat::raw;
+    if (format_ == ShardFormat::llmc) {
+      if (got < header_bytes)
+        KILN_FILE_ERROR(path, ": truncated llm.c shard: ", got, " bytes, shorter than the 1024-byte header");
+      if (header[0] != kLlmcMagic)
+        KILN_FILE_ERROR(path, ": not an llm.c shard: magic is ", header[0], ", expected ", kLlmcMagic);
+      if (header[1] != 1)
+        KILN_FILE_ERROR(path, ": llm.c shard version ", header[1], " is not supported (version 1: uint16 tokens)");
+      if (header[2] < 0) KILN_FILE_ERROR(path, ": llm.c shard header has a negative token count ", header[2]);
+      count_ = static_cast<std::size_t>(header[2]);
+      const std::size_t expect = header_bytes + count_ * sizeof(std::uint16_t);
+      if (file_bytes != expect)
+        KILN_FILE_ERROR(path, ": llm.c shard header says ", count_, " tokens (", expect, " bytes) but the file has ",
+                        file_bytes, " bytes", file_bytes < expect ? " (truncated?)" : "");
+      first_byte_ = header_bytes;
+    } else {
+      if (file_bytes % 2 != 0)
+        KILN_FILE_ERROR(path, ": raw uint16 token file has an odd size of ", file_bytes, " bytes (truncated?)");
+      count_ = file_bytes / 2;
+      first_byte_ = 0;
+    }
+  } catch (...) {
+    ::close(fd_);
+    throw;
   }
 }
 
 TokenShard::TokenShard(TokenShard&& o) noexcept
     : path_(std::move(o.path_)),
       format_(o.format_),
-      map_(std::exchange(o.map_, nullptr)),
-      map_bytes_(std::exchange(o.map_bytes_, 0)),
-      tokens_(std::exchange(o.tokens_, nullptr)),
+      fd_(std::exchange(o.fd_, -1)),
+      first_byte_(std::exchange(o.first_byte_, 0)),
       count_(std::exchange(o.count_, 0)) {}
 
 TokenShard::~TokenShard() {
-  if (map_) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void TokenShard::read(std::size_t first, std::size_t n, std::uint16_t* out) const {
+  if (first > count_ || n > count_ - first)
+    KILN_THROW(path_, ": tokens [", first, ", ", first + n, ") asked of a shard of ", count_);
+  const std::size_t bytes = n * sizeof(std::uint16_t);
+  const std::size_t got = pread_full(fd_, out, bytes, first_byte_ + first * sizeof(std::uint16_t), path_);
+  if (got != bytes)
+    KILN_FILE_ERROR(path_, ": token shard changed while in use: tokens [", first, ", ", first + n,
+                    ") are gone (the file was ", first_byte_ + count_ * sizeof(std::uint16_t),
+                    " bytes when opened; truncated or rewritten since?)");
+}
+
+std::vector<std::uint16_t> TokenShard::tokens() const {
+  std::vector<std::uint16_t> out(count_);
+  read(0, count_, out.data());
+  return out;
 }
 
 std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what) {
@@ -81,8 +108,8 @@ std::vector<std::string> expand_glob(const std::string& pattern, const std::stri
     for (std::size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
   ::globfree(&g);
   if (out.empty())
-    KILN_THROW(what, " = \"", pattern, "\": no file matches (working directory ",
-               std::filesystem::current_path().string(), ")");
+    KILN_FILE_ERROR(what, " = \"", pattern, "\": no file matches (working directory ",
+                    std::filesystem::current_path().string(), ")");
   std::sort(out.begin(), out.end());
   return out;
 }

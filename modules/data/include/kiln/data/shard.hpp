@@ -1,8 +1,11 @@
 #pragma once
-// Token shards on disk, memory-mapped read-only.
+// Token shards on disk.
 //  - llm.c format: a header of 256 int32 (magic 20240520, version 1, token count), then uint16 tokens.
 //  - raw: uint16 tokens and nothing else, as nanoGPT's prepare scripts write them.
-// Missing, truncated or mis-formatted files are errors naming the file.
+// Missing, truncated or mis-formatted files are FileErrors naming the file. Tokens are read with
+// pread from a descriptor kept open, not through a mapping: a shard truncated while a run reads it
+// is then a FileError naming it (a mapping would kill the process with SIGBUS), and a shard
+// deleted or replaced by rename keeps being read as it was when opened.
 #include <cstdint>
 #include <span>
 #include <string>
@@ -28,15 +31,17 @@ class TokenShard {
 
   const std::string& path() const { return path_; }
   ShardFormat format() const { return format_; }
-  std::span<const std::uint16_t> tokens() const { return {tokens_, count_}; }
   std::size_t size() const { return count_; }
+  // Tokens [first, first + n) into `out`; a FileError naming the file if it no longer holds them.
+  void read(std::size_t first, std::size_t n, std::uint16_t* out) const;
+  // Every token, read now (tests, small shards).
+  std::vector<std::uint16_t> tokens() const;
 
  private:
   std::string path_;
   ShardFormat format_;
-  void* map_ = nullptr;
-  std::size_t map_bytes_ = 0;
-  const std::uint16_t* tokens_ = nullptr;
+  int fd_ = -1;
+  std::size_t first_byte_ = 0;  // where the tokens begin (after the llm.c header)
   std::size_t count_ = 0;
 };
 
