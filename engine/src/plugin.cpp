@@ -18,7 +18,7 @@ void PluginLoader::load(const std::string& path, ModuleRegistry& registry) {
   handles_.push_back(handle);
   try {
     fn(registry);
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // a plugin may throw anything: name it either way
     KILN_THROW("plugin '", path, "': ", e.what());
   }
 }

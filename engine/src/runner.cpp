@@ -15,7 +15,9 @@ void install_pipeline(World& world, const config::PipelineConfig& cfg, const Mod
       desc.install(world, cfg.values.at(name));
     } catch (const ConfigError&) {
       throw;
-    } catch (const Error& e) {
+    } catch (const FileError& e) {  // keeps its exit code (2)
+      throw FileError(cat("installing module '", name, "': ", e.what()));
+    } catch (const std::exception& e) {  // a plugin's module may throw anything: name the module
       throw Error(cat("installing module '", name, "': ", e.what()));
     }
   }
