@@ -212,6 +212,11 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     if (t.dtype != "f32") r.fail(tw + ".dtype", cat("'", t.dtype, "' (only f32 is read)"));
     t.shape = r.integers(tensors[i], "shape", tw);
     if (t.shape.empty() || t.shape.size() > 2) r.fail(tw + ".shape", "must have 1 or 2 dimensions");
+    // At most 2^61 elements, so that element and byte counts below never overflow.
+    std::int64_t numel = 1;
+    for (auto d : t.shape)
+      if (__builtin_mul_overflow(numel, d, &numel) || numel > (std::int64_t{1} << 61))
+        r.fail(tw + ".shape", "has more elements than any file holds");
     const auto& pieces = r.array(tensors[i], "pieces", tw);
     for (std::size_t k = 0; k < pieces.size(); ++k) {
       const std::string pw = Reader::index(tw + ".pieces", k);
@@ -226,9 +231,9 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
         r.fail(pw, cat("a box of ", p.piece.offsets.size(), " dimensions in a ", t.shape.size(), "-D tensor"));
       std::int64_t box = 1;
       for (std::size_t d = 0; d < t.shape.size(); ++d) {
-        if (p.piece.offsets[d] + p.piece.extents[d] > t.shape[d])
-          r.fail(pw, cat("the box reaches ", p.piece.offsets[d] + p.piece.extents[d], " in dimension ", d, " of ",
-                         t.shape[d]));
+        if (p.piece.offsets[d] > t.shape[d] || p.piece.extents[d] > t.shape[d] - p.piece.offsets[d])
+          r.fail(pw, cat("the box (offset ", p.piece.offsets[d], ", extent ", p.piece.extents[d], ") reaches past ",
+                         t.shape[d], " in dimension ", d));
         box *= p.piece.extents[d];
       }
       if (flat.size() != 2 || flat[0] > flat[1] || flat[1] > box)

@@ -228,7 +228,7 @@ std::vector<float> read_f32(const SafetensorsFile& file, std::string_view name) 
   const auto b = file.bytes(name);
   std::vector<float> out(static_cast<std::size_t>(t->numel()));
   if (t->dtype == "F32") {
-    std::memcpy(out.data(), b.data(), b.size());
+    if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());  // an empty vector's data() may be null
   } else if (t->dtype == "BF16" || t->dtype == "F16") {
     const bool bf = t->dtype == "BF16";
     for (std::size_t i = 0; i < out.size(); ++i) {
