@@ -224,6 +224,50 @@ TEST_CASE("a tiktoken rank file merges pairs by the rank of what they make") {
   }
 }
 
+TEST_CASE("tiktoken ids above 65535 go into uint32 llm.c shards that read back") {
+  test::TempDir dir("wide");
+  auto tok = open_tokenizer(tiktoken_file(dir, {{"ab", 70000}}), {});
+  CHECK(tok->vocab_size() == 70001);
+  auto f = dir.file("in.txt", "ab ab abc");
+  auto r = tokenize_files({f}, (dir.path() / "out").string(), {.val_fraction = 0, .tokenizer = tok.get()});
+  CHECK(r.token_bytes == 4);
+  CHECK(r.train_tokens == 6);  // pieces "ab", " ab", " abc": ab, ' ', ab, ' ', ab, c
+  TokenShard s((dir.path() / "out/train_000000.bin").string(), ShardFormat::auto_);
+  REQUIRE(s.token_bytes() == 4);
+  CHECK(tok->decode(s.tokens32()) == "ab ab abc");
+  CHECK(s.tokens32()[0] == 70000);
+  CHECK_THROWS_WITH_AS(s.tokens(), doctest::Contains("holds uint32 tokens, read as uint16"), Error);
+  std::vector<TokenShard> shards;
+  shards.push_back(std::move(s));
+  WindowIndex idx(std::move(shards), 3);
+  std::vector<std::int32_t> in(3), tg(3);
+  idx.read(0, in.data(), tg.data());
+  CHECK(in == std::vector<std::int32_t>{70000, ' ', 70000});
+  CHECK_THROWS_WITH_AS(idx.read(0, in.data(), tg.data(), 50257), doctest::Contains("token 70000"), Error);
+}
+
+TEST_CASE("uint32 llm.c shards round trip, and wrong versions are errors") {
+  test::TempDir dir("u32");
+  std::vector<std::uint32_t> tokens = {0, 1, 65535, 65536, 128255, 4000000000u};
+  auto path = (dir.path() / "w.bin").string();
+  write_llmc_shard(path, tokens);
+  TokenShard s(path, ShardFormat::auto_);
+  CHECK(s.format() == ShardFormat::llmc);
+  REQUIRE(s.size() == tokens.size());
+  CHECK(s.tokens32() == tokens);
+  // A uint16 shard reads as uint32 too (what the window loader does).
+  auto narrow_path = (dir.path() / "n.bin").string();
+  write_llmc_shard(narrow_path, std::vector<std::uint16_t>{7, 65535});
+  CHECK(TokenShard(narrow_path, ShardFormat::auto_).tokens32() == std::vector<std::uint32_t>{7, 65535});
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  bytes[4] = 1;  // version 1 belongs to the uint16 magic
+  auto bad = dir.file("v1.bin", "");
+  std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  CHECK_THROWS_WITH_AS(TokenShard(bad, ShardFormat::auto_), doctest::Contains("v1.bin: llm.c shard version 1 with magic 20240801"),
+                       Error);
+}
+
 TEST_CASE("tokenize with GPT-2 puts <|endoftext|> before each document and writes uint16 shards") {
   REQUIRE_GPT2_FILES();
   test::TempDir dir("gpt2tok");

@@ -28,15 +28,15 @@ void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targ
   // Skip shards too short to hold a window (their first_ equals the next one's).
   while (s + 1 < first_.size() && first_[s + 1] <= w) ++s;
   const std::size_t start = static_cast<std::size_t>(w - first_[s]) * T_;
-  std::vector<std::uint16_t> tok(static_cast<std::size_t>(T_) + 1);
+  std::vector<std::uint32_t> tok(static_cast<std::size_t>(T_) + 1);
   shards_[s].read(start, tok.size(), tok.data());
   for (int t = 0; t < T_; ++t) {
-    inputs[t] = tok[t];
-    targets[t] = tok[t + 1];
+    inputs[t] = static_cast<std::int32_t>(tok[t]);
+    targets[t] = static_cast<std::int32_t>(tok[t + 1]);
   }
   if (vocab_limit > 0)
     for (int t = 0; t <= T_; ++t)
-      if (tok[t] >= vocab_limit)
+      if (tok[t] >= static_cast<std::uint32_t>(vocab_limit))
         KILN_FILE_ERROR(shards_[s].path(), ": token ", tok[t], " at position ", start + t,
                         " is outside the model's vocabulary of ", vocab_limit);
 }

@@ -44,18 +44,23 @@ TokenShard::TokenShard(const std::string& path, ShardFormat format) : path_(path
     std::int32_t header[kLlmcHeaderInts] = {};
     const std::size_t header_bytes = sizeof header;
     const std::size_t got = pread_full(fd_, header, std::min(header_bytes, file_bytes), 0, path);
-    const bool has_magic = got >= 4 && header[0] == kLlmcMagic;
+    const bool has_magic = got >= 4 && (header[0] == kLlmcMagic || header[0] == kLlmcMagicU32);
     if (format_ == ShardFormat::auto_) format_ = has_magic ? ShardFormat::llmc : ShardFormat::raw;
     if (format_ == ShardFormat::llmc) {
       if (got < header_bytes)
         KILN_FILE_ERROR(path, ": truncated llm.c shard: ", got, " bytes, shorter than the 1024-byte header");
-      if (header[0] != kLlmcMagic)
-        KILN_FILE_ERROR(path, ": not an llm.c shard: magic is ", header[0], ", expected ", kLlmcMagic);
-      if (header[1] != 1)
+      if (header[0] != kLlmcMagic && header[0] != kLlmcMagicU32)
+        KILN_FILE_ERROR(path, ": not an llm.c shard: magic is ", header[0], ", expected ", kLlmcMagic, " or ",
+                        kLlmcMagicU32);
+      if (header[0] == kLlmcMagic && header[1] != 1)
         KILN_FILE_ERROR(path, ": llm.c shard version ", header[1], " is not supported (version 1: uint16 tokens)");
+      if (header[0] == kLlmcMagicU32 && header[1] != 7)
+        KILN_FILE_ERROR(path, ": llm.c shard version ", header[1], " with magic ", kLlmcMagicU32,
+                        " is not supported (version 7: uint32 tokens)");
+      token_bytes_ = header[0] == kLlmcMagic ? 2 : 4;
       if (header[2] < 0) KILN_FILE_ERROR(path, ": llm.c shard header has a negative token count ", header[2]);
       count_ = static_cast<std::size_t>(header[2]);
-      const std::size_t expect = header_bytes + count_ * sizeof(std::uint16_t);
+      const std::size_t expect = header_bytes + count_ * token_bytes_;
       if (file_bytes != expect)
         KILN_FILE_ERROR(path, ": llm.c shard header says ", count_, " tokens (", expect, " bytes) but the file has ",
                         file_bytes, " bytes", file_bytes < expect ? " (truncated?)" : "");
@@ -77,25 +82,45 @@ TokenShard::TokenShard(TokenShard&& o) noexcept
       format_(o.format_),
       fd_(std::exchange(o.fd_, -1)),
       first_byte_(std::exchange(o.first_byte_, 0)),
-      count_(std::exchange(o.count_, 0)) {}
+      count_(std::exchange(o.count_, 0)),
+      token_bytes_(o.token_bytes_) {}
 
 TokenShard::~TokenShard() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void TokenShard::read(std::size_t first, std::size_t n, std::uint16_t* out) const {
+void TokenShard::read_bytes(std::size_t first, std::size_t n, void* out) const {
   if (first > count_ || n > count_ - first)
     KILN_THROW(path_, ": tokens [", first, ", ", first + n, ") asked of a shard of ", count_);
-  const std::size_t bytes = n * sizeof(std::uint16_t);
-  const std::size_t got = pread_full(fd_, out, bytes, first_byte_ + first * sizeof(std::uint16_t), path_);
+  const std::size_t width = static_cast<std::size_t>(token_bytes_);
+  const std::size_t bytes = n * width;
+  const std::size_t got = pread_full(fd_, out, bytes, first_byte_ + first * width, path_);
   if (got != bytes)
     KILN_FILE_ERROR(path_, ": token shard changed while in use: tokens [", first, ", ", first + n,
-                    ") are gone (the file was ", first_byte_ + count_ * sizeof(std::uint16_t),
+                    ") are gone (the file was ", first_byte_ + count_ * width,
                     " bytes when opened; truncated or rewritten since?)");
+}
+
+void TokenShard::read(std::size_t first, std::size_t n, std::uint16_t* out) const {
+  if (token_bytes_ != 2) KILN_THROW(path_, ": holds uint32 tokens, read as uint16");
+  read_bytes(first, n, out);
+}
+
+void TokenShard::read(std::size_t first, std::size_t n, std::uint32_t* out) const {
+  if (token_bytes_ == 4) return read_bytes(first, n, out);
+  std::vector<std::uint16_t> narrow(n);
+  read_bytes(first, n, narrow.data());
+  std::copy(narrow.begin(), narrow.end(), out);
 }
 
 std::vector<std::uint16_t> TokenShard::tokens() const {
   std::vector<std::uint16_t> out(count_);
+  read(0, count_, out.data());
+  return out;
+}
+
+std::vector<std::uint32_t> TokenShard::tokens32() const {
+  std::vector<std::uint32_t> out(count_);
   read(0, count_, out.data());
   return out;
 }
@@ -114,12 +139,15 @@ std::vector<std::string> expand_glob(const std::string& pattern, const std::stri
   return out;
 }
 
-void write_llmc_shard(const std::string& path, std::span<const std::uint16_t> tokens) {
-  if (tokens.size() > 0x7fffffffu) KILN_THROW(path, ": too many tokens for one llm.c shard");
+namespace {
+
+void write_shard(const std::string& path, std::int32_t magic, std::int32_t version, std::span<const std::byte> tokens,
+                 std::size_t count) {
+  if (count > 0x7fffffffu) KILN_THROW(path, ": too many tokens for one llm.c shard");
   std::int32_t header[kLlmcHeaderInts] = {};
-  header[0] = kLlmcMagic;
-  header[1] = 1;
-  header[2] = static_cast<std::int32_t>(tokens.size());
+  header[0] = magic;
+  header[1] = version;
+  header[2] = static_cast<std::int32_t>(count);
   const std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) KILN_THROW(tmp, ": cannot create: ", std::strerror(errno));
@@ -143,6 +171,16 @@ void write_llmc_shard(const std::string& path, std::span<const std::uint16_t> to
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) KILN_THROW(path, ": cannot rename the finished shard into place: ", ec.message());
+}
+
+}  // namespace
+
+void write_llmc_shard(const std::string& path, std::span<const std::uint16_t> tokens) {
+  write_shard(path, kLlmcMagic, 1, std::as_bytes(tokens), tokens.size());
+}
+
+void write_llmc_shard(const std::string& path, std::span<const std::uint32_t> tokens) {
+  write_shard(path, kLlmcMagicU32, 7, std::as_bytes(tokens), tokens.size());
 }
 
 }  // namespace kiln::data

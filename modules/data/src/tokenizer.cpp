@@ -25,7 +25,8 @@ std::string byte_decode(const std::vector<std::uint16_t>& tokens) {
 }
 
 void ByteTokenizer::encode(std::string_view text, std::vector<std::uint32_t>& out) {
-  for (char c : text) out.push_back(static_cast<unsigned char>(c));
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  out.insert(out.end(), p, p + text.size());
 }
 
 std::string ByteTokenizer::decode(std::span<const std::uint32_t> ids) const {
@@ -161,7 +162,7 @@ TokenizeResult tokenize_files(const std::vector<std::string>& inputs, const std:
       auto path = (std::filesystem::path(out_dir) / name).string();
       std::span<const std::uint32_t> part(tokens.data() + s, e - s);
       if (wide) {
-        KILN_THROW(path, ": token ids above 65535 need uint32 shards, which kiln cannot write yet");
+        write_llmc_shard(path, part);
       } else {
         narrow.assign(part.begin(), part.end());
         write_llmc_shard(path, std::span<const std::uint16_t>(narrow));

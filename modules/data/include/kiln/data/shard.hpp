@@ -1,6 +1,8 @@
 #pragma once
 // Token shards on disk.
-//  - llm.c format: a header of 256 int32 (magic 20240520, version 1, token count), then uint16 tokens.
+//  - llm.c format: a header of 256 int32 (magic, version, token count), then the tokens: uint16 for
+//    magic 20240520 version 1 (llm.c's GPT-2 shards), uint32 for magic 20240801 version 7 (its
+//    Llama 3 shards, dev/data/data_common.py), for vocabularies beyond 65536.
 //  - raw: uint16 tokens and nothing else, as nanoGPT's prepare scripts write them.
 // Missing, truncated or mis-formatted files are FileErrors naming the file. Tokens are read with
 // pread from a descriptor kept open, not through a mapping: a shard truncated while a run reads it
@@ -18,7 +20,8 @@ namespace kiln::data {
 enum class ShardFormat { auto_, llmc, raw };
 BOOST_DESCRIBE_ENUM(ShardFormat, auto_, llmc, raw)
 
-inline constexpr std::int32_t kLlmcMagic = 20240520;
+inline constexpr std::int32_t kLlmcMagic = 20240520;     // version 1, uint16 tokens
+inline constexpr std::int32_t kLlmcMagicU32 = 20240801;  // version 7, uint32 tokens
 inline constexpr int kLlmcHeaderInts = 256;
 
 class TokenShard {
@@ -32,10 +35,14 @@ class TokenShard {
   const std::string& path() const { return path_; }
   ShardFormat format() const { return format_; }
   std::size_t size() const { return count_; }
+  int token_bytes() const { return token_bytes_; }  // 2, or 4 for llm.c's uint32 shards
   // Tokens [first, first + n) into `out`; a FileError naming the file if it no longer holds them.
+  // The uint16 form reads only 2-byte shards; the uint32 form reads either.
   void read(std::size_t first, std::size_t n, std::uint16_t* out) const;
-  // Every token, read now (tests, small shards).
+  void read(std::size_t first, std::size_t n, std::uint32_t* out) const;
+  // Every token, read now (tests, small shards): of a 2-byte shard, and of either.
   std::vector<std::uint16_t> tokens() const;
+  std::vector<std::uint32_t> tokens32() const;
 
  private:
   std::string path_;
@@ -43,13 +50,17 @@ class TokenShard {
   int fd_ = -1;
   std::size_t first_byte_ = 0;  // where the tokens begin (after the llm.c header)
   std::size_t count_ = 0;
+  int token_bytes_ = 2;
+  void read_bytes(std::size_t first, std::size_t n, void* out) const;
 };
 
 // Files matching a glob pattern (wildcards in the file name and directories), sorted; an error
 // naming the pattern if nothing matches.
 std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what);
 
-// Writes tokens as an llm.c shard, atomically (temp file + fsync + rename).
+// Writes tokens as an llm.c shard, atomically (temp file + fsync + rename): uint16 tokens with
+// llm.c's GPT-2 header, uint32 tokens with its Llama 3 header.
 void write_llmc_shard(const std::string& path, std::span<const std::uint16_t> tokens);
+void write_llmc_shard(const std::string& path, std::span<const std::uint32_t> tokens);
 
 }  // namespace kiln::data
