@@ -2,6 +2,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -68,6 +69,30 @@ Node parse(std::string_view text, const std::string& origin) {
   }
 }
 
+// Strict UTF-8 (no overlong forms, no surrogates, nothing above U+10FFFF), as TOML requires.
+bool valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int n;
+    std::uint32_t cp;
+    if (c < 0x80) n = 0, cp = c;
+    else if ((c & 0xE0) == 0xC0) n = 1, cp = c & 0x1Fu;
+    else if ((c & 0xF0) == 0xE0) n = 2, cp = c & 0x0Fu;
+    else if ((c & 0xF8) == 0xF0) n = 3, cp = c & 0x07u;
+    else return false;
+    if (i + static_cast<std::size_t>(n) >= s.size() && n > 0) return false;
+    for (int k = 1; k <= n; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3Fu);
+    }
+    static constexpr std::uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += static_cast<std::size_t>(n) + 1;
+  }
+  return true;
+}
+
 }  // namespace
 
 Node parse_toml_file(const std::string& path) {
@@ -105,6 +130,12 @@ bool resolve_raw(const Node& in, bool want_string, const std::string& path, Erro
   out = Node{};
   out.source = in.source;
   if (want_string) {
+    // A config file is UTF-8 (toml++ checks); a --set value must be too, or `kiln config` would
+    // print a file that does not read back.
+    if (!valid_utf8(in.string)) {
+      errors.add(in.source, cat(path, ": the value is not valid UTF-8"));
+      return false;
+    }
     // Accept both --set k=text and --set k='"text"'.
     Node parsed;
     if (parse_toml_value(in.string, in.source, parsed) && parsed.kind == Node::Kind::string) {
