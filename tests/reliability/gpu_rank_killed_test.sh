@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On two GPUs: `kiln run --nproc 2` (one process per GPU, NCCL), rank 1 killed with SIGKILL once
-# training is under way. The launcher must stop within the collective timeout, exit non-zero and
-# name rank 1 and the signal. Skipped (KILN_SKIP) without a CUDA build or two GPUs.
+# training is under way. Rank 0 must stop in its collective naming rank 1 ("... because rank 1
+# disconnected"), and the launcher exit non-zero within twice the collective timeout, naming rank 1
+# and the signal. Skipped (KILN_SKIP) without a CUDA build or two GPUs.
 # usage: gpu_rank_killed_test.sh KILN
 set -u
 KILN=$1
@@ -67,5 +68,6 @@ took=$(( $(date +%s) - start ))
 echo "launcher exited $rc, ${took} s after rank 1 was killed"
 grep -vE "^(\[rank [01]\] )?step" "$log" | tail -8
 [ "$rc" != 0 ] || { echo "FAIL: the launcher exited 0"; exit 1; }
-grep -q "rank 1 was killed by signal 9" "$log" || { echo "FAIL: the output does not name rank 1 and SIGKILL"; exit 1; }
+grep -q "rank 1 was killed by signal 9" "$log" || { echo "FAIL: the launcher does not name rank 1 and SIGKILL"; exit 1; }
+grep -q "because rank 1" "$log" || { echo "FAIL: rank 0 did not stop on its own naming rank 1"; exit 1; }
 echo "ok"
