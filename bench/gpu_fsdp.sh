@@ -5,6 +5,8 @@
 # and FP8. Prints tokens/s per GPU, its share of the one-GPU figure, ms/step and peak memory per
 # GPU last. With TORCH=1 it runs bench/torch_fsdp2.py (PyTorch FSDP2) beside it on the same GPUs.
 # usage: bash bench/gpu_fsdp.sh BUILD_DIR [steps]      (logs and metrics under $OUT)
+#   STRATEGIES="full_shard shard_grad_op"  the strategies run on all GPUs (default: no_shard too)
+#   ONE_FSDP=0                            skip the one-GPU full_shard runs
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-20}
@@ -44,9 +46,10 @@ for model in 124m 1.3b; do
     F=()
     [ "$prec" = fp8 ] && F=(--set fp8.enabled=true)
     run "$model-$prec-1gpu" "$model" 1 "$per" "$STEPS" "${F[@]}"
-    run "$model-$prec-1gpu-full_shard" "$model" 1 "$per" "$STEPS" "${F[@]}" --set fsdp.strategy=full_shard
+    [ "${ONE_FSDP:-1}" = 1 ] &&
+      run "$model-$prec-1gpu-full_shard" "$model" 1 "$per" "$STEPS" "${F[@]}" --set fsdp.strategy=full_shard
     if [ "$N" -ge 2 ]; then
-      for strategy in no_shard full_shard shard_grad_op; do
+      for strategy in ${STRATEGIES:-no_shard full_shard shard_grad_op}; do
         run "$model-$prec-$strategy" "$model" "$N" "$per" "$STEPS" "${F[@]}" --set fsdp.strategy=$strategy
       done
       if [ "$N" -ge 4 ]; then

@@ -108,7 +108,7 @@ head -c 2000 data/tiny/train_000000.bin > data/tiny/cut.bin
 expect 2 "cut.bin: llm.c shard header says" -- "$KILN" run tiny.toml --set data.train_files=data/tiny/cut.bin
 
 # Modules, topology, plugins, help, unknown commands.
-expect 0 "[model] the GPT-2 transformer" -- "$KILN" modules
+expect 0 "[model] the transformer (GPT-2 or Llama blocks)" -- "$KILN" modules
 expect 0 "n_layer" -- "$KILN" modules
 expect 0 "tp groups: [0,1,2,3] [4,5,6,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
 expect 0 "dp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4

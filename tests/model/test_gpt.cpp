@@ -38,18 +38,6 @@ max_seq_len = 8
 synthetic_vocab = 40
 )";
 
-// Runs one step's phases up to and including the backward pass (no optimizer).
-void forward_backward_step(World& w) {
-  auto& ctl = w.resource<RunControl>();
-  ++ctl.step;
-  w.systems().run(Phase::step_begin, w);
-  for (ctl.micro_batch = 0; ctl.micro_batch < ctl.micro_batches; ++ctl.micro_batch) {
-    w.systems().run(Phase::data, w);
-    w.systems().run(Phase::forward, w);
-    w.systems().run(Phase::backward, w);
-  }
-}
-
 std::vector<float> to_host(ops::Backend& be, const TensorView& v) {
   std::vector<float> h(static_cast<std::size_t>(v.numel()));
   be.copy(TensorView(h.data(), {v.numel()}, DType::f32, Device::cpu), v);
@@ -59,53 +47,7 @@ std::vector<float> to_host(ops::Backend& be, const TensorView& v) {
 }  // namespace
 
 TEST_CASE("whole-model gradients match finite differences on a tiny model, with and without dropout") {
-  for (float dropout : {0.0f, 0.2f}) {
-    test::Pipeline p(kTiny, {"model.dropout=" + std::to_string(dropout)});
-    World& w = *p.world;
-    w.systems().run(Phase::setup, w);
-    auto& ctl = w.resource<RunControl>();
-    ctl.step = 1;
-    w.systems().run(Phase::data, w);
-    auto& batch = w.resource<train::Batch>();
-    auto& model = w.resource<model::GptModel>();
-    auto& store = w.resource<nn::ParamStore>();
-    auto& be = w.resource<ops::ActiveBackend>().get();
-    auto& tracker = w.resource<rng::RngStatesTracker>();
-    const auto snapshot = tracker.get_states();
-
-    be.zero(store.grads_flat());
-    model.forward(batch, 0, true, &tracker);
-    model.backward(batch);
-    const auto grads = to_host(be, store.grads_flat());
-
-    float* master = store.master_flat().as<float>();
-    auto loss = [&] {
-      tracker.set_states(snapshot);  // the same dropout masks every time
-      be.convert(store.compute_flat(), store.master_flat());
-      model.forward(batch, 0, true, &tracker);
-      return model.mean_loss(1);
-    };
-    for (Entity e : store.order) {
-      const auto& prm = w.get<nn::Param>(e);
-      double gmax = 1e-7;
-      for (std::int64_t i = 0; i < prm.numel; ++i) gmax = std::max(gmax, std::fabs(double(grads[prm.offset + i])));
-      double worst = 0;
-      const std::int64_t step = std::max<std::int64_t>(1, prm.numel / 6);
-      for (std::int64_t i = 0; i < prm.numel; i += step) {
-        float& x = master[prm.offset + i];
-        const float saved = x;
-        const float h = 1e-2f;
-        x = saved + h;
-        const double lp = loss();
-        x = saved - h;
-        const double lm = loss();
-        x = saved;
-        worst = std::max(worst, std::fabs((lp - lm) / (2 * h) - grads[prm.offset + i]) / gmax);
-      }
-      INFO("dropout " << dropout << " parameter " << prm.name << ": worst error / max|grad| = " << worst);
-      CHECK(worst < 2e-2);
-    }
-  }
+  for (float dropout : {0.0f, 0.2f}) test::check_finite_differences(kTiny, {"model.dropout=" + std::to_string(dropout)});
 }
 
 TEST_CASE("gradient accumulation over micro-batches equals one batch") {
@@ -113,7 +55,7 @@ TEST_CASE("gradient accumulation over micro-batches equals one batch") {
   test::Pipeline four(kTiny, {"train.batch_size=4", "train.micro_batch_size=1"});
   for (auto* p : {&one, &four}) {
     p->world->systems().run(Phase::setup, *p->world);
-    forward_backward_step(*p->world);
+    test::forward_backward_step(*p->world);
   }
   CHECK(four.world->resource<RunControl>().micro_batches == 4);
   auto g1 = to_host(one.world->resource<ops::ActiveBackend>().get(),
@@ -135,7 +77,7 @@ TEST_CASE("recomputing LayerNorm and GELU outputs in the backward pass gives the
   test::Pipeline recompute(kTiny, {"model.recompute_norm=true", "model.recompute_gelu=true", "model.dropout=0.1"});
   for (auto* p : {&keep, &recompute}) {
     p->world->systems().run(Phase::setup, *p->world);
-    forward_backward_step(*p->world);
+    test::forward_backward_step(*p->world);
   }
   auto g1 = to_host(keep.world->resource<ops::ActiveBackend>().get(),
                     keep.world->resource<nn::ParamStore>().grads_flat());

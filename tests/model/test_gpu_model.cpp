@@ -18,11 +18,23 @@ namespace {
 const char* const kModel = test::kSmallGpuModel;
 }  // namespace
 
-TEST_CASE("a CUDA training step matches the CPU reference step") {
+TEST_CASE("a CUDA training step matches the CPU reference step (GPT-2; Llama with grouped and multi-head attention)") {
   if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  const std::vector<std::vector<std::string>> archs = {
+      {},
+      {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=320", "model.tie_embeddings=false"},
+      {"model.arch=llama", "model.n_kv_head=4", "model.rope_theta=500000"}};
+  for (const auto& arch : archs)
   for (const char* dropout : {"0.0", "0.1"}) {
-    test::Pipeline cpu(kModel, {"engine.device=cpu", "backend.cpu_round_bf16=true", std::string("model.dropout=") + dropout});
-    test::Pipeline gpu(kModel, {"engine.device=cuda", std::string("model.dropout=") + dropout});
+    auto sets = [&](std::vector<std::string> s) {
+      s.insert(s.end(), arch.begin(), arch.end());
+      s.push_back(std::string("model.dropout=") + dropout);
+      return s;
+    };
+    test::Pipeline cpu(kModel, sets({"engine.device=cpu", "backend.cpu_round_bf16=true"}));
+    test::Pipeline gpu(kModel, sets({"engine.device=cuda"}));
+    std::string what;
+    for (const auto& s : sets({})) what += s + " ";
     std::vector<double> losses[2];
     std::vector<float> grads[2];
     int i = 0;
@@ -41,24 +53,21 @@ TEST_CASE("a CUDA training step matches the CPU reference step") {
       ++i;
     }
     // Initial weights are identical (init draws are bit-identical), so step 1's loss agrees closely.
-    INFO("dropout " << dropout << " losses cpu " << losses[0][0] << " gpu " << losses[1][0]);
+    INFO(what << "losses cpu " << losses[0][0] << " gpu " << losses[1][0]);
     CHECK(losses[1][0] == doctest::Approx(losses[0][0]).epsilon(5e-3));
     double num = 0, den = 0;
     for (std::size_t k = 0; k < grads[0].size(); ++k) {
       num += double(grads[1][k] - grads[0][k]) * (grads[1][k] - grads[0][k]);
       den += double(grads[0][k]) * grads[0][k];
     }
-    INFO("gradient relative error " << std::sqrt(num / den));
+    INFO(what << "gradient relative error " << std::sqrt(num / den));
     CHECK(std::sqrt(num / den) < 3e-2);  // bf16 activations, different summation orders
     for (std::size_t s = 0; s < losses[0].size(); ++s) CHECK(losses[1][s] == doctest::Approx(losses[0][s]).epsilon(2e-2));
   }
 }
 
-TEST_CASE("CUDA weight initialisation is bit-identical to the CPU's") {
+TEST_CASE("CUDA weight initialisation is bit-identical to the CPU's (GPT-2 and Llama)") {
   if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
-  test::Pipeline cpu(kModel, {"engine.device=cpu"});
-  test::Pipeline gpu(kModel, {"engine.device=cuda"});
-  for (auto* p : {&cpu, &gpu}) p->world->systems().run(Phase::setup, *p->world);
   auto master = [](World& w) {
     auto& be = w.resource<ops::ActiveBackend>().get();
     auto flat = w.resource<nn::ParamStore>().master_flat();
@@ -66,5 +75,11 @@ TEST_CASE("CUDA weight initialisation is bit-identical to the CPU's") {
     be.copy(TensorView(h.data(), {flat.numel()}, DType::f32, Device::cpu), flat);
     return h;
   };
-  CHECK(master(*cpu.world) == master(*gpu.world));
+  for (const std::string arch : {"gpt2", "llama"}) {
+    const std::string kv = arch == "llama" ? "model.n_kv_head=2" : "model.n_kv_head=0";
+    test::Pipeline cpu(kModel, {"engine.device=cpu", "model.arch=" + arch, kv});
+    test::Pipeline gpu(kModel, {"engine.device=cuda", "model.arch=" + arch, kv});
+    for (auto* p : {&cpu, &gpu}) p->world->systems().run(Phase::setup, *p->world);
+    CHECK(master(*cpu.world) == master(*gpu.world));
+  }
 }

@@ -198,7 +198,7 @@ TEST_CASE("config.json describes a standard GPT-2 and reads back into the model 
   CHECK(read.n_embd == 64);
   CHECK(read.vocab_size == 300);
   CHECK(read.max_seq_len == 32);
-  CHECK(read.ln_eps == cfg.ln_eps);
+  CHECK(read.norm_eps == cfg.norm_eps);
   CHECK(read.vocab_multiple == 64);  // what config.json does not say stays as given
 
   auto gpt2 = cfg;

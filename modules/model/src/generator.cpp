@@ -19,6 +19,8 @@ Generator::Generator(const ModelConfig& cfg, ops::Backend& backend, const Weight
       logit_rows_(std::min(cfg.max_seq_len, 64)) {
   KILN_CHECK(cfg.n_layer > 0 && H_ > 0 && C_ % H_ == 0 && Tmax_ > 0 && cfg.vocab_size > 0,
              "generator: invalid model config");
+  KILN_CHECK(!cfg.llama(), "kiln's generator runs GPT-2 models; this model is a llama (model.arch), which it "
+                           "cannot sample yet");
   const DType act = be_.act_dtype();
   const std::int64_t C = C_, T = Tmax_;
   weights_.request(&wte_, act, {Vp_, C});
@@ -112,7 +114,7 @@ void Generator::forward(std::span<const int> tokens) {
   // wpe rows from `pos`: the op adds row n % T of the table it is given.
   be_.embedding_forward({x, tok, wte_, wpe_.rows(pos, n), n});
   for (const Block& b : blocks_) {
-    be_.layernorm_forward({ln, mean, rstd, x, b.ln1_w, b.ln1_b, cfg_.ln_eps});
+    be_.layernorm_forward({ln, mean, rstd, x, b.ln1_w, b.ln1_b, cfg_.norm_eps});
     be_.linear_forward({b.cache.rows(pos, n), {}, ln, b.qkv_w, b.qkv_b});
     if (pos == 0)
       be_.attention_forward({atty.reshape({1, n, H_, D_}), lse, b.cache.rows(0, n).reshape({1, n, 3, H_, D_}), scale});
@@ -120,7 +122,7 @@ void Generator::forward(std::span<const int> tokens) {
       be_.attention_decode({atty.reshape({1, H_, D_}), b.cache.reshape({1, Tmax_, 3, H_, D_}), pos + 1, scale});
     be_.linear_forward({tmp, {}, atty, b.proj_w, b.proj_b});
     be_.residual_forward({x, x, tmp});
-    be_.layernorm_forward({ln, mean, rstd, x, b.ln2_w, b.ln2_b, cfg_.ln_eps});
+    be_.layernorm_forward({ln, mean, rstd, x, b.ln2_w, b.ln2_b, cfg_.norm_eps});
     be_.linear_forward({fc, fc_pre, ln, b.fc_w, b.fc_b});
     be_.linear_forward({tmp, {}, fc, b.fcp_w, b.fcp_b});
     be_.residual_forward({x, x, tmp});
@@ -135,7 +137,7 @@ std::vector<float> Generator::logits(int first, int count) {
   for (int r0 = 0; r0 < count; r0 += logit_rows_) {
     const int r = std::min(logit_rows_, count - r0);
     const TensorView x = x_.rows(first + r0, r), ln = ln_.rows(first + r0, r);
-    be_.layernorm_forward({ln, mean_.rows(0, r), rstd_.rows(0, r), x, lnf_w_, lnf_b_, cfg_.ln_eps});
+    be_.layernorm_forward({ln, mean_.rows(0, r), rstd_.rows(0, r), x, lnf_w_, lnf_b_, cfg_.norm_eps});
     be_.linear_forward({logits_.rows(0, r), {}, ln, wte_, {}});
     be_.convert(logits_f32_.rows(0, r), logits_.rows(0, r));
     be_.copy(TensorView(host.data(), {r, Vp_}, DType::f32, Device::cpu), logits_f32_.rows(0, r));

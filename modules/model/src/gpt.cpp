@@ -13,101 +13,120 @@ namespace {
 enum BlockParam { kLn1W, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2W, kLn2B, kFcW, kFcB, kFcpW, kFcpB };
 }
 
+namespace {
+// The fused QKV's rows: the query heads, then the key and the value heads, each split over TP
+// (GPT-2: three parts of n_embd rows).
+std::vector<std::int64_t> qkv_parts(const ModelConfig& cfg) {
+  const std::int64_t D = cfg.head_dim(), K = cfg.kv_heads();
+  return {cfg.n_head * D, K * D, K * D};
+}
+// FC1's rows: GPT-2's hidden layer, or SwiGLU's gate and up projections (each split over TP).
+std::vector<std::int64_t> mlp_in_parts(const ModelConfig& cfg) {
+  const std::int64_t F = cfg.mlp_hidden();
+  if (cfg.llama()) return {F, F};
+  return {F};
+}
+}  // namespace
+
 GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro_batches)
-    : world_(world),
-      cfg_(cfg),
-      be_(world.resource<ops::ActiveBackend>().get()),
-      tp_(parallel::tensor_parallel(world, be_)),
-      dp_(parallel::data_parallel(world)),
-      B_(B),
-      T_(T),
-      slots_(micro_batches),
+    : ModelBase(world, cfg, B, T, micro_batches),
       C_(cfg.n_embd),
       H_(cfg.n_head),
+      K_(cfg.kv_heads()),
+      F_(cfg.mlp_hidden()),
       Vp_(cfg.padded_vocab()),
       L_(cfg.n_layer),
-      N_(static_cast<std::int64_t>(B) * T),
-      batch_sequences_(world.resource<train::TrainConfig>().batch_size),
-      Nl_(tp_.local_rows(N_)),
+      llama_(cfg.llama()),
       embedding_(tp_, Vp_, C_),
-      qkv_(tp_, C_, 3 * C_, 3),
-      mlp_in_(tp_, C_, 4 * C_),
+      qkv_(tp_, C_, qkv_parts(cfg)),
+      mlp_in_(tp_, C_, mlp_in_parts(cfg)),
       lm_head_(tp_, C_, Vp_, 1, tp_.vocab_parallel()),
       attn_out_(tp_, C_, C_),
-      mlp_out_(tp_, 4 * C_, C_),
-      loss_(tp_, Vp_, cfg.vocab_size, N_),
-      backend_linear_(ops::backend_linear_impl(be_)) {
-  KILN_CHECK(T <= cfg.max_seq_len, "train.seq_len ", T, " exceeds model.max_seq_len ", cfg.max_seq_len);
+      mlp_out_(tp_, F_, C_),
+      loss_(tp_, Vp_, cfg.vocab_size, N_) {
   for (const auto& d : tensor_parallel_splits(cfg, N_, tp_.sequence_parallel(), tp_.vocab_parallel())) tp_.require(d);
   Hl_ = H_ / tp_.size();
+  Kl_ = K_ / tp_.size();
   head_begin_ = static_cast<int>(tp_.split(H_).first);
   const float std = cfg.init_std;
-  const float proj_std = std / std::sqrt(2.0f * L_);  // GPT-2: residual projections scaled by 1/sqrt(2L)
-  const std::int64_t C = C_;
-  world_.emplace_resource<ParamStore>();
-
-  auto make_layer = [&](int unit, LayerKind kind, int block, const std::string& name) {
-    Entity e = world_.create(name);
-    world_.emplace<Layer>(e, Layer{unit, block, kind, {}});
-    layers_.push_back(e);
-    return e;
-  };
+  // Residual projections scaled by 1/sqrt(2L): GPT-2's, and Megatron's output_layer_init_method
+  // for Llama (Hugging Face's Llama draws them with init_std like every other matrix).
+  const float proj_std = std / std::sqrt(2.0f * L_);
+  const std::int64_t C = C_, D = C_ / H_;
   const TensorShard whole;
+  const bool bias = !llama_;
 
-  // Unit 0: embeddings. The LM head reuses wte.
+  // Unit 0: embeddings (GPT-2's learned positions too). A tied LM head reuses wte.
   Entity emb = make_layer(0, LayerKind::embedding, -1, "embeddings");
   auto& emb_params = world_.get<Layer>(emb).params;
   wte_ = add_param("wte", {Vp_, C}, embedding_.weight_shard(), 0, true, std, 0, emb_params);
-  wpe_ = add_param("wpe", {cfg.max_seq_len, C}, whole, 0, true, std, 0, emb_params);
+  if (!llama_) wpe_ = add_param("wpe", {cfg.max_seq_len, C}, whole, 0, true, std, 0, emb_params);
 
   using nn::LinearRole;
+  const std::string norm = llama_ ? "norm_" : "ln_";
+  const std::int64_t qkv_rows = (H_ + 2 * K_) * D;
   for (int l = 0; l < L_; ++l) {
     const std::string p = "blocks." + std::to_string(l) + ".";
     const int unit = l + 1;
     Entity layer = make_layer(unit, LayerKind::block, l, "blocks." + std::to_string(l));
     auto& lp = world_.get<Layer>(layer).params;
     std::array<Entity, 12> e{};
-    // Column-parallel: QKV (heads split, per q/k/v) and FC1 (hidden split); row-parallel: the
-    // attention projection and FC2 (input split; their biases are replicated).
-    e[kLn1W] = add_norm_param(p + "ln_1.weight", unit, 1.0f, lp);
-    e[kLn1B] = add_norm_param(p + "ln_1.bias", unit, 0.0f, lp);
-    e[kQkvW] = add_param(p + "attn.qkv.weight", {3 * C, C}, qkv_.weight_shard(), unit, true, std, 0, lp);
-    e[kQkvB] = add_param(p + "attn.qkv.bias", {3 * C}, qkv_.weight_shard(), unit, false, 0, 0.0f, lp);
+    // Column-parallel: QKV (heads split, per q/k/v) and FC1 (hidden split, per gate/up); row-parallel:
+    // the attention projection and FC2 (input split; their biases are replicated). Llama has no
+    // biases and its RMSNorms no shift: those entries stay empty (kNoParam).
+    e.fill(kNoParam);
+    e[kLn1W] = add_norm_param(p + norm + "1.weight", unit, 1.0f, lp);
+    if (bias) e[kLn1B] = add_norm_param(p + norm + "1.bias", unit, 0.0f, lp);
+    e[kQkvW] = add_param(p + "attn.qkv.weight", {qkv_rows, C}, qkv_.weight_shard(), unit, true, std, 0, lp);
+    if (bias) e[kQkvB] = add_param(p + "attn.qkv.bias", {qkv_rows}, qkv_.weight_shard(), unit, false, 0, 0.0f, lp);
     e[kProjW] = add_param(p + "attn.proj.weight", {C, C}, attn_out_.weight_shard(), unit, true, proj_std, 0, lp);
-    e[kProjB] = add_param(p + "attn.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
-    e[kLn2W] = add_norm_param(p + "ln_2.weight", unit, 1.0f, lp);
-    e[kLn2B] = add_norm_param(p + "ln_2.bias", unit, 0.0f, lp);
-    e[kFcW] = add_param(p + "mlp.fc.weight", {4 * C, C}, mlp_in_.weight_shard(), unit, true, std, 0, lp);
-    e[kFcB] = add_param(p + "mlp.fc.bias", {4 * C}, mlp_in_.weight_shard(), unit, false, 0, 0.0f, lp);
-    e[kFcpW] = add_param(p + "mlp.proj.weight", {C, 4 * C}, mlp_out_.weight_shard(), unit, true, proj_std, 0, lp);
-    e[kFcpB] = add_param(p + "mlp.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
+    if (bias) e[kProjB] = add_param(p + "attn.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
+    e[kLn2W] = add_norm_param(p + norm + "2.weight", unit, 1.0f, lp);
+    if (bias) e[kLn2B] = add_norm_param(p + norm + "2.bias", unit, 0.0f, lp);
+    e[kFcW] = add_param(p + "mlp.fc.weight", {mlp_in_.out(), C}, mlp_in_.weight_shard(), unit, true, std, 0, lp);
+    if (bias) e[kFcB] = add_param(p + "mlp.fc.bias", {mlp_in_.out()}, mlp_in_.weight_shard(), unit, false, 0, 0.0f, lp);
+    e[kFcpW] = add_param(p + "mlp.proj.weight", {C, F_}, mlp_out_.weight_shard(), unit, true, proj_std, 0, lp);
+    if (bias) e[kFcpB] = add_param(p + "mlp.proj.bias", {C}, whole, unit, false, 0, 0.0f, lp);
     block_params_.push_back(e);
+    auto opt = [&](int k) { return e[k] == kNoParam ? std::nullopt : std::optional<Entity>(e[k]); };
     const BlockLinears lin{
-        add_linear(p + "attn.qkv", LinearRole::qkv, unit, e[kQkvW], e[kQkvB], C, qkv_.local_out()),
-        add_linear(p + "attn.proj", LinearRole::attn_out, unit, e[kProjW], e[kProjB], attn_out_.local_in(), C),
-        add_linear(p + "mlp.fc", LinearRole::mlp_in, unit, e[kFcW], e[kFcB], C, mlp_in_.local_out()),
-        add_linear(p + "mlp.proj", LinearRole::mlp_out, unit, e[kFcpW], e[kFcpB], mlp_out_.local_in(), C)};
+        add_linear(p + "attn.qkv", LinearRole::qkv, unit, e[kQkvW], opt(kQkvB), C, qkv_.local_out()),
+        add_linear(p + "attn.proj", LinearRole::attn_out, unit, e[kProjW], opt(kProjB), attn_out_.local_in(), C),
+        add_linear(p + "mlp.fc", LinearRole::mlp_in, unit, e[kFcW], opt(kFcB), C, mlp_in_.local_out()),
+        add_linear(p + "mlp.proj", LinearRole::mlp_out, unit, e[kFcpW], opt(kFcpB), mlp_out_.local_in(), C)};
     block_linears_.push_back(lin);
-    // LayerNorm outputs feed only QKV / FC1, GELU outputs only FC2; attention reads its own output.
+    // Norm outputs feed only QKV / FC1, GELU (SwiGLU) outputs only FC2; attention reads its own output.
     for (Entity r : {lin.qkv, lin.mlp_in}) world_.get<Linear>(r).input_stored_for_backward = !cfg_.recompute_norm;
     world_.get<Linear>(lin.mlp_out).input_stored_for_backward = !cfg_.recompute_gelu;
     // Each block weight's gradient comes from its linear alone (the tied wte has two producers).
     for (std::size_t k : {kQkvW, kProjW, kFcW, kFcpW}) world_.emplace<nn::GradWrittenFirst>(e[k]);
   }
-  Entity fin = make_layer(L_ + 1, LayerKind::final_norm, -1, "ln_f");
+  Entity fin = make_layer(L_ + 1, LayerKind::final_norm, -1, llama_ ? "norm_f" : "ln_f");
   auto& fp = world_.get<Layer>(fin).params;
-  lnf_w_ = add_norm_param("ln_f.weight", L_ + 1, 1.0f, fp);
-  lnf_b_ = add_norm_param("ln_f.bias", L_ + 1, 0.0f, fp);
-  lm_head_entity_ = add_linear("lm_head", LinearRole::lm_head, L_ + 1, wte_, std::nullopt, C, lm_head_.local_out());
+  lnf_w_ = add_norm_param(llama_ ? "norm_f.weight" : "ln_f.weight", L_ + 1, 1.0f, fp);
+  if (bias) lnf_b_ = add_norm_param("ln_f.bias", L_ + 1, 0.0f, fp);
+  // The LM head: tied to wte, or its own weight (split like wte: by vocabulary rows under
+  // vocabulary parallelism, else whole on every rank), in the final norm's unit.
+  head_w_ = wte_;
+  if (!cfg.tie_embeddings) {
+    head_w_ = add_param("lm_head.weight", {Vp_, C}, lm_head_.weight_shard(), L_ + 1, true, std, 0, fp);
+    world_.emplace<nn::GradWrittenFirst>(head_w_);
+  }
+  lm_head_entity_ = add_linear("lm_head", LinearRole::lm_head, L_ + 1, head_w_, std::nullopt, C, lm_head_.local_out());
   // The flat buffers are laid out and allocated in Phase::setup ("params.allocate"), once a module
   // that shards them has said how.
 }
 
 std::vector<parallel::SplitDim> GptModel::tensor_parallel_splits(const ModelConfig& cfg, std::int64_t tokens,
                                                                  bool sequence_parallel, bool vocab_parallel) {
-  // The heads split the attention (and with them the width: n_embd = n_head x head dim, and the
-  // MLP's 4 x n_embd); sequence parallelism the tokens; vocabulary parallelism the padded vocabulary.
+  // The heads split the attention (and with them the width: n_embd = n_head x head dim); the key
+  // and value heads, the MLP's hidden width; sequence parallelism the tokens; vocabulary
+  // parallelism the padded vocabulary.
   std::vector<parallel::SplitDim> dims = {{cfg.n_head, "model.n_head", "attention heads"}};
+  if (cfg.n_kv_head > 0) dims.push_back({cfg.n_kv_head, "model.n_kv_head", "key/value heads"});
+  if (cfg.mlp_hidden() != 4 * cfg.n_embd || cfg.llama())
+    dims.push_back({cfg.mlp_hidden(), cfg.ffn_hidden > 0 ? "model.ffn_hidden" : "model.n_embd",
+                    "MLP hidden features (model.ffn_hidden, or its default from model.n_embd)"});
   if (sequence_parallel)
     dims.push_back({tokens, "parallel.sequence_parallel",
                     "tokens of a micro-batch (train.micro_batch_size x train.seq_len)"});
@@ -126,26 +145,24 @@ enum ActGroup { kAttnGroup, kRes2Group, kMlpGroup };
 void GptModel::allocate_activations() {
   KILN_CHECK(!allocated_, "the model's activations are allocated once");
   const std::int64_t N = static_cast<std::int64_t>(B_) * T_, C = C_, Nl = Nl_, D = C_ / H_;
+  const std::int64_t fc_pre_cols = mlp_in_.local_out(), fc_cols = mlp_out_.local_in();  // GPT-2: equal
   const DType act = be_.act_dtype();
   // A LayerNorm or GELU output needs storing (or recomputing) only for a consumer whose backward
   // reads its input: an implementation that keeps its own copy (LinearImpl::keeps_input) does not.
-  auto inputs_kept = [&](Entity BlockLinears::*linear) {
-    if (block_linears_.empty()) return false;
-    for (const auto& lin : block_linears_) {
-      const auto* impl = world_.try_get<ops::LinearImpl>(lin.*linear);
-      if (!impl || !impl->keeps_input) return false;
-    }
-    return true;
+  auto kept_by_impl = [&](Entity BlockLinears::*linear) {
+    std::vector<Entity> all;
+    for (const auto& lin : block_linears_) all.push_back(lin.*linear);
+    return inputs_kept(all);
   };
   // FC2 computing the GELU of FC1's pre-activation itself (LinearImpl::takes_gelu_input): no GELU
-  // output is stored, recomputed, or even written.
-  gelu_in_fc2_ = !block_linears_.empty();
+  // output is stored, recomputed, or even written. (GPT-2 only: SwiGLU is not GELU.)
+  gelu_in_fc2_ = !block_linears_.empty() && !llama_;
   for (const auto& lin : block_linears_) {
     const auto* impl = world_.try_get<ops::LinearImpl>(lin.mlp_out);
     gelu_in_fc2_ = gelu_in_fc2_ && impl && impl->takes_gelu_input;
   }
-  const bool ln_kept = inputs_kept(&BlockLinears::qkv) && inputs_kept(&BlockLinears::mlp_in),
-             gelu_kept = gelu_in_fc2_ || inputs_kept(&BlockLinears::mlp_out);
+  const bool ln_kept = kept_by_impl(&BlockLinears::qkv) && kept_by_impl(&BlockLinears::mlp_in),
+             gelu_kept = gelu_in_fc2_ || kept_by_impl(&BlockLinears::mlp_out);
   recompute_ln_ = cfg_.recompute_norm && !ln_kept;
   recompute_gelu_ = cfg_.recompute_gelu && !gelu_kept;
   const bool keep_ln = !cfg_.recompute_norm && !ln_kept, keep_fc = !cfg_.recompute_gelu && !gelu_kept;
@@ -187,23 +204,21 @@ void GptModel::allocate_activations() {
     bool own;  // false: the recompute_norm / recompute_gelu scratch, refilled in the backward pass
   };
   const Field fields[] = {
-      {&BlockActs::ln1_mean, kAttnGroup, DType::f32, {Nl}, true},
+      {&BlockActs::ln1_mean, kAttnGroup, DType::f32, {Nl}, !llama_},  // RMSNorm: no mean
       {&BlockActs::ln1_rstd, kAttnGroup, DType::f32, {Nl}, true},
       {&BlockActs::ln1, kAttnGroup, act, {N, C}, keep_ln},
-      {&BlockActs::qkv, kAttnGroup, act, {B_, T_, 3, Hl_, D}, true},
+      {&BlockActs::qkv, kAttnGroup, act, llama_ ? Shape{B_, T_, Hl_ + 2 * Kl_, D} : Shape{B_, T_, 3, Hl_, D}, true},
       {&BlockActs::atty, kAttnGroup, act, {B_, T_, Hl_, D}, true},
       {&BlockActs::lse, kAttnGroup, DType::f32, {B_, Hl_, T_}, true},
       {&BlockActs::res2, kRes2Group, act, {Nl, C}, true},
-      {&BlockActs::ln2_mean, kMlpGroup, DType::f32, {Nl}, true},
+      {&BlockActs::ln2_mean, kMlpGroup, DType::f32, {Nl}, !llama_},
       {&BlockActs::ln2_rstd, kMlpGroup, DType::f32, {Nl}, true},
       {&BlockActs::ln2, kMlpGroup, act, {N, C}, keep_ln},
-      {&BlockActs::fc_pre, kMlpGroup, act, {N, mlp_in_.local_out()}, true},
-      {&BlockActs::fc, kMlpGroup, act, {N, mlp_in_.local_out()}, keep_fc},
+      {&BlockActs::fc_pre, kMlpGroup, act, {N, fc_pre_cols}, true},
+      {&BlockActs::fc, kMlpGroup, act, {N, fc_cols}, keep_fc},
   };
 
-  arena_.request(&tokens_, DType::i32, {N});
-  arena_.request(&targets_, DType::i32, {N});
-  arena_.request(&losses_, DType::f32, {static_cast<std::int64_t>(slots_), N});
+  request_io();
   res_.resize(static_cast<std::size_t>(L_ + 1));
   res_saved_.resize(static_cast<std::size_t>(L_));
   acts_.resize(static_cast<std::size_t>(L_));
@@ -216,7 +231,7 @@ void GptModel::allocate_activations() {
   if (any_distributed)
     for (auto& r : res_pingpong_) arena_.request(&r, act, {N, C});
   if (!keep_ln) arena_.request(&ln_shared_, act, {N, C});
-  if (!keep_fc && !gelu_in_fc2_) arena_.request(&fc_shared_, act, {N, mlp_in_.local_out()});
+  if (!keep_fc && !gelu_in_fc2_) arena_.request(&fc_shared_, act, {N, fc_cols});
   for (const auto& f : fields) {
     if (!f.own) continue;
     for (int l = 0; l < L_; ++l)
@@ -224,7 +239,7 @@ void GptModel::allocate_activations() {
     if (shared_group[f.group]) arena_.request(&(shared_acts_.*f.member), f.dtype, f.shape);
   }
   arena_.request(&lnf_, act, {N, C});
-  arena_.request(&lnf_mean_, DType::f32, {Nl});
+  if (!llama_) arena_.request(&lnf_mean_, DType::f32, {Nl});
   arena_.request(&lnf_rstd_, DType::f32, {Nl});
   arena_.request(&logits_, act, {N, lm_head_.local_out()});
   arena_.request(&scratch_c_, act, {N, C});
@@ -237,7 +252,8 @@ void GptModel::allocate_activations() {
   arena_.request(&datty_, act, {N, attn_out_.local_in()});
   arena_.request(&dln_, act, {N, C});
   arena_.request(&dqkv_, act, {N, qkv_.local_out()});
-  arena_.request(&dfc_, act, {N, mlp_in_.local_out()});
+  arena_.request(&dfc_, act, {N, fc_pre_cols});
+  if (llama_) arena_.request(&dact_, act, {N, fc_cols});
   arena_.allocate(be_);
 
   // Views that share memory: the LayerNorm and GELU outputs refilled in the backward pass, the
@@ -258,80 +274,9 @@ void GptModel::allocate_activations() {
   allocated_ = true;
 }
 
-Entity GptModel::add_param(const std::string& name, Shape global_shape, const TensorShard& shard, int unit, bool decay,
-                           float std, float value, std::vector<Entity>& layer_params) {
-  Param p;
-  p.name = name;
-  p.global_shape = global_shape;
-  p.shard = shard;
-  p.shape = shard.local_shape(global_shape);
-  p.weight_decay = decay;
-  p.init_std = std;
-  p.init_value = value;
-  p.unit = unit;
-  const Entity e = world_.resource<ParamStore>().add(world_, std::move(p));
-  layer_params.push_back(e);
-  return e;
-}
-
-Entity GptModel::add_norm_param(const std::string& name, int unit, float value, std::vector<Entity>& layer_params) {
-  Entity e = add_param(name, {C_}, TensorShard{}, unit, false, 0, value, layer_params);
-  world_.get<Param>(e).tp_partial_grad = tp_.sequence_parallel();  // LayerNorms see this rank's rows only
-  return e;
-}
-
-Entity GptModel::add_linear(const std::string& name, nn::LinearRole role, int unit, Entity w, std::optional<Entity> b,
-                            std::int64_t in, std::int64_t out) {
-  Entity e = world_.create(name);
-  world_.emplace<Linear>(e, Linear{role, unit, w, b, static_cast<int>(in), static_cast<int>(out)});
-  return e;
-}
-
 bool GptModel::layernorm_on_load(Entity linear) const {
   const auto* impl = world_.try_get<ops::LinearImpl>(linear);
-  return recompute_ln_ && !tp_.sequence_parallel() && impl && impl->takes_layernorm_input;
-}
-
-const ops::LinearImpl& GptModel::impl(Entity linear) const {
-  const auto* attached = world_.try_get<ops::LinearImpl>(linear);
-  return attached ? *attached : backend_linear_;
-}
-
-ops::LinearBackward GptModel::backward_args(Entity linear, ops::LinearBackward a) const {
-  const auto* run = world_.try_resource<RunControl>();
-  a.dweight_overwrite =
-      (!run || run->micro_batch == 0) && world_.has<nn::GradWrittenFirst>(world_.get<Linear>(linear).weight);
-  return a;
-}
-
-void GptModel::initialise(rng::RngStatesTracker& tracker) {
-  auto& store = world_.resource<ParamStore>();
-  const TensorView master = store.master_flat();
-  for (Entity e : store.order) {
-    const auto& p = world_.get<Param>(e);
-    // One draw of the whole logical tensor from the default state, on every rank: element i of the
-    // logical tensor is Philox element i of the draw, whatever part of it this rank holds (its
-    // tensor-parallel shard, and of that its part of the unit under FSDP).
-    const rng::PhiloxArgs r =
-        p.init_std > 0 ? tracker.draw(static_cast<std::uint64_t>(p.global_shape.numel())) : rng::PhiloxArgs{};
-    store.for_each_held(p, [&](const nn::HeldPart& part) {
-      const TensorView held = ParamStore::held_view(master, part);
-      if (p.init_std == 0) {
-        be_.fill(held, p.init_value);
-        return;
-      }
-      p.shard.for_each_block(p.global_shape, part.first, part.first + part.count, [&](const TensorShard::Block& b) {
-        be_.init_normal(held.flat_slice(b.local - part.first, b.count), p.init_std, r, b.global);
-      });
-    });
-  }
-  be_.convert(store.compute_flat(), store.master_flat());
-}
-
-TensorView GptModel::tensor(Entity e, bool grad) const {
-  const auto& store = world_.resource<ParamStore>();
-  const auto& p = world_.get<Param>(e);
-  return grad ? store.grad_view(p) : store.compute_view(p);
+  return !llama_ && recompute_ln_ && !tp_.sequence_parallel() && impl && impl->takes_layernorm_input;
 }
 
 GptModel::BlockWeights GptModel::block_weights(int l, bool grads) const {
@@ -341,28 +286,14 @@ GptModel::BlockWeights GptModel::block_weights(int l, bool grads) const {
           t(kLn2W), t(kLn2B), t(kFcW),  t(kFcB),  t(kFcpW), t(kFcpB)};
 }
 
-ops::DropoutArgs GptModel::hidden_dropout(float p, const rng::PhiloxArgs& r) const {
-  ops::DropoutArgs d;
-  d.p = p;
-  // This rank's rows of the step's [batch tokens, C] tensor: its micro-batch's, under sequence
-  // parallelism its part of them.
-  d.row_offset = seq_offset_ * T_ + tp_.first_local_row(N_);
-  d.rng = r;
-  return d;
-}
-
-std::int64_t GptModel::parameter_count() const {
-  std::int64_t n = 0;
-  for (Entity e : world_.resource<ParamStore>().order) n += world_.get<Param>(e).numel;
-  return n;
-}
-
 double GptModel::flops_per_token() const {
   // Matmul FLOPs: 6 per weight element per token (forward + two backward GEMMs) for the block
-  // linears (12 C^2 per block) and the LM head (Vp x C); attention scores and values add
+  // linears (GPT-2: 12 C^2 per block; in general C (H + 2K) D for QKV, C^2 for the projection, and
+  // C x FC1's and FC2's widths) and the LM head (Vp x C); attention scores and values add
   // 12 * L * T * C (forward 4 T C per layer, times 3), counted without causal savings (PaLM).
-  const double C = C_, L = L_;
-  return 6.0 * (12.0 * L * C * C + double(Vp_) * C) + 12.0 * L * T_ * C;
+  const double C = C_, L = L_, D = static_cast<double>(C_) / H_;
+  const double block = C * (H_ + 2.0 * K_) * D + C * C + C * double(mlp_in_.out()) + double(F_) * C;
+  return 6.0 * (L * block + double(Vp_) * C) + 12.0 * L * T_ * C;
 }
 
 }  // namespace kiln::model

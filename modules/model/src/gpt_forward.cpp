@@ -8,35 +8,15 @@
 namespace kiln::model {
 
 void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker) {
-  KILN_CHECK(batch.B == B_ && batch.T == T_, "batch of ", batch.B, "x", batch.T, " but the model was built for ", B_,
-             "x", T_);
-  KILN_CHECK(allocated_, "forward before allocate_activations()");
-  KILN_CHECK(slot >= 0 && slot < slots_, "loss slot ", slot, " of ", slots_);
-  const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
-  for (std::int64_t n = 0; n < N; ++n) {
-    if (batch.inputs[n] < 0 || batch.inputs[n] >= cfg_.vocab_size)
-      KILN_THROW("input token ", batch.inputs[n], " at position ", n, " is outside model.vocab_size = ", cfg_.vocab_size);
-    if (batch.targets[n] < -1 || batch.targets[n] >= cfg_.vocab_size)
-      KILN_THROW("target token ", batch.targets[n], " at position ", n, " is outside model.vocab_size = ",
-                 cfg_.vocab_size);
-  }
-  be_.copy(tokens_, TensorView(const_cast<std::int32_t*>(batch.inputs.data()), {N}, DType::i32, Device::cpu));
-  be_.copy(targets_, TensorView(const_cast<std::int32_t*>(batch.targets.data()), {N}, DType::i32, Device::cpu));
-
+  const float p = begin_forward(batch, slot, training, tracker);
   auto& bus = world_.events();
-  const float p = training ? cfg_.dropout : 0.0f;
-  seq_offset_ = batch.global_index;
-  if (p > 0 && tracker) {  // every micro-batch of the step draws from the same states
-    if (slot == 0)
-      step_rng_ = tracker->get_states();
-    else
-      tracker->set_states(step_rng_);
-  }
 
   // The embeddings: every rank looks up all rows and keeps its own (sequence parallelism), or its
   // vocabulary rows' part of all, summed over TP (vocabulary parallelism).
   bus.publish(LayerForwardBegin{0});
-  embedding_.forward({full_c_, tokens_, tensor(wte_, false), tensor(wpe_, false), T_}, res_[0]);
+  ops::EmbeddingForward emb{full_c_, tokens_, tensor(wte_, false), tensor(wpe_, false), T_};
+  emb.positions = !llama_;  // Llama's positions are rotary, in every block's attention
+  embedding_.forward(emb, res_[0]);
   bus.publish(LayerForwardEnd{0});
 
   for (int l = 0; l < L_; ++l) {
@@ -49,10 +29,10 @@ void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::
   }
 
   bus.publish(LayerForwardBegin{L_ + 1});
-  const TensorView lnf_local = layernorm_local(lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false),
-                                               tensor(lnf_b_, false));
-  lm_head_.forward(impl(lm_head_entity_), {logits_, {}, lnf_, tensor(wte_, false), {}}, lnf_local);
-  loss_.forward(losses_.rows(slot, 1).reshape({N}), logits_, targets_, dloss_);
+  const TensorView lnf_local = norm_local(lnf_, lnf_mean_, lnf_rstd_, res_[L_], tensor(lnf_w_, false),
+                                          tensor(lnf_b_, false));
+  lm_head_.forward(impl(lm_head_entity_), {logits_, {}, lnf_, tensor(head_w_, false), {}}, lnf_local);
+  loss_.forward(losses_.rows(slot, 1).reshape({N_}), logits_, targets_, dloss_);
   bus.publish(LayerForwardEnd{L_ + 1});
   have_forward_ = training;
 }
@@ -83,13 +63,14 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
     TensorView ln1_local;
     if (layernorm_on_load(lin.qkv)) {
       qkv.x = {};
-      qkv.x_ln = {res_[l], w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, cfg_.ln_eps};
+      qkv.x_ln = {res_[l], w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, cfg_.norm_eps};
     } else {
-      ln1_local = layernorm_local(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b);
+      ln1_local = norm_local(a.ln1, a.ln1_mean, a.ln1_rstd, res_[l], w.ln1_w, w.ln1_b);
     }
     qkv_.forward(impl(lin.qkv), qkv, ln1_local);
-    be_.attention_forward({a.atty, a.lse, a.qkv, 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng, head_begin_,
-                           H_, seq_offset_});
+    if (llama_) rope(a.qkv, false);
+    be_.attention_forward({a.atty, a.lse, attention_qkv(a.qkv), 1.0f / std::sqrt(static_cast<float>(D)), p, a.attn_rng,
+                           head_begin_, H_, seq_offset_, attention_kv_heads()});
   }
   if (stages & kAttnOut) {
     // The row-parallel projection, summed over TP into this rank's rows, then dropout + residual.
@@ -98,17 +79,19 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
     be_.residual_forward({a.res2, res_[l], local_c_, hidden_dropout(p, a.attn_drop_rng)});
   }
   if (stages & kMlpIn) {
-    // FC1 writes the pre-activation where FC2 applies the GELU as it reads it.
-    ops::LinearForward fc1 = gelu_in_fc2_ ? ops::LinearForward{a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b}
-                                          : ops::LinearForward{a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b};
+    // FC1 writes the pre-activation where FC2 applies the GELU as it reads it; SwiGLU (llama) runs
+    // on FC1's [gate | up] output after it.
+    ops::LinearForward fc1 = gelu_in_fc2_ || llama_ ? ops::LinearForward{a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b}
+                                                    : ops::LinearForward{a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b};
     TensorView ln2_local;
     if (layernorm_on_load(lin.mlp_in)) {
       fc1.x = {};
-      fc1.x_ln = {a.res2, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, cfg_.ln_eps};
+      fc1.x_ln = {a.res2, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, cfg_.norm_eps};
     } else {
-      ln2_local = layernorm_local(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b);
+      ln2_local = norm_local(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b);
     }
     mlp_in_.forward(impl(lin.mlp_in), fc1, ln2_local);
+    if (llama_) be_.swiglu_forward({a.fc, a.fc_pre});
   }
   if (stages & kMlpOut) {
     ops::LinearForward fc2{scratch_c_, {}, a.fc, w.fcp_w, w.fcp_b};
@@ -118,11 +101,33 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
   }
 }
 
-TensorView GptModel::layernorm_local(const TensorView& out, const TensorView& mean, const TensorView& rstd,
-                                     const TensorView& x, const TensorView& w, const TensorView& b) {
+TensorView GptModel::norm_local(const TensorView& out, const TensorView& mean, const TensorView& rstd,
+                                const TensorView& x, const TensorView& w, const TensorView& b) {
   const TensorView local = tp_.sequence_parallel() ? local_c_ : out;
-  be_.layernorm_forward({local, mean, rstd, x, w, b, cfg_.ln_eps});
+  if (llama_)
+    be_.rmsnorm_forward({local, rstd, x, w, cfg_.norm_eps});
+  else
+    be_.layernorm_forward({local, mean, rstd, x, w, b, cfg_.norm_eps});
   return local;
+}
+
+void GptModel::norm_backward(const TensorView& dx, const TensorView& dw, const TensorView& db, const TensorView& dout,
+                             const TensorView& x, const TensorView& w, const TensorView& mean,
+                             const TensorView& rstd) {
+  if (llama_)
+    be_.rmsnorm_backward({dx, dw, dout, x, w, rstd});
+  else
+    be_.layernorm_backward({dx, dw, db, dout, x, w, mean, rstd});
+}
+
+void GptModel::rope(const TensorView& qkv, bool inverse) {
+  // Positions count from each sequence's start (the micro-batch holds whole sequences).
+  be_.rope({qkv, Hl_ + Kl_, cfg_.rope_theta, 0, inverse});
+}
+
+TensorView GptModel::attention_qkv(const TensorView& qkv) const {
+  if (!llama_ || attention_kv_heads() != 0) return qkv;
+  return qkv.reshape({B_, T_, 3, Hl_, C_ / H_});
 }
 
 void GptModel::recompute_block(int l) {
@@ -140,27 +145,6 @@ void GptModel::recompute_block(int l) {
                                                                       : kAttention | kAttnOut | kMlpIn;
   block_forward(l, cfg_.dropout, world_.try_resource<rng::RngStatesTracker>(), stages);
   bus.publish(LayerRecomputeEnd{l + 1});
-}
-
-double GptModel::mean_loss(int slots) {
-  KILN_CHECK(slots > 0 && slots <= slots_, "mean over ", slots, " loss slots of ", slots_);
-  const std::int64_t N = static_cast<std::int64_t>(B_) * T_;
-  std::vector<float> host(static_cast<std::size_t>(slots * N));
-  be_.copy(TensorView(host.data(), {slots * N}, DType::f32, Device::cpu), losses_.rows(0, slots).reshape({slots * N}));
-  be_.synchronize();
-  double sum = 0;
-  for (float v : host) sum += v;
-  return dp_.mean(sum / static_cast<double>(host.size()));  // every DP rank saw its slice of the batch
-}
-
-double GptModel::evaluate(const std::vector<train::Batch>& batches) {
-  KILN_CHECK(!batches.empty(), "no validation batches");
-  double total = 0;
-  for (auto& b : batches) {
-    forward(b, 0, false, nullptr);
-    total += mean_loss(1);
-  }
-  return total / static_cast<double>(batches.size());
 }
 
 }  // namespace kiln::model

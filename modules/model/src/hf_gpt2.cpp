@@ -61,6 +61,7 @@ void transpose(const float* src, float* dst, std::int64_t rows, std::int64_t col
 }  // namespace
 
 std::vector<HfTensor> hf_gpt2_layout(const ModelConfig& cfg) {
+  KILN_CHECK(!cfg.llama(), "Hugging Face GPT-2 weights are for model.arch = \"gpt2\"; this model is a llama");
   const std::int64_t C = cfg.n_embd;
   std::vector<HfTensor> out;
   auto add = [&](const std::string& kiln, std::vector<std::int64_t> shape, const std::string& hf, bool transposed,
@@ -106,7 +107,7 @@ std::string hf_gpt2_config_json(const ModelConfig& cfg, DType dtype) {
   j["n_head"] = cfg.n_head;
   j["n_inner"] = nullptr;                 // 4 n_embd, as kiln's MLP
   j["activation_function"] = "gelu_new";  // the tanh approximation kiln computes
-  j["layer_norm_epsilon"] = short_double(cfg.ln_eps);
+  j["layer_norm_epsilon"] = short_double(cfg.norm_eps);
   j["initializer_range"] = short_double(cfg.init_std);
   for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) j[key] = short_double(cfg.dropout);
   j["tie_word_embeddings"] = true;
@@ -240,7 +241,7 @@ ModelConfig read_hf_gpt2_config(const std::string& config_json, ModelConfig base
     if (!j["layer_norm_epsilon"].is_number() || j["layer_norm_epsilon"].get<double>() <= 0)
       KILN_FILE_ERROR(config_json, ": key 'layer_norm_epsilon' must be a positive number, got ",
                       j["layer_norm_epsilon"].dump());
-    base.ln_eps = j["layer_norm_epsilon"].get<float>();
+    base.norm_eps = j["layer_norm_epsilon"].get<float>();
   }
   return base;
 }

@@ -46,8 +46,12 @@ EmbeddingDims check_args(const EmbeddingForward& a, const ArgTarget& on) {
   const auto N = c.dim("N"), C = c.dim("C"), V = c.dim("V"), Tmax = c.dim("Tmax");
   c.tensor("tokens", a.tokens, i32, {N});
   c.tensor("wte", a.wte, Act, {V, C});
-  c.tensor("wpe", a.wpe, Act, {Tmax, C});
   c.tensor("out", a.out, Act, {N, C});
+  if (!a.positions) {  // no position table (rotary positions come later): wpe unused, may be empty
+    c.check(a.T > 0 && c[N] % a.T == 0, "T = ", a.T, " must be positive and divide N = ", c[N]);
+    return {c[N], c[C], c[V], 0, check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};
+  }
+  c.tensor("wpe", a.wpe, Act, {Tmax, C});
   check_positions(c, a.T, c[N], c[Tmax]);
   return {c[N], c[C], c[V], c[Tmax], check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};
 }
@@ -59,6 +63,10 @@ EmbeddingDims check_args(const EmbeddingBackward& a, const ArgTarget& on) {
   c.tensor("tokens", a.tokens, i32, {N});
   c.check(a.tokens_host != nullptr, "tokens_host: expected the ", c[N], " tokens on the host, got none");
   c.tensor("dwte", a.dwte, f32, {V, C});
+  if (!a.dwpe) {  // no position table
+    c.check(a.T > 0 && c[N] % a.T == 0, "T = ", a.T, " must be positive and divide N = ", c[N]);
+    return {c[N], c[C], c[V], 0, check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};
+  }
   c.tensor("dwpe", a.dwpe, f32, {Tmax, C});
   check_positions(c, a.T, c[N], c[Tmax]);
   return {c[N], c[C], c[V], c[Tmax], check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};

@@ -23,8 +23,8 @@ void CpuBackend::embedding_forward(const EmbeddingForward& a) {
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     const float* e = rows.mine(tok[n]) ? wte + (std::int64_t(tok[n]) - rows.begin) * C : nullptr;
-    const float* p = wpe + (n % a.T) * C;
-    for (std::int64_t c = 0; c < C; ++c) out[n * C + c] = store((e ? e[c] : 0.0f) + (a.positions ? p[c] : 0.0f));
+    const float* p = a.positions ? wpe + (n % a.T) * C : nullptr;
+    for (std::int64_t c = 0; c < C; ++c) out[n * C + c] = store((e ? e[c] : 0.0f) + (p ? p[c] : 0.0f));
   }
 }
 
@@ -44,7 +44,7 @@ void CpuBackend::embedding_backward(const EmbeddingBackward& a) {
     for (std::int64_t n = 0; n < N; ++n) {
       float g = dout[n * C + c];
       if (rows.mine(tok[n])) dwte[(std::int64_t(tok[n]) - rows.begin) * C + c] += g;
-      dwpe[(n % a.T) * C + c] += g;
+      if (dwpe) dwpe[(n % a.T) * C + c] += g;
     }
 }
 

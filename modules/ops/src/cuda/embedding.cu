@@ -116,7 +116,7 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::i
                         int C, cudaStream_t s) {
   if (N <= 0 || C <= 0) return;
   KILN_CHECK(T > 0 && N % T == 0, "embedding_backward: N = ", N, " is not a multiple of T = ", T);
-  const bool vec = C % 8 == 0 && aligned16(dwte) && aligned16(dwpe) && aligned16(dout);
+  const bool vec = C % 8 == 0 && aligned16(dwte) && (!dwpe || aligned16(dwpe)) && aligned16(dout);
   const dim3 block(kLanes, kRows);
   const unsigned chunk_blocks = static_cast<unsigned>(ceil_div(ceil_div(C, 8), kLanes));
   if (U > 0) {
@@ -127,6 +127,7 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::i
       embedding_backward_wte_kernel<false><<<grid, block, 0, s>>>(dwte, dout, order, bucket_start, bucket_token, U, C);
     KILN_CUDA_LAUNCH_CHECK();
   }
+  if (!dwpe) return;  // no position table
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kRows)), chunk_blocks);
   if (vec)
     embedding_backward_wpe_kernel<true><<<grid, block, 0, s>>>(dwpe, dout, N / T, T, C);

@@ -15,6 +15,19 @@ ColumnParallelLinear::ColumnParallelLinear(const TensorParallel& tp, std::int64_
   shard_ = row_shard(tp, out, parts);
 }
 
+ColumnParallelLinear::ColumnParallelLinear(const TensorParallel& tp, std::int64_t in,
+                                           const std::vector<std::int64_t>& parts)
+    : tp_(tp), in_(in), out_(0), local_out_(0), split_(tp.size() > 1) {
+  for (const std::int64_t part : parts) {
+    KILN_CHECK(part > 0, "column-parallel linear: a part of ", part, " rows");
+    out_ += part;
+    if (split_) tp.require({part, "column-parallel linear", cat("output features (a part of ", part, " rows)")});
+  }
+  KILN_CHECK(in > 0 && !parts.empty(), "column-parallel linear ", in, " -> ", out_);
+  local_out_ = out_ / tp.size();
+  if (split_) shard_ = row_shard(tp, parts);
+}
+
 void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearForward& a,
                                    const TensorView& x_local) const {
   ops::LinearForward f = a;

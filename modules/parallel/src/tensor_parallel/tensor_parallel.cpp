@@ -74,14 +74,21 @@ void TensorParallel::all_gather(const TensorView& out, const TensorView& in) con
 }
 
 TensorShard row_shard(const TensorParallel& tp, std::int64_t rows, int parts) {
+  KILN_CHECK(parts > 0 && rows % parts == 0, rows, " rows do not make ", parts, " equal parts");
+  return row_shard(tp, std::vector<std::int64_t>(static_cast<std::size_t>(parts), rows / parts));
+}
+
+TensorShard row_shard(const TensorParallel& tp, const std::vector<std::int64_t>& parts) {
   TensorShard s;
   if (tp.size() == 1) return s;
-  KILN_CHECK(rows % parts == 0 && (rows / parts) % tp.size() == 0, rows, " rows in ", parts,
-             " parts do not split over ", tp.size(), " ranks");
-  const std::int64_t part = rows / parts;
-  const auto [b, e] = tp.split(part);
   s.dim = 0;
-  for (std::int64_t q = 0; q < parts; ++q) s.ranges.push_back({q * part + b, q * part + e});
+  std::int64_t at = 0;
+  for (const std::int64_t part : parts) {
+    KILN_CHECK(part % tp.size() == 0, "a part of ", part, " rows does not split over ", tp.size(), " ranks");
+    const auto [b, e] = tp.split(part);
+    s.ranges.push_back({at + b, at + e});
+    at += part;
+  }
   return s;
 }
 

@@ -45,7 +45,7 @@ struct EmbeddingForward {
   TensorView out;     // [N, C] act = wte[tokens[n] - vocab_begin] (or 0) + (positions ? wpe[n % T] : 0)
   TensorView tokens;  // [N] i32, on the backend's device
   TensorView wte;     // [V, C] act
-  TensorView wpe;     // [Tmax, C] act, Tmax >= T
+  TensorView wpe;     // [Tmax, C] act, Tmax >= T (unused, may be empty, without positions)
   int T = 0;
   std::int64_t vocab_begin = 0;
   std::int64_t vocab_total = 0;
@@ -53,7 +53,7 @@ struct EmbeddingForward {
 };
 struct EmbeddingBackward {
   TensorView dwte;    // [V, C] f32, accumulated (tokens of this rank's rows only)
-  TensorView dwpe;    // [Tmax, C] f32, accumulated
+  TensorView dwpe;    // [Tmax, C] f32, accumulated; optional (a model without a position table)
   TensorView dout;    // [N, C] act
   TensorView tokens;  // [N] i32 on the device
   const std::int32_t* tokens_host = nullptr;  // the same N tokens on the host

@@ -9,6 +9,7 @@
 // layer ends one: its input and weight are split by input features, its output is a partial sum
 // (the bias added once, on rank 0), summed over the group as the region exits.
 #include <cstdint>
+#include <vector>
 
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
@@ -21,6 +22,10 @@ class ColumnParallelLinear {
   // of which this rank holds its 1/tp. With `split` false the weight is whole on every rank and only
   // the input is gathered (an LM head outside vocabulary parallelism).
   ColumnParallelLinear(const TensorParallel& tp, std::int64_t in, std::int64_t out, int parts = 1, bool split = true);
+  // Weight rows in consecutive parts of the given sizes, each split over the group (a grouped-query
+  // QKV: query heads x D, then key and value heads x D); the local output is this rank's part of
+  // each, in part order.
+  ColumnParallelLinear(const TensorParallel& tp, std::int64_t in, const std::vector<std::int64_t>& parts);
 
   std::int64_t in() const { return in_; }
   std::int64_t out() const { return out_; }

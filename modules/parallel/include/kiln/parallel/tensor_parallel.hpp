@@ -100,6 +100,9 @@ class TensorParallel {
 // which this rank holds its 1/tp (column-parallel layers), or of one whose columns it splits
 // (row-parallel layers). Whole tensors (an empty shard) on one rank.
 TensorShard row_shard(const TensorParallel& tp, std::int64_t rows, int parts = 1);
+// Rows made of consecutive parts of the given sizes (a grouped-query QKV: query, key and value
+// rows), each split over the group: this rank holds its 1/tp of every part, in part order.
+TensorShard row_shard(const TensorParallel& tp, const std::vector<std::int64_t>& parts);
 TensorShard column_shard(const TensorParallel& tp, std::int64_t cols);
 
 }  // namespace kiln::parallel
