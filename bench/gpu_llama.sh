@@ -3,7 +3,7 @@
 # attention against the CPU), a Llama training step on CUDA against the CPU, then
 # pipelines/llama-1b.toml in bf16, FP8 delayed and FP8 current against PyTorch (bench/torch_llama.py,
 # when torch imports) on the same GPU. A table last: tokens/s, ms/step, MFU, peak memory.
-# usage: bash bench/gpu_llama.sh BUILD_DIR [steps]     (logs and metrics under $OUT; GPU 0)
+# usage: bash bench/gpu_llama.sh BUILD_DIR [steps]     (logs and metrics under $OUT; GPU 0; TORCH=0 skips PyTorch)
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-30}
@@ -35,7 +35,7 @@ run() {  # name args...
 run llama-bf16
 run llama-fp8 --set fp8.enabled=true
 run llama-fp8-current --set fp8.enabled=true --set fp8.recipe=current
-if python3 -c "import torch" 2>/dev/null; then
+if [ "${TORCH:-1}" = 1 ] && python3 -c "import torch" 2>/dev/null; then
   timeout 400 python3 bench/torch_llama.py --batch 4 --steps "$STEPS" --out "$OUT/torch-llama.json" >> "$LOG" 2>&1
   echo "torch rc=$?"
 fi

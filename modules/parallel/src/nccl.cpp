@@ -195,20 +195,17 @@ class NcclCommunicator final : public Communicator {
   void all_gather(const TensorView& out, const TensorView& in, void* stream) override {
     KILN_CHECK(out.numel() == in.numel() * size_ && out.dtype == in.dtype, name_, " all_gather: ", in.str(), " -> ",
                out.str());
-    device_only(out, in, "all_gather");
     const std::string what = cat(name_, " all_gather(", in.str(), ")");
-    run(stream, what, [&](cudaStream_t s) {
-      ncclAllGather(in.data, out.data, static_cast<std::size_t>(in.numel()), nccl_type(in.dtype), comm_, s);
+    staged(out, in, stream, what, [&](void* o, const void* i, cudaStream_t s) {
+      ncclAllGather(i, o, static_cast<std::size_t>(in.numel()), nccl_type(in.dtype), comm_, s);
     });
   }
   void reduce_scatter(const TensorView& out, const TensorView& in, ReduceOp op, void* stream) override {
     KILN_CHECK(in.numel() == out.numel() * size_ && out.dtype == in.dtype, name_, " reduce_scatter: ", in.str(),
                " -> ", out.str());
-    device_only(out, in, "reduce_scatter");
     const std::string what = cat(name_, " reduce_scatter(", reduce_op_name(op), ", ", in.str(), ")");
-    run(stream, what, [&](cudaStream_t s) {
-      ncclReduceScatter(in.data, out.data, static_cast<std::size_t>(out.numel()), nccl_type(in.dtype), nccl_op(op),
-                        comm_, s);
+    staged(out, in, stream, what, [&](void* o, const void* i, cudaStream_t s) {
+      ncclReduceScatter(i, o, static_cast<std::size_t>(out.numel()), nccl_type(in.dtype), nccl_op(op), comm_, s);
     });
   }
   void broadcast(const TensorView& buf, int root, void* stream) override {
@@ -223,11 +220,6 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  static void device_only(const TensorView& a, const TensorView& b, const char* op) {
-    if (a.device != Device::cuda || b.device != Device::cuda)
-      KILN_THROW("NCCL ", op, " needs device buffers, got ", a.str(), " and ", b.str());
-  }
-
   // Enqueues a collective on `stream`, tracked by the watchdog.
   template <class F>
   void run(void* stream, const std::string& what, F&& call) {
@@ -238,19 +230,32 @@ class NcclCommunicator final : public Communicator {
     w_->track(s, what);
   }
 
-  // Device buffers go straight to NCCL; host buffers (scalars: losses, norms) are staged through a
-  // device buffer on a private stream and copied back before returning.
+  // Device buffers go straight to NCCL; host buffers (scalars: losses, norms; the checkpoint's
+  // agreement flags and manifest parts) are staged through a device buffer on a private stream and
+  // copied back before returning.
   template <class F>
   void staged(const TensorView& buf, void* stream, const std::string& what, F&& call) {
-    if (buf.device == Device::cuda) {
-      run(stream, what, [&](cudaStream_t s) { call(buf.data, s); });
+    staged(buf, buf, stream, what, [&](void* out, const void*, cudaStream_t s) { call(out, s); });
+  }
+  // The same for a collective from `in` to `out` (the same tensor when in place): both on the
+  // device, or both on the host.
+  template <class F>
+  void staged(const TensorView& out, const TensorView& in, void* stream, const std::string& what, F&& call) {
+    if (out.device != in.device) KILN_THROW(what, ": the input and the output must both be on the device or the host, got ",
+                                            in.str(), " and ", out.str());
+    if (out.device == Device::cuda) {
+      run(stream, what, [&](cudaStream_t s) { call(out.data, in.data, s); });
       return;
     }
+    const bool in_place = out.data == in.data;
+    const std::size_t in_at = (out.bytes() + 255) / 256 * 256, need = in_place ? out.bytes() : in_at + in.bytes();
     if (!own_stream_) KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
-    if (staging_.bytes() < buf.bytes()) staging_ = Buffer(Device::cuda, std::max<std::size_t>(buf.bytes(), 256));
-    KILN_CUDA_CHECK(cudaMemcpyAsync(staging_.data(), buf.data, buf.bytes(), cudaMemcpyHostToDevice, own_stream_));
-    run(own_stream_, what, [&](cudaStream_t s) { call(staging_.data(), s); });
-    KILN_CUDA_CHECK(cudaMemcpyAsync(buf.data, staging_.data(), buf.bytes(), cudaMemcpyDeviceToHost, own_stream_));
+    if (staging_.bytes() < need) staging_ = Buffer(Device::cuda, std::max<std::size_t>(need, 256));
+    auto* dev = static_cast<char*>(staging_.data());
+    char* dev_in = in_place ? dev : dev + in_at;
+    KILN_CUDA_CHECK(cudaMemcpyAsync(dev_in, in.data, in.bytes(), cudaMemcpyHostToDevice, own_stream_));
+    run(own_stream_, what, [&](cudaStream_t s) { call(dev, dev_in, s); });
+    KILN_CUDA_CHECK(cudaMemcpyAsync(out.data, dev, out.bytes(), cudaMemcpyDeviceToHost, own_stream_));
     // The watchdog aborts a hung collective, which lets this wait return; then report why.
     cudaStreamSynchronize(own_stream_);
     w_->check(what);

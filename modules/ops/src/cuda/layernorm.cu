@@ -1,4 +1,5 @@
-// LayerNorm forward (a warp per row, fp32 statistics) and backward (dx accumulated into bf16;
+// LayerNorm forward (a warp per row, fp32 statistics) and backward, which RMSNorm's backward shares
+// (dx accumulated into bf16;
 // dweight/dbias by a deterministic two-stage reduction: per-block partials, then a fixed-order sum).
 #include "common.cuh"
 #include "kiln/ops/cuda/layernorm_row.cuh"
@@ -99,6 +100,8 @@ __device__ __forceinline__ void block_sum(float (&vals)[NV], float* red) {
 
 // Fast path: thread t owns channels [8t, 8t + 8) (C % 8 == 0, C / 8 <= blockDim.x), keeps its
 // dweight/dbias partial sums in registers and writes them to partials[block][0:C | C:2C].
+// kRms: RMSNorm's backward (no mean, no bias: xhat = x * rstd, dx = rstd (w g - xhat mean(w g xhat))).
+template <bool kRms>
 __global__ __launch_bounds__(kMaxVecChunks) void ln_backward_vec(bf16* dx, float* partials, const bf16* dout,
                                                                   const bf16* x, const bf16* weight, const float* mean,
                                                                   const float* rstd, int N, int C, int rpb) {
@@ -120,7 +123,7 @@ __global__ __launch_bounds__(kMaxVecChunks) void ln_backward_vec(bf16* dx, float
       xv[i] = ok ? load16(x + off) : make_uint4(0, 0, 0, 0);
       gv[i] = ok ? load16(dout + off) : make_uint4(0, 0, 0, 0);
       dv[i] = ok ? load16(dx + off) : make_uint4(0, 0, 0, 0);
-      mu[i] = r + i < r1 ? mean[r + i] : 0.0f;
+      mu[i] = !kRms && r + i < r1 ? mean[r + i] : 0.0f;
       rs[i] = r + i < r1 ? rstd[r + i] : 0.0f;
     }
     float sums[2 * kRowsAtOnce];  // per row: sum(dnorm), sum(dnorm * xhat)
@@ -149,7 +152,8 @@ __global__ __launch_bounds__(kMaxVecChunks) void ln_backward_vec(bf16* dx, float
 #pragma unroll
     for (int i = 0; i < kRowsAtOnce; ++i) {
       if (!active || r + i >= r1) continue;
-      const float dn_mean = sums[2 * i] / static_cast<float>(C), dnx_mean = sums[2 * i + 1] / static_cast<float>(C);
+      const float dn_mean = kRms ? 0.0f : sums[2 * i] / static_cast<float>(C),
+                  dnx_mean = sums[2 * i + 1] / static_cast<float>(C);
       float xf[8], g[8], d[8];
       unpack8(xv[i], xf);
       unpack8(gv[i], g);
@@ -165,13 +169,14 @@ __global__ __launch_bounds__(kMaxVecChunks) void ln_backward_vec(bf16* dx, float
   if (active) {
     float* p = partials + static_cast<std::int64_t>(blockIdx.x) * 2 * C;
     store8(p + c, dw);
-    store8(p + C + c, db);
+    if (!kRms) store8(p + C + c, db);
   }
 }
 
 // Any C: threads stride over channels; the dweight/dbias partials accumulate in the block's own
 // row of `partials` (each channel owned by one thread, so no races and a fixed order).
 constexpr int kAnyThreads = 256;
+template <bool kRms>
 __global__ __launch_bounds__(kAnyThreads) void ln_backward_any(bf16* dx, float* partials, const bf16* dout,
                                                               const bf16* x, const bf16* weight, const float* mean,
                                                               const float* rstd, int N, int C, int rpb) {
@@ -183,7 +188,7 @@ __global__ __launch_bounds__(kAnyThreads) void ln_backward_any(bf16* dx, float* 
   int buf = 0;
   for (int r = r0; r < r1; ++r, buf ^= 1) {
     const std::int64_t off = static_cast<std::int64_t>(r) * C;
-    const float mu = mean[r], rs = rstd[r];
+    const float mu = kRms ? 0.0f : mean[r], rs = rstd[r];
     float sums[2] = {0, 0};
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
       const float g = __bfloat162float(dout[off + c]);
@@ -195,7 +200,7 @@ __global__ __launch_bounds__(kAnyThreads) void ln_backward_any(bf16* dx, float* 
       pb[c] += g;
     }
     block_sum(sums, red[buf]);
-    const float dn_mean = sums[0] / static_cast<float>(C), dnx_mean = sums[1] / static_cast<float>(C);
+    const float dn_mean = kRms ? 0.0f : sums[0] / static_cast<float>(C), dnx_mean = sums[1] / static_cast<float>(C);
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
       const float g = __bfloat162float(dout[off + c]);
       const float xhat = (__bfloat162float(x[off + c]) - mu) * rs;
@@ -246,8 +251,10 @@ std::int64_t layernorm_backward_scratch(int N, int C) {
   return static_cast<std::int64_t>(backward_blocks(N)) * 2 * std::max(C, 1);
 }
 
-void layernorm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const bf16* dout, const bf16* x,
-                        const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s) {
+namespace {
+template <bool kRms>
+void norm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const bf16* dout, const bf16* x,
+                   const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s) {
   if (N <= 0 || C <= 0) return;
   const int rpb = rows_per_block(N), blocks = backward_blocks(N);
   const int chunks = C / 8;
@@ -255,13 +262,27 @@ void layernorm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, 
                    aligned16(x) && aligned16(weight);
   if (vec) {
     const int threads = static_cast<int>(ceil_div(chunks, kWarp) * kWarp);
-    ln_backward_vec<<<blocks, threads, 0, s>>>(dx, scratch, dout, x, weight, mean, rstd, N, C, rpb);
+    ln_backward_vec<kRms><<<blocks, threads, 0, s>>>(dx, scratch, dout, x, weight, mean, rstd, N, C, rpb);
   } else {
-    ln_backward_any<<<blocks, kAnyThreads, 0, s>>>(dx, scratch, dout, x, weight, mean, rstd, N, C, rpb);
+    ln_backward_any<kRms><<<blocks, kAnyThreads, 0, s>>>(dx, scratch, dout, x, weight, mean, rstd, N, C, rpb);
   }
   KILN_CUDA_LAUNCH_CHECK();
   reduce_partials(dweight, scratch, blocks, C, 2 * C, s);
-  reduce_partials(dbias, scratch + C, blocks, C, 2 * C, s);
+  if (!kRms) reduce_partials(dbias, scratch + C, blocks, C, 2 * C, s);
+}
+}  // namespace
+
+void layernorm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const bf16* dout, const bf16* x,
+                        const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s) {
+  norm_backward<false>(dx, dweight, dbias, scratch, dout, x, weight, mean, rstd, N, C, s);
+}
+
+// RMSNorm's backward shares LayerNorm's kernels (no mean, no bias); its scratch is LayerNorm's.
+std::int64_t rmsnorm_backward_scratch(int N, int C) { return layernorm_backward_scratch(N, C); }
+
+void rmsnorm_backward(bf16* dx, float* dweight, float* scratch, const bf16* dout, const bf16* x, const bf16* weight,
+                      const float* rstd, int N, int C, cudaStream_t s) {
+  norm_backward<true>(dx, dweight, nullptr, scratch, dout, x, weight, nullptr, rstd, N, C, s);
 }
 
 }  // namespace kiln::cuda
