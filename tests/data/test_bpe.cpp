@@ -337,6 +337,10 @@ TEST_CASE("bad GPT-2 tokenizer files are errors naming the file and line") {
                        doctest::Contains("few.json + "), FileError);  // not all 256 bytes are tokens
   CHECK_THROWS_WITH_AS(read_gpt2_vocabulary((dir.path() / "missing.json").string(), good),
                        doctest::Contains("missing.json: cannot read"), FileError);
+  // An id far beyond the number of tokens (found by fuzz_tokenizer: it made a table of 2^30 strings).
+  CHECK_THROWS_WITH_AS(read_gpt2_vocabulary(dir.file("huge.json", "{\"a\": 0,\n \"b\": 999999999}"), good),
+                       doctest::Contains("huge.json:2:2: token \"b\" has the id 999999999, expected an integer in [0, 1048576)"),
+                       FileError);
 }
 
 TEST_CASE("bad tiktoken rank files are errors naming the file and line") {
@@ -357,6 +361,9 @@ TEST_CASE("bad tiktoken rank files are errors naming the file and line") {
                        doctest::Contains("nan.tiktoken:2: the rank \"x1\" is not a number"), FileError);
   CHECK_THROWS_WITH_AS(read_tiktoken_vocabulary(dir.file("empty.tiktoken", "\n")), doctest::Contains("empty.tiktoken: no ranks"),
                        FileError);
+  // A rank far beyond the file's entries: 16 bytes once made kiln allocate about 32 GB.
+  CHECK_THROWS_WITH_AS(read_tiktoken_vocabulary(dir.file("huge.tiktoken", "YQ== 999999999\n")),
+                       doctest::Contains("huge.tiktoken:1: rank 999999999 is far beyond the file's 1 entries"), FileError);
   CHECK_THROWS_WITH_AS(BpeTokenizer(read_tiktoken_vocabulary(dir.file("bytes.tiktoken", a + " 0\n" + b + " 1\n"))),
                        doctest::Contains("bytes.tiktoken, 2 ranks, 2 tokens): no token for the byte 0x0"), FileError);
 }

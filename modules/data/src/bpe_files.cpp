@@ -1,5 +1,6 @@
 // Readers of BPE vocabularies: GPT-2's encoder.json + vocab.bpe and tiktoken's rank files. Every
 // error names the file and, where there is one, the line.
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <unordered_map>
@@ -129,6 +130,13 @@ std::vector<std::pair<std::uint32_t, std::string>> known_specials(std::size_t ra
   return s;
 }
 
+// The largest id (exclusive) a vocabulary file of `entries` tokens may give: real files number
+// their tokens densely from 0; this leaves room for gaps (2^20 ids at least: a table of 32 MB of
+// empty strings) but not for a table far larger than the file (2^30 strings from a 16-byte file).
+std::int64_t dense_id_limit(std::size_t entries) {
+  return std::max<std::int64_t>(std::int64_t{1} << 20, 2 * static_cast<std::int64_t>(entries));
+}
+
 }  // namespace
 
 BpeVocabulary read_gpt2_vocabulary(const std::string& encoder_json, const std::string& vocab_bpe) {
@@ -149,10 +157,14 @@ BpeVocabulary read_gpt2_vocabulary(const std::string& encoder_json, const std::s
   std::unordered_map<std::string, std::uint32_t> id_of;  // the token as written in the files -> id
   std::vector<std::string> written;                       // id -> the token as written
   std::string bytes;
+  // Ids are numbered densely from 0: one far beyond the number of tokens is an error, not a table
+  // of that size (a 16-byte file must not make kiln allocate gigabytes).
+  const std::int64_t id_limit = dense_id_limit(doc.size());
   for (const auto& [key, value] : doc.items()) {
-    if (!value.is_number_integer() || value.get<std::int64_t>() < 0 || value.get<std::int64_t>() >= (1 << 30))
+    if (!value.is_number_integer() || value.get<std::int64_t>() < 0 || value.get<std::int64_t>() >= id_limit)
       KILN_FILE_ERROR(encoder_json, ":", key_place(json_text, key), " token \"", key, "\" has the id ", value.dump(),
-                      ", expected an integer in [0, 2^30)");
+                      ", expected an integer in [0, ", id_limit, ") (the ", doc.size(),
+                      " tokens are numbered densely from 0)");
     const auto id = value.get<std::uint32_t>();
     if (!alphabet.decode(key, bytes))
       KILN_FILE_ERROR(encoder_json, ":", key_place(json_text, key), " token \"", key,
@@ -207,7 +219,9 @@ BpeVocabulary read_tiktoken_vocabulary(const std::string& path) {
   const std::string text = read_file(path, "a tiktoken rank file");
   std::unordered_map<std::string, std::uint32_t> rank_of;
   std::vector<std::size_t> line_of_rank;
-  std::size_t ranks = 0;
+  std::size_t ranks = 0, entries = 0;
+  for_each_line(text, [&](std::size_t, std::string_view l) { entries += !l.empty(); });
+  const std::int64_t rank_limit = dense_id_limit(entries);  // ranks are numbered densely from 0
   for_each_line(text, [&](std::size_t line, std::string_view l) {
     if (l.empty()) return;
     const auto space = l.find(' ');
@@ -221,6 +235,9 @@ BpeVocabulary read_tiktoken_vocabulary(const std::string& path) {
     bool number = !digits.empty() && digits.size() <= 9;
     for (char c : digits) number = number && c >= '0' && c <= '9', rank = rank * 10 + static_cast<unsigned>(c - '0');
     if (!number) KILN_FILE_ERROR(path, ":", line, ": the rank \"", digits, "\" is not a number below 10^9");
+    if (static_cast<std::int64_t>(rank) >= rank_limit)
+      KILN_FILE_ERROR(path, ":", line, ": rank ", rank, " is far beyond the file's ", entries,
+                      " entries (ranks are numbered densely from 0; expected below ", rank_limit, ")");
     if (rank >= v.tokens.size()) v.tokens.resize(rank + 1), line_of_rank.resize(rank + 1, 0);
     if (line_of_rank[rank])
       KILN_FILE_ERROR(path, ":", line, ": rank ", rank, " is given twice (first on line ", line_of_rank[rank], ")");
