@@ -12,7 +12,7 @@
 #include "kiln/data/tokenizer.hpp"
 #include "kiln/engine/config/pipeline.hpp"
 #include "kiln/engine/runner.hpp"
-#include "kiln/model/model_base.hpp"
+#include "kiln/model/gpt.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/train/train.hpp"
@@ -133,7 +133,7 @@ inline void check_finite_differences(const std::string& toml, const std::vector<
   ctl.step = 1;
   w.systems().run(Phase::data, w);
   auto& batch = w.resource<train::Batch>();
-  auto& model = w.resource<model::ActiveModel>().get();
+  auto& model = w.resource<model::GptModel>();
   auto& store = w.resource<nn::ParamStore>();
   auto& be = w.resource<ops::ActiveBackend>().get();
   auto& tracker = w.resource<rng::RngStatesTracker>();

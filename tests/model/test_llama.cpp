@@ -82,7 +82,7 @@ TEST_CASE("llama: parameters are the architecture's, with no biases, no position
   CHECK(shapes.at("blocks.1.norm_2.weight") == Shape{32});
   CHECK(shapes.at("norm_f.weight") == Shape{32});
   for (const auto& [name, shape] : shapes) CHECK(name.find("bias") == std::string::npos);
-  auto& model = w.resource<model::ActiveModel>().get();
+  auto& model = w.resource<model::GptModel>();
   // 6 x (blocks' matrices + head) + attention: the formula of docs/PERF.md with Llama's widths.
   const double block = 32.0 * 64 + 32 * 32 + 32 * 96 + 48 * 32;
   CHECK(model.flops_per_token() == doctest::Approx(6 * (2 * block + 128 * 32) + 12.0 * 2 * 32 * 32));

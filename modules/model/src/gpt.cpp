@@ -11,9 +11,7 @@ namespace kiln::model {
 
 namespace {
 enum BlockParam { kLn1W, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2W, kLn2B, kFcW, kFcB, kFcpW, kFcpB };
-}
 
-namespace {
 // The fused QKV's rows: the query heads, then the key and the value heads, each split over TP
 // (GPT-2: three parts of n_embd rows).
 std::vector<std::int64_t> qkv_parts(const ModelConfig& cfg) {
@@ -124,8 +122,7 @@ std::vector<parallel::SplitDim> GptModel::tensor_parallel_splits(const ModelConf
   // parallelism the padded vocabulary.
   std::vector<parallel::SplitDim> dims = {{cfg.n_head, "model.n_head", "attention heads"}};
   if (cfg.n_kv_head > 0) dims.push_back({cfg.n_kv_head, "model.n_kv_head", "key/value heads"});
-  if (cfg.mlp_hidden() != 4 * cfg.n_embd || cfg.llama())
-    dims.push_back({cfg.mlp_hidden(), cfg.ffn_hidden > 0 ? "model.ffn_hidden" : "model.n_embd",
+  dims.push_back({cfg.mlp_hidden(), cfg.ffn_hidden > 0 ? "model.ffn_hidden" : "model.n_embd",
                     "MLP hidden features (model.ffn_hidden, or its default from model.n_embd)"});
   if (sequence_parallel)
     dims.push_back({tokens, "parallel.sequence_parallel",

@@ -59,8 +59,9 @@ void GptModel::backward(const train::Batch& batch) {
     // implementation takes it (LinearImpl::fuses_dout_gelu), in FC1's pass over its output gradient.
     const auto* fc_impl = world_.try_get<ops::LinearImpl>(lin.mlp_in);
     const bool defer_dgelu = !llama_ && fc_impl && fc_impl->fuses_dout_gelu;
-    ops::LinearBackward fc2{dfc_, g.fcp_w, g.fcp_b, full_c_, a.fc, w.fcp_w, defer_dgelu ? TensorView{} : a.fc_pre};
-    if (llama_) fc2 = {dact_, g.fcp_w, g.fcp_b, full_c_, a.fc, w.fcp_w, {}};  // SwiGLU's backward follows
+    // Llama: FC2's input gradient is the SwiGLU output's (dact_), whose backward gives FC1's.
+    ops::LinearBackward fc2{llama_ ? dact_ : dfc_, g.fcp_w, g.fcp_b, full_c_, a.fc, w.fcp_w,
+                            defer_dgelu || llama_ ? TensorView{} : a.fc_pre};
     if (gelu_in_fc2_) fc2.x_gelu_pre = a.fc_pre;
     mlp_out_.backward(impl(lin.mlp_out), backward_args(lin.mlp_out, fc2), dmlp);
     if (llama_) be_.swiglu_backward({dfc_, dact_, a.fc_pre});

@@ -64,7 +64,6 @@ void install(World& w, const ModelConfig& cfg) {
     throw config_error(w, "model.init_from", "reads Hugging Face GPT-2 weights: it needs model.arch = \"gpt2\"");
   auto& model = w.emplace_resource<GptModel>(w, cfg, ts.micro_batch_size, static_cast<int>(tc.seq_len),
                                              ts.micro_batches);
-  w.emplace_resource<ActiveModel>(ActiveModel{&model});
   model.set_loss_scale(1.0f / static_cast<float>(tc.batch_size * tc.seq_len));
   ts.flops_per_token = model.flops_per_token();
   ts.peak_flops = w.resource<ops::ActiveBackend>().get().peak_bf16_flops();
@@ -74,7 +73,7 @@ void install(World& w, const ModelConfig& cfg) {
     auto& val = w.resource<train::ValidationSet>();
     if (val.batches.empty())
       KILN_THROW("a validation loss was requested (log.val_every) but there is no validation data (data.val_files)");
-    w.resource<train::TrainState>().val_loss = w.resource<ActiveModel>().get().evaluate(val.batches);
+    w.resource<train::TrainState>().val_loss = w.resource<GptModel>().evaluate(val.batches);
   });
 
   hooks.sample = w.events().subscribe<train::SampleRequested>([&w, cfg](const train::SampleRequested& e) {
@@ -90,7 +89,7 @@ void install(World& w, const ModelConfig& cfg) {
                      store.allocate(world.resource<ops::ActiveBackend>().get());
                    }});
   w.systems().add({"model.init", Phase::setup, [](World& world) {
-                     auto& m = world.resource<ActiveModel>().get();
+                     auto& m = world.resource<GptModel>();
                      m.allocate_activations();  // after every module attached its components
                      world.emplace_resource<nn::BlockScratch>(m.block_scratch());
                      m.initialise(world.resource<rng::RngStatesTracker>());
@@ -114,18 +113,18 @@ void install(World& w, const ModelConfig& cfg) {
                      zero_grads(store, world.resource<ops::ActiveBackend>().get(), ranges);
                    }});
   w.systems().add({"model.forward", Phase::forward, [](World& world) {
-                     world.resource<ActiveModel>().get().forward(world.resource<train::Batch>(),
+                     world.resource<GptModel>().forward(world.resource<train::Batch>(),
                                                         world.resource<RunControl>().micro_batch, true,
                                                         &world.resource<rng::RngStatesTracker>());
                    }});
   w.systems().add({"model.backward", Phase::backward, [](World& world) {
-                     world.resource<ActiveModel>().get().backward(world.resource<train::Batch>());
+                     world.resource<GptModel>().backward(world.resource<train::Batch>());
                    }});
   // The loss is read (and checked) right after the backward pass, before the optimizer touches
   // the weights, so a non-finite loss is reported as such rather than as non-finite gradients.
   w.systems().add({"model.loss", Phase::grad_sync, [](World& world) {
                      auto& ts = world.resource<train::TrainState>();
-                     ts.loss = world.resource<ActiveModel>().get().mean_loss(ts.micro_batches);
+                     ts.loss = world.resource<GptModel>().mean_loss(ts.micro_batches);
                      if (!std::isfinite(ts.loss))
                        KILN_THROW("step ", world.resource<RunControl>().step, ": the loss is ", ts.loss,
                                   " (non-finite); stopping");

@@ -108,11 +108,4 @@ class ModelBase {
   bool have_forward_ = false;
 };
 
-// World resource: the model of the configured architecture (model.arch), for the systems that run
-// it and for modules that need only this interface.
-struct ActiveModel {
-  ModelBase* model = nullptr;
-  ModelBase& get() const { return *model; }
-};
-
 }  // namespace kiln::model
