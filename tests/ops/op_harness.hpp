@@ -171,4 +171,24 @@ inline Dual poisoned(BackendPair& p, Kind k, Shape s) {
   return d;
 }
 
+// The pair with attention through cuDNN; without its gpu backend (the test then skips) where no GPU
+// is visible or libcudnn.so.9 does not open. Any other cuDNN failure fails the test.
+inline BackendPair cudnn_pair(bool deterministic = true) {
+  auto p = backend_pair({.attention = ops::AttentionImpl::cudnn, .attention_deterministic = deterministic});
+  if (!p.gpu) return p;
+  auto qkv = act(p, {1, 8, 3, 1, 64}, 1);
+  auto out = poisoned(p, Kind::act, {1, 8, 1, 64});
+  auto lse = poisoned(p, Kind::f32, {1, 1, 8});
+  try {
+    p.gpu->attention_forward({out.gpu(), lse.gpu(), qkv.gpu(), 0.125f});
+    p.gpu->synchronize();
+  } catch (const kiln::Error& e) {
+    const std::string what = e.what();
+    if (what.find("libcudnn.so.9") == std::string::npos && what.find("without cuDNN") == std::string::npos) throw;
+    MESSAGE("cuDNN attention not available here: " << what);
+    p.gpu.reset();
+  }
+  return p;
+}
+
 }  // namespace kiln::test

@@ -120,24 +120,6 @@ ops::CudaOptions with_attention(ops::AttentionImpl impl, bool deterministic = tr
   return {.attention = impl, .attention_deterministic = deterministic};
 }
 
-// The pair for cuDNN attention; without its gpu backend (the test skips) where libcudnn.so.9 does
-// not open. Any other cuDNN failure fails the test.
-BackendPair cudnn_pair(bool deterministic = true) {
-  auto p = backend_pair(with_attention(ops::AttentionImpl::cudnn, deterministic));
-  if (!p.gpu) return p;
-  Attn probe(p, {1, 8, 1, 64});
-  try {
-    p.gpu->attention_forward(probe.fwd_args(true));
-    p.gpu->synchronize();
-  } catch (const kiln::Error& e) {
-    const std::string what = e.what();
-    if (what.find("libcudnn.so.9") == std::string::npos && what.find("without cuDNN") == std::string::npos) throw;
-    MESSAGE("cuDNN attention not available here: " << what);
-    p.gpu.reset();
-  }
-  return p;
-}
-
 void forward_at_awkward_shapes(BackendPair& p) {
   for (int D : kHeadDims)
     for (Dims s : kShapes) {

@@ -1,6 +1,6 @@
 // Llama's ops on the CUDA backend against the CPU reference (bf16 rounding emulated), on random
 // data at awkward sizes, every output poisoned first: RMSNorm, rotary embeddings, SwiGLU, and
-// grouped-query attention through kiln's kernels (forward, backward, decode).
+// grouped-query attention through kiln's kernels and through cuDNN (forward, backward, decode).
 // Tolerances (relative L2): bf16 outputs 1e-2; f32 statistics 1e-5; f32 gradients 1e-3.
 #include <doctest/doctest.h>
 
@@ -68,48 +68,70 @@ TEST_CASE("cuda swiglu forward and backward match the CPU") {
   }
 }
 
+namespace {
+
+struct AttentionCase {
+  int B, T, H, K, D;
+  float dropout;
+};
+
+// Grouped-query attention on `p`'s GPU backend against the CPU: forward, backward and (without
+// dropout) decode.
+void check_grouped_attention(BackendPair& p, const AttentionCase& c) {
+  INFO("B=" << c.B << " T=" << c.T << " H=" << c.H << " K=" << c.K << " D=" << c.D << " p=" << c.dropout);
+  const int W = c.H + 2 * c.K;
+  auto qkv = act(p, {c.B, c.T, W, c.D}, 160 + c.T, 1.5f);
+  auto out = poisoned(p, Kind::act, {c.B, c.T, c.H, c.D});
+  auto lse = poisoned(p, Kind::f32, {c.B, c.H, c.T});
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  const rng::PhiloxArgs r{0x5eed, 3, nullptr};
+  on_both(p, [&](const Side& s) {
+    ops::AttentionForward a{s(out), s(lse), s(qkv), scale, c.dropout, r};
+    a.kv_heads = c.K;
+    s.b().attention_forward(a);
+  });
+  KILN_CHECK_CLOSE(out, 1e-2);
+  KILN_CHECK_CLOSE(lse, 1e-4);
+  out.set(out.cpu_values());
+  lse.set(lse.cpu_values());
+  auto dout = act(p, {c.B, c.T, c.H, c.D}, 170 + c.T);
+  auto dqkv = poisoned(p, Kind::act, {c.B, c.T, W, c.D});
+  on_both(p, [&](const Side& s) {
+    ops::AttentionBackward a{s(dqkv), s(dout), s(out), s(lse), s(qkv), scale, c.dropout, r};
+    a.kv_heads = c.K;
+    s.b().attention_backward(a);
+  });
+  KILN_CHECK_CLOSE(dqkv, 1e-2);
+  if (c.dropout > 0) return;
+  const int length = c.T - 3;
+  auto dec = poisoned(p, Kind::act, {c.B, c.H, c.D});
+  on_both(p, [&](const Side& s) {
+    ops::AttentionDecode a{s(dec), s(qkv), length, scale};
+    a.kv_heads = c.K;
+    s.b().attention_decode(a);
+  });
+  KILN_CHECK_CLOSE(dec, 1e-2);
+}
+
+}  // namespace
+
 TEST_CASE("cuda grouped-query attention (kiln's kernels) matches the CPU: forward, backward, decode") {
-  auto p = backend_pair();
+  auto p = backend_pair({.attention = ops::AttentionImpl::kiln});
   KILN_REQUIRE_GPU(p);
-  struct Case {
-    int B, T, H, K, D;
-    float dropout;
-  };
   // Groups of 4, multi-query (K = 1), K = H through the grouped layout; awkward T; dropout too.
-  for (const Case c : {Case{2, 77, 8, 2, 64, 0.0f}, Case{1, 130, 4, 1, 128, 0.0f}, Case{2, 45, 6, 6, 32, 0.0f},
-                       Case{2, 64, 8, 2, 64, 0.1f}}) {
-    INFO("B=" << c.B << " T=" << c.T << " H=" << c.H << " K=" << c.K << " D=" << c.D << " p=" << c.dropout);
-    const int W = c.H + 2 * c.K;
-    auto qkv = act(p, {c.B, c.T, W, c.D}, 160 + c.T, 1.5f);
-    auto out = poisoned(p, Kind::act, {c.B, c.T, c.H, c.D});
-    auto lse = poisoned(p, Kind::f32, {c.B, c.H, c.T});
-    const float scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-    const rng::PhiloxArgs r{0x5eed, 3, nullptr};
-    on_both(p, [&](const Side& s) {
-      ops::AttentionForward a{s(out), s(lse), s(qkv), scale, c.dropout, r};
-      a.kv_heads = c.K;
-      s.b().attention_forward(a);
-    });
-    KILN_CHECK_CLOSE(out, 1e-2);
-    KILN_CHECK_CLOSE(lse, 1e-4);
-    out.set(out.cpu_values());
-    lse.set(lse.cpu_values());
-    auto dout = act(p, {c.B, c.T, c.H, c.D}, 170 + c.T);
-    auto dqkv = poisoned(p, Kind::act, {c.B, c.T, W, c.D});
-    on_both(p, [&](const Side& s) {
-      ops::AttentionBackward a{s(dqkv), s(dout), s(out), s(lse), s(qkv), scale, c.dropout, r};
-      a.kv_heads = c.K;
-      s.b().attention_backward(a);
-    });
-    KILN_CHECK_CLOSE(dqkv, 1e-2);
-    if (c.dropout > 0) continue;
-    const int length = c.T - 3;
-    auto dec = poisoned(p, Kind::act, {c.B, c.H, c.D});
-    on_both(p, [&](const Side& s) {
-      ops::AttentionDecode a{s(dec), s(qkv), length, scale};
-      a.kv_heads = c.K;
-      s.b().attention_decode(a);
-    });
-    KILN_CHECK_CLOSE(dec, 1e-2);
+  for (const AttentionCase c : {AttentionCase{2, 77, 8, 2, 64, 0.0f}, AttentionCase{1, 130, 4, 1, 128, 0.0f},
+                                AttentionCase{2, 45, 6, 6, 32, 0.0f}, AttentionCase{2, 64, 8, 2, 64, 0.1f}})
+    check_grouped_attention(p, c);
+}
+
+TEST_CASE("cuda grouped-query attention (cuDNN, deterministic and atomic dQ) matches the CPU") {
+  for (bool deterministic : {true, false}) {
+    INFO("deterministic " << deterministic);
+    auto p = cudnn_pair(deterministic);
+    KILN_REQUIRE_GPU(p);
+    // Groups of 4 and 3, multi-query, Llama 3.2 1B's heads (32 / 8 of 64).
+    for (const AttentionCase c : {AttentionCase{2, 77, 8, 2, 64, 0.0f}, AttentionCase{1, 130, 4, 1, 128, 0.0f},
+                                  AttentionCase{3, 33, 6, 2, 32, 0.0f}, AttentionCase{1, 300, 32, 8, 64, 0.0f}})
+      check_grouped_attention(p, c);
   }
 }

@@ -43,6 +43,13 @@ T* dptr(const TensorView& t) {
 }
 // A dimension as the kernels take it: the op descriptions checked that it fits (kTarget.int32_dims).
 int i32(std::int64_t v) { return static_cast<int>(v); }
+
+// The shape cuDNN's attention sees; kv_heads 0 is multi-head attention.
+template <class Args>
+CudnnAttention::Shape cudnn_shape(const AttentionDims& d, const Args& a) {
+  const int H = i32(d.H);
+  return {i32(d.B), i32(d.T), H, a.kv_heads != 0 ? a.kv_heads : H, i32(d.D)};
+}
 }  // namespace
 
 CudaBackend::CudaBackend(int device, const CudaOptions& options)
@@ -403,9 +410,9 @@ std::size_t CudaBackend::device_memory_in_use() const {
   return free_at_start_ > free_now ? free_at_start_ - free_now : 0;
 }
 
-bool CudaBackend::use_cudnn_attention(float dropout, int B, int T, int H, int D) {
+bool CudaBackend::use_cudnn_attention(float dropout, const CudnnAttention::Shape& s) {
   if (attention_ == AttentionImpl::kiln || dropout != 0.0f || cudnn_unavailable_) return false;
-  const auto shape = std::make_tuple(B, T, H, D);
+  const auto shape = std::make_tuple(s.B, s.T, s.H, s.Hkv, s.D);
   if (cudnn_refused_.count(shape)) return false;
   try {
     if (!cudnn_) cudnn_ = std::make_unique<CudnnAttention>(stream_, attention_deterministic_);
@@ -416,11 +423,12 @@ bool CudaBackend::use_cudnn_attention(float dropout, int B, int T, int H, int D)
     return false;
   }
   try {
-    cudnn_->prepare(B, T, H, D);
+    cudnn_->prepare(s);
   } catch (const Error& e) {
     if (attention_ == AttentionImpl::cudnn) throw;
-    std::cerr << "[kiln] backend.attention = auto: " << cudnn_->version() << " takes no attention of B=" << B
-              << " T=" << T << " H=" << H << " D=" << D << " (" << e.what() << "); kiln's kernels run it\n";
+    std::cerr << "[kiln] backend.attention = auto: " << cudnn_->version() << " takes no attention of B=" << s.B
+              << " T=" << s.T << " H=" << s.H << " kv_heads=" << s.Hkv << " D=" << s.D << " (" << e.what()
+              << "); kiln's kernels run it\n";
     cudnn_refused_.insert(shape);
     return false;
   }
@@ -430,31 +438,28 @@ bool CudaBackend::use_cudnn_attention(float dropout, int B, int T, int H, int D)
 void CudaBackend::attention_forward(const AttentionForward& a) {
   Timer t(*this, "attention_forward");
   const AttentionDims d = check_args(a, kTarget);
-  const int B = i32(d.B), T = i32(d.T), H = i32(d.H), D = i32(d.D);
-  // Grouped-query attention runs kiln's kernels (kiln's cuDNN graphs are multi-head only, for now).
-  const bool grouped = a.kv_heads != 0 && a.kv_heads != H;
-  if (!grouped && use_cudnn_attention(a.dropout, B, T, H, D)) {
-    void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->forward_workspace_bytes(B, T, H, D) / sizeof(float)));
-    cudnn_->forward(a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
+  const CudnnAttention::Shape s = cudnn_shape(d, a);
+  if (use_cudnn_attention(a.dropout, s)) {
+    void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->forward_workspace_bytes(s) / sizeof(float)));
+    cudnn_->forward(a.out.data, dptr<float>(a.lse), a.qkv.data, s, a.scale, ws);
     return;
   }
-  cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout,
-                          a.rng, a.head_offset, i32(d.heads_total), a.seq_offset, stream_, a.kv_heads);
+  cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), s.B, s.T, s.H, s.D, a.scale,
+                          a.dropout, a.rng, a.head_offset, i32(d.heads_total), a.seq_offset, stream_, a.kv_heads);
 }
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
   Timer t(*this, "attention_backward");
   const AttentionDims d = check_args(a, kTarget);
-  const int B = i32(d.B), T = i32(d.T), H = i32(d.H), D = i32(d.D);
-  const bool grouped = a.kv_heads != 0 && a.kv_heads != H;
-  if (!grouped && use_cudnn_attention(a.dropout, B, T, H, D)) {
-    void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->backward_workspace_bytes(B, T, H, D) / sizeof(float)));
-    cudnn_->backward(a.dqkv.data, a.dout.data, a.out.data, dptr<float>(a.lse), a.qkv.data, B, T, H, D, a.scale, ws);
+  const CudnnAttention::Shape s = cudnn_shape(d, a);
+  if (use_cudnn_attention(a.dropout, s)) {
+    void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->backward_workspace_bytes(s) / sizeof(float)));
+    cudnn_->backward(a.dqkv.data, a.dout.data, a.out.data, dptr<float>(a.lse), a.qkv.data, s, a.scale, ws);
     return;
   }
-  float* scratch = scratch_floats(cuda::attention_backward_scratch(B, T, H, D, a.kv_heads));
+  float* scratch = scratch_floats(cuda::attention_backward_scratch(s.B, s.T, s.H, s.D, a.kv_heads));
   cuda::attention_backward(dptr<bf16>(a.dqkv), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.out), dptr<float>(a.lse),
-                           dptr<bf16>(a.qkv), B, T, H, D, a.scale, a.dropout, a.rng, a.head_offset,
+                           dptr<bf16>(a.qkv), s.B, s.T, s.H, s.D, a.scale, a.dropout, a.rng, a.head_offset,
                            i32(d.heads_total), a.seq_offset, stream_, a.kv_heads);
 }
 

@@ -85,7 +85,7 @@ class CudaBackend final : public Backend {
   };
   // Whether attention of this shape runs on cuDNN (see AttentionImpl); opens cuDNN and builds the
   // shape's plans at first use. Forward and backward decide alike, so they always pair up.
-  bool use_cudnn_attention(float dropout, int B, int T, int H, int D);
+  bool use_cudnn_attention(float dropout, const CudnnAttention::Shape& s);
   // Device scratch memory for temporaries of one op, grown on demand (stream-ordered).
   float* scratch_floats(std::int64_t n);
   // Counters that kernels leave zero (e.g. bias_grad's tickets), zeroed once.
@@ -106,7 +106,7 @@ class CudaBackend final : public Backend {
   bool attention_deterministic_;
   std::unique_ptr<CudnnAttention> cudnn_;
   bool cudnn_unavailable_ = false;                 // auto: libcudnn failed to open; kiln's kernels run
-  std::set<std::tuple<int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for
+  std::set<std::tuple<int, int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for
   Buffer tickets_;
   struct Staging {
     void* host = nullptr;

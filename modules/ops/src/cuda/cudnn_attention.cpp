@@ -282,22 +282,29 @@ class GraphBuilder {
   std::int64_t next_virtual_ = kFirstVirtual;
 };
 
-// Dims and strides (elements) of one shape's tensors in kiln's layouts.
+// Dims and strides (elements) of one shape's tensors in kiln's layouts. qkv is [B, T, H + 2 Hkv, D]:
+// the H query heads, then Hkv key heads, then Hkv value heads of each position ([B, T, 3, H, D] when
+// Hkv == H). A query head h reads key / value head h / (H / Hkv), which cuDNN's fused attention
+// infers from the head counts of the matmuls' operands.
 struct Layout {
-  std::int64_t B, T, H, D;
+  std::int64_t B, T, H, Hkv, D;
+  std::int64_t W() const { return (H + 2 * Hkv) * D; }  // elements per position of qkv
   Dims bhtd() const { return {B, H, T, D}; }
   Dims bhdt() const { return {B, H, D, T}; }
+  Dims kv_btd() const { return {B, Hkv, T, D}; }
+  Dims kv_bdt() const { return {B, Hkv, D, T}; }
   Dims bhtt() const { return {B, H, T, T}; }
   Dims bht1() const { return {B, H, T, 1}; }
-  // q, k, v of qkv [B, T, 3, H, D] (and their gradients), as [B, H, T, D] and transposed [B, H, D, T].
-  Dims qkv_strides() const { return {T * 3 * H * D, D, 3 * H * D, 1}; }
-  Dims qkv_t_strides() const { return {T * 3 * H * D, D, 1, 3 * H * D}; }
+  // A head part of qkv (and of its gradient), as [b, head, T, D] and transposed [b, head, D, T].
+  Dims qkv_strides() const { return {T * W(), D, W(), 1}; }
+  Dims qkv_t_strides() const { return {T * W(), D, 1, W()}; }
   // out [B, T, H, D] as [B, H, T, D].
   Dims out_strides() const { return {T * H * D, D, H * D, 1}; }
   Dims dense_bhtd() const { return {H * T * D, T * D, D, 1}; }
   Dims dense_bhtt() const { return {H * T * T, T * T, T, 1}; }
   Dims dense_bhtt_t() const { return {H * T * T, T * T, 1, T}; }  // [B, H, T, T] read transposed
   Dims dense_bht1() const { return {H * T, T, 1, 1}; }
+  bool grouped() const { return Hkv != H; }
 };
 
 // scores -> scores with the keys after each query (j > i) set to -inf.
@@ -319,7 +326,7 @@ struct Common {
 };
 Common common_tensors(GraphBuilder& g, const Layout& l) {
   return {g.tensor(kQ, CUDNN_DATA_BFLOAT16, l.bhtd(), l.qkv_strides(), false),
-          g.tensor(kK, CUDNN_DATA_BFLOAT16, l.bhdt(), l.qkv_t_strides(), false),
+          g.tensor(kK, CUDNN_DATA_BFLOAT16, l.kv_bdt(), l.qkv_t_strides(), false),
           g.tensor(kO, CUDNN_DATA_BFLOAT16, l.bhtd(), l.out_strides(), false),
           g.tensor(kStats, CUDNN_DATA_FLOAT, l.bht1(), l.dense_bht1(), false), g.scalar(kScale)};
 }
@@ -333,11 +340,26 @@ cudnnBackendDescriptor_t scaled_scores(GraphBuilder& g, const Layout& l, const C
   return scaled;
 }
 
+// grad = a @ b for a key or value gradient: straight into `grad` when every query head has its own
+// key and value head; else into a per-query-head [B, H, T, D] that the graph then sums over each
+// group of H / Hkv query heads into `grad` (the pattern cuDNN's fused attention takes for
+// grouped-query attention).
+void matmul_into_kv_grad(GraphBuilder& g, const Layout& l, cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
+                         cudnnBackendDescriptor_t grad) {
+  if (!l.grouped()) {
+    g.matmul(a, b, grad);
+    return;
+  }
+  auto full = g.virt(CUDNN_DATA_BFLOAT16, l.bhtd(), l.dense_bhtd());
+  g.matmul(a, b, full);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, grad);
+}
+
 Plan forward_plan(const Api& api, cudnnHandle_t handle, const Layout& l) {
   GraphBuilder g(api);
   const auto F = CUDNN_DATA_FLOAT, BF = CUDNN_DATA_BFLOAT16;
   const Common c = common_tensors(g, l);
-  auto v = g.tensor(kV, BF, l.bhtd(), l.qkv_strides(), false);
+  auto v = g.tensor(kV, BF, l.kv_btd(), l.qkv_strides(), false);
   auto masked = causal_mask(g, l, scaled_scores(g, l, c));
   // softmax, keeping log-sum-exp = max + log(sum(exp(s - max)))
   auto mx = g.virt(F, l.bht1(), l.dense_bht1());
@@ -361,11 +383,11 @@ Plan backward_plan(const Api& api, cudnnHandle_t handle, const Layout& l, bool d
   GraphBuilder g(api);
   const auto F = CUDNN_DATA_FLOAT, BF = CUDNN_DATA_BFLOAT16;
   const Common c = common_tensors(g, l);
-  auto vt = g.tensor(kV, BF, l.bhdt(), l.qkv_t_strides(), false);
+  auto vt = g.tensor(kV, BF, l.kv_bdt(), l.qkv_t_strides(), false);
   auto dout = g.tensor(kDO, BF, l.bhtd(), l.out_strides(), false);
   auto dq = g.tensor(kDQ, BF, l.bhtd(), l.qkv_strides(), false);
-  auto dk = g.tensor(kDK, BF, l.bhtd(), l.qkv_strides(), false);
-  auto dv = g.tensor(kDV, BF, l.bhtd(), l.qkv_strides(), false);
+  auto dk = g.tensor(kDK, BF, l.kv_btd(), l.qkv_strides(), false);
+  auto dv = g.tensor(kDV, BF, l.kv_btd(), l.qkv_strides(), false);
   // D_i = sum_d dO_id O_id
   auto dout_o = g.virt(F, l.bhtd(), l.dense_bhtd());
   g.binary(CUDNN_POINTWISE_MUL, dout, c.o, dout_o);
@@ -382,7 +404,7 @@ Plan backward_plan(const Api& api, cudnnHandle_t handle, const Layout& l, bool d
   // dV = P^T dO
   auto pt = g.virt(BF, {l.B, l.H, l.T, l.T}, l.dense_bhtt_t());
   g.reshape(p, pt);
-  g.matmul(pt, dout, dv);
+  matmul_into_kv_grad(g, l, pt, dout, dv);
   // dS = P * (dO V^T - D) * scale
   auto dp = g.virt(F, l.bhtt(), l.dense_bhtt());
   g.matmul(dout, vt, dp);
@@ -395,9 +417,9 @@ Plan backward_plan(const Api& api, cudnnHandle_t handle, const Layout& l, bool d
   // dK = dS^T Q
   auto dst = g.virt(BF, {l.B, l.H, l.T, l.T}, l.dense_bhtt_t());
   g.reshape(ds, dst);
-  g.matmul(dst, c.q, dk);
+  matmul_into_kv_grad(g, l, dst, c.q, dk);
   // dQ = dS K: written per query tile (deterministic), or accumulated in fp32 with atomics.
-  auto k = g.virt(BF, l.bhtd(), l.qkv_strides());
+  auto k = g.virt(BF, l.kv_btd(), l.qkv_strides());
   g.reshape(c.kt, k);
   if (deterministic) {
     g.matmul(ds, k, dq);
@@ -416,12 +438,19 @@ std::size_t round_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign;
 // variant only) the fp32 dQ accumulator.
 struct BackwardScratch {
   std::size_t softmax_sum, dq_accum, total;
-  BackwardScratch(const Plan& plan, int B, int T, int H, int D, bool deterministic) {
-    const std::size_t rows = static_cast<std::size_t>(B) * H * T;
+  BackwardScratch(const Plan& plan, const CudnnAttention::Shape& s, bool deterministic) {
+    const std::size_t rows = static_cast<std::size_t>(s.B) * s.H * s.T;
     softmax_sum = round_up(static_cast<std::size_t>(plan.workspace));
     dq_accum = softmax_sum + round_up(rows * sizeof(float));
-    total = deterministic ? dq_accum : dq_accum + round_up(rows * D * sizeof(float));
+    total = deterministic ? dq_accum : dq_accum + round_up(rows * s.D * sizeof(float));
   }
+};
+
+// Where the query, key and value heads of a position start in qkv (or dqkv), in bytes.
+struct HeadOffsets {
+  std::size_t k, v;
+  explicit HeadOffsets(const CudnnAttention::Shape& s)
+      : k(static_cast<std::size_t>(s.H) * s.D * 2), v(k + static_cast<std::size_t>(s.Hkv) * s.D * 2) {}
 };
 
 }  // namespace
@@ -433,7 +462,7 @@ struct CudnnAttention::Impl {
   struct Plans {
     Plan fwd, bwd;
   };
-  std::map<std::tuple<int, int, int, int>, Plans> plans;
+  std::map<std::tuple<int, int, int, int, int>, Plans> plans;
 
   Impl(cudaStream_t stream, bool det) : deterministic(det) {
     KILN_CHECK(api.get_version() >= 90000, "cuDNN ", api.get_version(), " is older than 9.0");
@@ -444,13 +473,15 @@ struct CudnnAttention::Impl {
     plans.clear();
     if (handle) api.destroy(handle);
   }
-  Plans& get(int B, int T, int H, int D) {
-    const auto key = std::make_tuple(B, T, H, D);
+  Plans& get(const Shape& s) {
+    const auto key = std::make_tuple(s.B, s.T, s.H, s.Hkv, s.D);
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
-    KILN_CHECK(D % 8 == 0 && D <= 256, "cuDNN attention needs a head dim that is a multiple of 8, at most 256; got ",
-               D);
-    const Layout l{B, T, H, D};
+    KILN_CHECK(s.D % 8 == 0 && s.D <= 256,
+               "cuDNN attention needs a head dim that is a multiple of 8, at most 256; got ", s.D);
+    KILN_CHECK(s.Hkv >= 1 && s.H % s.Hkv == 0, "cuDNN attention: ", s.Hkv, " key/value heads do not divide ", s.H,
+               " query heads");
+    const Layout l{s.B, s.T, s.H, s.Hkv, s.D};
     Plans p{forward_plan(api, handle, l), backward_plan(api, handle, l, deterministic)};
     return plans.emplace(key, std::move(p)).first->second;
   }
@@ -474,54 +505,51 @@ std::string CudnnAttention::version() const {
   return cat("cuDNN ", v / 10000, ".", (v / 100) % 100, ".", v % 100);
 }
 
-void CudnnAttention::prepare(int B, int T, int H, int D) { impl_->get(B, T, H, D); }
+void CudnnAttention::prepare(const Shape& s) { impl_->get(s); }
 
-std::size_t CudnnAttention::forward_workspace_bytes(int B, int T, int H, int D) {
-  return round_up(static_cast<std::size_t>(impl_->get(B, T, H, D).fwd.workspace));
+std::size_t CudnnAttention::forward_workspace_bytes(const Shape& s) {
+  return round_up(static_cast<std::size_t>(impl_->get(s).fwd.workspace));
 }
 
-std::size_t CudnnAttention::backward_workspace_bytes(int B, int T, int H, int D) {
-  return BackwardScratch(impl_->get(B, T, H, D).bwd, B, T, H, D, impl_->deterministic).total;
+std::size_t CudnnAttention::backward_workspace_bytes(const Shape& s) {
+  return BackwardScratch(impl_->get(s).bwd, s, impl_->deterministic).total;
 }
 
-void CudnnAttention::forward(void* out, float* lse, const void* qkv, int B, int T, int H, int D, float scale,
-                             void* workspace) {
-  const auto& plan = impl_->get(B, T, H, D).fwd;
+void CudnnAttention::forward(void* out, float* lse, const void* qkv, const Shape& s, float scale, void* workspace) {
+  const auto& plan = impl_->get(s).fwd;
   auto* base = static_cast<char*>(const_cast<void*>(qkv));
-  const std::size_t hd_bytes = static_cast<std::size_t>(H) * D * 2;
+  const HeadOffsets at(s);
   float neg_inf = -std::numeric_limits<float>::infinity();
   impl_->run(plan, {kQ, kK, kV, kO, kStats, kScale, kNegInf},
-             {base, base + hd_bytes, base + 2 * hd_bytes, out, lse, &scale, &neg_inf}, workspace);
+             {base, base + at.k, base + at.v, out, lse, &scale, &neg_inf}, workspace);
 }
 
-void CudnnAttention::backward(void* dqkv, const void* dout, const void* out, const float* lse, const void* qkv, int B,
-                              int T, int H, int D, float scale, void* workspace) {
-  const auto& plan = impl_->get(B, T, H, D).bwd;
+void CudnnAttention::backward(void* dqkv, const void* dout, const void* out, const float* lse, const void* qkv,
+                              const Shape& s, float scale, void* workspace) {
+  const auto& plan = impl_->get(s).bwd;
   auto* base = static_cast<char*>(const_cast<void*>(qkv));
   auto* dbase = static_cast<char*>(dqkv);
-  const std::size_t hd_bytes = static_cast<std::size_t>(H) * D * 2;
-  const BackwardScratch at(plan, B, T, H, D, impl_->deterministic);
+  const HeadOffsets at(s);
+  const BackwardScratch scratch(plan, s, impl_->deterministic);
   auto* ws = static_cast<char*>(workspace);
-  char* softmax_sum = ws + at.softmax_sum;
-  char* dq_accum = ws + at.dq_accum;
   float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
   std::vector<std::int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kScale, kNegInf, kOne};
   std::vector<void*> ptrs{base,
-                          base + hd_bytes,
-                          base + 2 * hd_bytes,
+                          base + at.k,
+                          base + at.v,
                           const_cast<void*>(out),
                           const_cast<void*>(dout),
                           const_cast<float*>(lse),
                           dbase,
-                          dbase + hd_bytes,
-                          dbase + 2 * hd_bytes,
-                          softmax_sum,
+                          dbase + at.k,
+                          dbase + at.v,
+                          ws + scratch.softmax_sum,
                           &scale,
                           &neg_inf,
                           &one};
   if (!impl_->deterministic) {
     uids.push_back(kDQAccum);
-    ptrs.push_back(dq_accum);
+    ptrs.push_back(ws + scratch.dq_accum);
   }
   impl_->run(plan, uids, ptrs, ws);
 }
@@ -538,12 +566,11 @@ CudnnAttention::CudnnAttention(cudaStream_t, bool) {
 }
 CudnnAttention::~CudnnAttention() = default;
 std::string CudnnAttention::version() const { return {}; }
-void CudnnAttention::prepare(int, int, int, int) {}
-std::size_t CudnnAttention::forward_workspace_bytes(int, int, int, int) { return 0; }
-std::size_t CudnnAttention::backward_workspace_bytes(int, int, int, int) { return 0; }
-void CudnnAttention::forward(void*, float*, const void*, int, int, int, int, float, void*) {}
-void CudnnAttention::backward(void*, const void*, const void*, const float*, const void*, int, int, int, int, float,
-                              void*) {}
+void CudnnAttention::prepare(const Shape&) {}
+std::size_t CudnnAttention::forward_workspace_bytes(const Shape&) { return 0; }
+std::size_t CudnnAttention::backward_workspace_bytes(const Shape&) { return 0; }
+void CudnnAttention::forward(void*, float*, const void*, const Shape&, float, void*) {}
+void CudnnAttention::backward(void*, const void*, const void*, const float*, const void*, const Shape&, float, void*) {}
 
 }  // namespace kiln::ops::cuda_impl
 

@@ -1,8 +1,11 @@
 #pragma once
 // Causal multi-head attention through cuDNN's fused flash attention: the SDPA operation graphs of
 // cuDNN's backend API (matmul, scale, causal mask, softmax with statistics, matmul; and the flash
-// backward), which its runtime-fusion engine compiles into one kernel each. Built on kiln's layouts
-// without copies: qkv [B, T, 3, H, D], out [B, T, H, D], lse [B, H, T] (the natural-log
+// backward), which its runtime-fusion engine compiles into one kernel each. Grouped-query attention
+// (Hkv key / value heads shared by groups of H / Hkv query heads) as cuDNN's frontend builds it: the
+// key / value gradients summed over each group inside the fused backward. Built on kiln's layouts
+// without copies: qkv [B, T, H + 2 Hkv, D] ([B, T, 3, H, D] for multi-head attention), out
+// [B, T, H, D], lse [B, H, T] (the natural-log
 // log-sum-exp of each row of the scaled scores, the statistic kiln's own kernels keep, so either
 // implementation's backward can follow the other's forward).
 //
@@ -24,18 +27,22 @@ class CudnnAttention {
   CudnnAttention(const CudnnAttention&) = delete;
   CudnnAttention& operator=(const CudnnAttention&) = delete;
 
+  struct Shape {
+    int B, T, H, Hkv, D;  // Hkv == H: multi-head attention
+  };
+
   // "cuDNN 9.14.0" and the like.
   std::string version() const;
   // Builds (once per shape) the forward and backward plans; throws kiln::Error with cuDNN's reason
   // when it does not take the shape.
-  void prepare(int B, int T, int H, int D);
+  void prepare(const Shape& s);
   // Device scratch (bytes) that forward / backward need for this shape (prepare()d).
-  std::size_t forward_workspace_bytes(int B, int T, int H, int D);
-  std::size_t backward_workspace_bytes(int B, int T, int H, int D);
+  std::size_t forward_workspace_bytes(const Shape& s);
+  std::size_t backward_workspace_bytes(const Shape& s);
   // bf16 pointers; workspace: device memory of the sizes above, 256-byte aligned.
-  void forward(void* out, float* lse, const void* qkv, int B, int T, int H, int D, float scale, void* workspace);
-  void backward(void* dqkv, const void* dout, const void* out, const float* lse, const void* qkv, int B, int T, int H,
-                int D, float scale, void* workspace);
+  void forward(void* out, float* lse, const void* qkv, const Shape& s, float scale, void* workspace);
+  void backward(void* dqkv, const void* dout, const void* out, const float* lse, const void* qkv, const Shape& s,
+                float scale, void* workspace);
 
  private:
   struct Impl;
