@@ -1,4 +1,5 @@
 // GptModel: parameter entities, the flat parameter buffers, activation memory, initialisation.
+#include <algorithm>
 #include <array>
 #include <cmath>
 
@@ -151,15 +152,16 @@ void GptModel::allocate_activations() {
     for (const auto& lin : block_linears_) all.push_back(lin.*linear);
     return inputs_kept(all);
   };
-  // FC2 computing the GELU of FC1's pre-activation itself (LinearImpl::takes_gelu_input): no GELU
-  // output is stored, recomputed, or even written. (GPT-2 only: SwiGLU is not GELU.)
-  gelu_in_fc2_ = !block_linears_.empty() && !llama_;
+  // FC2 computing the GELU of FC1's pre-activation (LinearImpl::takes_gelu_input), or the SwiGLU
+  // of FC1's [gate | up] output (takes_swiglu_input), itself: no GELU or SwiGLU output is stored,
+  // recomputed, or even written.
+  act_in_fc2_ = !block_linears_.empty();
   for (const auto& lin : block_linears_) {
     const auto* impl = world_.try_get<ops::LinearImpl>(lin.mlp_out);
-    gelu_in_fc2_ = gelu_in_fc2_ && impl && impl->takes_gelu_input;
+    act_in_fc2_ = act_in_fc2_ && impl && (llama_ ? impl->takes_swiglu_input : impl->takes_gelu_input);
   }
   const bool ln_kept = kept_by_impl(&BlockLinears::qkv) && kept_by_impl(&BlockLinears::mlp_in),
-             gelu_kept = gelu_in_fc2_ || kept_by_impl(&BlockLinears::mlp_out);
+             gelu_kept = act_in_fc2_ || kept_by_impl(&BlockLinears::mlp_out);
   recompute_ln_ = cfg_.recompute_norm && !ln_kept;
   recompute_gelu_ = cfg_.recompute_gelu && !gelu_kept;
   const bool keep_ln = !cfg_.recompute_norm && !ln_kept, keep_fc = !cfg_.recompute_gelu && !gelu_kept;
@@ -228,7 +230,7 @@ void GptModel::allocate_activations() {
   if (any_distributed)
     for (auto& r : res_pingpong_) arena_.request(&r, act, {N, C});
   if (!keep_ln) arena_.request(&ln_shared_, act, {N, C});
-  if (!keep_fc && !gelu_in_fc2_) arena_.request(&fc_shared_, act, {N, fc_cols});
+  if (!keep_fc && !act_in_fc2_) arena_.request(&fc_shared_, act, {N, fc_cols});
   for (const auto& f : fields) {
     if (!f.own) continue;
     for (int l = 0; l < L_; ++l)
@@ -241,17 +243,13 @@ void GptModel::allocate_activations() {
   arena_.request(&logits_, act, {N, lm_head_.local_out()});
   arena_.request(&scratch_c_, act, {N, C});
   arena_.request(&dres_, act, {Nl, C});
-  arena_.request(&dtmp_, act, {Nl, C});
   if (tp_.sequence_parallel()) {
     arena_.request(&local_c_, act, {Nl, C});
     arena_.request(&full_c_, act, {N, C});
   }
-  arena_.request(&datty_, act, {N, attn_out_.local_in()});
-  arena_.request(&dln_, act, {N, C});
-  arena_.request(&dqkv_, act, {N, qkv_.local_out()});
-  arena_.request(&dfc_, act, {N, fc_pre_cols});
-  if (llama_) arena_.request(&dact_, act, {N, fc_cols});
+  arena_.request(&dln_, act, {N, C});  // also the LM head's input gradient: not in the logits
   arena_.allocate(be_);
+  place_block_grads(N, fc_pre_cols, fc_cols);
 
   // Views that share memory: the LayerNorm and GELU outputs refilled in the backward pass, the
   // recomputed groups of recomputing blocks, and the full-width inputs of distributed blocks.
@@ -269,6 +267,34 @@ void GptModel::allocate_activations() {
   }
   if (!tp_.sequence_parallel()) local_c_ = full_c_ = scratch_c_;  // without sequence parallelism local is full
   allocated_ = true;
+}
+
+void GptModel::place_block_grads(std::int64_t N, std::int64_t fc_pre_cols, std::int64_t fc_cols) {
+  // Gradients the blocks' backward passes use and nothing else: from the LM head's backward on, the
+  // logits buffer is dead (the next forward rewrites it after the blocks), so they can live in it.
+  const DType act = be_.act_dtype();
+  if (cfg_.dropout > 0) block_grads_.request(&dtmp_, act, {Nl_, C_});
+  block_grads_.request(&datty_, act, {N, attn_out_.local_in()});
+  block_grads_.request(&dqkv_, act, {N, qkv_.local_out()});
+  block_grads_.request(&dfc_, act, {N, fc_pre_cols});
+  if (llama_) block_grads_.request(&dact_, act, {N, fc_cols});
+  // What the blocks' linears may borrow as scratch meanwhile (nn::BlockScratch): up to N (2 out +
+  // in) bytes for the largest (one-byte copies of its output gradient, twice, and of its input).
+  const std::int64_t C = C_;
+  const std::int64_t widths[4][2] = {{C, qkv_.local_out()}, {attn_out_.local_in(), C}, {C, fc_pre_cols}, {fc_cols, C}};
+  std::int64_t borrow = 0;
+  for (const auto& [in, out] : widths) borrow = std::max(borrow, N * (2 * out + in));
+  constexpr std::size_t kAlign = 256;
+  const std::size_t logits = logits_.bytes(), grads = (block_grads_.bytes() + kAlign - 1) / kAlign * kAlign;
+  if (grads + static_cast<std::size_t>(borrow) <= logits) {
+    const std::size_t lent = (logits - grads) / kAlign * kAlign;  // the grads at the end, aligned
+    block_grads_.place(static_cast<char*>(logits_.data) + lent, logits_.device);
+    lent_ = {logits_.data, lent};
+    grads_in_logits_ = true;
+  } else {
+    block_grads_.allocate(be_);
+    lent_ = {logits_.data, logits_.bytes()};
+  }
 }
 
 bool GptModel::layernorm_on_load(Entity linear) const {

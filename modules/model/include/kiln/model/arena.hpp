@@ -20,6 +20,12 @@ class Arena {
     for (auto& r : requests_) *r.slot = buffer_.view(r.dtype, r.shape, r.offset);
     requests_.clear();
   }
+  // Instead of allocate(): the views in memory someone else owns (bytes() of it from `base`, which
+  // is 256-byte aligned and outlives the views).
+  void place(void* base, Device device) {
+    for (auto& r : requests_) *r.slot = TensorView(static_cast<char*>(base) + r.offset, r.shape, r.dtype, device);
+    requests_.clear();
+  }
   std::size_t bytes() const { return bytes_; }
 
  private:

@@ -57,8 +57,12 @@ class GptModel : public ModelBase {
   // entity carries an nn::ActivationRecompute component keeps only what its scope leaves out (the
   // rest lives in scratch shared by all such blocks and is recomputed in the backward pass).
   void allocate_activations() override;
-  // The logits buffer, unused while the blocks run (see nn::BlockScratch).
-  nn::BlockScratch block_scratch() const override { return {logits_.data, logits_.bytes()}; }
+  // The logits buffer, unused while the blocks run (see nn::BlockScratch), less the blocks' backward
+  // scratch where that lives in it.
+  nn::BlockScratch block_scratch() const override { return lent_; }
+  std::size_t activation_bytes() const override {
+    return arena_.bytes() + (grads_in_logits_ ? 0 : block_grads_.bytes());
+  }
   // One micro-batch forward; the per-token losses go to loss slot `slot`. With `training`, draws
   // dropout masks from the tracker and prepares the backward (the logits become dlogits). Dropout
   // masks are functions of the step and of the token's place in the step's global batch
@@ -140,13 +144,21 @@ class GptModel : public ModelBase {
   std::vector<TensorView> res_saved_;  // distributed saved inputs: this rank's rows of res_[l]
   TensorView res_pingpong_[2];        // full-width inputs of blocks whose saved input is distributed
   bool recompute_ln_ = false, recompute_gelu_ = false;  // the backward pass refills LayerNorm / GELU outputs
-  bool gelu_in_fc2_ = false;  // FC2's implementation computes the GELU of FC1's pre-activation itself
+  // FC2's implementation computes the GELU (SwiGLU) of FC1's output itself: no GELU (SwiGLU) output
+  // is stored, recomputed or even written.
+  bool act_in_fc2_ = false;
   TensorView lnf_, lnf_mean_, lnf_rstd_, logits_, scratch_c_;
   TensorView local_c_, full_c_;  // SP: [Nl, C] and [N, C] scratch (both scratch_c_ without SP)
   TensorView ln_shared_, fc_shared_;  // recompute_norm / recompute_gelu: the blocks' LayerNorm and GELU outputs
   // backward scratch
   TensorView dres_, dtmp_, datty_, dln_, dqkv_, dfc_;
   TensorView dact_;  // llama: FC2's input gradient (the SwiGLU output's), [N, F / tp]
+  // The blocks' backward scratch (dtmp_, datty_, dqkv_, dfc_, dact_): placed at the end of the
+  // logits buffer when it fits there beside what the blocks' linears may borrow, else its own.
+  Arena block_grads_;
+  nn::BlockScratch lent_;
+  bool grads_in_logits_ = false;
+  void place_block_grads(std::int64_t N, std::int64_t fc_pre_cols, std::int64_t fc_cols);
 };
 
 }  // namespace kiln::model

@@ -58,7 +58,7 @@ class ModelBase {
   double evaluate(const std::vector<train::Batch>& batches);
   std::int64_t parameter_count() const;
   // Bytes of activation memory (the arena: saved activations, scratch and backward buffers).
-  std::size_t activation_bytes() const { return arena_.bytes(); }
+  virtual std::size_t activation_bytes() const { return arena_.bytes(); }
   // The dloss every token's loss gets: 1 / tokens in the global batch.
   void set_loss_scale(float s) { dloss_ = s; }
 
