@@ -336,6 +336,33 @@ TEST_CASE("quantising gelu(pre) on load matches the CPU (one copy or both, and t
     }
 }
 
+TEST_CASE("quantising swiglu(pre) on load matches the CPU (one copy or both, and the amax alone)") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops({.round_bf16 = true});
+  // [rows, F] outputs of pre [rows, 2F]: tiled (F % 16 == 0), and the elementwise path (F = 47, 40).
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{1040, 784}, {64, 3072}, {33, 47}, {48, 40}, {16, 16}};
+  int seed = 3000;
+  for (auto [R, F] : shapes)
+    for (int copies = 0; copies <= 3; ++copies) {
+      INFO("[" << R << "," << F << "] copies " << copies);
+      const std::size_t n = static_cast<std::size_t>(R * 2 * F);
+      const auto pre = from_bf16(to_bf16(test::normal_values(n, static_cast<std::uint64_t>(++seed), 2.5f)));
+      OnLoadOutputs o(R, F, copies, 20.0f);
+      Buffer d_pre = upload(to_bf16(pre));
+      const TensorView hp(const_cast<float*>(pre.data()), {R, 2 * F}, DType::f32, Device::cpu);
+      const TensorView dp(d_pre.data(), {R, 2 * F}, DType::bf16, Device::cuda);
+      if (copies == 0) {
+        cpu->amax_swiglu(hp, o.cpu_amax());
+        gpu->amax_swiglu(dp, o.gpu_amax());
+      } else {
+        cpu->quantize_swiglu(hp, o.c, o.cpu_amax());
+        gpu->quantize_swiglu(dp, o.g, o.gpu_amax());
+      }
+      o.check();  // the device's exp / division differ from the host's in the last bits
+    }
+}
+
 TEST_CASE("quantising LayerNorm(x) on load from the forward's statistics matches the CPU") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);
@@ -752,11 +779,22 @@ const char* const kModel = test::kSmallGpuModel;
 
 TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is deterministic") {
   KILN_REQUIRE_CUDA();
+  // GPT-2 (GELU and LayerNorm computed while quantising) and Llama (SwiGLU computed while quantising
+  // FC2's input, grouped-query attention).
+  for (const bool llama : {false, true})
   for (const char* recipe : {"delayed", "current"}) {
+    INFO((llama ? "llama " : "gpt2 ") << recipe);
     const std::string fp8 = "fp8.enabled=true", r = std::string("fp8.recipe=") + recipe;
-    test::Pipeline cpu(kModel, {"engine.device=cpu", "backend.cpu_round_bf16=true", fp8, r});
-    test::Pipeline gpu(kModel, {"engine.device=cuda", fp8, r});
-    test::Pipeline again(kModel, {"engine.device=cuda", fp8, r});
+    auto sets = [&](const char* device) {
+      std::vector<std::string> v{std::string("engine.device=") + device, fp8, r};
+      if (llama) v.insert(v.end(), {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=320"});
+      return v;
+    };
+    auto cpu_sets = sets("cpu");
+    cpu_sets.push_back("backend.cpu_round_bf16=true");
+    test::Pipeline cpu(kModel, cpu_sets);
+    test::Pipeline gpu(kModel, sets("cuda"));
+    test::Pipeline again(kModel, sets("cuda"));
     std::vector<double> losses[3];
     std::vector<float> grads[3];
     int i = 0;

@@ -365,3 +365,51 @@ TEST_CASE("a backward without its kept input is an error naming the layer") {
                        doctest::Contains("blocks.0.mlp.proj: backward of [16,8] without the forward's kept input"),
                        Error);
 }
+
+TEST_CASE("a SwiGLU input computed on load gives the unfused layer's outputs and gradients, bit for bit") {
+  // FC2 of a Llama MLP: the reference reads x = silu(gate) * up as swiglu_forward stores it; the
+  // fused layer gets FC1's [gate | up] output (x_swiglu_pre) and computes it while quantising, in the
+  // forward (rowwise, with the amax) and again in the backward (the colwise copy for dweight).
+  const int N = 32, F = 24, OC = 16;
+  for (auto kind : {RecipeKind::delayed, RecipeKind::current}) {
+    INFO("recipe " << (kind == RecipeKind::delayed ? "delayed" : "current"));
+    Layer ref(kind, FormatPolicy::hybrid), fused(kind, FormatPolicy::hybrid);
+    for (int step = 1; step <= 3; ++step) {
+      auto pre = test::normal_values(N * 2 * F, 600 + step, 2.0f), w = test::normal_values(OC * F, 700 + step, 0.2f);
+      auto dout = test::normal_values(N * OC, 800 + step, 1e-2f);
+      std::vector<float> x(N * F);
+      for (int n = 0; n < N; ++n)
+        for (int f = 0; f < F; ++f) x[n * F + f] = ops::silu(pre[n * 2 * F + f]) * pre[n * 2 * F + F + f];
+      std::vector<float> out_r(N * OC), out_f(N * OC), dx_r(N * F), dx_f(N * F), dw_r(OC * F, 0.5f),
+          dw_f(OC * F, 0.5f);
+      ref.lin.forward({host(out_r, {N, OC}), {}, host(x, {N, F}), host(w, {OC, F}), {}}, step);
+      ops::LinearForward f{host(out_f, {N, OC}), {}, {}, host(w, {OC, F}), {}};
+      f.x_swiglu_pre = host(pre, {N, 2 * F});
+      fused.lin.forward(f, step);
+      CHECK(test::same_bits(out_r, out_f));
+      auto dout_f = dout;
+      ref.lin.backward({host(dx_r, {N, F}), host(dw_r, {OC, F}), {}, host(dout, {N, OC}), host(x, {N, F}),
+                        host(w, {OC, F}), {}});
+      ops::LinearBackward b{host(dx_f, {N, F}), host(dw_f, {OC, F}), {}, host(dout_f, {N, OC}), {}, host(w, {OC, F}), {}};
+      b.x_swiglu_pre = host(pre, {N, 2 * F});
+      fused.lin.backward(b);
+      CHECK(test::same_bits(dx_r, dx_f));
+      CHECK(test::same_bits(dw_r, dw_f));
+      CHECK(meta_state(ref.meta) == meta_state(fused.meta));
+    }
+  }
+}
+
+TEST_CASE("a linear layer refuses two inputs computed on load, and an odd SwiGLU input") {
+  Layer l(RecipeKind::current, FormatPolicy::hybrid);
+  const int N = 4, F = 8, OC = 4;
+  std::vector<float> pre(N * 2 * F, 0.5f), w(OC * F, 0.1f), out(N * OC), odd(N * 7, 0.5f);
+  ops::LinearForward f{host(out, {N, OC}), {}, {}, host(w, {OC, F}), {}};
+  f.x_swiglu_pre = host(pre, {N, 2 * F});
+  f.x_gelu_pre = host(pre, {N, F});
+  CHECK_THROWS_WITH_AS(l.lin.forward(f, 1), doctest::Contains("at most one of x_gelu_pre, x_ln and x_swiglu_pre"),
+                       kiln::Error);
+  f.x_gelu_pre = {};
+  f.x_swiglu_pre = host(odd, {N, 7});
+  CHECK_THROWS_WITH_AS(l.lin.forward(f, 1), doctest::Contains("x_swiglu_pre: expected [N, 2 IC]"), kiln::Error);
+}

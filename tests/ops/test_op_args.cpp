@@ -277,6 +277,9 @@ TEST_CASE("a linear layer's fields for a LinearImpl are refused by the backend, 
   f.x_gelu_pre = {};
   f.x_ln = {st.f32({N, C}), st.f32({C}), st.f32({C}), st.f32({N}), st.f32({N})};
   CHECK(contains(error_of([&] { b->linear_forward(f); }), "linear_forward x_ln: must be left empty"));
+  f.x_ln = {};
+  f.x_swiglu_pre = st.f32({N, 2 * C});
+  CHECK(contains(error_of([&] { b->linear_forward(f); }), "linear_forward x_swiglu_pre: must be left empty"));
   ops::LinearBackward g{st.f32({N, C}), st.f32({OC, C}), {}, st.f32({N, OC}), st.f32({N, C}), st.f32({OC, C})};
   g.dout_gelu_pre = st.f32({N, OC});
   CHECK(contains(error_of([&] { b->linear_backward(g); }), "linear_backward dout_gelu_pre: must be left empty"));

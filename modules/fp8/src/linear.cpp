@@ -49,8 +49,40 @@ Fp8TensorView Fp8Linear::view(const ScalingSlot& s, void* rowwise, void* colwise
   return v;
 }
 
-float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t, bool gelu) {
-  return prepare_scale(s, [&](float* into) { gelu ? ops_.amax_gelu(t, into) : ops_.amax(t, into); });
+float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t, OnLoad f) {
+  return prepare_scale(s, [&](float* into) {
+    if (f == OnLoad::gelu)
+      ops_.amax_gelu(t, into);
+    else if (f == OnLoad::swiglu)
+      ops_.amax_swiglu(t, into);
+    else
+      ops_.amax(t, into);
+  });
+}
+
+void Fp8Linear::quantize_input(const TensorView& x, OnLoad f, const Fp8TensorView& out, float* amax) {
+  if (f == OnLoad::gelu)
+    ops_.quantize_gelu(x, out, amax);
+  else if (f == OnLoad::swiglu)
+    ops_.quantize_swiglu(x, out, amax);
+  else
+    ops_.quantize(x, out, amax);
+}
+
+Fp8Linear::Input Fp8Linear::input_of(const TensorView& x, const TensorView& gelu_pre, const ops::LayerNormOf& ln,
+                                      const TensorView& swiglu_pre, const char* pass) const {
+  const int given = (gelu_pre ? 1 : 0) + (ln ? 1 : 0) + (swiglu_pre ? 1 : 0);
+  KILN_CHECK(given <= 1, name_, " ", pass, ": at most one of x_gelu_pre, x_ln and x_swiglu_pre");
+  Input in;
+  in.on_load = gelu_pre ? OnLoad::gelu : ln ? OnLoad::layernorm : swiglu_pre ? OnLoad::swiglu : OnLoad::none;
+  in.x = gelu_pre ? gelu_pre : ln ? ln.x : swiglu_pre ? swiglu_pre : x;
+  in.what = name_ + " " + pass + (gelu_pre ? " x_gelu_pre" : ln ? " x_ln.x" : swiglu_pre ? " x_swiglu_pre" : " x");
+  KILN_CHECK(in.x.ndim() == 2, in.what, ": expected [rows, cols], got ", in.x.str());
+  in.N = in.x.size(0);
+  in.IC = in.on_load == OnLoad::swiglu ? in.x.size(1) / 2 : in.x.size(1);
+  KILN_CHECK(in.on_load != OnLoad::swiglu || in.x.size(1) % 2 == 0, in.what, ": expected [N, 2 IC], got ",
+             in.x.str());
+  return in;
 }
 
 float* Fp8Linear::prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax) {
@@ -176,14 +208,14 @@ void Fp8Linear::update_weight_part(AdamWQuantizeArgs u, void* codes) {
 
 void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
-  // The input, or the pre-activation it is the GELU of, or the residual it is the LayerNorm of
-  // (either then computed while quantising).
-  const bool gelu = static_cast<bool>(a.x_gelu_pre), ln = static_cast<bool>(a.x_ln);
-  KILN_CHECK(!(gelu && ln), name_, " forward: x_gelu_pre and x_ln together");
-  const TensorView& x = gelu ? a.x_gelu_pre : ln ? a.x_ln.x : a.x;
-  KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", x.str(), ", weight ", a.weight.str());
-  const std::int64_t N = x.size(0), IC = x.size(1);
-  expect(x, act, N, IC, name_ + (gelu ? " forward x_gelu_pre" : ln ? " forward x_ln.x" : " forward x"));
+  // The input, or the pre-activation it is the GELU or SwiGLU of, or the residual it is the
+  // LayerNorm of (any of them then computed while quantising).
+  const Input in = input_of(a.x, a.x_gelu_pre, a.x_ln, a.x_swiglu_pre, "forward");
+  const TensorView& x = in.x;
+  const bool ln = in.on_load == OnLoad::layernorm;
+  KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
+  const std::int64_t N = in.N, IC = in.IC;
+  expect(x, act, N, x.size(1), in.what);
   if (a.weight.dtype == DType::u8) {  // the gathered codes themselves (a replay gets the same again)
     cache_.rowwise = a.weight.data;
     cache_.valid = false;
@@ -205,8 +237,8 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
     if (replay || record) ops_.layernorm_stats(a.x_ln, nullptr);
     ops_.quantize_layernorm(a.x_ln, out, record);
   } else {
-    float* record = replay ? nullptr : prepare_scale(s, x, gelu);
-    gelu ? ops_.quantize_gelu(x, out, record) : ops_.quantize(x, out, record);
+    float* record = replay ? nullptr : prepare_scale(s, x, in.on_load);
+    quantize_input(x, in.on_load, out, record);
   }
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
 }
@@ -224,7 +256,8 @@ void* Fp8Linear::kept_input(std::int64_t rows, std::int64_t cols) {
 
 void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForward& a, std::int64_t weight_version) {
   const ScalingSlot s = slot(TensorRole::input);
-  KILN_CHECK(!a.x_gelu_pre, name_, " forward_quantized: the producer quantised the input; x_gelu_pre makes no sense");
+  KILN_CHECK(!a.x_gelu_pre && !a.x_swiglu_pre, name_,
+             " forward_quantized: the producer quantised the input; x_gelu_pre or x_swiglu_pre make no sense");
   KILN_CHECK(x.rowwise && x.format == s.format && x.scale_inv == s.scale_inv, name_,
              " forward_quantized: the input must be a rowwise ", name_of(s.format),
              " tensor quantised with this layer's input scale");
@@ -265,12 +298,11 @@ void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) 
 
 void Fp8Linear::backward(const ops::LinearBackward& a) {
   const DType act = ops_.act_dtype();
-  const bool gelu = static_cast<bool>(a.x_gelu_pre), ln = static_cast<bool>(a.x_ln);
-  KILN_CHECK(!(gelu && ln), name_, " backward: x_gelu_pre and x_ln together");
-  const TensorView& x = gelu ? a.x_gelu_pre : ln ? a.x_ln.x : a.x;
-  KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " backward: x ", x.str(), ", weight ", a.weight.str());
-  const std::int64_t N = x.size(0), IC = x.size(1), OC = a.weight.size(0);
-  if (!keep_input_) expect(x, act, N, IC, name_ + (gelu ? " backward x_gelu_pre" : ln ? " backward x_ln.x" : " backward x"));
+  const Input in = input_of(a.x, a.x_gelu_pre, a.x_ln, a.x_swiglu_pre, "backward");
+  const TensorView& x = in.x;
+  KILN_CHECK(a.weight.ndim() == 2, name_, " backward: weight ", a.weight.str());
+  const std::int64_t N = in.N, IC = in.IC, OC = a.weight.size(0);
+  if (!keep_input_) expect(x, act, N, x.size(1), in.what);
   const bool gathered = a.weight.dtype == DType::u8;  // the weight's gathered codes
   expect(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
   expect(a.dout, act, N, OC, name_ + " backward dout");
@@ -322,12 +354,10 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   } else {
     xc = scratch + 2 * gbytes;
     const Fp8TensorView out = view(sx, nullptr, xc, N, IC);
-    if (gelu)
-      ops_.quantize_gelu(x, out, nullptr);
-    else if (ln)
+    if (in.on_load == OnLoad::layernorm)
       ops_.quantize_layernorm(a.x_ln, out, nullptr);
     else
-      ops_.quantize(x, out, nullptr);
+      quantize_input(x, in.on_load, out, nullptr);
   }
 
   if (a.dx) {

@@ -258,7 +258,8 @@ void install(World& w, const Fp8Config& cfg) {
                                       /*fuses_dout_gelu=*/true,
                                       /*keeps_input=*/keep,
                                       /*takes_gelu_input=*/true,
-                                      /*takes_layernorm_input=*/true});
+                                      /*takes_layernorm_input=*/true,
+                                      /*takes_swiglu_input=*/true});
   }
 
   // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies; or, with

@@ -46,6 +46,16 @@ class ProfiledOps final : public Fp8Ops {
     Scope s(be_, "fp8_amax_gelu");
     in_->amax_gelu(pre, amax);
   }
+  void quantize_swiglu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
+    Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_swiglu_both"
+                 : out.rowwise             ? "fp8_quantize_swiglu_rowwise"
+                                           : "fp8_quantize_swiglu_colwise");
+    in_->quantize_swiglu(pre, out, amax);
+  }
+  void amax_swiglu(const TensorView& pre, float* amax) override {
+    Scope s(be_, "fp8_amax_swiglu");
+    in_->amax_swiglu(pre, amax);
+  }
   void quantize_grad(const GradQuantizeArgs& a) override {
     Scope s(be_, a.gelu_pre ? (a.dbias ? "fp8_quantize_grad_dgelu_dbias" : "fp8_quantize_grad_dgelu")
                             : (a.dbias ? "fp8_quantize_grad_dbias" : "fp8_quantize_grad"));

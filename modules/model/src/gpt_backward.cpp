@@ -62,7 +62,7 @@ void GptModel::backward(const train::Batch& batch) {
     // Llama: FC2's input gradient is the SwiGLU output's (dact_), whose backward gives FC1's.
     ops::LinearBackward fc2{llama_ ? dact_ : dfc_, g.fcp_w, g.fcp_b, full_c_, a.fc, w.fcp_w,
                             defer_dgelu || llama_ ? TensorView{} : a.fc_pre};
-    if (gelu_in_fc2_) fc2.x_gelu_pre = a.fc_pre;
+    if (act_in_fc2_) (llama_ ? fc2.x_swiglu_pre : fc2.x_gelu_pre) = a.fc_pre;
     mlp_out_.backward(impl(lin.mlp_out), backward_args(lin.mlp_out, fc2), dmlp);
     if (llama_) be_.swiglu_backward({dfc_, dact_, a.fc_pre});
     ops::LinearBackward fc1{dln_, g.fc_w, g.fc_b, dfc_, a.ln2, w.fc_w, {}, defer_dgelu ? a.fc_pre : TensorView{}};

@@ -81,7 +81,7 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
   if (stages & kMlpIn) {
     // FC1 writes the pre-activation where FC2 applies the GELU as it reads it; SwiGLU (llama) runs
     // on FC1's [gate | up] output after it.
-    ops::LinearForward fc1 = gelu_in_fc2_ || llama_ ? ops::LinearForward{a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b}
+    ops::LinearForward fc1 = act_in_fc2_ || llama_ ? ops::LinearForward{a.fc_pre, {}, a.ln2, w.fc_w, w.fc_b}
                                                     : ops::LinearForward{a.fc, a.fc_pre, a.ln2, w.fc_w, w.fc_b};
     TensorView ln2_local;
     if (layernorm_on_load(lin.mlp_in)) {
@@ -91,11 +91,11 @@ void GptModel::block_forward(int l, float p, rng::RngStatesTracker* tracker, uns
       ln2_local = norm_local(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2_w, w.ln2_b);
     }
     mlp_in_.forward(impl(lin.mlp_in), fc1, ln2_local);
-    if (llama_) be_.swiglu_forward({a.fc, a.fc_pre});
+    if (llama_ && !act_in_fc2_) be_.swiglu_forward({a.fc, a.fc_pre});
   }
   if (stages & kMlpOut) {
     ops::LinearForward fc2{scratch_c_, {}, a.fc, w.fcp_w, w.fcp_b};
-    if (gelu_in_fc2_) fc2.x_gelu_pre = a.fc_pre;
+    if (act_in_fc2_) (llama_ ? fc2.x_swiglu_pre : fc2.x_gelu_pre) = a.fc_pre;
     mlp_out_.forward(impl(lin.mlp_out), fc2, local_c_);
     be_.residual_forward({res_[l + 1], a.res2, local_c_, hidden_dropout(p, a.mlp_drop_rng)});
   }

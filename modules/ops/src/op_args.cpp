@@ -119,6 +119,8 @@ LinearDims check_args(const LinearForward& a, const ArgTarget& on) {
   OpArgs c("linear_forward", on);
   c.unused("x_gelu_pre", static_cast<bool>(a.x_gelu_pre), "for a LinearImpl that takes it (takes_gelu_input), not the backend");
   c.unused("x_ln", static_cast<bool>(a.x_ln), "for a LinearImpl that takes it (takes_layernorm_input), not the backend");
+  c.unused("x_swiglu_pre", static_cast<bool>(a.x_swiglu_pre),
+           "for a LinearImpl that takes it (takes_swiglu_input), not the backend");
   const auto N = c.dim("N"), IC = c.dim("IC"), OC = c.dim("OC");
   c.tensor("x", a.x, Act, {N, IC});
   c.tensor("weight", a.weight, Act, {OC, IC});
@@ -134,6 +136,8 @@ LinearDims check_args(const LinearBackward& a, const ArgTarget& on) {
            "for a LinearImpl that takes it (fuses_dout_gelu), not the backend");
   c.unused("x_gelu_pre", static_cast<bool>(a.x_gelu_pre), "for a LinearImpl that takes it (takes_gelu_input), not the backend");
   c.unused("x_ln", static_cast<bool>(a.x_ln), "for a LinearImpl that takes it (takes_layernorm_input), not the backend");
+  c.unused("x_swiglu_pre", static_cast<bool>(a.x_swiglu_pre),
+           "for a LinearImpl that takes it (takes_swiglu_input), not the backend");
   const auto N = c.dim("N"), IC = c.dim("IC"), OC = c.dim("OC");
   c.tensor("x", a.x, Act, {N, IC});
   c.tensor("weight", a.weight, Act, {OC, IC});

@@ -90,6 +90,15 @@ class CpuOps final : public Fp8Ops {
     this->amax(TensorView(g.data(), pre.shape, DType::f32, Device::cpu), amax);
   }
 
+  void quantize_swiglu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
+    std::vector<float> y = swiglu_of(pre);
+    quantize(TensorView(y.data(), {pre.size(0), pre.size(1) / 2}, DType::f32, Device::cpu), out, amax);
+  }
+  void amax_swiglu(const TensorView& pre, float* amax) override {
+    std::vector<float> y = swiglu_of(pre);
+    this->amax(TensorView(y.data(), {pre.size(0), pre.size(1) / 2}, DType::f32, Device::cpu), amax);
+  }
+
   void quantize_grad(const GradQuantizeArgs& a) override {
     expect_input(a.dy, "fp8 quantize_grad dy");
     KILN_CHECK(a.dy.ndim() == 2, "fp8 quantize_grad: dy must be 2-D, got ", a.dy.str());
@@ -267,6 +276,19 @@ class CpuOps final : public Fp8Ops {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
     for (std::int64_t i = 0; i < n; ++i) g[static_cast<std::size_t>(i)] = store(ops::gelu(load(pre, i)));
     return g;
+  }
+
+  // act(silu(gate) * up) of pre [R, 2F], as swiglu_forward stores it: [R, F].
+  std::vector<float> swiglu_of(const TensorView& pre) const {
+    expect_input(pre, "fp8 swiglu input");
+    KILN_CHECK(pre.ndim() == 2 && pre.size(1) % 2 == 0, "fp8 swiglu input: expected [rows, 2 F], got ", pre.str());
+    const std::int64_t R = pre.size(0), F = pre.size(1) / 2;
+    std::vector<float> y(static_cast<std::size_t>(R * F));
+#pragma omp parallel for num_threads(threads_) schedule(static) if (R * F >= kParallelWork)
+    for (std::int64_t r = 0; r < R; ++r)
+      for (std::int64_t f = 0; f < F; ++f)
+        y[static_cast<std::size_t>(r * F + f)] = store(ops::silu(load(pre, r * 2 * F + f)) * load(pre, r * 2 * F + F + f));
+    return y;
   }
 
   float max_abs(const TensorView& x) const {

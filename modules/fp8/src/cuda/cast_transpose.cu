@@ -35,12 +35,16 @@ __device__ __forceinline__ void act_round2(float& a, float& b) {
 
 // What a quantising kernel applies to the values it loads (the quantised values are the results):
 // 16 consecutive columns gc.. of row gr in the tiled kernels, one element in the elementwise one.
+// A Load with kLoadsItself reads its values from its own pointers (load(v, r, c) and at(r, c)) in
+// place of the kernel's x.
 struct PlainLoad {
+  static constexpr bool kLoadsItself = false;
   __device__ void operator()(float (&)[16], int, int) const {}
   __device__ float operator()(float v, long long, long long) const { return v; }
 };
 // act(gelu(v)), as the GELU kernels store it (bf16 round to nearest even).
 struct GeluLoad {
+  static constexpr bool kLoadsItself = false;
   __device__ void operator()(float (&v)[16], int, int) const {
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
@@ -53,6 +57,7 @@ struct GeluLoad {
 };
 // act(LayerNorm(v)) with the forward's statistics, as the LayerNorm kernel stores it.
 struct LayerNormLoad {
+  static constexpr bool kLoadsItself = false;
   const float* mean;
   const float* rstd;
   const bf16* weight;
@@ -74,6 +79,30 @@ struct LayerNormLoad {
   }
 };
 
+// act(silu(gate) * up) from pre [rows, 2 cols] (gate columns, then up columns), as the SwiGLU
+// kernel stores it (bf16 round to nearest even).
+struct SwigluLoad {
+  static constexpr bool kLoadsItself = true;
+  const bf16* pre;
+  long long F;  // the output's columns
+  __device__ void load(float (&v)[16], int r, int c) const {
+    float u[16];
+    const bf16* row = pre + static_cast<size_t>(r) * 2 * F;
+    load16(row + c, v);
+    load16(row + F + c, u);
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      v[i] = ops::silu(v[i]) * u[i];
+      v[i + 1] = ops::silu(v[i + 1]) * u[i + 1];
+      act_round2(v[i], v[i + 1]);
+    }
+  }
+  __device__ float at(long long r, long long c) const {
+    const bf16* row = pre + r * 2 * F;
+    return act_round(ops::silu(__bfloat162float(row[c])) * __bfloat162float(row[F + c]));
+  }
+};
+
 template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_tiled(const In* __restrict__ x, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
@@ -89,8 +118,12 @@ __global__ void __launch_bounds__(kThreads)
     const int gr = r0 + lr, gc = c0 + lv * 16;
     if (gr < rows && gc < cols) {
       float v[16];
-      load16(x + static_cast<size_t>(gr) * cols + gc, v);
-      op(v, gr, gc);
+      if constexpr (Load::kLoadsItself) {
+        op.load(v, gr, gc);
+      } else {
+        load16(x + static_cast<size_t>(gr) * cols + gc, v);
+        op(v, gr, gc);
+      }
       std::uint32_t w[4];
       encode16<F>(v, scale, w);
       if (AMAX)
@@ -216,7 +249,11 @@ __global__ void __launch_bounds__(kThreads)
   unsigned local = 0;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const float v = op(load1(x, i), i / cols, i % cols);
+    float v;
+    if constexpr (Load::kLoadsItself)
+      v = op.at(i / cols, i % cols);
+    else
+      v = op(load1(x, i), i / cols, i % cols);
     const std::uint8_t q = cvt1<F>(__fmul_rn(v, scale));
     if (ROW) row[i] = q;
     if (COL) col[(i % cols) * rows + i / cols] = q;
@@ -271,6 +308,7 @@ unsigned grid_for(long long work) {
 bool aligned_load(const PlainLoad&) { return true; }
 bool aligned_load(const GeluLoad&) { return true; }
 bool aligned_load(const LayerNormLoad& l) { return aligned16(l.weight) && aligned16(l.bias); }
+bool aligned_load(const SwigluLoad& l) { return aligned16(l.pre) && l.F % 8 == 0; }
 
 template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 void launch(const void* xv, std::uint8_t* row, std::uint8_t* col, const float* scale, float* amax, std::int64_t rows,
@@ -394,6 +432,13 @@ void cast_transpose_gelu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::u
   KILN_CHECK(rows >= 0 && cols >= 0 && scale, "fp8 cast_transpose_gelu: [", rows, ",", cols, "]");
   if (rows == 0 || cols == 0 || (!rowwise && !colwise && !amax)) return;
   with_format<bf16>(pre, rowwise, colwise, f, scale, amax, rows, cols, s, GeluLoad{});
+}
+
+void cast_transpose_swiglu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                           const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  KILN_CHECK(rows >= 0 && cols >= 0 && scale && pre, "fp8 cast_transpose_swiglu: [", rows, ",", cols, "]");
+  if (rows == 0 || cols == 0 || (!rowwise && !colwise && !amax)) return;
+  with_format<bf16>(pre, rowwise, colwise, f, scale, amax, rows, cols, s, SwigluLoad{pre, cols});
 }
 
 void cast_transpose_layernorm(const LayerNormOfDev& ln, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,

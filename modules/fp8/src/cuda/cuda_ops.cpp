@@ -102,6 +102,19 @@ class CudaOps final : public Fp8Ops {
                               pre.size(1), stream_);
   }
 
+  void quantize_swiglu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
+    check_swiglu_input(pre, "fp8 quantize_swiglu pre");
+    const std::int64_t R = pre.size(0), F = pre.size(1) / 2;
+    check_outputs(TensorView(pre.data, {R, F}, pre.dtype, pre.device), out, "fp8 quantize_swiglu");
+    cuda::cast_transpose_swiglu(pre.as<kiln::cuda::bf16>(), out.rowwise.as<std::uint8_t>(),
+                                out.colwise.as<std::uint8_t>(), out.format, out.scale, amax, R, F, stream_);
+  }
+  void amax_swiglu(const TensorView& pre, float* amax) override {
+    check_swiglu_input(pre, "fp8 amax_swiglu pre");
+    cuda::cast_transpose_swiglu(pre.as<kiln::cuda::bf16>(), nullptr, nullptr, Format::e4m3, amax, amax, pre.size(0),
+                                pre.size(1) / 2, stream_);
+  }
+
   void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
     const cuda::LayerNormOfDev d = layernorm_of(ln, "fp8 quantize_layernorm");
     check_outputs(ln.x, out, "fp8 quantize_layernorm");
@@ -214,6 +227,11 @@ class CudaOps final : public Fp8Ops {
   }
 
  private:
+  static void check_swiglu_input(const TensorView& pre, const char* what) {
+    KILN_CHECK(pre.device == Device::cuda && pre.dtype == DType::bf16 && pre.ndim() == 2 && pre.size(1) % 2 == 0 &&
+                   pre.contiguous(),
+               what, ": expected a contiguous bf16 CUDA tensor [rows, 2 F], got ", pre.str());
+  }
   static void check_outputs(const TensorView& x, const Fp8TensorView& out, const char* what) {
     KILN_CHECK(out.scale, what, ": no scale");
     const std::int64_t R = x.size(0), C = x.size(1);

@@ -16,7 +16,8 @@
 // that input in bf16 only for this layer). The grad_output is quantised once in the backward pass
 // into both copies, with its amax and the bias gradient in the same pass, and with the dGELU too
 // when the caller hands in LinearBackward::dout_gelu_pre (ops::LinearImpl::fuses_dout_gelu).
-// Inputs computed on load: x_gelu_pre (the input is gelu of it) and x_ln (the input is a LayerNorm
+// Inputs computed on load: x_gelu_pre (the input is gelu of it), x_swiglu_pre (the input is the
+// SwiGLU of FC1's [gate | up] output) and x_ln (the input is a LayerNorm
 // output: the forward computes its statistics, then its values while quantising; the backward
 // recomputes the values from those statistics while quantising the colwise copy).
 //
@@ -119,9 +120,23 @@ class Fp8Linear {
   const std::string& name() const { return name_; }
 
  private:
-  // Makes slot s's scale valid for quantising t; returns where the quantisation records its amax
-  // (nullptr when the amax is already recorded or not wanted).
-  float* prepare_scale(const ScalingSlot& s, const TensorView& t, bool gelu = false);  // gelu: of act(gelu(t))
+  // What the layer computes from its given input while quantising it.
+  enum class OnLoad { none, gelu, layernorm, swiglu };
+  // The given input of a forward or backward (x, x_gelu_pre, x_ln.x or x_swiglu_pre) and the
+  // layer's input shape [N, IC].
+  struct Input {
+    TensorView x;
+    OnLoad on_load = OnLoad::none;
+    std::int64_t N = 0, IC = 0;
+    std::string what;  // for errors
+  };
+  Input input_of(const TensorView& x, const TensorView& gelu_pre, const ops::LayerNormOf& ln,
+                 const TensorView& swiglu_pre, const char* pass) const;
+  // quantize(), quantize_gelu() or quantize_swiglu() of a given input (not a LayerNorm's).
+  void quantize_input(const TensorView& x, OnLoad f, const Fp8TensorView& out, float* amax);
+  // Makes slot s's scale valid for quantising t (or act(gelu(t)), act(swiglu(t))); returns where the
+  // quantisation records its amax (nullptr when the amax is already recorded or not wanted).
+  float* prepare_scale(const ScalingSlot& s, const TensorView& t, OnLoad f = OnLoad::none);
   // The same with the tensor's amax measured by `amax` (max-accumulated into its argument), called
   // only where the scale needs it now.
   float* prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax);

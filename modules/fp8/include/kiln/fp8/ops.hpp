@@ -100,6 +100,10 @@ class Fp8Ops {
   // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
   virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_gelu(const TensorView& pre, float* amax) = 0;
+  // quantize() and amax() of act(swiglu(pre)) (pre [rows, 2 cols]: gate columns, then up columns;
+  // the values swiglu_forward would store, [rows, cols]), computed on load.
+  virtual void quantize_swiglu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
+  virtual void amax_swiglu(const TensorView& pre, float* amax) = 0;
   // quantize() of the LayerNorm output ln describes (ops::LayerNormOf: the values layernorm_forward
   // stores, from the forward's statistics), computed on load.
   virtual void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) = 0;

@@ -112,6 +112,10 @@ struct LinearForward {
   // Optional, only for a LinearImpl with takes_layernorm_input: the input is the LayerNorm of
   // x_ln.x, whose statistics the layer writes (LayerNormOf); x is unused.
   LayerNormOf x_ln;
+  // [N, 2 IC] act, optional, only for a LinearImpl with takes_swiglu_input (the backends reject it):
+  // the input is swiglu(x_swiglu_pre) as swiglu_forward would store it, computed on the fly; x is
+  // unused.
+  TensorView x_swiglu_pre;
 };
 // out = gelu(x), elementwise (recomputes a GELU output in the backward pass instead of storing it).
 struct GeluForward {
@@ -178,6 +182,9 @@ struct LinearBackward {
   // Optional, only for a LinearImpl with takes_layernorm_input: x is the LayerNorm of x_ln.x (and
   // the model may leave x empty).
   LayerNormOf x_ln;
+  // [N, 2 IC] act, optional, as LinearForward::x_swiglu_pre: the forward's input was
+  // swiglu(x_swiglu_pre) (and the model may leave x empty).
+  TensorView x_swiglu_pre;
   // dweight = dout^T @ x instead of +=: the step's first contribution to a gradient nothing else
   // adds to (nn::GradWrittenFirst), which then needs no zeroing and no read.
   bool dweight_overwrite = false;

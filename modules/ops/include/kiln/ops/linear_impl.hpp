@@ -24,6 +24,9 @@ struct LinearImpl {
   // forward and backward take LinearForward/LinearBackward::x_ln (the input as the LayerNorm of the
   // block's residual): the model then neither writes nor recomputes that LayerNorm output.
   bool takes_layernorm_input = false;
+  // forward and backward take LinearForward/LinearBackward::x_swiglu_pre: the model may then hand
+  // FC1's [gate | up] output instead of storing (or recomputing) the SwiGLU's output.
+  bool takes_swiglu_input = false;
 };
 
 // The backend's own linear ops as a LinearImpl (no capabilities), for layers that take one.

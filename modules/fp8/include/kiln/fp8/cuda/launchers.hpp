@@ -25,6 +25,12 @@ void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::ui
 void cast_transpose_gelu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
                          const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
+// cast_transpose of act(silu(gate) * up) (bf16 pre [rows, 2 cols]: the gate columns, then the up
+// columns), the SwiGLU computed on load, as the SwiGLU kernel writes it; with neither copy, the amax
+// alone (scale must still point to a float).
+void cast_transpose_swiglu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
+                           const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+
 // cast_transpose of act(LayerNorm(x)) from the forward's statistics (bf16 x, weight, bias; f32
 // mean, rstd per row): y = act(ops::layernorm_apply(x, mean[r], rstd[r], weight[c], bias[c])), the
 // values the LayerNorm kernel writes, computed on load.
