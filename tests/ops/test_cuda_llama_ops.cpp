@@ -39,10 +39,12 @@ TEST_CASE("cuda rmsnorm forward and backward match the CPU") {
 TEST_CASE("cuda rope matches the CPU, forward and inverse, at long positions") {
   auto p = backend_pair();
   KILN_REQUIRE_GPU(p);
-  const int B = 3, T = 37, heads = 7, rotated = 5;
+  const int B = 3, T = 37, heads = 15;
+  // Rotated heads: fewer than one thread's group of 8, and two groups, the second partial.
+  for (int rotated : {5, 13})
   for (int D : {8, 64, 128}) {
-    INFO("D = " << D);
-    auto x = act(p, {B, T, heads, D}, 140 + D);
+    INFO("D = " << D << " rotated = " << rotated);
+    auto x = act(p, {B, T, heads, D}, 140 + D + rotated);
     for (bool inverse : {false, true}) {
       on_both(p, [&](const Side& s) { s.b().rope({s(x), rotated, 500000.0f, 4000, inverse}); });
       KILN_CHECK_CLOSE(x, 1e-2);

@@ -35,35 +35,43 @@ __global__ __launch_bounds__(kThreads) void rope_kernel(bf16* x, std::int64_t po
   }
 }
 
-// The same with 8 pairs per thread (D / 2 % 8 == 0, 16-byte aligned): 16-byte loads and stores of
-// both halves.
+// The same with 8 pairs of up to kRopeHeads heads per thread (D / 2 % 8 == 0, 16-byte aligned):
+// the 8 angles' sines and cosines computed once for the thread's heads, 16-byte loads and stores of
+// both halves of each head. Consecutive threads take consecutive 8-pair chunks of a head.
+constexpr int kRopeHeads = 8;
 __global__ __launch_bounds__(kThreads) void rope_kernel8(bf16* x, std::int64_t positions, int T, int heads,
                                                          int rotated, int D, float theta, std::int64_t pos_offset,
                                                          float sign) {
-  const int half = D / 2, chunks = half / 8;
-  const std::int64_t work = positions * chunks * rotated;
+  const int half = D / 2, chunks = half / 8, groups = (rotated + kRopeHeads - 1) / kRopeHeads;
+  const std::int64_t work = positions * chunks * groups;
   for (std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; idx < work;
        idx += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const int i0 = static_cast<int>(idx % chunks) * 8;
-    const std::int64_t ph = idx / chunks;
-    const int h = static_cast<int>(ph % rotated);
-    const std::int64_t p = ph / rotated;
+    const std::int64_t pg = idx / chunks;
+    const int h0 = static_cast<int>(pg % groups) * kRopeHeads;
+    const std::int64_t p = pg / groups;
     const float pos = static_cast<float>(pos_offset + p % T);
-    bf16* head = x + (p * heads + h) * D;
-    float a[8], b[8];
-    load8(head + i0, a);
-    load8(head + i0 + half, b);
+    float c[8], sn[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      float sn, c;
-      sincosf(pos * ops::rope_inv_freq(i0 + k, D, theta), &sn, &c);
-      sn *= sign;
-      const float x0 = a[k], x1 = b[k];
-      a[k] = x0 * c - x1 * sn;
-      b[k] = x1 * c + x0 * sn;
+      sincosf(pos * ops::rope_inv_freq(i0 + k, D, theta), &sn[k], &c[k]);
+      sn[k] *= sign;
     }
-    store8(head + i0, a);
-    store8(head + i0 + half, b);
+    const int h_end = min(rotated, h0 + kRopeHeads);
+    for (int h = h0; h < h_end; ++h) {
+      bf16* head = x + (p * heads + h) * D;
+      float a[8], b[8];
+      load8(head + i0, a);
+      load8(head + i0 + half, b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float x0 = a[k], x1 = b[k];
+        a[k] = x0 * c[k] - x1 * sn[k];
+        b[k] = x1 * c[k] + x0 * sn[k];
+      }
+      store8(head + i0, a);
+      store8(head + i0 + half, b);
+    }
   }
 }
 
@@ -138,8 +146,8 @@ void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, std
   if (work == 0) return;
   const float sign = inverse ? -1.0f : 1.0f;
   if ((D / 2) % 8 == 0 && aligned16(x))
-    rope_kernel8<<<grid_for(work / 8, kThreads), kThreads, 0, s>>>(x, positions, T, heads, rotated, D, theta,
-                                                                    pos_offset, sign);
+    rope_kernel8<<<grid_for(positions * (D / 16) * ((rotated + kRopeHeads - 1) / kRopeHeads), kThreads), kThreads, 0,
+                   s>>>(x, positions, T, heads, rotated, D, theta, pos_offset, sign);
   else
     rope_kernel<<<grid_for(work, kThreads), kThreads, 0, s>>>(x, positions, T, heads, rotated, D, theta, pos_offset,
                                                                sign);
