@@ -85,6 +85,10 @@ llama=("$SRC/pipelines/llama-tiny-cpu.toml" --set data.synthetic_vocab=256 --set
 l1=$(grep -oE "^step +12/12 \| loss [0-9.]+" llama1.txt)
 l2=$(grep -oE "^(\[rank 0\] )?step +12/12 \| loss [0-9.]+" llama2.txt | sed 's/^\[rank 0\] //')
 [ -n "$l1" ] && [ "$l1" = "$l2" ] || fail "llama-tiny-cpu: one rank '$l1', tp=2 '$l2'"
+# ... and samples text through the KV-cached generator (RoPE written into the cache, grouped heads).
+"$KILN" run "${llama[@]}" --set log.sample_every=12 --set log.sample_tokens=16 > llama-sample.txt 2>&1 ||
+  fail "llama-tiny-cpu with samples: $(tail -5 llama-sample.txt)"
+grep -q "^sample (step 12): " llama-sample.txt || fail "llama-tiny-cpu printed no sample: $(tail -5 llama-sample.txt)"
 expect 2 "model.n_kv_head: 2 key/value heads do not split over the 4 ranks" -- \
   "$KILN" run "${llama[@]}" --nproc 4 --set parallel.tp=4
 

@@ -54,11 +54,11 @@ std::vector<int> random_tokens(int n, unsigned seed) {
 // The tiny training model after setup, its weights made random everywhere (initialisation leaves
 // biases at 0 and LayerNorm weights at 1, which would hide a mixed-up bias or norm).
 struct TrainedTiny {
-  test::Pipeline pipeline{kTiny};
+  test::Pipeline pipeline;
   World& world = *pipeline.world;
   model::ModelConfig cfg;
 
-  TrainedTiny() {
+  explicit TrainedTiny(const std::vector<std::string>& sets = {}) : pipeline(kTiny, sets) {
     world.systems().run(Phase::setup, world);
     cfg = world.resource<model::ModelConfig>();
     auto& store = world.resource<nn::ParamStore>();
@@ -66,7 +66,7 @@ struct TrainedTiny {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (Entity e : store.order) {
       const auto& p = world.get<nn::Param>(e);
-      const bool norm = p.name.find("ln_") != std::string::npos;
+      const bool norm = p.name.find("ln_") != std::string::npos || p.name.find("norm_") != std::string::npos;
       float* v = store.master_view(p).as<float>();
       for (std::int64_t i = 0; i < p.numel; ++i)
         v[i] = norm && p.name.ends_with(".weight") ? 1.0f + 0.2f * normal(gen) : 0.1f * normal(gen);
@@ -98,8 +98,15 @@ int argmax(const float* row) { return static_cast<int>(std::max_element(row, row
 
 }  // namespace
 
-TEST_CASE("generator logits at every position equal the training model's, prefilled or decoded") {
-  TrainedTiny tiny;
+// Llama: grouped-query attention (2 key/value heads for 4), rotary positions written into the
+// cache, SwiGLU, RMSNorm, an untied LM head.
+const std::vector<std::string> kLlama = {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=96",
+                                         "model.tie_embeddings=false"};
+
+namespace {
+void check_generator_matches_training(bool llama) {
+  INFO((llama ? "llama" : "gpt2"));
+  TrainedTiny tiny(llama ? kLlama : std::vector<std::string>{});
   auto& be = tiny.world.resource<ops::ActiveBackend>().get();
   model::Generator gen(tiny.cfg, be, model::param_store_weights(tiny.world));
   const auto tokens = random_tokens(kT, 3);
@@ -139,6 +146,12 @@ TEST_CASE("generator logits at every position equal the training model's, prefil
       }
     }
   }
+}
+}  // namespace
+
+TEST_CASE("generator logits at every position equal the training model's, prefilled or decoded") {
+  check_generator_matches_training(false);
+  check_generator_matches_training(true);
 }
 
 TEST_CASE("greedy generation is deterministic and follows the most likely token") {

@@ -13,40 +13,45 @@ Generator::Generator(const ModelConfig& cfg, ops::Backend& backend, const Weight
       be_(backend),
       C_(cfg.n_embd),
       H_(cfg.n_head),
+      K_(cfg.kv_heads()),
       D_(cfg.head_dim()),
+      F_(cfg.mlp_hidden()),
       Vp_(cfg.padded_vocab()),
       Tmax_(cfg.max_seq_len),
       logit_rows_(std::min(cfg.max_seq_len, 64)) {
   KILN_CHECK(cfg.n_layer > 0 && H_ > 0 && C_ % H_ == 0 && Tmax_ > 0 && cfg.vocab_size > 0,
              "generator: invalid model config");
-  KILN_CHECK(!cfg.llama(), "kiln's generator runs GPT-2 models; this model is a llama (model.arch), which it "
-                           "cannot sample yet");
   const DType act = be_.act_dtype();
-  const std::int64_t C = C_, T = Tmax_;
+  const bool llama = cfg.llama(), bias = !llama;
+  const std::int64_t C = C_, T = Tmax_, W = qkv_width(), F = F_, fc_rows = llama ? 2 * F : F;
   weights_.request(&wte_, act, {Vp_, C});
-  weights_.request(&wpe_, act, {T, C});
+  if (!llama) weights_.request(&wpe_, act, {T, C});
   blocks_.resize(static_cast<std::size_t>(cfg.n_layer));
   for (Block& b : blocks_) {
-    for (TensorView* v : {&b.ln1_w, &b.ln1_b, &b.proj_b, &b.ln2_w, &b.ln2_b, &b.fcp_b}) weights_.request(v, act, {C});
-    weights_.request(&b.qkv_w, act, {3 * C, C});
-    weights_.request(&b.qkv_b, act, {3 * C});
+    for (TensorView* v : {&b.ln1_w, &b.ln2_w}) weights_.request(v, act, {C});
+    if (bias)
+      for (TensorView* v : {&b.ln1_b, &b.proj_b, &b.ln2_b, &b.fcp_b}) weights_.request(v, act, {C});
+    weights_.request(&b.qkv_w, act, {W, C});
+    if (bias) weights_.request(&b.qkv_b, act, {W});
     weights_.request(&b.proj_w, act, {C, C});
-    weights_.request(&b.fc_w, act, {4 * C, C});
-    weights_.request(&b.fc_b, act, {4 * C});
-    weights_.request(&b.fcp_w, act, {C, 4 * C});
-    acts_.request(&b.cache, act, {T, 3 * C});
+    weights_.request(&b.fc_w, act, {fc_rows, C});
+    if (bias) weights_.request(&b.fc_b, act, {fc_rows});
+    weights_.request(&b.fcp_w, act, {C, F});
+    acts_.request(&b.cache, act, {T, W});
   }
   weights_.request(&lnf_w_, act, {C});
-  weights_.request(&lnf_b_, act, {C});
+  if (bias) weights_.request(&lnf_b_, act, {C});
+  if (!cfg.tie_embeddings) weights_.request(&head_w_, act, {Vp_, C});
   weights_.allocate(be_);
+  if (cfg.tie_embeddings) head_w_ = wte_;
 
   acts_.request(&tokens_, DType::i32, {T});
   for (TensorView* v : {&x_, &ln_, &atty_, &tmp_}) acts_.request(v, act, {T, C});
   acts_.request(&mean_, DType::f32, {T});
   acts_.request(&rstd_, DType::f32, {T});
   acts_.request(&lse_, DType::f32, {H_ * T});
-  acts_.request(&fc_pre_, act, {T, 4 * C});
-  acts_.request(&fc_, act, {T, 4 * C});
+  acts_.request(&fc_pre_, act, {T, fc_rows});
+  acts_.request(&fc_, act, {T, F});
   acts_.request(&logits_, act, {logit_rows_, Vp_});
   acts_.request(&logits_f32_, DType::f32, {logit_rows_, Vp_});
   acts_.allocate(be_);
@@ -68,26 +73,41 @@ void Generator::upload(const WeightSource& weights) {
     be_.convert(dst, dev);
     be_.synchronize();  // before `host` and the staging buffer are reused
   };
+  // Llama has no position table, no biases, and RMSNorms named norm_*; an untied LM head.
+  auto put_if = [&](const std::string& name, const TensorView& dst) {
+    if (dst) put(name, dst);
+  };
+  const std::string norm = cfg_.llama() ? "norm_" : "ln_";
   put("wte", wte_);
-  put("wpe", wpe_);
+  put_if("wpe", wpe_);
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
     const std::string p = "blocks." + std::to_string(l) + ".";
     Block& b = blocks_[l];
-    put(p + "ln_1.weight", b.ln1_w);
-    put(p + "ln_1.bias", b.ln1_b);
+    put(p + norm + "1.weight", b.ln1_w);
+    put_if(p + norm + "1.bias", b.ln1_b);
     put(p + "attn.qkv.weight", b.qkv_w);
-    put(p + "attn.qkv.bias", b.qkv_b);
+    put_if(p + "attn.qkv.bias", b.qkv_b);
     put(p + "attn.proj.weight", b.proj_w);
-    put(p + "attn.proj.bias", b.proj_b);
-    put(p + "ln_2.weight", b.ln2_w);
-    put(p + "ln_2.bias", b.ln2_b);
+    put_if(p + "attn.proj.bias", b.proj_b);
+    put(p + norm + "2.weight", b.ln2_w);
+    put_if(p + norm + "2.bias", b.ln2_b);
     put(p + "mlp.fc.weight", b.fc_w);
-    put(p + "mlp.fc.bias", b.fc_b);
+    put_if(p + "mlp.fc.bias", b.fc_b);
     put(p + "mlp.proj.weight", b.fcp_w);
-    put(p + "mlp.proj.bias", b.fcp_b);
+    put_if(p + "mlp.proj.bias", b.fcp_b);
   }
-  put("ln_f.weight", lnf_w_);
-  put("ln_f.bias", lnf_b_);
+  put(norm + "f.weight", lnf_w_);
+  put_if("ln_f.bias", lnf_b_);
+  if (head_w_.data != wte_.data) put("lm_head.weight", head_w_);
+}
+
+std::int64_t Generator::qkv_width() const { return static_cast<std::int64_t>(H_ + 2 * K_) * D_; }
+
+void Generator::norm(const TensorView& out, const TensorView& x, const TensorView& w, const TensorView& b, int rows) {
+  if (cfg_.llama())
+    be_.rmsnorm_forward({out, rstd_.rows(0, rows), x, w, cfg_.norm_eps});
+  else
+    be_.layernorm_forward({out, mean_.rows(0, rows), rstd_.rows(0, rows), x, w, b, cfg_.norm_eps});
 }
 
 void Generator::check_tokens(std::span<const int> tokens) const {
@@ -107,23 +127,42 @@ void Generator::forward(std::span<const int> tokens) {
   be_.copy(tok, TensorView(host_tokens_.data(), {n}, DType::i32, Device::cpu));
 
   const TensorView x = x_.rows(0, n), ln = ln_.rows(0, n), atty = atty_.rows(0, n), tmp = tmp_.rows(0, n);
-  const TensorView mean = mean_.rows(0, n), rstd = rstd_.rows(0, n);
   const TensorView fc_pre = fc_pre_.rows(0, n), fc = fc_.rows(0, n);
   const TensorView lse = lse_.flat_slice(0, static_cast<std::int64_t>(H_) * n).reshape({1, H_, n});
   const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
-  // wpe rows from `pos`: the op adds row n % T of the table it is given.
-  be_.embedding_forward({x, tok, wte_, wpe_.rows(pos, n), n});
+  const bool llama = cfg_.llama();
+  // The cache rows as attention reads them: [1, positions, H + 2K, D] (the same bytes as GPT-2's
+  // [1, positions, 3, H, D]); kv_heads 0 is multi-head attention.
+  const int kv_heads = llama ? K_ : 0;
+  auto heads = [&](const TensorView& rows, std::int64_t positions) {
+    return llama ? rows.reshape({1, positions, H_ + 2 * K_, D_}) : rows.reshape({1, positions, 3, H_, D_});
+  };
+  // GPT-2: wpe rows from `pos` (the op adds row n % T of the table it is given). Llama: rotary
+  // positions, applied to the new rows' query and key heads as the cache takes them.
+  be_.embedding_forward({x, tok, wte_, llama ? TensorView{} : wpe_.rows(pos, n), n, 0, 0, !llama});
   for (const Block& b : blocks_) {
-    be_.layernorm_forward({ln, mean, rstd, x, b.ln1_w, b.ln1_b, cfg_.norm_eps});
-    be_.linear_forward({b.cache.rows(pos, n), {}, ln, b.qkv_w, b.qkv_b});
-    if (pos == 0)
-      be_.attention_forward({atty.reshape({1, n, H_, D_}), lse, b.cache.rows(0, n).reshape({1, n, 3, H_, D_}), scale});
-    else
-      be_.attention_decode({atty.reshape({1, H_, D_}), b.cache.reshape({1, Tmax_, 3, H_, D_}), pos + 1, scale});
+    norm(ln, x, b.ln1_w, b.ln1_b, n);
+    const TensorView rows = b.cache.rows(pos, n);
+    be_.linear_forward({rows, {}, ln, b.qkv_w, b.qkv_b});
+    if (llama) be_.rope({rows.reshape({1, n, H_ + 2 * K_, D_}), H_ + K_, cfg_.rope_theta, pos, false});
+    if (pos == 0) {
+      ops::AttentionForward a{atty.reshape({1, n, H_, D_}), lse, heads(b.cache.rows(0, n), n), scale};
+      a.kv_heads = kv_heads;
+      be_.attention_forward(a);
+    } else {
+      ops::AttentionDecode a{atty.reshape({1, H_, D_}), heads(b.cache, Tmax_), pos + 1, scale};
+      a.kv_heads = kv_heads;
+      be_.attention_decode(a);
+    }
     be_.linear_forward({tmp, {}, atty, b.proj_w, b.proj_b});
     be_.residual_forward({x, x, tmp});
-    be_.layernorm_forward({ln, mean, rstd, x, b.ln2_w, b.ln2_b, cfg_.norm_eps});
-    be_.linear_forward({fc, fc_pre, ln, b.fc_w, b.fc_b});
+    norm(ln, x, b.ln2_w, b.ln2_b, n);
+    if (llama) {
+      be_.linear_forward({fc_pre, {}, ln, b.fc_w, {}});
+      be_.swiglu_forward({fc, fc_pre});
+    } else {
+      be_.linear_forward({fc, fc_pre, ln, b.fc_w, b.fc_b});
+    }
     be_.linear_forward({tmp, {}, fc, b.fcp_w, b.fcp_b});
     be_.residual_forward({x, x, tmp});
   }
@@ -137,8 +176,8 @@ std::vector<float> Generator::logits(int first, int count) {
   for (int r0 = 0; r0 < count; r0 += logit_rows_) {
     const int r = std::min(logit_rows_, count - r0);
     const TensorView x = x_.rows(first + r0, r), ln = ln_.rows(first + r0, r);
-    be_.layernorm_forward({ln, mean_.rows(0, r), rstd_.rows(0, r), x, lnf_w_, lnf_b_, cfg_.norm_eps});
-    be_.linear_forward({logits_.rows(0, r), {}, ln, wte_, {}});
+    norm(ln, x, lnf_w_, lnf_b_, r);
+    be_.linear_forward({logits_.rows(0, r), {}, ln, head_w_, {}});
     be_.convert(logits_f32_.rows(0, r), logits_.rows(0, r));
     be_.copy(TensorView(host.data(), {r, Vp_}, DType::f32, Device::cpu), logits_f32_.rows(0, r));
     be_.synchronize();

@@ -12,8 +12,6 @@
 namespace kiln::model {
 
 std::string sample_text(World& w, const ModelConfig& cfg, const train::SampleRequested& e) {
-  if (cfg.llama())
-    throw config_error(w, "log.sample_every", "samples come from kiln's GPT-2 generator: model.arch = \"llama\" has none yet");
   if (w.resource<parallel::ParallelState>().tp_size() > 1 || w.resource<nn::ParamStore>().sharded())
     throw config_error(w, "log.sample_every",
                        "samples need the whole model on rank 0: parallel.tp = 1 and no fsdp sharding (sample from a "

@@ -1,14 +1,16 @@
 #pragma once
-// Autoregressive generation from GPT-2 weights with a KV cache. An inference class apart from the
-// training model (GptModel keeps only what training needs): the same forward pass (LayerNorm eps,
-// tanh GELU, 1/sqrt(D) attention scale, pre-norm residuals, LM head tied to wte) through the same
-// backend ops, on one sequence.
+// Autoregressive generation from GPT-2 or Llama weights (model.arch) with a KV cache. An inference
+// class apart from the training model (GptModel keeps only what training needs): the same forward
+// pass (GPT-2: LayerNorm, learned positions, tanh GELU, biases; Llama: RMSNorm, rotary positions,
+// SwiGLU, grouped-query attention; 1/sqrt(D) attention scale, pre-norm residuals, tied or untied LM
+// head) through the same backend ops, on one sequence.
 //
-// The KV cache of each block is its fused QKV projection for every position, [max_seq_len, 3, H, D]
-// (the layout attention_forward reads): the QKV linear writes each new position's row into it, a
-// prompt is prefilled by the causal attention_forward over its rows, and each later token attends
-// over the cache with attention_decode. The cached q rows cost a third more memory than K and V
-// alone, and save every copy.
+// The KV cache of each block is its fused QKV projection for every position, [max_seq_len, H + 2K,
+// D] (the layout attention_forward reads; [max_seq_len, 3, H, D] for GPT-2), rotated by RoPE as it
+// is written for Llama: the QKV linear writes each new position's row into it, a prompt is
+// prefilled by the causal attention_forward over its rows, and each later token attends over the
+// cache with attention_decode. The cached q rows cost more memory than K and V alone, and save
+// every copy.
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -62,21 +64,24 @@ class Generator {
   // Logits over the real vocabulary of x rows [first, first + count), after the final LayerNorm.
   std::vector<float> logits(int first, int count);
   void check_tokens(std::span<const int> tokens) const;
+  std::int64_t qkv_width() const;  // (H + 2K) D
+  // The block's pre-norm (LayerNorm or RMSNorm) of `rows` rows.
+  void norm(const TensorView& out, const TensorView& x, const TensorView& w, const TensorView& b, int rows);
 
   ModelConfig cfg_;
   ops::Backend& be_;
-  int C_, H_, D_, Vp_, Tmax_;
+  int C_, H_, K_, D_, F_, Vp_, Tmax_;
   int length_ = 0;
   int logit_rows_;  // rows of logits computed at once (bounds the logits buffers)
 
   Arena weights_, acts_;
-  TensorView wte_, wpe_, lnf_w_, lnf_b_;
+  TensorView wte_, wpe_, lnf_w_, lnf_b_, head_w_;  // head_w_: wte_ when tied
   std::vector<Block> blocks_;
   TensorView tokens_;           // [Tmax] i32
   TensorView x_, ln_, atty_, tmp_;  // [Tmax, C]: residual stream, LayerNorm output, attention output, linear output
   TensorView mean_, rstd_;      // [Tmax] f32
   TensorView lse_;              // [H * Tmax] f32 (attention_forward's statistic, unused here)
-  TensorView fc_pre_, fc_;      // [Tmax, 4C]
+  TensorView fc_pre_, fc_;      // [Tmax, F] (Llama's fc_pre: [Tmax, 2F], gate and up)
   TensorView logits_, logits_f32_;  // [logit_rows, Vp]
   std::vector<std::int32_t> host_tokens_;
 };
