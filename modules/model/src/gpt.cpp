@@ -284,10 +284,9 @@ void GptModel::place_block_grads(std::int64_t N, std::int64_t fc_pre_cols, std::
   const std::int64_t widths[4][2] = {{C, qkv_.local_out()}, {attn_out_.local_in(), C}, {C, fc_pre_cols}, {fc_cols, C}};
   std::int64_t borrow = 0;
   for (const auto& [in, out] : widths) borrow = std::max(borrow, N * (2 * out + in));
-  constexpr std::size_t kAlign = 256;
-  const std::size_t logits = logits_.bytes(), grads = (block_grads_.bytes() + kAlign - 1) / kAlign * kAlign;
+  const std::size_t logits = logits_.bytes(), grads = Arena::align_up(block_grads_.bytes());
   if (grads + static_cast<std::size_t>(borrow) <= logits) {
-    const std::size_t lent = (logits - grads) / kAlign * kAlign;  // the grads at the end, aligned
+    const std::size_t lent = (logits - grads) / Arena::kAlign * Arena::kAlign;  // the grads at the end, aligned
     block_grads_.place(static_cast<char*>(logits_.data) + lent, logits_.device);
     lent_ = {logits_.data, lent};
     grads_in_logits_ = true;

@@ -287,7 +287,7 @@ class CpuOps final : public Fp8Ops {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (R * F >= kParallelWork)
     for (std::int64_t r = 0; r < R; ++r)
       for (std::int64_t f = 0; f < F; ++f)
-        y[static_cast<std::size_t>(r * F + f)] = store(ops::silu(load(pre, r * 2 * F + f)) * load(pre, r * 2 * F + F + f));
+        y[static_cast<std::size_t>(r * F + f)] = store(ops::swiglu(load(pre, r * 2 * F + f), load(pre, r * 2 * F + F + f)));
     return y;
   }
 

@@ -92,14 +92,14 @@ struct SwigluLoad {
     load16(row + F + c, u);
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
-      v[i] = ops::silu(v[i]) * u[i];
-      v[i + 1] = ops::silu(v[i + 1]) * u[i + 1];
+      v[i] = ops::swiglu(v[i], u[i]);
+      v[i + 1] = ops::swiglu(v[i + 1], u[i + 1]);
       act_round2(v[i], v[i + 1]);
     }
   }
   __device__ float at(long long r, long long c) const {
     const bf16* row = pre + r * 2 * F;
-    return act_round(ops::silu(__bfloat162float(row[c])) * __bfloat162float(row[F + c]));
+    return act_round(ops::swiglu(__bfloat162float(row[c]), __bfloat162float(row[F + c])));
   }
 };
 

@@ -11,7 +11,7 @@ void CpuBackend::swiglu_forward(const SwigluForward& a) {
   float* out = a.out.as<float>();
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t f = 0; f < F; ++f) out[n * F + f] = store(silu(x[n * 2 * F + f]) * x[n * 2 * F + F + f]);
+    for (std::int64_t f = 0; f < F; ++f) out[n * F + f] = store(swiglu(x[n * 2 * F + f], x[n * 2 * F + F + f]));
 }
 
 void CpuBackend::swiglu_backward(const SwigluBackward& a) {

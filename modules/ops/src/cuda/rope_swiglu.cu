@@ -39,11 +39,15 @@ __global__ __launch_bounds__(kThreads) void rope_kernel(bf16* x, std::int64_t po
 // the 8 angles' sines and cosines computed once for the thread's heads, 16-byte loads and stores of
 // both halves of each head. Consecutive threads take consecutive 8-pair chunks of a head.
 constexpr int kRopeHeads = 8;
+// rope_kernel8's threads: one per position, 8-pair chunk and group of up to kRopeHeads heads.
+__host__ __device__ std::int64_t rope8_work(std::int64_t positions, int D, int rotated) {
+  return positions * (D / 16) * ((rotated + kRopeHeads - 1) / kRopeHeads);
+}
 __global__ __launch_bounds__(kThreads) void rope_kernel8(bf16* x, std::int64_t positions, int T, int heads,
                                                          int rotated, int D, float theta, std::int64_t pos_offset,
                                                          float sign) {
   const int half = D / 2, chunks = half / 8, groups = (rotated + kRopeHeads - 1) / kRopeHeads;
-  const std::int64_t work = positions * chunks * groups;
+  const std::int64_t work = rope8_work(positions, D, rotated);
   for (std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; idx < work;
        idx += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const int i0 = static_cast<int>(idx % chunks) * 8;
@@ -88,7 +92,7 @@ __global__ __launch_bounds__(kThreads) void swiglu_fwd8(bf16* out, const bf16* x
     load8(x + n * 2 * F + f, g);
     load8(x + n * 2 * F + F + f, u);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) o[k] = ops::silu(g[k]) * u[k];
+    for (int k = 0; k < 8; ++k) o[k] = ops::swiglu(g[k], u[k]);
     store8(out + n * F + f, o);
   }
 }
@@ -121,7 +125,7 @@ __global__ __launch_bounds__(kThreads) void swiglu_fwd(bf16* out, const bf16* x,
        idx += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t n = idx / F, f = idx % F;
     const float g = __bfloat162float(x[n * 2 * F + f]), u = __bfloat162float(x[n * 2 * F + F + f]);
-    out[idx] = __float2bfloat16_rn(ops::silu(g) * u);
+    out[idx] = __float2bfloat16_rn(ops::swiglu(g, u));
   }
 }
 
@@ -146,8 +150,8 @@ void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, std
   if (work == 0) return;
   const float sign = inverse ? -1.0f : 1.0f;
   if ((D / 2) % 8 == 0 && aligned16(x))
-    rope_kernel8<<<grid_for(positions * (D / 16) * ((rotated + kRopeHeads - 1) / kRopeHeads), kThreads), kThreads, 0,
-                   s>>>(x, positions, T, heads, rotated, D, theta, pos_offset, sign);
+    rope_kernel8<<<grid_for(rope8_work(positions, D, rotated), kThreads), kThreads, 0, s>>>(
+        x, positions, T, heads, rotated, D, theta, pos_offset, sign);
   else
     rope_kernel<<<grid_for(work, kThreads), kThreads, 0, s>>>(x, positions, T, heads, rotated, D, theta, pos_offset,
                                                                sign);

@@ -8,10 +8,12 @@ namespace kiln::model {
 
 class Arena {
  public:
+  static constexpr std::size_t kAlign = 256;  // every view's offset is a multiple of it
+  static std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
   // Registers a tensor; `slot` receives its view when allocate() runs (slot must stay valid).
   void request(TensorView* slot, DType dtype, Shape shape) {
-    constexpr std::size_t kAlign = 256;
-    bytes_ = (bytes_ + kAlign - 1) / kAlign * kAlign;
+    bytes_ = align_up(bytes_);
     requests_.push_back({slot, dtype, shape, bytes_});
     bytes_ += static_cast<std::size_t>(shape.numel()) * size_of(dtype);
   }
@@ -21,7 +23,7 @@ class Arena {
     requests_.clear();
   }
   // Instead of allocate(): the views in memory someone else owns (bytes() of it from `base`, which
-  // is 256-byte aligned and outlives the views).
+  // is kAlign-aligned and outlives the views).
   void place(void* base, Device device) {
     for (auto& r : requests_) *r.slot = TensorView(static_cast<char*>(base) + r.offset, r.shape, r.dtype, device);
     requests_.clear();

@@ -44,6 +44,9 @@ KILN_HD float silu_logistic(float g) {
 #endif
 }
 KILN_HD float silu(float g) { return g * silu_logistic(g); }
+// SwiGLU's value before rounding: what swiglu_forward stores (act-rounded) and what FP8's
+// quantise-with-SwiGLU reads, from one formula on every backend.
+KILN_HD float swiglu(float gate, float up) { return silu(gate) * up; }
 KILN_HD float silu_grad(float g) {
   const float s = silu_logistic(g);
   return s * (1.0f + g * (1.0f - s));
