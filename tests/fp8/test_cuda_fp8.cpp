@@ -383,7 +383,7 @@ TEST_CASE("quantising LayerNorm(x) on load from the forward's statistics matches
       OnLoadOutputs o(R, C, copies, 30.0f);
       Buffer d_x = upload(to_bf16(x)), d_w = upload(to_bf16(w)), d_b = upload(to_bf16(b)), d_mean = upload(mean),
              d_rstd = upload(rstd);
-      ops::LayerNormOf hl, dl;
+      ops::LayerNormOnLoad hl, dl;
       hl.x = TensorView(const_cast<float*>(x.data()), {R, C}, DType::f32, Device::cpu);
       hl.weight = TensorView(w.data(), {C}, DType::f32, Device::cpu);
       hl.bias = TensorView(b.data(), {C}, DType::f32, Device::cpu);
@@ -421,7 +421,7 @@ TEST_CASE("the LayerNorm statistics of an FP8 layer are the backend LayerNorm's,
                                   static_cast<const kiln::cuda::bf16*>(d_w.data()),
                                   static_cast<const kiln::cuda::bf16*>(d_b.data()), static_cast<int>(R),
                                   static_cast<int>(C), 1e-5f, nullptr);
-    ops::LayerNormOf ln;
+    ops::LayerNormOnLoad ln;
     ln.x = TensorView(d_x.data(), {R, C}, DType::bf16, Device::cuda);
     ln.weight = TensorView(d_w.data(), {C}, DType::bf16, Device::cuda);
     ln.bias = TensorView(d_b.data(), {C}, DType::bf16, Device::cuda);

@@ -312,7 +312,7 @@ TEST_CASE("a producer may hand in an already quantised input") {
 
 TEST_CASE("the deferred dGELU and a kept input give the gradients of the unfused path, bit for bit") {
   // FC2 -> GELU -> FC1 in reverse: the reference lets FC2's dgrad apply gelu'(pre) (dx_gelu_pre);
-  // the fused path hands FC1 the GELU output's gradient with dout_gelu_pre. Delayed scaling uses the
+  // the fused path hands FC1 the GELU output's gradient (ops::DgeluOnLoad). Delayed scaling uses the
   // fused pass from its second step on (the first derives the scale from the tensor itself).
   const int N = 32, H = 48, OC = 16;
   for (auto kind : {RecipeKind::delayed, RecipeKind::current})
@@ -339,9 +339,9 @@ TEST_CASE("the deferred dGELU and a kept input give the gradients of the unfused
         ref.lin.backward({host(dx_r, {N, H}), host(dw_r, {OC, H}), host(db_r, {OC}), host(dout_r, {N, OC}),
                           host(x, {N, H}), host(w, {OC, H}), {}});
         auto dout_f = dgelu_out;
-        ops::LinearBackward bw{host(dx_f, {N, H}), host(dw_f, {OC, H}), host(db_f, {OC}), host(dout_f, {N, OC}),
-                               host(x_f, {N, H}), host(w, {OC, H}), {}};
-        bw.dout_gelu_pre = host(pre, {N, OC});
+        ops::LinearBackward bw{host(dx_f, {N, H}), host(dw_f, {OC, H}), host(db_f, {OC}),
+                               ops::DgeluOnLoad{host(dout_f, {N, OC}), host(pre, {N, OC})}, host(x_f, {N, H}),
+                               host(w, {OC, H}), {}};
         lin.backward(bw);
         CHECK(test::same_bits(dx_r, dx_f));
         CHECK(test::same_bits(dw_r, dw_f));
@@ -368,7 +368,7 @@ TEST_CASE("a backward without its kept input is an error naming the layer") {
 
 TEST_CASE("a SwiGLU input computed on load gives the unfused layer's outputs and gradients, bit for bit") {
   // FC2 of a Llama MLP: the reference reads x = silu(gate) * up as swiglu_forward stores it; the
-  // fused layer gets FC1's [gate | up] output (x_swiglu_pre) and computes it while quantising, in the
+  // fused layer gets FC1's [gate | up] output (ops::SwigluOnLoad) and computes it while quantising, in the
   // forward (rowwise, with the amax) and again in the backward (the colwise copy for dweight).
   const int N = 32, F = 24, OC = 16;
   for (auto kind : {RecipeKind::delayed, RecipeKind::current}) {
@@ -383,16 +383,14 @@ TEST_CASE("a SwiGLU input computed on load gives the unfused layer's outputs and
       std::vector<float> out_r(N * OC), out_f(N * OC), dx_r(N * F), dx_f(N * F), dw_r(OC * F, 0.5f),
           dw_f(OC * F, 0.5f);
       ref.lin.forward({host(out_r, {N, OC}), {}, host(x, {N, F}), host(w, {OC, F}), {}}, step);
-      ops::LinearForward f{host(out_f, {N, OC}), {}, {}, host(w, {OC, F}), {}};
-      f.x_swiglu_pre = host(pre, {N, 2 * F});
-      fused.lin.forward(f, step);
+      fused.lin.forward({host(out_f, {N, OC}), {}, ops::SwigluOnLoad{host(pre, {N, 2 * F})}, host(w, {OC, F}), {}},
+                        step);
       CHECK(test::same_bits(out_r, out_f));
       auto dout_f = dout;
       ref.lin.backward({host(dx_r, {N, F}), host(dw_r, {OC, F}), {}, host(dout, {N, OC}), host(x, {N, F}),
                         host(w, {OC, F}), {}});
-      ops::LinearBackward b{host(dx_f, {N, F}), host(dw_f, {OC, F}), {}, host(dout_f, {N, OC}), {}, host(w, {OC, F}), {}};
-      b.x_swiglu_pre = host(pre, {N, 2 * F});
-      fused.lin.backward(b);
+      fused.lin.backward({host(dx_f, {N, F}), host(dw_f, {OC, F}), {}, host(dout_f, {N, OC}),
+                          ops::SwigluOnLoad{host(pre, {N, 2 * F})}, host(w, {OC, F}), {}});
       CHECK(test::same_bits(dx_r, dx_f));
       CHECK(test::same_bits(dw_r, dw_f));
       CHECK(meta_state(ref.meta) == meta_state(fused.meta));
@@ -400,16 +398,12 @@ TEST_CASE("a SwiGLU input computed on load gives the unfused layer's outputs and
   }
 }
 
-TEST_CASE("a linear layer refuses two inputs computed on load, and an odd SwiGLU input") {
+TEST_CASE("a linear layer refuses a SwiGLU input of an odd width, naming the prologue") {
+  // (Two inputs computed on load cannot be written: the input is one ops::LinearInput.)
   Layer l(RecipeKind::current, FormatPolicy::hybrid);
   const int N = 4, F = 8, OC = 4;
-  std::vector<float> pre(N * 2 * F, 0.5f), w(OC * F, 0.1f), out(N * OC), odd(N * 7, 0.5f);
-  ops::LinearForward f{host(out, {N, OC}), {}, {}, host(w, {OC, F}), {}};
-  f.x_swiglu_pre = host(pre, {N, 2 * F});
-  f.x_gelu_pre = host(pre, {N, F});
-  CHECK_THROWS_WITH_AS(l.lin.forward(f, 1), doctest::Contains("at most one of x_gelu_pre, x_ln and x_swiglu_pre"),
+  std::vector<float> w(OC * F, 0.1f), out(N * OC), odd(N * 7, 0.5f);
+  ops::LinearForward f{host(out, {N, OC}), {}, ops::SwigluOnLoad{host(odd, {N, 7})}, host(w, {OC, F}), {}};
+  CHECK_THROWS_WITH_AS(l.lin.forward(f, 1), doctest::Contains("forward x (swiglu-on-load): expected [N, 2 IC]"),
                        kiln::Error);
-  f.x_gelu_pre = {};
-  f.x_swiglu_pre = host(odd, {N, 7});
-  CHECK_THROWS_WITH_AS(l.lin.forward(f, 1), doctest::Contains("x_swiglu_pre: expected [N, 2 IC]"), kiln::Error);
 }

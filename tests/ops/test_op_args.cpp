@@ -106,15 +106,16 @@ std::vector<OpCase> all_ops(Storage& st) {
     auto a = std::make_shared<ops::LinearForward>();
     *a = {st.f32({N, OC}), st.f32({N, OC}), st.f32({N, C}), st.f32({OC, C}), st.f32({OC})};
     add("linear_forward", a, &ops::Backend::linear_forward,
-        {{"out", &a->out}, {"pre_gelu", &a->pre_gelu}, {"x", &a->x}, {"weight", &a->weight}, {"bias", &a->bias}});
+        {{"out", &a->out}, {"pre_gelu", &a->pre_gelu}, {"x", &std::get<TensorView>(a->x)}, {"weight", &a->weight},
+         {"bias", &a->bias}});
   }
   {
     auto a = std::make_shared<ops::LinearBackward>();
     *a = {st.f32({N, C}),  st.f32({OC, C}), st.f32({OC}),   st.f32({N, OC}),
           st.f32({N, C}),  st.f32({OC, C}), st.f32({N, C})};
     add("linear_backward", a, &ops::Backend::linear_backward,
-        {{"dx", &a->dx}, {"dweight", &a->dweight}, {"dbias", &a->dbias}, {"dout", &a->dout}, {"x", &a->x},
-         {"weight", &a->weight}, {"dx_gelu_pre", &a->dx_gelu_pre}});
+        {{"dx", &a->dx}, {"dweight", &a->dweight}, {"dbias", &a->dbias}, {"dout", &std::get<TensorView>(a->dout)},
+         {"x", &std::get<TensorView>(a->x)}, {"weight", &a->weight}, {"dx_gelu_pre", &a->dx_gelu_pre}});
   }
   {
     auto a = std::make_shared<ops::GeluForward>();
@@ -268,21 +269,19 @@ TEST_CASE("every op refuses a missing required argument, naming it") {
   }
 }
 
-TEST_CASE("a linear layer's fields for a LinearImpl are refused by the backend, by name") {
+TEST_CASE("a linear layer's prologues are for a LinearImpl that takes them: the backend refuses them, by name") {
   auto b = ops::make_cpu_backend({.threads = 1});
   Storage st;
   ops::LinearForward f{st.f32({N, OC}), {}, st.f32({N, C}), st.f32({OC, C})};
-  f.x_gelu_pre = st.f32({N, C});
-  CHECK(contains(error_of([&] { b->linear_forward(f); }), "linear_forward x_gelu_pre: must be left empty"));
-  f.x_gelu_pre = {};
-  f.x_ln = {st.f32({N, C}), st.f32({C}), st.f32({C}), st.f32({N}), st.f32({N})};
-  CHECK(contains(error_of([&] { b->linear_forward(f); }), "linear_forward x_ln: must be left empty"));
-  f.x_ln = {};
-  f.x_swiglu_pre = st.f32({N, 2 * C});
-  CHECK(contains(error_of([&] { b->linear_forward(f); }), "linear_forward x_swiglu_pre: must be left empty"));
+  f.x = ops::GeluOnLoad{st.f32({N, C})};
+  CHECK(contains(error_of([&] { b->linear_forward(f); }), "linear_forward: x: the backend takes the tensor itself, got a gelu-on-load prologue"));
+  f.x = ops::LayerNormOnLoad{st.f32({N, C}), st.f32({C}), st.f32({C}), st.f32({N}), st.f32({N})};
+  CHECK(contains(error_of([&] { b->linear_forward(f); }), "got a layernorm-on-load prologue"));
+  f.x = ops::SwigluOnLoad{st.f32({N, 2 * C})};
+  CHECK(contains(error_of([&] { b->linear_forward(f); }), "got a swiglu-on-load prologue"));
   ops::LinearBackward g{st.f32({N, C}), st.f32({OC, C}), {}, st.f32({N, OC}), st.f32({N, C}), st.f32({OC, C})};
-  g.dout_gelu_pre = st.f32({N, OC});
-  CHECK(contains(error_of([&] { b->linear_backward(g); }), "linear_backward dout_gelu_pre: must be left empty"));
+  g.dout = ops::DgeluOnLoad{st.f32({N, OC}), st.f32({N, OC})};
+  CHECK(contains(error_of([&] { b->linear_backward(g); }), "linear_backward: dout: the backend takes the tensor itself, got a dgelu-on-load prologue"));
 }
 
 TEST_CASE("adamw's segments must tile the parameters exactly") {

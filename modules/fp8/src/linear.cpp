@@ -49,39 +49,42 @@ Fp8TensorView Fp8Linear::view(const ScalingSlot& s, void* rowwise, void* colwise
   return v;
 }
 
-float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t, OnLoad f) {
+float* Fp8Linear::prepare_scale(const ScalingSlot& s, const TensorView& t, ops::Prologue f) {
   return prepare_scale(s, [&](float* into) {
-    if (f == OnLoad::gelu)
+    if (f == ops::Prologue::gelu)
       ops_.amax_gelu(t, into);
-    else if (f == OnLoad::swiglu)
+    else if (f == ops::Prologue::swiglu)
       ops_.amax_swiglu(t, into);
     else
       ops_.amax(t, into);
   });
 }
 
-void Fp8Linear::quantize_input(const TensorView& x, OnLoad f, const Fp8TensorView& out, float* amax) {
-  if (f == OnLoad::gelu)
-    ops_.quantize_gelu(x, out, amax);
-  else if (f == OnLoad::swiglu)
-    ops_.quantize_swiglu(x, out, amax);
+void Fp8Linear::quantize_input(const Input& in, const Fp8TensorView& out, float* amax) {
+  if (in.prologue == ops::Prologue::gelu)
+    ops_.quantize_gelu(in.x, out, amax);
+  else if (in.prologue == ops::Prologue::swiglu)
+    ops_.quantize_swiglu(in.x, out, amax);
   else
-    ops_.quantize(x, out, amax);
+    ops_.quantize(in.x, out, amax);
 }
 
-Fp8Linear::Input Fp8Linear::input_of(const TensorView& x, const TensorView& gelu_pre, const ops::LayerNormOf& ln,
-                                      const TensorView& swiglu_pre, const char* pass) const {
-  const int given = (gelu_pre ? 1 : 0) + (ln ? 1 : 0) + (swiglu_pre ? 1 : 0);
-  KILN_CHECK(given <= 1, name_, " ", pass, ": at most one of x_gelu_pre, x_ln and x_swiglu_pre");
+Fp8Linear::Input Fp8Linear::input_of(const ops::LinearInput& x, const char* pass) const {
   Input in;
-  in.on_load = gelu_pre ? OnLoad::gelu : ln ? OnLoad::layernorm : swiglu_pre ? OnLoad::swiglu : OnLoad::none;
-  in.x = gelu_pre ? gelu_pre : ln ? ln.x : swiglu_pre ? swiglu_pre : x;
-  in.what = name_ + " " + pass + (gelu_pre ? " x_gelu_pre" : ln ? " x_ln.x" : swiglu_pre ? " x_swiglu_pre" : " x");
+  in.prologue = ops::prologue_of(x);
+  if (const auto* t = std::get_if<TensorView>(&x)) in.x = *t;
+  if (const auto* g = std::get_if<ops::GeluOnLoad>(&x)) in.x = g->pre;
+  if (const auto* g = std::get_if<ops::SwigluOnLoad>(&x)) in.x = g->gate_up;
+  if (const auto* l = std::get_if<ops::LayerNormOnLoad>(&x)) {
+    in.x = l->x;
+    in.layernorm = l;
+  }
+  in.what = cat(name_, " ", pass, " x (", ops::name_of(in.prologue), ")");
   KILN_CHECK(in.x.ndim() == 2, in.what, ": expected [rows, cols], got ", in.x.str());
+  const bool swiglu = in.prologue == ops::Prologue::swiglu;
   in.N = in.x.size(0);
-  in.IC = in.on_load == OnLoad::swiglu ? in.x.size(1) / 2 : in.x.size(1);
-  KILN_CHECK(in.on_load != OnLoad::swiglu || in.x.size(1) % 2 == 0, in.what, ": expected [N, 2 IC], got ",
-             in.x.str());
+  in.IC = swiglu ? in.x.size(1) / 2 : in.x.size(1);
+  KILN_CHECK(!swiglu || in.x.size(1) % 2 == 0, in.what, ": expected [N, 2 IC], got ", in.x.str());
   return in;
 }
 
@@ -210,9 +213,8 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   const DType act = ops_.act_dtype();
   // The input, or the pre-activation it is the GELU or SwiGLU of, or the residual it is the
   // LayerNorm of (any of them then computed while quantising).
-  const Input in = input_of(a.x, a.x_gelu_pre, a.x_ln, a.x_swiglu_pre, "forward");
+  const Input in = input_of(a.x, "forward");
   const TensorView& x = in.x;
-  const bool ln = in.on_load == OnLoad::layernorm;
   KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
   const std::int64_t N = in.N, IC = in.IC;
   expect(x, act, N, x.size(1), in.what);
@@ -228,17 +230,17 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   const ScalingSlot s = slot(TensorRole::input);
   void* xq = ws_.get(static_cast<std::size_t>(N * IC));
   const Fp8TensorView out = view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC);
-  if (ln) {
+  if (in.layernorm) {
     // The statistics first: in the pass that measures the output's amax where the scale needs it
     // now (prepare_scale then returns no record), else on their own (a replay too: the recompute
     // may not have kept them; it records no amax).
-    float* record =
-        replay ? nullptr : prepare_scale(s, [&](float* into) { ops_.layernorm_stats(a.x_ln, into); });
-    if (replay || record) ops_.layernorm_stats(a.x_ln, nullptr);
-    ops_.quantize_layernorm(a.x_ln, out, record);
+    const ops::LayerNormOnLoad& ln = *in.layernorm;
+    float* record = replay ? nullptr : prepare_scale(s, [&](float* into) { ops_.layernorm_stats(ln, into); });
+    if (replay || record) ops_.layernorm_stats(ln, nullptr);
+    ops_.quantize_layernorm(ln, out, record);
   } else {
-    float* record = replay ? nullptr : prepare_scale(s, x, in.on_load);
-    quantize_input(x, in.on_load, out, record);
+    float* record = replay ? nullptr : prepare_scale(s, x, in.prologue);
+    quantize_input(in, out, record);
   }
   gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
 }
@@ -256,16 +258,17 @@ void* Fp8Linear::kept_input(std::int64_t rows, std::int64_t cols) {
 
 void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForward& a, std::int64_t weight_version) {
   const ScalingSlot s = slot(TensorRole::input);
-  KILN_CHECK(!a.x_gelu_pre && !a.x_swiglu_pre, name_,
-             " forward_quantized: the producer quantised the input; x_gelu_pre or x_swiglu_pre make no sense");
+  const TensorView input = ops::plain_tensor(a.x);
+  KILN_CHECK(input, name_, " forward_quantized: the producer quantised the input; a ",
+             ops::name_of(ops::prologue_of(a.x)), " prologue makes no sense");
   KILN_CHECK(x.rowwise && x.format == s.format && x.scale_inv == s.scale_inv, name_,
              " forward_quantized: the input must be a rowwise ", name_of(s.format),
              " tensor quantised with this layer's input scale");
-  expect(x.rowwise, dtype_of(s.format), a.x.size(0), a.x.size(1), name_ + " forward_quantized x");
+  expect(x.rowwise, dtype_of(s.format), input.size(0), input.size(1), name_ + " forward_quantized x");
   ensure_weight(a.weight, weight_version);
   if (keep_input_) {  // the producer wrote the rowwise copy only: the colwise one from the input
-    const std::int64_t N = a.x.size(0), IC = a.x.size(1);
-    ops_.quantize(a.x, view(s, nullptr, kept_input(N, IC), N, IC), nullptr);
+    const std::int64_t N = input.size(0), IC = input.size(1);
+    ops_.quantize(input, view(s, nullptr, kept_input(N, IC), N, IC), nullptr);
   }
   gemm_forward(x.rowwise, a);
 }
@@ -298,14 +301,17 @@ void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) 
 
 void Fp8Linear::backward(const ops::LinearBackward& a) {
   const DType act = ops_.act_dtype();
-  const Input in = input_of(a.x, a.x_gelu_pre, a.x_ln, a.x_swiglu_pre, "backward");
+  const Input in = input_of(a.x, "backward");
   const TensorView& x = in.x;
   KILN_CHECK(a.weight.ndim() == 2, name_, " backward: weight ", a.weight.str());
   const std::int64_t N = in.N, IC = in.IC, OC = a.weight.size(0);
   if (!keep_input_) expect(x, act, N, x.size(1), in.what);
   const bool gathered = a.weight.dtype == DType::u8;  // the weight's gathered codes
   expect(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
-  expect(a.dout, act, N, OC, name_ + " backward dout");
+  // The output gradient, or the gradient of its GELU (ops::DgeluOnLoad) with the pre-activation.
+  const auto* dgelu = std::get_if<ops::DgeluOnLoad>(&a.dout);
+  const TensorView dout = dgelu ? dgelu->dgelu : std::get<TensorView>(a.dout);
+  expect(dout, act, N, OC, name_ + " backward dout");
   expect(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
   if (a.dx) expect(a.dx, act, N, IC, name_ + " backward dx");
   if (a.dx_gelu_pre) expect(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
@@ -329,11 +335,11 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   // grad_output: both copies (dgrad reads rowwise, wgrad colwise), its amax and the bias gradient
   // in one pass, with the deferred dGELU folded in. Where the scale must first come from this very
   // tensor's amax (current scaling, or delayed scaling's first step), the dGELU is applied first.
-  TensorView gelu_pre = a.dout_gelu_pre;
+  TensorView gelu_pre = dgelu ? dgelu->pre : TensorView{};
   if (gelu_pre) {
-    expect(gelu_pre, act, N, OC, name_ + " backward dout_gelu_pre");
+    expect(gelu_pre, act, N, OC, name_ + " backward dout's pre-activation (dgelu-on-load)");
     if (recipe_.kind == RecipeKind::current || !meta_.ready(sg.index)) {
-      ops_.dgelu(a.dout, gelu_pre);
+      ops_.dgelu(dout, gelu_pre);
       gelu_pre = {};
     }
   }
@@ -342,8 +348,8 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   std::uint8_t* scratch = ws_.get(2 * gbytes + (keep_input_ ? 0 : static_cast<std::size_t>(N * IC)));
   void* gr = scratch;
   void* gc = scratch + gbytes;
-  float* record = prepare_scale(sg, a.dout);
-  ops_.quantize_grad({a.dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias});
+  float* record = prepare_scale(sg, dout);
+  ops_.quantize_grad({dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias});
   // The input's colwise copy: kept from the forward, or quantised again with the forward's scale
   // (its amax is already recorded).
   void* xc = nullptr;
@@ -354,10 +360,10 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   } else {
     xc = scratch + 2 * gbytes;
     const Fp8TensorView out = view(sx, nullptr, xc, N, IC);
-    if (in.on_load == OnLoad::layernorm)
-      ops_.quantize_layernorm(a.x_ln, out, nullptr);
+    if (in.layernorm)
+      ops_.quantize_layernorm(*in.layernorm, out, nullptr);
     else
-      quantize_input(x, in.on_load, out, nullptr);
+      quantize_input(in, out, nullptr);
   }
 
   if (a.dx) {

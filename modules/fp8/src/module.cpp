@@ -250,16 +250,13 @@ void install(World& w, const Fp8Config& cfg) {
       }
     }
     Fp8State* state = &st;
-    w.emplace<ops::LinearImpl>(e, ops::LinearImpl{
-                                      [lin, state](const ops::LinearForward& a) {
-                                        lin->forward(a, state->weights_version, state->replaying);
-                                      },
-                                      [lin](const ops::LinearBackward& a) { lin->backward(a); },
-                                      /*fuses_dout_gelu=*/true,
-                                      /*keeps_input=*/keep,
-                                      /*takes_gelu_input=*/true,
-                                      /*takes_layernorm_input=*/true,
-                                      /*takes_swiglu_input=*/true});
+    w.emplace<ops::LinearImpl>(e, ops::LinearImpl{.forward =
+                                                      [lin, state](const ops::LinearForward& a) {
+                                                        lin->forward(a, state->weights_version, state->replaying);
+                                                      },
+                                                  .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
+                                                  .prologues = ops::PrologueSet::all(),
+                                                  .keeps_input = keep});
   }
 
   // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies; or, with

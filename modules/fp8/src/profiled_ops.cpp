@@ -32,13 +32,13 @@ class ProfiledOps final : public Fp8Ops {
                                                                                      : "fp8_quantize_gelu_colwise");
     in_->quantize_gelu(pre, out, amax);
   }
-  void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
+  void quantize_layernorm(const ops::LayerNormOnLoad& ln, const Fp8TensorView& out, float* amax) override {
     Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_layernorm_both"
                  : out.rowwise             ? "fp8_quantize_layernorm_rowwise"
                                            : "fp8_quantize_layernorm_colwise");
     in_->quantize_layernorm(ln, out, amax);
   }
-  void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
+  void layernorm_stats(const ops::LayerNormOnLoad& ln, float* amax) override {
     Scope s(be_, amax ? "fp8_layernorm_stats_amax" : "fp8_layernorm_stats");
     in_->layernorm_stats(ln, amax);
   }

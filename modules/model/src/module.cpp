@@ -6,6 +6,9 @@
 #include <iostream>
 
 #include "init_from.hpp"
+#include "kiln/model/gpt.hpp"
+#include "kiln/model/spec.hpp"
+#include "kiln/nn/param_store.hpp"
 #include "sample.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/ops/module.hpp"
@@ -25,7 +28,7 @@ struct ModelHooks {
 // The step's zeroing of the gradient accumulation: per unit whose gradients are where the step
 // accumulates them (ParamStore::unit_grads), every range but the gradients their first micro-batch
 // writes (nn::GradWrittenFirst); ranges that meet in memory are zeroed together.
-void zero_grads(ParamStore& store, ops::Backend& be, const std::vector<std::vector<nn::UnitRange>>& ranges) {
+void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::vector<nn::UnitRange>>& ranges) {
   float* run = nullptr;
   std::int64_t n = 0;
   auto flush = [&] {
@@ -57,8 +60,8 @@ void install(World& w, const ModelConfig& cfg) {
   // What the model splits over the tensor-parallel group, before any rank allocates anything.
   const int tp = par.tp_size();
   for (const auto& problem : parallel::check_splits(
-           tp, GptModel::tensor_parallel_splits(cfg, ts.micro_batch_size * tc.seq_len, par.sequence_parallel && tp > 1,
-                                                par.vocab_parallel && tp > 1)))
+           tp, tensor_parallel_splits(cfg, ts.micro_batch_size * tc.seq_len, par.sequence_parallel && tp > 1,
+                                      par.vocab_parallel && tp > 1)))
     throw config_error(w, problem.key, problem.message);
   if (cfg.llama() && !cfg.init_from.empty())
     throw config_error(w, "model.init_from", "reads Hugging Face GPT-2 weights: it needs model.arch = \"gpt2\"");
@@ -84,7 +87,7 @@ void install(World& w, const ModelConfig& cfg) {
   // The parameters' flat buffers, laid out now that every module has said how (a module that
   // shards them orders its planning before this system, one that uses them after it).
   w.systems().add({"params.allocate", Phase::setup, [](World& world) {
-                     auto& store = world.resource<ParamStore>();
+                     auto& store = world.resource<nn::ParamStore>();
                      store.lay_out(world);
                      store.allocate(world.resource<ops::ActiveBackend>().get());
                    }});
@@ -108,7 +111,7 @@ void install(World& w, const ModelConfig& cfg) {
   // nn::GradWrittenFirst as it made its parameters, above): the gaps between them.
   w.systems().add({"model.zero_grad", Phase::step_begin, [ranges = std::vector<std::vector<nn::UnitRange>>()](
                                                               World& world) mutable {
-                     auto& store = world.resource<ParamStore>();
+                     auto& store = world.resource<nn::ParamStore>();
                      if (ranges.empty()) ranges = store.grad_zero_ranges(world);
                      zero_grads(store, world.resource<ops::ActiveBackend>().get(), ranges);
                    }});

@@ -98,10 +98,6 @@ void OpArgs::elements(const char* arg, const TensorView& t, ArgDType dtype, Dim 
            t);
 }
 
-void OpArgs::unused(const char* arg, bool given, const char* what) {
-  if (given) KILN_THROW(op_, " ", arg, ": must be left empty; it is ", what);
-}
-
 std::int64_t OpArgs::operator[](Dim d) const {
   const DimState& s = dims_[d.index_];
   if (!s.bound) KILN_THROW(op_, ": dimension ", s.name, " is bound by no argument (a bug in the op's description)");

@@ -39,6 +39,16 @@ std::int64_t check_gqa(OpArgs& c, const char* arg, const TensorView& t, OpArgs::
   return kv_heads;
 }
 
+// A linear operand the backends take: the tensor itself (a prologue is for a LinearImpl that takes
+// it, ops::LinearImpl::prologues).
+template <class Operand>
+TensorView plain_operand(const OpArgs& c, const char* arg, const Operand& operand) {
+  const Prologue p = prologue_of(operand);
+  c.check(p == Prologue::plain, arg, ": the backend takes the tensor itself, got a ", name_of(p),
+          " prologue (for a LinearImpl that takes it)");
+  return plain_tensor(operand);
+}
+
 }  // namespace
 
 EmbeddingDims check_args(const EmbeddingForward& a, const ArgTarget& on) {
@@ -117,36 +127,28 @@ RowDims check_args(const DropoutBackward& a, const ArgTarget& on) {
 
 LinearDims check_args(const LinearForward& a, const ArgTarget& on) {
   OpArgs c("linear_forward", on);
-  c.unused("x_gelu_pre", static_cast<bool>(a.x_gelu_pre), "for a LinearImpl that takes it (takes_gelu_input), not the backend");
-  c.unused("x_ln", static_cast<bool>(a.x_ln), "for a LinearImpl that takes it (takes_layernorm_input), not the backend");
-  c.unused("x_swiglu_pre", static_cast<bool>(a.x_swiglu_pre),
-           "for a LinearImpl that takes it (takes_swiglu_input), not the backend");
   const auto N = c.dim("N"), IC = c.dim("IC"), OC = c.dim("OC");
-  c.tensor("x", a.x, Act, {N, IC});
+  const TensorView x = plain_operand(c, "x", a.x);
+  c.tensor("x", x, Act, {N, IC});
   c.tensor("weight", a.weight, Act, {OC, IC});
   c.optional("bias", a.bias, Act, {OC});
   c.tensor("out", a.out, Act, {N, OC});
   c.optional("pre_gelu", a.pre_gelu, Act, {N, OC});
-  return {c[N], c[IC], c[OC]};
+  return {c[N], c[IC], c[OC], x, {}};
 }
 
 LinearDims check_args(const LinearBackward& a, const ArgTarget& on) {
   OpArgs c("linear_backward", on);
-  c.unused("dout_gelu_pre", static_cast<bool>(a.dout_gelu_pre),
-           "for a LinearImpl that takes it (fuses_dout_gelu), not the backend");
-  c.unused("x_gelu_pre", static_cast<bool>(a.x_gelu_pre), "for a LinearImpl that takes it (takes_gelu_input), not the backend");
-  c.unused("x_ln", static_cast<bool>(a.x_ln), "for a LinearImpl that takes it (takes_layernorm_input), not the backend");
-  c.unused("x_swiglu_pre", static_cast<bool>(a.x_swiglu_pre),
-           "for a LinearImpl that takes it (takes_swiglu_input), not the backend");
   const auto N = c.dim("N"), IC = c.dim("IC"), OC = c.dim("OC");
-  c.tensor("x", a.x, Act, {N, IC});
+  const TensorView x = plain_operand(c, "x", a.x), dout = plain_operand(c, "dout", a.dout);
+  c.tensor("x", x, Act, {N, IC});
   c.tensor("weight", a.weight, Act, {OC, IC});
-  c.tensor("dout", a.dout, Act, {N, OC});
+  c.tensor("dout", dout, Act, {N, OC});
   c.tensor("dweight", a.dweight, f32, {OC, IC});
   c.optional("dbias", a.dbias, f32, {OC});
   c.optional("dx", a.dx, Act, {N, IC});
   c.optional("dx_gelu_pre", a.dx_gelu_pre, Act, {N, IC});
-  return {c[N], c[IC], c[OC]};
+  return {c[N], c[IC], c[OC], x, dout};
 }
 
 std::int64_t check_args(const GeluForward& a, const ArgTarget& on) {

@@ -42,6 +42,7 @@ RopeDims check_args(const Rope& a, const ArgTarget& on);
 
 struct LinearDims {
   std::int64_t N, IC, OC;
+  TensorView x, dout;  // the plain operands (dout: backward only)
 };
 LinearDims check_args(const LinearForward& a, const ArgTarget& on);
 LinearDims check_args(const LinearBackward& a, const ArgTarget& on);

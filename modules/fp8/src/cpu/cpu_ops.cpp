@@ -209,7 +209,7 @@ class CpuOps final : public Fp8Ops {
     }
   }
 
-  void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
+  void quantize_layernorm(const ops::LayerNormOnLoad& ln, const Fp8TensorView& out, float* amax) override {
     expect_input(ln.x, "fp8 quantize_layernorm x");
     KILN_CHECK(ln.x.ndim() == 2, "fp8 quantize_layernorm: x must be 2-D [rows, cols], got ", ln.x.str());
     const std::int64_t R = ln.x.size(0), C = ln.x.size(1);
@@ -231,7 +231,7 @@ class CpuOps final : public Fp8Ops {
   }
 
   // The CPU backend's layernorm_forward, statistics only (the same function).
-  void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
+  void layernorm_stats(const ops::LayerNormOnLoad& ln, float* amax) override {
     expect_input(ln.x, "fp8 layernorm_stats x");
     KILN_CHECK(ln.x.dtype == DType::f32 && ln.x.ndim() == 2, "fp8 layernorm_stats: x must be f32 [rows, cols], got ",
                ln.x.str());

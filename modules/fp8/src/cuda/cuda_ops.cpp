@@ -22,7 +22,7 @@ void check_input(const TensorView& t, const char* what) {
 
 // A LayerNorm input (x bf16 [R, C], weight and bias bf16 [C], mean and rstd f32 [R], all contiguous CUDA
 // tensors) as the kernels take it.
-cuda::LayerNormOfDev layernorm_of(const ops::LayerNormOf& ln, const char* op) {
+cuda::LayerNormOfDev layernorm_of(const ops::LayerNormOnLoad& ln, const char* op) {
   const TensorView& x = ln.x;
   KILN_CHECK(x.device == Device::cuda && x.dtype == DType::bf16 && x.ndim() == 2 && x.contiguous(), op, " x ",
              x.str());
@@ -115,14 +115,14 @@ class CudaOps final : public Fp8Ops {
                                 pre.size(1) / 2, stream_);
   }
 
-  void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) override {
+  void quantize_layernorm(const ops::LayerNormOnLoad& ln, const Fp8TensorView& out, float* amax) override {
     const cuda::LayerNormOfDev d = layernorm_of(ln, "fp8 quantize_layernorm");
     check_outputs(ln.x, out, "fp8 quantize_layernorm");
     cuda::cast_transpose_layernorm(d, out.rowwise.as<std::uint8_t>(), out.colwise.as<std::uint8_t>(), out.format,
                                    out.scale, amax, ln.x.size(0), ln.x.size(1), stream_);
   }
 
-  void layernorm_stats(const ops::LayerNormOf& ln, float* amax) override {
+  void layernorm_stats(const ops::LayerNormOnLoad& ln, float* amax) override {
     const cuda::LayerNormOfDev d = layernorm_of(ln, "fp8 layernorm_stats");
     cuda::layernorm_stats(d, ln.mean.as<float>(), ln.rstd.as<float>(), amax, ln.x.size(0), ln.x.size(1), ln.eps,
                           stream_);

@@ -7,7 +7,7 @@ void CpuBackend::linear_forward(const LinearForward& a) {
   Timer timer(*this, "linear_forward");
   const LinearDims d = check_args(a, kTarget);
   const std::int64_t N = d.N, IC = d.IC, OC = d.OC;
-  const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *b = a.bias ? a.bias.as<float>() : nullptr;
+  const float *x = d.x.as<float>(), *w = a.weight.as<float>(), *b = a.bias ? a.bias.as<float>() : nullptr;
   float *out = a.out.as<float>(), *pre = a.pre_gelu ? a.pre_gelu.as<float>() : nullptr;
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
@@ -32,7 +32,7 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
   Timer timer(*this, "linear_backward");
   const LinearDims d = check_args(a, kTarget);
   const std::int64_t N = d.N, IC = d.IC, OC = d.OC;
-  const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>();
+  const float *x = d.x.as<float>(), *w = a.weight.as<float>(), *dout = d.dout.as<float>();
   if (a.dx) {
     float* dx = a.dx.as<float>();
     const float* pre = a.dx_gelu_pre ? a.dx_gelu_pre.as<float>() : nullptr;

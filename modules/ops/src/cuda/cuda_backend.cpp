@@ -307,7 +307,7 @@ void CudaBackend::linear_forward(const LinearForward& a) {
   g.M = i32(d.N);
   g.N = i32(d.OC);
   g.K = i32(d.IC);
-  g.A = dptr<bf16>(a.x);
+  g.A = dptr<bf16>(d.x);
   g.B = dptr<bf16>(a.weight);
   g.trans_b = true;  // out = x @ W^T
   g.D = a.out.data;
@@ -331,7 +331,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
     g.M = N;
     g.N = IC;
     g.K = OC;
-    g.A = dptr<bf16>(a.dout);
+    g.A = dptr<bf16>(d.dout);
     g.B = dptr<bf16>(a.weight);
     g.D = a.dx.data;
     if (a.dx_gelu_pre) {
@@ -344,16 +344,16 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   w.M = OC;
   w.N = IC;
   w.K = N;
-  w.A = dptr<bf16>(a.dout);
+  w.A = dptr<bf16>(d.dout);
   w.trans_a = true;
-  w.B = dptr<bf16>(a.x);
+  w.B = dptr<bf16>(d.x);
   w.D = a.dweight.data;
   w.d_f32 = true;
   w.accumulate = !a.dweight_overwrite;
   gemm_->run(w, stream_);
   if (a.dbias) {
     float* scratch = scratch_floats(cuda::bias_grad_scratch(N, OC));
-    cuda::bias_grad(dptr<float>(a.dbias), scratch, tickets(cuda::bias_grad_tickets(OC)), dptr<bf16>(a.dout), N, OC,
+    cuda::bias_grad(dptr<float>(a.dbias), scratch, tickets(cuda::bias_grad_tickets(OC)), dptr<bf16>(d.dout), N, OC,
                     stream_);
   }
 }

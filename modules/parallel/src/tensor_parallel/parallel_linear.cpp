@@ -32,9 +32,11 @@ void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::Linea
                                    const TensorView& x_local) const {
   ops::LinearForward f = a;
   if (tp_.sequence_parallel()) {
-    KILN_CHECK(a.x && x_local, "a column-parallel linear under sequence parallelism gathers its input: it needs "
-                               "this rank's rows and the tensor to gather them into (LinearForward::x)");
-    tp_.enter(a.x, x_local);
+    const TensorView full = ops::plain_tensor(a.x);
+    KILN_CHECK(full && x_local, "a column-parallel linear under sequence parallelism gathers its input: it needs "
+                                "this rank's rows and the tensor to gather them into (LinearForward::x), not a ",
+               ops::name_of(ops::prologue_of(a.x)), " prologue");
+    tp_.enter(full, x_local);
   } else if (x_local) {
     f.x = x_local;
   }
@@ -72,10 +74,14 @@ void RowParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearFo
 void RowParallelLinear::backward(const ops::LinearImpl& impl, const ops::LinearBackward& a,
                                  const TensorView& dout_local) const {
   ops::LinearBackward b = a;
-  if (tp_.sequence_parallel())
-    tp_.exit_backward(a.dout, dout_local);
-  else
+  if (tp_.sequence_parallel()) {
+    const TensorView full = ops::plain_tensor(a.dout);
+    KILN_CHECK(full, "a row-parallel linear under sequence parallelism gathers its output gradient into "
+                     "LinearBackward::dout: a tensor, not a prologue");
+    tp_.exit_backward(full, dout_local);
+  } else {
     b.dout = dout_local;
+  }
   impl.backward(b);
 }
 

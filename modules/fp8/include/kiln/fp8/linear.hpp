@@ -15,11 +15,11 @@
 // high-precision input (ops::LinearImpl::keeps_input; worth it where the model would otherwise keep
 // that input in bf16 only for this layer). The grad_output is quantised once in the backward pass
 // into both copies, with its amax and the bias gradient in the same pass, and with the dGELU too
-// when the caller hands in LinearBackward::dout_gelu_pre (ops::LinearImpl::fuses_dout_gelu).
-// Inputs computed on load: x_gelu_pre (the input is gelu of it), x_swiglu_pre (the input is the
-// SwiGLU of FC1's [gate | up] output) and x_ln (the input is a LayerNorm
-// output: the forward computes its statistics, then its values while quantising; the backward
-// recomputes the values from those statistics while quantising the colwise copy).
+// when the caller hands in the output gradient as ops::DgeluOnLoad.
+// It takes every prologue of ops/prologue.hpp: the input as GeluOnLoad (the input is gelu of the
+// pre-activation), SwigluOnLoad (the SwiGLU of FC1's [gate | up] output) or LayerNormOnLoad (a
+// LayerNorm output: the forward computes its statistics, then its values while quantising; the
+// backward recomputes the values from those statistics while quantising the colwise copy).
 //
 // Replays: a forward run again on the same input (activation recompute) is called with
 // `replay = true`: it quantises with the scale the original forward used (kept in the meta slot:
@@ -120,23 +120,22 @@ class Fp8Linear {
   const std::string& name() const { return name_; }
 
  private:
-  // What the layer computes from its given input while quantising it.
-  enum class OnLoad { none, gelu, layernorm, swiglu };
-  // The given input of a forward or backward (x, x_gelu_pre, x_ln.x or x_swiglu_pre) and the
-  // layer's input shape [N, IC].
+  // The tensor a forward's or backward's input is given as (the input itself, or what a prologue
+  // computes it from: the pre-activation, FC1's output, the LayerNorm's input) and the layer's
+  // input shape [N, IC].
   struct Input {
     TensorView x;
-    OnLoad on_load = OnLoad::none;
+    ops::Prologue prologue = ops::Prologue::plain;
+    const ops::LayerNormOnLoad* layernorm = nullptr;  // the prologue's statistics and parameters
     std::int64_t N = 0, IC = 0;
     std::string what;  // for errors
   };
-  Input input_of(const TensorView& x, const TensorView& gelu_pre, const ops::LayerNormOf& ln,
-                 const TensorView& swiglu_pre, const char* pass) const;
+  Input input_of(const ops::LinearInput& x, const char* pass) const;
   // quantize(), quantize_gelu() or quantize_swiglu() of a given input (not a LayerNorm's).
-  void quantize_input(const TensorView& x, OnLoad f, const Fp8TensorView& out, float* amax);
+  void quantize_input(const Input& in, const Fp8TensorView& out, float* amax);
   // Makes slot s's scale valid for quantising t (or act(gelu(t)), act(swiglu(t))); returns where the
   // quantisation records its amax (nullptr when the amax is already recorded or not wanted).
-  float* prepare_scale(const ScalingSlot& s, const TensorView& t, OnLoad f = OnLoad::none);
+  float* prepare_scale(const ScalingSlot& s, const TensorView& t, ops::Prologue f = ops::Prologue::plain);
   // The same with the tensor's amax measured by `amax` (max-accumulated into its argument), called
   // only where the scale needs it now.
   float* prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax);

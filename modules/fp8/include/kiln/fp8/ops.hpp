@@ -104,12 +104,12 @@ class Fp8Ops {
   // the values swiglu_forward would store, [rows, cols]), computed on load.
   virtual void quantize_swiglu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_swiglu(const TensorView& pre, float* amax) = 0;
-  // quantize() of the LayerNorm output ln describes (ops::LayerNormOf: the values layernorm_forward
+  // quantize() of the LayerNorm output ln describes (ops::LayerNormOnLoad: the values layernorm_forward
   // stores, from the forward's statistics), computed on load.
-  virtual void quantize_layernorm(const ops::LayerNormOf& ln, const Fp8TensorView& out, float* amax) = 0;
+  virtual void quantize_layernorm(const ops::LayerNormOnLoad& ln, const Fp8TensorView& out, float* amax) = 0;
   // The statistics of LayerNorm(ln.x) into ln.mean and ln.rstd, exactly as the backend's
   // layernorm_forward computes them, and, unless amax is null, max |output| max-accumulated into it.
-  virtual void layernorm_stats(const ops::LayerNormOf& ln, float* amax) = 0;
+  virtual void layernorm_stats(const ops::LayerNormOnLoad& ln, float* amax) = 0;
   virtual void quantize_grad(const GradQuantizeArgs& a) = 0;
   // dy := act(dy * gelu'(pre)) in place (the unfused dGELU; act tensors of the same shape).
   virtual void dgelu(const TensorView& dy, const TensorView& pre) = 0;

@@ -84,8 +84,6 @@ class OpArgs {
   bool optional(const char* arg, const TensorView& t, ArgDType dtype, std::initializer_list<Extent> shape);
   // A contiguous tensor of any shape holding `count` elements (when there are none, its data may be null).
   void elements(const char* arg, const TensorView& t, ArgDType dtype, Dim count);
-  // An argument this callee does not take: it must be left empty ("what" says who takes it).
-  void unused(const char* arg, bool given, const char* what);
   // Any other condition of the contract; the message follows "<op>: ".
   template <class... A>
   void check(bool ok, const A&... what) const {

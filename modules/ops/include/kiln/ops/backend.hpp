@@ -21,6 +21,7 @@
 
 #include <boost/describe/enum.hpp>
 
+#include "kiln/ops/prologue.hpp"
 #include "kiln/rng/philox.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/tensor.hpp"
@@ -84,39 +85,31 @@ struct LayerNormBackward {
 
 // y = x @ weight^T + bias; with pre_gelu given: pre_gelu = y and out = gelu(y), GELU with the tanh
 // approximation: 0.5 y (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3))).
-// A linear layer's input given as the LayerNorm of x: input[r, c] = act(layernorm_apply(x[r, c],
-// mean[r], rstd[r], weight[c], bias[c])) (formulas.hpp), the values layernorm_forward writes, for an
-// implementation that computes them where it reads its input (LinearImpl::takes_layernorm_input)
-// instead of the model writing them into a buffer. In a forward the implementation computes the
-// statistics too and writes them to mean and rstd, as layernorm_forward would; in a backward they
-// are the forward's.
-struct LayerNormOf {
-  TensorView x;       // [N, C] act
-  TensorView weight;  // [C] act
-  TensorView bias;    // [C] act
-  TensorView mean;    // [N] f32
-  TensorView rstd;    // [N] f32
-  float eps = 1e-5f;
-  explicit operator bool() const { return static_cast<bool>(x); }
-};
-
 struct LinearForward {
   TensorView out;       // [N, OC] act
   TensorView pre_gelu;  // [N, OC] act, optional
-  TensorView x;         // [N, IC] act
-  TensorView weight;    // [OC, IC] act
-  TensorView bias;      // [OC] act, optional
-  // [N, IC] act, optional, only for a LinearImpl with takes_gelu_input (the backends reject it): the
-  // input is gelu(x_gelu_pre) as gelu_forward would store it, computed on the fly; x is unused.
-  TensorView x_gelu_pre;
-  // Optional, only for a LinearImpl with takes_layernorm_input: the input is the LayerNorm of
-  // x_ln.x, whose statistics the layer writes (LayerNormOf); x is unused.
-  LayerNormOf x_ln;
-  // [N, 2 IC] act, optional, only for a LinearImpl with takes_swiglu_input (the backends reject it):
-  // the input is swiglu(x_swiglu_pre) as swiglu_forward would store it, computed on the fly; x is
-  // unused.
-  TensorView x_swiglu_pre;
+  // [N, IC] act; or, for a LinearImpl that takes it, a prologue the input is computed from
+  // (prologue.hpp: the backends take the tensor itself).
+  LinearInput x;
+  TensorView weight;  // [OC, IC] act
+  TensorView bias;    // [OC] act, optional
 };
+struct LinearBackward {
+  TensorView dx;       // [N, IC] act = dout @ weight; optional (skipped when empty)
+  TensorView dweight;  // [OC, IC] f32, accumulated: += dout^T @ x (written: = with dweight_overwrite)
+  TensorView dbias;    // [OC] f32, accumulated: += column sums of dout; optional
+  // [N, OC] act; or, for a LinearImpl that takes it, DgeluOnLoad (prologue.hpp).
+  OutputGrad dout;
+  // The forward's input, as it was given to the forward (an implementation that keeps its own copy
+  // of the input, LinearImpl::keeps_input, reads none of it).
+  LinearInput x;
+  TensorView weight;       // [OC, IC] act
+  TensorView dx_gelu_pre;  // [N, IC] act, optional: x was gelu(pre); then dx = (dout @ weight) * gelu'(pre)
+  // dweight = dout^T @ x instead of +=: the step's first contribution to a gradient nothing else
+  // adds to (nn::GradWrittenFirst), which then needs no zeroing and no read.
+  bool dweight_overwrite = false;
+};
+
 // out = gelu(x), elementwise (recomputes a GELU output in the backward pass instead of storing it).
 struct GeluForward {
   TensorView out;  // act, any shape
@@ -163,31 +156,6 @@ struct SwigluBackward {
   TensorView dx;    // [N, 2F] act (written; may not alias x)
   TensorView dout;  // [N, F] act
   TensorView x;     // [N, 2F] act (forward input)
-};
-
-struct LinearBackward {
-  TensorView dx;           // [N, IC] act = dout @ weight; optional (skipped when empty)
-  TensorView dweight;      // [OC, IC] f32, accumulated: += dout^T @ x (written: = with dweight_overwrite)
-  TensorView dbias;        // [OC] f32, accumulated: += column sums of dout; optional
-  TensorView dout;         // [N, OC] act
-  TensorView x;            // [N, IC] act
-  TensorView weight;       // [OC, IC] act
-  TensorView dx_gelu_pre;  // [N, IC] act, optional: x was gelu(pre); then dx = (dout @ weight) * gelu'(pre)
-  // [N, OC] act, optional, only for a LinearImpl with fuses_dout_gelu (the backends reject it): dout
-  // is the gradient with respect to gelu(dout_gelu_pre), so the layer's output gradient is
-  // dout * gelu'(dout_gelu_pre); the implementation computes it on the fly and may overwrite dout.
-  TensorView dout_gelu_pre;
-  // [N, IC] act, optional, as LinearForward::x_gelu_pre: the forward's input was gelu(x_gelu_pre).
-  TensorView x_gelu_pre;
-  // Optional, only for a LinearImpl with takes_layernorm_input: x is the LayerNorm of x_ln.x (and
-  // the model may leave x empty).
-  LayerNormOf x_ln;
-  // [N, 2 IC] act, optional, as LinearForward::x_swiglu_pre: the forward's input was
-  // swiglu(x_swiglu_pre) (and the model may leave x empty).
-  TensorView x_swiglu_pre;
-  // dweight = dout^T @ x instead of +=: the step's first contribution to a gradient nothing else
-  // adds to (nn::GradWrittenFirst), which then needs no zeroing and no read.
-  bool dweight_overwrite = false;
 };
 
 // Causal multi-head attention on the fused QKV projection, softmax(q k^T * scale) v, with dropout p

@@ -34,8 +34,9 @@ class ColumnParallelLinear {
 
   // a.out [N, local_out] = x [N, in] W^T (+ b). Under sequence parallelism x is a.x, first filled
   // with every rank's `x_local` rows ([N/tp, in]); without it x is `x_local` (a.x where that is
-  // empty). Both may be empty where the implementation computes its input itself
-  // (LinearForward::x_ln): then there is nothing to gather, which sequence parallelism does not allow.
+  // empty). Where a.x is a prologue (the implementation computes its input itself while loading it,
+  // ops::LayerNormOnLoad) `x_local` is empty: there is nothing to gather, which sequence parallelism
+  // does not allow.
   void forward(const ops::LinearImpl& impl, const ops::LinearForward& a, const TensorView& x_local) const;
   // The weight (and bias) gradients, and the input gradient: a.dx [N, in] is this rank's partial
   // sum, summed over the group into `dx_local` (this rank's rows, reduce-scatter) under sequence

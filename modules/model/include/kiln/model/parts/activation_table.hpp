@@ -1,0 +1,77 @@
+#pragma once
+// The model's activation memory, llm.c's one buffer carved into views: every part declares the
+// tensors it needs as rows of this table, and the table decides where each lives.
+//   saved             written by a block's forward, read by its backward: the block's own copy, or,
+//                     where the block's backward recomputes the stage that writes it (activation
+//                     checkpointing), one copy shared by every block that does.
+//   scratch           used within one pass, or refilled by the backward pass before it is read: one
+//                     copy shared by every block (rows of the same key are one tensor).
+//   backward scratch  used only by the blocks' backward passes: one copy per key, placed at the end
+//                     of a tensor that is dead meanwhile (the logits) where it fits.
+//   own               the model's own tensors (residual streams, logits, ...).
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kiln/model/arena.hpp"
+#include "kiln/nn/components.hpp"
+#include "kiln/ops/backend.hpp"
+
+namespace kiln::model {
+
+// The stages of a block's forward pass, as bits (see block.hpp).
+using StageSet = unsigned;
+
+class ActivationTable {
+ public:
+  // The rows one block (or the model) declares; `recomputed`: the stages its backward recomputes.
+  class Rows {
+   public:
+    void saved(TensorView& slot, const std::string& key, DType dtype, Shape shape, StageSet stage);
+    void scratch(TensorView& slot, const std::string& key, DType dtype, Shape shape);
+    void backward_scratch(TensorView& slot, const std::string& key, DType dtype, Shape shape);
+    void own(TensorView& slot, DType dtype, Shape shape);
+
+   private:
+    friend class ActivationTable;
+    Rows(ActivationTable& table, StageSet recomputed) : table_(table), recomputed_(recomputed) {}
+    ActivationTable& table_;
+    StageSet recomputed_;
+  };
+
+  Rows block(StageSet recomputed) { return Rows(*this, recomputed); }
+  Rows model() { return Rows(*this, 0); }
+
+  // Allocates every row but the backward scratch (slots must stay where they are until then).
+  void allocate(ops::Backend& be);
+  // Places the backward scratch at the end of `host` (allocated by this table, and dead while the
+  // blocks run their backward passes) when it fits there beside `borrow` bytes that the blocks'
+  // linears may use as scratch of their own, else allocates it apart. Returns the memory lent to the
+  // blocks: what `host` holds before the backward scratch (nn::BlockScratch).
+  nn::BlockScratch place_backward_scratch(ops::Backend& be, const TensorView& host, std::size_t borrow);
+  // Bytes of activation memory: the table's buffer, and the backward scratch where it has its own.
+  std::size_t bytes() const { return arena_.bytes() + (backward_apart_ ? backward_.bytes() : 0); }
+
+ private:
+  struct Slot {
+    TensorView* view;
+    DType dtype;
+    Shape shape;
+  };
+  // Rows of one key sharing one tensor of the largest row's bytes.
+  struct Shared {
+    std::vector<Slot> slots;
+    std::size_t bytes = 0;
+    TensorView memory;
+  };
+  static void add(std::map<std::string, Shared>& to, const std::string& key, const Slot& s);
+  static void request(Arena& arena, std::map<std::string, Shared>& rows);
+  static void point(std::map<std::string, Shared>& rows);
+
+  Arena arena_, backward_;
+  std::map<std::string, Shared> recomputed_, scratch_, backward_rows_;
+  bool backward_apart_ = false;
+};
+
+}  // namespace kiln::model

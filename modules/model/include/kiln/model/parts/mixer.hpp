@@ -1,0 +1,41 @@
+#pragma once
+// What sits between a sublayer's norm and its residual add: attention, or an MLP. It starts with a
+// column-parallel linear reading the norm's output and ends with a row-parallel linear whose output
+// is summed over the tensor-parallel group (Megatron's layout), so it runs in two stages: `in` (up to
+// the hidden activations) and `out` (the last linear); a recompute may run `in` alone.
+#include <cstdint>
+#include <string>
+
+#include "kiln/model/parts/activation_table.hpp"
+#include "kiln/model/parts/norm.hpp"
+#include "kiln/rng/tracker.hpp"
+
+namespace kiln::model {
+
+class Mixer {
+ public:
+  virtual ~Mixer() = default;
+  // The linear reading the norm's output (the norm's consumer).
+  virtual Entity input_linear() const = 0;
+  // Declares its saved activations (written in `stage`, the sublayer's `in`), scratch and backward
+  // scratch, once modules have attached their components. `key` names its rows.
+  virtual void declare(ActivationTable::Rows& rows, const std::string& key, StageSet stage) = 0;
+  // Draws the dropout masks of its own (attention probabilities) for a forward with dropout p: from
+  // the tracker where p > 0, none where p = 0 (the tracker may then be null).
+  virtual void draw(rng::RngStatesTracker* tracker, float p) { (void)tracker, (void)p; }
+  // Stage `in`: from the normalised input to the hidden activations, with dropout p.
+  virtual void forward_in(const NormOutput& x, float p) = 0;
+  // Stage `out`: the last linear, summed over the TP group into this rank's rows `out_local` [Nl, C].
+  virtual void forward_out(const TensorView& out_local) = 0;
+  // From this rank's rows of the output's gradient `dout_local` [Nl, C] to the gradient of the input
+  // (`x`: the norm's output as the forward read it), summed over TP into `dx_local` (or in place);
+  // returns this rank's rows of it. Parameter gradients are accumulated.
+  virtual TensorView backward(const TensorView& dout_local, const ops::LinearInput& x, const TensorView& dx_local,
+                              float p) = 0;
+  // The most scratch its linears may borrow in one call (nn::BlockScratch).
+  virtual std::size_t scratch_bytes() const = 0;
+  // Model FLOPs per trained token (forward and backward).
+  virtual double flops_per_token() const = 0;
+};
+
+}  // namespace kiln::model

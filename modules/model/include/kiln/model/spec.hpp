@@ -1,0 +1,54 @@
+#pragma once
+// What a model is made of, chosen once from the configuration (as Megatron-Core builds a
+// TransformerLayer from a layer spec): every block's norm, attention and MLP type with their
+// options, and the embedding's positions. This is the one place model.arch is read; the parts and
+// the model never ask which architecture they are in. A new architecture is a new spec here, a new
+// norm or MLP a new part type (docs/ARCHITECTURE.md: "Adding an architecture").
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kiln/model/config.hpp"
+#include "kiln/model/parts/attention.hpp"
+#include "kiln/model/parts/mlp.hpp"
+#include "kiln/model/parts/norm.hpp"
+#include "kiln/parallel/tensor_parallel.hpp"
+
+namespace kiln::model {
+
+enum class NormKind { layernorm, rmsnorm };
+enum class MlpKind { gelu, swiglu };
+enum class Positions { learned, rotary };
+
+struct ModelSpec {
+  NormKind norm = NormKind::layernorm;
+  Positions positions = Positions::learned;
+  AttentionOptions attention;  // rotary embeddings there with Positions::rotary
+  MlpKind mlp = MlpKind::gelu;
+  MlpOptions mlp_options;
+  bool tie_embeddings = true;
+
+  // The parts, registering their parameters through `b` (in the order they are made).
+  std::unique_ptr<Norm> make_norm(LayerBuilder& b, const std::string& name, Norm::Output output) const;
+  std::unique_ptr<Mixer> make_attention(LayerBuilder& b) const;
+  std::unique_ptr<Mixer> make_mlp(LayerBuilder& b) const;
+  // The norms' parameter names: "<stem><name>.weight" ("ln_1.weight", "norm_f.weight", ...).
+  const char* norm_stem() const;
+  // FC1's output rows per hidden feature: 1 (GELU), 2 (SwiGLU's gate and up).
+  int mlp_in_parts() const { return mlp == MlpKind::swiglu ? 2 : 1; }
+};
+
+// The spec of model.arch: gpt2 (LayerNorm, learned positions, multi-head attention, GELU MLP,
+// biases) or llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases).
+ModelSpec model_spec(const ModelConfig& cfg);
+
+// What the model splits over the tensor-parallel group, each dimension with the key that sets it:
+// the heads, the key/value heads, the MLP's hidden width, and (flags as parallel::ParallelState
+// resolves them) the tokens of a micro-batch under sequence parallelism and the padded vocabulary
+// under vocabulary parallelism. The model module checks them as config errors at install; the
+// model requires them again.
+std::vector<parallel::SplitDim> tensor_parallel_splits(const ModelConfig& cfg, std::int64_t tokens,
+                                                       bool sequence_parallel, bool vocab_parallel);
+
+}  // namespace kiln::model

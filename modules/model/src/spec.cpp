@@ -1,0 +1,70 @@
+// The one place model.arch becomes parts.
+#include "kiln/model/spec.hpp"
+
+#include <cmath>
+
+namespace kiln::model {
+
+ModelSpec model_spec(const ModelConfig& cfg) {
+  ModelSpec s;
+  // Residual projections scaled by 1/sqrt(2L): GPT-2's, and Megatron's output_layer_init_method for
+  // Llama (Hugging Face's Llama draws them with init_std like every other matrix).
+  const float proj_std = cfg.init_std / std::sqrt(2.0f * cfg.n_layer);
+  s.attention = {.heads = cfg.n_head, .kv_heads = cfg.kv_heads(), .bias = true, .rope = std::nullopt,
+                 .init_std = cfg.init_std, .proj_init_std = proj_std};
+  s.mlp_options = {.hidden = cfg.mlp_hidden(), .bias = true, .init_std = cfg.init_std, .proj_init_std = proj_std};
+  s.tie_embeddings = cfg.tie_embeddings;
+  switch (cfg.arch) {
+    case Arch::gpt2:
+      s.norm = NormKind::layernorm;
+      s.positions = Positions::learned;
+      s.mlp = MlpKind::gelu;
+      break;
+    case Arch::llama:
+      s.norm = NormKind::rmsnorm;
+      s.positions = Positions::rotary;
+      s.attention.rope = RotaryEmbedding{cfg.rope_theta};
+      s.attention.bias = false;
+      s.mlp = MlpKind::swiglu;
+      s.mlp_options.bias = false;
+      break;
+  }
+  return s;
+}
+
+std::unique_ptr<Norm> ModelSpec::make_norm(LayerBuilder& b, const std::string& name, Norm::Output output) const {
+  if (norm == NormKind::rmsnorm) return std::make_unique<RmsNorm>(b, name, output);
+  return std::make_unique<LayerNorm>(b, name, output);
+}
+
+std::unique_ptr<Mixer> ModelSpec::make_attention(LayerBuilder& b) const {
+  return std::make_unique<CausalSelfAttention>(b, attention);
+}
+
+std::unique_ptr<Mixer> ModelSpec::make_mlp(LayerBuilder& b) const {
+  if (mlp == MlpKind::swiglu) return std::make_unique<SwigluMlp>(b, mlp_options);
+  return std::make_unique<GeluMlp>(b, mlp_options);
+}
+
+const char* ModelSpec::norm_stem() const { return norm == NormKind::rmsnorm ? RmsNorm::kStem : LayerNorm::kStem; }
+
+std::vector<parallel::SplitDim> tensor_parallel_splits(const ModelConfig& cfg, std::int64_t tokens,
+                                                       bool sequence_parallel, bool vocab_parallel) {
+  // The heads split the attention (and with them the width: n_embd = n_head x head dim); the key
+  // and value heads, the MLP's hidden width; sequence parallelism the tokens; vocabulary
+  // parallelism the padded vocabulary.
+  std::vector<parallel::SplitDim> dims = {{cfg.n_head, "model.n_head", "attention heads"}};
+  if (cfg.n_kv_head > 0) dims.push_back({cfg.n_kv_head, "model.n_kv_head", "key/value heads"});
+  dims.push_back({cfg.mlp_hidden(), cfg.ffn_hidden > 0 ? "model.ffn_hidden" : "model.n_embd",
+                  "MLP hidden features (model.ffn_hidden, or its default from model.n_embd)"});
+  if (sequence_parallel)
+    dims.push_back({tokens, "parallel.sequence_parallel",
+                    "tokens of a micro-batch (train.micro_batch_size x train.seq_len)"});
+  if (vocab_parallel)
+    dims.push_back({cfg.padded_vocab(), "parallel.vocab_parallel",
+                    cat("vocabulary rows (model.vocab_size ", cfg.vocab_size, " padded to a multiple of model.vocab_multiple = ",
+                        cfg.vocab_multiple, ")")});
+  return dims;
+}
+
+}  // namespace kiln::model
