@@ -5,11 +5,13 @@
 #include <cmath>
 
 #include "kiln/core/error.hpp"
+#include "kiln/model/spec.hpp"
 
 namespace kiln::model {
 
 Generator::Generator(const ModelConfig& cfg, ops::Backend& backend, const WeightSource& weights)
     : cfg_(cfg),
+      spec_(model_spec(cfg)),
       be_(backend),
       C_(cfg.n_embd),
       H_(cfg.n_head),
@@ -22,25 +24,28 @@ Generator::Generator(const ModelConfig& cfg, ops::Backend& backend, const Weight
   KILN_CHECK(cfg.n_layer > 0 && H_ > 0 && C_ % H_ == 0 && Tmax_ > 0 && cfg.vocab_size > 0,
              "generator: invalid model config");
   const DType act = be_.act_dtype();
-  const bool llama = cfg.llama(), bias = !llama;
-  const std::int64_t C = C_, T = Tmax_, W = qkv_width(), F = F_, fc_rows = llama ? 2 * F : F;
+  const std::int64_t C = C_, T = Tmax_, W = qkv_width(), F = F_, fc_rows = spec_.mlp_in_parts() * F;
+  const bool norm_bias = spec_.norm == NormKind::layernorm, attn_bias = spec_.attention.bias,
+             mlp_bias = spec_.mlp_options.bias;
   weights_.request(&wte_, act, {Vp_, C});
-  if (!llama) weights_.request(&wpe_, act, {T, C});
+  if (spec_.positions == Positions::learned) weights_.request(&wpe_, act, {T, C});
   blocks_.resize(static_cast<std::size_t>(cfg.n_layer));
   for (Block& b : blocks_) {
     for (TensorView* v : {&b.ln1_w, &b.ln2_w}) weights_.request(v, act, {C});
-    if (bias)
-      for (TensorView* v : {&b.ln1_b, &b.proj_b, &b.ln2_b, &b.fcp_b}) weights_.request(v, act, {C});
+    if (norm_bias)
+      for (TensorView* v : {&b.ln1_b, &b.ln2_b}) weights_.request(v, act, {C});
     weights_.request(&b.qkv_w, act, {W, C});
-    if (bias) weights_.request(&b.qkv_b, act, {W});
+    if (attn_bias) weights_.request(&b.qkv_b, act, {W});
     weights_.request(&b.proj_w, act, {C, C});
+    if (attn_bias) weights_.request(&b.proj_b, act, {C});
     weights_.request(&b.fc_w, act, {fc_rows, C});
-    if (bias) weights_.request(&b.fc_b, act, {fc_rows});
+    if (mlp_bias) weights_.request(&b.fc_b, act, {fc_rows});
     weights_.request(&b.fcp_w, act, {C, F});
+    if (mlp_bias) weights_.request(&b.fcp_b, act, {C});
     acts_.request(&b.cache, act, {T, W});
   }
   weights_.request(&lnf_w_, act, {C});
-  if (bias) weights_.request(&lnf_b_, act, {C});
+  if (norm_bias) weights_.request(&lnf_b_, act, {C});
   if (!cfg.tie_embeddings) weights_.request(&head_w_, act, {Vp_, C});
   weights_.allocate(be_);
   if (cfg.tie_embeddings) head_w_ = wte_;
@@ -73,11 +78,12 @@ void Generator::upload(const WeightSource& weights) {
     be_.convert(dst, dev);
     be_.synchronize();  // before `host` and the staging buffer are reused
   };
-  // Llama has no position table, no biases, and RMSNorms named norm_*; an untied LM head.
+  // The training model's names (the parts'): a weight the spec does not have (a position table, a
+  // bias) was not requested above.
   auto put_if = [&](const std::string& name, const TensorView& dst) {
     if (dst) put(name, dst);
   };
-  const std::string norm = cfg_.llama() ? "norm_" : "ln_";
+  const std::string norm = spec_.norm_stem();
   put("wte", wte_);
   put_if("wpe", wpe_);
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
@@ -97,14 +103,14 @@ void Generator::upload(const WeightSource& weights) {
     put_if(p + "mlp.proj.bias", b.fcp_b);
   }
   put(norm + "f.weight", lnf_w_);
-  put_if("ln_f.bias", lnf_b_);
+  put_if(norm + "f.bias", lnf_b_);
   if (head_w_.data != wte_.data) put("lm_head.weight", head_w_);
 }
 
 std::int64_t Generator::qkv_width() const { return static_cast<std::int64_t>(H_ + 2 * K_) * D_; }
 
 void Generator::norm(const TensorView& out, const TensorView& x, const TensorView& w, const TensorView& b, int rows) {
-  if (cfg_.llama())
+  if (spec_.norm == NormKind::rmsnorm)
     be_.rmsnorm_forward({out, rstd_.rows(0, rows), x, w, cfg_.norm_eps});
   else
     be_.layernorm_forward({out, mean_.rows(0, rows), rstd_.rows(0, rows), x, w, b, cfg_.norm_eps});
@@ -130,21 +136,22 @@ void Generator::forward(std::span<const int> tokens) {
   const TensorView fc_pre = fc_pre_.rows(0, n), fc = fc_.rows(0, n);
   const TensorView lse = lse_.flat_slice(0, static_cast<std::int64_t>(H_) * n).reshape({1, H_, n});
   const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
-  const bool llama = cfg_.llama();
-  // The cache rows as attention reads them: [1, positions, H + 2K, D] (the same bytes as GPT-2's
-  // [1, positions, 3, H, D]); kv_heads 0 is multi-head attention.
-  const int kv_heads = llama ? K_ : 0;
+  // The cache rows as attention reads them: [1, positions, 3, H, D] for multi-head attention, else
+  // [1, positions, H + 2K, D] (the same bytes); kv_heads 0 is multi-head attention.
+  const int kv_heads = K_ == H_ ? 0 : K_;
   auto heads = [&](const TensorView& rows, std::int64_t positions) {
-    return llama ? rows.reshape({1, positions, H_ + 2 * K_, D_}) : rows.reshape({1, positions, 3, H_, D_});
+    return kv_heads ? rows.reshape({1, positions, H_ + 2 * K_, D_}) : rows.reshape({1, positions, 3, H_, D_});
   };
-  // GPT-2: wpe rows from `pos` (the op adds row n % T of the table it is given). Llama: rotary
-  // positions, applied to the new rows' query and key heads as the cache takes them.
-  be_.embedding_forward({x, tok, wte_, llama ? TensorView{} : wpe_.rows(pos, n), n, 0, 0, !llama});
+  // Learned positions: wpe rows from `pos` (the op adds row n % T of the table it is given). Rotary
+  // positions: applied to the new rows' query and key heads as the cache takes them.
+  const bool learned = spec_.positions == Positions::learned;
+  be_.embedding_forward({x, tok, wte_, learned ? wpe_.rows(pos, n) : TensorView{}, n, 0, 0, learned});
   for (const Block& b : blocks_) {
     norm(ln, x, b.ln1_w, b.ln1_b, n);
     const TensorView rows = b.cache.rows(pos, n);
     be_.linear_forward({rows, {}, ln, b.qkv_w, b.qkv_b});
-    if (llama) be_.rope({rows.reshape({1, n, H_ + 2 * K_, D_}), H_ + K_, cfg_.rope_theta, pos, false});
+    if (spec_.attention.rope)
+      be_.rope({rows.reshape({1, n, H_ + 2 * K_, D_}), H_ + K_, spec_.attention.rope->theta, pos, false});
     if (pos == 0) {
       ops::AttentionForward a{atty.reshape({1, n, H_, D_}), lse, heads(b.cache.rows(0, n), n), scale};
       a.kv_heads = kv_heads;
@@ -157,10 +164,10 @@ void Generator::forward(std::span<const int> tokens) {
     be_.linear_forward({tmp, {}, atty, b.proj_w, b.proj_b});
     be_.residual_forward({x, x, tmp});
     norm(ln, x, b.ln2_w, b.ln2_b, n);
-    if (llama) {
-      be_.linear_forward({fc_pre, {}, ln, b.fc_w, {}});
+    if (spec_.mlp == MlpKind::swiglu) {  // FC1 writes [gate | up]
+      be_.linear_forward({fc_pre, {}, ln, b.fc_w, b.fc_b});
       be_.swiglu_forward({fc, fc_pre});
-    } else {
+    } else {  // the GELU in FC1's epilogue, as the training model's FC1 writes it
       be_.linear_forward({fc, fc_pre, ln, b.fc_w, b.fc_b});
     }
     be_.linear_forward({tmp, {}, fc, b.fcp_w, b.fcp_b});

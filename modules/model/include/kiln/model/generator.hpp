@@ -1,13 +1,14 @@
 #pragma once
-// Autoregressive generation from GPT-2 or Llama weights (model.arch) with a KV cache. An inference
-// class apart from the training model (GptModel keeps only what training needs): the same forward
-// pass (GPT-2: LayerNorm, learned positions, tanh GELU, biases; Llama: RMSNorm, rotary positions,
-// SwiGLU, grouped-query attention; 1/sqrt(D) attention scale, pre-norm residuals, tied or untied LM
-// head) through the same backend ops, on one sequence.
+// Autoregressive generation with a KV cache from the weights of a model the spec of model.arch
+// describes (spec.hpp: GPT-2's or Llama's parts). An inference class apart from the training model
+// (GptModel keeps only what training needs): the same forward pass (the spec's norm, positions,
+// attention with its key/value heads, MLP and biases; 1/sqrt(D) attention scale, pre-norm
+// residuals, tied or untied LM head) through the same backend ops, on one sequence.
 //
 // The KV cache of each block is its fused QKV projection for every position, [max_seq_len, H + 2K,
-// D] (the layout attention_forward reads; [max_seq_len, 3, H, D] for GPT-2), rotated by RoPE as it
-// is written for Llama: the QKV linear writes each new position's row into it, a prompt is
+// D] (the layout attention_forward reads; [max_seq_len, 3, H, D] with as many key/value heads as
+// query heads), rotated by RoPE as it is written where the spec has rotary positions: the QKV linear
+// writes each new position's row into it, a prompt is
 // prefilled by the causal attention_forward over its rows, and each later token attends over the
 // cache with attention_decode. The cached q rows cost more memory than K and V alone, and save
 // every copy.
@@ -20,6 +21,7 @@
 #include "kiln/model/arena.hpp"
 #include "kiln/model/config.hpp"
 #include "kiln/model/sampling.hpp"
+#include "kiln/model/spec.hpp"
 #include "kiln/ops/backend.hpp"
 
 namespace kiln::model {
@@ -69,6 +71,7 @@ class Generator {
   void norm(const TensorView& out, const TensorView& x, const TensorView& w, const TensorView& b, int rows);
 
   ModelConfig cfg_;
+  ModelSpec spec_;
   ops::Backend& be_;
   int C_, H_, K_, D_, F_, Vp_, Tmax_;
   int length_ = 0;
@@ -81,7 +84,7 @@ class Generator {
   TensorView x_, ln_, atty_, tmp_;  // [Tmax, C]: residual stream, LayerNorm output, attention output, linear output
   TensorView mean_, rstd_;      // [Tmax] f32
   TensorView lse_;              // [H * Tmax] f32 (attention_forward's statistic, unused here)
-  TensorView fc_pre_, fc_;      // [Tmax, F] (Llama's fc_pre: [Tmax, 2F], gate and up)
+  TensorView fc_pre_, fc_;      // [Tmax, F]; fc_pre [Tmax, 2F] for SwiGLU (gate and up)
   TensorView logits_, logits_f32_;  // [logit_rows, Vp]
   std::vector<std::int32_t> host_tokens_;
 };
