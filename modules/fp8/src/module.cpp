@@ -87,7 +87,7 @@ void quantize_weight_parts(World& w) {
     parts.push_back(p);
   }
   if (agree) {
-    auto& ranks = *w.resource<parallel::Communicators>().held_parts;
+    auto& ranks = parallel::held_parts(w);
     const TensorView amaxes = st.recipe.kind == RecipeKind::current ? st.meta->amaxes_now() : st.meta->amaxes();
     if (ranks.size() > 1)
       ranks.all_reduce(amaxes, parallel::ReduceOp::max,

@@ -60,8 +60,8 @@ void install(World& w, const ModelConfig& cfg) {
   // What the model splits over the tensor-parallel group, before any rank allocates anything.
   const int tp = par.tp_size();
   for (const auto& problem : parallel::check_splits(
-           tp, tensor_parallel_splits(cfg, ts.micro_batch_size * tc.seq_len, par.sequence_parallel && tp > 1,
-                                      par.vocab_parallel && tp > 1)))
+           tp, tensor_parallel_splits(cfg, ts.micro_batch_size * tc.seq_len, par.sequence_parallel_applies(),
+                                      par.vocab_parallel_applies())))
     throw config_error(w, problem.key, problem.message);
   if (cfg.llama() && !cfg.init_from.empty())
     throw config_error(w, "model.init_from", "reads Hugging Face GPT-2 weights: it needs model.arch = \"gpt2\"");

@@ -69,8 +69,8 @@ std::vector<TensorView> gradient_views(const nn::ParamStore& store, const std::v
 // The squared norm of the whole (logical) gradient. A rank holds shards of some parameters under
 // tensor parallelism and full copies of the others, and under FSDP its part of each unit: the
 // squares are summed over the ranks that together hold one copy of the parameters
-// (Communicators::param_shards), the TP-replicated parameters counted once (each TP rank adds 1/tp
-// of theirs).
+// (parallel::param_shards), the TP-replicated parameters counted once (each TP rank adds 1/tp of
+// theirs).
 double global_sum_squares(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
   const auto& comms = w.resource<parallel::Communicators>();
@@ -83,9 +83,10 @@ double global_sum_squares(World& w, ops::Backend& be) {
     const std::vector<double> each = be.sum_squares_each(gradient_views(store, parts));
     for (std::size_t i = 0; i < parts.size(); ++i) local += parts[i].param->shard.sharded() ? each[i] : each[i] / tp;
   }
-  if (comms.param_shards->size() == 1) return local;
+  auto& shards = parallel::param_shards(w);
+  if (shards.size() == 1) return local;
   float v = static_cast<float>(local);
-  comms.param_shards->all_reduce(TensorView(&v, {1}, DType::f32, Device::cpu), parallel::ReduceOp::sum, nullptr);
+  shards.all_reduce(TensorView(&v, {1}, DType::f32, Device::cpu), parallel::ReduceOp::sum, nullptr);
   return v;
 }
 

@@ -7,6 +7,7 @@
 #include "kiln/nn/events.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/parallel/grad_buckets.hpp"
+#include "kiln/train/layout.hpp"
 
 #ifdef KILN_WITH_CUDA
 #include "kiln/parallel/nccl.hpp"
@@ -33,7 +34,7 @@ void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
 // Phase::setup): one bucket run per group of consecutive units. Null without buckets.
 DpGradSync* dp_buckets(World& w) {
   auto& st = w.resource<DpGradState>();
-  if (st.sync || st.bucket_mb <= 0 || st.replaced) return st.sync.get();
+  if (st.sync || st.bucket_mb <= 0 || w.try_resource<ShardedParameters>()) return st.sync.get();
   const auto* store = w.try_resource<nn::ParamStore>();
   if (!store || !store->laid_out()) return nullptr;
   std::vector<UnitSpan> spans;
@@ -55,7 +56,11 @@ void install(World& w, const ParallelConfig& cfg) {
       throw config_error(w, cfg.dp > 0 ? "parallel.dp" : "parallel.tp", cat(e.what(), " (", r.world_size, " ranks)"));
     }
   }();
-  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, topo.coords(r.rank), cfg.sequence_parallel, cfg.vocab_parallel});
+  const Coords at = topo.coords(r.rank);
+  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, at, cfg.sequence_parallel, cfg.vocab_parallel});
+  const Sizes n = topo.sizes();
+  w.emplace_resource<train::ParallelLayout>(
+      train::ParallelLayout{n.world(), n.tp, n.cp, n.ep, n.dp, n.pp, at.tp, at.cp, at.ep, at.dp, at.pp});
 
   auto& comms = w.emplace_resource<Communicators>();
   // Every rank creates its groups in the same order (NCCL splits are collective over the world).
@@ -66,9 +71,7 @@ void install(World& w, const ParallelConfig& cfg) {
   comms.tp = make("tp", {Axis::tp});
   comms.dp = make("dp", {Axis::dp});
   comms.tp_dp = make("tp_dp", {Axis::tp, Axis::dp});
-  comms.param_shards = comms.tp.get();
   comms.self = make_self_communicator("self", r.rank);
-  comms.held_parts = comms.self.get();
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
   if (auto* launch = w.try_resource<LaunchContext>(); launch && launch->nccl)
@@ -112,7 +115,7 @@ void install(World& w, const ParallelConfig& cfg) {
                      auto& c = world.resource<Communicators>();
                      const auto* store = world.try_resource<nn::ParamStore>();
                      // One rank, no parameters, or a module that reduces them itself (fsdp).
-                     if (c.dp->size() == 1 || !store || world.resource<DpGradState>().replaced) return;
+                     if (c.dp->size() == 1 || !store || world.try_resource<ShardedParameters>()) return;
                      if (auto* sync = dp_buckets(world)) {
                        sync->finish();
                        return;
@@ -135,6 +138,16 @@ std::unique_ptr<Communicator> make_group(World& w, const std::string& name, int 
   if (!launch || !launch->hub)
     KILN_THROW("rank ", r.rank, ": a ", members.size(), "-rank '", name, "' group needs a launcher (kiln run --nproc N)");
   return launch->hub->communicator(name, members, r.rank);
+}
+
+Communicator& param_shards(World& w) {
+  if (const auto* s = w.try_resource<ShardedParameters>()) return *s->param_shards;
+  return *w.resource<Communicators>().tp;
+}
+
+Communicator& held_parts(World& w) {
+  if (const auto* s = w.try_resource<ShardedParameters>()) return *s->held_parts;
+  return *w.resource<Communicators>().self;
 }
 
 TensorParallel tensor_parallel(World& w, ops::Backend& backend) {

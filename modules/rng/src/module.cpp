@@ -4,7 +4,7 @@
 #include <iostream>
 
 #include "kiln/engine/engine_module.hpp"
-#include "kiln/parallel/module.hpp"
+#include "kiln/train/layout.hpp"
 #include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
@@ -57,11 +57,15 @@ void save_states(World& w, RngStatesTracker& tracker) {
 void register_module(ModuleRegistry& registry) {
   registry.add(make_module<RngConfig>("rng", "named, forkable Philox RNG states with rank-aware seeds",
                                       {"train", "parallel"}, [](World& w, const RngConfig& cfg) {
-                                        const auto& c = w.resource<parallel::ParallelState>().coords;
+                                        // This rank's coordinates (the parallel module's layout; one
+                                        // rank's without it).
+                                        const auto* l = w.try_resource<train::ParallelLayout>();
+                                        const RankCoords at = l ? RankCoords{.tp = l->tp_rank, .ep = l->ep_rank,
+                                                                             .pp = l->pp_rank}
+                                                                : RankCoords{};
                                         auto& tracker = w.emplace_resource<RngStatesTracker>(
                                             make_tracker(cfg.seed_policy, cfg.layout_invariant,
-                                                         w.resource<train::TrainConfig>().seed,
-                                                         RankCoords{.tp = c.tp, .ep = c.ep, .pp = c.pp}));
+                                                         w.resource<train::TrainConfig>().seed, at));
                                         save_states(w, tracker);
                                       }));
 }

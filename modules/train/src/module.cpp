@@ -1,5 +1,5 @@
 #include "kiln/engine/engine_module.hpp"
-#include "kiln/parallel/module.hpp"
+#include "kiln/train/layout.hpp"
 #include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
@@ -7,8 +7,10 @@ namespace kiln::train {
 
 namespace {
 void install(World& w, const TrainConfig& cfg) {
-  const auto& par = w.resource<parallel::ParallelState>();
-  const std::int64_t dp = par.dp_size();
+  // The parallel module (installed first) says how many data-parallel ranks split the batch; a World
+  // without one is a single rank.
+  const auto* layout = w.try_resource<ParallelLayout>();
+  const std::int64_t dp = layout ? layout->dp : 1;
   if (cfg.batch_size % dp != 0)
     throw config_error(w, "train.batch_size", cat(cfg.batch_size, " is not divisible by the ", dp, " data-parallel ranks"));
   const std::int64_t per_rank = cfg.batch_size / dp;
@@ -20,7 +22,7 @@ void install(World& w, const TrainConfig& cfg) {
   st.micro_batch_size = static_cast<int>(mbs);
   st.micro_batches = static_cast<int>(per_rank / mbs);
   st.tokens_per_step = cfg.batch_size * cfg.seq_len;
-  st.ranks = par.topology.world();
+  st.ranks = layout ? layout->world : 1;
   auto& saved = w.emplace_resource<TrainingState>();
   saved.counters.push_back({"train.tokens_seen", [&st] { return st.tokens_seen; },
                             [&st](std::int64_t v) { st.tokens_seen = v; }});
@@ -57,6 +59,7 @@ void install(World& w, const TrainConfig& cfg) {
 }  // namespace
 
 void register_module(ModuleRegistry& registry) {
+  // "parallel" installs first (it emplaces the ParallelLayout); nothing of it is linked.
   registry.add(make_module<TrainConfig>("train", "the training loop: steps, batch sizes, sequence length, master seed",
                                         {"parallel"}, install));
 }

@@ -94,9 +94,9 @@ void install(World& w, const FsdpConfig& cfg) {
     replica = st.own_replica.get();
     param_shards = st.own_param_shards.get();
   }
-  comms.param_shards = param_shards;
-  comms.held_parts = shard;
-  w.resource<DpGradState>().replaced = true;  // the gradients are reduce-scattered here instead
+  // The gradients are reduce-scattered here instead of all-reduced: the parallel module stands
+  // aside, and sums over the parameters run over these groups.
+  w.emplace_resource<ShardedParameters>(ShardedParameters{"fsdp", param_shards, shard});
 
   // The parameter store holds this rank's part of every unit from its layout on.
   auto& store = w.resource<nn::ParamStore>();

@@ -51,15 +51,20 @@ KILN_CONFIG(ParallelConfig,
              "communication stream as soon as the backward pass has finished its layers, overlapping the rest of "
              "the backward pass; 0: one all-reduce of all gradients after the backward pass"))
 
-// World resource: the topology and this rank's coordinates.
+// World resource: the topology and this rank's coordinates. (The same numbers, for modules that need
+// nothing else of this module: train::ParallelLayout, which the module emplaces too.)
 struct ParallelState {
   Topology topology;
   int rank = 0;
   Coords coords;
-  bool sequence_parallel = false;
-  bool vocab_parallel = false;
+  bool sequence_parallel = false;  // parallel.sequence_parallel as configured
+  bool vocab_parallel = false;     // parallel.vocab_parallel as configured
   int tp_size() const { return topology.sizes().tp; }
   int dp_size() const { return topology.sizes().dp; }
+  // Whether they apply: only with more than one tensor-parallel rank (the one place this is decided;
+  // kiln::tensor_parallel's layers decide the same for their group).
+  bool sequence_parallel_applies() const { return sequence_parallel && tp_size() > 1; }
+  bool vocab_parallel_applies() const { return vocab_parallel && tp_size() > 1; }
 };
 
 class NcclWorld;
@@ -80,23 +85,35 @@ struct DpGradState {
   double bucket_mb = 0;
   std::shared_ptr<DpGradSync> sync;
   Subscription on_backward;
-  // The fsdp module reduces the gradients itself (reduce-scatter to the shards): no DP all-reduce.
-  bool replaced = false;
 };
 
 // World resource: this rank's communicators, one per kind of group.
 struct Communicators {
   std::unique_ptr<Communicator> world, tp, dp, tp_dp;
-  // The ranks among which one copy of the parameters is split, each holding a different part (sums
-  // over all parameters, such as the gradient norm, are taken over them): the TP group, or TP x the
-  // FSDP shard group when the fsdp module shards the parameters (it points this at its own).
-  Communicator* param_shards = nullptr;
-  // The ranks among which each of this rank's parameters is split, each holding another part of
-  // it (a module making a part's values from a statistic of the whole tensor agrees on it over
-  // them): a group of this rank alone, or the FSDP shard group (the fsdp module points this at it).
-  Communicator* held_parts = nullptr;
   std::unique_ptr<Communicator> self;  // this rank alone
 };
+
+// World resource a module that shards the parameters over data-parallel ranks emplaces at install
+// (fsdp), announcing that it reduces the gradients itself (reduce-scatter to the shards): the
+// parallel module's data-parallel all-reduce then stands aside. Its groups are where sums over the
+// parameters run (the module owns them; they outlive the World's use of them).
+struct ShardedParameters {
+  std::string owner;  // the module, for messages
+  // The ranks among which one copy of the parameters is split, each holding a different part: TP x
+  // the shard group.
+  Communicator* param_shards = nullptr;
+  // The ranks among which each of this rank's parameters is split: the shard group.
+  Communicator* held_parts = nullptr;
+};
+
+// The ranks among which one copy of the parameters is split, each holding a different part (sums
+// over all parameters, such as the gradient norm, are taken over them): the TP group, or the groups
+// of ShardedParameters where a module shards them.
+Communicator& param_shards(World& w);
+// The ranks among which each of this rank's parameters is split, each holding another part of it
+// (a module making a part's values from a statistic of the whole tensor agrees on it over them):
+// this rank alone, or the shard group of ShardedParameters.
+Communicator& held_parts(World& w);
 
 // This rank's communicator of the group `members` (global ranks, ascending; this rank among them),
 // one of the groups `color` numbers (each group its own color). Collective over the world: every
