@@ -151,7 +151,7 @@ inline void check_finite_differences(const std::string& toml, const std::vector<
     model.forward(batch, 0, true, &tracker);
     return model.mean_loss(1);
   };
-  for (Entity e : store.order) {
+  for (Entity e : store.order()) {
     const auto& prm = w.get<nn::Param>(e);
     double gmax = 1e-7;
     for (std::int64_t i = 0; i < prm.numel; ++i) gmax = std::max(gmax, std::fabs(double(grads[prm.offset + i])));

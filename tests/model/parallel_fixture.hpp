@@ -46,7 +46,7 @@ inline void write_held(World& w, const nn::ParamStore& store, const TensorView& 
   std::vector<float> host(static_cast<std::size_t>(device_flat.numel()));
   const TensorView flat(host.data(), device_flat.shape, DType::f32, Device::cpu);
   w.resource<ops::ActiveBackend>().get().copy(flat, device_flat);
-  for (Entity e : store.order) {
+  for (Entity e : store.order()) {
     const auto& p = w.get<nn::Param>(e);
     auto& full = out[p.name];
     full.resize(static_cast<std::size_t>(p.global_shape.numel()));

@@ -64,7 +64,7 @@ struct TrainedTiny {
     auto& store = world.resource<nn::ParamStore>();
     std::mt19937 gen(99);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (Entity e : store.order) {
+    for (Entity e : store.order()) {
       const auto& p = world.get<nn::Param>(e);
       const bool norm = p.name.find("ln_") != std::string::npos || p.name.find("norm_") != std::string::npos;
       float* v = store.master_view(p).as<float>();

@@ -143,7 +143,7 @@ TEST_CASE("parameters are entities with layout, decay and unit components") {
   store.lay_out(w);  // what "params.allocate" does first in Phase::setup
   std::int64_t prev_end = 0;
   int linears = 0;
-  for (Entity e : store.order) {
+  for (Entity e : store.order()) {
     const auto& prm = w.get<nn::Param>(e);
     CHECK(prm.offset % nn::kParamAlign == 0);
     CHECK(prm.offset >= prev_end);
@@ -151,7 +151,7 @@ TEST_CASE("parameters are entities with layout, decay and unit components") {
     const bool is_matrix = prm.shape.ndim == 2;
     CHECK(prm.weight_decay == is_matrix);
   }
-  CHECK(prev_end <= store.total);
+  CHECK(prev_end <= store.total());
   for (Entity e : w.view<nn::Linear>()) {
     (void)e;
     ++linears;
@@ -159,5 +159,5 @@ TEST_CASE("parameters are entities with layout, decay and unit components") {
   CHECK(linears == 2 * 4 + 1);
   CHECK(w.view<nn::Layer>().size() == 4);  // embeddings, 2 blocks, final norm
   // Padded vocabulary: 40 -> 128.
-  CHECK(w.get<nn::Param>(store.order[0]).shape == Shape{128, 16});
+  CHECK(w.get<nn::Param>(store.order()[0]).shape == Shape{128, 16});
 }

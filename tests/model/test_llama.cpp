@@ -71,7 +71,7 @@ TEST_CASE("llama: parameters are the architecture's, with no biases, no position
   p.world->systems().run(Phase::setup, *p.world);
   std::map<std::string, Shape> shapes;
   auto& w = *p.world;
-  for (Entity e : w.resource<nn::ParamStore>().order) shapes[w.get<nn::Param>(e).name] = w.get<nn::Param>(e).global_shape;
+  for (Entity e : w.resource<nn::ParamStore>().order()) shapes[w.get<nn::Param>(e).name] = w.get<nn::Param>(e).global_shape;
   CHECK(shapes.size() == 3 + 6 * 2);  // wte, norm_f, lm_head; per block 2 norms and 4 matrices
   CHECK(shapes.count("wpe") == 0);
   CHECK(shapes.at("wte") == Shape{128, 32});  // 96 padded to 128

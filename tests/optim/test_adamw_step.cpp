@@ -18,7 +18,7 @@ const test::ToyModelConfig& model_of(World& w) { return w.resource<test::ToyMode
 std::int64_t steps_of(World& w) { return w.resource<train::TrainConfig>().steps; }
 
 const nn::Param& param(World& w, std::size_t index) {
-  return w.get<nn::Param>(w.resource<nn::ParamStore>().order[index]);
+  return w.get<nn::Param>(w.resource<nn::ParamStore>().order()[index]);
 }
 
 // Element-by-element equality of a parameter's weights and moments with the reference.
@@ -29,8 +29,8 @@ void check_equals_reference(World& w, std::size_t index, const test::AdamWRefere
   CAPTURE(p.name);
   const auto master = test::to_vector(store.master_view(p));
   const auto compute = test::to_vector(store.compute_view(p));
-  const auto m = test::to_vector(nn::ParamStore::view_in(st.m.view(DType::f32, {store.total}), p));
-  const auto v = test::to_vector(nn::ParamStore::view_in(st.v.view(DType::f32, {store.total}), p));
+  const auto m = test::to_vector(nn::ParamStore::view_in(st.m.view(DType::f32, {store.total()}), p));
+  const auto v = test::to_vector(nn::ParamStore::view_in(st.v.view(DType::f32, {store.total()}), p));
   REQUIRE(master.size() == ref.p.size());
   int differing = 0;
   for (std::size_t k = 0; k < ref.p.size(); ++k)
@@ -66,12 +66,12 @@ TEST_CASE("the alignment padding between parameters is never updated") {
   const auto& store = w->resource<nn::ParamStore>();
   const float* master = store.master_flat().as<float>();
   std::int64_t at = 0, padding = 0;
-  for (Entity e : store.order) {
+  for (Entity e : store.order()) {
     const auto& p = w->get<nn::Param>(e);
     for (; at < p.offset; ++at, ++padding) REQUIRE(master[at] == 0.0f);
     at = p.offset + p.numel;
   }
-  for (; at < store.total; ++at, ++padding) REQUIRE(master[at] == 0.0f);
+  for (; at < store.total(); ++at, ++padding) REQUIRE(master[at] == 0.0f);
   CHECK(padding > 0);
 }
 
@@ -137,7 +137,7 @@ TEST_CASE("parameters marked UpdatedBy are left alone by the optimizer") {
   REQUIRE(proj.name == "proj.weight");
   CHECK(test::to_vector(store.master_view(proj)) == initial_weights(*w, 2));
   CHECK(test::to_vector(store.compute_view(proj)) == initial_weights(*w, 2));
-  const auto m = test::to_vector(nn::ParamStore::view_in(st.m.view(DType::f32, {store.total}), proj));
+  const auto m = test::to_vector(nn::ParamStore::view_in(st.m.view(DType::f32, {store.total()}), proj));
   CHECK(m == std::vector<float>(m.size(), 0.0f));
   for (std::size_t i : {0u, 1u, 3u, 4u})
     check_equals_reference(*w, i, test::adamw_reference(model_of(*w), oc, steps_of(*w), i, {1, 1, 1}));
@@ -164,7 +164,7 @@ TEST_CASE("each step publishes AdamWStep with that step's hyperparameters and th
     CHECK(e.grad_scale == 1.0f);
     CHECK(e.m.data == st.m.data());
     CHECK(e.v.data == st.v.data());
-    CHECK(e.m.shape == Shape{store.total});
+    CHECK(e.m.shape == Shape{store.total()});
     CHECK(e.v.dtype == DType::f32);
   }
   CHECK(events[0].lr < events[1].lr);  // warm-up

@@ -29,7 +29,7 @@ std::vector<RankResult> run_ranks(int nproc, std::vector<std::string> sets) {
     RankResult r;
     r.grad_norm = w.resource<train::TrainState>().grad_norm;
     const auto& store = w.resource<nn::ParamStore>();
-    for (Entity e : store.order) {
+    for (Entity e : store.order()) {
       const auto& p = w.get<nn::Param>(e);
       r.weights[p.name] = test::to_vector(store.master_view(p));
       r.shards[p.name] = p.shard;

@@ -113,10 +113,14 @@ inline void install_toy_model(World& w, const ToyModelConfig& cfg) {
                      auto& store = world.resource<nn::ParamStore>();
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      store.lay_out(world);
-                     store.allocate(be);
+                     const auto n = static_cast<std::size_t>(store.held());
+                     store.allocate({be.alloc(n * 4), be.alloc(n * size_of(be.act_dtype())), be.alloc(n * 4),
+                                     be.act_dtype(), be.stream()});
+                     be.zero(store.master_flat());
+                     be.zero(store.grads_flat());
                      be.zero(store.compute_flat());
-                     for (std::size_t i = 0; i < store.order.size(); ++i) {
-                       const auto& p = world.get<nn::Param>(store.order[i]);
+                     for (std::size_t i = 0; i < store.order().size(); ++i) {
+                       const auto& p = world.get<nn::Param>(store.order()[i]);
                        const auto init =
                            local_part(p.shard, p.global_shape, toy_values(seed, i, 0, p.global_shape.numel()));
                        std::copy(init.begin(), init.end(), store.master_view(p).as<float>());
@@ -126,8 +130,8 @@ inline void install_toy_model(World& w, const ToyModelConfig& cfg) {
   w.systems().add({"model.backward", Phase::backward, [cfg](World& world) {
                      const auto step = world.resource<RunControl>().step;
                      auto& store = world.resource<nn::ParamStore>();
-                     for (std::size_t i = 0; i < store.order.size(); ++i) {
-                       const auto& p = world.get<nn::Param>(store.order[i]);
+                     for (std::size_t i = 0; i < store.order().size(); ++i) {
+                       const auto& p = world.get<nn::Param>(store.order()[i]);
                        auto g = local_part(p.shard, p.global_shape, toy_values(cfg.seed, i, step, p.global_shape.numel()));
                        float* out = store.grad_view(p).as<float>();
                        for (std::size_t k = 0; k < g.size(); ++k) out[k] = static_cast<float>(g[k] * cfg.grad_gain);

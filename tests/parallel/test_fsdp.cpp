@@ -169,7 +169,7 @@ TEST_CASE("each rank holds 1/N of the parameters, gradients and optimizer state,
       const auto& opt = w.resource<optim::OptimState>();
       const auto* mem = w.try_resource<parallel::FsdpMemory>();
       std::lock_guard lk(m);
-      out.push_back({store.master.bytes(), store.grads.bytes(), opt.m.bytes() + opt.v.bytes(),
+      out.push_back({store.master_flat().bytes(), store.grads_flat().bytes(), opt.m.bytes() + opt.v.bytes(),
                      mem ? *mem : parallel::FsdpMemory{}});
     });
     for (auto& o : outcomes) REQUIRE(o.ok);

@@ -161,7 +161,7 @@ void GptModel::backward(const train::Batch& batch) {
 void GptModel::initialise(rng::RngStatesTracker& tracker) {
   auto& store = ctx_.world.resource<nn::ParamStore>();
   const TensorView master = store.master_flat();
-  for (Entity e : store.order) {
+  for (Entity e : store.order()) {
     const auto& p = ctx_.world.get<nn::Param>(e);
     // One draw of the whole logical tensor from the default state, on every rank: element i of the
     // logical tensor is Philox element i of the draw, whatever part of it this rank holds (its
@@ -184,7 +184,7 @@ void GptModel::initialise(rng::RngStatesTracker& tracker) {
 
 std::int64_t GptModel::parameter_count() const {
   std::int64_t n = 0;
-  for (Entity e : ctx_.world.resource<nn::ParamStore>().order) n += ctx_.world.get<nn::Param>(e).numel;
+  for (Entity e : ctx_.world.resource<nn::ParamStore>().order()) n += ctx_.world.get<nn::Param>(e).numel;
   return n;
 }
 

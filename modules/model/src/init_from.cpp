@@ -16,10 +16,10 @@ void load_initial_weights(World& w, const ModelConfig& cfg, const std::string& p
   auto& store = w.resource<nn::ParamStore>();
   auto& be = w.resource<ops::ActiveBackend>().get();
   // The held master weights in host memory first (padding zero), then one copy.
-  Buffer staging = be.alloc_host(static_cast<std::size_t>(store.held) * 4);
+  Buffer staging = be.alloc_host(static_cast<std::size_t>(store.held()) * 4);
   std::memset(staging.data(), 0, staging.bytes());
   float* held = static_cast<float*>(staging.data());
-  for (Entity e : store.order) {
+  for (Entity e : store.order()) {
     const auto& p = w.get<nn::Param>(e);
     const auto it = weights.find(p.name);
     if (it == weights.end()) KILN_FILE_ERROR(path, ": no tensor for kiln's parameter '", p.name, "'");
@@ -31,7 +31,7 @@ void load_initial_weights(World& w, const ModelConfig& cfg, const std::string& p
       });
     });
   }
-  be.copy(store.master_flat(), staging.view(DType::f32, {store.held}));
+  be.copy(store.master_flat(), staging.view(DType::f32, {store.held()}));
   be.convert(store.compute_flat(), store.master_flat());
   be.synchronize();
   w.events().publish(nn::ParamsLoaded{0});

@@ -32,11 +32,11 @@ void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::
   float* run = nullptr;
   std::int64_t n = 0;
   auto flush = [&] {
-    if (n > 0) be.zero(TensorView(run, {n}, DType::f32, store.grads.device()));
+    if (n > 0) be.zero(TensorView(run, {n}, DType::f32, store.device()));
     n = 0;
   };
   for (std::size_t u = 0; u < ranges.size(); ++u) {
-    auto* base = static_cast<float*>(store.unit_grads[u]);
+    auto* base = static_cast<float*>(store.unit_grads(u));
     if (!base) continue;
     for (const auto& r : ranges[u]) {
       if (n > 0 && run + n == base + r.begin) {
@@ -49,6 +49,15 @@ void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::
     }
   }
   flush();
+}
+
+// The parameter store's held buffers on the backend: master and gradients zeroed (padding stays zero).
+nn::HeldBuffers held_buffers(ops::Backend& be, std::int64_t held) {
+  const auto n = static_cast<std::size_t>(held);
+  nn::HeldBuffers b{be.alloc(n * 4), be.alloc(n * size_of(be.act_dtype())), be.alloc(n * 4), be.act_dtype(), be.stream()};
+  be.zero(b.master.view(DType::f32, {held}));
+  be.zero(b.grads.view(DType::f32, {held}));
+  return b;
 }
 
 void install(World& w, const ModelConfig& cfg) {
@@ -89,7 +98,7 @@ void install(World& w, const ModelConfig& cfg) {
   w.systems().add({"params.allocate", Phase::setup, [](World& world) {
                      auto& store = world.resource<nn::ParamStore>();
                      store.lay_out(world);
-                     store.allocate(world.resource<ops::ActiveBackend>().get());
+                     store.allocate(held_buffers(world.resource<ops::ActiveBackend>().get(), store.held()));
                    }});
   w.systems().add({"model.init", Phase::setup, [](World& world) {
                      auto& m = world.resource<GptModel>();

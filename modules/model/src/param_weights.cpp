@@ -10,9 +10,9 @@ namespace kiln::model {
 WeightSource param_store_weights(World& world) {
   return [&world](const std::string& name) {
     const auto& store = world.resource<nn::ParamStore>();
-    KILN_CHECK(!store.sharded(), "reading weight '", name, "': the parameters are sharded over ", store.shards,
+    KILN_CHECK(!store.sharded(), "reading weight '", name, "': the parameters are sharded over ", store.shards(),
                " ranks (FSDP); gather them first");
-    for (Entity e : store.order) {
+    for (Entity e : store.order()) {
       const auto& p = world.get<nn::Param>(e);
       if (p.name != name) continue;
       KILN_CHECK(p.shape == p.global_shape, "reading weight '", name, "': this rank holds a tensor-parallel shard ",

@@ -35,7 +35,7 @@ struct HeldGradient {
 std::vector<HeldGradient> held_parts(World& w) {
   const auto& store = w.resource<nn::ParamStore>();
   std::vector<HeldGradient> out;
-  for (Entity e : store.order) {
+  for (Entity e : store.order()) {
     const auto& p = w.get<nn::Param>(e);
     store.for_each_held(p, [&](const nn::HeldPart& part) { out.push_back({&p, part, !w.has<nn::UpdatedBy>(e)}); });
   }
@@ -54,7 +54,7 @@ std::vector<ops::AdamWSegment> segments(World& w) {
     out.push_back({h.part.held, h.part.count, h.param->weight_decay, h.updated_here});
     at = h.part.held + h.part.count;
   }
-  if (store.held > at) out.push_back({at, store.held - at, false});
+  if (store.held() > at) out.push_back({at, store.held() - at, false});
   return out;
 }
 
@@ -109,7 +109,7 @@ void install(World& w, const OptimConfig& cfg) {
   // What a checkpoint saves: the moments (laid out like the held parameters) and the step count
   // (the bias corrections).
   auto& saved = w.resource<train::TrainingState>();
-  const auto held = [&w] { return w.resource<nn::ParamStore>().held; };
+  const auto held = [&w] { return w.resource<nn::ParamStore>().held(); };
   saved.held.push_back({"optimizer/exp_avg", [&state, held] { return state.m.view(DType::f32, {held()}); }});
   saved.held.push_back({"optimizer/exp_avg_sq", [&state, held] { return state.v.view(DType::f32, {held()}); }});
   saved.counters.push_back({"optimizer.steps", [&state] { return state.steps_taken; },
@@ -120,10 +120,10 @@ void install(World& w, const OptimConfig& cfg) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      const auto& store = world.resource<nn::ParamStore>();
                      auto& st = world.resource<OptimState>();
-                     st.m = be.alloc(static_cast<std::size_t>(store.held) * 4);
-                     st.v = be.alloc(static_cast<std::size_t>(store.held) * 4);
-                     be.zero(st.m.view(DType::f32, {store.held}));
-                     be.zero(st.v.view(DType::f32, {store.held}));
+                     st.m = be.alloc(static_cast<std::size_t>(store.held()) * 4);
+                     st.v = be.alloc(static_cast<std::size_t>(store.held()) * 4);
+                     be.zero(st.m.view(DType::f32, {store.held()}));
+                     be.zero(st.v.view(DType::f32, {store.held()}));
                    },
                    {"params.allocate"}});
 
@@ -141,8 +141,8 @@ void install(World& w, const OptimConfig& cfg) {
                      a.params = store.master_flat();
                      a.params_act = store.compute_flat();
                      a.grads = store.grads_flat();
-                     a.m = st.m.view(DType::f32, {store.held});
-                     a.v = st.v.view(DType::f32, {store.held});
+                     a.m = st.m.view(DType::f32, {store.held()});
+                     a.v = st.v.view(DType::f32, {store.held()});
                      // At the first step, once every module has said which parameters it updates
                      // itself (nn::UpdatedBy, during install or setup).
                      if (st.segments.empty()) st.segments = segments(world);

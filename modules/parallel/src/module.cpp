@@ -39,10 +39,10 @@ DpGradSync* dp_buckets(World& w) {
   if (!store || !store->laid_out()) return nullptr;
   std::vector<UnitSpan> spans;
   for (int u = 0; u < store->num_units(); ++u)
-    if (store->units[u].size() > 0) spans.push_back({u, store->units[u].begin, store->units[u].end});
+    if (store->unit(u).size() > 0) spans.push_back({u, store->unit(u).begin, store->unit(u).end});
   const auto elems = static_cast<std::int64_t>(st.bucket_mb * 1e6 / 4);
   st.sync = std::make_shared<DpGradSync>(*w.resource<Communicators>().dp, store->grads_flat(),
-                                         plan_buckets(spans, elems), store->stream);
+                                         plan_buckets(spans, elems), store->stream());
   return st.sync.get();
 }
 
@@ -88,12 +88,12 @@ void install(World& w, const ParallelConfig& cfg) {
                      auto& c = world.resource<Communicators>();
                      const auto* store = world.try_resource<nn::ParamStore>();
                      if (c.tp->size() == 1 || !store) return;  // no parameters: nothing to reduce
-                     for (Entity e : store->order) {
+                     for (Entity e : store->order()) {
                        const auto& p = world.get<nn::Param>(e);
                        if (!p.tp_partial_grad) continue;
                        store->for_each_held(p, [&](const nn::HeldPart& part) {
                          c.tp->all_reduce(nn::ParamStore::held_view(store->grads_flat(), part), ReduceOp::sum,
-                                          store->stream);
+                                          store->stream());
                        });
                      }
                    },
@@ -120,7 +120,7 @@ void install(World& w, const ParallelConfig& cfg) {
                        sync->finish();
                        return;
                      }
-                     c.dp->all_reduce(store->grads_flat(), ReduceOp::sum, store->stream);
+                     c.dp->all_reduce(store->grads_flat(), ReduceOp::sum, store->stream());
                    }});
 }
 

@@ -18,7 +18,7 @@ std::vector<HeldTensor> held_tensors(World& w, const std::vector<std::string>& f
   std::vector<HeldTensor> out;
   std::vector<bool> tp_writes;
   for (int f = 0; f < static_cast<int>(families.size()); ++f)
-    for (Entity e : store.order) {
+    for (Entity e : store.order()) {
       const auto& p = w.get<nn::Param>(e);
       store.for_each_held(p, [&](const nn::HeldPart& part) {
         HeldTensor t{families[static_cast<std::size_t>(f)] + "/" + p.name, dims(p.global_shape), f, part.held,
@@ -30,7 +30,7 @@ std::vector<HeldTensor> held_tensors(World& w, const std::vector<std::string>& f
   // The ranks differing from this one only in their replica index (dp / shards) hold the same
   // parts: each part goes to the replica with the fewest bytes so far, biggest parts first. Every
   // replica computes the same assignment.
-  const int replicas = par.dp_size() / store.shards, replica = par.coords.dp / store.shards;
+  const int replicas = par.dp_size() / store.shards(), replica = par.coords.dp / store.shards();
   std::vector<std::size_t> order(out.size());
   std::iota(order.begin(), order.end(), 0);
   auto bytes = [&](std::size_t i) {

@@ -44,13 +44,13 @@ std::function<void()> prepare(World& w, const std::string& dir) {
     views.push_back(h.view);
   }
   // The held buffers as they will be, padding zero, in host memory first.
-  const std::size_t per = static_cast<std::size_t>(store.held) * 4;
+  const std::size_t per = static_cast<std::size_t>(store.held()) * 4;
   auto staging = std::make_shared<Buffer>(be.alloc_host(per * names.size()));
   std::memset(staging->data(), 0, per * names.size());
   float* base = static_cast<float*>(staging->data());
   for (auto& t : held_tensors(w, names)) {
     const TensorEntry& entry = reader.tensor(t.name, t.shape);
-    for (auto& p : t.pieces) reader.read(entry, p.piece, base + t.family * store.held + t.held_at(p));
+    for (auto& p : t.pieces) reader.read(entry, p.piece, base + t.family * store.held() + t.held_at(p));
   }
 
   std::vector<std::pair<const train::TrainingState::Counter*, std::int64_t>> counters;
@@ -88,7 +88,7 @@ std::function<void()> prepare(World& w, const std::string& dir) {
 
   return [&w, &be, &store, staging, views, per, counters, blobs = std::move(blobs), step = m.step] {
     for (std::size_t f = 0; f < views.size(); ++f)
-      be.copy(views[f](), staging->view(DType::f32, {store.held}, f * per));
+      be.copy(views[f](), staging->view(DType::f32, {store.held()}, f * per));
     be.convert(store.compute_flat(), store.master_flat());
     for (auto& [c, v] : counters) c->set(v);
     for (auto& apply : blobs) apply();

@@ -45,7 +45,7 @@ Saver::~Saver() {
 
 double Saver::reserve() {
   const double t0 = now_s();
-  const std::size_t need = static_cast<std::size_t>(w_.resource<nn::ParamStore>().held) * 4 * held_families(w_).size();
+  const std::size_t need = static_cast<std::size_t>(w_.resource<nn::ParamStore>().held()) * 4 * held_families(w_).size();
   if (staging_.bytes() < need) {
     staging_ = Buffer();
     staging_ = w_.resource<ops::ActiveBackend>().get().alloc_host(need);
@@ -57,10 +57,10 @@ void Saver::stage() {
   auto& be = w_.resource<ops::ActiveBackend>().get();
   const auto& store = w_.resource<nn::ParamStore>();
   const auto families = held_families(w_);
-  const std::size_t per = static_cast<std::size_t>(store.held) * 4;
+  const std::size_t per = static_cast<std::size_t>(store.held()) * 4;
   reserve();
   for (std::size_t f = 0; f < families.size(); ++f)
-    be.copy(staging_.view(DType::f32, {store.held}, f * per), families[f].second);
+    be.copy(staging_.view(DType::f32, {store.held()}, f * per), families[f].second);
   be.synchronize();
 }
 
@@ -94,7 +94,7 @@ void Saver::start(std::int64_t step) {
   const float* base = static_cast<const float*>(staging_.data());
   for (auto& t : held_tensors(w_, names)) {
     if (!t.writes) continue;
-    for (auto& p : t.pieces) file.add_piece(t.name, t.shape, p.piece, base + t.family * store.held + t.held_at(p));
+    for (auto& p : t.pieces) file.add_piece(t.name, t.shape, p.piece, base + t.family * store.held() + t.held_at(p));
   }
   auto& ts = w_.resource<train::TrainingState>();
   for (auto& b : ts.blobs) file.add_blob(b.name, b.save());

@@ -14,7 +14,7 @@ std::map<std::string, std::int64_t> topology_of(World& w) {
           {"pp", s.pp},
           {"cp", s.cp},
           {"ep", s.ep},
-          {"fsdp_shards", w.resource<nn::ParamStore>().shards},
+          {"fsdp_shards", w.resource<nn::ParamStore>().shards()},
           {"sequence_parallel", par.sequence_parallel},
           {"vocab_parallel", par.vocab_parallel}};
 }

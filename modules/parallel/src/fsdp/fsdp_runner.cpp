@@ -16,13 +16,13 @@ Runner::~Runner() {
   if (comm_) comm_mark_.record(comm_), comm_mark_.synchronize();
 }
 
-TensorView Runner::held(const Buffer& b, DType t, int unit) const {
-  return b.view(t, {store_.held_count(unit)}, static_cast<std::size_t>(store_.held_offset(unit)) * size_of(t));
+TensorView Runner::held_grads(int unit) const {
+  return store_.grads_flat().flat_slice(store_.held_offset(unit), store_.held_count(unit));
 }
 
 void Runner::setup() {
-  KILN_CHECK(store_.sharded() && store_.shards == shard_.size() && store_.shard == shard_.rank(),
-             "fsdp: the parameter store is split in ", store_.shards, " parts, part ", store_.shard,
+  KILN_CHECK(store_.sharded() && store_.shards() == shard_.size() && store_.shard() == shard_.rank(),
+             "fsdp: the parameter store is split in ", store_.shards(), " parts, part ", store_.shard(),
              " here, but the shard group has ", shard_.size(), " ranks, this one ", shard_.rank());
   units_ = store_.num_units();
   compute_ = be_.stream();
@@ -30,7 +30,7 @@ void Runner::setup() {
   comm_ = side_ ? side_->stream() : nullptr;
   reduce_dtype_ = cfg_.reduce_dtype == FsdpDType::bf16 ? DType::bf16 : DType::f32;
   const auto U = static_cast<std::size_t>(units_);
-  auto size = [&](int u) { return store_.units[static_cast<std::size_t>(u)].size(); };
+  auto size = [&](int u) { return store_.unit(u).size(); };
 
   // Which unit reads which units' weights: its own, and those its linears' parameters belong to
   // (a tied LM head reads the embeddings' unit).
@@ -106,13 +106,11 @@ void Runner::setup() {
   }
   grad_slot_of_.assign(U, -1);
   readers_left_.assign(U, 0);
-  store_.unit_compute.assign(U, nullptr);
-  store_.unit_grads.assign(U, nullptr);
 }
 
 FsdpMemory Runner::memory() const {
-  const std::size_t act = size_of(store_.act);
-  const auto held = static_cast<std::size_t>(store_.held), total = static_cast<std::size_t>(store_.total);
+  const std::size_t act = size_of(store_.act());
+  const auto held = static_cast<std::size_t>(store_.held()), total = static_cast<std::size_t>(store_.total());
   FsdpMemory m;
   m.params = held * (4 + act);
   m.grads = held * 4 + grad_buffer_bytes_;
@@ -121,7 +119,7 @@ FsdpMemory Runner::memory() const {
   m.params_unsharded = total * (4 + act);
   m.grads_unsharded = total * 4;
   m.optimizer_unsharded = total * 8;
-  m.shards = store_.shards;
+  m.shards = store_.shards();
   return m;
 }
 
@@ -144,7 +142,7 @@ Runner::Slot* Runner::gather(int unit, bool required) {
       return nullptr;
     }
   }
-  if (s->unit >= 0 && s->unit != unit) store_.unit_compute[static_cast<std::size_t>(s->unit)] = nullptr;
+  if (s->unit >= 0 && s->unit != unit) store_.place_unit_compute(s->unit, nullptr);
   s->unit = unit;
   s->version = version_;
   s->in_use = true;
@@ -164,11 +162,11 @@ Runner::Slot* Runner::gather(int unit, bool required) {
 }
 
 void Runner::use(int unit) {
-  if (store_.units[static_cast<std::size_t>(unit)].size() == 0) return;
+  if (store_.unit(unit).size() == 0) return;
   Slot* s = gather(unit, true);
   s->in_use = true;
   s->gathered.wait(compute_);
-  store_.unit_compute[static_cast<std::size_t>(unit)] = s->memory.data();
+  store_.place_unit_compute(unit, s->memory.data());
 }
 
 void Runner::release(int unit) {
@@ -179,7 +177,7 @@ void Runner::prefetch(int from, int step) {
   for (int k = 1; k <= cfg_.prefetch; ++k) {
     const int v = from + k * step;
     if (v < 0 || v >= units_) return;
-    if (store_.units[static_cast<std::size_t>(v)].size() == 0) continue;
+    if (store_.unit(v).size() == 0) continue;
     if (!gather(v, false)) return;
   }
 }
@@ -194,7 +192,7 @@ void Runner::forward_end(int unit) {
 }
 
 void Runner::assign_grads(int unit) {
-  if (store_.units[static_cast<std::size_t>(unit)].size() == 0 || grad_slot_of_[unit] >= 0) return;
+  if (store_.unit(unit).size() == 0 || grad_slot_of_[unit] >= 0) return;
   int g = own_grad_[unit];
   for (std::size_t i = grad_pool_begin_; i < grad_slots_.size() && g < 0; ++i)
     if (grad_slots_[i].unit < 0) g = static_cast<int>(i);
@@ -206,7 +204,7 @@ void Runner::assign_grads(int unit) {
   readers_left_[unit] = readers_[unit];
   // A fresh micro-batch's buffer: the first micro-batch writes the gradients their linears write
   // first (nn::GradWrittenFirst), the others add to them.
-  const std::int64_t n = store_.units[static_cast<std::size_t>(unit)].size();
+  const std::int64_t n = store_.unit(unit).size();
   auto* base = static_cast<float*>(slot.memory.data());
   const Device dev = slot.memory.device();
   if (w_.resource<RunControl>().micro_batch == 0) {
@@ -215,7 +213,7 @@ void Runner::assign_grads(int unit) {
   } else {
     be_.zero(TensorView(base, {n}, DType::f32, dev));
   }
-  store_.unit_grads[static_cast<std::size_t>(unit)] = base;
+  store_.place_unit_grads(unit, base);
 }
 
 void Runner::backward_begin(int unit) {
@@ -228,7 +226,7 @@ void Runner::backward_begin(int unit) {
 
 void Runner::backward_end(int unit) {
   for (int v : uses_[static_cast<std::size_t>(unit)]) {
-    if (store_.units[static_cast<std::size_t>(v)].size() == 0) continue;
+    if (store_.unit(v).size() == 0) continue;
     KILN_CHECK(readers_left_[v] > 0, "fsdp: layer unit ", v, "'s gradients reduced twice in one micro-batch");
     if (--readers_left_[v] > 0) continue;
     reduce(v);
@@ -239,7 +237,7 @@ void Runner::backward_end(int unit) {
 
 void Runner::reduce(int unit) {
   GradSlot& g = grad_slots_[static_cast<std::size_t>(grad_slot_of_[unit])];
-  const std::int64_t n = store_.units[static_cast<std::size_t>(unit)].size();
+  const std::int64_t n = store_.unit(unit).size();
   const bool first = w_.resource<RunControl>().micro_batch == 0;
   TensorView in = g.memory.view(DType::f32, {n});
   if (reduce_dtype_ == DType::bf16) {
@@ -252,7 +250,7 @@ void Runner::reduce(int unit) {
   TensorView out;
   Partial* partial = nullptr;
   if (first && reduce_dtype_ == DType::f32) {
-    out = held(store_.grads, DType::f32, unit);
+    out = held_grads(unit);
   } else {
     add_pending();
     partial = &partials_[next_partial_];
@@ -264,14 +262,14 @@ void Runner::reduce(int unit) {
   compute_mark_.record(compute_);
   compute_mark_.wait(comm_);
   // Group by group: a rank's part of the unit is its part of each group, one after the other.
-  const std::int64_t S = store_.shards, first_element = store_.units[static_cast<std::size_t>(unit)].begin;
+  const std::int64_t S = store_.shards(), first_element = store_.unit(unit).begin;
   for (const nn::UnitGroup& grp : store_.groups(unit)) {
     const std::int64_t at = grp.begin - first_element;
     shard_.reduce_scatter(out.flat_slice(at / S, grp.count / S), in.flat_slice(at, grp.count), ReduceOp::sum, comm_);
   }
   g.reduced.record(comm_);
   if (partial) partial->ready.record(comm_);
-  store_.unit_grads[static_cast<std::size_t>(unit)] = nullptr;
+  store_.place_unit_grads(unit, nullptr);
   grad_slot_of_[unit] = -1;
   g.unit = -1;
 }
@@ -281,7 +279,7 @@ void Runner::add_pending() {
     if (p.unit < 0) continue;
     p.ready.wait(compute_);
     const std::int64_t n = store_.held_count(p.unit);
-    const TensorView dst = held(store_.grads, DType::f32, p.unit);
+    const TensorView dst = held_grads(p.unit);
     TensorView src = p.memory.view(reduce_dtype_, {n});
     if (reduce_dtype_ == DType::bf16) {
       const TensorView wide = partial_f32_.view(DType::f32, {n});

@@ -69,7 +69,7 @@ class Runner {
   void assign_grads(int unit);
   void reduce(int unit);
   void add_pending();       // the pending partial sum into the held gradients (compute stream)
-  TensorView held(const Buffer& b, DType t, int unit) const;  // unit's held part of a held buffer
+  TensorView held_grads(int unit) const;  // the unit's part of the held gradients
 
   World& w_;
   FsdpConfig cfg_;

@@ -100,8 +100,7 @@ void install(World& w, const FsdpConfig& cfg) {
 
   // The parameter store holds this rank's part of every unit from its layout on.
   auto& store = w.resource<nn::ParamStore>();
-  store.shards = S;
-  store.shard = i;
+  store.shard_over(S, i);
   st.runner = std::make_unique<fsdp::Runner>(w, cfg, *shard, replica, be);
 
   w.systems().add({"fsdp.setup", Phase::setup,

@@ -1,19 +1,22 @@
 #pragma once
-// The parameters' flat buffers. A model registers its parameters (add); in Phase::setup the system
-// "params.allocate" (the model module's) lays them out (lay_out) and allocates what this rank holds.
+// The parameters' flat buffers, a World resource the model creates. The model registers its
+// parameters (add); in Phase::setup the system "params.allocate" (the model module's) lays them out
+// (lay_out) and hands the store what this rank holds (allocate). The methods say who may change
+// what: the model its parameters and buffers, a sharding module (fsdp) the split and where each
+// unit's whole weights and gradients live; everyone else reads.
 //
 // The layout: the parameters unit by unit in ascending layer unit (creation order within a unit),
 // each at a multiple of kParamAlign elements; each unit's range padded to a multiple of
-// kParamAlign * shards. A module that shards the parameters (fsdp) sets `shards` and `shard`
-// before "params.allocate": then this rank holds part `shard` of every unit's range, the parts laid
-// end to end in the held buffers (unit u's part at held offset units[u].begin / shards). Unsharded,
-// the held buffers are the whole layout.
+// kParamAlign * shards. A module that shards the parameters (fsdp) calls shard_over before
+// "params.allocate": then this rank holds part `shard` of every unit's range, the parts laid end to
+// end in the held buffers (unit u's part at held offset unit(u).begin / shards). Unsharded, the held
+// buffers are the whole layout.
 //
 // Held buffers: the f32 master weights, the compute copy (act dtype; the optimizer writes it with
 // the master) and the f32 gradients (the step's reduced gradient). Where each unit's whole compute
-// weights and gradient accumulation live at a moment (unit_compute, unit_grads) is set by whoever
-// provides them: the held buffers themselves when unsharded (point_units_at_held), gathered and
-// per-micro-batch buffers under FSDP. The model reads weights and accumulates gradients through
+// weights and gradient accumulation live at a moment is set by whoever provides them: the held
+// buffers themselves when unsharded (allocate), gathered and per-micro-batch buffers under FSDP
+// (place_unit_compute, place_unit_grads). The model reads weights and accumulates gradients through
 // compute_view / grad_view and so never knows which.
 #include <algorithm>
 #include <cstdint>
@@ -21,7 +24,6 @@
 
 #include "kiln/engine/world.hpp"
 #include "kiln/nn/components.hpp"
-#include "kiln/ops/backend.hpp"
 #include "kiln/tensor/buffer.hpp"
 
 namespace kiln::nn {
@@ -53,56 +55,73 @@ struct HeldPart {
   std::int64_t first = 0, count = 0, held = 0;
 };
 
-struct ParamStore {
-  std::vector<Entity> order;  // parameters in creation order (initialisation draws follow it)
-  int shards = 1, shard = 0;  // this rank holds part `shard` of `shards` of every unit
-  // ---- set by lay_out() ----
-  std::int64_t total = 0;       // elements of the layout, padding included
-  std::int64_t held = 0;        // elements this rank holds: total / shards
-  std::vector<UnitRange> units;  // by layer unit
-  // ---- the held buffers (`held` elements each) ----
-  Buffer master;   // f32
-  Buffer compute;  // act dtype
-  Buffer grads;    // f32
+// The held buffers of a store, each held() elements: the f32 master weights, the compute copy (act
+// dtype), the f32 gradients; made on the model's backend, master and gradients zeroed (padding
+// stays zero).
+struct HeldBuffers {
+  Buffer master, compute, grads;
   DType act = DType::f32;
   void* stream = nullptr;  // the compute stream (cudaStream_t) that writes them; collectives use it
-  // Where each unit's whole compute weights / gradient accumulation are now: the address of the
-  // unit's first layout element (null: not materialised on this rank now).
-  std::vector<void*> unit_compute, unit_grads;
+};
 
+class ParamStore {
+ public:
+  // ---- the model, which owns the parameters ----
   // Registers a parameter as an entity named p.name (offset set later, by lay_out).
   Entity add(World& w, Param p);
-  // Sets every registered parameter's offset, `units`, `total` and `held`; allocates nothing.
+  // Sets every registered parameter's offset, the units, total() and held(); allocates nothing.
   void lay_out(World& w);
-  bool laid_out() const { return !units.empty() || order.empty(); }
-  bool sharded() const { return shards > 1; }
-  int num_units() const { return static_cast<int>(units.size()); }
+  // Takes the held buffers (held() elements each) and, when unsharded, points every unit's compute
+  // and gradient location at them.
+  void allocate(HeldBuffers buffers);
+
+  // ---- a module that shards the parameters (fsdp), at install, before lay_out ----
+  // This rank holds part `shard` of `shards` of every unit.
+  void shard_over(int shards, int shard);
+
+  // ---- whoever materialises a unit's whole compute weights and gradient accumulation: fsdp in a
+  // sharded store (its gathered and per-micro-batch buffers), allocate() in an unsharded one ----
+  // The address of the unit's first layout element, or null (not on this rank now).
+  void place_unit_compute(int unit, void* at);
+  void place_unit_grads(int unit, void* at);
+
+  // ---- everyone reads ----
+  const std::vector<Entity>& order() const { return order_; }  // creation order (initialisation draws follow it)
+  int shards() const { return shards_; }
+  int shard() const { return shard_; }
+  bool sharded() const { return shards_ > 1; }
+  bool laid_out() const { return !units_.empty() || order_.empty(); }
+  std::int64_t total() const { return total_; }  // elements of the layout, padding included
+  std::int64_t held() const { return held_; }    // elements this rank holds: total() / shards()
+  const std::vector<UnitRange>& units() const { return units_; }  // by layer unit
+  const UnitRange& unit(int u) const { return units_.at(static_cast<std::size_t>(u)); }
+  int num_units() const { return static_cast<int>(units_.size()); }
+  DType act() const { return act_; }
+  void* stream() const { return stream_; }
+  Device device() const { return master_.device(); }
+  // Where unit u's gradient accumulation is now (null: not on this rank now).
+  void* unit_grads(int u) const { return unit_grads_.at(static_cast<std::size_t>(u)); }
   // Unit u's part held here: held_count elements from held_offset of the held buffers (its groups'
   // parts, one after the other).
-  std::int64_t held_count(int u) const { return units[u].size() / shards; }
-  std::int64_t held_offset(int u) const { return units[u].begin / shards; }
+  std::int64_t held_count(int u) const { return unit(u).size() / shards_; }
+  std::int64_t held_offset(int u) const { return unit(u).begin / shards_; }
   // Unit u's groups (none, one or two), bytes first; and the bytes of its compute image.
   std::vector<UnitGroup> groups(int u) const;
   std::size_t image_bytes(int u) const;
-  // Allocates the held buffers on `be` (master and gradients zeroed: padding stays zero) and, when
-  // unsharded, points every unit's compute and gradient location at them.
-  void allocate(ops::Backend& be);
-  // Points every unit's compute and gradient location at the held buffers (unsharded stores).
-  void point_units_at_held();
 
-  TensorView master_flat() const { return master.view(DType::f32, {held}); }
-  TensorView compute_flat() const { return compute.view(act, {held}); }
-  TensorView grads_flat() const { return grads.view(DType::f32, {held}); }
+  TensorView master_flat() const { return master_.view(DType::f32, {held_}); }
+  TensorView compute_flat() const { return compute_.view(act_, {held_}); }
+  TensorView grads_flat() const { return grads_.view(DType::f32, {held_}); }
   // f(HeldPart) for each run of p's elements held here, in element order (one run at most per
   // parameter: its group's part is one range of the layout).
   template <class F>
   void for_each_held(const Param& p, F&& f) const {
-    const UnitRange& u = units[static_cast<std::size_t>(p.unit)];
+    const UnitRange& u = units_[static_cast<std::size_t>(p.unit)];
     const bool first = p.offset < u.split;
-    const std::int64_t gb = first ? u.begin : u.split, ge = first ? u.split : u.end, part = (ge - gb) / shards;
-    const std::int64_t b = gb + shard * part;
+    const std::int64_t gb = first ? u.begin : u.split, ge = first ? u.split : u.end, part = (ge - gb) / shards_;
+    const std::int64_t b = gb + shard_ * part;
     const std::int64_t lo = std::max(b, p.offset), hi = std::min(b + part, p.offset + p.numel);
-    if (lo < hi) f(HeldPart{lo - p.offset, hi - lo, gb / shards + (lo - b)});
+    if (lo < hi) f(HeldPart{lo - p.offset, hi - lo, gb / shards_ + (lo - b)});
   }
   // The held elements `part` of a flat buffer laid out like the held ones (master, grads, moments).
   static TensorView held_view(const TensorView& flat, const HeldPart& part) { return flat.flat_slice(part.held, part.count); }
@@ -133,6 +152,16 @@ struct ParamStore {
  private:
   // p's unit's location in `where`, plus byte offset `bytes`, checked.
   void* at_unit(const std::vector<void*>& where, const Param& p, std::size_t bytes, const char* what) const;
+  void check_unit(int unit) const;
+
+  std::vector<Entity> order_;
+  int shards_ = 1, shard_ = 0;
+  std::int64_t total_ = 0, held_ = 0;
+  std::vector<UnitRange> units_;
+  Buffer master_, compute_, grads_;
+  DType act_ = DType::f32;
+  void* stream_ = nullptr;
+  std::vector<void*> unit_compute_, unit_grads_;
 };
 
 }  // namespace kiln::nn
