@@ -81,7 +81,7 @@ TransformerBlock::TransformerBlock(LayerBuilder b, int index, const ModelSpec& s
 void TransformerBlock::declare(ActivationTable& table) {
   if (const auto* r = ctx_.world.try_get<nn::ActivationRecompute>(layer_)) {
     recomputed_ = recomputed_stages(r->scope);
-    distribute_ = recomputed_ != 0 && r->distribute_input && ctx_.tp.size() > 1;
+    distribute_ = recomputed_ != 0 && r->distribute_input;  // the recompute module decided it applies (tp > 1)
   }
   KILN_CHECK(!distribute_ || !ctx_.tp.sequence_parallel(), "block ", index_,
              ": distributed saved inputs need sequence parallelism off");
