@@ -98,8 +98,9 @@ void install(World& w, const LogConfig& cfg) {
                      if (!rank0) return;
                      const auto& ts = world.resource<train::TrainState>();
                      if (ts.peak_device_memory > 0)
-                       std::printf("peak device memory %.2f GiB (rank 0)\n",
-                                   static_cast<double>(ts.peak_device_memory) / (1024.0 * 1024.0 * 1024.0));
+                       std::printf("peak device memory %.2f GiB (%.0f MiB, rank 0)\n",
+                                   static_cast<double>(ts.peak_device_memory) / (1024.0 * 1024.0 * 1024.0),
+                                   static_cast<double>(ts.peak_device_memory) / (1024.0 * 1024.0));
                    }});
 }
 
