@@ -25,7 +25,7 @@ note() { summary+=("$1"); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$log" 2>&1
 note "device: $(head -1 "$log"); disk of $W: $(df -h "$W" | tail -1 | awk '{print $1, $2, "free", $4}')"
 
-for t in test_cuda_ops test_gpu_generator test_gpu_training_checkpoint test_gpu_checkpoint; do
+for t in test_cuda_ops test_gpu_generator test_gpu_training_checkpoint test_gpu_recompute; do
   timeout 240 "$B/bin/$t" >> "$log" 2>&1
   note "$t: rc=$? $(grep -E '^\[doctest\] test cases' "$log" | tail -1)"
 done

@@ -26,7 +26,7 @@ with() {  # build command...: runs the command with the build's libraries first 
 }
 
 notes=()
-for t in test_cuda_ops test_cuda_fp8 test_gpu_model test_gpu_generator test_gpu_checkpoint test_gpu_training_checkpoint \
+for t in test_cuda_ops test_cuda_fp8 test_gpu_model test_gpu_generator test_gpu_recompute test_gpu_training_checkpoint \
   test_gpu_fsdp; do
   [ -x "$B/bin/$t" ] || { notes+=("$t: not built"); continue; }
   timeout 300 with "$B" "$B/bin/$t" > "$OUT/runs/$t.log" 2>&1

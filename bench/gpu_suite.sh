@@ -30,7 +30,7 @@ if [ "$MODE" = "fp8" ] || [ "$MODE" = "attn" ]; then
   run_tests test_cuda_fp8
   run_tests test_cuda_ops
   run_tests test_gpu_model
-  run_tests test_gpu_checkpoint
+  run_tests test_gpu_recompute
   run_tests test_gpu_fsdp
 elif [ "$MODE" != "train" ]; then
   run_tests test_cuda_ops

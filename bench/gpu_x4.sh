@@ -140,7 +140,7 @@ maxbatches() {
   wait
 }
 tests() {
-  for t in test_gpu_checkpoint test_gpu_model test_cuda_fp8; do
+  for t in test_gpu_recompute test_gpu_model test_cuda_fp8; do
     CUDA_VISIBLE_DEVICES=1 timeout 150 "$B/bin/$t" > "$OUT/$t.log" 2>&1
     echo "$t rc=$?" >> "$OUT/$t.log"
   done
@@ -214,7 +214,7 @@ for n in sorted(p.stem for p in out.glob("max-*.log")):
     ok = "rc=0" in t
     m = re.search(r"predicted max batch (\d+)", t)
     print(f"{n:<22} batch {m.group(1) if m else '?':>4}: {'fits' if ok else 'FAILED'}, peak {mem(n)} GiB")
-for t in ["test_gpu_checkpoint", "test_gpu_model", "test_cuda_fp8", "test_cuda_ops"]:
+for t in ["test_gpu_recompute", "test_gpu_model", "test_cuda_fp8", "test_cuda_ops"]:
     m = re.findall(r"\[doctest\] test cases.*", text(t))
     if text(t):
         print(f"{t}: {m[-1] if m else 'no result'}")

@@ -5,7 +5,8 @@
 #include <boost/program_options.hpp>
 
 #include "commands.hpp"
-#include "kiln/model/hf_gpt2.hpp"
+#include "kiln/interop/hf_gpt2.hpp"
+#include "kiln/model/hf.hpp"
 #include "model_source.hpp"
 
 namespace po = boost::program_options;
@@ -31,8 +32,8 @@ int cmd_export(const Args& args) {
   const auto folder = std::filesystem::path(output).parent_path();
   if (!folder.empty()) std::filesystem::create_directories(folder);
   std::map<std::string, std::vector<float>> held;
-  model::export_hf_gpt2(
-      src.config,
+  interop::export_hf_gpt2(
+      model::gpt2_shape(src.config),
       [&](const std::string& name) {
         auto it = held.find(name);
         if (it == held.end()) it = held.emplace(name, src.weights(name)).first;

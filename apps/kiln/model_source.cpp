@@ -10,7 +10,8 @@
 #include "kiln/core/error.hpp"
 #include "kiln/engine/config/node.hpp"
 #include "kiln/engine/module.hpp"
-#include "kiln/model/hf_gpt2.hpp"
+#include "kiln/interop/hf_gpt2.hpp"
+#include "kiln/model/hf.hpp"
 
 namespace kiln::app {
 
@@ -52,8 +53,9 @@ ModelSource from_safetensors(const std::string& path) {
     KILN_FILE_ERROR(path, ": no config.json beside it (the model's shape: n_layer, n_head, n_embd, ...)");
   ModelSource s;
   s.description = path;
-  s.config = model::read_hf_gpt2_config(config);
-  auto weights = std::make_shared<std::map<std::string, std::vector<float>>>(model::import_hf_gpt2(s.config, path));
+  s.config = model::with_gpt2_shape({}, interop::read_hf_gpt2_config(config));
+  auto weights = std::make_shared<std::map<std::string, std::vector<float>>>(
+      interop::import_hf_gpt2(model::gpt2_shape(s.config), path));
   s.weights = [weights, path](const std::string& name) {
     auto it = weights->find(name);
     if (it == weights->end()) KILN_FILE_ERROR(path, ": no tensor for kiln's parameter '", name, "'");

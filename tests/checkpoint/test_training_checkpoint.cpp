@@ -14,7 +14,7 @@
 
 #include "../model/parallel_fixture.hpp"
 #include "kiln/checkpoint/reader.hpp"
-#include "kiln/model/hf_gpt2.hpp"
+#include "kiln/model/hf.hpp"
 
 using namespace kiln;
 namespace fs = std::filesystem;
@@ -307,7 +307,7 @@ TEST_CASE("exported to safetensors and read back with model.init_from, the weigh
   }
   const std::string file = d.path + "/export/model.safetensors";
   fs::create_directories(d.path + "/export");
-  model::export_hf_gpt2(cfg, [&](const std::string& name) { return saved.at(name).data(); }, file);
+  interop::export_hf_gpt2(model::gpt2_shape(cfg), [&](const std::string& name) { return saved.at(name).data(); }, file);
   for (int tp : {1, 2}) {
     CAPTURE(tp);
     const Trace t = run(tp, {"parallel.tp=" + std::to_string(tp), "train.steps=0", "model.init_from=\"" + file + "\""});

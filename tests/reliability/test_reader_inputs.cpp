@@ -6,12 +6,13 @@
 #include <fstream>
 
 #include "kiln/checkpoint/manifest.hpp"
-#include "kiln/checkpoint/safetensors.hpp"
+#include "kiln/interop/safetensors.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln_test.hpp"
 
 using namespace kiln;
 using namespace kiln::checkpoint;
+using namespace kiln::interop;
 
 namespace {
 std::string manifest_with(const std::string& shape, const std::string& offsets, const std::string& extents,

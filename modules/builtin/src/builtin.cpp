@@ -1,6 +1,5 @@
 #include "kiln/builtin.hpp"
 
-#include "kiln/checkpoint/module.hpp"
 #include "kiln/checkpoint/training_checkpoint.hpp"
 #include "kiln/data/module.hpp"
 #include "kiln/engine/engine_module.hpp"
@@ -11,6 +10,7 @@
 #include "kiln/optim/optim.hpp"
 #include "kiln/parallel/fsdp.hpp"
 #include "kiln/parallel/module.hpp"
+#include "kiln/recompute/module.hpp"
 #include "kiln/rng/module.hpp"
 #include "kiln/train/train.hpp"
 
@@ -27,7 +27,7 @@ void register_builtin_modules(ModuleRegistry& registry) {
   optim::register_module(registry);
   log::register_module(registry);
   fp8::register_module(registry);
-  checkpoint::register_module(registry);
+  recompute::register_module(registry);
   checkpoint::register_state_module(registry);
   parallel::register_fsdp_module(registry);
 }

@@ -4,7 +4,7 @@
 #include <iostream>
 
 #include "kiln/engine/engine_module.hpp"
-#include "kiln/model/hf_gpt2.hpp"
+#include "kiln/model/hf.hpp"
 #include "kiln/nn/events.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
@@ -12,7 +12,7 @@
 namespace kiln::model {
 
 void load_initial_weights(World& w, const ModelConfig& cfg, const std::string& path) {
-  const auto weights = import_hf_gpt2(cfg, path);
+  const auto weights = interop::import_hf_gpt2(gpt2_shape(cfg), path);
   auto& store = w.resource<nn::ParamStore>();
   auto& be = w.resource<ops::ActiveBackend>().get();
   // The held master weights in host memory first (padding zero), then one copy.

@@ -17,7 +17,7 @@
 
 #include "kiln/rng/tracker.hpp"
 
-namespace kiln::checkpoint {
+namespace kiln::recompute {
 
 class RngReplay;
 
@@ -57,4 +57,4 @@ class RngReplay {
   std::vector<std::pair<int, rng::RngSnapshot>> resume_;  // (unit, states to restore), innermost last
 };
 
-}  // namespace kiln::checkpoint
+}  // namespace kiln::recompute

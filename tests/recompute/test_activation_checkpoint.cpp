@@ -9,7 +9,7 @@
 
 #include "../model/model_fixture.hpp"
 #include "../model/parallel_fixture.hpp"
-#include "kiln/checkpoint/module.hpp"
+#include "kiln/recompute/module.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/fp8/module.hpp"
 #include "kiln/model/gpt.hpp"
@@ -93,7 +93,7 @@ TEST_CASE("mode, every and first choose the blocks; each gets its scope") {
   auto units = [](std::vector<std::string> sets) {
     test::Pipeline p(kModel, sets + std::vector<std::string>{"model.n_layer=6"});
     auto u = recompute_units(*p.world);
-    if (!u.empty()) CHECK(p.world->resource<checkpoint::ActivationCheckpointState>().units == u);
+    if (!u.empty()) CHECK(p.world->resource<recompute::ActivationCheckpointState>().units == u);
     return u;
   };
   CHECK(units({}).empty());
@@ -249,7 +249,7 @@ TEST_CASE("FP8 recompute reuses the forward's scales: bit-identical gradients an
                        },
                        {"model.loss"}});
       p.run();
-      if (k) CHECK(w.resource<checkpoint::ActivationCheckpointState>().recomputes == 4 * 2 * 3);
+      if (k) CHECK(w.resource<recompute::ActivationCheckpointState>().recomputes == 4 * 2 * 3);
     }
     compare_traces(traces[1], traces[0], std::string("fp8 ") + recipe + ", full recompute", 0);
     REQUIRE(meta[0].size() == 4);

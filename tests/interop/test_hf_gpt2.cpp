@@ -9,9 +9,9 @@
 #include <functional>
 #include <random>
 
-#include "kiln/checkpoint/safetensors.hpp"
+#include "kiln/interop/safetensors.hpp"
 #include "kiln/core/error.hpp"
-#include "kiln/model/hf_gpt2.hpp"
+#include "kiln/model/hf.hpp"
 #include "kiln/tensor/bf16.hpp"
 #include "kiln_test.hpp"
 
@@ -41,7 +41,7 @@ Weights random_weights(const ModelConfig& cfg) {
   std::mt19937 gen(7);
   std::normal_distribution<float> d(0.0f, 0.1f);
   Weights w;
-  for (const auto& t : model::hf_gpt2_layout(cfg)) {
+  for (const auto& t : interop::hf_gpt2_layout(model::gpt2_shape(cfg))) {
     auto& v = w[t.kiln_name];
     v.resize(static_cast<std::size_t>(numel(t.kiln_shape)));
     for (auto& x : v) x = d(gen);
@@ -50,29 +50,29 @@ Weights random_weights(const ModelConfig& cfg) {
 }
 
 void export_to(const std::string& path, const ModelConfig& cfg, const Weights& w, DType dtype = DType::f32) {
-  model::export_hf_gpt2(
-      cfg, [&](const std::string& name) { return w.at(name).data(); }, path, dtype);
+  interop::export_hf_gpt2(
+      model::gpt2_shape(cfg), [&](const std::string& name) { return w.at(name).data(); }, path, dtype);
 }
 
 // Rewrites `from` into `to` with each tensor renamed by `rename` ("" drops it), plus `extra`.
 void rewrite(const std::string& from, const std::string& to,
              const std::function<std::string(const std::string&)>& rename,
-             std::vector<checkpoint::SafetensorsEntry> extra = {}) {
-  checkpoint::SafetensorsFile f(from);
+             std::vector<interop::SafetensorsEntry> extra = {}) {
+  interop::SafetensorsFile f(from);
   for (const auto& t : f.tensors()) {
     const std::string name = rename(t.name);
     if (name.empty()) continue;
     const auto b = f.bytes(t.name);
     extra.push_back({name, t.dtype, t.shape, b.data(), b.size()});
   }
-  checkpoint::write_safetensors(to, extra, f.metadata());
+  interop::write_safetensors(to, extra, f.metadata());
 }
 
 std::string strip_prefix(const std::string& name) { return name.starts_with("transformer.") ? name.substr(12) : name; }
 
 std::string import_error(const ModelConfig& cfg, const std::string& path) {
   try {
-    model::import_hf_gpt2(cfg, path);
+    interop::import_hf_gpt2(model::gpt2_shape(cfg), path);
   } catch (const FileError& e) {
     return e.what();
   }
@@ -83,7 +83,7 @@ std::string import_error(const ModelConfig& cfg, const std::string& path) {
 
 TEST_CASE("the layout names every kiln parameter as GPT2LMHeadModel does, with its shape and transpose") {
   const auto cfg = tiny();
-  const auto layout = model::hf_gpt2_layout(cfg);
+  const auto layout = interop::hf_gpt2_layout(model::gpt2_shape(cfg));
   REQUIRE(layout.size() == 2 + 12 * 2 + 2);
   CHECK(layout[0].kiln_name == "wte");
   CHECK(layout[0].kiln_shape == std::vector<std::int64_t>{384, 64});
@@ -109,7 +109,7 @@ TEST_CASE("an f32 export imports back bit for bit, with wte's padding rows as ze
   const auto w = random_weights(cfg);
   const std::string path = (dir.path() / "model.safetensors").string();
   export_to(path, cfg, w);
-  const auto back = model::import_hf_gpt2(cfg, path);
+  const auto back = interop::import_hf_gpt2(model::gpt2_shape(cfg), path);
   REQUIRE(back.size() == w.size());
   for (const auto& [name, v] : w) {
     const auto& b = back.at(name);
@@ -131,7 +131,7 @@ TEST_CASE("the export stores Conv1D weights transposed, wte's vocab_size rows an
   const auto w = random_weights(cfg);
   const std::string path = (dir.path() / "model.safetensors").string();
   export_to(path, cfg, w);
-  checkpoint::SafetensorsFile f(path);
+  interop::SafetensorsFile f(path);
   CHECK(f.tensors().size() == 28);
   CHECK(f.metadata().at("format") == "pt");
   CHECK(f.find("lm_head.weight") == nullptr);
@@ -142,12 +142,12 @@ TEST_CASE("the export stores Conv1D weights transposed, wte's vocab_size rows an
   const auto* c_attn = f.find("transformer.h.1.attn.c_attn.weight");
   REQUIRE(c_attn);
   CHECK(c_attn->shape == std::vector<std::int64_t>{64, 192});
-  const auto hf = checkpoint::read_f32(f, c_attn->name);
+  const auto hf = interop::read_f32(f, c_attn->name);
   const auto& kiln = w.at("blocks.1.attn.qkv.weight");  // [out 192, in 64]
   for (int i : {0, 5, 63})
     for (int o : {0, 64, 130, 191}) CHECK(hf[i * 192 + o] == kiln[o * 64 + i]);
   CHECK(f.find("transformer.wte.weight")->shape == std::vector<std::int64_t>{300, 64});
-  const auto wte = checkpoint::read_f32(f, "transformer.wte.weight");
+  const auto wte = interop::read_f32(f, "transformer.wte.weight");
   CHECK(std::memcmp(wte.data(), w.at("wte").data(), wte.size() * 4) == 0);
 }
 
@@ -157,9 +157,9 @@ TEST_CASE("a bf16 export holds the weights rounded to nearest even") {
   const auto w = random_weights(cfg);
   const std::string path = (dir.path() / "model.safetensors").string();
   export_to(path, cfg, w, DType::bf16);
-  checkpoint::SafetensorsFile f(path);
+  interop::SafetensorsFile f(path);
   for (const auto& t : f.tensors()) CHECK(t.dtype == "BF16");
-  const auto back = model::import_hf_gpt2(cfg, path);
+  const auto back = interop::import_hf_gpt2(model::gpt2_shape(cfg), path);
   for (const auto& [name, v] : w) {
     const auto& b = back.at(name);
     const std::size_t n = name == "wte" ? 300 * 64 : v.size();
@@ -168,7 +168,7 @@ TEST_CASE("a bf16 export holds the weights rounded to nearest even") {
     INFO(name);
     CHECK(same);
   }
-  CHECK(model::read_hf_gpt2_config((dir.path() / "config.json").string()).n_embd == 64);
+  CHECK(interop::read_hf_gpt2_config((dir.path() / "config.json").string()).n_embd == 64);
   std::ifstream in(dir.path() / "config.json");
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   CHECK(text.find(R"("torch_dtype": "bfloat16")") != std::string::npos);
@@ -192,7 +192,7 @@ TEST_CASE("config.json describes a standard GPT-2 and reads back into the model 
   CHECK(text.find("bos_token_id") == std::string::npos);  // vocab 300 has no token 50256
   ModelConfig other;
   other.vocab_multiple = 64;
-  const auto read = model::read_hf_gpt2_config(path, other);
+  const auto read = model::with_gpt2_shape(other, interop::read_hf_gpt2_config(path, model::gpt2_shape(other)));
   CHECK(read.n_layer == 2);
   CHECK(read.n_head == 4);
   CHECK(read.n_embd == 64);
@@ -203,22 +203,22 @@ TEST_CASE("config.json describes a standard GPT-2 and reads back into the model 
 
   auto gpt2 = cfg;
   gpt2.vocab_size = 50257;
-  CHECK(model::hf_gpt2_config_json(gpt2, DType::f32).find(R"("eos_token_id": 50256)") != std::string::npos);
+  CHECK(interop::hf_gpt2_config_json(model::gpt2_shape(gpt2), DType::f32).find(R"("eos_token_id": 50256)") != std::string::npos);
 }
 
 TEST_CASE("read_hf_gpt2_config names the file and the key it cannot use") {
   test::TempDir dir("hf-config-bad");
   const auto missing = dir.file(
       "a/config.json", R"({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 300})");
-  CHECK_THROWS_WITH_AS(model::read_hf_gpt2_config(missing),
+  CHECK_THROWS_WITH_AS(interop::read_hf_gpt2_config(missing),
                        doctest::Contains("a/config.json: missing key 'n_positions'"), FileError);
   const auto erf = dir.file("b/config.json", R"({"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 300,
     "n_positions": 32, "activation_function": "gelu"})");
-  CHECK_THROWS_WITH(model::read_hf_gpt2_config(erf),
+  CHECK_THROWS_WITH(interop::read_hf_gpt2_config(erf),
                     doctest::Contains("b/config.json: key 'activation_function' is \"gelu\""));
   const auto neg =
       dir.file("c/config.json", R"({"n_layer": -2, "n_head": 4, "n_embd": 64, "vocab_size": 300, "n_positions": 32})");
-  CHECK_THROWS_WITH(model::read_hf_gpt2_config(neg),
+  CHECK_THROWS_WITH(interop::read_hf_gpt2_config(neg),
                     doctest::Contains("c/config.json: key 'n_layer' must be a positive integer"));
 }
 
@@ -228,11 +228,11 @@ TEST_CASE("import accepts the Hub's unprefixed names, its causal-mask buffers an
   const auto w = random_weights(cfg);
   const std::string exported = (dir.path() / "exported.safetensors").string();
   export_to(exported, cfg, w);
-  const auto expect = model::import_hf_gpt2(cfg, exported);
+  const auto expect = interop::import_hf_gpt2(model::gpt2_shape(cfg), exported);
 
   // As the Hub's gpt2/model.safetensors: "h.0.attn.c_attn.weight", "wte.weight", mask buffers.
   const std::vector<float> mask(32 * 32, 1.0f), masked_bias = {-1e4f};
-  checkpoint::SafetensorsFile src(exported);
+  interop::SafetensorsFile src(exported);
   const auto wte = src.bytes("transformer.wte.weight");
   const std::string hub = (dir.path() / "model.safetensors").string();
   rewrite(exported, hub, strip_prefix,
@@ -240,7 +240,7 @@ TEST_CASE("import accepts the Hub's unprefixed names, its causal-mask buffers an
            {"h.1.attn.bias", "F32", {1, 1, 32, 32}, mask.data(), mask.size() * 4},
            {"h.0.attn.masked_bias", "F32", {}, masked_bias.data(), 4},
            {"lm_head.weight", "F32", {300, 64}, wte.data(), wte.size()}});
-  CHECK(model::import_hf_gpt2(cfg, hub) == expect);
+  CHECK(interop::import_hf_gpt2(model::gpt2_shape(cfg), hub) == expect);
 }
 
 TEST_CASE("import names the file and the tensor that is missing") {

@@ -1,4 +1,4 @@
-#include "kiln/model/hf_gpt2.hpp"
+#include "kiln/interop/hf_gpt2.hpp"
 
 #include <charconv>
 #include <cstring>
@@ -8,11 +8,11 @@
 #include <set>
 
 #include "kiln/checkpoint/files.hpp"
-#include "kiln/checkpoint/safetensors.hpp"
+#include "kiln/interop/safetensors.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 
-namespace kiln::model {
+namespace kiln::interop {
 
 namespace {
 
@@ -28,7 +28,7 @@ std::string shape_str(const std::vector<std::int64_t>& shape) {
   return s + "]";
 }
 
-std::string config_str(const ModelConfig& c) {
+std::string config_str(const Gpt2Shape& c) {
   return cat("n_layer ", c.n_layer, ", n_embd ", c.n_embd, ", vocab_size ", c.vocab_size, ", max_seq_len ",
              c.max_seq_len);
 }
@@ -60,8 +60,7 @@ void transpose(const float* src, float* dst, std::int64_t rows, std::int64_t col
 
 }  // namespace
 
-std::vector<HfTensor> hf_gpt2_layout(const ModelConfig& cfg) {
-  KILN_CHECK(!cfg.llama(), "Hugging Face GPT-2 weights are for model.arch = \"gpt2\"; this model is a llama");
+std::vector<HfTensor> hf_gpt2_layout(const Gpt2Shape& cfg) {
   const std::int64_t C = cfg.n_embd;
   std::vector<HfTensor> out;
   auto add = [&](const std::string& kiln, std::vector<std::int64_t> shape, const std::string& hf, bool transposed,
@@ -73,7 +72,7 @@ std::vector<HfTensor> hf_gpt2_layout(const ModelConfig& cfg) {
       t.hf_shape[0] = t.rows;
     out.push_back(std::move(t));
   };
-  add("wte", {cfg.padded_vocab(), C}, "wte.weight", false, cfg.vocab_size);
+  add("wte", {cfg.padded_vocab, C}, "wte.weight", false, cfg.vocab_size);
   add("wpe", {cfg.max_seq_len, C}, "wpe.weight", false);
   for (int l = 0; l < cfg.n_layer; ++l) {
     const std::string k = "blocks." + std::to_string(l) + ".", h = "h." + std::to_string(l) + ".";
@@ -95,7 +94,7 @@ std::vector<HfTensor> hf_gpt2_layout(const ModelConfig& cfg) {
   return out;
 }
 
-std::string hf_gpt2_config_json(const ModelConfig& cfg, DType dtype) {
+std::string hf_gpt2_config_json(const Gpt2Shape& cfg, DType dtype) {
   KILN_CHECK(dtype == DType::f32 || dtype == DType::bf16, "a Hugging Face export is f32 or bf16, not ", name_of(dtype));
   nlohmann::ordered_json j;
   j["architectures"] = nlohmann::json::array({"GPT2LMHeadModel"});
@@ -119,13 +118,13 @@ std::string hf_gpt2_config_json(const ModelConfig& cfg, DType dtype) {
   return j.dump(2) + "\n";
 }
 
-void export_hf_gpt2(const ModelConfig& cfg, const std::function<const float*(const std::string& kiln_name)>& weight,
+void export_hf_gpt2(const Gpt2Shape& cfg, const std::function<const float*(const std::string& kiln_name)>& weight,
                     const std::string& path, DType dtype) {
   const std::string config = hf_gpt2_config_json(cfg, dtype);
   const auto layout = hf_gpt2_layout(cfg);
   std::vector<std::vector<float>> f32(layout.size());
   std::vector<std::vector<std::uint16_t>> bf16(layout.size());
-  std::vector<checkpoint::SafetensorsEntry> entries;
+  std::vector<SafetensorsEntry> entries;
   for (std::size_t k = 0; k < layout.size(); ++k) {
     const auto& t = layout[k];
     const float* w = weight(t.kiln_name);
@@ -146,15 +145,15 @@ void export_hf_gpt2(const ModelConfig& cfg, const std::function<const float*(con
     }
   }
   // transformers refuses a safetensors file whose metadata lacks a known "format".
-  checkpoint::write_safetensors(path, entries, {{"format", "pt"}});
+  write_safetensors(path, entries, {{"format", "pt"}});
   auto dir = std::filesystem::path(path).parent_path();
   checkpoint::write_file_atomically((dir / "config.json").string(), config);
 }
 
-std::map<std::string, std::vector<float>> import_hf_gpt2(const ModelConfig& cfg, const std::string& path) {
-  checkpoint::SafetensorsFile file(path);
+std::map<std::string, std::vector<float>> import_hf_gpt2(const Gpt2Shape& cfg, const std::string& path) {
+  SafetensorsFile file(path);
   // The Hub's gpt2 file names its tensors without the "transformer." that GPT2LMHeadModel saves.
-  std::map<std::string, const checkpoint::SafetensorsTensor*> by_name;
+  std::map<std::string, const SafetensorsTensor*> by_name;
   for (const auto& t : file.tensors()) {
     const std::string key = t.name.starts_with(kPrefix) ? t.name.substr(kPrefix.size()) : t.name;
     if (!by_name.emplace(key, &t).second)
@@ -173,7 +172,7 @@ std::map<std::string, std::vector<float>> import_hf_gpt2(const ModelConfig& cfg,
     if (ft.shape != t.hf_shape)
       KILN_FILE_ERROR(path, ": tensor '", ft.name, "' has shape ", shape_str(ft.shape), " but the kiln config (",
                       config_str(cfg), ") needs ", shape_str(t.hf_shape), " for '", t.kiln_name, "'");
-    const auto src = checkpoint::read_f32(file, ft.name);
+    const auto src = read_f32(file, ft.name);
     auto& dst = out[t.kiln_name];
     dst.assign(static_cast<std::size_t>(numel(t.kiln_shape)), 0.0f);  // wte's padding rows stay zero
     if (t.transposed)
@@ -186,8 +185,8 @@ std::map<std::string, std::vector<float>> import_hf_gpt2(const ModelConfig& cfg,
   for (const auto& [key, ft] : by_name) {
     if (used.count(key)) continue;
     if (key == "lm_head.weight") {
-      const auto lm = checkpoint::read_f32(file, ft->name),
-                 wte = checkpoint::read_f32(file, by_name.at("wte.weight")->name);
+      const auto lm = read_f32(file, ft->name),
+                 wte = read_f32(file, by_name.at("wte.weight")->name);
       if (lm.size() != wte.size() || std::memcmp(lm.data(), wte.data(), lm.size() * sizeof(float)) != 0)
         KILN_FILE_ERROR(path, ": tensor '", ft->name, "' differs from wte, but kiln's LM head is tied to wte");
       continue;
@@ -199,7 +198,7 @@ std::map<std::string, std::vector<float>> import_hf_gpt2(const ModelConfig& cfg,
   return out;
 }
 
-ModelConfig read_hf_gpt2_config(const std::string& config_json, ModelConfig base) {
+Gpt2Shape read_hf_gpt2_config(const std::string& config_json, Gpt2Shape base) {
   const std::string text = checkpoint::read_text_file(config_json);
   nlohmann::json j;
   try {
@@ -246,4 +245,4 @@ ModelConfig read_hf_gpt2_config(const std::string& config_json, ModelConfig base
   return base;
 }
 
-}  // namespace kiln::model
+}  // namespace kiln::interop

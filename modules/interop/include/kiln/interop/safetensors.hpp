@@ -16,8 +16,10 @@
 #include <vector>
 
 namespace kiln::checkpoint {
-
 class MappedFile;
+}
+
+namespace kiln::interop {
 
 struct SafetensorsTensor {
   std::string name;
@@ -47,7 +49,7 @@ class SafetensorsFile {
   const SafetensorsTensor& at(std::string_view name) const;
 
   std::string path_;
-  std::unique_ptr<MappedFile> map_;
+  std::unique_ptr<checkpoint::MappedFile> map_;  // kiln::checkpoint's checked file access
   std::size_t data_begin_ = 0;  // 8 + N
   std::vector<SafetensorsTensor> tensors_;
   std::map<std::string, std::size_t, std::less<>> index_;
@@ -72,4 +74,4 @@ struct SafetensorsEntry {
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                        const std::map<std::string, std::string>& metadata = {});
 
-}  // namespace kiln::checkpoint
+}  // namespace kiln::interop

@@ -1,8 +1,8 @@
-#include "kiln/checkpoint/rng_replay.hpp"
+#include "kiln/recompute/rng_replay.hpp"
 
 #include "kiln/core/error.hpp"
 
-namespace kiln::checkpoint {
+namespace kiln::recompute {
 
 ReplayScope::~ReplayScope() {
   if (replay_) replay_->end(unit_);
@@ -31,4 +31,4 @@ void RngReplay::end(int unit) {
   resume_.pop_back();
 }
 
-}  // namespace kiln::checkpoint
+}  // namespace kiln::recompute

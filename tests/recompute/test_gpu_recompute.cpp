@@ -5,7 +5,7 @@
 
 #include "../model/model_fixture.hpp"
 #include "../model/parallel_fixture.hpp"
-#include "kiln/checkpoint/module.hpp"
+#include "kiln/recompute/module.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln_test.hpp"

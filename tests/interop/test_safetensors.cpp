@@ -9,14 +9,14 @@
 #include <fstream>
 #include <random>
 
-#include "kiln/checkpoint/safetensors.hpp"
+#include "kiln/interop/safetensors.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 #include "kiln_test.hpp"
 
 using namespace kiln;
-using checkpoint::SafetensorsEntry;
-using checkpoint::SafetensorsFile;
+using interop::SafetensorsEntry;
+using interop::SafetensorsFile;
 
 namespace {
 
@@ -82,7 +82,7 @@ TEST_CASE("a written file reads back bit for bit with its dtypes, shapes and met
   const std::vector<float> empty;
   const std::map<std::string, std::string> meta = {{"format", "pt"}, {"note", "größe \"quoted\""}};
   const std::string path = (dir.path() / "model.safetensors").string();
-  checkpoint::write_safetensors(
+  interop::write_safetensors(
       path,
       {entry("w.f32", "F32", {3, 5, 7}, f32), entry("w.bf16", "BF16", {1, 13}, bf16), entry("ids", "I64", {3}, i64),
        entry("bytes", "U8", {5}, u8), entry("scalar", "F32", {}, scalar), entry("none", "F32", {0, 4}, empty)},
@@ -103,7 +103,7 @@ TEST_CASE("a written file reads back bit for bit with its dtypes, shapes and met
   CHECK(file.find("scalar")->numel() == 1);
   CHECK(file.find("none")->numel() == 0);
   CHECK(file.find("absent") == nullptr);
-  CHECK(checkpoint::read_f32(file, "w.f32") == f32);
+  CHECK(interop::read_f32(file, "w.f32") == f32);
 }
 
 TEST_CASE("read_f32 widens BF16 and F16 exactly and refuses other dtypes") {
@@ -115,21 +115,21 @@ TEST_CASE("read_f32 widens BF16 and F16 exactly and refuses other dtypes") {
   const std::vector<std::uint16_t> f16 = {0x3c00, 0xc000, 0x0001, 0x7bff, 0x7c00, 0x7e00};
   const std::vector<std::int32_t> i32 = {1, 2};
   const std::string path = (dir.path() / "w.safetensors").string();
-  checkpoint::write_safetensors(
+  interop::write_safetensors(
       path, {entry("b", "BF16", {10, 10}, bf16), entry("h", "F16", {6}, f16), entry("i", "I32", {2}, i32)});
   SafetensorsFile file(path);
-  const auto b = checkpoint::read_f32(file, "b");
+  const auto b = interop::read_f32(file, "b");
   for (std::size_t i = 0; i < src.size(); ++i) CHECK(b[i] == round_bf16(src[i]));
-  const auto h = checkpoint::read_f32(file, "h");
+  const auto h = interop::read_f32(file, "h");
   CHECK(h[0] == 1.0f);
   CHECK(h[1] == -2.0f);
   CHECK(h[2] == std::ldexp(1.0f, -24));
   CHECK(h[3] == 65504.0f);
   CHECK(std::isinf(h[4]));
   CHECK(std::isnan(h[5]));
-  CHECK_THROWS_WITH(checkpoint::read_f32(file, "i"),
+  CHECK_THROWS_WITH(interop::read_f32(file, "i"),
                     doctest::Contains("tensor 'i': dtype I32 cannot be read as floats"));
-  CHECK_THROWS_WITH(checkpoint::read_f32(file, "x"), doctest::Contains("w.safetensors: tensor 'x': no such tensor"));
+  CHECK_THROWS_WITH(interop::read_f32(file, "x"), doctest::Contains("w.safetensors: tensor 'x': no such tensor"));
 }
 
 TEST_CASE("the writer starts the buffer 8-byte aligned and every tensor at a multiple of its element size") {
@@ -140,7 +140,7 @@ TEST_CASE("the writer starts the buffer 8-byte aligned and every tensor at a mul
   const std::vector<float> f32(7, 4.0f);
   for (const std::string name : {"a", "bb", "ccc", "dddd", "eeeee", "ffffff", "ggggggg"}) {
     const std::string path = (dir.path() / (name + ".safetensors")).string();
-    checkpoint::write_safetensors(path, {entry(name + ".u8", "U8", {3}, u8), entry(name, "BF16", {5}, u16),
+    interop::write_safetensors(path, {entry(name + ".u8", "U8", {3}, u8), entry(name, "BF16", {5}, u16),
                                          entry("x", "F64", {3}, f64), entry("y", "F32", {7}, f32)});
     std::ifstream in(path, std::ios::binary);
     std::uint64_t n = 0;
@@ -163,8 +163,8 @@ TEST_CASE("the writer replaces an existing file and leaves no temp file behind")
   test::TempDir dir("st-atomic");
   const std::string path = (dir.path() / "m.safetensors").string();
   const std::vector<float> a = {1, 2}, b = {3, 4, 5};
-  checkpoint::write_safetensors(path, {entry("a", "F32", {2}, a)});
-  checkpoint::write_safetensors(path, {entry("b", "F32", {3}, b)});
+  interop::write_safetensors(path, {entry("a", "F32", {2}, a)});
+  interop::write_safetensors(path, {entry("b", "F32", {3}, b)});
   SafetensorsFile file(path);
   CHECK(file.find("a") == nullptr);
   CHECK(same_bytes(file.bytes("b"), b));
@@ -184,7 +184,7 @@ TEST_CASE("a write that runs out of space throws naming the path and leaves neit
   REQUIRE(setrlimit(RLIMIT_FSIZE, &small) == 0);
   std::string message;
   try {
-    checkpoint::write_safetensors(path, {entry("w", "F32", {1 << 16}, big)});
+    interop::write_safetensors(path, {entry("w", "F32", {1 << 16}, big)});
   } catch (const Error& e) {
     message = e.what();
   }
@@ -196,26 +196,26 @@ TEST_CASE("a write that runs out of space throws naming the path and leaves neit
 }
 
 TEST_CASE("writing into a missing directory throws naming the path") {
-  CHECK_THROWS_AS(checkpoint::write_safetensors("/nonexistent-kiln-dir/m.safetensors", {}), FileError);
-  CHECK_THROWS_WITH(checkpoint::write_safetensors("/nonexistent-kiln-dir/m.safetensors", {}),
+  CHECK_THROWS_AS(interop::write_safetensors("/nonexistent-kiln-dir/m.safetensors", {}), FileError);
+  CHECK_THROWS_WITH(interop::write_safetensors("/nonexistent-kiln-dir/m.safetensors", {}),
                     doctest::Contains("cannot create /nonexistent-kiln-dir/m.safetensors.tmp"));
 }
 
 TEST_CASE("the writer refuses entries whose byte count does not match their shape") {
   const std::vector<float> v(5);
-  CHECK_THROWS_WITH(checkpoint::write_safetensors("x.safetensors", {entry("w", "F32", {2, 3}, v)}),
+  CHECK_THROWS_WITH(interop::write_safetensors("x.safetensors", {entry("w", "F32", {2, 3}, v)}),
                     doctest::Contains("x.safetensors: tensor 'w': 20 bytes given but shape [2, 3] of F32 needs 24"));
-  CHECK_THROWS_WITH(checkpoint::write_safetensors("x.safetensors", {entry("w", "F31", {5}, v)}),
+  CHECK_THROWS_WITH(interop::write_safetensors("x.safetensors", {entry("w", "F31", {5}, v)}),
                     doctest::Contains("tensor 'w': unknown dtype 'F31'"));
   CHECK_THROWS_WITH(
-      checkpoint::write_safetensors("x.safetensors", {entry("w", "F32", {5}, v), entry("w", "F32", {5}, v)}),
+      interop::write_safetensors("x.safetensors", {entry("w", "F32", {5}, v), entry("w", "F32", {5}, v)}),
       doctest::Contains("tensor 'w': the name is given twice"));
 }
 
 TEST_CASE("an empty file with no tensors and no metadata round-trips") {
   test::TempDir dir("st-empty");
   const std::string path = (dir.path() / "e.safetensors").string();
-  checkpoint::write_safetensors(path, {});
+  interop::write_safetensors(path, {});
   SafetensorsFile file(path);
   CHECK(file.tensors().empty());
   CHECK(file.metadata().empty());

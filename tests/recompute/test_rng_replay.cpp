@@ -3,11 +3,11 @@
 
 #include <stdexcept>
 
-#include "kiln/checkpoint/rng_replay.hpp"
+#include "kiln/recompute/rng_replay.hpp"
 #include "kiln/core/error.hpp"
 
 using namespace kiln;
-using checkpoint::RngReplay;
+using recompute::RngReplay;
 
 namespace {
 rng::RngStatesTracker make() {

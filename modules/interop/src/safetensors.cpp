@@ -1,4 +1,4 @@
-#include "kiln/checkpoint/safetensors.hpp"
+#include "kiln/interop/safetensors.hpp"
 
 #include <unistd.h>
 
@@ -16,7 +16,13 @@
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 
-namespace kiln::checkpoint {
+namespace kiln::interop {
+
+// The checked, atomic file operations of kiln::checkpoint.
+using checkpoint::MappedFile;
+using checkpoint::OutputFile;
+using checkpoint::rename_path;
+using checkpoint::sync_directory;
 
 // The format is little-endian; the reader hands out the bytes as they are.
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
@@ -304,4 +310,4 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   sync_directory(dir.empty() ? "." : dir.string());
 }
 
-}  // namespace kiln::checkpoint
+}  // namespace kiln::interop

@@ -1,4 +1,4 @@
-#include "kiln/checkpoint/module.hpp"
+#include "kiln/recompute/module.hpp"
 
 #include <algorithm>
 #include <iostream>
@@ -10,7 +10,7 @@
 #include "kiln/rng/tracker.hpp"
 #include "kiln/train/train.hpp"
 
-namespace kiln::checkpoint {
+namespace kiln::recompute {
 
 namespace {
 
@@ -92,4 +92,4 @@ void register_module(ModuleRegistry& registry) {
       {"model", "rng", "parallel"}, install));
 }
 
-}  // namespace kiln::checkpoint
+}  // namespace kiln::recompute

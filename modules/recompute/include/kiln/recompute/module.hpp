@@ -10,13 +10,13 @@
 
 #include <boost/describe/enum.hpp>
 
-#include "kiln/checkpoint/rng_replay.hpp"
+#include "kiln/recompute/rng_replay.hpp"
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/config/schema.hpp"
 #include "kiln/engine/module.hpp"
 #include "kiln/engine/world.hpp"
 
-namespace kiln::checkpoint {
+namespace kiln::recompute {
 
 enum class CheckpointMode { none, full, selective };
 BOOST_DESCRIBE_ENUM(CheckpointMode, none, full, selective)
@@ -61,4 +61,4 @@ struct ActivationCheckpointState {
 
 void register_module(ModuleRegistry& registry);
 
-}  // namespace kiln::checkpoint
+}  // namespace kiln::recompute
