@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cross_entropy_variants.hpp"
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/ops/cuda/launchers.hpp"

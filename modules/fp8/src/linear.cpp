@@ -2,6 +2,7 @@
 #include "kiln/fp8/linear.hpp"
 
 #include "kiln/core/error.hpp"
+#include "kiln/tensor/alignment.hpp"
 
 namespace kiln::fp8 {
 
@@ -111,7 +112,7 @@ bool Fp8Linear::weight_cached(const TensorView& w) const {
 void Fp8Linear::use_master_weight(const TensorView& master, const TensorView& compute) {
   KILN_CHECK(master.dtype == DType::f32 && master.ndim() == 2 && master.contiguous() && compute.ndim() == 2 &&
                  compute.shape == master.shape && compute.contiguous() && size_of(compute.dtype) >= 2 &&
-                 reinterpret_cast<std::uintptr_t>(compute.data) % 16 == 0 && master.numel() % 16 == 0,
+                 aligned16(compute.data) && master.numel() % 16 == 0,
              name_, ": use_master_weight needs an f32 master and a 16-byte aligned compute copy of at least two bytes "
                     "per element of the same shape, got ", master.str(), " and ", compute.str());
   master_ = master;

@@ -7,28 +7,21 @@
 
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/cuda/cublaslt.hpp"
+#include "kiln/tensor/alignment.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::fp8::cuda {
 
+using kiln::cuda::lt_epilogue;
 using kiln::cuda::set_attr;
+using kiln::cuda::uses_aux;
 using ops::Epilogue;
 
 namespace {
 
-const char* epilogue_name(Epilogue e) {
-  switch (e) {
-    case Epilogue::none: return "none";
-    case Epilogue::bias: return "bias";
-    case Epilogue::gelu: return "gelu";
-    case Epilogue::dgelu: return "dgelu";
-  }
-  return "?";
-}
-
 std::string describe(const GemmArgs& g) {
   return cat("FP8 GEMM D", g.d.str(), " = X", g.x.str(), " @ Y", g.y.str(), "^T", g.accumulate ? " (accumulate)" : "",
-             ", epilogue ", epilogue_name(g.epilogue), g.bias ? " with bias" : "", g.fast_accum ? ", fast accumulation" : "");
+             ", epilogue ", ops::name_of(g.epilogue), g.bias ? " with bias" : "", g.fast_accum ? ", fast accumulation" : "");
 }
 
 cudaDataType_t lt_type(DType t) {
@@ -42,18 +35,6 @@ cudaDataType_t lt_type(DType t) {
 }
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-bool uses_aux(Epilogue e) { return e == Epilogue::gelu || e == Epilogue::dgelu; }
-
-cublasLtEpilogue_t lt_epilogue(const GemmArgs& g) {
-  switch (g.epilogue) {
-    case Epilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
-    case Epilogue::bias: return CUBLASLT_EPILOGUE_BIAS;
-    case Epilogue::gelu: return g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
-    case Epilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
-  }
-  return CUBLASLT_EPILOGUE_DEFAULT;
-}
 
 }  // namespace
 
@@ -98,7 +79,7 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
   // Real device pointers for the heuristic; run() sets the operands' own scale_inv.
   set_attr(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(one_.data()));
   set_attr(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(one_.data()));
-  set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g));
+  set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g.epilogue, static_cast<bool>(g.bias)));
   // Bias and aux take D's type (bf16) by default, which is what kiln stores; the pointers shown
   // to the heuristic are placeholders with the alignment of the real ones (256 bytes).
   if (g.bias) set_attr(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(workspace_));

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kiln/fp8/format.hpp"
+#include "kiln/tensor/alignment.hpp"
 
 namespace kiln::fp8::cuda {
 namespace {
@@ -88,7 +89,6 @@ __device__ __forceinline__ void store_transposed(const std::uint8_t* tile, std::
   *reinterpret_cast<uint4*>(col + static_cast<size_t>(oc) * rows + orow) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace
 }  // namespace kiln::fp8::cuda

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "kiln/ops/cuda/launchers.hpp"
+#include "kiln/tensor/alignment.hpp"
 #include "kiln/rng/philox.hpp"
 #include "kiln/core/error.hpp"
 
@@ -387,6 +388,6 @@ inline Problem make_problem(int B, int T, int H, int D, float scale, float dropo
   return p;
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15) == 0; }
+using kiln::aligned16;  // kiln/tensor/alignment.hpp
 
 }  // namespace kiln::cuda::attn

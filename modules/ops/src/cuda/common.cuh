@@ -9,6 +9,7 @@
 
 #include "kiln/ops/cuda/device_basics.cuh"
 #include "kiln/ops/cuda/launchers.hpp"
+#include "kiln/tensor/alignment.hpp"
 
 namespace kiln::cuda {
 
@@ -87,7 +88,6 @@ __device__ __forceinline__ double warp_sum(double v) {
 }
 
 // ---- host helpers ----
-inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 

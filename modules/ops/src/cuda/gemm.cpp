@@ -31,10 +31,9 @@ void gemm_epilogue_fallback(bf16* d, const bf16* aux, const bf16* bias, std::int
 namespace {
 
 std::string shape_of(const GemmDesc& g) {
-  static const char* epi[] = {"none", "bias", "gelu", "dgelu"};  // ops::Epilogue's order
   return cat("GEMM D[", g.M, ",", g.N, "] = ", g.trans_a ? "A^T" : "A", " @ ", g.trans_b ? "B^T" : "B", ", K=", g.K,
              ", D ", g.d_f32 ? "f32" : "bf16", g.accumulate ? " (accumulate)" : "", ", epilogue ",
-             epi[static_cast<int>(g.epilogue)]);
+             ops::name_of(g.epilogue));
 }
 
 // The largest power of two (at most 16) dividing the address; 16 for null.
@@ -43,18 +42,6 @@ int alignment_of(const void* p) {
   int align = 16;
   while (align > 1 && (a % static_cast<unsigned>(align)) != 0) align /= 2;
   return align;
-}
-
-bool uses_aux(Epilogue e) { return e == Epilogue::gelu || e == Epilogue::dgelu; }
-
-cublasLtEpilogue_t lt_epilogue(const GemmDesc& g) {
-  switch (g.epilogue) {
-    case Epilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
-    case Epilogue::bias: return CUBLASLT_EPILOGUE_BIAS;
-    case Epilogue::gelu: return g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
-    case Epilogue::dgelu: return CUBLASLT_EPILOGUE_DGELU;
-  }
-  return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
 }  // namespace
@@ -87,7 +74,7 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g, cudaStream_t stream) {
   KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   set_attr(p->op, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
   set_attr(p->op, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
-  const cublasLtEpilogue_t epilogue = lt_epilogue(g);
+  const cublasLtEpilogue_t epilogue = lt_epilogue(g.epilogue, g.bias != nullptr);
   set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
   // The heuristic reads the bias/aux pointers only for their alignment, so it is shown a
   // placeholder of exactly the class alignment: the algorithm then suits every pointer of the class.

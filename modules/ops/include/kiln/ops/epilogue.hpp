@@ -12,4 +12,14 @@ enum class Epilogue {
   dgelu,  // D = r * gelu'(aux), aux the forward's pre-activation (the GELU's backward)
 };
 
+constexpr const char* name_of(Epilogue e) {
+  switch (e) {
+    case Epilogue::none: return "none";
+    case Epilogue::bias: return "bias";
+    case Epilogue::gelu: return "gelu";
+    case Epilogue::dgelu: return "dgelu";
+  }
+  return "?";
+}
+
 }  // namespace kiln::ops

@@ -94,22 +94,10 @@ void attention_decode(bf16* out, float* scratch, const bf16* qkv, int B, int Tma
                       float scale, cudaStream_t s, int kv_heads = 0);
 
 // ---- loss and optimizer ----
+// Softmax cross-entropy fused with its backward, one block per row (bench/cross_entropy_variants.cu
+// keeps the kernels it was measured against).
 void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real, float dloss,
                    cudaStream_t s);
-// The kernels cross_entropy can run, one block per row, to be chosen by name where they are measured
-// against each other (bench/bench_kernels.cpp). All but elementwise read the row in 16-byte chunks:
-// where V % 8 != 0 or the logits are not 16-byte aligned, every variant runs elementwise.
-enum class CrossEntropyVariant {
-  automatic,         // what cross_entropy runs: streaming_256 (elementwise where chunks do not fit)
-  row_in_registers,  // the row cached in registers, read from memory once (streaming_512 past 64K logits)
-  streaming_512,     // 512 threads; the row read twice (the second time mostly from L2)
-  shared_512,        // 512 threads; the row staged in shared memory by cp.async (rows up to 56K logits)
-  elementwise,       // 256 threads, element by element: any V and alignment
-  streaming_256,     // streaming_512 with 256 threads
-  shared_256,        // shared_512 with 256 threads
-};
-void cross_entropy_variant(CrossEntropyVariant variant, float* losses, bf16* logits, const std::int32_t* targets, int N,
-                           int V, int vocab_real, float dloss, cudaStream_t s);
 // Vocabulary-parallel cross-entropy (see ops::CrossEntropyStats / CrossEntropyFinish): logits hold
 // columns [begin, begin + V) of the padded vocabulary.
 void cross_entropy_stats(float* stats, const bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real,
