@@ -1,8 +1,9 @@
 #pragma once
 // What a model is made of, chosen once from the configuration (as Megatron-Core builds a
 // TransformerLayer from a layer spec): every block's norm, attention and MLP type with their
-// options, and the embedding's positions. This is the one place model.arch is read; the parts and
-// the model never ask which architecture they are in. A new architecture is a new spec here, a new
+// options, and the embedding's positions. This is where the model's code reads model.arch (beside
+// the config's defaults and the Hugging Face GPT-2 conversion); the parts and the model never ask
+// which architecture they are in. A new architecture is a new spec here, a new
 // norm or MLP a new part type (docs/ARCHITECTURE.md: "Adding an architecture").
 #include <cstdint>
 #include <memory>
