@@ -8,35 +8,35 @@
 #      current) with A, then B, then A again: tokens/s (median of the last three quarters of the
 #      steps), ms/step, MFU and peak memory of each; B against the mean of A's two runs.
 # A table last. Logs and metrics under $OUT.
-# usage (on the GPU machine, from the repository root): bash bench/gpu_compare.sh BUILD_A BUILD_B
-# (each a folder made by scripts/devbuild.sh: bin/, lib/, syslib/)
+# usage (on the GPU machine, from the repository root):
+#   bash bench/gpu_compare.sh BUILD_A BUILD_B [all|tests|det|bench]
+# (each build a folder made by scripts/devbuild.sh: bin/, lib/, syslib/; a part alone where one call
+# may not hold them all: tests and det take about 6 minutes, bench about 8)
 set -uo pipefail
 A=${1:?build A}
 B=${2:?build B}
+PART=${3:-all}
+want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT/runs"
 export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 LOG="$OUT/compare-logs.txt"
 : > "$LOG"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOG" 2>&1
-with() {  # build command...: runs the command with the build's libraries first on the path
-  local b=$1
-  shift
-  LD_LIBRARY_PATH="$PWD/$b/lib:$PWD/$b/syslib:${LD_LIBRARY_PATH:-}" "$@"
-}
+libs() { echo "$PWD/$1/lib:$PWD/$1/syslib:${LD_LIBRARY_PATH:-}"; }  # a build's libraries first
 
 notes=()
-for t in test_cuda_ops test_cuda_fp8 test_gpu_model test_gpu_generator test_gpu_recompute test_gpu_training_checkpoint \
+want tests && for t in test_cuda_ops test_cuda_fp8 test_gpu_model test_gpu_generator test_gpu_recompute test_gpu_training_checkpoint \
   test_gpu_fsdp; do
   [ -x "$B/bin/$t" ] || { notes+=("$t: not built"); continue; }
-  timeout 300 with "$B" "$B/bin/$t" > "$OUT/runs/$t.log" 2>&1
+  LD_LIBRARY_PATH=$(libs "$B") timeout 300 "$B/bin/$t" > "$OUT/runs/$t.log" 2>&1
   notes+=("$t rc=$?: $(grep -E '^\[doctest\] test cases' "$OUT/runs/$t.log" | tail -1)")
 done
 
 run() {  # build tag pipeline steps extra-args...
   local b=$1 tag=$2 pipe=$3 steps=$4
   shift 4
-  timeout 300 with "$b" "$b/bin/kiln" run "$pipe" --set data.synthetic_vocab=50257 --set 'data.val_files=""' \
+  LD_LIBRARY_PATH=$(libs "$b") timeout 300 "$b/bin/kiln" run "$pipe" --set data.synthetic_vocab=50257 --set 'data.val_files=""' \
     --set log.val_every=0 --set log.every=1 --set train.steps="$steps" --set log.metrics="$OUT/runs/$tag.jsonl" "$@" \
     > "$OUT/runs/$tag.log" 2>&1
   echo "$tag rc=$?" >> "$LOG"
@@ -44,7 +44,7 @@ run() {  # build tag pipeline steps extra-args...
 FP8=(--set fp8.enabled=true)
 CUR=(--set fp8.enabled=true --set fp8.recipe=current)
 DET=(--set backend.attention_deterministic=true)
-for b in A B; do
+want det && for b in A B; do
   dir=$A
   [ $b = B ] && dir=$B
   run "$dir" "det-gpt2-bf16-$b" pipelines/gpt2-124m.toml 8 "${DET[@]}"
@@ -52,7 +52,7 @@ for b in A B; do
   run "$dir" "det-llama-bf16-$b" pipelines/llama-1b.toml 6 "${DET[@]}"
   run "$dir" "det-llama-fp8-$b" pipelines/llama-1b.toml 6 "${DET[@]}" "${FP8[@]}"
 done
-for cfg in "gpt2-124m pipelines/gpt2-124m.toml 60" "gpt-1.3b pipelines/gpt-1.3b.toml 30" \
+want bench && for cfg in "gpt2-124m pipelines/gpt2-124m.toml 60" "gpt-1.3b pipelines/gpt-1.3b.toml 30" \
   "llama-1b pipelines/llama-1b.toml 30"; do
   set -- $cfg
   for prec in bf16 fp8 fp8-current; do
@@ -87,6 +87,8 @@ def stats(tag):
 print("deterministic steps (losses and gradient norms, A against B):")
 for name in ("det-gpt2-bf16", "det-gpt2-fp8", "det-llama-bf16", "det-llama-fp8"):
     a, b = rows(name + "-A"), rows(name + "-B")
+    if not a and not b:
+        continue
     key = lambda r: [(x["loss"], x.get("grad_norm")) for x in r]
     same = bool(a) and key(a) == key(b)
     worst = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)), default=float("nan"))
@@ -97,7 +99,7 @@ for model in ("gpt2-124m", "gpt-1.3b", "llama-1b"):
         t = f"{model}-{prec}"
         a1, b, a2 = stats(t + "-A1"), stats(t + "-B"), stats(t + "-A2")
         if not (a1 and b and a2):
-            print(f"{t:<22} (missing runs)"); continue
+            continue
         a = (a1[0] + a2[0]) / 2
         print(f"{t:<22} {a:>10,.0f} {b[0]:>10,.0f} {b[0] / a:>7.3f} {b[1]:>8.2f} {100 * b[2]:>5.1f}% {a1[3][0]:>7.2f} "
               f"{b[3][0]:>7.2f} {a1[3][1]:>7} {b[3][1]:>7}")
