@@ -53,7 +53,6 @@ class TransformerBlock {
   // Block `index` (layer unit index + 1), its parameters registered through `b`.
   TransformerBlock(LayerBuilder b, int index, const ModelSpec& spec);
 
-  int index() const { return index_; }
   int unit() const { return index_ + 1; }
   // Reads the block's recompute plan (an nn::ActivationRecompute component on its layer) and declares
   // its rows, once every module is installed.

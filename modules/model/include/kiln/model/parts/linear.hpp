@@ -32,7 +32,6 @@ class ModelLinear {
 
   const Layer& layer() const { return layer_; }
   Entity entity() const { return entity_; }
-  Entity weight_param() const { return weight_; }
   std::int64_t local_in() const;
   std::int64_t local_out() const;
   // The implementation that multiplies: the one a module attached, else the backend's.
