@@ -7,6 +7,8 @@ template <class... F>
 struct Overloaded : F... {
   using F::operator()...;
 };
+template <class... F>
+Overloaded(F...) -> Overloaded<F...>;  // clang 14 deduces no aggregate's arguments
 }  // namespace
 
 Prologue prologue_of(const LinearInput& x) {
