@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -125,7 +126,10 @@ inline void forward_backward_step(World& w) {
 // Every parameter's gradient (a sixth of its elements) of the pipeline's model against central
 // differences (Richardson-extrapolated) of the loss in the f32 master weights (the CPU backend computes in f32), with the
 // same dropout masks each time: each error relative to the parameter's largest gradient < 2e-2.
-inline void check_finite_differences(const std::string& toml, const std::vector<std::string>& sets) {
+// `extra_loss` adds what else the model's gradient includes (a mixture of experts' router losses),
+// read after each forward.
+inline void check_finite_differences(const std::string& toml, const std::vector<std::string>& sets,
+                                     const std::function<double(World&)>& extra_loss = {}) {
   Pipeline p(toml, sets);
   World& w = *p.world;
   w.systems().run(Phase::setup, w);
@@ -143,13 +147,14 @@ inline void check_finite_differences(const std::string& toml, const std::vector<
   model.forward(batch, 0, true, &tracker);
   model.backward(batch);
   const auto grads = grads_of(w);
+  if (extra_loss) extra_loss(w);  // what the gradient's forward left to read
 
   float* master = store.master_flat().as<float>();
   auto loss = [&] {
     tracker.set_states(snapshot);  // the same dropout masks every time
     be.convert(store.compute_flat(), store.master_flat());
     model.forward(batch, 0, true, &tracker);
-    return model.mean_loss(1);
+    return model.mean_loss(1) + (extra_loss ? extra_loss(w) : 0.0);
   };
   for (Entity e : store.order()) {
     const auto& prm = w.get<nn::Param>(e);

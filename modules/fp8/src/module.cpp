@@ -194,7 +194,7 @@ void install(World& w, const Fp8Config& cfg) {
   std::vector<std::string> skipped;
   for (Entity e : w.view<nn::Linear>()) {
     const auto& l = w.get<nn::Linear>(e);
-    bool use = nn::in_block(l.role) || cfg.lm_head;
+    bool use = nn::in_block(l.role) || (cfg.lm_head && l.role == nn::LinearRole::lm_head);
     if (use && cfg.first_last_bf16 && nn::in_block(l.role) && (l.unit == first_unit || l.unit == last_unit))
       use = false;
     if (!use) continue;

@@ -89,6 +89,7 @@ void install(World& w, const LogConfig& cfg) {
                                                    {"tokens_per_s", ts.tokens_per_s}, {"step_ms", ts.step_ms},
                                                    {"mfu", ts.mfu},           {"tokens", ts.tokens_seen}};
                        if (ts.val_loss) j["val_loss"] = *ts.val_loss;
+                       for (const auto& [name, value] : ts.metrics) j[name] = value;
                        *mf.out << j.dump() << "\n";
                        mf.out->flush();
                      }

@@ -23,6 +23,7 @@ Generator::Generator(const ModelConfig& cfg, ops::Backend& backend, const Weight
       logit_rows_(std::min(cfg.max_seq_len, 64)) {
   KILN_CHECK(cfg.n_layer > 0 && H_ > 0 && C_ % H_ == 0 && Tmax_ > 0 && cfg.vocab_size > 0,
              "generator: invalid model config");
+  KILN_CHECK(!cfg.moe.enabled(), "generator: a mixture of experts (model.moe) does not generate yet");
   const DType act = be_.act_dtype();
   const std::int64_t C = C_, T = Tmax_, W = qkv_width(), F = F_, fc_rows = spec_.mlp_in_parts() * F;
   const bool norm_bias = spec_.norm == NormKind::layernorm, attn_bias = spec_.attention.bias,

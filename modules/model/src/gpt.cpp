@@ -109,7 +109,8 @@ float GptModel::begin_forward(const train::Batch& batch, int slot, bool training
   ctx_.be.copy(targets_, TensorView(const_cast<std::int32_t*>(batch.targets.data()), {N}, DType::i32, Device::cpu));
   const float p = training ? ctx_.cfg.dropout : 0.0f;
   ctx_.seq_offset = batch.global_index;
-  if (p > 0 && tracker) {  // every micro-batch of the step draws from the same states
+  ctx_.training = training;
+  if (training && tracker) {  // every micro-batch of the step draws from the same states
     if (slot == 0)
       step_rng_ = tracker->get_states();
     else
@@ -184,7 +185,8 @@ void GptModel::initialise(rng::RngStatesTracker& tracker) {
 
 std::int64_t GptModel::parameter_count() const {
   std::int64_t n = 0;
-  for (Entity e : ctx_.world.resource<nn::ParamStore>().order()) n += ctx_.world.get<nn::Param>(e).numel;
+  for (Entity e : ctx_.world.resource<nn::ParamStore>().order())
+    n += ctx_.world.get<nn::Param>(e).global_shape.numel();
   return n;
 }
 
@@ -207,6 +209,49 @@ double GptModel::evaluate(const std::vector<train::Batch>& batches) {
     total += mean_loss(1);
   }
   return total / static_cast<double>(batches.size());
+}
+
+std::vector<std::pair<std::string, double>> GptModel::step_metrics() {
+  std::vector<float> sums;
+  for (auto& block : blocks_)
+    for (auto& [name, mixer] : block->mixers()) mixer->collect_stats(sums);
+  std::vector<std::pair<std::string, double>> out;
+  if (sums.empty()) return out;
+  dp_.sum(sums);
+  std::size_t at = 0;
+  for (auto& block : blocks_)
+    for (auto& [name, mixer] : block->mixers()) at = mixer->end_step(sums, at, name, out);
+  return out;
+}
+
+std::vector<float> GptModel::part_state() const {
+  std::vector<float> all;
+  for (const auto& block : blocks_)
+    for (const auto& [name, mixer] : block->mixers()) {
+      const std::vector<float> s = mixer->state();
+      all.insert(all.end(), s.begin(), s.end());
+    }
+  return all;
+}
+
+void GptModel::set_part_state(std::span<const float> values) {
+  std::size_t at = 0;
+  for (auto& block : blocks_)
+    for (auto& [name, mixer] : block->mixers()) {
+      const std::size_t n = mixer->state().size();
+      KILN_CHECK(at + n <= values.size(), "the model's saved part state holds ", values.size(), " values, fewer than ",
+                 name, " needs");
+      mixer->set_state(values.subspan(at, n));
+      at += n;
+    }
+  KILN_CHECK(at == values.size(), "the model's saved part state holds ", values.size(), " values, this model ", at);
+}
+
+std::int64_t GptModel::active_parameter_count() const {
+  std::int64_t n = parameter_count();
+  for (const auto& block : blocks_)
+    for (const auto& [name, mixer] : block->mixers()) n -= mixer->inactive_parameters();
+  return n;
 }
 
 double GptModel::flops_per_token() const {

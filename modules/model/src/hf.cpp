@@ -6,6 +6,7 @@ namespace kiln::model {
 
 interop::Gpt2Shape gpt2_shape(const ModelConfig& cfg) {
   KILN_CHECK(cfg.arch == Arch::gpt2, "Hugging Face GPT-2 weights are for model.arch = \"gpt2\"; this model is a llama");
+  KILN_CHECK(!cfg.moe.enabled(), "Hugging Face GPT-2 weights have dense MLPs; this model has a mixture of experts");
   return {.n_layer = cfg.n_layer,
           .n_head = cfg.n_head,
           .n_embd = cfg.n_embd,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <iomanip>
 #include <iostream>
 
@@ -14,6 +15,7 @@
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/rng/module.hpp"
+#include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::model {
@@ -51,6 +53,42 @@ void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::
   flush();
 }
 
+// What of a mixture of experts does not run yet (issue 26 is under way), as config errors naming
+// the key: the CUDA kernels, and weights from Hugging Face GPT-2 files (dense MLPs).
+void refuse_moe_that_does_not_run(World& w, const ModelConfig& cfg) {
+  if (!cfg.moe.enabled()) return;
+  if (w.resource<ops::ActiveBackend>().get().device() == Device::cuda)
+    throw config_error(w, "model.moe.n_experts",
+                       "a mixture of experts runs on the CPU backend only so far (engine.device = \"cpu\")");
+  if (!cfg.init_from.empty())
+    throw config_error(w, "model.init_from", "reads GPT-2 weights with dense MLPs; this model has a mixture of experts");
+}
+
+// The parts' state that is neither parameter nor activation (routers' balancing biases) in
+// training-state checkpoints: the same on every rank, so any rank's copy restores it.
+void save_part_state(World& w, GptModel& model) {
+  if (model.part_state().empty()) return;
+  w.resource<train::TrainingState>().blobs.push_back(
+      {"model.parts",
+       [&model] {
+         const std::vector<float> v = model.part_state();
+         return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+       },
+       [&model](const train::SavedBlobs& saved) -> std::function<void()> {
+         const std::size_t want = model.part_state().size();
+         if (saved.all.empty())
+           KILN_FILE_ERROR("checkpoint ", saved.checkpoint, " holds no 'model.parts' state (the routers' balancing "
+                           "biases) for this model's ", want, " values");
+         const std::string& bytes = saved.own ? *saved.own : saved.all.front();
+         if (bytes.size() != want * sizeof(float))
+           KILN_FILE_ERROR("checkpoint ", saved.checkpoint, ": 'model.parts' holds ", bytes.size() / sizeof(float),
+                           " values, this model's parts need ", want, " (another model shape?)");
+         std::vector<float> v(want);
+         std::memcpy(v.data(), bytes.data(), bytes.size());
+         return [&model, v] { model.set_part_state(v); };
+       }});
+}
+
 // The parameter store's held buffers on the backend: master and gradients zeroed (padding stays zero).
 nn::HeldBuffers held_buffers(ops::Backend& be, std::int64_t held) {
   const auto n = static_cast<std::size_t>(held);
@@ -74,6 +112,7 @@ void install(World& w, const ModelConfig& cfg) {
     throw config_error(w, problem.key, problem.message);
   if (cfg.llama() && !cfg.init_from.empty())
     throw config_error(w, "model.init_from", "reads Hugging Face GPT-2 weights: it needs model.arch = \"gpt2\"");
+  refuse_moe_that_does_not_run(w, cfg);
   auto& model = w.emplace_resource<GptModel>(w, cfg, ts.micro_batch_size, static_cast<int>(tc.seq_len),
                                              ts.micro_batches);
   model.set_loss_scale(1.0f / static_cast<float>(tc.batch_size * tc.seq_len));
@@ -105,12 +144,15 @@ void install(World& w, const ModelConfig& cfg) {
                      m.allocate_activations();  // after every module attached its components
                      world.emplace_resource<nn::BlockScratch>(m.block_scratch());
                      m.initialise(world.resource<rng::RngStatesTracker>());
-                     if (world.resource<RankInfo>().rank == 0)
-                       std::cout << "model: " << m.parameter_count() << " parameters on "
+                     if (world.resource<RankInfo>().rank == 0) {
+                       const std::int64_t total = m.parameter_count(), active = m.active_parameter_count();
+                       std::cout << "model: " << total << " parameters"
+                                 << (active < total ? cat(" (", active, " active per token)") : std::string()) << " on "
                                  << world.resource<ops::ActiveBackend>().get().name() << ", activation memory "
                                  << std::fixed << std::setprecision(3)
                                  << static_cast<double>(m.activation_bytes()) / (1 << 30) << " GiB\n"
                                  << std::defaultfloat;
+                     }
                    },
                    {"params.allocate"}});
   if (!cfg.init_from.empty())
@@ -141,6 +183,15 @@ void install(World& w, const ModelConfig& cfg) {
                        KILN_THROW("step ", world.resource<RunControl>().step, ": the loss is ", ts.loss,
                                   " (non-finite); stopping");
                    }});
+  save_part_state(w, model);
+  // The parts' numbers of the step (a mixture of experts' losses and loads) for the metrics; the
+  // routers' balancing biases move by them.
+  w.systems().add({"model.metrics", Phase::step_end,
+                   [](World& world) {
+                     world.resource<train::TrainState>().metrics = world.resource<GptModel>().step_metrics();
+                   },
+                   {},
+                   {"train.step_end"}});
   // The step's device work (the optimizer) finishes before the step timer stops.
   w.systems().add({"model.sync", Phase::step_end,
                    [](World& world) {

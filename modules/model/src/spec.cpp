@@ -14,6 +14,22 @@ ModelSpec model_spec(const ModelConfig& cfg) {
                  .init_std = cfg.init_std, .proj_init_std = proj_std};
   s.mlp_options = {.hidden = cfg.mlp_hidden(), .bias = true, .init_std = cfg.init_std, .proj_init_std = proj_std};
   s.tie_embeddings = cfg.tie_embeddings;
+  if (cfg.moe.enabled()) {
+    s.moe = MoeOptions{.n_experts = cfg.moe.n_experts,
+                       .top_k = cfg.moe.top_k,
+                       .hidden = cfg.expert_hidden(),
+                       .score = cfg.moe.router == MoeRouter::sigmoid ? ops::MoeScore::sigmoid : ops::MoeScore::softmax,
+                       .normalize_gates = cfg.moe.normalize_gates,
+                       .aux_loss_coeff = cfg.moe.aux_loss_coeff,
+                       .z_loss_coeff = cfg.moe.z_loss_coeff,
+                       .bias_update_rate = cfg.moe.bias_update_rate,
+                       .capacity_factor = cfg.moe.capacity_factor,
+                       .expert_dropout = cfg.moe.expert_dropout,
+                       .init_std = cfg.init_std,
+                       .proj_init_std = proj_std};
+    s.moe_every = cfg.moe.every;
+    s.shared_experts = cfg.moe.shared_experts;
+  }
   switch (cfg.arch) {
     case Arch::gpt2:
       s.norm = NormKind::layernorm;
@@ -29,6 +45,8 @@ ModelSpec model_spec(const ModelConfig& cfg) {
       s.mlp_options.bias = false;
       break;
   }
+  // The experts are the architecture's MLP without biases (as Mixtral's and DeepSeek's are).
+  if (s.moe) s.moe->activation = s.mlp == MlpKind::swiglu ? ExpertActivation::swiglu : ExpertActivation::gelu;
   return s;
 }
 
@@ -41,9 +59,22 @@ std::unique_ptr<Mixer> ModelSpec::make_attention(LayerBuilder& b) const {
   return std::make_unique<CausalSelfAttention>(b, attention);
 }
 
-std::unique_ptr<Mixer> ModelSpec::make_mlp(LayerBuilder& b) const {
-  if (mlp == MlpKind::swiglu) return std::make_unique<SwigluMlp>(b, mlp_options);
-  return std::make_unique<GeluMlp>(b, mlp_options);
+std::unique_ptr<Mlp> ModelSpec::make_dense_mlp(LayerBuilder& b, const MlpOptions& o) const {
+  if (mlp == MlpKind::swiglu) return std::make_unique<SwigluMlp>(b, o);
+  return std::make_unique<GeluMlp>(b, o);
+}
+
+std::unique_ptr<Mixer> ModelSpec::make_mlp(LayerBuilder& b, int block) const {
+  if (!moe || block % moe_every != 0) return make_dense_mlp(b, mlp_options);
+  std::unique_ptr<Mlp> shared;
+  if (shared_experts > 0) {  // one dense MLP as wide as the shared experts together, without biases
+    MlpOptions o = mlp_options;
+    o.name = "mlp.shared";
+    o.hidden = shared_experts * moe->hidden;
+    o.bias = false;
+    shared = make_dense_mlp(b, o);
+  }
+  return std::make_unique<MoeMlp>(b, *moe, std::move(shared));
 }
 
 const char* ModelSpec::norm_stem() const { return norm == NormKind::rmsnorm ? RmsNorm::kStem : LayerNorm::kStem; }
@@ -55,8 +86,13 @@ std::vector<parallel::SplitDim> tensor_parallel_splits(const ModelConfig& cfg, s
   // parallelism the padded vocabulary.
   std::vector<parallel::SplitDim> dims = {{cfg.n_head, "model.n_head", "attention heads"}};
   if (cfg.n_kv_head > 0) dims.push_back({cfg.n_kv_head, "model.n_kv_head", "key/value heads"});
-  dims.push_back({cfg.mlp_hidden(), cfg.ffn_hidden > 0 ? "model.ffn_hidden" : "model.n_embd",
-                  "MLP hidden features (model.ffn_hidden, or its default from model.n_embd)"});
+  const bool dense_blocks = !cfg.moe.enabled() || (cfg.moe.every > 1 && cfg.n_layer > 1);
+  if (dense_blocks)
+    dims.push_back({cfg.mlp_hidden(), cfg.ffn_hidden > 0 ? "model.ffn_hidden" : "model.n_embd",
+                    "MLP hidden features (model.ffn_hidden, or its default from model.n_embd)"});
+  if (cfg.moe.enabled())
+    dims.push_back({cfg.expert_hidden(), cfg.moe.hidden > 0 ? "model.moe.hidden" : "model.ffn_hidden",
+                    "expert hidden features (model.moe.hidden, or the dense MLP's width)"});
   if (sequence_parallel)
     dims.push_back({tokens, "parallel.sequence_parallel",
                     "tokens of a micro-batch (train.micro_batch_size x train.seq_len)"});

@@ -159,6 +159,15 @@ std::int64_t check_args(const GeluForward& a, const ArgTarget& on) {
   return c[n];
 }
 
+std::int64_t check_args(const GeluBackward& a, const ArgTarget& on) {
+  OpArgs c("gelu_backward", on);
+  const auto n = c.wide_dim("n");
+  c.elements("x", a.x, Act, n);
+  c.elements("dout", a.dout, Act, n);
+  c.elements("dx", a.dx, Act, n);
+  return c[n];
+}
+
 AttentionDims check_args(const AttentionForward& a, const ArgTarget& on) {
   OpArgs c("attention_forward", on);
   const auto B = c.dim("B"), T = c.dim("T"), H = c.dim("H"), D = c.dim("D");
@@ -277,6 +286,154 @@ CrossEntropyDims check_args(const CrossEntropyFinish& a, const ArgTarget& on) {
   c.tensor("losses", a.losses, f32, {N});
   c.check(a.vocab_begin >= 0 && a.vocab_real > 0, "columns from ", a.vocab_begin, ", vocab_real ", a.vocab_real);
   return {c[N], c[V], c[R]};
+}
+
+MoeDims check_args(const MoeRoute& a, const ArgTarget& on) {
+  OpArgs c("moe_route", on);
+  const auto N = c.dim("N"), E = c.dim("E"), k = c.dim("k");
+  c.tensor("logits", a.logits, Act, {N, E});
+  c.tensor("scores", a.scores, f32, {N, E});
+  c.tensor("lse", a.lse, f32, {N});
+  c.tensor("experts", a.experts, i32, {N, k});
+  c.tensor("gates", a.gates, f32, {N, k});
+  c.optional("bias", a.bias, f32, {E});
+  c.optional("loss_terms", a.loss_terms, f32, {2});
+  c.check(c[k] >= 1 && c[k] <= c[E], "k = ", c[k], " experts per token must be in [1, E = ", c[E], "]");
+  c.check(!a.bias || a.score == MoeScore::sigmoid, "a selection bias is for sigmoid scoring");
+  c.check(a.seq_len > 0 && c[N] % a.seq_len == 0, "seq_len = ", a.seq_len, " must be positive and divide N = ", c[N]);
+  return {c[N], c[E], c[k], 0, c[N] * c[k]};
+}
+
+MoeDims check_args(const MoeRouteBackward& a, const ArgTarget& on) {
+  OpArgs c("moe_route_backward", on);
+  const auto N = c.dim("N"), E = c.dim("E"), k = c.dim("k");
+  c.tensor("logits", a.logits, Act, {N, E});
+  c.tensor("scores", a.scores, f32, {N, E});
+  c.tensor("lse", a.lse, f32, {N});
+  c.tensor("experts", a.experts, i32, {N, k});
+  c.tensor("dgates", a.dgates, f32, {N, k});
+  c.tensor("dlogits", a.dlogits, Act, {N, E});
+  c.check(c[k] >= 1 && c[k] <= c[E], "k = ", c[k], " experts per token must be in [1, E = ", c[E], "]");
+  c.check(a.seq_len > 0 && c[N] % a.seq_len == 0, "seq_len = ", a.seq_len, " must be positive and divide N = ", c[N]);
+  return {c[N], c[E], c[k], 0, c[N] * c[k]};
+}
+
+MoeDims check_args(const MoePermute& a, const ArgTarget& on) {
+  OpArgs c("moe_permute", on);
+  const auto N = c.dim("N"), k = c.dim("k"), E1 = c.dim("E + 1"), R = c.dim("R"), C = c.dim("C");
+  c.tensor("experts", a.experts, i32, {N, k});
+  c.tensor("offsets", a.offsets, i32, {E1});
+  c.tensor("row_of", a.row_of, i32, {N, k});
+  c.tensor("source", a.source, i32, {R});
+  c.check(c[R] == c[N] * c[k], "source holds ", c[R], " rows, but N k = ", c[N] * c[k]);
+  c.check(a.n_experts >= 1 && c[E1] == a.n_experts + 1, "offsets must hold n_experts + 1 = ", a.n_experts + 1,
+          " values, got ", c[E1]);
+  c.check(a.capacity >= 0, "capacity = ", a.capacity, " must not be negative");
+  c.check(a.capacity == 0 || (a.seq_len > 0 && c[N] % a.seq_len == 0), "seq_len = ", a.seq_len,
+          " must be positive and divide N = ", c[N], " (a capacity is per sequence)");
+  c.check(a.token_offset >= 0 && (a.token_offset + c[N]) * a.n_experts < (std::int64_t{1} << 31), "token_offset = ",
+          a.token_offset, ": the (token, expert) ids up to (", a.token_offset + c[N], ") x ", a.n_experts,
+          " must fit in 31 bits");
+  std::int64_t channels = 0;
+  if (c.optional("out", a.out, Act, {R, C})) {
+    c.tensor("x", a.x, Act, {N, C});
+    channels = c[C];
+  }
+  return {c[N], a.n_experts, c[k], channels, c[R]};
+}
+
+MoeDims check_args(const MoePermuteBackward& a, const ArgTarget& on) {
+  OpArgs c("moe_permute_backward", on);
+  const auto N = c.dim("N"), k = c.dim("k"), R = c.dim("R"), C = c.dim("C");
+  c.tensor("row_of", a.row_of, i32, {N, k});
+  c.tensor("dout", a.dout, Act, {R, C});
+  c.tensor("dx", a.dx, Act, {N, C});
+  c.check(c[R] == c[N] * c[k], "dout holds ", c[R], " rows, but N k = ", c[N] * c[k]);
+  return {c[N], 0, c[k], c[C], c[R]};
+}
+
+MoeDims check_args(const MoeCombine& a, const ArgTarget& on) {
+  OpArgs c("moe_combine", on);
+  const auto N = c.dim("N"), k = c.dim("k"), R = c.dim("R"), C = c.dim("C");
+  c.tensor("row_of", a.row_of, i32, {N, k});
+  c.tensor("gates", a.gates, f32, {N, k});
+  c.tensor("y", a.y, Act, {R, C});
+  c.tensor("out", a.out, Act, {N, C});
+  c.check(c[R] == c[N] * c[k], "y holds ", c[R], " rows, but N k = ", c[N] * c[k]);
+  return {c[N], 0, c[k], c[C], c[R]};
+}
+
+MoeDims check_args(const MoeCombineBackward& a, const ArgTarget& on) {
+  OpArgs c("moe_combine_backward", on);
+  const auto N = c.dim("N"), k = c.dim("k"), R = c.dim("R"), C = c.dim("C");
+  c.tensor("row_of", a.row_of, i32, {N, k});
+  c.tensor("gates", a.gates, f32, {N, k});
+  c.tensor("y", a.y, Act, {R, C});
+  c.tensor("dout", a.dout, Act, {N, C});
+  c.tensor("dy", a.dy, Act, {R, C});
+  c.tensor("dgates", a.dgates, f32, {N, k});
+  c.check(c[R] == c[N] * c[k], "y holds ", c[R], " rows, but N k = ", c[N] * c[k]);
+  return {c[N], 0, c[k], c[C], c[R]};
+}
+
+namespace {
+// Expert e's rows [offsets[e], offsets[e + 1]): 0 first, ascending, at most R.
+void check_offsets(const OpArgs& c, const std::int32_t* offsets, std::int64_t E, std::int64_t R) {
+  c.check(offsets != nullptr, "offsets_host: expected the ", E + 1, " expert offsets on the host, got none");
+  c.check(offsets[0] == 0, "offsets_host[0] = ", offsets[0], " must be 0");
+  for (std::int64_t e = 0; e < E; ++e)
+    c.check(offsets[e] <= offsets[e + 1], "offsets_host must ascend: [", e, "] = ", offsets[e], " > [", e + 1, "] = ",
+            offsets[e + 1]);
+  c.check(offsets[E] <= R, "offsets_host[E] = ", offsets[E], " exceeds the ", R, " rows");
+}
+}  // namespace
+
+namespace {
+// A grouped linear's weight: [E, OC, IC], or [E, IC, OC] stored input-major.
+void grouped_weight(OpArgs& c, const char* arg, const TensorView& w, ArgDType dtype, bool in_out, OpArgs::Dim E,
+                    OpArgs::Dim IC, OpArgs::Dim OC) {
+  if (in_out)
+    c.tensor(arg, w, dtype, {E, IC, OC});
+  else
+    c.tensor(arg, w, dtype, {E, OC, IC});
+}
+}  // namespace
+
+GroupedDims check_args(const GroupedLinearForward& a, const ArgTarget& on) {
+  OpArgs c("grouped_linear_forward", on);
+  const auto E = c.dim("E"), R = c.dim("R"), IC = c.dim("IC"), OC = c.dim("OC");
+  c.tensor("x", a.x, Act, {R, IC});
+  c.tensor("out", a.out, Act, {R, OC});
+  grouped_weight(c, "weight", a.weight, Act, a.weight_in_out, E, IC, OC);
+  check_offsets(c, a.offsets_host, c[E], c[R]);
+  return {c[E], c[R], c[IC], c[OC]};
+}
+
+GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on) {
+  OpArgs c("grouped_linear_backward", on);
+  const auto E = c.dim("E"), R = c.dim("R"), IC = c.dim("IC"), OC = c.dim("OC");
+  c.tensor("x", a.x, Act, {R, IC});
+  c.tensor("dout", a.dout, Act, {R, OC});
+  grouped_weight(c, "weight", a.weight, Act, a.weight_in_out, E, IC, OC);
+  grouped_weight(c, "dweight", a.dweight, f32, a.weight_in_out, E, IC, OC);
+  c.optional("dx", a.dx, Act, {R, IC});
+  if (c.optional("dx_gelu_pre", a.dx_gelu_pre, Act, {R, IC}))
+    c.check(static_cast<bool>(a.dx), "dx_gelu_pre without dx: the GELU's derivative applies to dx");
+  check_offsets(c, a.offsets_host, c[E], c[R]);
+  return {c[E], c[R], c[IC], c[OC]};
+}
+
+MoeDims check_args(const MoeDropout& a, const ArgTarget& on) {
+  OpArgs c("moe_dropout", on);
+  const auto R = c.dim("R"), F = c.dim("F");
+  c.tensor("x", a.x, Act, {R, F});
+  c.tensor("ids", a.ids, i32, {R});
+  c.check(a.p > 0 && a.p < 1, "p = ", a.p, " must be in (0, 1) (no op to run otherwise)");
+  c.check(a.rows >= 0 && a.rows <= c[R], "rows = ", a.rows, " outside [0, ", c[R], "]");
+  const std::int64_t cols = a.cols_total > 0 ? a.cols_total : c[F];
+  c.check(a.col_offset >= 0 && a.col_offset + c[F] <= cols, "columns [", a.col_offset, ", ", a.col_offset + c[F],
+          ") outside cols_total = ", cols);
+  return {0, 0, 0, c[F], c[R]};
 }
 
 AdamWPlan check_args(const AdamW& a, const ArgTarget& on) {

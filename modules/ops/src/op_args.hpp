@@ -49,6 +49,7 @@ LinearDims check_args(const LinearBackward& a, const ArgTarget& on);
 
 // Returns the element count.
 std::int64_t check_args(const GeluForward& a, const ArgTarget& on);
+std::int64_t check_args(const GeluBackward& a, const ArgTarget& on);
 
 struct AttentionDims {
   std::int64_t B, T, H, D;
@@ -71,6 +72,26 @@ struct CrossEntropyDims {
 CrossEntropyDims check_args(const CrossEntropy& a, const ArgTarget& on);
 CrossEntropyDims check_args(const CrossEntropyStats& a, const ArgTarget& on);
 CrossEntropyDims check_args(const CrossEntropyFinish& a, const ArgTarget& on);
+
+// Mixture of experts: tokens, experts, experts per token, channels (0 where no [.., C] tensor is
+// given), grouped rows R = N k.
+struct MoeDims {
+  std::int64_t N, E, k, C, R;
+};
+MoeDims check_args(const MoeRoute& a, const ArgTarget& on);
+MoeDims check_args(const MoeRouteBackward& a, const ArgTarget& on);
+MoeDims check_args(const MoePermute& a, const ArgTarget& on);
+MoeDims check_args(const MoePermuteBackward& a, const ArgTarget& on);
+MoeDims check_args(const MoeCombine& a, const ArgTarget& on);
+MoeDims check_args(const MoeCombineBackward& a, const ArgTarget& on);
+// Dropout on grouped rows: R, and C = the rows' width F.
+MoeDims check_args(const MoeDropout& a, const ArgTarget& on);
+// Experts, rows, in and out features; the host offsets checked (0 first, ascending, at most R).
+struct GroupedDims {
+  std::int64_t E, R, IC, OC;
+};
+GroupedDims check_args(const GroupedLinearForward& a, const ArgTarget& on);
+GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on);
 
 // AdamW's P and its segments, sorted by offset and without the empty ones: they tile [0, P).
 struct AdamWPlan {

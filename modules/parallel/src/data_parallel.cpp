@@ -10,4 +10,10 @@ double DataParallel::mean(double local) const {
   return m;
 }
 
+void DataParallel::sum(std::span<float> values) const {
+  if (comm_.size() == 1 || values.empty()) return;
+  comm_.all_reduce(TensorView(values.data(), {static_cast<std::int64_t>(values.size())}, DType::f32, Device::cpu),
+                   ReduceOp::sum, nullptr);
+}
+
 }  // namespace kiln::parallel

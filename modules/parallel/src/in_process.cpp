@@ -145,9 +145,56 @@ class InProcessCommunicator final : public Communicator {
     enter(nullptr, "barrier");
   }
 
+  void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) override {
+    // Every rank posts its sends (host views, device buffers staged), then reads what its peers posted
+    // for it: the i-th receive from a peer takes that peer's i-th send to this rank.
+    std::vector<std::unique_ptr<HostStage>> staged_sends, staged_recvs;
+    std::vector<Transfer> posted;
+    for (const auto& t : sends) {
+      check_transfer(t, "send");
+      staged_sends.push_back(std::make_unique<HostStage>(t.buf, stream, true));
+      posted.push_back({t.peer, staged_sends.back()->host()});
+    }
+    for (const auto& t : recvs) {
+      check_transfer(t, "receive");
+      staged_recvs.push_back(std::make_unique<HostStage>(t.buf, stream, false));
+    }
+    const std::string what = "send_recv";
+    enter(&posted, what);
+    std::vector<std::size_t> taken(static_cast<std::size_t>(size()), 0);
+    for (std::size_t i = 0; i < recvs.size(); ++i) {
+      const int peer = recvs[i].peer;
+      const auto& theirs = *static_cast<const std::vector<Transfer>*>(g_->in[static_cast<std::size_t>(peer)]);
+      const Transfer* match = nullptr;
+      std::size_t seen = 0;
+      for (const auto& t : theirs)
+        if (t.peer == me_ && seen++ == taken[peer]) {
+          match = &t;
+          break;
+        }
+      const TensorView& dst = staged_recvs[i]->host();
+      const int from = g_->members[static_cast<std::size_t>(peer)];
+      if (!match || match->buf.numel() != dst.numel() || match->buf.dtype != dst.dtype) {
+        const auto msg = cat(name_, " send_recv: rank ", global_, "'s receive ", taken[peer], " from rank ", from, " (",
+                             dst.str(), ") meets ", match ? match->buf.str() : std::string("no send"));
+        hub_->abort(msg);
+        KILN_THROW(msg);
+      }
+      ++taken[peer];
+      std::memcpy(dst.data, match->buf.data, dst.bytes());
+    }
+    sync(what);  // every rank has read what it was sent before the buffers may change
+    for (auto& r : staged_recvs) r->store_back();
+  }
+
  private:
   void check(const TensorView& t, const char* op) const {
     KILN_CHECK(t.contiguous(), name_, " ", op, " needs a contiguous tensor, got ", t.str());
+  }
+  void check_transfer(const Transfer& t, const char* what) const {
+    KILN_CHECK(t.peer >= 0 && t.peer < size(), name_, " send_recv: a ", what, " with peer ", t.peer,
+               " outside the group of ", size());
+    check(t.buf, "send_recv");
   }
 
   // Publishes this rank's input and waits for the whole group; the last rank to arrive checks that
@@ -306,6 +353,14 @@ class SelfCommunicator final : public Communicator {
   }
   void broadcast(const TensorView&, int, void*) override {}
   void barrier() override {}
+  void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) override {
+    KILN_CHECK(sends.size() == recvs.size(), name_, " send_recv on one rank: ", sends.size(), " sends but ",
+               recvs.size(), " receives");
+    for (std::size_t i = 0; i < sends.size(); ++i) {
+      KILN_CHECK(sends[i].peer == 0 && recvs[i].peer == 0, name_, " send_recv on one rank: a peer other than 0");
+      copy(recvs[i].buf, sends[i].buf, stream);
+    }
+  }
 
  private:
   // With one rank, gathering or scattering is a copy (nothing at all when out is in).

@@ -71,6 +71,7 @@ void install(World& w, const ParallelConfig& cfg) {
   comms.tp = make("tp", {Axis::tp});
   comms.dp = make("dp", {Axis::dp});
   comms.tp_dp = make("tp_dp", {Axis::tp, Axis::dp});
+  comms.ep = make("ep", {Axis::ep});
   comms.self = make_self_communicator("self", r.rank);
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
@@ -156,6 +157,10 @@ TensorParallel tensor_parallel(World& w, ops::Backend& backend) {
 }
 
 DataParallel data_parallel(World& w) { return DataParallel(*w.resource<Communicators>().dp); }
+
+ExpertParallel expert_parallel(World& w, ops::Backend& backend, int n_experts) {
+  return ExpertParallel(*w.resource<Communicators>().ep, backend, n_experts);
+}
 
 void register_module(ModuleRegistry& registry) {
   registry.add(make_module<ParallelConfig>(

@@ -214,6 +214,22 @@ class NcclCommunicator final : public Communicator {
       ncclBroadcast(data, data, static_cast<std::size_t>(buf.numel()), nccl_type(buf.dtype), root, comm_, s);
     });
   }
+  void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) override {
+    if (sends.empty() && recvs.empty()) return;
+    const std::string what = cat(name_, " send_recv (", sends.size(), " sends, ", recvs.size(), " receives)");
+    for (const auto* list : {&sends, &recvs})
+      for (const auto& t : *list)
+        KILN_CHECK(t.buf.device == Device::cuda && t.peer >= 0 && t.peer < size_, what, ": ", t.buf.str(),
+                   " with peer ", t.peer, " (device buffers, peers inside the group)");
+    run(stream, what, [&](cudaStream_t s) {
+      ncclGroupStart();
+      for (const auto& t : sends)
+        ncclSend(t.buf.data, static_cast<std::size_t>(t.buf.numel()), nccl_type(t.buf.dtype), t.peer, comm_, s);
+      for (const auto& t : recvs)
+        ncclRecv(t.buf.data, static_cast<std::size_t>(t.buf.numel()), nccl_type(t.buf.dtype), t.peer, comm_, s);
+      ncclGroupEnd();
+    });
+  }
   void barrier() override {
     std::int32_t one = 1;
     all_reduce(TensorView(&one, {1}, DType::i32, Device::cpu), ReduceOp::sum, nullptr);

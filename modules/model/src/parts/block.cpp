@@ -54,9 +54,9 @@ Sublayer attention_sublayer(LayerBuilder& b, const ModelSpec& spec) {
   auto norm = spec.make_norm(b, "1", Norm::Output::per_config);  // made first: the parameters' order
   return Sublayer(b.ctx(), std::move(norm), spec.make_attention(b), "attention", kAttentionIn, kAttentionOut);
 }
-Sublayer mlp_sublayer(LayerBuilder& b, const ModelSpec& spec) {
+Sublayer mlp_sublayer(LayerBuilder& b, int block, const ModelSpec& spec) {
   auto norm = spec.make_norm(b, "2", Norm::Output::per_config);
-  return Sublayer(b.ctx(), std::move(norm), spec.make_mlp(b), "mlp", kMlpIn, kMlpOut);
+  return Sublayer(b.ctx(), std::move(norm), spec.make_mlp(b, block), "mlp", kMlpIn, kMlpOut);
 }
 
 // What a block's backward pass recomputes for each recompute scope.
@@ -76,7 +76,7 @@ TransformerBlock::TransformerBlock(LayerBuilder b, int index, const ModelSpec& s
       index_(index),
       layer_(b.layer()),
       attention_(attention_sublayer(b, spec)),
-      mlp_(mlp_sublayer(b, spec)) {}
+      mlp_(mlp_sublayer(b, index, spec)) {}
 
 void TransformerBlock::declare(ActivationTable& table) {
   if (const auto* r = ctx_.world.try_get<nn::ActivationRecompute>(layer_)) {
@@ -127,6 +127,16 @@ void TransformerBlock::backward(const TensorView& x) {
 
 std::size_t TransformerBlock::scratch_bytes() const {
   return std::max(attention_.mixer().scratch_bytes(), mlp_.mixer().scratch_bytes());
+}
+
+std::vector<std::pair<std::string, Mixer*>> TransformerBlock::mixers() {
+  const std::string at = cat("blocks.", index_, ".");
+  return {{at + "attn", &attention_.mixer()}, {at + "mlp", &mlp_.mixer()}};
+}
+
+std::vector<std::pair<std::string, const Mixer*>> TransformerBlock::mixers() const {
+  const std::string at = cat("blocks.", index_, ".");
+  return {{at + "attn", &attention_.mixer()}, {at + "mlp", &mlp_.mixer()}};
 }
 
 double TransformerBlock::flops_per_token() const {

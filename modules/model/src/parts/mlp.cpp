@@ -9,9 +9,9 @@ namespace kiln::model {
 
 Mlp::Mlp(LayerBuilder& b, const MlpOptions& o, const std::vector<std::int64_t>& fc_parts, ops::Prologue act_prologue)
     : ctx_(b.ctx()),
-      fc_(b, "mlp.fc", nn::LinearRole::mlp_in, parallel::ColumnParallelLinear(ctx_.tp, ctx_.cfg.n_embd, fc_parts), o.bias,
+      fc_(b, o.name + ".fc", nn::LinearRole::mlp_in, parallel::ColumnParallelLinear(ctx_.tp, ctx_.cfg.n_embd, fc_parts), o.bias,
           o.init_std),
-      proj_(b, "mlp.proj", nn::LinearRole::mlp_out, parallel::RowParallelLinear(ctx_.tp, o.hidden, ctx_.cfg.n_embd),
+      proj_(b, o.name + ".proj", nn::LinearRole::mlp_out, parallel::RowParallelLinear(ctx_.tp, o.hidden, ctx_.cfg.n_embd),
             o.bias, o.proj_init_std),
       act_prologue_(act_prologue) {
   // FC2's input is stored for its backward alone where it is not recomputed: an implementation

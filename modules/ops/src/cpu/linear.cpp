@@ -76,4 +76,13 @@ void CpuBackend::gelu_forward(const GeluForward& a) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = store(gelu(x[i]));
 }
 
+void CpuBackend::gelu_backward(const GeluBackward& a) {
+  Timer timer(*this, "gelu_backward");
+  const std::int64_t n = check_args(a, kTarget);
+  const float *x = a.x.as<float>(), *dout = a.dout.as<float>();
+  float* dx = a.dx.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) dx[i] = store(dout[i] * gelu_grad(x[i]));
+}
+
 }  // namespace kiln::ops::cpu

@@ -364,6 +364,12 @@ void CudaBackend::gelu_forward(const GeluForward& a) {
   cuda::gelu_forward(dptr<bf16>(a.out), dptr<bf16>(a.x), n, stream_);
 }
 
+void CudaBackend::gelu_backward(const GeluBackward& a) {
+  Timer t(*this, "gelu_backward");
+  const std::int64_t n = check_args(a, kTarget);
+  cuda::gelu_backward(dptr<bf16>(a.dx), dptr<bf16>(a.dout), dptr<bf16>(a.x), n, stream_);
+}
+
 void CudaBackend::rmsnorm_forward(const RmsNormForward& a) {
   Timer t(*this, "rmsnorm_forward");
   const RowDims d = check_args(a, kTarget);

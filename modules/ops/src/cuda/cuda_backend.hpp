@@ -47,6 +47,7 @@ class CudaBackend final : public Backend {
   void linear_forward(const LinearForward& a) override;
   void linear_backward(const LinearBackward& a) override;
   void gelu_forward(const GeluForward& a) override;
+  void gelu_backward(const GeluBackward& a) override;
   void rmsnorm_forward(const RmsNormForward& a) override;
   void rmsnorm_backward(const RmsNormBackward& a) override;
   void rope(const Rope& a) override;
@@ -61,6 +62,15 @@ class CudaBackend final : public Backend {
   void cross_entropy_stats(const CrossEntropyStats& a) override;
   void cross_entropy_finish(const CrossEntropyFinish& a) override;
   void adamw(const AdamW& a) override;
+  void moe_route(const MoeRoute& a) override;
+  void moe_route_backward(const MoeRouteBackward& a) override;
+  void moe_permute(const MoePermute& a) override;
+  void moe_permute_backward(const MoePermuteBackward& a) override;
+  void moe_combine(const MoeCombine& a) override;
+  void moe_combine_backward(const MoeCombineBackward& a) override;
+  void grouped_linear_forward(const GroupedLinearForward& a) override;
+  void grouped_linear_backward(const GroupedLinearBackward& a) override;
+  void moe_dropout(const MoeDropout& a) override;
 
   void set_profiling(bool on) override { profiling_ = on; }
   int begin_op(const char* op) override;

@@ -84,6 +84,24 @@ __global__ void gelu_kernel(bf16* out, const bf16* x, std::int64_t n, bool vec) 
   }
 }
 
+// dx = dout * gelu'(x) over chunks of 8 bf16 (the same ops::gelu_grad as the CPU).
+__global__ void gelu_backward_kernel(bf16* dx, const bf16* dout, const bf16* x, std::int64_t n, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < n; i += stride * 8) {
+    if (vec && i + 8 <= n) {
+      float f[8], g[8];
+      load8(x + i, f);
+      load8(dout + i, g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = g[k] * ops::gelu_grad(f[k]);
+      store8(dx + i, f);
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 8; ++j)
+        dx[j] = __float2bfloat16_rn(__bfloat162float(dout[j]) * ops::gelu_grad(__bfloat162float(x[j])));
+    }
+  }
+}
+
 // One thread per Philox block: its 4 words give 4 normals (two Box-Muller pairs), the arithmetic
 // of rng::philox_normal step by step (all explicitly rounded), so the bits equal the CPU's.
 __global__ void init_normal_kernel(float* dst, std::int64_t n, float stddev, rng::PhiloxArgs r, std::int64_t g0) {
@@ -183,6 +201,13 @@ void add_f32(float* dst, const float* src, std::int64_t n, cudaStream_t s) {
 void gelu_forward(bf16* out, const bf16* x, std::int64_t n, cudaStream_t s) {
   if (n <= 0) return;
   gelu_kernel<<<grid_for(ceil_div(n, 8), kThreads), kThreads, 0, s>>>(out, x, n, aligned16(out) && aligned16(x));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void gelu_backward(bf16* dx, const bf16* dout, const bf16* x, std::int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  gelu_backward_kernel<<<grid_for(ceil_div(n, 8), kThreads), kThreads, 0, s>>>(
+      dx, dout, x, n, aligned16(dx) && aligned16(dout) && aligned16(x));
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -6,6 +6,7 @@
 
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/config/schema.hpp"
+#include "kiln/model/moe_config.hpp"
 
 namespace kiln::model {
 
@@ -34,6 +35,7 @@ struct ModelConfig {
   bool recompute_norm = true;
   bool recompute_gelu = true;
   std::string init_from;
+  MoeConfig moe;
   void validate(config::Checks& c) const {
     c.expect(n_layer > 0, "n_layer", "must be positive");
     c.expect(n_head > 0, "n_head", "must be positive");
@@ -66,6 +68,8 @@ struct ModelConfig {
     const int f = 8 * n_embd / 3;
     return (f + 255) / 256 * 256;
   }
+  // A mixture of experts' expert width: model.moe.hidden, else the dense MLP's.
+  int expert_hidden() const { return moe.hidden > 0 ? moe.hidden : mlp_hidden(); }
   bool llama() const { return arch == Arch::llama; }
   int padded_vocab() const { return (vocab_size + vocab_multiple - 1) / vocab_multiple * vocab_multiple; }
 };
@@ -99,6 +103,7 @@ KILN_CONFIG(ModelConfig,
             (init_from,
              "start from these weights instead of random ones: a safetensors file with Hugging Face GPT-2 names "
              "(config.json beside it is not read; this section's shape must match; gpt2 only); a checkpoint to "
-             "resume from takes precedence"))
+             "resume from takes precedence"),
+            (moe, "mixture-of-experts MLPs ([model.moe])"))
 
 }  // namespace kiln::model

@@ -7,6 +7,9 @@
 // through kiln::tensor_parallel's layers (the model calls no collective).
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kiln/model/config.hpp"
@@ -56,9 +59,21 @@ class GptModel {
   double mean_loss(int slots);
   // Mean validation loss over the batches (forward only, no dropout; uses slot 0).
   double evaluate(const std::vector<train::Batch>& batches);
+  // The whole model's parameters (every rank's parts together).
   std::int64_t parameter_count() const;
-  // Model FLOPs per trained token (docs/PERF.md gives the formula): the parts' sum.
+  // The parameters a token meets: all but a mixture of experts' unchosen experts.
+  std::int64_t active_parameter_count() const;
+  // Model FLOPs per trained token (docs/PERF.md gives the formula): the parts' sum (a mixture of
+  // experts counts the experts a token meets: the active FLOPs).
   double flops_per_token() const;
+  // The step's numbers the parts report (a mixture of experts' losses and loads), summed over the
+  // data-parallel ranks (collective), by name; each part then updates what depends on them (a
+  // router's balancing bias) and starts afresh.
+  std::vector<std::pair<std::string, double>> step_metrics();
+  // The parts' state that is neither parameter nor activation (routers' balancing biases), for
+  // checkpoints: the same on every rank; empty where no part has any.
+  std::vector<float> part_state() const;
+  void set_part_state(std::span<const float> values);
   // The dloss every token's loss gets: 1 / tokens in the global batch.
   void set_loss_scale(float s) { dloss_ = s; }
 

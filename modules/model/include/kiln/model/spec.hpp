@@ -7,12 +7,14 @@
 // norm or MLP a new part type (docs/ARCHITECTURE.md: "Adding an architecture").
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kiln/model/config.hpp"
 #include "kiln/model/parts/attention.hpp"
 #include "kiln/model/parts/mlp.hpp"
+#include "kiln/model/parts/moe.hpp"
 #include "kiln/model/parts/norm.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
 
@@ -28,12 +30,21 @@ struct ModelSpec {
   AttentionOptions attention;  // rotary embeddings there with Positions::rotary
   MlpKind mlp = MlpKind::gelu;
   MlpOptions mlp_options;
+  // Mixture-of-experts MLPs in blocks 0, moe_every, 2 moe_every, ... (none: every MLP dense); the
+  // experts' activation follows `mlp`, and with shared_experts > 0 a dense MLP of shared_experts x
+  // the experts' width (no biases) goes beside them.
+  std::optional<MoeOptions> moe;
+  int moe_every = 1;
+  int shared_experts = 0;
   bool tie_embeddings = true;
 
   // The parts, registering their parameters through `b` (in the order they are made).
   std::unique_ptr<Norm> make_norm(LayerBuilder& b, const std::string& name, Norm::Output output) const;
   std::unique_ptr<Mixer> make_attention(LayerBuilder& b) const;
-  std::unique_ptr<Mixer> make_mlp(LayerBuilder& b) const;
+  // Block `block`'s MLP: a mixture of experts where the spec has one for that block, else dense.
+  std::unique_ptr<Mixer> make_mlp(LayerBuilder& b, int block) const;
+  // The dense MLP of this spec's kind with options `o`.
+  std::unique_ptr<Mlp> make_dense_mlp(LayerBuilder& b, const MlpOptions& o) const;
   // The norms' parameter names: "<stem><name>.weight" ("ln_1.weight", "norm_f.weight", ...).
   const char* norm_stem() const;
   // FC1's output rows per hidden feature: 1 (GELU), 2 (SwiGLU's gate and up).

@@ -30,6 +30,10 @@ struct Param {
   // Replicated over the TP group but computed from this rank's rows only (sequence parallelism):
   // each rank's gradient is a partial sum, to be summed over the TP group once per step.
   bool tp_partial_grad = false;
+  // Split over the expert-parallel group (a mixture of experts' weights under parallel.ep > 1): the
+  // ranks holding the same part are the expert-data-parallel group, which sums its gradient (the
+  // other data-parallel ranks hold other experts).
+  bool expert_parallel = false;
 };
 
 // On a Param: another module applies the optimizer's update to this parameter, fused with its own
@@ -69,10 +73,12 @@ enum class LinearRole {
   mlp_in,    // MLP: the up projection(s) (column-parallel)
   mlp_out,   // MLP: the down projection (row-parallel)
   lm_head,   // the output layer giving the logits
+  router,    // a mixture of experts' router (the experts' scores; whole on every rank)
 };
-BOOST_DESCRIBE_ENUM(LinearRole, qkv, attn_out, mlp_in, mlp_out, lm_head)
-// Whether the layer is inside a transformer block (all roles but the LM head).
-inline bool in_block(LinearRole r) { return r != LinearRole::lm_head; }
+BOOST_DESCRIBE_ENUM(LinearRole, qkv, attn_out, mlp_in, mlp_out, lm_head, router)
+// Whether the layer is one of a transformer block's projections (the router is not: modules that
+// transform the projections, such as FP8, leave the routing decision alone).
+inline bool in_block(LinearRole r) { return r != LinearRole::lm_head && r != LinearRole::router; }
 
 // A linear layer (a GEMM): weight [out, in] and optional bias.
 struct Linear {

@@ -21,6 +21,7 @@
 
 #include <boost/describe/enum.hpp>
 
+#include "kiln/ops/moe.hpp"
 #include "kiln/ops/prologue.hpp"
 #include "kiln/rng/philox.hpp"
 #include "kiln/tensor/buffer.hpp"
@@ -114,6 +115,13 @@ struct LinearBackward {
 struct GeluForward {
   TensorView out;  // act, any shape
   TensorView x;    // act, same element count
+};
+// dx = dout * gelu'(x), elementwise (where something sits between a GELU and the GEMM that would
+// otherwise apply gelu'() as its epilogue: a mixture of experts' expert dropout).
+struct GeluBackward {
+  TensorView dx;    // act, any shape
+  TensorView dout;  // act, same element count
+  TensorView x;     // act, same element count: the GELU's input
 };
 
 // RMSNorm (Llama): out = x * rstd * weight, rstd = 1 / sqrt(mean over the row of x^2 + eps).
@@ -321,6 +329,7 @@ class Backend {
   virtual void linear_forward(const LinearForward& a) = 0;
   virtual void linear_backward(const LinearBackward& a) = 0;
   virtual void gelu_forward(const GeluForward& a) = 0;
+  virtual void gelu_backward(const GeluBackward& a) = 0;
   virtual void rmsnorm_forward(const RmsNormForward& a) = 0;
   virtual void rmsnorm_backward(const RmsNormBackward& a) = 0;
   virtual void rope(const Rope& a) = 0;
@@ -335,6 +344,16 @@ class Backend {
   virtual void cross_entropy_stats(const CrossEntropyStats& a) = 0;
   virtual void cross_entropy_finish(const CrossEntropyFinish& a) = 0;
   virtual void adamw(const AdamW& a) = 0;
+  // Mixture of experts (moe.hpp).
+  virtual void moe_route(const MoeRoute& a) = 0;
+  virtual void moe_route_backward(const MoeRouteBackward& a) = 0;
+  virtual void moe_permute(const MoePermute& a) = 0;
+  virtual void moe_permute_backward(const MoePermuteBackward& a) = 0;
+  virtual void moe_combine(const MoeCombine& a) = 0;
+  virtual void moe_combine_backward(const MoeCombineBackward& a) = 0;
+  virtual void grouped_linear_forward(const GroupedLinearForward& a) = 0;
+  virtual void grouped_linear_backward(const GroupedLinearBackward& a) = 0;
+  virtual void moe_dropout(const MoeDropout& a) = 0;
 
   // ---- profiling (CUDA events around each op when enabled) ----
   struct OpTime {

@@ -30,6 +30,16 @@ class Communicator {
   // out = the rank-th chunk of op over the group of `in`; in.numel() == size() * out.numel().
   virtual void reduce_scatter(const TensorView& out, const TensorView& in, ReduceOp op, void* stream) = 0;
   virtual void broadcast(const TensorView& buf, int root, void* stream) = 0;
+  // Point-to-point within the group, all at once (NCCL's grouped send/recv): each `sends` buffer goes
+  // to its peer (an index in the group; this rank itself too), each `recvs` buffer is filled from its
+  // peer. A rank's sends to a peer, in order, meet that peer's receives from it, in order, buffer by
+  // buffer (same dtype and element count). Every rank of the group calls it, with what it moves (its
+  // lists may be empty). (The all-to-all of a mixture of experts' token dispatch.)
+  struct Transfer {
+    int peer = 0;
+    TensorView buf;
+  };
+  virtual void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) = 0;
   // Blocks the host until every rank of the group arrives.
   virtual void barrier() = 0;
 };

@@ -7,6 +7,7 @@
 #include "kiln/engine/module.hpp"
 #include "kiln/parallel/communicator.hpp"
 #include "kiln/parallel/data_parallel.hpp"
+#include "kiln/parallel/expert_parallel.hpp"
 #include "kiln/parallel/in_process.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
 #include "kiln/parallel/topology.hpp"
@@ -90,6 +91,7 @@ struct DpGradState {
 // World resource: this rank's communicators, one per kind of group.
 struct Communicators {
   std::unique_ptr<Communicator> world, tp, dp, tp_dp;
+  std::unique_ptr<Communicator> ep;  // the expert-parallel group
   std::unique_ptr<Communicator> self;  // this rank alone
 };
 
@@ -126,6 +128,8 @@ std::unique_ptr<Communicator> make_group(World& w, const std::string& name, int 
 TensorParallel tensor_parallel(World& w, ops::Backend& backend);
 // This rank's data-parallel group.
 DataParallel data_parallel(World& w);
+// This rank's expert-parallel group, for mixture-of-experts layers of `n_experts` computing on `backend`.
+ExpertParallel expert_parallel(World& w, ops::Backend& backend, int n_experts);
 
 void register_module(ModuleRegistry& registry);
 

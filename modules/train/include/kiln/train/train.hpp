@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kiln/engine/config/reflect.hpp"
@@ -85,6 +86,9 @@ struct TrainState {
   double mfu = 0;              // flops_per_token * tokens_per_s / (peak_flops * ranks)
   int ranks = 1;
   std::size_t peak_device_memory = 0;  // bytes this rank's device has taken, highest seen at a step end
+  // Further numbers of the step a module reports (the mixture of experts' losses and loads), by
+  // name, in the order given; the log module writes them to the metrics file. Rewritten each step.
+  std::vector<std::pair<std::string, double>> metrics;
   std::chrono::steady_clock::time_point step_start;
 };
 

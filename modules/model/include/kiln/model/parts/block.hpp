@@ -5,6 +5,8 @@
 // draws, and the saved input split over the TP group when that is asked for.
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kiln/model/parts/mixer.hpp"
 #include "kiln/model/parts/norm.hpp"
@@ -38,6 +40,7 @@ class Sublayer {
   // The residual stream's gradient (ctx.stream.dres) through the sublayer, whose input was x.
   void backward(const TensorView& x, float p);
   const Mixer& mixer() const { return *mixer_; }
+  Mixer& mixer() { return *mixer_; }
 
  private:
   ModelContext& ctx_;
@@ -67,6 +70,11 @@ class TransformerBlock {
   void backward(const TensorView& x);
   std::size_t scratch_bytes() const;
   double flops_per_token() const;
+  // Its mixers, the attention's then the MLP's, with the names of their parameters' prefixes
+  // ("blocks.3.attn", "blocks.3.mlp"): what the model asks of every mixer (its step's numbers, its
+  // state, its inactive parameters) goes through them.
+  std::vector<std::pair<std::string, Mixer*>> mixers();
+  std::vector<std::pair<std::string, const Mixer*>> mixers() const;
 
  private:
   void recompute(const TensorView& x);

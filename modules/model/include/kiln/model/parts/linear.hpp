@@ -47,25 +47,34 @@ class ModelLinear {
 
   // The layer's forward with `a`'s activations and this layer's weight and bias (`local`: the
   // tensor-parallel layer's x_local or out_local).
-  void forward(ops::LinearForward a, const TensorView& local) const {
-    a.weight = ctx_.param(weight_, false);
-    a.bias = bias_ ? ctx_.param(*bias_, false) : TensorView{};
-    layer_.forward(impl(), a, local);
-  }
+  void forward(ops::LinearForward a, const TensorView& local) const { layer_.forward(impl(), with_weights(a), local); }
   // The layer's backward: `a`'s activations, this layer's weight and gradients; the weight gradient
   // written rather than accumulated on a step's first micro-batch where this layer is its only
   // producer (nn::GradWrittenFirst, so the step's zeroing skipped it).
   auto backward(ops::LinearBackward a, const TensorView& local) const {
+    return layer_.backward(impl(), with_weights(a), local);
+  }
+  // The GEMMs alone, on an input whole on this rank already (a layer whose weight is whole on every
+  // rank, fed by rows another part gathered): no tensor-parallel communication, the input gradient
+  // whole too.
+  void forward_whole(ops::LinearForward a) const { impl().forward(with_weights(a)); }
+  void backward_whole(ops::LinearBackward a) const { impl().backward(with_weights(a)); }
+
+ private:
+  TensorShard bias_shard() const;
+  ops::LinearForward with_weights(ops::LinearForward a) const {
+    a.weight = ctx_.param(weight_, false);
+    a.bias = bias_ ? ctx_.param(*bias_, false) : TensorView{};
+    return a;
+  }
+  ops::LinearBackward with_weights(ops::LinearBackward a) const {
     a.weight = ctx_.param(weight_, false);
     a.dweight = ctx_.param(weight_, true);
     a.dbias = bias_ ? ctx_.param(*bias_, true) : TensorView{};
     const auto* run = ctx_.world.try_resource<RunControl>();
     a.dweight_overwrite = (!run || run->micro_batch == 0) && ctx_.world.has<nn::GradWrittenFirst>(weight_);
-    return layer_.backward(impl(), a, local);
+    return a;
   }
-
- private:
-  TensorShard bias_shard() const;
 
   ModelContext& ctx_;
   Layer layer_;

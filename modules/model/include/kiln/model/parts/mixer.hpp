@@ -4,7 +4,10 @@
 // is summed over the tensor-parallel group (Megatron's layout), so it runs in two stages: `in` (up to
 // the hidden activations) and `out` (the last linear); a recompute may run `in` alone.
 #include <cstdint>
+#include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kiln/model/parts/activation_table.hpp"
 #include "kiln/model/parts/norm.hpp"
@@ -36,6 +39,23 @@ class Mixer {
   virtual std::size_t scratch_bytes() const = 0;
   // Model FLOPs per trained token (forward and backward).
   virtual double flops_per_token() const = 0;
+  // Parameters a token does not meet (a mixture of experts' unchosen experts): total minus active.
+  virtual std::int64_t inactive_parameters() const { return 0; }
+
+  // The numbers it reports per step (a mixture of experts' losses and loads): appended to `sums`,
+  // which the data-parallel ranks add up, and then forgotten.
+  virtual void collect_stats(std::vector<float>& sums) { (void)sums; }
+  // Named metrics from the summed numbers (its own from `at` on), and whatever it updates from them
+  // (the same on every rank); returns where the next part's begin.
+  virtual std::size_t end_step(std::span<const float> sums, std::size_t at, const std::string& name,
+                               std::vector<std::pair<std::string, double>>& out) {
+    (void)sums, (void)name, (void)out;
+    return at;
+  }
+  // State that is neither a parameter nor an activation (a router's balancing bias), for checkpoints:
+  // the same on every rank.
+  virtual std::vector<float> state() const { return {}; }
+  virtual void set_state(std::span<const float> values) { (void)values; }
 };
 
 }  // namespace kiln::model

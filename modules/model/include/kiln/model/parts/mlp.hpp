@@ -10,6 +10,7 @@
 //
 // GeluMlp (GPT-2) and SwigluMlp (Llama) are the two types; a model's spec picks one (spec.hpp).
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kiln/model/parts/linear.hpp"
@@ -18,6 +19,7 @@
 namespace kiln::model {
 
 struct MlpOptions {
+  std::string name = "mlp";  // its linears are <name>.fc and <name>.proj
   int hidden = 0;    // hidden features (all ranks): GELU's width, or SwiGLU's gate (and up) width
   bool bias = true;  // FC1 and FC2 biases
   float init_std = 0.02f, proj_init_std = 0.02f;

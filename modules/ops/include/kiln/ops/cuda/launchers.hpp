@@ -22,6 +22,8 @@ void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s);
 void add_f32(float* dst, const float* src, std::int64_t n, cudaStream_t s);  // dst += src
 // out[i] = gelu(x[i]) (tanh approximation, ops::gelu); out may alias x.
 void gelu_forward(bf16* out, const bf16* x, std::int64_t n, cudaStream_t s);
+// dx[i] = dout[i] * gelu'(x[i]) (ops::gelu_grad); dx may alias dout.
+void gelu_backward(bf16* dx, const bf16* dout, const bf16* x, std::int64_t n, cudaStream_t s);
 // dst[i] = std * philox_normal(rng.seed, rng.start(), global_offset + i), bit-identical to the CPU.
 void init_normal_f32(float* dst, std::int64_t n, float std, rng::PhiloxArgs rng, std::int64_t global_offset,
                      cudaStream_t s);

@@ -1,0 +1,380 @@
+// MoeMlp: the router, the grouping, the dispatch to the experts' ranks, the grouped experts, the
+// return and the combination (moe.hpp).
+#include "kiln/model/parts/moe.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kiln/core/error.hpp"
+#include "kiln/engine/engine_module.hpp"
+#include "kiln/parallel/module.hpp"
+
+namespace kiln::model {
+
+namespace {
+parallel::ExpertParallel make_expert_parallel(ModelContext& ctx, int n_experts) {
+  return parallel::expert_parallel(ctx.world, ctx.be, n_experts);
+}
+}  // namespace
+
+MoeMlp::MoeMlp(LayerBuilder& b, const MoeOptions& o, std::unique_ptr<Mlp> shared)
+    : ctx_(b.ctx()),
+      o_(o),
+      ep_(make_expert_parallel(ctx_, o.n_experts)),
+      shared_(std::move(shared)),
+      // The router: whole on every rank (the experts' scores are not split; its input is every row).
+      router_(b, "mlp.router", nn::LinearRole::router,
+              parallel::ColumnParallelLinear(ctx_.tp, ctx_.cfg.n_embd, o.n_experts, 1, /*split=*/false), false,
+              o.init_std) {
+  const std::int64_t E = o.n_experts, C = ctx_.cfg.n_embd, H = o.hidden;
+  ctx_.tp.require({H, "model.moe.hidden", "expert hidden features (model.moe.hidden, or the dense MLP's width)"});
+  // Each expert's FC1 rows: GELU's hidden, or SwiGLU's gate and up, each split over TP; FC2 stored
+  // [hidden, C] per expert, its hidden rows split the same way.
+  const std::vector<std::int64_t> fc_parts = gelu() ? std::vector<std::int64_t>{H} : std::vector<std::int64_t>{H, H};
+  const std::int64_t fc_rows = gelu() ? H : 2 * H;
+  auto expert_param = [&](const char* name, std::int64_t rows_per_expert, const std::vector<std::int64_t>& parts,
+                          float std) {
+    const Entity e = b.param(b.prefix() + name, {E * rows_per_expert, C}, parallel::expert_row_shard(ctx_.tp, ep_, parts),
+                             ParamInit::normal(std), true);
+    auto& p = ctx_.world.get<nn::Param>(e);
+    p.expert_parallel = ep_.size() > 1;
+    ctx_.world.emplace<nn::GradWrittenFirst>(e);  // the grouped linears write them on a step's first micro-batch
+    return e;
+  };
+  fc_ = expert_param("mlp.experts.fc.weight", fc_rows, fc_parts, o.init_std);
+  proj_ = expert_param("mlp.experts.proj.weight", H, {H}, o.proj_init_std);
+  if (o.capacity_factor > 0)
+    capacity_ = static_cast<std::int64_t>(
+        std::ceil(static_cast<double>(o.capacity_factor) * ctx_.T * o.top_k / static_cast<double>(E)));
+  if (o.score == ops::MoeScore::sigmoid) bias_.assign(static_cast<std::size_t>(E), 0.0f);
+  tokens_.assign(static_cast<std::size_t>(E), 0.0);
+}
+
+std::int64_t MoeMlp::fc_local() const { return (gelu() ? 1 : 2) * hidden_local(); }
+
+std::int64_t MoeMlp::expert_rows() const {
+  if (ep_.size() == 1) return rows();
+  // Every rank of the group may send all its choices here: dropless reserves for that; with a
+  // capacity each local expert takes at most `capacity` of each of the group's sequences.
+  const std::int64_t all = rows() * ep_.size();
+  if (capacity_ == 0) return all;
+  return std::min(all, capacity_ * ep_.local_experts() * ctx_.B * ep_.size());
+}
+
+void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageSet stage) {
+  const DType act = ctx_.act(), f32 = DType::f32, i32 = DType::i32;
+  const std::int64_t N = ctx_.N, E = o_.n_experts, k = o_.top_k, R = this->rows(), Rx = expert_rows(),
+                     C = ctx_.cfg.n_embd;
+  const bool moves = ep_.size() > 1;
+  if (shared_) shared_->declare(rows, key + ".shared", stage);
+  rows.saved(logits_, key + ".logits", act, {N, E}, stage);
+  rows.saved(scores_, key + ".scores", f32, {N, E}, stage);
+  rows.saved(lse_, key + ".lse", f32, {N}, stage);
+  rows.saved(experts_, key + ".experts", i32, {N, k}, stage);
+  rows.saved(gates_, key + ".gates", f32, {N, k}, stage);
+  rows.saved(offsets_, key + ".offsets", i32, {E + 1}, stage);
+  rows.saved(row_of_, key + ".row_of", i32, {N, k}, stage);
+  rows.saved(source_, key + ".source", i32, {R}, stage);
+  // The experts' input rows: the grouped rows themselves on one rank; with expert parallelism the
+  // rows received (the grouped rows before dispatch are scratch of the forward).
+  if (moves) {
+    rows.scratch(x_perm_, "moe.x_grouped", act, {R, C});
+    rows.saved(x_in_, key + ".x_expert", act, {Rx, C}, stage);
+    if (o_.expert_dropout > 0) rows.saved(ids_in_, key + ".ids_expert", i32, {Rx}, stage);
+  } else {
+    rows.saved(x_in_, key + ".x_expert", act, {R, C}, stage);
+  }
+  rows.saved(pre_, key + ".pre", act, {Rx, fc_local()}, stage);
+  act_saved_ = !ctx_.cfg.recompute_gelu;
+  if (act_saved_)
+    rows.saved(act_, key + ".act", act, {Rx, hidden_local()}, stage);
+  else
+    rows.scratch(act_, "moe.act", act, {Rx, hidden_local()});
+  // The experts' outputs back in grouped order: written by stage `out`, which no recompute runs.
+  rows.own(y_, act, {R, C});
+  if (moves) rows.scratch(y_out_, "moe.y_expert", act, {Rx, C});
+  rows.scratch(loss_terms_, "moe.loss_terms", f32, {2});
+  if (!bias_.empty()) rows.own(bias_dev_, f32, {E});
+  if (shared_) rows.scratch(shared_out_, "moe.shared_out", act, {ctx_.Nl, C});
+  rows.backward_scratch(dlogits_, "moe.dlogits", act, {N, E});
+  rows.backward_scratch(dgates_, "moe.dgates", f32, {N, k});
+  rows.backward_scratch(dy_, "moe.dy_expert", act, {Rx, C});
+  if (moves) rows.backward_scratch(dy_out_, "moe.dy_grouped", act, {R, C});
+  rows.backward_scratch(dact_, "moe.dact", act, {Rx, hidden_local()});
+  rows.backward_scratch(dpre_, "moe.dpre", act, {Rx, fc_local()});
+  rows.backward_scratch(dx_in_, "moe.dx_expert", act, {Rx, C});
+  rows.backward_scratch(drouter_, "moe.drouter", act, {N, C});
+}
+
+void MoeMlp::draw(rng::RngStatesTracker* tracker, float) {
+  dropout_rng_ = {};
+  if (!dropout_on() || !tracker) return;
+  // Expert-parallel RNG (Megatron's expert-parallel-rng): one draw per element of the step's
+  // [tokens, experts, hidden] activations, whichever rank computes it.
+  auto scope = tracker->fork(rng::kExpertParallelRng);
+  dropout_rng_ =
+      tracker->draw(static_cast<std::uint64_t>(ctx_.batch_sequences) * ctx_.T * o_.n_experts * o_.hidden);
+}
+
+bool MoeMlp::first_micro_batch() const {
+  const auto* run = ctx_.world.try_resource<RunControl>();
+  return !run || run->micro_batch == 0;  // GradWrittenFirst: the step's first micro-batch writes them
+}
+
+TensorView MoeMlp::weight(Entity e, bool grad) const {
+  const TensorView w = ctx_.param(e, grad);
+  const std::int64_t El = ep_.local_experts();
+  return w.reshape({El, w.shape[0] / El, w.shape[1]});
+}
+
+ops::MoeDropout MoeMlp::dropout_args(const TensorView& t) const {
+  const std::int64_t used = ep_.size() > 1 ? plan_.received() : offsets_host_.back();
+  return {.x = t,
+          .ids = ep_.size() > 1 ? ids_in_ : source_,
+          .rows = used,
+          .p = o_.expert_dropout,
+          .rng = dropout_rng_,
+          .col_offset = ctx_.tp.rank() * hidden_local(),
+          .cols_total = o_.hidden};
+}
+
+ops::MoeRoute MoeMlp::route_args() {
+  // The load-balancing loss is a mean over the global batch's sequences, the z-loss over its tokens.
+  const auto sequences = static_cast<float>(ctx_.batch_sequences);
+  return {.scores = scores_,
+          .lse = lse_,
+          .experts = experts_,
+          .gates = gates_,
+          .logits = logits_,
+          .bias = bias_dev_,
+          .loss_terms = loss_terms_,
+          .score = o_.score,
+          .normalize = o_.normalize_gates,
+          .seq_len = ctx_.T,
+          .aux_coeff = o_.aux_loss_coeff / sequences,
+          .z_coeff = o_.z_loss_coeff / (sequences * static_cast<float>(ctx_.T))};
+}
+
+void MoeMlp::activate() {
+  const std::int64_t used = ep_.size() > 1 ? plan_.received() : offsets_host_.back();
+  const TensorView act = act_.rows(0, used), pre = pre_.rows(0, used);
+  if (gelu())
+    ctx_.be.gelu_forward({act, pre});
+  else
+    ctx_.be.swiglu_forward({act, pre});
+  if (dropout_on()) ctx_.be.moe_dropout(dropout_args(act_));
+}
+
+void MoeMlp::forward_in(const NormOutput& x, float p) {
+  ops::Backend& be = ctx_.be;
+  const bool moves = ep_.size() > 1;
+  // Every row of the normalised input: gathered under sequence parallelism by the shared experts'
+  // FC1, or here.
+  if (shared_)
+    shared_->forward_in(x, p);
+  else
+    ctx_.tp.enter(ops::plain_tensor(x.input), x.local);
+  const TensorView input = ops::plain_tensor(x.input);
+  router_.forward_whole({logits_, {}, input});
+  if (bias_dev_ && bias_dirty_) {
+    be.copy(bias_dev_, TensorView(bias_.data(), {o_.n_experts}, DType::f32, Device::cpu));
+    bias_dirty_ = false;
+  }
+  be.moe_route(route_args());
+  be.moe_permute({.offsets = offsets_,
+                  .row_of = row_of_,
+                  .source = source_,
+                  .out = moves ? x_perm_ : x_in_,
+                  .x = input,
+                  .experts = experts_,
+                  .n_experts = o_.n_experts,
+                  .seq_len = ctx_.T,
+                  .capacity = capacity_,
+                  .token_offset = ctx_.seq_offset * ctx_.T});
+  // The group sizes on the host, for the grouped linears and the dispatch (a synchronisation).
+  offsets_host_.resize(static_cast<std::size_t>(o_.n_experts + 1));
+  be.copy(TensorView(offsets_host_.data(), {o_.n_experts + 1}, DType::i32, Device::cpu), offsets_);
+  be.synchronize();
+  const std::int32_t* local = offsets_host_.data();
+  if (moves) {
+    plan_ = ep_.plan(offsets_host_.data());
+    KILN_CHECK(plan_.received() <= x_in_.shape[0], "mixture of experts: ", plan_.received(),
+               " rows for this rank's experts exceed the ", x_in_.shape[0], " reserved");
+    ep_.dispatch(x_in_, x_perm_, plan_);
+    if (ids_in_) ep_.dispatch(ids_in_, source_, plan_);
+    local = plan_.local_offsets.data();
+  }
+  be.grouped_linear_forward({pre_, x_in_, weight(fc_, false), local});
+  activate();
+}
+
+void MoeMlp::forward_out(const TensorView& out_local) {
+  ops::Backend& be = ctx_.be;
+  const bool moves = ep_.size() > 1;
+  const std::int32_t* local = moves ? plan_.local_offsets.data() : offsets_host_.data();
+  if (shared_) {
+    shared_->forward_out(out_local);
+    be.copy(shared_out_, out_local);
+  }
+  be.grouped_linear_forward({moves ? y_out_ : y_, act_, weight(proj_, false), local, /*weight_in_out=*/true});
+  if (moves) ep_.combine(y_, y_out_, plan_);
+  // Each token's experts' outputs, weighted: this rank's part of the experts' hidden features, a
+  // partial sum over TP like a row-parallel output, summed over the group into this rank's rows.
+  const TensorView full = ctx_.tp.sequence_parallel() ? ctx_.stream.row_out : out_local;
+  be.moe_combine({full, y_, gates_, row_of_});
+  ctx_.tp.exit(out_local, full);
+  if (shared_) be.residual_forward({out_local, out_local, shared_out_, {}});
+  if (!ctx_.training) return;
+  // The step's numbers (stage `out` runs once per forward: no recompute repeats it).
+  float terms[2];
+  be.copy(TensorView(terms, {2}, DType::f32, Device::cpu), loss_terms_);
+  be.synchronize();
+  aux_sum_ += terms[0];
+  z_sum_ += terms[1];
+  for (int e = 0; e < o_.n_experts; ++e) tokens_[static_cast<std::size_t>(e)] += offsets_host_[e + 1] - offsets_host_[e];
+  dropped_ += static_cast<double>(rows() - offsets_host_.back());
+}
+
+TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput& x, const TensorView& dx_local,
+                            float p) {
+  ops::Backend& be = ctx_.be;
+  const bool moves = ep_.size() > 1, sp = ctx_.tp.sequence_parallel();
+  const std::int32_t* local = moves ? plan_.local_offsets.data() : offsets_host_.data();
+  if (!act_saved_) activate();
+  if (shared_) be.copy(shared_out_, shared_->backward(dout_local, x, dx_local, p));
+  // Every row of the output's gradient.
+  TensorView dout = dout_local;
+  if (sp) {
+    ctx_.tp.exit_backward(ctx_.stream.full, dout_local);
+    dout = ctx_.stream.full;
+  }
+  const TensorView dy_grouped = moves ? dy_out_ : dy_;
+  be.moe_combine_backward({dy_grouped, dgates_, dout, y_, gates_, row_of_});
+  ctx_.tp.all_reduce(dgates_);  // the outputs were this rank's partial sums
+  if (moves) ep_.dispatch(dy_, dy_out_, plan_);
+  // FC2, then the activation (with GELU and no dropout, its derivative in FC2's data gradient), then FC1.
+  const bool fuse_gelu = gelu() && !dropout_on();
+  be.grouped_linear_backward({.dx = fuse_gelu ? dpre_ : dact_,
+                              .dweight = weight(proj_, true),
+                              .dout = dy_,
+                              .x = act_,
+                              .weight = weight(proj_, false),
+                              .dx_gelu_pre = fuse_gelu ? pre_ : TensorView{},
+                              .offsets_host = local,
+                              .weight_in_out = true,
+                              .dweight_overwrite = first_micro_batch()});
+  if (!fuse_gelu) {
+    if (dropout_on()) be.moe_dropout(dropout_args(dact_));
+    const std::int64_t used = local[ep_.local_experts()];
+    if (gelu())
+      be.gelu_backward({dpre_.rows(0, used), dact_.rows(0, used), pre_.rows(0, used)});
+    else
+      be.swiglu_backward({dpre_.rows(0, used), dact_.rows(0, used), pre_.rows(0, used)});
+  }
+  be.grouped_linear_backward({.dx = dx_in_,
+                              .dweight = weight(fc_, true),
+                              .dout = dpre_,
+                              .x = x_in_,
+                              .weight = weight(fc_, false),
+                              .offsets_host = local,
+                              .dweight_overwrite = first_micro_batch()});
+  const TensorView dx_grouped = moves ? dy_out_ : dx_in_;  // dy_out_ is free again
+  if (moves) ep_.combine(dx_grouped, dx_in_, plan_);
+  const TensorView col_dx = ctx_.stream.col_dx;
+  be.moe_permute_backward({col_dx, dx_grouped, row_of_});
+  const auto sequences = static_cast<float>(ctx_.batch_sequences);
+  be.moe_route_backward({.dlogits = dlogits_,
+                         .dgates = dgates_,
+                         .scores = scores_,
+                         .lse = lse_,
+                         .experts = experts_,
+                         .logits = logits_,
+                         .score = o_.score,
+                         .normalize = o_.normalize_gates,
+                         .seq_len = ctx_.T,
+                         .aux_coeff = o_.aux_loss_coeff / sequences,
+                         .z_coeff = o_.z_loss_coeff / (sequences * static_cast<float>(ctx_.T))});
+  router_.backward_whole({.dx = drouter_, .dout = dlogits_, .x = x});
+  // The router's input gradient is whole on every TP rank: added once (on rank 0) before the sum of
+  // the experts' partial ones over the group.
+  if (ctx_.tp.rank() == 0) be.residual_forward({col_dx, col_dx, drouter_, {}});
+  const TensorView dx = sp ? dx_local : col_dx;
+  ctx_.tp.enter_backward(dx, col_dx);
+  if (shared_) be.residual_forward({dx, dx, shared_out_, {}});
+  return dx;
+}
+
+std::size_t MoeMlp::scratch_bytes() const {
+  std::size_t bytes = router_.scratch_bytes(ctx_.N);
+  if (shared_) bytes = std::max(bytes, shared_->scratch_bytes());
+  return bytes;
+}
+
+double MoeMlp::flops_per_token() const {
+  // 6 per weight element a token meets: the router's, and k experts' FC1 and FC2.
+  const double C = ctx_.cfg.n_embd, H = o_.hidden, fc = gelu() ? H : 2 * H;
+  double flops = 6.0 * (C * o_.n_experts + o_.top_k * (C * fc + H * C));
+  if (shared_) flops += shared_->flops_per_token();
+  return flops;
+}
+
+std::int64_t MoeMlp::inactive_parameters() const {
+  const std::int64_t C = ctx_.cfg.n_embd, H = o_.hidden, fc = gelu() ? H : 2 * H;
+  return static_cast<std::int64_t>(o_.n_experts - o_.top_k) * (fc * C + H * C);
+}
+
+void MoeMlp::collect_stats(std::vector<float>& sums) {
+  sums.push_back(static_cast<float>(aux_sum_));
+  sums.push_back(static_cast<float>(z_sum_));
+  sums.push_back(static_cast<float>(dropped_));
+  for (double t : tokens_) sums.push_back(static_cast<float>(t));
+  aux_sum_ = z_sum_ = dropped_ = 0;
+  std::fill(tokens_.begin(), tokens_.end(), 0.0);
+}
+
+std::size_t MoeMlp::end_step(std::span<const float> sums, std::size_t at, const std::string& name,
+                             std::vector<std::pair<std::string, double>>& out) {
+  // The sums over the data-parallel ranks of every rank's view; under TP each TP rank routed the same
+  // tokens (they are counted once: the DP group holds one rank of each TP group).
+  const double aux = sums[at], z = sums[at + 1], dropped = sums[at + 2];
+  const auto tokens = sums.subspan(at + 3, static_cast<std::size_t>(o_.n_experts));
+  // The totals over the layers (made by the first layer that reports, added to by the others).
+  const std::pair<const char*, double> totals[] = {{"moe.aux_loss", aux}, {"moe.z_loss", z}, {"moe.dropped", dropped}};
+  for (const auto& total : totals) {
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& m) { return m.first == total.first; });
+    if (it == out.end())
+      out.push_back({total.first, total.second});
+    else
+      it->second += total.second;
+  }
+  out.push_back({name + ".aux_loss", aux});
+  out.push_back({name + ".z_loss", z});
+  out.push_back({name + ".dropped", dropped});
+  double lo = tokens[0], hi = tokens[0], mean = 0, var = 0;
+  for (float t : tokens) lo = std::min<double>(lo, t), hi = std::max<double>(hi, t), mean += t;
+  mean /= static_cast<double>(tokens.size());
+  for (float t : tokens) var += (t - mean) * (t - mean);
+  var /= static_cast<double>(tokens.size());
+  out.push_back({name + ".tokens_min", lo});
+  out.push_back({name + ".tokens_max", hi});
+  out.push_back({name + ".tokens_cv", mean > 0 ? std::sqrt(var) / mean : 0.0});
+  // DeepSeek-V3's aux-loss-free balancing: each expert's bias moves towards the mean load.
+  if (!bias_.empty() && mean > 0 && o_.bias_update_rate > 0) {
+    for (std::size_t e = 0; e < bias_.size(); ++e) {
+      const double load = tokens[e];
+      if (load < mean) bias_[e] += o_.bias_update_rate;
+      else if (load > mean) bias_[e] -= o_.bias_update_rate;
+    }
+    bias_dirty_ = true;
+  }
+  return at + 3 + tokens.size();
+}
+
+void MoeMlp::set_state(std::span<const float> values) {
+  KILN_CHECK(values.size() == bias_.size(), "mixture of experts: a saved router bias of ", values.size(),
+             " values for ", bias_.size(), " experts");
+  std::copy(values.begin(), values.end(), bias_.begin());
+  bias_dirty_ = true;
+}
+
+}  // namespace kiln::model

@@ -1,0 +1,70 @@
+#pragma once
+// The expert-parallel group as a mixture-of-experts layer sees it (Megatron-Core's layout): each of
+// its ranks holds n_experts / size of the experts, the consecutive ones from first_expert(), and the
+// tokens' grouped rows move to the rank holding their expert and back. Expert parallelism is folded
+// into the data-parallel dimension: the ranks of an EP group hold the same dense parameters and
+// different data, and the ranks holding the same experts (the expert-data-parallel group) sum their
+// gradients.
+//
+// Under tensor parallelism the experts are split over the TP group as the dense MLP is (expert
+// tensor parallelism = tp): every TP rank holds its 1/tp of each of its experts' hidden features.
+#include <cstdint>
+#include <vector>
+
+#include "kiln/ops/backend.hpp"
+#include "kiln/parallel/communicator.hpp"
+#include "kiln/parallel/tensor_parallel.hpp"
+#include "kiln/tensor/shard.hpp"
+
+namespace kiln::parallel {
+
+class ExpertParallel {
+ public:
+  // `comm` is the EP group (a group of one rank: every expert here, nothing moves). Both must outlive
+  // this object. n_experts must split over the group (a config error checked before).
+  ExpertParallel(Communicator& comm, ops::Backend& backend, int n_experts);
+
+  int size() const { return size_; }
+  int rank() const { return rank_; }
+  int n_experts() const { return n_experts_; }
+  int local_experts() const { return n_experts_ / size_; }
+  int first_expert() const { return rank_ * local_experts(); }
+  Communicator& communicator() const { return comm_; }
+  ops::Backend& backend() const { return be_; }
+
+  // Where one dispatch's rows go, from every rank's grouped rows (moe_permute's offsets): this rank
+  // sends expert e's rows to the rank holding e, and receives from every rank its rows for the
+  // experts held here, laid out expert by expert (each expert's rows from rank 0 first, then rank 1,
+  // ...), so a grouped linear runs over them as over a one-rank batch.
+  struct Plan {
+    std::vector<std::int32_t> local_offsets;  // [local_experts + 1]: the received rows of each local expert
+    // Per peer q and local expert l of the peer: where this rank's grouped rows for q's expert l start
+    // and how many (sent), and where the rows q sends for this rank's expert l land and how many.
+    std::vector<std::vector<std::int64_t>> send_at, send_rows, recv_at, recv_rows;  // [peer][local expert]
+    std::int64_t received() const { return local_offsets.back(); }
+  };
+  // Collective over the group: every rank's expert counts (offsets_host, [n_experts + 1]) exchanged.
+  Plan plan(const std::int32_t* offsets_host) const;
+  // The grouped rows of `send` [R, C] to the ranks holding their experts, into `recv` [Rmax, C] (rows
+  // laid out as the plan says; rows from plan.received() on untouched). Asynchronous on the backend's
+  // stream. Names the group and the rank in errors.
+  void dispatch(const TensorView& recv, const TensorView& send, const Plan& plan) const;
+  // The reverse: rows `back` [Rmax, C] (laid out as dispatch received them) to the ranks they came
+  // from, into `out` [R, C] at the grouped rows they were sent from.
+  void combine(const TensorView& out, const TensorView& back, const Plan& plan) const;
+
+ private:
+  void exchange(const TensorView& to, const TensorView& from, const Plan& plan, bool forward) const;
+
+  Communicator& comm_;
+  ops::Backend& be_;
+  int size_ = 1, rank_ = 0, n_experts_ = 0;
+};
+
+// The rows of an experts' weight [n_experts x rows_per_expert, cols] that this rank holds: the
+// experts of its EP rank, and of each its TP rank's 1/tp of every part of `parts` (an expert's rows
+// in consecutive parts, e.g. SwiGLU's gate and up, each split over TP). Whole (an empty shard) on one
+// rank of each.
+TensorShard expert_row_shard(const TensorParallel& tp, const ExpertParallel& ep, const std::vector<std::int64_t>& parts);
+
+}  // namespace kiln::parallel

@@ -1,0 +1,95 @@
+#include "kiln/parallel/expert_parallel.hpp"
+
+#include "kiln/core/error.hpp"
+
+namespace kiln::parallel {
+
+ExpertParallel::ExpertParallel(Communicator& comm, ops::Backend& backend, int n_experts)
+    : comm_(comm), be_(backend), size_(comm.size()), rank_(comm.rank()), n_experts_(n_experts) {
+  KILN_CHECK(n_experts > 0 && n_experts % size_ == 0, n_experts, " experts do not split over the ", size_,
+             " ranks of the expert-parallel group '", comm.name(), "'");
+}
+
+ExpertParallel::Plan ExpertParallel::plan(const std::int32_t* offsets_host) const {
+  const int E = n_experts_, El = local_experts(), P = size_;
+  // Every rank's choices per expert (one all-gather of E counts each; host memory, synchronous).
+  std::vector<std::int32_t> mine(static_cast<std::size_t>(E)), all(static_cast<std::size_t>(E * P));
+  for (int e = 0; e < E; ++e) mine[e] = offsets_host[e + 1] - offsets_host[e];
+  if (P > 1)
+    comm_.all_gather(TensorView(all.data(), {E * P}, DType::i32, Device::cpu),
+                     TensorView(mine.data(), {E}, DType::i32, Device::cpu), nullptr);
+  else
+    all = mine;
+  Plan p;
+  const std::vector<std::int64_t> none(static_cast<std::size_t>(El), 0);
+  p.send_at.assign(static_cast<std::size_t>(P), none);
+  p.send_rows = p.recv_at = p.recv_rows = p.send_at;
+  for (int q = 0; q < P; ++q)
+    for (int l = 0; l < El; ++l) {
+      p.send_at[q][l] = offsets_host[q * El + l];
+      p.send_rows[q][l] = mine[static_cast<std::size_t>(q * El + l)];
+    }
+  // Received rows expert-major: local expert l's rows from rank 0, then rank 1, ...
+  p.local_offsets.assign(static_cast<std::size_t>(El + 1), 0);
+  std::int64_t at = 0;
+  for (int l = 0; l < El; ++l) {
+    p.local_offsets[l] = static_cast<std::int32_t>(at);
+    for (int q = 0; q < P; ++q) {
+      p.recv_at[q][l] = at;
+      p.recv_rows[q][l] = all[static_cast<std::size_t>(q * E + first_expert() + l)];
+      at += p.recv_rows[q][l];
+    }
+  }
+  KILN_CHECK(at < (std::int64_t{1} << 31), "expert-parallel group '", comm_.name(), "': ", at,
+             " rows for this rank's experts exceed 32-bit offsets");
+  p.local_offsets[El] = static_cast<std::int32_t>(at);
+  return p;
+}
+
+void ExpertParallel::exchange(const TensorView& to, const TensorView& from, const Plan& p, bool forward) const {
+  // One transfer per (peer, expert) that has rows, in expert order on both sides, so that the i-th
+  // send to a peer meets the peer's i-th receive from this rank.
+  const TensorView& grouped = forward ? from : to;  // this rank's rows in grouped (by global expert) order
+  const TensorView& expert = forward ? to : from;   // the rows of this rank's experts, expert-major
+  std::vector<Communicator::Transfer> by_destination, by_origin;
+  for (int q = 0; q < size_; ++q)
+    for (int l = 0; l < local_experts(); ++l) {
+      if (p.send_rows[q][l] > 0) by_destination.push_back({q, grouped.rows(p.send_at[q][l], p.send_rows[q][l])});
+      if (p.recv_rows[q][l] > 0) by_origin.push_back({q, expert.rows(p.recv_at[q][l], p.recv_rows[q][l])});
+    }
+  if (forward)
+    comm_.send_recv(by_destination, by_origin, be_.stream());
+  else
+    comm_.send_recv(by_origin, by_destination, be_.stream());
+}
+
+void ExpertParallel::dispatch(const TensorView& recv, const TensorView& send, const Plan& plan) const {
+  exchange(recv, send, plan, true);
+}
+
+void ExpertParallel::combine(const TensorView& out, const TensorView& back, const Plan& plan) const {
+  exchange(out, back, plan, false);
+}
+
+TensorShard expert_row_shard(const TensorParallel& tp, const ExpertParallel& ep, const std::vector<std::int64_t>& parts) {
+  TensorShard s;
+  if (tp.size() == 1 && ep.size() == 1) return s;
+  std::int64_t per_expert = 0;
+  for (const std::int64_t part : parts) {
+    KILN_CHECK(part > 0 && part % tp.size() == 0, "an expert's part of ", part, " rows does not split over ",
+               tp.size(), " tensor-parallel ranks");
+    per_expert += part;
+  }
+  s.dim = 0;
+  for (int e = ep.first_expert(); e < ep.first_expert() + ep.local_experts(); ++e) {
+    std::int64_t at = e * per_expert;
+    for (const std::int64_t part : parts) {
+      const auto [b, end] = tp.split(part);
+      s.ranges.push_back({at + b, at + end});
+      at += part;
+    }
+  }
+  return s;
+}
+
+}  // namespace kiln::parallel
