@@ -91,6 +91,23 @@ l2=$(grep -oE "^(\[rank 0\] )?step +12/12 \| loss [0-9.]+" llama2.txt | sed 's/^
 grep -q "^sample (step 12): " llama-sample.txt || fail "llama-tiny-cpu printed no sample: $(tail -5 llama-sample.txt)"
 expect 2 "model.n_kv_head: 2 key/value heads do not split over the 4 ranks" -- \
   "$KILN" run "${llama[@]}" --nproc 4 --set parallel.tp=4
+# The tiny mixture of experts trains on one rank and with its experts split over 2 expert-parallel
+# ranks (x 2 data-parallel), to the same losses; an expert-parallel size that does not divide the
+# data-parallel ranks is a config error naming parallel.ep.
+moe=("$SRC/pipelines/moe-tiny-cpu.toml" --set data.synthetic_vocab=256 --set 'data.val_files=""' --set log.val_every=0
+     --set train.steps=12 --set log.every=4 --set log.metrics=moe.jsonl)
+"$KILN" run "${moe[@]}" > moe1.txt 2>&1 || fail "moe-tiny-cpu on one rank: $(tail -5 moe1.txt)"
+grep -q "parameters (.* active per token)" moe1.txt || fail "moe-tiny-cpu prints no active parameters: $(head -5 moe1.txt)"
+grep -q '"blocks.0.mlp.tokens_cv":' moe.jsonl || fail "moe.jsonl has no expert load"
+grep -q '"moe.aux_loss":' moe.jsonl || fail "moe.jsonl has no aux loss"
+"$KILN" run "${moe[@]}" --nproc 4 --set parallel.ep=2 > moe4.txt 2>&1 || fail "moe-tiny-cpu ep=2: $(tail -5 moe4.txt)"
+m1=$(grep -oE "^step +12/12 \| loss [0-9.]+" moe1.txt | grep -oE "[0-9.]+$")
+m4=$(grep -oE "^(\[rank 0\] )?step +12/12 \| loss [0-9.]+" moe4.txt | grep -oE "[0-9.]+$")
+awk -v a="$m1" -v b="$m4" 'BEGIN { d = a - b; if (a == "" || b == "" || d > 2e-4 || d < -2e-4) exit 1 }' ||
+  fail "moe-tiny-cpu: one rank loss '$m1', ep=2 on 4 ranks '$m4'"
+expect 2 "parallel.ep: 3 does not divide the 4 data-parallel ranks" -- "$KILN" run "${moe[@]}" --nproc 4 --set parallel.ep=3
+expect 0 "(4 series)" -- "$KILN" plot moe.jsonl --y 'blocks.*.mlp.tokens_min' --y 'blocks.*.mlp.tokens_max' -o moe-load.svg
+grep -q "<polyline" moe-load.svg || fail "moe-load.svg has no curve"
 
 # Every config error: exit code 2, the file:line:column (or the --set) and the key named.
 printf '[train]\nstpes = 3\n' > unknown.toml
@@ -133,7 +150,7 @@ expect 0 "[model] the transformer (GPT-2 or Llama blocks)" -- "$KILN" modules
 expect 0 "n_layer" -- "$KILN" modules
 expect 0 "tp groups: [0,1,2,3] [4,5,6,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
 expect 0 "dp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
-expect 2 "world size 6 is not divisible by tp*pp*cp*ep = 4*1*1*1" -- "$KILN" topology tiny.toml --world 6 --set parallel.tp=4
+expect 2 "world size 6 is not divisible by tp*pp*cp = 4*1*1" -- "$KILN" topology tiny.toml --world 6 --set parallel.tp=4
 # kiln topology still plans the layouts that do not run yet.
 expect 0 "pp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4 --set parallel.pp=2
 cat > plugin.toml <<TOML

@@ -5,6 +5,7 @@
 
 #include <numeric>
 
+#include "kiln/checkpoint/reader.hpp"
 #include "kiln/model/gpt.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "model_fixture.hpp"
@@ -150,6 +151,48 @@ TEST_CASE("moe: tensor, sequence and data parallelism and FSDP match one rank ov
   check(4, test::Sets{"parallel.tp=2", "train.micro_batch_size=2"} + full, "tp=2 x dp=2, 2 micro-batches");
 }
 
+TEST_CASE("moe: expert parallelism (ep = 2 and 4, with DP, FSDP and TP) matches one rank over 20 steps, with "
+          "dropout, expert dropout and recompute") {
+  const test::Sets drop = {"model.dropout=0.1", "model.moe.expert_dropout=0.1", "model.moe.shared_experts=1"};
+  const test::Sets full = {"activation_checkpoint.mode=full"};
+  const auto single = test::run_ranks(kTinyMoe, 1, drop);
+  auto check = [&](int nproc, const test::Sets& sets, const char* what) {
+    const auto t = test::run_ranks(kTinyMoe, nproc, drop + sets);
+    test::compare_traces(t, single, what, 1e-5);
+    // The same weights at the end (every rank's experts put back in place).
+    double num = 0, den = 0;
+    for (const auto& [name, w] : single.weights) {
+      const auto& v = t.weights.at(name);
+      for (std::size_t i = 0; i < w.size(); ++i) num += double(v[i] - w[i]) * (v[i] - w[i]), den += double(w[i]) * w[i];
+    }
+    CHECK(std::sqrt(num / den) < 1e-6);
+  };
+  check(2, {"parallel.ep=2"}, "ep=2");
+  check(4, test::Sets{"parallel.ep=2"} + full, "ep=2 x expert-dp=2, full recompute");
+  check(4, {"parallel.ep=4", "train.micro_batch_size=1"}, "ep=4, 2 micro-batches");
+  check(2, {"parallel.ep=2", "fsdp.strategy=full_shard"}, "ep=2 with fsdp full_shard");
+  check(4, test::Sets{"parallel.ep=2", "fsdp.strategy=full_shard"} + full,
+        "ep=2 x expert-dp=2 with fsdp full_shard (experts sharded over expert-dp), full recompute");
+  check(4, {"parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"}, "ep=2 x tp=2 with SP");
+  // The capacity is per sequence: the same choices drop whatever rank routes them.
+  const auto cap1 = test::run_ranks(kTinyMoe, 1, {"model.moe.capacity_factor=0.75"});
+  test::compare_traces(test::run_ranks(kTinyMoe, 4, {"model.moe.capacity_factor=0.75", "parallel.ep=2"}), cap1,
+                       "ep=2 x dp=2 with a capacity", 1e-5);
+}
+
+TEST_CASE("moe: an expert-parallel size that does not fit is a configuration error naming parallel.ep") {
+  std::string failures;
+  test::run_ranks(kTinyMoe, 4, {"parallel.ep=3"}, nullptr, &failures);  // does not divide the 4 data-parallel ranks
+  CHECK(failures.find("parallel.ep") != std::string::npos);
+  test::run_ranks(kTinyMoe, 4, {"parallel.ep=4", "model.moe.n_experts=6", "model.moe.top_k=2"}, nullptr, &failures);
+  CHECK(failures.find("parallel.ep") != std::string::npos);
+  CHECK(failures.find("n_experts") != std::string::npos);
+  test::run_ranks(kTinyMoe, 2, {"parallel.ep=2", "model.moe.n_experts=0"}, nullptr, &failures);
+  CHECK(failures.find("no mixture of experts") != std::string::npos);
+  test::run_ranks(kTinyMoe, 4, {"parallel.ep=2", "fsdp.strategy=hybrid_shard", "fsdp.shard_size=2"}, nullptr, &failures);
+  CHECK(failures.find("fsdp.strategy") != std::string::npos);
+}
+
 TEST_CASE("moe: each step reports the router's losses and every layer's expert load; the capacity's drops") {
   test::Pipeline p(kTinyMoe, {"model.moe.capacity_factor=0.5", "train.steps=1"});
   p.world->systems().run(Phase::setup, *p.world);
@@ -203,4 +246,82 @@ TEST_CASE("moe: shapes that do not fit are configuration errors naming the key")
   std::string failures;
   test::run_ranks(kTinyMoe, 2, {"parallel.tp=2", "model.moe.hidden=25"}, nullptr, &failures);
   CHECK(failures.find("model.moe.hidden") != std::string::npos);
+}
+
+namespace {
+
+// A run saving a checkpoint at step `stop` and exiting there, then one resuming from it (with `load`
+// on `load_ranks`) to train.steps; returns the resumed run's trace.
+test::Trace stop_and_resume(int save_ranks, const test::Sets& save, int load_ranks, const test::Sets& load,
+                            const std::string& dir, int stop) {
+  const test::Sets ckpt = {"checkpoint.dir=" + dir};
+  test::run_ranks(kTinyMoe, save_ranks, save + ckpt + test::Sets{"train.exit_interval=" + std::to_string(stop)});
+  return test::run_ranks(kTinyMoe, load_ranks, load + ckpt);
+}
+
+}  // namespace
+
+TEST_CASE("moe: resumed bit-identically at ep = 2 (with FSDP too); loads at ep = 1 and ep = 4, experts resharded") {
+  const test::Sets drop = {"model.dropout=0.1", "model.moe.expert_dropout=0.1", "train.steps=8"};
+  for (const test::Sets& layout : {test::Sets{"parallel.ep=2"}, test::Sets{"parallel.ep=2", "fsdp.strategy=full_shard"}}) {
+    CAPTURE(layout.back());
+    test::TempDir dir("moe-resume");
+    const auto ref = test::run_ranks(kTinyMoe, 4, drop + layout);
+    const auto resumed = stop_and_resume(4, drop + layout, 4, drop + layout, dir.path().string(), 4);
+    REQUIRE(resumed.loss.size() == ref.loss.size());
+    for (std::size_t s = 4; s < ref.loss.size(); ++s) CHECK(resumed.loss[s] == ref.loss[s]);
+    CHECK(resumed.weights == ref.weights);
+  }
+  // Saved at ep = 2 (on 4 ranks), loaded on one rank and at ep = 4: the next steps follow the
+  // one-rank run to fp32 rounding (layout-invariant RNG: the expert stream restores too).
+  const auto single = test::run_ranks(kTinyMoe, 1, drop);
+  for (const auto& [ranks, load] : std::vector<std::pair<int, test::Sets>>{{1, {}}, {4, {"parallel.ep=4"}}}) {
+    test::TempDir dir("moe-reshard");
+    const auto resumed = stop_and_resume(4, drop + test::Sets{"parallel.ep=2"}, ranks, drop + load, dir.path().string(), 4);
+    for (std::size_t s = 4; s < single.loss.size(); ++s)
+      CHECK(std::fabs(resumed.loss[s] - single.loss[s]) / single.loss[s] < 1e-5);
+  }
+}
+
+TEST_CASE("moe: RNG states are saved by (tp, dp) rank under expert parallelism, by TP rank alone otherwise") {
+  auto rng_savers = [](int ranks, const test::Sets& sets) {
+    test::TempDir dir("moe-rng");
+    test::run_ranks(kTinyMoe, ranks, sets + test::Sets{"train.steps=1", "checkpoint.dir=" + dir.path().string()});
+    checkpoint::CheckpointReader reader(checkpoint::latest_checkpoint(dir.path().string()));
+    std::vector<int> savers;
+    for (const auto& r : reader.manifest().ranks)
+      if (r.blob("rng")) savers.push_back(r.rank);
+    std::sort(savers.begin(), savers.end());
+    return savers;
+  };
+  // tp = 2 x dp = 2: ranks 0, 1 (dp rank 0) save; the dp replicas 2, 3 do not.
+  CHECK(rng_savers(4, {"parallel.tp=2"}) == std::vector<int>{0, 1});
+  // ep = 2 x expert-dp = 2: every (tp, dp) rank saves (dp counts the expert-parallel ranks too).
+  CHECK(rng_savers(4, {"parallel.ep=2"}) == std::vector<int>{0, 1, 2, 3});
+  // Without layout invariance the expert-parallel streams differ per EP rank, and every rank's restores.
+  test::TempDir dir("moe-rng-resume");
+  const test::Sets own = {"rng.layout_invariant=false", "parallel.ep=2", "model.moe.expert_dropout=0.2", "train.steps=6"};
+  const auto ref = test::run_ranks(kTinyMoe, 2, own);
+  const auto resumed = stop_and_resume(2, own, 2, own, dir.path().string(), 3);
+  for (std::size_t s = 3; s < ref.loss.size(); ++s) CHECK(resumed.loss[s] == ref.loss[s]);
+}
+
+TEST_CASE("moe: a rank that fails stops the others inside the expert-parallel dispatch, naming it") {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto doc = config::parse_toml_text(kTinyMoe, "moe.toml");
+  config::apply_overrides(doc, {"parallel.ep=2", "train.steps=5"});
+  auto cfg = config::resolve(doc, "moe.toml", reg);
+  auto outcomes = parallel::run_thread_ranks(2, cfg, reg, [](World& w) {
+    if (w.resource<RankInfo>().rank != 1) return;
+    // Rank 1 dies before its forward pass at step 3: rank 0 meets it in its first block's MLP.
+    w.systems().add({"test.die", Phase::forward, [](World& world) {
+                       if (world.resource<RunControl>().step == 3) KILN_THROW("rank 1 was killed at step 3");
+                     },
+                     {}, {"model.forward"}});
+  });
+  REQUIRE_FALSE(outcomes[0].ok);
+  CHECK(outcomes[1].error.find("killed at step 3") != std::string::npos);
+  CHECK(outcomes[0].error.find("expert-parallel token") != std::string::npos);
+  CHECK(outcomes[0].error.find("rank 1 failed") != std::string::npos);
 }

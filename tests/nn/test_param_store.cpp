@@ -211,7 +211,8 @@ TEST_CASE("the shards of every rank hold each parameter's elements exactly once,
           // The run's layout elements are this shard's part of the group, at the matching held place.
           CHECK(p.offset + part.first >= first);
           CHECK(p.offset + part.first + part.count <= first + part_size);
-          CHECK(part.held == g->begin / shards + (p.offset + part.first - first));
+          CHECK(part.held == g->held + (p.offset + part.first - first));
+          CHECK(g->held == g->begin / shards);  // one domain: the parts of every group before it
           for (std::int64_t k = 0; k < part.count; ++k) {
             ++seen[i][static_cast<std::size_t>(part.first + k)];
             ++held_used[static_cast<std::size_t>(part.held + k)];

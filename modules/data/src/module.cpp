@@ -63,7 +63,7 @@ void install(World& w, const DataConfig& cfg) {
                      // Each DP rank evaluates its own val_batches micro-batches, in file order.
                      const int mbs = ts.micro_batch_size;
                      const std::uint64_t per_rank = static_cast<std::uint64_t>(cfg.val_batches) * mbs;
-                     const std::uint64_t base = per_rank * par.coords.dp;
+                     const std::uint64_t base = per_rank * par.dp_rank();
                      for (int b = 0; b < cfg.val_batches; ++b) {
                        train::Batch batch;
                        batch.B = mbs;
@@ -86,7 +86,7 @@ void install(World& w, const DataConfig& cfg) {
                      // The step's global batch is samples [position, position + batch_size); DP rank d
                      // takes the d-th slice of it, one micro-batch at a time.
                      const std::uint64_t per_rank = static_cast<std::uint64_t>(tc.batch_size / par.dp_size());
-                     const std::uint64_t first = st.position + per_rank * par.coords.dp +
+                     const std::uint64_t first = st.position + per_rank * par.dp_rank() +
                                                  static_cast<std::uint64_t>(ctl.micro_batch) * ts.micro_batch_size;
                      auto& batch = world.resource<train::Batch>();
                      if (cfg.synthetic_vocab > 0)

@@ -56,6 +56,15 @@ void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::
 // What of a mixture of experts does not run yet (issue 26 is under way), as config errors naming
 // the key: the CUDA kernels, and weights from Hugging Face GPT-2 files (dense MLPs).
 void refuse_moe_that_does_not_run(World& w, const ModelConfig& cfg) {
+  // Expert parallelism splits the experts: it needs some, and as many on every rank.
+  const int ep = w.resource<parallel::ParallelState>().ep_size();
+  if (ep > 1 && !cfg.moe.enabled())
+    throw config_error(w, "parallel.ep",
+                       cat("is ", ep, ", but the model has no mixture of experts (model.moe.n_experts = 0): set it to 1"));
+  if (ep > 1 && cfg.moe.n_experts % ep != 0)
+    throw config_error(w, "parallel.ep",
+                       cat(ep, " does not divide model.moe.n_experts = ", cfg.moe.n_experts,
+                           " (each expert-parallel rank holds n_experts / ep of them)"));
   if (!cfg.moe.enabled()) return;
   if (w.resource<ops::ActiveBackend>().get().device() == Device::cuda)
     throw config_error(w, "model.moe.n_experts",

@@ -19,8 +19,17 @@ Entity ParamStore::add(World& w, Param p) {
 void ParamStore::shard_over(int shards, int shard) {
   KILN_CHECK(units_.empty(), "the parameter store is sharded before it is laid out");
   KILN_CHECK(shards >= 1 && shard >= 0 && shard < shards, "parameter shard ", shard, " of ", shards);
-  shards_ = shards;
-  shard_ = shard;
+  shards_[0] = shards;
+  shard_[0] = shard;
+  if (!experts_set_) shards_[1] = shards, shard_[1] = shard;
+}
+
+void ParamStore::shard_experts_over(int shards, int shard) {
+  KILN_CHECK(units_.empty(), "the parameter store is sharded before it is laid out");
+  KILN_CHECK(shards >= 1 && shard >= 0 && shard < shards, "expert parameter shard ", shard, " of ", shards);
+  shards_[1] = shards;
+  shard_[1] = shard;
+  experts_set_ = true;
 }
 
 void ParamStore::lay_out(World& w) {
@@ -32,27 +41,36 @@ void ParamStore::lay_out(World& w) {
   }
   const int n = by_unit.empty() ? 0 : by_unit.rbegin()->first + 1;
   units_.assign(static_cast<std::size_t>(n), UnitRange{});
+  groups_.assign(static_cast<std::size_t>(n), {});
+  unit_held_.assign(static_cast<std::size_t>(n), 0);
   auto align = [](std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; };
-  std::int64_t at = 0;
+  std::int64_t at = 0, held = 0;
   for (int u = 0; u < n; ++u) {
     units_[u].begin = at;
+    unit_held_[u] = held;
     auto it = by_unit.find(u);
-    // A sharded store gathers the one-byte compute copies apart: their parameters first.
-    for (bool bytes : {true, false}) {
-      if (it != by_unit.end())
-        for (auto [e, p] : it->second) {
-          const bool is_bytes = sharded() && w.has<ByteCompute>(e);
-          if (is_bytes != bytes) continue;
-          p->offset = at;
-          at += align(p->numel, kParamAlign);
-        }
-      at = align(at, kParamAlign * shards_);  // every rank's part of each group equal and aligned
-      if (bytes) units_[u].split = at;
-    }
+    // Dense before expert; in a sharded domain the one-byte compute copies are gathered apart, first.
+    for (ShardDomain domain : {ShardDomain::dense, ShardDomain::expert})
+      for (bool bytes : {true, false}) {
+        const int S = shards_[static_cast<int>(domain)];
+        UnitGroup g{at, 0, bytes, domain, held, 0};
+        if (it != by_unit.end())
+          for (auto [e, p] : it->second) {
+            const bool is_bytes = S > 1 && w.has<ByteCompute>(e);
+            if (domain_of(*p) != domain || is_bytes != bytes) continue;
+            p->offset = at;
+            at += align(p->numel, kParamAlign);
+          }
+        at = align(at, kParamAlign * S);  // every rank's part of each group equal and aligned
+        g.count = at - g.begin;
+        if (g.count == 0) continue;
+        held += g.count / S;
+        groups_[u].push_back(g);
+      }
     units_[u].end = at;
   }
   total_ = at;
-  held_ = total_ / shards_;
+  held_ = held;
 }
 
 void ParamStore::allocate(HeldBuffers buffers) {
@@ -66,6 +84,14 @@ void ParamStore::allocate(HeldBuffers buffers) {
   grads_ = std::move(buffers.grads);
   act_ = buffers.act;
   stream_ = buffers.stream;
+  // The units' compute images: each group's elements, one byte or act-dtype each, in group order.
+  for (auto& groups : groups_) {
+    std::size_t image = 0;
+    for (auto& g : groups) {
+      g.image = image;
+      image += static_cast<std::size_t>(g.count) * (g.bytes ? 1 : size_of(act_));
+    }
+  }
   unit_compute_.assign(units_.size(), nullptr);
   unit_grads_.assign(units_.size(), nullptr);
   if (sharded()) return;  // the units are gathered, not held
@@ -112,22 +138,26 @@ std::vector<std::vector<UnitRange>> ParamStore::grad_zero_ranges(const World& w)
   return out;
 }
 
-std::vector<UnitGroup> ParamStore::groups(int u) const {
-  const UnitRange& r = unit(u);
-  std::vector<UnitGroup> out;
-  if (r.split > r.begin) out.push_back({r.begin, r.split - r.begin, true, 0});
-  if (r.end > r.split)
-    out.push_back({r.split, r.end - r.split, false, static_cast<std::size_t>(r.split - r.begin)});
-  return out;
+std::int64_t ParamStore::held_count(int u) const {
+  std::int64_t n = 0;
+  for (const UnitGroup& g : groups(u)) n += g.count / shards_[static_cast<int>(g.domain)];
+  return n;
+}
+
+const UnitGroup& ParamStore::group_of(const Param& p) const {
+  for (const UnitGroup& g : groups(p.unit))
+    if (p.offset >= g.begin && p.offset < g.begin + g.count) return g;
+  KILN_THROW("parameter '", p.name, "' at ", p.offset, " lies in no group of layer unit ", p.unit);
 }
 
 std::size_t ParamStore::image_bytes(int u) const {
-  const UnitRange& r = unit(u);
-  return static_cast<std::size_t>(r.split - r.begin) + static_cast<std::size_t>(r.end - r.split) * size_of(act_);
+  std::size_t n = 0;
+  for (const UnitGroup& g : groups(u)) n += static_cast<std::size_t>(g.count) * (g.bytes ? 1 : size_of(act_));
+  return n;
 }
 
 TensorView ParamStore::master_view(const Param& p) const {
-  KILN_CHECK(!sharded(), "parameter '", p.name, "': the master weights are sharded over ", shards_,
+  KILN_CHECK(!sharded(), "parameter '", p.name, "': the master weights are sharded over ", shards_[0],
              " ranks; use its held parts (for_each_held)");
   return master_.view(DType::f32, p.shape, static_cast<std::size_t>(p.offset) * sizeof(float));
 }
@@ -142,25 +172,23 @@ void* ParamStore::at_unit(const std::vector<void*>& where, const Param& p, std::
 }
 
 TensorView ParamStore::compute_view(const Param& p) const {
-  const UnitRange& u = unit(p.unit);
-  if (p.offset < u.split)  // one-byte codes, at their element's place in the group
-    return TensorView(at_unit(unit_compute_, p, static_cast<std::size_t>(p.offset - u.begin), "compute weights"),
-                      p.shape, DType::u8, master_.device());
-  const std::size_t bytes =
-      static_cast<std::size_t>(u.split - u.begin) + static_cast<std::size_t>(p.offset - u.split) * size_of(act_);
-  return TensorView(at_unit(unit_compute_, p, bytes, "compute weights"), p.shape, act_, master_.device());
+  const UnitGroup& g = group_of(p);
+  // One-byte codes or act-dtype elements, at the element's place in its group's image.
+  const std::size_t bytes = g.image + static_cast<std::size_t>(p.offset - g.begin) * (g.bytes ? 1 : size_of(act_));
+  return TensorView(at_unit(unit_compute_, p, bytes, "compute weights"), p.shape, g.bytes ? DType::u8 : act_,
+                    master_.device());
 }
 
 TensorView ParamStore::held_compute(const UnitGroup& g) const {
-  auto* at = static_cast<char*>(compute_.data()) + static_cast<std::size_t>(g.begin / shards_) * size_of(act_);
-  return TensorView(at, {g.count / shards_}, g.bytes ? DType::u8 : act_, compute_.device());
+  auto* at = static_cast<char*>(compute_.data()) + static_cast<std::size_t>(g.held) * size_of(act_);
+  return TensorView(at, {g.count / shards_[static_cast<int>(g.domain)]}, g.bytes ? DType::u8 : act_,
+                    compute_.device());
 }
 
 std::uint8_t* ParamStore::held_codes(const Param& p, const HeldPart& part) const {
-  const UnitRange& u = unit(p.unit);
-  KILN_CHECK(p.offset < u.split, "parameter '", p.name, "' has no one-byte compute copy");
-  const UnitGroup g{u.begin, u.split - u.begin, true, 0};
-  return held_compute(g).as<std::uint8_t>() + (part.held - u.begin / shards_);
+  const UnitGroup& g = group_of(p);
+  KILN_CHECK(g.bytes, "parameter '", p.name, "' has no one-byte compute copy");
+  return held_compute(g).as<std::uint8_t>() + (part.held - g.held);
 }
 
 TensorView ParamStore::grad_view(const Param& p) const {

@@ -67,21 +67,25 @@ std::vector<TensorView> gradient_views(const nn::ParamStore& store, const std::v
 }
 
 // The squared norm of the whole (logical) gradient. A rank holds shards of some parameters under
-// tensor parallelism and full copies of the others, and under FSDP its part of each unit: the
-// squares are summed over the ranks that together hold one copy of the parameters
-// (parallel::param_shards), the TP-replicated parameters counted once (each TP rank adds 1/tp of
-// theirs).
+// tensor (and expert) parallelism and full copies of the others, and under FSDP its part of each
+// unit: the squares are summed over the ranks that together hold one copy of the parameters
+// (parallel::param_shards), a part held by several of them counted once (each of its n holders adds
+// 1/n of it: parallel::replicas_in_param_shards).
 double global_sum_squares(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
-  const auto& comms = w.resource<parallel::Communicators>();
-  const int tp = comms.tp->size();
+  const auto parts = held_parts(w);
+  std::vector<int> replicas;
+  bool all_once = true;
+  for (const auto& h : parts) {
+    replicas.push_back(parallel::replicas_in_param_shards(w, *h.param));
+    all_once = all_once && replicas.back() == 1;
+  }
   double local = 0;
-  if (tp == 1) {
+  if (all_once) {
     local = be.sum_squares(store.grads_flat());
   } else {
-    const auto parts = held_parts(w);
     const std::vector<double> each = be.sum_squares_each(gradient_views(store, parts));
-    for (std::size_t i = 0; i < parts.size(); ++i) local += parts[i].param->shard.sharded() ? each[i] : each[i] / tp;
+    for (std::size_t i = 0; i < parts.size(); ++i) local += replicas[i] == 1 ? each[i] : each[i] / replicas[i];
   }
   auto& shards = parallel::param_shards(w);
   if (shards.size() == 1) return local;

@@ -6,7 +6,7 @@
 
 namespace kiln::parallel {
 
-std::vector<GradBucket> plan_buckets(std::vector<UnitSpan> spans, std::int64_t bucket_elems) {
+std::vector<GradBucket> plan_buckets(std::vector<UnitSpan> spans, std::int64_t bucket_elems, bool bridge_gaps) {
   std::sort(spans.begin(), spans.end(), [](const UnitSpan& a, const UnitSpan& b) { return a.unit > b.unit; });
   for (std::size_t i = 0; i < spans.size(); ++i) {
     KILN_CHECK(spans[i].begin <= spans[i].end, "unit ", spans[i].unit, ": span [", spans[i].begin, ", ", spans[i].end,
@@ -16,12 +16,25 @@ std::vector<GradBucket> plan_buckets(std::vector<UnitSpan> spans, std::int64_t b
                  " and ", spans[i - 1].unit, ": gradient spans must be disjoint and in ascending unit order");
   }
   std::vector<GradBucket> buckets;
+  std::int64_t elems = 0;  // in the current bucket (its spans alone without bridge_gaps)
   for (const auto& s : spans) {
-    if (buckets.empty() || (bucket_elems > 0 && buckets.back().end - buckets.back().begin >= bucket_elems))
-      buckets.push_back({s.begin, s.end, {}});
+    if (buckets.empty() || (bucket_elems > 0 && elems >= bucket_elems)) {
+      buckets.push_back({s.begin, s.end, {}, {}});
+      elems = 0;
+    }
     auto& b = buckets.back();
     b.begin = s.begin;  // extend downwards: the units arrive in descending order
     b.units.push_back(s.unit);
+    if (bridge_gaps) {
+      elems = b.end - b.begin;
+    } else {
+      elems += s.end - s.begin;
+      if (s.end == s.begin) continue;
+      if (!b.runs.empty() && b.runs.back().first == s.end)
+        b.runs.back().first = s.begin;
+      else
+        b.runs.push_back({s.begin, s.end});
+    }
   }
   return buckets;
 }
@@ -65,14 +78,12 @@ void DpGradSync::unit_ready(int unit) {
 void DpGradSync::launch(std::size_t b) {
   const auto& bucket = buckets_[b];
   launched_[b] = true;
-  if (bucket.end == bucket.begin) return;
-  const TensorView view = grads_.flat_slice(bucket.begin, bucket.end - bucket.begin);
-  if (side_) {
-    side_->wait_for_compute();
-    comm_.all_reduce(view, ReduceOp::sum, side_->stream());
-  } else {
-    comm_.all_reduce(view, ReduceOp::sum, compute_stream_);
-  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> runs = bucket.runs;
+  if (runs.empty() && bucket.end > bucket.begin) runs.push_back({bucket.begin, bucket.end});
+  if (runs.empty()) return;
+  if (side_) side_->wait_for_compute();
+  for (const auto& [begin, end] : runs)
+    comm_.all_reduce(grads_.flat_slice(begin, end - begin), ReduceOp::sum, side_ ? side_->stream() : compute_stream_);
 }
 
 void DpGradSync::finish() {

@@ -17,12 +17,13 @@ namespace kiln::parallel {
 
 namespace {
 
-// Pipeline, context and expert parallelism exist as ranks (the topology, the groups, the seeds) but
-// nothing runs them yet: larger sizes would silently train the same model on every stage.
+// Pipeline and context parallelism exist as ranks (the topology, the groups, the seeds) but nothing
+// runs them yet: larger sizes would silently train the same model on every stage. (Expert
+// parallelism runs where the model has experts; the model module checks that it does.)
 void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
-  const std::pair<const char*, int> sizes[] = {{"pp", cfg.pp}, {"cp", cfg.cp}, {"ep", cfg.ep}};
-  const char* what[] = {"pipeline", "context", "expert"};
-  for (std::size_t i = 0; i < 3; ++i)
+  const std::pair<const char*, int> sizes[] = {{"pp", cfg.pp}, {"cp", cfg.cp}};
+  const char* what[] = {"pipeline", "context"};
+  for (std::size_t i = 0; i < 2; ++i)
     if (sizes[i].second > 1)
       throw config_error(w, cat("parallel.", sizes[i].first),
                          cat("is ", sizes[i].second, ", but ", what[i],
@@ -31,24 +32,45 @@ void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
 }
 
 // The data-parallel gradient buckets, planned at their first use (the parameters are laid out in
-// Phase::setup): one bucket run per group of consecutive units. Null without buckets.
+// Phase::setup): one bucket run per group of consecutive units. Under expert parallelism each unit's
+// dense gradients (summed over every data-parallel rank) and its experts' (summed over the ranks
+// holding the same experts) go to two bucket sets. Null without buckets (parallel.dp_bucket_mb = 0
+// and no experts: one all-reduce of everything).
 DpGradSync* dp_buckets(World& w) {
   auto& st = w.resource<DpGradState>();
-  if (st.sync || st.bucket_mb <= 0 || w.try_resource<ShardedParameters>()) return st.sync.get();
+  if (st.sync || w.try_resource<ShardedParameters>()) return st.sync.get();
   const auto* store = w.try_resource<nn::ParamStore>();
   if (!store || !store->laid_out()) return nullptr;
-  std::vector<UnitSpan> spans;
-  for (int u = 0; u < store->num_units(); ++u)
-    if (store->unit(u).size() > 0) spans.push_back({u, store->unit(u).begin, store->unit(u).end});
+  std::vector<UnitSpan> dense, experts;
+  for (int u = 0; u < store->num_units(); ++u) {
+    std::int64_t split = store->unit(u).end;  // where the unit's expert groups begin
+    for (const auto& g : store->groups(u))
+      if (g.domain == nn::ShardDomain::expert) split = std::min(split, g.begin);
+    if (split > store->unit(u).begin) dense.push_back({u, store->unit(u).begin, split});
+    if (store->unit(u).end > split) experts.push_back({u, split, store->unit(u).end});
+  }
+  if (st.bucket_mb <= 0 && experts.empty()) return nullptr;
   const auto elems = static_cast<std::int64_t>(st.bucket_mb * 1e6 / 4);
-  st.sync = std::make_shared<DpGradSync>(*w.resource<Communicators>().dp, store->grads_flat(),
-                                         plan_buckets(spans, elems), store->stream());
+  auto& comms = w.resource<Communicators>();
+  const bool bridge = experts.empty();  // the gaps between dense spans are padding only
+  st.sync = std::make_shared<DpGradSync>(*comms.dp, store->grads_flat(), plan_buckets(dense, elems, bridge),
+                                         store->stream());
+  if (!experts.empty())
+    st.expert_sync = std::make_shared<DpGradSync>(*comms.edp, store->grads_flat(), plan_buckets(experts, elems, false),
+                                                  store->stream());
   return st.sync.get();
 }
 
 void install(World& w, const ParallelConfig& cfg) {
   refuse_parallelisms_that_do_not_run(w, cfg);
   const auto& r = w.resource<RankInfo>();
+  // Expert parallelism is carved out of data parallelism (topology.hpp).
+  const long long model_ranks = 1LL * cfg.tp * cfg.pp * cfg.cp;
+  const long long data_ranks = cfg.dp > 0 ? cfg.dp : (r.world_size % model_ranks == 0 ? r.world_size / model_ranks : 0);
+  if (data_ranks > 0 && data_ranks % cfg.ep != 0)
+    throw config_error(w, "parallel.ep",
+                       cat(cfg.ep, " does not divide the ", data_ranks, " data-parallel ranks (", r.world_size,
+                           " ranks / tp ", cfg.tp, "; expert parallelism is carved out of data parallelism)"));
   Topology topo = [&] {
     try {
       return Topology(r.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp);
@@ -59,8 +81,9 @@ void install(World& w, const ParallelConfig& cfg) {
   const Coords at = topo.coords(r.rank);
   w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, at, cfg.sequence_parallel, cfg.vocab_parallel});
   const Sizes n = topo.sizes();
-  w.emplace_resource<train::ParallelLayout>(
-      train::ParallelLayout{n.world(), n.tp, n.cp, n.ep, n.dp, n.pp, at.tp, at.cp, at.ep, at.dp, at.pp});
+  const auto& state = w.resource<ParallelState>();
+  w.emplace_resource<train::ParallelLayout>(train::ParallelLayout{n.world(), n.tp, n.cp, n.ep, state.dp_size(), n.pp,
+                                                                  at.tp, at.cp, at.ep, state.dp_rank(), at.pp});
 
   auto& comms = w.emplace_resource<Communicators>();
   // Every rank creates its groups in the same order (NCCL splits are collective over the world).
@@ -69,9 +92,11 @@ void install(World& w, const ParallelConfig& cfg) {
   };
   comms.world = make("world", {Axis::tp, Axis::cp, Axis::ep, Axis::dp, Axis::pp});
   comms.tp = make("tp", {Axis::tp});
-  comms.dp = make("dp", {Axis::dp});
-  comms.tp_dp = make("tp_dp", {Axis::tp, Axis::dp});
+  comms.dp = make("dp", {Axis::ep, Axis::dp});
+  comms.tp_dp = make("tp_dp", {Axis::tp, Axis::ep, Axis::dp});
   comms.ep = make("ep", {Axis::ep});
+  comms.tp_ep = make("tp_ep", {Axis::tp, Axis::ep});
+  comms.edp = make("expert_dp", {Axis::dp});
   comms.self = make_self_communicator("self", r.rank);
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
@@ -110,7 +135,9 @@ void install(World& w, const ParallelConfig& cfg) {
     dp_state.on_backward = w.events().subscribe<nn::LayerBackwardEnd>([&w](const nn::LayerBackwardEnd& e) {
       const auto& rc = w.resource<RunControl>();
       auto* sync = dp_buckets(w);
-      if (sync && rc.micro_batch == rc.micro_batches - 1) sync->unit_ready(e.unit);
+      if (!sync || rc.micro_batch != rc.micro_batches - 1) return;
+      sync->unit_ready(e.unit);
+      if (auto& experts = w.resource<DpGradState>().expert_sync) experts->unit_ready(e.unit);
     });
   w.systems().add({"parallel.dp_grad_sync", Phase::grad_sync, [](World& world) {
                      auto& c = world.resource<Communicators>();
@@ -119,6 +146,7 @@ void install(World& w, const ParallelConfig& cfg) {
                      if (c.dp->size() == 1 || !store || world.try_resource<ShardedParameters>()) return;
                      if (auto* sync = dp_buckets(world)) {
                        sync->finish();
+                       if (auto& experts = world.resource<DpGradState>().expert_sync) experts->finish();
                        return;
                      }
                      c.dp->all_reduce(store->grads_flat(), ReduceOp::sum, store->stream());
@@ -143,7 +171,17 @@ std::unique_ptr<Communicator> make_group(World& w, const std::string& name, int 
 
 Communicator& param_shards(World& w) {
   if (const auto* s = w.try_resource<ShardedParameters>()) return *s->param_shards;
-  return *w.resource<Communicators>().tp;
+  // Without sharding one copy is split over TP, and under expert parallelism the experts over EP too.
+  auto& c = w.resource<Communicators>();
+  return w.resource<ParallelState>().ep_size() > 1 ? *c.tp_ep : *c.tp;
+}
+
+int replicas_in_param_shards(World& w, const nn::Param& p) {
+  const auto& par = w.resource<ParallelState>();
+  int n = p.shard.sharded() ? 1 : par.tp_size();  // a whole tensor on every TP rank
+  // Unsharded under expert parallelism, a dense parameter is the same on every rank of the EP group.
+  if (par.ep_size() > 1 && !p.expert_parallel && !w.try_resource<ShardedParameters>()) n *= par.ep_size();
+  return n;
 }
 
 Communicator& held_parts(World& w) {

@@ -29,17 +29,19 @@ Topology::Topology(int world_size, int tp, int pp, int cp, int ep, int dp) {
   if (world_size <= 0) KILN_THROW("world size must be positive, got ", world_size);
   for (auto [name, v] : {std::pair{"tp", tp}, {"pp", pp}, {"cp", cp}, {"ep", ep}})
     if (v <= 0) KILN_THROW("parallel.", name, " must be positive, got ", v);
-  const long long model = 1LL * tp * pp * cp * ep;
+  const long long model = 1LL * tp * pp * cp;
   if (dp <= 0) {
     if (world_size % model != 0)
-      KILN_THROW("world size ", world_size, " is not divisible by tp*pp*cp*ep = ", tp, "*", pp, "*", cp, "*", ep,
-                 " = ", model);
+      KILN_THROW("world size ", world_size, " is not divisible by tp*pp*cp = ", tp, "*", pp, "*", cp, " = ", model);
     dp = static_cast<int>(world_size / model);
   } else if (model * dp != world_size) {
-    KILN_THROW("tp*pp*cp*ep*dp = ", tp, "*", pp, "*", cp, "*", ep, "*", dp, " = ", model * dp,
-               " does not match the world size ", world_size);
+    KILN_THROW("tp*pp*cp*dp = ", tp, "*", pp, "*", cp, "*", dp, " = ", model * dp, " does not match the world size ",
+               world_size);
   }
-  sizes_ = Sizes{tp, cp, ep, dp, pp};
+  if (dp % ep != 0)
+    KILN_THROW("parallel.ep = ", ep, " does not divide the ", dp,
+               " data-parallel ranks (expert parallelism is carved out of data parallelism)");
+  sizes_ = Sizes{tp, cp, ep, dp / ep, pp};
 }
 
 Coords Topology::coords(int rank) const {
@@ -82,6 +84,11 @@ std::vector<int> Topology::group(int rank, std::initializer_list<Axis> axes) con
   return members;
 }
 
+int Topology::data_parallel_rank(int rank) const {
+  const Coords c = coords(rank);
+  return c.ep + sizes_.ep * c.dp;
+}
+
 int Topology::group_index(int rank, std::initializer_list<Axis> axes) const {
   auto groups = all_groups(axes);
   for (std::size_t g = 0; g < groups.size(); ++g)
@@ -104,17 +111,24 @@ std::vector<std::vector<int>> Topology::all_groups(std::initializer_list<Axis> a
 std::string Topology::describe() const {
   std::ostringstream os;
   auto& s = sizes_;
-  os << "world " << world() << " = tp " << s.tp << " x cp " << s.cp << " x ep " << s.ep << " x dp " << s.dp
-     << " x pp " << s.pp << "\n";
-  for (Axis a : {Axis::tp, Axis::cp, Axis::ep, Axis::dp, Axis::pp}) {
-    os << axis_name(a) << " groups:";
-    for (auto& g : all_groups({a})) {
+  os << "world " << world() << " = tp " << s.tp << " x cp " << s.cp << " x dp " << data_parallel_size();
+  if (s.ep > 1) os << " (ep " << s.ep << " x expert-dp " << s.dp << ")";
+  os << " x pp " << s.pp << "\n";
+  auto list = [&](const char* name, std::initializer_list<Axis> axes) {
+    os << name << " groups:";
+    for (auto& g : all_groups(axes)) {
       os << " [";
       for (std::size_t i = 0; i < g.size(); ++i) os << (i ? "," : "") << g[i];
       os << "]";
     }
     os << "\n";
-  }
+  };
+  list("tp", {Axis::tp});
+  list("cp", {Axis::cp});
+  list("dp", {Axis::ep, Axis::dp});
+  list("pp", {Axis::pp});
+  list("ep", {Axis::ep});
+  if (s.ep > 1) list("expert-dp", {Axis::dp});
   os << "ranks (tp,cp,ep,dp,pp):";
   for (int r = 0; r < world(); ++r) {
     auto c = coords(r);

@@ -46,7 +46,7 @@ std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKi
 RngStatesTracker make_tracker(SeedPolicy policy, bool layout_invariant, std::uint64_t master_seed,
                               const RankCoords& coords) {
   RankCoords sharded = coords;
-  if (layout_invariant) sharded.tp = 0;
+  if (layout_invariant) sharded.tp = sharded.ep = 0;
   RngStatesTracker t(stream_seed(policy, master_seed, StreamKind::default_, coords));
   t.add(kModelParallelRng, stream_seed(policy, master_seed, StreamKind::model_parallel, sharded));
   t.add(kDataParallelRng, stream_seed(policy, master_seed, StreamKind::data_parallel, coords));

@@ -1,7 +1,6 @@
 #include "held_tensors.hpp"
 
 #include <algorithm>
-#include <numeric>
 
 #include "kiln/nn/param_store.hpp"
 #include "kiln/parallel/module.hpp"
@@ -17,6 +16,7 @@ std::vector<HeldTensor> held_tensors(World& w, const std::vector<std::string>& f
   const auto& par = w.resource<parallel::ParallelState>();
   std::vector<HeldTensor> out;
   std::vector<bool> tp_writes;
+  std::vector<nn::ShardDomain> domain;
   for (int f = 0; f < static_cast<int>(families.size()); ++f)
     for (Entity e : store.order()) {
       const auto& p = w.get<nn::Param>(e);
@@ -25,26 +25,34 @@ std::vector<HeldTensor> held_tensors(World& w, const std::vector<std::string>& f
                      part.first, pieces_of(p.shard, p.global_shape, part.first, part.count), false};
         out.push_back(std::move(t));
         tp_writes.push_back(p.shard.sharded() || par.coords.tp == 0);
+        domain.push_back(nn::ParamStore::domain_of(p));
       });
     }
-  // The ranks differing from this one only in their replica index (dp / shards) hold the same
-  // parts: each part goes to the replica with the fewest bytes so far, biggest parts first. Every
-  // replica computes the same assignment.
-  const int replicas = par.dp_size() / store.shards(), replica = par.coords.dp / store.shards();
-  std::vector<std::size_t> order(out.size());
-  std::iota(order.begin(), order.end(), 0);
+  // The ranks differing from this one only in their replica index hold the same parts: each part goes
+  // to the replica with the fewest bytes so far, biggest parts first; every replica computes the same
+  // assignment. Dense parameters' replicas: the data-parallel ranks holding the same shard (dp /
+  // shards of them); an expert parameter's (expert parallelism): the expert-data-parallel ranks
+  // holding the same shard of the same experts.
   auto bytes = [&](std::size_t i) {
     std::int64_t n = 0;
     for (auto& p : out[i].pieces) n += p.piece.numel();
     return n;
   };
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return bytes(a) > bytes(b); });
-  std::vector<std::int64_t> load(static_cast<std::size_t>(replicas), 0);
-  for (std::size_t i : order) {
-    if (!tp_writes[i]) continue;
-    const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    load[r] += bytes(i);
-    out[i].writes = static_cast<int>(r) == replica;
+  for (const auto d : {nn::ShardDomain::dense, nn::ShardDomain::expert}) {
+    const int ranks = d == nn::ShardDomain::dense ? par.dp_size() : par.topology.sizes().dp;
+    const int index = d == nn::ShardDomain::dense ? par.dp_rank() : par.coords.dp;
+    const int replicas = ranks / store.shards(d), replica = index / store.shards(d);
+    std::vector<std::size_t> order;
+    for (std::size_t i = 0; i < out.size(); ++i)
+      if (domain[i] == d) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return bytes(a) > bytes(b); });
+    std::vector<std::int64_t> load(static_cast<std::size_t>(replicas), 0);
+    for (std::size_t i : order) {
+      if (!tp_writes[i]) continue;
+      const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      load[r] += bytes(i);
+      out[i].writes = static_cast<int>(r) == replica;
+    }
   }
   return out;
 }

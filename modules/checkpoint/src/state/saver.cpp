@@ -97,7 +97,8 @@ void Saver::start(std::int64_t step) {
     for (auto& p : t.pieces) file.add_piece(t.name, t.shape, p.piece, base + t.family * store.held() + t.held_at(p));
   }
   auto& ts = w_.resource<train::TrainingState>();
-  for (auto& b : ts.blobs) file.add_blob(b.name, b.save());
+  for (auto& b : ts.blobs)
+    if (!b.saved_here || b.saved_here()) file.add_blob(b.name, b.save());
   counters_.clear();
   for (auto& c : ts.counters) counters_[c.name] = c.get();
   const std::string name = cat("rank_", std::setfill('0'), std::setw(5), info.rank, ".bin");

@@ -10,7 +10,7 @@ std::map<std::string, std::int64_t> topology_of(World& w) {
   const auto s = par.topology.sizes();
   return {{"world", s.world()},
           {"tp", s.tp},
-          {"dp", s.dp},
+          {"dp", par.dp_size()},
           {"pp", s.pp},
           {"cp", s.cp},
           {"ep", s.ep},
@@ -20,8 +20,9 @@ std::map<std::string, std::int64_t> topology_of(World& w) {
 }
 
 std::map<std::string, int> coords_of(World& w) {
-  const auto& c = w.resource<parallel::ParallelState>().coords;
-  return {{"tp", c.tp}, {"dp", c.dp}, {"pp", c.pp}, {"cp", c.cp}, {"ep", c.ep}};
+  const auto& par = w.resource<parallel::ParallelState>();
+  const auto& c = par.coords;
+  return {{"tp", c.tp}, {"dp", par.dp_rank()}, {"pp", c.pp}, {"cp", c.cp}, {"ep", c.ep}};
 }
 
 }  // namespace kiln::checkpoint

@@ -85,6 +85,7 @@ CudaBackend::~CudaBackend() {
     cudaEventDestroy(p.end);
   }
   for (auto e : event_pool_) cudaEventDestroy(e);
+  grouped_.reset();
   gemm_.reset();
   cudnn_.reset();
   if (lt_) cublasLtDestroy(lt_);

@@ -14,6 +14,7 @@
 #include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
 #include "cudnn_attention.hpp"
+#include "grouped_gemm.hpp"
 #include "../op_args.hpp"
 
 namespace kiln::ops::cuda_impl {
@@ -102,6 +103,8 @@ class CudaBackend final : public Backend {
   unsigned* tickets(std::int64_t n);
   // Pinned host staging + device copy of small per-call tables.
   void* upload(const void* host, std::size_t bytes, int slot);
+  // The experts' grouped linears (a cuBLAS handle on stream_ with workspace_), made at first use.
+  cuda::GroupedGemm& grouped_gemm();
 
   int device_;
   std::size_t free_at_start_ = 0;  // cudaMemGetInfo's free bytes when the backend was made
@@ -111,6 +114,7 @@ class CudaBackend final : public Backend {
   cublasLtHandle_t lt_ = nullptr;
   Buffer workspace_;
   std::unique_ptr<cuda::GemmRunner> gemm_;
+  std::unique_ptr<cuda::GroupedGemm> grouped_;
   Buffer scratch_;
   AttentionImpl attention_;
   bool attention_deterministic_;

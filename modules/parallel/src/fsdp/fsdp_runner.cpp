@@ -8,8 +8,15 @@
 
 namespace kiln::parallel::fsdp {
 
-Runner::Runner(World& w, const FsdpConfig& cfg, Communicator& shard, Communicator* replica, ops::Backend& backend)
-    : w_(w), cfg_(cfg), shard_(shard), replica_(replica), store_(w.resource<nn::ParamStore>()), be_(backend) {}
+Runner::Runner(World& w, const FsdpConfig& cfg, Communicator& shard, Communicator* expert_shard, Communicator* replica,
+               ops::Backend& backend)
+    : w_(w),
+      cfg_(cfg),
+      shard_(shard),
+      expert_shard_(expert_shard),
+      replica_(replica),
+      store_(w.resource<nn::ParamStore>()),
+      be_(backend) {}
 
 Runner::~Runner() {
   // Nothing may still read or write the buffers when they go.
@@ -21,9 +28,14 @@ TensorView Runner::held_grads(int unit) const {
 }
 
 void Runner::setup() {
-  KILN_CHECK(store_.sharded() && store_.shards() == shard_.size() && store_.shard() == shard_.rank(),
-             "fsdp: the parameter store is split in ", store_.shards(), " parts, part ", store_.shard(),
-             " here, but the shard group has ", shard_.size(), " ranks, this one ", shard_.rank());
+  for (const auto d : {nn::ShardDomain::dense, nn::ShardDomain::expert}) {
+    const Communicator& c = group_comm(nn::UnitGroup{.domain = d});
+    KILN_CHECK(store_.shards(d) == c.size() && store_.shard(d) == c.rank(), "fsdp: the parameter store splits its ",
+               d == nn::ShardDomain::dense ? "dense" : "expert", " parameters in ", store_.shards(d), " parts, part ",
+               store_.shard(d), " here, but the shard group '", c.name(), "' has ", c.size(), " ranks, this one ",
+               c.rank());
+  }
+  KILN_CHECK(store_.sharded(), "fsdp: the parameter store is not sharded");
   units_ = store_.num_units();
   compute_ = be_.stream();
   side_ = SideStream::create(compute_);
@@ -155,7 +167,8 @@ Runner::Slot* Runner::gather(int unit, bool required) {
   const Device dev = s->memory.device();
   for (const nn::UnitGroup& g : store_.groups(unit)) {
     const TensorView part = store_.held_compute(g);
-    shard_.all_gather(TensorView(static_cast<char*>(s->memory.data()) + g.image, {g.count}, part.dtype, dev), part, comm_);
+    group_comm(g).all_gather(TensorView(static_cast<char*>(s->memory.data()) + g.image, {g.count}, part.dtype, dev),
+                             part, comm_);
   }
   s->gathered.record(comm_);
   return s;
@@ -261,11 +274,13 @@ void Runner::reduce(int unit) {
   }
   compute_mark_.record(compute_);
   compute_mark_.wait(comm_);
-  // Group by group: a rank's part of the unit is its part of each group, one after the other.
-  const std::int64_t S = store_.shards(), first_element = store_.unit(unit).begin;
+  // Group by group, each over its domain's shard group: a rank's part of the unit is its part of
+  // each group, one after the other.
+  const std::int64_t first_element = store_.unit(unit).begin, first_held = store_.held_offset(unit);
   for (const nn::UnitGroup& grp : store_.groups(unit)) {
-    const std::int64_t at = grp.begin - first_element;
-    shard_.reduce_scatter(out.flat_slice(at / S, grp.count / S), in.flat_slice(at, grp.count), ReduceOp::sum, comm_);
+    const std::int64_t at = grp.begin - first_element, S = store_.shards(grp.domain);
+    group_comm(grp).reduce_scatter(out.flat_slice(grp.held - first_held, grp.count / S), in.flat_slice(at, grp.count),
+                                   ReduceOp::sum, comm_);
   }
   g.reduced.record(comm_);
   if (partial) partial->ready.record(comm_);

@@ -18,9 +18,11 @@ namespace kiln::parallel::fsdp {
 
 class Runner {
  public:
-  // `shard`: the ranks the parameters are split over (this rank's index in it is the store's
-  // shard); `replica` (hybrid_shard): the ranks holding the same part, or null.
-  Runner(World& w, const FsdpConfig& cfg, Communicator& shard, Communicator* replica, ops::Backend& backend);
+  // `shard`: the ranks the dense parameters are split over (this rank's index in it is the store's
+  // shard); `expert_shard`: the ranks the expert-parallel parameters are split over (null: the
+  // same); `replica` (hybrid_shard): the ranks holding the same part, or null.
+  Runner(World& w, const FsdpConfig& cfg, Communicator& shard, Communicator* expert_shard, Communicator* replica,
+         ops::Backend& backend);
   ~Runner();
 
   // After the store is allocated: which unit reads which, the buffers.
@@ -69,11 +71,15 @@ class Runner {
   void assign_grads(int unit);
   void reduce(int unit);
   void add_pending();       // the pending partial sum into the held gradients (compute stream)
+  Communicator& group_comm(const nn::UnitGroup& g) const {  // the shard group of g's domain
+    return g.domain == nn::ShardDomain::expert && expert_shard_ ? *expert_shard_ : shard_;
+  }
   TensorView held_grads(int unit) const;  // the unit's part of the held gradients
 
   World& w_;
   FsdpConfig cfg_;
   Communicator& shard_;
+  Communicator* expert_shard_;
   Communicator* replica_;
   nn::ParamStore& store_;
   ops::Backend& be_;

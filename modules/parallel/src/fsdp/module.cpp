@@ -25,14 +25,19 @@ struct FsdpState {
   std::vector<Subscription> subscriptions;
 };
 
+// This rank's coordinates with data-parallel rank `d` (the ep and dp axes: d = ep + EP dp) and TP rank `t`.
+Coords at_dp_rank(const ParallelState& par, int d, int t) {
+  Coords c = par.coords;
+  c.ep = d % par.ep_size();
+  c.dp = d / par.ep_size();
+  c.tp = t;
+  return c;
+}
+
 // The ranks that differ from this one only in their data-parallel rank, for the DP ranks `dps`.
 std::vector<int> dp_members(const ParallelState& par, const std::vector<int>& dps) {
   std::vector<int> out;
-  for (int d : dps) {
-    Coords c = par.coords;
-    c.dp = d;
-    out.push_back(par.topology.rank(c));
-  }
+  for (int d : dps) out.push_back(par.topology.rank(at_dp_rank(par, d, par.coords.tp)));
   return out;
 }
 
@@ -42,7 +47,7 @@ void install(World& w, const FsdpConfig& cfg) {
   const auto& par = w.resource<ParallelState>();
   auto& comms = w.resource<Communicators>();
   auto& be = w.resource<ops::ActiveBackend>().get();
-  const int dp = par.dp_size(), d = par.coords.dp;
+  const int dp = par.dp_size(), d = par.dp_rank();
   if (cfg.strategy != FsdpStrategy::hybrid_shard && cfg.shard_size != 0)
     throw config_error(w, "fsdp.shard_size",
                        "only hybrid_shard takes a shard size (the other strategies shard over all data-parallel ranks)");
@@ -54,6 +59,10 @@ void install(World& w, const FsdpConfig& cfg) {
                              "inside groups of shard_size of them)"));
     S = cfg.shard_size;
   }
+  if (cfg.strategy == FsdpStrategy::hybrid_shard && par.ep_size() > 1)
+    throw config_error(w, "fsdp.strategy",
+                       "hybrid_shard does not run with expert parallelism yet (parallel.ep > 1): use full_shard or "
+                       "shard_grad_op");
   if (cfg.param_dtype == FsdpDType::fp32 && be.device() == Device::cuda)
     throw config_error(w, "fsdp.param_dtype", "fp32: the CUDA backend computes with bf16 weights");
   // no_shard is plain data parallelism (the parallel module's buckets); one rank per shard group
@@ -82,12 +91,7 @@ void install(World& w, const FsdpConfig& cfg) {
     st.own_replica = make_group(w, "fsdp_replica", replica_members.front(), replica_members);
     std::vector<int> tp_shard;
     for (int t = 0; t < par.tp_size(); ++t)
-      for (int j : shard_dps) {
-        Coords c = par.coords;
-        c.tp = t;
-        c.dp = j;
-        tp_shard.push_back(par.topology.rank(c));
-      }
+      for (int j : shard_dps) tp_shard.push_back(par.topology.rank(at_dp_rank(par, j, t)));
     std::sort(tp_shard.begin(), tp_shard.end());
     st.own_param_shards = make_group(w, "fsdp_tp_shard", tp_shard.front(), tp_shard);
     shard = st.own_shard.get();
@@ -98,10 +102,18 @@ void install(World& w, const FsdpConfig& cfg) {
   // aside, and sums over the parameters run over these groups.
   w.emplace_resource<ShardedParameters>(ShardedParameters{"fsdp", param_shards, shard});
 
-  // The parameter store holds this rank's part of every unit from its layout on.
+  // The parameter store holds this rank's part of every unit from its layout on: of the dense
+  // parameters over the shard group, of the experts (under expert parallelism) over the ranks holding
+  // the same experts (the expert-data-parallel group; full_shard and shard_grad_op shard over all
+  // data-parallel ranks, so over all of those).
   auto& store = w.resource<nn::ParamStore>();
   store.shard_over(S, i);
-  st.runner = std::make_unique<fsdp::Runner>(w, cfg, *shard, replica, be);
+  Communicator* expert_shard = nullptr;
+  if (par.ep_size() > 1) {
+    expert_shard = comms.edp.get();
+    store.shard_experts_over(expert_shard->size(), expert_shard->rank());
+  }
+  st.runner = std::make_unique<fsdp::Runner>(w, cfg, *shard, expert_shard, replica, be);
 
   w.systems().add({"fsdp.setup", Phase::setup,
                    [](World& world) {

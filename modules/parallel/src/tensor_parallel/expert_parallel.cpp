@@ -4,6 +4,19 @@
 
 namespace kiln::parallel {
 
+namespace {
+// Runs a step of the dispatch, naming it in any error (a rank that failed or hangs stops the others
+// inside it: they say they were dispatching tokens).
+template <class F>
+void dispatching(const Communicator& comm, const char* what, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    KILN_THROW("expert-parallel token ", what, " over group '", comm.name(), "': ", e.what());
+  }
+}
+}  // namespace
+
 ExpertParallel::ExpertParallel(Communicator& comm, ops::Backend& backend, int n_experts)
     : comm_(comm), be_(backend), size_(comm.size()), rank_(comm.rank()), n_experts_(n_experts) {
   KILN_CHECK(n_experts > 0 && n_experts % size_ == 0, n_experts, " experts do not split over the ", size_,
@@ -16,8 +29,10 @@ ExpertParallel::Plan ExpertParallel::plan(const std::int32_t* offsets_host) cons
   std::vector<std::int32_t> mine(static_cast<std::size_t>(E)), all(static_cast<std::size_t>(E * P));
   for (int e = 0; e < E; ++e) mine[e] = offsets_host[e + 1] - offsets_host[e];
   if (P > 1)
-    comm_.all_gather(TensorView(all.data(), {E * P}, DType::i32, Device::cpu),
-                     TensorView(mine.data(), {E}, DType::i32, Device::cpu), nullptr);
+    dispatching(comm_, "counts exchange", [&] {
+      comm_.all_gather(TensorView(all.data(), {E * P}, DType::i32, Device::cpu),
+                       TensorView(mine.data(), {E}, DType::i32, Device::cpu), nullptr);
+    });
   else
     all = mine;
   Plan p;
@@ -57,10 +72,12 @@ void ExpertParallel::exchange(const TensorView& to, const TensorView& from, cons
       if (p.send_rows[q][l] > 0) by_destination.push_back({q, grouped.rows(p.send_at[q][l], p.send_rows[q][l])});
       if (p.recv_rows[q][l] > 0) by_origin.push_back({q, expert.rows(p.recv_at[q][l], p.recv_rows[q][l])});
     }
-  if (forward)
-    comm_.send_recv(by_destination, by_origin, be_.stream());
-  else
-    comm_.send_recv(by_origin, by_destination, be_.stream());
+  dispatching(comm_, forward ? "dispatch (all-to-all)" : "combine (all-to-all)", [&] {
+    if (forward)
+      comm_.send_recv(by_destination, by_origin, be_.stream());
+    else
+      comm_.send_recv(by_origin, by_destination, be_.stream());
+  });
 }
 
 void ExpertParallel::dispatch(const TensorView& recv, const TensorView& send, const Plan& plan) const {

@@ -6,11 +6,15 @@
 // unit's whole weights and gradients live; everyone else reads.
 //
 // The layout: the parameters unit by unit in ascending layer unit (creation order within a unit),
-// each at a multiple of kParamAlign elements; each unit's range padded to a multiple of
-// kParamAlign * shards. A module that shards the parameters (fsdp) calls shard_over before
-// "params.allocate": then this rank holds part `shard` of every unit's range, the parts laid end to
-// end in the held buffers (unit u's part at held offset unit(u).begin / shards). Unsharded, the held
-// buffers are the whole layout.
+// each at a multiple of kParamAlign elements. Within a unit they form groups: the dense parameters,
+// then the expert-parallel ones (nn::Param::expert_parallel: a mixture of experts' weights under
+// expert parallelism), and in a sharded store each of those split again into the parameters whose
+// compute copy is one byte (nn::ByteCompute) and the rest. Each group is padded to a multiple of
+// kParamAlign * the shards of its domain. A module that shards the parameters (fsdp) calls
+// shard_over (the dense domain: the data-parallel shard group) and shard_experts_over (the expert
+// domain: the expert-data-parallel shard group) before "params.allocate": then this rank holds part
+// `shard` of every group of its domain, the parts laid end to end in the held buffers in layout order
+// (UnitGroup::held). Unsharded, the held buffers are the whole layout.
 //
 // Held buffers: the f32 master weights, the compute copy (act dtype; the optimizer writes it with
 // the master) and the f32 gradients (the step's reduced gradient). Where each unit's whole compute
@@ -30,22 +34,25 @@ namespace kiln::nn {
 
 inline constexpr std::int64_t kParamAlign = 64;  // elements: 256-byte aligned f32, 128-byte bf16
 
-// A layer unit's elements [begin, end) of the layout. In a sharded store the parameters whose
-// compute copy is one byte per element (ByteCompute) come first, in [begin, split), each group
-// padded to a multiple of kParamAlign * shards; unsharded, split == begin.
+// A layer unit's elements [begin, end) of the layout.
 struct UnitRange {
   std::int64_t begin = 0, end = 0;
-  std::int64_t split = 0;
   std::int64_t size() const { return end - begin; }
 };
 
-// One of a unit's parameter groups, as a sharded store splits it: `count` layout elements from
-// `begin`, compute copy one byte (bytes) or act-dtype per element. A rank holds count / shards of
-// them, at held offset begin / shards. The unit's compute image (ParamStore::unit_compute) holds
-// the group from byte `image` on.
+// Which shard group splits a parameter in a sharded store: the data-parallel one (dense parameters)
+// or the expert-data-parallel one (nn::Param::expert_parallel).
+enum class ShardDomain { dense = 0, expert = 1 };
+
+// One of a unit's parameter groups: `count` layout elements from `begin`, of one shard domain,
+// compute copy one byte (bytes) or act-dtype per element. A rank holds count / shards(domain) of
+// them, from held offset `held`. The unit's compute image (ParamStore::unit_compute) holds the group
+// from byte `image` on.
 struct UnitGroup {
   std::int64_t begin = 0, count = 0;
   bool bytes = false;
+  ShardDomain domain = ShardDomain::dense;
+  std::int64_t held = 0;
   std::size_t image = 0;
 };
 
@@ -76,8 +83,11 @@ class ParamStore {
   void allocate(HeldBuffers buffers);
 
   // ---- a module that shards the parameters (fsdp), at install, before lay_out ----
-  // This rank holds part `shard` of `shards` of every unit.
+  // This rank holds part `shard` of `shards` of every dense group (and of every expert group, until
+  // shard_experts_over says otherwise).
   void shard_over(int shards, int shard);
+  // This rank holds part `shard` of `shards` of every expert group.
+  void shard_experts_over(int shards, int shard);
 
   // ---- whoever materialises a unit's whole compute weights and gradient accumulation: fsdp in a
   // sharded store (its gathered and per-micro-batch buffers), allocate() in an unsharded one ----
@@ -87,12 +97,15 @@ class ParamStore {
 
   // ---- everyone reads ----
   const std::vector<Entity>& order() const { return order_; }  // creation order (initialisation draws follow it)
-  int shards() const { return shards_; }
-  int shard() const { return shard_; }
-  bool sharded() const { return shards_ > 1; }
+  int shards() const { return shards_[0]; }  // the dense domain's
+  int shard() const { return shard_[0]; }
+  int shards(ShardDomain d) const { return shards_[static_cast<int>(d)]; }
+  int shard(ShardDomain d) const { return shard_[static_cast<int>(d)]; }
+  bool sharded() const { return shards_[0] > 1 || shards_[1] > 1; }
+  static ShardDomain domain_of(const Param& p) { return p.expert_parallel ? ShardDomain::expert : ShardDomain::dense; }
   bool laid_out() const { return !units_.empty() || order_.empty(); }
   std::int64_t total() const { return total_; }  // elements of the layout, padding included
-  std::int64_t held() const { return held_; }    // elements this rank holds: total() / shards()
+  std::int64_t held() const { return held_; }    // elements this rank holds
   const std::vector<UnitRange>& units() const { return units_; }  // by layer unit
   const UnitRange& unit(int u) const { return units_.at(static_cast<std::size_t>(u)); }
   int num_units() const { return static_cast<int>(units_.size()); }
@@ -103,10 +116,13 @@ class ParamStore {
   void* unit_grads(int u) const { return unit_grads_.at(static_cast<std::size_t>(u)); }
   // Unit u's part held here: held_count elements from held_offset of the held buffers (its groups'
   // parts, one after the other).
-  std::int64_t held_count(int u) const { return unit(u).size() / shards_; }
-  std::int64_t held_offset(int u) const { return unit(u).begin / shards_; }
-  // Unit u's groups (none, one or two), bytes first; and the bytes of its compute image.
-  std::vector<UnitGroup> groups(int u) const;
+  std::int64_t held_count(int u) const;
+  std::int64_t held_offset(int u) const { return unit_held_.at(static_cast<std::size_t>(u)); }
+  // Unit u's groups, in layout order (dense before expert, bytes before act); and the bytes of its
+  // compute image.
+  const std::vector<UnitGroup>& groups(int u) const { return groups_.at(static_cast<std::size_t>(u)); }
+  // The group holding p.
+  const UnitGroup& group_of(const Param& p) const;
   std::size_t image_bytes(int u) const;
 
   TensorView master_flat() const { return master_.view(DType::f32, {held_}); }
@@ -116,12 +132,11 @@ class ParamStore {
   // parameter: its group's part is one range of the layout).
   template <class F>
   void for_each_held(const Param& p, F&& f) const {
-    const UnitRange& u = units_[static_cast<std::size_t>(p.unit)];
-    const bool first = p.offset < u.split;
-    const std::int64_t gb = first ? u.begin : u.split, ge = first ? u.split : u.end, part = (ge - gb) / shards_;
-    const std::int64_t b = gb + shard_ * part;
+    const UnitGroup& g = group_of(p);
+    const int d = static_cast<int>(g.domain);
+    const std::int64_t part = g.count / shards_[d], b = g.begin + shard_[d] * part;
     const std::int64_t lo = std::max(b, p.offset), hi = std::min(b + part, p.offset + p.numel);
-    if (lo < hi) f(HeldPart{lo - p.offset, hi - lo, gb / shards_ + (lo - b)});
+    if (lo < hi) f(HeldPart{lo - p.offset, hi - lo, g.held + (lo - b)});
   }
   // The held elements `part` of a flat buffer laid out like the held ones (master, grads, moments).
   static TensorView held_view(const TensorView& flat, const HeldPart& part) { return flat.flat_slice(part.held, part.count); }
@@ -155,9 +170,12 @@ class ParamStore {
   void check_unit(int unit) const;
 
   std::vector<Entity> order_;
-  int shards_ = 1, shard_ = 0;
+  int shards_[2] = {1, 1}, shard_[2] = {0, 0};  // by ShardDomain
+  bool experts_set_ = false;                     // shard_experts_over was called
   std::int64_t total_ = 0, held_ = 0;
   std::vector<UnitRange> units_;
+  std::vector<std::vector<UnitGroup>> groups_;
+  std::vector<std::int64_t> unit_held_;
   Buffer master_, compute_, grads_;
   DType act_ = DType::f32;
   void* stream_ = nullptr;

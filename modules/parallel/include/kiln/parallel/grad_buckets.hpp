@@ -23,12 +23,17 @@ struct UnitSpan {
 struct GradBucket {
   std::int64_t begin = 0, end = 0;  // elements of the flat buffer
   std::vector<int> units;           // in the order the backward pass completes them
+  // Where the gaps between the units' spans are not padding (other gradients reduced elsewhere):
+  // the bucket's runs of adjacent spans, each reduced apart; empty: the whole [begin, end).
+  std::vector<std::pair<std::int64_t, std::int64_t>> runs;
 };
 
 // Groups the units, in backward order (descending unit), into contiguous buckets of at least
 // `bucket_elems` elements each (the last may be smaller); bucket_elems <= 0 gives one bucket.
-// The spans must be disjoint, contiguous per unit and laid out in ascending unit order.
-std::vector<GradBucket> plan_buckets(std::vector<UnitSpan> spans, std::int64_t bucket_elems);
+// The spans must be disjoint, contiguous per unit and laid out in ascending unit order. With
+// `bridge_gaps` the gaps between spans are padding, reduced along; without, a bucket reduces its
+// spans' elements only (GradBucket::runs).
+std::vector<GradBucket> plan_buckets(std::vector<UnitSpan> spans, std::int64_t bucket_elems, bool bridge_gaps = true);
 
 // A second device stream with the two waits the overlap needs. Null where there is no device.
 class SideStream {

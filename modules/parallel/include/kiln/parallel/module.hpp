@@ -12,6 +12,10 @@
 #include "kiln/parallel/tensor_parallel.hpp"
 #include "kiln/parallel/topology.hpp"
 
+namespace kiln::nn {
+struct Param;
+}
+
 namespace kiln::parallel {
 
 struct ParallelConfig {
@@ -38,8 +42,11 @@ KILN_CONFIG(ParallelConfig,
             (tp, "tensor-parallel size"),
             (pp, "pipeline-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
             (cp, "context-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
-            (ep, "expert-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
-            (dp, "data-parallel size; 0 = world size / (tp * pp * cp * ep)"),
+            (ep,
+             "expert-parallel size: a mixture of experts' experts split over groups of ep data-parallel ranks "
+             "(Megatron-Core's layout: ep divides the data-parallel size; each rank holds model.moe.n_experts / ep "
+             "experts, tokens move to them by all-to-all)"),
+            (dp, "data-parallel size (expert parallelism included); 0 = world size / (tp * pp * cp)"),
             (sequence_parallel,
              "outside the tensor-parallel regions each TP rank keeps 1/tp of the tokens (LayerNorm, dropout and "
              "residuals on sequence shards; all-gather before and reduce-scatter after each TP region)"),
@@ -61,7 +68,10 @@ struct ParallelState {
   bool sequence_parallel = false;  // parallel.sequence_parallel as configured
   bool vocab_parallel = false;     // parallel.vocab_parallel as configured
   int tp_size() const { return topology.sizes().tp; }
-  int dp_size() const { return topology.sizes().dp; }
+  // Data parallelism spans the ep and dp axes (topology.hpp): its size and this rank's index in it.
+  int dp_size() const { return topology.data_parallel_size(); }
+  int dp_rank() const { return coords.ep + topology.sizes().ep * coords.dp; }
+  int ep_size() const { return topology.sizes().ep; }
   // Whether they apply: only with more than one tensor-parallel rank (the one place this is decided;
   // kiln::tensor_parallel's layers decide the same for their group).
   bool sequence_parallel_applies() const { return sequence_parallel && tp_size() > 1; }
@@ -85,13 +95,18 @@ class DpGradSync;
 struct DpGradState {
   double bucket_mb = 0;
   std::shared_ptr<DpGradSync> sync;
+  // Under expert parallelism: the experts' gradients, summed over the expert-data-parallel group
+  // (the dense ones over every data-parallel rank).
+  std::shared_ptr<DpGradSync> expert_sync;
   Subscription on_backward;
 };
 
 // World resource: this rank's communicators, one per kind of group.
 struct Communicators {
-  std::unique_ptr<Communicator> world, tp, dp, tp_dp;
-  std::unique_ptr<Communicator> ep;  // the expert-parallel group
+  std::unique_ptr<Communicator> world, tp, dp, tp_dp;  // dp: every data-parallel rank (expert parallelism included)
+  std::unique_ptr<Communicator> ep;   // the expert-parallel group
+  std::unique_ptr<Communicator> tp_ep;  // TP x EP: under expert parallelism, one copy of every parameter
+  std::unique_ptr<Communicator> edp;  // the expert-data-parallel group: the ranks holding the same experts
   std::unique_ptr<Communicator> self;  // this rank alone
 };
 
@@ -112,6 +127,10 @@ struct ShardedParameters {
 // over all parameters, such as the gradient norm, are taken over them): the TP group, or the groups
 // of ShardedParameters where a module shards them.
 Communicator& param_shards(World& w);
+// How many ranks of param_shards(w) hold the part of `p` this rank holds (1: each a different
+// part): a sum over the parameters there counts each part once by dividing by it (its TP replicas;
+// under expert parallelism without sharding, a dense parameter's EP replicas too).
+int replicas_in_param_shards(World& w, const nn::Param& p);
 // The ranks among which each of this rank's parameters is split, each holding another part of it
 // (a module making a part's values from a statistic of the whole tensor agrees on it over them):
 // this rank alone, or the shard group of ShardedParameters.

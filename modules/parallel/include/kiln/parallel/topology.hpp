@@ -3,6 +3,12 @@
 // context, expert, data and pipeline parallel:
 //   rank = tp + TP * (cp + CP * (ep + EP * (dp + DP * pp)))
 // With world 8 and tp 4 the TP groups are [0..3], [4..7] and the DP groups [0,4], [1,5], [2,6], [3,7].
+//
+// Expert parallelism is carved out of data parallelism, as in Megatron-Core: the data-parallel ranks
+// (those differing only along the ep and dp axes: data_parallel_size() = EP x DP of them) each see
+// their own slice of the batch and hold the same dense parameters; the ep axis splits the experts
+// (the expert-parallel groups), and the dp axis is the expert-data-parallel coordinate (the ranks
+// holding the same experts). Without expert parallelism (EP = 1) the dp axis is data parallelism.
 #include <array>
 #include <string>
 #include <vector>
@@ -29,7 +35,9 @@ struct Sizes {
 
 class Topology {
  public:
-  // dp <= 0 derives it from the world size. Throws kiln::Error naming the sizes when they do not fit.
+  // `dp` is the data-parallel size (ep of its ranks form each expert-parallel group; the dp axis is
+  // dp / ep); dp <= 0 derives it from the world size. Throws kiln::Error naming the sizes when they do
+  // not fit.
   Topology(int world_size, int tp, int pp, int cp, int ep, int dp);
   Topology() : Topology(1, 1, 1, 1, 1, 1) {}
 
@@ -44,11 +52,16 @@ class Topology {
   // Which group of that kind `rank` belongs to: 0 .. number of groups - 1.
   int group_index(int rank, std::initializer_list<Axis> axes) const;
   std::vector<int> tp_group(int rank) const { return group(rank, {Axis::tp}); }
-  std::vector<int> dp_group(int rank) const { return group(rank, {Axis::dp}); }
+  // The data-parallel group (the ep and dp axes), in data-parallel rank order (ep fastest).
+  std::vector<int> dp_group(int rank) const { return group(rank, {Axis::ep, Axis::dp}); }
+  int data_parallel_size() const { return sizes_.ep * sizes_.dp; }
+  // The rank's index in its data-parallel group: ep + EP dp.
+  int data_parallel_rank(int rank) const;
   // Every group of that kind, ordered by group index.
   std::vector<std::vector<int>> all_groups(std::initializer_list<Axis> axes) const;
 
-  // Human-readable listing of the TP, DP, PP, CP and EP groups.
+  // Human-readable listing of the TP, DP, PP, CP and EP groups (with EP > 1 also the
+  // expert-data-parallel groups).
   std::string describe() const;
 
  private:

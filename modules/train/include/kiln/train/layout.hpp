@@ -9,6 +9,8 @@ struct ParallelLayout {
   int world = 1;                                                       // ranks in the job
   int tp = 1, cp = 1, ep = 1, dp = 1, pp = 1;                          // group sizes
   int tp_rank = 0, cp_rank = 0, ep_rank = 0, dp_rank = 0, pp_rank = 0;  // this rank's coordinates
+  // dp and dp_rank are data parallelism's, expert parallelism included (the ep ranks of an
+  // expert-parallel group are data-parallel ranks too: Megatron-Core's layout).
 };
 
 }  // namespace kiln::train

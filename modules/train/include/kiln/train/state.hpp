@@ -41,6 +41,8 @@ struct TrainingState {
     std::string name;  // e.g. "rng"
     std::function<std::string()> save;
     std::function<std::function<void()>(const SavedBlobs&)> prepare;
+    // Whether this rank saves it (others hold the same bytes: replicas); empty: every rank.
+    std::function<bool()> saved_here = {};
   };
   std::vector<HeldBuffer> held;
   std::vector<Counter> counters;
