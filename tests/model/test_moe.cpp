@@ -325,3 +325,25 @@ TEST_CASE("moe: a rank that fails stops the others inside the expert-parallel di
   CHECK(outcomes[0].error.find("expert-parallel token") != std::string::npos);
   CHECK(outcomes[0].error.find("rank 1 failed") != std::string::npos);
 }
+
+TEST_CASE("moe: FP8 experts (delayed and current scaling) learn and end within 2% of bf16 over 200 steps") {
+  test::TempDir dir("moe-fp8");
+  const std::string shards = test::pattern_corpus(dir);
+  const test::Sets moe = {"model.arch=llama", "model.n_head=4", "model.n_kv_head=2", "model.tie_embeddings=false",
+                          "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=64",
+                          "backend.cpu_round_bf16=true"};
+  const auto ref = test::train_losses(shards, 200, moe);
+  REQUIRE(ref.size() == 200);
+  CHECK(ref.back() < ref.front() - 2.0);  // it learned
+  const auto delayed = test::train_losses(shards, 200, moe + test::Sets{"fp8.enabled=true"});
+  const auto current = test::train_losses(shards, 200, moe + test::Sets{"fp8.enabled=true", "fp8.recipe=current"});
+  auto tail = [](const std::vector<double>& v) {
+    return std::accumulate(v.end() - 10, v.end(), 0.0) / 10.0;
+  };
+  const double r = tail(ref), d = tail(delayed), c = tail(current);
+  MESSAGE("moe final loss (mean of the last 10 of 200 steps): bf16 " << r << ", fp8 delayed " << d << ", fp8 current "
+                                                                      << c << "; first " << ref.front());
+  CHECK(std::fabs(d - r) / r < 0.02);
+  CHECK(std::fabs(c - r) / r < 0.02);
+  CHECK(delayed != ref);
+}

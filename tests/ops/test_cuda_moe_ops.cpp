@@ -10,7 +10,9 @@
 //    (the kernels round as the CPU does, so these are expected bit for bit);
 //  - the router's f32 scores, lse and gates: 1e-5 (expf / logf, warp sums over the experts);
 //    its losses 1e-4 each; dgates (f32 dot products, another order): 1e-5;
-//  - bf16 outputs of GEMMs and of the router's backward: 1e-2; f32 weight gradients: 1e-4.
+//  - the router's dlogits (bf16 of f32 values a few ulp apart): 1e-3;
+//  - bf16 outputs of GEMMs: 1e-2 (dx with the GELU epilogue is rounded to bf16 before gelu' too);
+//    f32 weight gradients: 1e-4.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -60,16 +62,18 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// Router logits far apart (0.5 between a row's experts, in a random order per row), so that the
-// top-k choices cannot depend on the last bits of the scores.
+// Router logits far apart (0.5 between a row's experts, in a random order per row; less with many
+// experts, so that sigmoid scores do not saturate), so that the top-k choices cannot depend on the
+// last bits of the scores (logits that bf16 rounds to one value tie on both backends alike).
 std::vector<float> spread_logits(int N, int E, std::uint64_t seed) {
+  const float step = std::min(0.5f, 8.0f / static_cast<float>(E));
   std::mt19937_64 gen(seed);
   std::vector<float> l(static_cast<std::size_t>(N) * E);
   std::vector<int> order(static_cast<std::size_t>(E));
   for (int t = 0; t < N; ++t) {
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), gen);
-    for (int e = 0; e < E; ++e) l[static_cast<std::size_t>(t) * E + e] = 0.5f * static_cast<float>(order[e]) - 2.0f;
+    for (int e = 0; e < E; ++e) l[static_cast<std::size_t>(t) * E + e] = step * static_cast<float>(order[e]) - 2.0f;
   }
   return l;
 }
@@ -211,7 +215,7 @@ TEST_CASE("cuda moe_route_backward matches the CPU: both scorings, normalize on 
                                     .z_coeff = 0.01f});
         };
         on_both(p, run);
-        KILN_CHECK_CLOSE(dlogits, 1e-2);
+        KILN_CHECK_CLOSE(dlogits, 1e-3);
         const auto d1 = dlogits.gpu_values();
         run(Side{p, true});
         p.gpu->synchronize();

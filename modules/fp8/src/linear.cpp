@@ -3,6 +3,7 @@
 
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/alignment.hpp"
+#include "scaling.hpp"
 
 namespace kiln::fp8 {
 
@@ -90,19 +91,7 @@ Fp8Linear::Input Fp8Linear::input_of(const ops::LinearInput& x, const char* pass
 }
 
 float* Fp8Linear::prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax) {
-  if (recipe_.kind == RecipeKind::current) {
-    ops_.zero(s.amax_now, sizeof(float));
-    amax(s.amax_now);
-    ops_.scale_from_amax(s.amax_now, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
-    return nullptr;
-  }
-  if (meta_.ready(s.index)) return s.amax;
-  // Delayed scaling with no history yet: start from this tensor's own amax (recorded as this
-  // step's), instead of a scale of 1 that would flush small gradients to zero.
-  amax(s.amax);
-  ops_.scale_from_amax(s.amax, s.scale, s.scale_inv, s.fp8_max, recipe_.margin);
-  meta_.set_ready(s.index);
-  return nullptr;
+  return fp8::prepare_scale(ops_, meta_, recipe_, s, amax);
 }
 
 bool Fp8Linear::weight_cached(const TensorView& w) const {

@@ -13,6 +13,7 @@
 #include "kiln/nn/components.hpp"
 #include "kiln/nn/events.hpp"
 #include "kiln/nn/param_store.hpp"
+#include "kiln/ops/grouped_linear_impl.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/module.hpp"
@@ -206,6 +207,22 @@ void install(World& w, const Fp8Config& cfg) {
     for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
       formats.push_back(format_for(cfg.format, r));
   }
+  // A mixture of experts' grouped linears (every block's): three slots each, after the linears'. (On
+  // CUDA they stay bf16 until the grouped FP8 kernels exist: Fp8Ops::quantize_grouped and the
+  // batched FP8 GEMM run on the CPU emulation only so far.)
+  for (Entity e : w.view<nn::GroupedLinear>()) {
+    const auto& g = w.get<nn::GroupedLinear>(e);
+    if (!nn::in_block(g.role)) continue;
+    if (cuda) {
+      skipped.push_back(w.describe(e) + " (grouped FP8 GEMMs run on the CPU emulation only so far)");
+      continue;
+    }
+    if (cuda && (g.in % 16 != 0 || g.out % 16 != 0)) {
+      skipped.push_back(w.describe(e));
+      continue;
+    }
+    st.grouped_entities.push_back(e);
+  }
   // An FP8 layer keeps the colwise FP8 copy of its input for its backward pass where the model would
   // otherwise store that input in bf16 for it alone (half the bytes, and no second quantisation),
   // for a role only when all of its layers are FP8 (otherwise the model stores them all anyway).
@@ -222,6 +239,9 @@ void install(World& w, const Fp8Config& cfg) {
     for (const auto& [role, c] : stored_fp8)
       if (c.first == c.second) keep_roles.insert(role);
   }
+  for (std::size_t i = 0; i < st.grouped_entities.size(); ++i)
+    for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
+      formats.push_back(format_for(cfg.format, r));
   st.meta = std::make_unique<Fp8MetaStore>(*st.ops, formats,
                                            cfg.recipe == RecipeKind::delayed ? cfg.amax_history_len : 1);
   st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
@@ -259,6 +279,22 @@ void install(World& w, const Fp8Config& cfg) {
                                                   .keeps_input = keep});
   }
 
+  for (std::size_t i = 0; i < st.grouped_entities.size(); ++i) {
+    const Entity e = st.grouped_entities[i];
+    const int first = static_cast<int>(st.entities.size() + i) * kRolesPerLinear;
+    const auto* name = w.try_get<Name>(e);
+    st.grouped.push_back(std::make_unique<Fp8GroupedLinear>(*st.ops, *st.meta, first, *st.workspace, st.recipe,
+                                                            name ? name->value : w.describe(e)));
+    Fp8GroupedLinear* lin = st.grouped.back().get();
+    Fp8State* state = &st;
+    w.emplace<ops::GroupedLinearImpl>(
+        e, ops::GroupedLinearImpl{.forward =
+                                      [lin, state](const ops::GroupedLinearForward& a) {
+                                        lin->forward(a, state->grouped_version, state->replaying);
+                                      },
+                                  .backward = [lin](const ops::GroupedLinearBackward& a) { lin->backward(a); }});
+  }
+
   // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies; or, with
   // sharded masters, the FP8 codes of every rank's parts of the updated weights. Runs after
   // fp8.scale_update (Phase::grad_sync), so the copies take the scales the next forward uses.
@@ -290,6 +326,7 @@ void install(World& w, const Fp8Config& cfg) {
   st.subscriptions.push_back(w.events().subscribe<nn::ParamsLoaded>([&w, &st](const nn::ParamsLoaded&) {
     if (!st.gathered.empty()) quantize_weight_parts(w);
     st.invalidate_weights();
+    ++st.grouped_version;
     st.fused_update_step = -1;
   }));
   save_scaling_state(w, st);
@@ -304,12 +341,19 @@ void install(World& w, const Fp8Config& cfg) {
   st.amax_comm = amax_communicator(w, cfg.amax_group);
 
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size();
-  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, cfg, skipped](World& world) {
+  const std::size_t g_fp8 = st.grouped.size(), g_all = w.view<nn::GroupedLinear>().size();
+  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, cfg, skipped](World& world) {
                      if (world.resource<RankInfo>().rank != 0) return;
-                     std::cout << "fp8: " << n_fp8 << " of " << n_all << " linear layers in FP8 ("
-                               << (cfg.recipe == RecipeKind::delayed ? "delayed" : "current") << " scaling, "
-                               << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3") << ")\n";
-                     for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16 (dimensions not multiples of 16)\n";
+                     std::cout << "fp8: " << n_fp8 << " of " << n_all << " linear layers"
+                               << (g_all > 0 ? cat(" and ", g_fp8, " of ", g_all, " grouped (expert) linears") : "")
+                               << " in FP8 (" << (cfg.recipe == RecipeKind::delayed ? "delayed" : "current")
+                               << " scaling, " << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3")
+                               << ")\n";
+                     for (auto& s : skipped)
+                       std::cout << "fp8: " << s
+                                 << (s.find(')') == std::string::npos ? " stays bf16 (dimensions not multiples of 16)"
+                                                                       : " stays bf16")
+                                 << "\n";
                    }});
   // The FP8 weight copies in the memory of the weights' compute copies, from their f32 masters.
   // Where the masters are sharded over ranks (nn::ParamStore::sharded), those weights' compute
@@ -360,6 +404,7 @@ void install(World& w, const Fp8Config& cfg) {
   // Unless the optimizer's update ran fused this step (then the copies are current).
   w.systems().add({"fp8.weights_changed", Phase::optimizer, [](World& world) {
                      auto& s = world.resource<Fp8State>();
+                     ++s.grouped_version;  // the experts' weights are never updated fused
                      if (s.fused_update_step != world.resource<RunControl>().step) s.invalidate_weights();
                    }});
 }

@@ -27,6 +27,16 @@ class ProfiledOps final : public Fp8Ops {
                                                                                 : "fp8_quantize_colwise");
     in_->quantize(x, out, amax);
   }
+  void quantize_grouped(const GroupedQuantizeArgs& a) override {
+    Scope s(be_, a.out.rowwise && a.out.colwise ? "fp8_quantize_grouped_both"
+                 : a.out.rowwise                ? "fp8_quantize_grouped_rowwise"
+                                                : "fp8_quantize_grouped_colwise");
+    in_->quantize_grouped(a);
+  }
+  void ungroup(const TensorView& out, const TensorView& in, const std::int32_t* offsets_host) override {
+    Scope s(be_, "fp8_ungroup");
+    in_->ungroup(out, in, offsets_host);
+  }
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
     Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_gelu_both" : out.rowwise ? "fp8_quantize_gelu_rowwise"
                                                                                      : "fp8_quantize_gelu_colwise");

@@ -53,9 +53,10 @@ void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::
   flush();
 }
 
-// What of a mixture of experts does not run yet (issue 26 is under way), as config errors naming
-// the key: the CUDA kernels, and weights from Hugging Face GPT-2 files (dense MLPs).
-void refuse_moe_that_does_not_run(World& w, const ModelConfig& cfg) {
+// What of a mixture of experts does not run, as config errors naming the key: expert parallelism
+// without experts or with experts that do not split, and weights from Hugging Face GPT-2 files
+// (dense MLPs).
+void check_moe_layout(World& w, const ModelConfig& cfg) {
   // Expert parallelism splits the experts: it needs some, and as many on every rank.
   const int ep = w.resource<parallel::ParallelState>().ep_size();
   if (ep > 1 && !cfg.moe.enabled())
@@ -66,9 +67,6 @@ void refuse_moe_that_does_not_run(World& w, const ModelConfig& cfg) {
                        cat(ep, " does not divide model.moe.n_experts = ", cfg.moe.n_experts,
                            " (each expert-parallel rank holds n_experts / ep of them)"));
   if (!cfg.moe.enabled()) return;
-  if (w.resource<ops::ActiveBackend>().get().device() == Device::cuda)
-    throw config_error(w, "model.moe.n_experts",
-                       "a mixture of experts runs on the CPU backend only so far (engine.device = \"cpu\")");
   if (!cfg.init_from.empty())
     throw config_error(w, "model.init_from", "reads GPT-2 weights with dense MLPs; this model has a mixture of experts");
 }
@@ -121,7 +119,7 @@ void install(World& w, const ModelConfig& cfg) {
     throw config_error(w, problem.key, problem.message);
   if (cfg.llama() && !cfg.init_from.empty())
     throw config_error(w, "model.init_from", "reads Hugging Face GPT-2 weights: it needs model.arch = \"gpt2\"");
-  refuse_moe_that_does_not_run(w, cfg);
+  check_moe_layout(w, cfg);
   auto& model = w.emplace_resource<GptModel>(w, cfg, ts.micro_batch_size, static_cast<int>(tc.seq_len),
                                              ts.micro_batches);
   model.set_loss_scale(1.0f / static_cast<float>(tc.batch_size * tc.seq_len));

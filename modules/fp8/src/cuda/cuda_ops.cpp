@@ -79,6 +79,13 @@ class CudaOps final : public Fp8Ops {
     cuda::scale_from_amax(amax, scale, scale_inv, fp8_max, margin, stream_);
   }
 
+  void quantize_grouped(const GroupedQuantizeArgs&) override {
+    KILN_THROW("fp8 quantize_grouped: the grouped (mixture-of-experts) FP8 kernels run on the CPU only so far");
+  }
+  void ungroup(const TensorView&, const TensorView&, const std::int32_t*) override {
+    KILN_THROW("fp8 ungroup: the grouped (mixture-of-experts) FP8 kernels run on the CPU only so far");
+  }
+
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
     check_input(x, "fp8 quantize x");
     KILN_CHECK(x.ndim() == 2, "fp8 quantize: x must be 2-D [rows, cols], got ", x.str());

@@ -15,7 +15,8 @@ ModelContext::ModelContext(World& world, const ModelConfig& cfg, ops::Backend& b
       N(static_cast<std::int64_t>(B) * T),
       Nl(this->tp.local_rows(N)),
       batch_sequences(batch_sequences),
-      backend_linear(ops::backend_linear_impl(be)) {}
+      backend_linear(ops::backend_linear_impl(be)),
+      backend_grouped_linear(ops::backend_grouped_linear_impl(be)) {}
 
 ops::DropoutArgs ModelContext::hidden_dropout(float p, const rng::PhiloxArgs& r) const {
   ops::DropoutArgs d;

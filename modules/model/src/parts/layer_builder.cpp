@@ -38,4 +38,12 @@ Entity LayerBuilder::linear(const std::string& name, nn::LinearRole role, Entity
   return e;
 }
 
+Entity LayerBuilder::grouped_linear(const std::string& name, const nn::GroupedLinear& g) {
+  const Entity e = ctx_.world.create(name);
+  nn::GroupedLinear c = g;
+  c.unit = unit_;
+  ctx_.world.emplace<nn::GroupedLinear>(e, c);
+  return e;
+}
+
 }  // namespace kiln::model

@@ -43,6 +43,14 @@ MoeMlp::MoeMlp(LayerBuilder& b, const MoeOptions& o, std::unique_ptr<Mlp> shared
   };
   fc_ = expert_param("mlp.experts.fc.weight", fc_rows, fc_parts, o.init_std);
   proj_ = expert_param("mlp.experts.proj.weight", H, {H}, o.proj_init_std);
+  const int El = ep_.local_experts();
+  fc_linear_ = b.grouped_linear(b.prefix() + "mlp.experts.fc",
+                                {.role = nn::LinearRole::mlp_in, .weight = fc_, .experts = El,
+                                 .in = static_cast<int>(C), .out = static_cast<int>(fc_local())});
+  proj_linear_ = b.grouped_linear(b.prefix() + "mlp.experts.proj",
+                                  {.role = nn::LinearRole::mlp_out, .weight = proj_, .experts = El,
+                                   .in = static_cast<int>(hidden_local()), .out = static_cast<int>(C),
+                                   .weight_in_out = true});
   if (o.capacity_factor > 0)
     capacity_ = static_cast<std::int64_t>(
         std::ceil(static_cast<double>(o.capacity_factor) * ctx_.T * o.top_k / static_cast<double>(E)));
@@ -119,6 +127,11 @@ void MoeMlp::draw(rng::RngStatesTracker* tracker, float) {
 bool MoeMlp::first_micro_batch() const {
   const auto* run = ctx_.world.try_resource<RunControl>();
   return !run || run->micro_batch == 0;  // GradWrittenFirst: the step's first micro-batch writes them
+}
+
+const ops::GroupedLinearImpl& MoeMlp::impl(Entity linear) const {
+  const auto* attached = ctx_.world.try_get<ops::GroupedLinearImpl>(linear);
+  return attached ? *attached : ctx_.backend_grouped_linear;
 }
 
 TensorView MoeMlp::weight(Entity e, bool grad) const {
@@ -204,7 +217,7 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
     if (ids_in_) ep_.dispatch(ids_in_, source_, plan_);
     local = plan_.local_offsets.data();
   }
-  be.grouped_linear_forward({pre_, x_in_, weight(fc_, false), local});
+  impl(fc_linear_).forward({pre_, x_in_, weight(fc_, false), local});
   activate();
 }
 
@@ -216,7 +229,7 @@ void MoeMlp::forward_out(const TensorView& out_local) {
     shared_->forward_out(out_local);
     be.copy(shared_out_, out_local);
   }
-  be.grouped_linear_forward({moves ? y_out_ : y_, act_, weight(proj_, false), local, /*weight_in_out=*/true});
+  impl(proj_linear_).forward({moves ? y_out_ : y_, act_, weight(proj_, false), local, /*weight_in_out=*/true});
   if (moves) ep_.combine(y_, y_out_, plan_);
   // Each token's experts' outputs, weighted: this rank's part of the experts' hidden features, a
   // partial sum over TP like a row-parallel output, summed over the group into this rank's rows.
@@ -254,7 +267,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   if (moves) ep_.dispatch(dy_, dy_out_, plan_);
   // FC2, then the activation (with GELU and no dropout, its derivative in FC2's data gradient), then FC1.
   const bool fuse_gelu = gelu() && !dropout_on();
-  be.grouped_linear_backward({.dx = fuse_gelu ? dpre_ : dact_,
+  impl(proj_linear_).backward({.dx = fuse_gelu ? dpre_ : dact_,
                               .dweight = weight(proj_, true),
                               .dout = dy_,
                               .x = act_,
@@ -271,7 +284,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
     else
       be.swiglu_backward({dpre_.rows(0, used), dact_.rows(0, used), pre_.rows(0, used)});
   }
-  be.grouped_linear_backward({.dx = dx_in_,
+  impl(fc_linear_).backward({.dx = dx_in_,
                               .dweight = weight(fc_, true),
                               .dout = dpre_,
                               .x = x_in_,

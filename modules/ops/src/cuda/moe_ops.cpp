@@ -24,7 +24,19 @@ int i32(std::int64_t v) { return static_cast<int>(v); }
 }  // namespace
 
 cuda::GroupedGemm& CudaBackend::grouped_gemm() {
-  if (!grouped_) grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, workspace_.data(), workspace_.bytes());
+  if (grouped_) return *grouped_;
+  // A cuBLAS handle belongs to the device current when it is made: this backend's, whatever the
+  // calling thread has selected since.
+  int current = 0;
+  KILN_CUDA_CHECK(cudaGetDevice(&current));
+  KILN_CUDA_CHECK(cudaSetDevice(device_));
+  try {
+    grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, workspace_.data(), workspace_.bytes());
+  } catch (...) {
+    cudaSetDevice(current);
+    throw;
+  }
+  KILN_CUDA_CHECK(cudaSetDevice(current));
   return *grouped_;
 }
 

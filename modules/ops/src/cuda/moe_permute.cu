@@ -7,7 +7,7 @@
 //      before it keep (the capacity applied per sequence), then the offsets over the experts;
 //   3. scatter: one thread per choice: its row (or -1 past the capacity) and the row's source id;
 //      rows from offsets[E] on get -1;
-//   4. gather (with out): one row per (8 rows x 32 lanes) block row, x's row or zeros.
+//   4. gather (with out): 32 lanes per grouped row (16-byte chunks where aligned), x's row or zeros.
 #include "common.cuh"
 #include "kiln/ops/cuda/moe.hpp"
 #include "kiln/tensor/cuda_check.hpp"

@@ -3,7 +3,8 @@
 // CUDA backend (cuBLASLt FP8) and on the CPU backend (the bit-exact emulation).
 //
 // Install: each selected nn::Linear entity gets an Fp8Meta component (its slots in the rank's
-// Fp8MetaStore) and an ops::LinearImpl that calls its Fp8Linear. Systems, after the last backward of
+// Fp8MetaStore) and an ops::LinearImpl that calls its Fp8Linear; each nn::GroupedLinear of the
+// blocks (a mixture of experts' experts) an ops::GroupedLinearImpl that calls its Fp8GroupedLinear. Systems, after the last backward of
 // the step, before the next forward:
 //   fp8.amax_reduce   (grad_sync) one all-reduce (max) of all this step's amaxes over fp8.amax_group (delayed)
 //   fp8.scale_update  (grad_sync) the delayed update of every scale and the history roll, one kernel (delayed)
@@ -18,6 +19,7 @@
 
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
+#include "kiln/fp8/grouped_linear.hpp"
 #include "kiln/fp8/linear.hpp"
 #include "kiln/fp8/meta.hpp"
 #include "kiln/fp8/ops.hpp"
@@ -73,6 +75,9 @@ struct Fp8State {
   std::unique_ptr<Fp8Workspace> workspace;
   std::vector<Entity> entities;                      // the FP8 Linear entities, in entity order
   std::vector<std::unique_ptr<Fp8Linear>> linears;   // their layers, same order
+  std::vector<Entity> grouped_entities;              // the FP8 GroupedLinear entities (a mixture of experts')
+  std::vector<std::unique_ptr<Fp8GroupedLinear>> grouped;  // their layers, same order
+  std::int64_t grouped_version = 0;                  // their weights' version: every optimizer step bumps it
   std::int64_t weights_version = 0;                  // the cached FP8 weights are of this version
   std::vector<std::size_t> in_compute_copy;          // linears whose FP8 weights live in the compute copy
   std::vector<std::size_t> gathered;                 // sharded masters: linears reading gathered FP8 codes

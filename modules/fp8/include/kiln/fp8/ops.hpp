@@ -20,12 +20,14 @@ namespace kiln::fp8 {
 
 // D[M, N] = deq(X)[M, K] @ deq(Y)[N, K]^T with deq(q) = decode(q) * scale_inv. Both operands have K
 // contiguous, as Hopper's FP8 tensor cores require. Epilogues: ops::Epilogue (D act, written).
+// Batched: x [B, M, K], y [B, N, K] and d [B, M, N] (3-D, no epilogue) give B such products at once,
+// one scale per operand for all of them (a mixture of experts' experts, GroupedQuantizeArgs).
 struct GemmArgs {
-  TensorView x;                         // [M, K] e4m3/e5m2
+  TensorView x;                         // [M, K] (or [B, M, K]) e4m3/e5m2
   const float* x_scale_inv = nullptr;
-  TensorView y;                         // [N, K] e4m3/e5m2 (not both e5m2)
+  TensorView y;                         // [N, K] (or [B, N, K]) e4m3/e5m2 (not both e5m2)
   const float* y_scale_inv = nullptr;
-  TensorView d;                         // [M, N] act (written), or f32 with f32_result (written, or D += result)
+  TensorView d;                         // [M, N] (or [B, M, N]) act (written), or f32 with f32_result (written, or D += result)
   bool accumulate = false;              // D += result (needs f32_result)
   bool f32_result = false;              // D f32, never rounded to act (a weight gradient)
   ops::Epilogue epilogue = ops::Epilogue::none;
@@ -79,6 +81,19 @@ struct AdamWQuantizeArgs {
   std::int64_t step = 1;
 };
 
+// A grouped tensor's rows (a mixture of experts: expert e's are rows [offsets[e], offsets[e + 1]) of
+// x) quantised into batched GEMM operands, each expert's rows zero-padded to rows_pad: rowwise
+// [experts, rows_pad, cols] and/or colwise [experts, cols, rows_pad] (each expert's transpose), with
+// *out.scale; max |x| over the experts' rows max-accumulated into *amax unless null.
+struct GroupedQuantizeArgs {
+  TensorView x;                                // [R, cols] act
+  const std::int32_t* offsets_host = nullptr;  // [experts + 1], host memory
+  int experts = 0;
+  std::int64_t rows_pad = 0;                   // at least the largest expert's rows
+  Fp8TensorView out;
+  float* amax = nullptr;
+};
+
 class Fp8Ops {
  public:
   virtual ~Fp8Ops() = default;
@@ -95,8 +110,15 @@ class Fp8Ops {
   // Current scaling: *scale = compute_scale(fp8_max, *amax, margin, *scale), *scale_inv = 1 / *scale.
   virtual void scale_from_amax(const float* amax, float* scale, float* scale_inv, float fp8_max, int margin) = 0;
   // Quantises x ([rows, cols], act or f32) with *out.scale into out.rowwise and/or out.colwise (the
-  // transpose), reading x once; max-accumulates max |x| into *amax unless it is null.
+  // transpose), reading x once; max-accumulates max |x| into *amax unless it is null. Batched: x
+  // [B, rows, cols] into rowwise [B, rows, cols] and/or colwise [B, cols, rows] (each slice
+  // transposed on its own: a mixture of experts' stacked weights).
   virtual void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) = 0;
+  virtual void quantize_grouped(const GroupedQuantizeArgs& a) = 0;
+  // out [R, cols] act: expert e's rows [offsets[e], offsets[e + 1]) from the first rows of in[e]
+  // (in [experts, rows_pad, cols] act, a batched GEMM's padded result); rows from offsets[experts]
+  // on left alone.
+  virtual void ungroup(const TensorView& out, const TensorView& in, const std::int32_t* offsets_host) = 0;
   // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
   virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_gelu(const TensorView& pre, float* amax) = 0;

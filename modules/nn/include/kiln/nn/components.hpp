@@ -93,6 +93,17 @@ struct Linear {
   bool input_stored_for_backward = false;
 };
 
+// A grouped linear layer: one linear per expert of a mixture of experts (grouped GEMMs), its weight
+// the experts' stacked [experts x out, in] (an FC1's) or, with weight_in_out, [experts x in, out] (an
+// FC2's stored input-major). Counts are this rank's: its experts and its part of each one's features.
+struct GroupedLinear {
+  LinearRole role = LinearRole::mlp_in;
+  int unit = 0;
+  Entity weight{};
+  int experts = 0, in = 0, out = 0;
+  bool weight_in_out = false;
+};
+
 // World resource the model provides once it has allocated its activations (Phase::setup): memory
 // it does not use while the transformer blocks run, forward, backward or recomputed. (GptModel lends
 // its logits buffer, which lives only from the LM head's forward to the LM head's backward.) Work

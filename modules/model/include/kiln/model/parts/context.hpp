@@ -7,6 +7,7 @@
 #include "kiln/engine/world.hpp"
 #include "kiln/model/config.hpp"
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/grouped_linear_impl.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
 #include "kiln/rng/philox.hpp"
@@ -42,6 +43,7 @@ struct ModelContext {
   std::int64_t seq_offset = 0;   // the global index of the current micro-batch's first sequence
   bool training = false;         // the current forward is a training one (not an evaluation)
   ops::LinearImpl backend_linear;  // the backend's linear ops, for linears no module replaced
+  ops::GroupedLinearImpl backend_grouped_linear;  // and its grouped ones
   StreamTensors stream;
 
   // Dropout with probability p on this rank's rows of the step's [batch tokens, C] hidden states.

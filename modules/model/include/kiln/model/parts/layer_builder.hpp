@@ -39,6 +39,8 @@ class LayerBuilder {
   // A linear layer's entity over its weight (and bias) parameters, this rank's in -> out features.
   Entity linear(const std::string& name, nn::LinearRole role, Entity weight, std::optional<Entity> bias,
                 std::int64_t in, std::int64_t out);
+  // A grouped linear layer's entity (nn::GroupedLinear) over its stacked experts' weight.
+  Entity grouped_linear(const std::string& name, const nn::GroupedLinear& g);
 
  private:
   ModelContext& ctx_;

@@ -22,7 +22,9 @@
 //
 // Parameters: `<block>.mlp.router.weight` [E, C], `mlp.experts.fc.weight` [E x fc rows, C] (each
 // expert's FC1 [out, in], SwiGLU's gate rows then up rows), `mlp.experts.proj.weight` [E x hidden, C]
-// (each expert's FC2 stored [in, out]); with shared experts `mlp.shared.fc/proj.*`.
+// (each expert's FC2 stored [in, out]); with shared experts `mlp.shared.fc/proj.*`. The experts' FC1
+// and FC2 are nn::GroupedLinear entities (roles mlp_in and mlp_out): a module may attach its own
+// ops::GroupedLinearImpl to them (FP8).
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -91,13 +93,16 @@ class MoeMlp final : public Mixer {
   ops::MoeDropout dropout_args(const TensorView& t) const;
   ops::MoeRoute route_args();
   TensorView weight(Entity e, bool grad) const;  // an experts' weight as [local experts, rows, cols]
+  // The implementation running a grouped linear: the one a module attached, else the backend's.
+  const ops::GroupedLinearImpl& impl(Entity linear) const;
 
   ModelContext& ctx_;
   MoeOptions o_;
   parallel::ExpertParallel ep_;
   std::unique_ptr<Mlp> shared_;
   ColumnLinear router_;
-  Entity fc_{}, proj_{};
+  Entity fc_{}, proj_{};          // the experts' weights
+  Entity fc_linear_{}, proj_linear_{};  // their grouped linears (nn::GroupedLinear)
   std::int64_t capacity_ = 0;  // per sequence and expert; 0: dropless
   bool act_saved_ = false;      // the activation's output kept (else refilled for the backward pass)
   // Saved: the router's logits, scores and lse; each token's experts and gates; the grouping; the

@@ -1,0 +1,23 @@
+#pragma once
+// A replacement for the backend's grouped linear ops (a mixture of experts' experts) on one grouped
+// linear layer, as ops::LinearImpl is for a linear: a module (fp8, for example) attaches it as a
+// component to an nn::GroupedLinear entity; the model then calls it instead of
+// Backend::grouped_linear_forward / grouped_linear_backward, with the same arguments and contract.
+#include <functional>
+
+#include "kiln/ops/backend.hpp"
+
+namespace kiln::ops {
+
+struct GroupedLinearImpl {
+  std::function<void(const GroupedLinearForward&)> forward;
+  std::function<void(const GroupedLinearBackward&)> backward;
+};
+
+// The backend's own grouped linear ops as a GroupedLinearImpl.
+inline GroupedLinearImpl backend_grouped_linear_impl(Backend& be) {
+  return {[&be](const GroupedLinearForward& a) { be.grouped_linear_forward(a); },
+          [&be](const GroupedLinearBackward& a) { be.grouped_linear_backward(a); }};
+}
+
+}  // namespace kiln::ops
