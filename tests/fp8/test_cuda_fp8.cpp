@@ -5,7 +5,10 @@
 //  - cuBLASLt FP8 GEMMs (forward E4M3 x E4M3, dgrad and wgrad E5M2 x E4M3, every epilogue)
 //    against a double-precision product of the dequantised operands, with stated error bounds;
 //  - the delayed-scaling update kernel, bit-identical to the CPU;
-//  - an Fp8Linear layer, and a whole FP8 training step, on CUDA against the CPU emulation.
+//  - an Fp8Linear layer, and a whole FP8 training step, on CUDA against the CPU emulation;
+//  - a mixture of experts' grouped FP8 operands (the batched and the grouped quantisation, bit for
+//    bit; the copy back into grouped rows), the batched FP8 GEMM, an Fp8GroupedLinear layer and a
+//    whole mixture-of-experts FP8 training step, on CUDA against the CPU emulation.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -18,8 +21,10 @@
 #include "../model/model_fixture.hpp"
 #include "fp8_test_util.hpp"
 #include "kiln/engine/engine_module.hpp"
+#include "kiln/fp8/grouped_linear.hpp"
 #include "kiln/fp8/linear.hpp"
 #include "kiln/fp8/module.hpp"
+#include "kiln/nn/components.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
@@ -828,4 +833,430 @@ TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is d
     CHECK(losses[2] == losses[1]);  // bit-identical reruns
     CHECK(test::same_bits(grads[2], grads[1]));
   }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// A mixture of experts' grouped FP8 operands, the batched GEMM and the grouped layer.
+
+namespace {
+
+// The FP8 outputs of one batched or grouped quantisation on both sides: rowwise (copies & 1) and
+// colwise (copies & 2) codes of the given shapes, every byte starting at 0xaa on both sides (so the
+// codes a kernel must write, the padding's included, are all checked), and {scale, amax}.
+struct CodesOnBoth {
+  std::size_t n;
+  std::vector<std::uint8_t> c_row, c_col;
+  Buffer d_row, d_col;
+  std::vector<float> c_meta;
+  Buffer d_meta;
+  Fp8TensorView c, g;
+  CodesOnBoth(Shape row_shape, Shape col_shape, int copies, Format f, float scale, float amax0)
+      : n(static_cast<std::size_t>(row_shape.numel())),
+        c_row(n, 0xaa),
+        c_col(n, 0xaa),
+        d_row(upload(c_row)),
+        d_col(upload(c_col)),
+        c_meta{scale, amax0},
+        d_meta(upload(c_meta)) {
+    if (copies & 1) {
+      c.rowwise = TensorView(c_row.data(), row_shape, dtype_of(f), Device::cpu);
+      g.rowwise = TensorView(d_row.data(), row_shape, dtype_of(f), Device::cuda);
+    }
+    if (copies & 2) {
+      c.colwise = TensorView(c_col.data(), col_shape, dtype_of(f), Device::cpu);
+      g.colwise = TensorView(d_col.data(), col_shape, dtype_of(f), Device::cuda);
+    }
+    c.format = g.format = f;
+    c.scale = &c_meta[0];
+    g.scale = static_cast<float*>(d_meta.data());
+  }
+  float* cpu_amax(bool on) { return on ? &c_meta[1] : nullptr; }
+  float* gpu_amax(bool on) { return on ? static_cast<float*>(d_meta.data()) + 1 : nullptr; }
+  // "" when every byte and the amax's bits agree; else the first difference.
+  std::string differences() {
+    std::string first;
+    std::size_t count = 0;
+    auto cmp = [&](const std::vector<std::uint8_t>& want, const Buffer& dev, const char* which) {
+      const auto got = download<std::uint8_t>(dev.data(), n);
+      for (std::size_t i = 0; i < n; ++i)
+        if (got[i] != want[i] && count++ == 0)
+          first = cat(which, " byte ", i, ": gpu 0x", std::hex, int(got[i]), " cpu 0x", int(want[i]), std::dec);
+    };
+    cmp(c_row, d_row, "rowwise");
+    cmp(c_col, d_col, "colwise");
+    const auto meta = download<float>(d_meta.data(), 2);
+    if (float_bits(meta[1]) != float_bits(c_meta[1]) && count++ == 0) first = cat("amax: gpu ", meta[1], " cpu ", c_meta[1]);
+    return count ? cat(count, " differences, first: ", first) : std::string();
+  }
+};
+
+// A grouping of R rows: expert e's rows are [off[e], off[e + 1]); rows from off[E] on belong to none.
+struct Grouping {
+  std::vector<std::int32_t> off;
+  std::int64_t R;
+  std::int64_t rows_pad;
+  int experts() const { return static_cast<int>(off.size()) - 1; }
+};
+// Three experts, one empty, rows past the experts' (padded to 16); five experts, one empty, padded to
+// 48 (more than the largest expert's 29 rows) and to 30 (no multiple of 16: the elementwise kernel).
+const Grouping kGroupings[] = {{{0, 5, 5, 16}, 19, 16},
+                               {{0, 13, 13, 40, 41, 70}, 74, 48},
+                               {{0, 13, 13, 40, 41, 70}, 74, 30}};
+
+}  // namespace
+
+TEST_CASE("the batched quantize of [B, rows, cols] (each slice transposed on its own) matches the CPU bit for bit") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops();
+  const std::int64_t B = 3;
+  // Tiled (rows and cols multiples of 16, partial 64-tiles) and elementwise (cols 40, 72; [33, 47]).
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{16, 40}, {48, 72}, {48, 80}, {64, 144}, {80, 96}, {33, 47}};
+  std::uint64_t seed = 6000;
+  for (auto [R, C] : shapes)
+    for (DType dt : {DType::bf16, DType::f32})
+      for (Format f : {Format::e4m3, Format::e5m2})
+        for (int copies = 0; copies <= 3; ++copies)
+          for (bool with_amax : {false, true}) {
+            INFO("[" << B << "," << R << "," << C << "] " << std::string(name_of(dt)) << " "
+                     << std::string(name_of(f)) << " copies " << copies << " amax " << with_amax);
+            const std::size_t n = static_cast<std::size_t>(B * R * C);
+            auto v = test::normal_values(n, ++seed, 3.0f);
+            v[n / 2] = -400.0f;  // saturates e4m3 at this scale
+            const auto b = to_bf16(v);
+            if (dt == DType::bf16) v = from_bf16(b);
+            CodesOnBoth o({B, R, C}, {B, C, R}, copies, f, 1.7f, 0.125f);
+            Buffer dx = dt == DType::bf16 ? upload(b) : upload(v);
+            void* host = dt == DType::bf16 ? static_cast<void*>(const_cast<std::uint16_t*>(b.data())) : v.data();
+            cpu->quantize(TensorView(host, {B, R, C}, dt, Device::cpu), o.c, o.cpu_amax(with_amax));
+            gpu->quantize(TensorView(dx.data(), {B, R, C}, dt, Device::cuda), o.g, o.gpu_amax(with_amax));
+            const std::string diff = o.differences();
+            INFO(diff);
+            CHECK(diff.empty());
+          }
+}
+
+TEST_CASE("the grouped quantisation pads each expert's rows with zero codes, rowwise and transposed, as the CPU does") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops();
+  std::uint64_t seed = 7000;
+  for (const Grouping& gr : kGroupings)
+    for (std::int64_t C : {40, 72, 80, 144})
+      for (Format f : {Format::e4m3, Format::e5m2})
+        for (int copies = 0; copies <= 3; ++copies)
+          for (bool with_amax : {false, true})
+            for (DType dt : {DType::bf16, DType::f32}) {
+              if (dt == DType::f32 && C != 80) continue;
+              const int E = gr.experts();
+              const std::int64_t R = gr.R, P = gr.rows_pad;
+              INFO(E << " experts, R " << R << ", rows_pad " << P << ", cols " << C << " " << std::string(name_of(dt)) << " "
+                     << std::string(name_of(f)) << " copies " << copies << " amax " << with_amax);
+              const std::size_t n = static_cast<std::size_t>(R * C);
+              auto v = test::normal_values(n, ++seed, 2.0f);
+              v[static_cast<std::size_t>(gr.off[static_cast<std::size_t>(E)] * C + 1)] = 1000.0f;  // past the experts' rows
+              const auto b = to_bf16(v);
+              if (dt == DType::bf16) v = from_bf16(b);
+              CodesOnBoth o({E, P, C}, {E, C, P}, copies, f, 40.0f, 0.0f);
+              Buffer dx = dt == DType::bf16 ? upload(b) : upload(v);
+              void* host = dt == DType::bf16 ? static_cast<void*>(const_cast<std::uint16_t*>(b.data())) : v.data();
+              cpu->quantize_grouped({TensorView(host, {R, C}, dt, Device::cpu), gr.off.data(), E, P, o.c,
+                                     o.cpu_amax(with_amax)});
+              gpu->quantize_grouped({TensorView(dx.data(), {R, C}, dt, Device::cuda), gr.off.data(), E, P, o.g,
+                                     o.gpu_amax(with_amax)});
+              const std::string diff = o.differences();
+              INFO(diff);
+              CHECK(diff.empty());
+              if (with_amax) CHECK(o.c_meta[1] < 1000.0f);  // the rows past the experts' are not in it
+            }
+  // The offsets are checked on the host: an expert over rows_pad is named.
+  const std::vector<std::int32_t> off = {0, 20, 24};
+  Buffer dx(Device::cuda, 24 * 16 * 2), dq(Device::cuda, 2 * 16 * 16);
+  std::vector<float> meta = {1.0f};
+  Buffer dm = upload(meta);
+  Fp8TensorView out;
+  out.rowwise = TensorView(dq.data(), {2, 16, 16}, DType::e4m3, Device::cuda);
+  out.scale = static_cast<float*>(dm.data());
+  CHECK_THROWS_WITH_AS(gpu->quantize_grouped({TensorView(dx.data(), {24, 16}, DType::bf16, Device::cuda), off.data(), 2,
+                                              16, out, nullptr}),
+                       doctest::Contains("exceed rows_pad"), Error);
+}
+
+TEST_CASE("ungroup copies each expert's padded result rows back into its grouped rows, as the CPU does") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops();
+  std::uint64_t seed = 8000;
+  // Rows of 80 and 144 bytes (16-byte words), 94 bytes (2-byte words), 12 bytes (4-byte words).
+  for (const Grouping& gr : kGroupings)
+    for (std::int64_t C : {40, 72, 47, 6}) {
+      const int E = gr.experts();
+      const std::int64_t R = gr.R, P = gr.rows_pad;
+      INFO(E << " experts, R " << R << ", rows_pad " << P << ", cols " << C);
+      auto in = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(E * P * C), ++seed)));
+      std::vector<float> out(static_cast<std::size_t>(R * C), -5.0f);
+      Buffer d_in = upload(to_bf16(in)), d_out = upload(to_bf16(out));
+      cpu->ungroup(TensorView(out.data(), {R, C}, DType::f32, Device::cpu),
+                   TensorView(in.data(), {E, P, C}, DType::f32, Device::cpu), gr.off.data());
+      gpu->ungroup(TensorView(d_out.data(), {R, C}, DType::bf16, Device::cuda),
+                   TensorView(d_in.data(), {E, P, C}, DType::bf16, Device::cuda), gr.off.data());
+      CHECK(test::same_bits(from_bf16(download<std::uint16_t>(d_out.data(), out.size())), out));
+    }
+}
+
+namespace {
+
+struct BatchedGemmCase {
+  std::int64_t B, M, N, K;
+  Format fx, fy;
+  bool f32_result, accumulate, fast;
+};
+
+// One batched FP8 GEMM on the GPU against double-precision products of each slice's dequantised
+// operands (plus D's old values when accumulating); returns the relative L2 error over all slices.
+// Slice 1 of X is all zeros (an expert without rows): its products are exactly 0 (or D's old values).
+double batched_gemm_error(Fp8Ops& gpu, const BatchedGemmCase& c, std::uint64_t seed, bool& zero_slice_exact) {
+  const std::size_t xs = static_cast<std::size_t>(c.M * c.K), ys = static_cast<std::size_t>(c.N * c.K),
+                    ds = static_cast<std::size_t>(c.M * c.N), B = static_cast<std::size_t>(c.B);
+  auto xv = test::normal_values(B * xs, seed, 2.0f);
+  const auto yv = test::normal_values(B * ys, seed + 1, 0.05f);
+  if (c.B > 1) std::fill(xv.begin() + static_cast<std::ptrdiff_t>(xs), xv.begin() + static_cast<std::ptrdiff_t>(2 * xs), 0.0f);
+  const float sx = compute_scale(max_value(c.fx), test::max_abs(xv), 0, 1.0f);
+  const float sy = compute_scale(max_value(c.fy), test::max_abs(yv), 0, 1.0f);
+  std::vector<std::uint8_t> xq(xv.size()), yq(yv.size());
+  for (std::size_t i = 0; i < xv.size(); ++i) xq[i] = quantize(xv[i], sx, c.fx);
+  for (std::size_t i = 0; i < yv.size(); ++i) yq[i] = quantize(yv[i], sy, c.fy);
+  const auto xd = test::fake_quantize(xv, sx, c.fx), yd = test::fake_quantize(yv, sy, c.fy);
+  const auto d0 = test::normal_values(B * ds, seed + 2);
+  std::vector<float> ref(B * ds);
+  for (std::size_t b = 0; b < B; ++b) {
+    auto slice = [b](const std::vector<float>& v, std::size_t n) {
+      return std::vector<float>(v.begin() + static_cast<std::ptrdiff_t>(b * n),
+                                v.begin() + static_cast<std::ptrdiff_t>((b + 1) * n));
+    };
+    const auto p = test::matmul_nt(slice(xd, xs), slice(yd, ys), static_cast<int>(c.M), static_cast<int>(c.N),
+                                   static_cast<int>(c.K));
+    for (std::size_t i = 0; i < ds; ++i) ref[b * ds + i] = p[i] + (c.accumulate ? d0[b * ds + i] : 0.0f);
+  }
+  std::vector<float> scales = {1.0f / sx, 0, 0, 0, 1.0f / sy};  // 16-byte aligned, as cuBLASLt wants
+  Buffer dsc = upload(scales), dxq = upload(xq), dyq = upload(yq);
+  Buffer dd = c.f32_result ? upload(d0) : upload(to_bf16(d0));
+  GemmArgs g;
+  g.x = TensorView(dxq.data(), {c.B, c.M, c.K}, dtype_of(c.fx), Device::cuda);
+  g.x_scale_inv = static_cast<float*>(dsc.data());
+  g.y = TensorView(dyq.data(), {c.B, c.N, c.K}, dtype_of(c.fy), Device::cuda);
+  g.y_scale_inv = static_cast<float*>(dsc.data()) + 4;
+  g.d = TensorView(dd.data(), {c.B, c.M, c.N}, c.f32_result ? DType::f32 : DType::bf16, Device::cuda);
+  g.f32_result = c.f32_result;
+  g.accumulate = c.accumulate;
+  g.fast_accum = c.fast;
+  gpu.gemm(g);
+  const auto got = c.f32_result ? download<float>(dd.data(), B * ds) : from_bf16(download<std::uint16_t>(dd.data(), B * ds));
+  zero_slice_exact = true;
+  if (c.B > 1)
+    for (std::size_t i = ds; i < 2 * ds; ++i)
+      zero_slice_exact = zero_slice_exact && got[i] == (c.accumulate ? d0[i] : 0.0f);
+  return test::rel_err(got, ref);
+}
+
+}  // namespace
+
+TEST_CASE("the batched FP8 GEMM (one cuBLASLt call over every expert) matches products of the dequantised operands") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  const auto e4 = Format::e4m3, e5 = Format::e5m2;
+  // The grouped layer's three products: forward E4M3 x E4M3 (bf16, fast accumulation), dgrad
+  // E5M2 x E4M3 (bf16), wgrad E5M2 x E4M3 over the padded rows (f32, written or accumulated; K = 16:
+  // a single row tile), and a batch of one.
+  const BatchedGemmCase cases[] = {
+      {3, 48, 80, 64, e4, e4, false, false, true},   {3, 16, 144, 48, e5, e4, false, false, false},
+      {3, 80, 64, 48, e5, e4, true, false, false},   {3, 80, 64, 16, e5, e4, true, true, false},
+      {5, 64, 48, 48, e4, e5, true, true, false},    {5, 256, 192, 320, e4, e4, false, false, true},
+      {1, 32, 48, 64, e5, e4, true, true, false},
+  };
+  std::uint64_t seed = 9000;
+  for (const auto& c : cases) {
+    bool zero_exact = false;
+    const double err = batched_gemm_error(*gpu, c, seed += 10, zero_exact);
+    const double bound = c.f32_result ? 2e-3 : 1e-2;
+    MESSAGE("batched FP8 GEMM B " << c.B << " M " << c.M << " N " << c.N << " K " << c.K << " " << std::string(name_of(c.fx))
+                                  << " x " << std::string(name_of(c.fy)) << std::string(c.f32_result ? " f32" : " bf16")
+                                  << std::string(c.accumulate ? " accumulate" : "") << std::string(c.fast ? " fast" : "")
+                                  << ": relative error " << err << " (bound " << bound << ")");
+    CHECK(err < bound);
+    CHECK(zero_exact);
+  }
+  // A batched product takes no epilogue.
+  Buffer b(Device::cuda, 1 << 16);
+  GemmArgs bad;
+  bad.x = TensorView(b.data(), {2, 16, 16}, DType::e4m3, Device::cuda);
+  bad.y = TensorView(b.data(), {2, 16, 16}, DType::e4m3, Device::cuda);
+  bad.d = TensorView(b.data(), {2, 16, 16}, DType::bf16, Device::cuda);
+  bad.x_scale_inv = bad.y_scale_inv = static_cast<float*>(b.data());
+  bad.epilogue = ops::Epilogue::gelu;
+  bad.aux = bad.d;
+  CHECK_THROWS_WITH_AS(gpu->gemm(bad), doctest::Contains("no epilogue"), Error);
+}
+
+TEST_CASE("an FP8 grouped (expert) linear on CUDA matches the CPU emulation (both layouts and recipes, dweight "
+          "written and added)") {
+  KILN_REQUIRE_CUDA();
+  const int E = 4;
+  const std::int64_t R = 107, IC = 64, OC = 96;
+  const std::vector<std::int32_t> off = {0, 37, 37, 70, 101};  // an expert without rows, rows past the experts'
+  for (const bool in_out : {false, true})
+    for (const auto kind : {RecipeKind::delayed, RecipeKind::current}) {
+      INFO("weight_in_out " << in_out << " recipe " << std::string(kind == RecipeKind::delayed ? "delayed" : "current"));
+      const Shape wshape = in_out ? Shape{E, IC, OC} : Shape{E, OC, IC};
+      const auto x = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(R * IC), 21, 2.0f)));
+      const auto w = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(E * OC * IC), 22, 0.05f)));
+      const auto dout = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(R * OC), 23, 1e-3f)));
+      struct Side {
+        std::unique_ptr<Fp8Ops> ops;
+        std::unique_ptr<Fp8MetaStore> meta;
+        std::unique_ptr<Fp8Workspace> ws;
+        std::unique_ptr<Fp8GroupedLinear> lin;
+      };
+      auto make = [&](std::unique_ptr<Fp8Ops> o) {
+        Side s;
+        s.ops = std::move(o);
+        s.meta = std::make_unique<Fp8MetaStore>(*s.ops, std::vector<Format>{Format::e4m3, Format::e4m3, Format::e5m2},
+                                                kind == RecipeKind::delayed ? 16 : 1);
+        s.ws = std::make_unique<Fp8Workspace>(*s.ops);
+        s.lin = std::make_unique<Fp8GroupedLinear>(*s.ops, *s.meta, 0, *s.ws,
+                                                   Fp8Recipe{kind, 16, AmaxAlgo::max, 0, FormatPolicy::hybrid, true},
+                                                   "test.experts");
+        return s;
+      };
+      Side cpu = make(make_cpu_ops({.round_bf16 = true})), gpu = make(make_cuda_ops(nullptr));
+      std::vector<float> results[2][4];  // out, dx, dweight written, dweight added to
+      std::vector<float> meta[2];        // the amax history, the scales, the current amaxes
+      for (int side = 0; side < 2; ++side) {
+        Side& s = side ? gpu : cpu;
+        const bool dev = side == 1;
+        const DType act = dev ? DType::bf16 : DType::f32;
+        const Device where = dev ? Device::cuda : Device::cpu;
+        std::vector<Buffer> keep;
+        auto t = [&](const std::vector<float>& v, Shape shape) {
+          keep.push_back(dev ? upload(to_bf16(v)) : Buffer(Device::cpu, v.size() * 4));
+          if (!dev) std::memcpy(keep.back().data(), v.data(), v.size() * 4);
+          return TensorView(keep.back().data(), shape, act, where);
+        };
+        auto f32 = [&](std::size_t n, float fill, Shape shape) {
+          std::vector<float> v(n, fill);
+          keep.push_back(dev ? upload(v) : Buffer(Device::cpu, n * 4));
+          if (!dev) std::memcpy(keep.back().data(), v.data(), n * 4);
+          return TensorView(keep.back().data(), shape, DType::f32, where);
+        };
+        auto get = [&](const TensorView& v) {
+          if (!dev) return std::vector<float>(v.as<float>(), v.as<float>() + v.numel());
+          if (v.dtype == DType::f32) return download<float>(v.data, static_cast<std::size_t>(v.numel()));
+          return from_bf16(download<std::uint16_t>(v.data, static_cast<std::size_t>(v.numel())));
+        };
+        const TensorView tx = t(x, {R, IC}), tw = t(w, wshape), tdout = t(dout, {R, OC}),
+                         tout = t(std::vector<float>(static_cast<std::size_t>(R * OC), 7.0f), {R, OC}),
+                         tdx = t(std::vector<float>(static_cast<std::size_t>(R * IC), 3.0f), {R, IC});
+        const TensorView tdw = f32(static_cast<std::size_t>(E * OC * IC), 0.5f, wshape);
+        s.lin->forward({tout, tx, tw, off.data(), in_out}, 1);
+        s.lin->backward({.dx = tdx,
+                         .dweight = tdw,
+                         .dout = tdout,
+                         .x = tx,
+                         .weight = tw,
+                         .offsets_host = off.data(),
+                         .weight_in_out = in_out,
+                         .dweight_overwrite = true});
+        results[side][0] = get(tout);
+        results[side][1] = get(tdx);
+        results[side][2] = get(tdw);
+        s.lin->backward({.dweight = tdw,
+                         .dout = tdout,
+                         .x = tx,
+                         .weight = tw,
+                         .offsets_host = off.data(),
+                         .weight_in_out = in_out});
+        results[side][3] = get(tdw);
+        for (const TensorView& m : {s.meta->history(), s.meta->scales(), s.meta->amaxes_now()}) {
+          const auto v = dev ? download<float>(m.data, static_cast<std::size_t>(m.numel()))
+                             : std::vector<float>(m.as<float>(), m.as<float>() + m.numel());
+          meta[side].insert(meta[side].end(), v.begin(), v.end());
+        }
+      }
+      const char* names[] = {"out", "dx", "dweight written", "dweight added to"};
+      for (int k = 0; k < 4; ++k) {
+        const double err = test::rel_err(results[1][k], results[0][k]);
+        MESSAGE("grouped linear (weight_in_out " << in_out << ", "
+                                                 << std::string(kind == RecipeKind::delayed ? "delayed" : "current")
+                                                 << ") " << std::string(names[k]) << ": relative error " << err);
+        CHECK(err < (k < 2 ? 1e-2 : 1e-3));  // bf16 outputs; f32 weight gradients (same codes, other sums)
+      }
+      // Rows past the experts': the output left alone, the data gradient zero.
+      CHECK(results[1][0][static_cast<std::size_t>((R - 1) * OC)] == 7.0f);
+      CHECK(results[1][1][static_cast<std::size_t>((R - 1) * IC)] == 0.0f);
+      // The scales and amaxes come from identical data: identical bits.
+      CHECK(test::same_bits(meta[1], meta[0]));
+    }
+}
+
+TEST_CASE("a whole mixture-of-experts FP8 training step on CUDA matches the CPU emulation, and is deterministic") {
+  KILN_REQUIRE_CUDA();
+  // GELU experts (GPT-2) and SwiGLU experts (Llama), every block's experts' linears in FP8.
+  const std::vector<std::vector<std::string>> configs = {
+      {"model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=256"},
+      {"model.arch=llama", "model.n_kv_head=2", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=256"}};
+  for (const auto& config : configs)
+    for (const char* recipe : {"delayed", "current"}) {
+      std::string what;
+      for (const auto& s : config) what += s + " ";
+      what += std::string("fp8.recipe=") + recipe;
+      INFO(what);
+      auto sets = [&](const char* device) {
+        std::vector<std::string> v{std::string("engine.device=") + device, "fp8.enabled=true",
+                                   std::string("fp8.recipe=") + recipe};
+        v.insert(v.end(), config.begin(), config.end());
+        return v;
+      };
+      auto cpu_sets = sets("cpu");
+      cpu_sets.push_back("backend.cpu_round_bf16=true");
+      test::Pipeline cpu(kModel, cpu_sets);
+      test::Pipeline gpu(kModel, sets("cuda"));
+      test::Pipeline again(kModel, sets("cuda"));
+      std::vector<double> losses[3];
+      std::vector<float> grads[3];
+      int i = 0;
+      for (auto* p : {&cpu, &gpu, &again}) {
+        auto& w = *p->world;
+        auto* out = &losses[i];
+        auto* g = &grads[i];
+        w.systems().add({"test.grads", Phase::grad_sync, [g](World& world) {
+                           if (world.resource<RunControl>().step == 1) *g = test::grads_of(world);
+                         },
+                         {"model.loss"}});
+        w.systems().add({"test.loss", Phase::step_end,
+                         [out](World& world) { out->push_back(world.resource<train::TrainState>().loss); },
+                         {"train.step_end"}});
+        p->run();
+        // Every block's grouped (expert) linears run in FP8, on either device.
+        const auto& st = w.resource<fp8::Fp8State>();
+        CHECK(!st.grouped.empty());
+        CHECK(st.grouped.size() == w.view<nn::GroupedLinear>().size());
+        ++i;
+      }
+      double num = 0, den = 0;
+      for (std::size_t k = 0; k < grads[0].size(); ++k) {
+        num += double(grads[1][k] - grads[0][k]) * (grads[1][k] - grads[0][k]);
+        den += double(grads[0][k]) * grads[0][k];
+      }
+      const double gerr = std::sqrt(num / den);
+      MESSAGE(what << ": step-1 loss cpu " << losses[0][0] << " gpu " << losses[1][0] << ", gradient relative error "
+                   << gerr << ", last loss cpu " << losses[0].back() << " gpu " << losses[1].back());
+      // A token near a routing tie may take another expert on one device (bf16 against f32
+      // activations), on top of the FP8 codes that flip where the devices' activations differ by an
+      // ulp (an E5M2 gradient code is 12.5% from its neighbour): measured on an H200 (2026-11-25) a
+      // step-1 gradient 5.5% (GELU experts) and 5.2% (SwiGLU) relative L2 apart, losses within 2e-4.
+      for (std::size_t s = 0; s < losses[0].size(); ++s) CHECK(losses[1][s] == doctest::Approx(losses[0][s]).epsilon(1e-2));
+      CHECK(gerr < 8e-2);
+      CHECK(losses[2] == losses[1]);  // bit-identical reruns
+      CHECK(test::same_bits(grads[2], grads[1]));
+    }
 }

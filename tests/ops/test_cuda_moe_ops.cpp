@@ -390,112 +390,117 @@ constexpr int kGroupedE = 7, kGroupedR = 111;
 }  // namespace
 
 TEST_CASE("cuda grouped linears match the CPU: both weight layouts, GELU epilogue, overwrite and accumulate") {
-  auto p = test::backend_pair();
-  KILN_REQUIRE_GPU(p);
-  const int E = kGroupedE, R = kGroupedR;
-  const std::int32_t* off = kGroupedOffsets.data();
-  // (72, 136): every matrix 16-byte aligned, the data GEMMs as one grouped call; 130: one GEMM per
-  // expert (rows of 130 bf16 are not 16-byte multiples).
-  for (const GroupedCase c : {GroupedCase{72, 136}, GroupedCase{72, 130}, GroupedCase{130, 72}})
-    for (bool in_out : {false, true}) {
-      INFO("IC = " << c.IC << " OC = " << c.OC << " weight " << (in_out ? "[E, IC, OC]" : "[E, OC, IC]"));
-      const Shape wshape = in_out ? Shape{E, c.IC, c.OC} : Shape{E, c.OC, c.IC};
-      auto x = act(p, {R, c.IC}, 350 + c.IC);
-      auto w = act(p, wshape, 351 + c.OC, 0.2f);
-      auto out = poisoned(p, Kind::act, {R, c.OC});
-      auto fwd = [&](const Side& s) { s.b().grouped_linear_forward({s(out), s(x), s(w), off, in_out}); };
-      on_both(p, fwd);
-      const auto o1 = out.gpu_values(), oc = out.cpu_values();
-      const auto used = static_cast<std::size_t>(off[E]) * c.OC;
-      const double err = test::rel_error(head(o1, used), head(oc, used));
-      INFO("out rows of the experts: relative error " << err);
-      CHECK(err < 1e-2);
-      CHECK(same_bits(std::vector<float>(o1.begin() + static_cast<std::ptrdiff_t>(used), o1.end()),
-                      std::vector<float>(oc.begin() + static_cast<std::ptrdiff_t>(used), oc.end())));  // the poison
-      fwd(Side{p, true});
-      p.gpu->synchronize();
-      CHECK(same_bits(out.gpu_values(), o1));
+  for (const auto impl : {ops::GroupedGemmImpl::grouped, ops::GroupedGemmImpl::per_expert}) {
+    CAPTURE(impl == ops::GroupedGemmImpl::grouped);
+    auto p = test::backend_pair({.grouped_gemm = impl});
+    KILN_REQUIRE_GPU(p);
+    const int E = kGroupedE, R = kGroupedR;
+    const std::int32_t* off = kGroupedOffsets.data();
+    // (72, 136): every matrix 16-byte aligned, the data GEMMs as one grouped call; 130: one GEMM per
+    // expert (rows of 130 bf16 are not 16-byte multiples).
+    for (const GroupedCase c : {GroupedCase{72, 136}, GroupedCase{72, 130}, GroupedCase{130, 72}})
+      for (bool in_out : {false, true}) {
+        INFO("IC = " << c.IC << " OC = " << c.OC << " weight " << (in_out ? "[E, IC, OC]" : "[E, OC, IC]"));
+        const Shape wshape = in_out ? Shape{E, c.IC, c.OC} : Shape{E, c.OC, c.IC};
+        auto x = act(p, {R, c.IC}, 350 + c.IC);
+        auto w = act(p, wshape, 351 + c.OC, 0.2f);
+        auto out = poisoned(p, Kind::act, {R, c.OC});
+        auto fwd = [&](const Side& s) { s.b().grouped_linear_forward({s(out), s(x), s(w), off, in_out}); };
+        on_both(p, fwd);
+        const auto o1 = out.gpu_values(), oc = out.cpu_values();
+        const auto used = static_cast<std::size_t>(off[E]) * c.OC;
+        const double err = test::rel_error(head(o1, used), head(oc, used));
+        INFO("out rows of the experts: relative error " << err);
+        CHECK(err < 1e-2);
+        CHECK(same_bits(std::vector<float>(o1.begin() + static_cast<std::ptrdiff_t>(used), o1.end()),
+                        std::vector<float>(oc.begin() + static_cast<std::ptrdiff_t>(used), oc.end())));  // the poison
+        fwd(Side{p, true});
+        p.gpu->synchronize();
+        CHECK(same_bits(out.gpu_values(), o1));
 
-      auto dout = act(p, {R, c.OC}, 352 + c.OC);
-      auto pre = act(p, {R, c.IC}, 353 + c.IC, 1.5f);
-      for (bool gelu : {false, true})
-        for (bool overwrite : {false, true}) {
-          INFO("gelu " << gelu << " overwrite " << overwrite);
-          auto dx = poisoned(p, Kind::act, {R, c.IC});
-          // Accumulate onto random gradients; overwrite poisoned ones (experts 1 and 5 must get 0).
-          Dual dw = overwrite ? poisoned(p, Kind::f32, wshape) : f32(p, wshape, 354);
-          auto back = [&](const Side& s) {
-            s.b().grouped_linear_backward({.dx = s(dx),
-                                           .dweight = s(dw),
-                                           .dout = s(dout),
-                                           .x = s(x),
-                                           .weight = s(w),
-                                           .dx_gelu_pre = gelu ? s(pre) : TensorView{},
-                                           .offsets_host = off,
-                                           .weight_in_out = in_out,
-                                           .dweight_overwrite = overwrite});
-          };
-          on_both(p, back);
-          KILN_CHECK_CLOSE(dx, 1e-2);
-          KILN_CHECK_CLOSE(dw, 1e-4);
-          const auto dwg = dw.gpu_values();
-          CHECK(std::count(dwg.begin(), dwg.end(), 1234.5f) == 0);
-          if (overwrite) {
-            const auto dx1 = dx.gpu_values();
-            back(Side{p, true});
-            p.gpu->synchronize();
-            CHECK(same_bits(dx.gpu_values(), dx1));
-            CHECK(same_bits(dw.gpu_values(), dwg));
+        auto dout = act(p, {R, c.OC}, 352 + c.OC);
+        auto pre = act(p, {R, c.IC}, 353 + c.IC, 1.5f);
+        for (bool gelu : {false, true})
+          for (bool overwrite : {false, true}) {
+            INFO("gelu " << gelu << " overwrite " << overwrite);
+            auto dx = poisoned(p, Kind::act, {R, c.IC});
+            // Accumulate onto random gradients; overwrite poisoned ones (experts 1 and 5 must get 0).
+            Dual dw = overwrite ? poisoned(p, Kind::f32, wshape) : f32(p, wshape, 354);
+            auto back = [&](const Side& s) {
+              s.b().grouped_linear_backward({.dx = s(dx),
+                                             .dweight = s(dw),
+                                             .dout = s(dout),
+                                             .x = s(x),
+                                             .weight = s(w),
+                                             .dx_gelu_pre = gelu ? s(pre) : TensorView{},
+                                             .offsets_host = off,
+                                             .weight_in_out = in_out,
+                                             .dweight_overwrite = overwrite});
+            };
+            on_both(p, back);
+            KILN_CHECK_CLOSE(dx, 1e-2);
+            KILN_CHECK_CLOSE(dw, 1e-4);
+            const auto dwg = dw.gpu_values();
+            CHECK(std::count(dwg.begin(), dwg.end(), 1234.5f) == 0);
+            if (overwrite) {
+              const auto dx1 = dx.gpu_values();
+              back(Side{p, true});
+              p.gpu->synchronize();
+              CHECK(same_bits(dx.gpu_values(), dx1));
+              CHECK(same_bits(dw.gpu_values(), dwg));
+            }
           }
-        }
-      // Without dx: the weight gradient alone.
-      auto dw = f32(p, wshape, 355);
-      on_both(p, [&](const Side& s) {
-        s.b().grouped_linear_backward({.dweight = s(dw),
-                                       .dout = s(dout),
-                                       .x = s(x),
-                                       .weight = s(w),
-                                       .offsets_host = off,
-                                       .weight_in_out = in_out});
-      });
-      KILN_CHECK_CLOSE(dw, 1e-4);
-    }
+        // Without dx: the weight gradient alone.
+        auto dw = f32(p, wshape, 355);
+        on_both(p, [&](const Side& s) {
+          s.b().grouped_linear_backward({.dweight = s(dw),
+                                         .dout = s(dout),
+                                         .x = s(x),
+                                         .weight = s(w),
+                                         .offsets_host = off,
+                                         .weight_in_out = in_out});
+        });
+        KILN_CHECK_CLOSE(dw, 1e-4);
+      }
+  }
 }
 
-TEST_CASE("cuda grouped linears run their data GEMMs as one grouped cuBLAS call where the matrices allow") {
-  auto p = test::backend_pair();
-  KILN_REQUIRE_GPU(p);
-  const int E = kGroupedE, R = kGroupedR;
-  const std::int32_t* off = kGroupedOffsets.data();
-  // The op table names the path: "..._per_expert" where the data GEMMs ran one per expert.
-  for (const GroupedCase c : {GroupedCase{72, 136}, GroupedCase{72, 130}}) {
-    const bool grouped = c.OC % 8 == 0;
-    INFO("IC = " << c.IC << " OC = " << c.OC);
-    auto x = act(p, {R, c.IC}, 360);
-    auto w = act(p, {E, c.OC, c.IC}, 361, 0.2f);
-    auto out = poisoned(p, Kind::act, {R, c.OC});
-    auto dout = act(p, {R, c.OC}, 362);
-    auto dx = poisoned(p, Kind::act, {R, c.IC});
-    auto dw = poisoned(p, Kind::f32, {E, c.OC, c.IC});
-    p.gpu->set_profiling(true);
-    p.gpu->reset_op_times();
-    p.gpu->grouped_linear_forward({out.gpu(), x.gpu(), w.gpu(), off});
-    p.gpu->grouped_linear_backward({.dx = dx.gpu(),
-                                    .dweight = dw.gpu(),
-                                    .dout = dout.gpu(),
-                                    .x = x.gpu(),
-                                    .weight = w.gpu(),
-                                    .offsets_host = off,
-                                    .dweight_overwrite = true});
-    const auto times = p.gpu->op_times();
-    p.gpu->set_profiling(false);
-    for (const char* op : {"grouped_linear_forward", "grouped_linear_backward"}) {
-      const auto* one = find_op(times, op);
-      const auto* each = find_op(times, std::string(op) + "_per_expert");
-      INFO(op);
-      CHECK((one != nullptr) == grouped);
-      CHECK((each != nullptr) == !grouped);
-      if (one) CHECK(one->calls == 1);
+TEST_CASE("cuda grouped linears run their data GEMMs as one grouped cuBLAS call where asked and the matrices allow") {
+  for (const auto impl : {ops::GroupedGemmImpl::grouped, ops::GroupedGemmImpl::per_expert}) {
+    auto p = test::backend_pair({.grouped_gemm = impl});
+    KILN_REQUIRE_GPU(p);
+    const int E = kGroupedE, R = kGroupedR;
+    const std::int32_t* off = kGroupedOffsets.data();
+    // The op table names the path: "..._per_expert" where the data GEMMs ran one per expert.
+    for (const GroupedCase c : {GroupedCase{72, 136}, GroupedCase{72, 130}}) {
+      const bool grouped = impl == ops::GroupedGemmImpl::grouped && c.OC % 8 == 0;
+      INFO("IC = " << c.IC << " OC = " << c.OC);
+      auto x = act(p, {R, c.IC}, 360);
+      auto w = act(p, {E, c.OC, c.IC}, 361, 0.2f);
+      auto out = poisoned(p, Kind::act, {R, c.OC});
+      auto dout = act(p, {R, c.OC}, 362);
+      auto dx = poisoned(p, Kind::act, {R, c.IC});
+      auto dw = poisoned(p, Kind::f32, {E, c.OC, c.IC});
+      p.gpu->set_profiling(true);
+      p.gpu->reset_op_times();
+      p.gpu->grouped_linear_forward({out.gpu(), x.gpu(), w.gpu(), off});
+      p.gpu->grouped_linear_backward({.dx = dx.gpu(),
+                                      .dweight = dw.gpu(),
+                                      .dout = dout.gpu(),
+                                      .x = x.gpu(),
+                                      .weight = w.gpu(),
+                                      .offsets_host = off,
+                                      .dweight_overwrite = true});
+      const auto times = p.gpu->op_times();
+      p.gpu->set_profiling(false);
+      for (const char* op : {"grouped_linear_forward", "grouped_linear_backward"}) {
+        const auto* one = find_op(times, op);
+        const auto* each = find_op(times, std::string(op) + "_per_expert");
+        INFO(op);
+        CHECK((one != nullptr) == grouped);
+        CHECK((each != nullptr) == !grouped);
+        if (one) CHECK(one->calls == 1);
+      }
     }
   }
 }

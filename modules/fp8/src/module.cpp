@@ -207,16 +207,10 @@ void install(World& w, const Fp8Config& cfg) {
     for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
       formats.push_back(format_for(cfg.format, r));
   }
-  // A mixture of experts' grouped linears (every block's): three slots each, after the linears'. (On
-  // CUDA they stay bf16 until the grouped FP8 kernels exist: Fp8Ops::quantize_grouped and the
-  // batched FP8 GEMM run on the CPU emulation only so far.)
+  // A mixture of experts' grouped linears (every block's): three slots each, after the linears'.
   for (Entity e : w.view<nn::GroupedLinear>()) {
     const auto& g = w.get<nn::GroupedLinear>(e);
     if (!nn::in_block(g.role)) continue;
-    if (cuda) {
-      skipped.push_back(w.describe(e) + " (grouped FP8 GEMMs run on the CPU emulation only so far)");
-      continue;
-    }
     if (cuda && (g.in % 16 != 0 || g.out % 16 != 0)) {
       skipped.push_back(w.describe(e));
       continue;

@@ -19,7 +19,8 @@ void install(World& w, const BackendConfig& cfg) {
     b = make_cuda_backend(cfg.cuda_device >= 0 ? cfg.cuda_device : rank.local_rank, {.gemm_autotune = cfg.gemm_autotune,
                                                                                         .attention = cfg.attention,
                                                                                         .attention_deterministic =
-                                                                                            cfg.attention_deterministic});
+                                                                                            cfg.attention_deterministic,
+                                                                                        .grouped_gemm = cfg.grouped_gemm});
   } else {
     int local = rank.local_world_size;
     int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -1,7 +1,10 @@
-// Fp8Ops on CUDA: the kernels of cast_transpose.cu / scaling.cu, cuBLASLt FP8 GEMMs, and kiln's
+// Fp8Ops on CUDA: the kernels of cast_transpose.cu / grouped.cu / scaling.cu, cuBLASLt FP8 GEMMs, and kiln's
 // deterministic bias-gradient reduction, all on one stream.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstring>
 
 #include "kiln/fp8/cuda/gemm.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
@@ -47,9 +50,73 @@ int as_int(std::int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
+// Host arrays (a grouping's offsets) copied to the device on the stream, asynchronously: each
+// upload goes through its own slot of pinned memory and device memory, taken round-robin. A slot is
+// written again only after the copy out of it has run (its event; the copies of kSlots - 1 later
+// uploads have been queued since, so that wait is normally over before it starts); the device side
+// needs no wait (the kernels reading it come before the next copy into it on the stream). Slots start
+// with room for 1,023 experts' offsets and grow on demand, with a synchronisation, as the ops'
+// scratch buffers do.
+class HostUploads {
+ public:
+  explicit HostUploads(cudaStream_t stream) : stream_(stream) {
+    for (auto& s : slots_) {
+      KILN_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+      s.host = Buffer::pinned(kInitialBytes);
+      s.device = Buffer(Device::cuda, kInitialBytes);
+    }
+  }
+  ~HostUploads() {
+    for (auto& s : slots_)
+      if (s.done) cudaEventDestroy(s.done);
+  }
+  HostUploads(const HostUploads&) = delete;
+  HostUploads& operator=(const HostUploads&) = delete;
+
+  const void* upload(const void* host, std::size_t bytes) {
+    Slot& s = slots_[next_];
+    next_ = (next_ + 1) % kSlots;
+    if (s.host.bytes() < bytes) {
+      KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old slot may still be in use
+      const std::size_t cap = bytes + bytes / 2;
+      s.host = Buffer::pinned(cap);
+      s.device = Buffer(Device::cuda, cap);
+    } else {
+      KILN_CUDA_CHECK(cudaEventSynchronize(s.done));  // the last copy out of this slot has run
+    }
+    std::memcpy(s.host.data(), host, bytes);
+    KILN_CUDA_CHECK(cudaMemcpyAsync(s.device.data(), s.host.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    KILN_CUDA_CHECK(cudaEventRecord(s.done, stream_));
+    return s.device.data();
+  }
+
+ private:
+  static constexpr int kSlots = 8;
+  static constexpr std::size_t kInitialBytes = 4096;
+  struct Slot {
+    Buffer host, device;
+    cudaEvent_t done = nullptr;
+  };
+  cudaStream_t stream_;
+  std::array<Slot, kSlots> slots_;
+  int next_ = 0;
+};
+
+// A grouping's offsets (experts + 1 of them, host memory) against R rows and rows_pad: non-decreasing
+// from 0, within R, no expert over rows_pad (the CPU emulation's checks).
+void check_offsets(const std::int32_t* off, std::int64_t experts, std::int64_t R, std::int64_t rows_pad,
+                   const char* what) {
+  KILN_CHECK(off && experts > 0, what, ": ", experts, " experts", off ? "" : " and no offsets");
+  KILN_CHECK(off[0] == 0 && off[experts] <= R, what, ": offsets [0] = ", off[0], ", [E] = ", off[experts], " for ", R,
+             " rows");
+  for (std::int64_t e = 0; e < experts; ++e)
+    KILN_CHECK(off[e + 1] >= off[e] && off[e + 1] - off[e] <= rows_pad, what, ": expert ", e, "'s ",
+               off[e + 1] - off[e], " rows exceed rows_pad = ", rows_pad);
+}
+
 class CudaOps final : public Fp8Ops {
  public:
-  explicit CudaOps(cudaStream_t stream) : stream_(stream) {
+  explicit CudaOps(cudaStream_t stream) : stream_(stream), uploads_(stream) {
     KILN_CUBLAS_CHECK(cublasLtCreate(&lt_));
     workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
     gemm_ = std::make_unique<cuda::Fp8GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
@@ -79,16 +146,77 @@ class CudaOps final : public Fp8Ops {
     cuda::scale_from_amax(amax, scale, scale_inv, fp8_max, margin, stream_);
   }
 
-  void quantize_grouped(const GroupedQuantizeArgs&) override {
-    KILN_THROW("fp8 quantize_grouped: the grouped (mixture-of-experts) FP8 kernels run on the CPU only so far");
+  void quantize_grouped(const GroupedQuantizeArgs& a) override {
+    check_input(a.x, "fp8 quantize_grouped x");
+    KILN_CHECK(a.x.ndim() == 2 && a.out.scale, "fp8 quantize_grouped: x must be 2-D [rows, cols] (got ", a.x.str(),
+               ") and a scale is needed");
+    const std::int64_t R = a.x.size(0), C = a.x.size(1), E = a.experts, P = a.rows_pad;
+    check_offsets(a.offsets_host, E, R, P, "fp8 quantize_grouped");
+    check_copy(a.out.rowwise, a.out.format, {E, P, C}, "fp8 quantize_grouped: rowwise");
+    check_copy(a.out.colwise, a.out.format, {E, C, P}, "fp8 quantize_grouped: colwise");
+    cuda::GroupedCast k;
+    k.x = a.x.data;
+    k.x_dtype = a.x.dtype;
+    k.experts = as_int(E, "experts");
+    k.used_rows = a.offsets_host[E];
+    k.rows_pad = P;
+    k.cols = C;
+    k.rowwise = a.out.rowwise.as<std::uint8_t>();
+    k.colwise = a.out.colwise.as<std::uint8_t>();
+    k.format = a.out.format;
+    k.scale = a.out.scale;
+    k.amax = a.amax;
+    if (k.rowwise || k.colwise)
+      k.offsets = offsets_on_device(a.offsets_host, E);
+    else if (!k.amax)
+      return;
+    cuda::cast_transpose_grouped(k, stream_);
   }
-  void ungroup(const TensorView&, const TensorView&, const std::int32_t*) override {
-    KILN_THROW("fp8 ungroup: the grouped (mixture-of-experts) FP8 kernels run on the CPU only so far");
+
+  void ungroup(const TensorView& out, const TensorView& in, const std::int32_t* offsets_host) override {
+    check_input(out, "fp8 ungroup out");
+    check_input(in, "fp8 ungroup in");
+    KILN_CHECK(in.ndim() == 3 && out.ndim() == 2 && in.size(2) == out.size(1) && in.dtype == out.dtype, "fp8 ungroup: ",
+               in.str(), " -> ", out.str());
+    const std::int64_t E = in.size(0), P = in.size(1), C = in.size(2);
+    check_offsets(offsets_host, E, out.size(0), P, "fp8 ungroup");
+    if (offsets_host[E] == 0 || C == 0) return;
+    cuda::UngroupRows k;
+    k.out = out.data;
+    k.in = in.data;
+    k.elem_bytes = size_of(in.dtype);
+    k.offsets = offsets_on_device(offsets_host, E);
+    k.experts = as_int(E, "experts");
+    k.used_rows = offsets_host[E];
+    k.rows_pad = P;
+    k.cols = C;
+    cuda::ungroup_rows(k, stream_);
   }
 
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
     check_input(x, "fp8 quantize x");
-    KILN_CHECK(x.ndim() == 2, "fp8 quantize: x must be 2-D [rows, cols], got ", x.str());
+    KILN_CHECK(x.ndim() == 2 || x.ndim() == 3, "fp8 quantize: x must be [rows, cols] or [batch, rows, cols], got ",
+               x.str());
+    if (x.ndim() == 3) {  // each slice on its own: the grouped kernel with every expert full, one launch
+      KILN_CHECK(out.scale, "fp8 quantize: no scale");
+      const std::int64_t B = x.size(0), R = x.size(1), C = x.size(2);
+      check_copy(out.rowwise, out.format, {B, R, C}, "fp8 quantize: rowwise");
+      check_copy(out.colwise, out.format, {B, C, R}, "fp8 quantize: colwise");
+      cuda::GroupedCast k;
+      k.x = x.data;
+      k.x_dtype = x.dtype;
+      k.experts = as_int(B, "batch");
+      k.used_rows = B * R;
+      k.rows_pad = R;
+      k.cols = C;
+      k.rowwise = out.rowwise.as<std::uint8_t>();
+      k.colwise = out.colwise.as<std::uint8_t>();
+      k.format = out.format;
+      k.scale = out.scale;
+      k.amax = amax;
+      cuda::cast_transpose_grouped(k, stream_);
+      return;
+    }
     check_outputs(x, out, "fp8 quantize");
     const std::int64_t R = x.size(0), C = x.size(1);
     cuda::cast_transpose(x.data, x.dtype, out.rowwise.as<std::uint8_t>(), out.colwise.as<std::uint8_t>(), out.format,
@@ -239,6 +367,18 @@ class CudaOps final : public Fp8Ops {
                    pre.contiguous(),
                what, ": expected a contiguous bf16 CUDA tensor [rows, 2 F], got ", pre.str());
   }
+  // An optional FP8 copy: a contiguous CUDA tensor of the format's dtype and the given shape.
+  static void check_copy(const TensorView& t, Format f, const Shape& shape, const char* what) {
+    if (!t) return;
+    KILN_CHECK(t.device == Device::cuda && t.dtype == dtype_of(f) && t.contiguous() && t.shape == shape, what, " ",
+               t.str(), ": expected a contiguous CUDA ", name_of(f), shape.str());
+  }
+  // The offsets of a grouping on the device (experts + 1 entries), copied on the stream.
+  const std::int32_t* offsets_on_device(const std::int32_t* offsets_host, std::int64_t experts) {
+    return static_cast<const std::int32_t*>(
+        uploads_.upload(offsets_host, static_cast<std::size_t>(experts + 1) * sizeof(std::int32_t)));
+  }
+
   static void check_outputs(const TensorView& x, const Fp8TensorView& out, const char* what) {
     KILN_CHECK(out.scale, what, ": no scale");
     const std::int64_t R = x.size(0), C = x.size(1);
@@ -275,6 +415,7 @@ class CudaOps final : public Fp8Ops {
   std::unique_ptr<cuda::Fp8GemmRunner> gemm_;
   Buffer scratch_;
   Buffer tickets_;
+  HostUploads uploads_;
 };
 
 }  // namespace

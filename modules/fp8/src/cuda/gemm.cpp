@@ -36,6 +36,23 @@ cudaDataType_t lt_type(DType t) {
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 
+// The batch count of a product (1 for a 2-D one) and its M, N, K.
+struct Dims {
+  std::int64_t B, M, N, K;
+};
+Dims dims_of(const GemmArgs& g) {
+  const int o = g.x.ndim() == 3 ? 1 : 0;
+  return {o ? g.x.size(0) : 1, g.x.size(o), g.y.size(o), g.x.size(o + 1)};
+}
+
+// Layout l as `batch` matrices, `stride` elements apart (a strided batch).
+void set_batch(cublasLtMatrixLayout_t l, std::int64_t batch, std::int64_t stride) {
+  const auto count = static_cast<std::int32_t>(batch);
+  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+  KILN_CUBLAS_CHECK(
+      cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+}
+
 }  // namespace
 
 struct Fp8GemmRunner::Plan : kiln::cuda::LtMatmulPlan {
@@ -51,8 +68,9 @@ Fp8GemmRunner::Fp8GemmRunner(cublasLtHandle_t handle, void* workspace, std::size
 Fp8GemmRunner::~Fp8GemmRunner() = default;
 
 Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
-  const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
-  const Key key{M,
+  const auto [B, M, N, K] = dims_of(g);
+  const Key key{B,
+                M,
                 N,
                 K,
                 static_cast<int>(g.x.dtype),
@@ -91,6 +109,11 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, lt_type(g.y.dtype), uK, uN, K));  // Y [N, K] row-major
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, lt_type(g.x.dtype), uK, uM, K));  // X [M, K] row-major
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, lt_type(g.d.dtype), uN, uM, N));  // D [M, N] row-major
+  if (B > 1) {  // one strided batch per layout (C = D shares D's)
+    set_batch(p->a, B, N * K);
+    set_batch(p->b, B, M * K);
+    set_batch(p->d, B, M * N);
+  }
 
   kiln::cuda::LtPreference pref;
   pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes_));
@@ -122,10 +145,19 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
              ": operands must be CUDA tensors");
   KILN_CHECK(is_fp8(g.x.dtype) && is_fp8(g.y.dtype), describe(g), ": X and Y must be e4m3 or e5m2");
   KILN_CHECK(g.x.dtype == DType::e4m3 || g.y.dtype == DType::e4m3, describe(g), ": E5M2 x E5M2 products are not supported");
-  KILN_CHECK(g.x.ndim() == 2 && g.y.ndim() == 2 && g.x.size(1) == g.y.size(1), describe(g), ": X and Y must share K");
-  const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
-  KILN_CHECK(g.d.ndim() == 2 && g.d.size(0) == M && g.d.size(1) == N && g.d.contiguous(), describe(g), ": D must be [", M,
-             ",", N, "]");
+  const bool batched = g.x.ndim() == 3;
+  KILN_CHECK((g.x.ndim() == 2 || batched) && g.y.ndim() == g.x.ndim() && g.d.ndim() == g.x.ndim(), describe(g),
+             ": X, Y and D must all be 2-D, or all 3-D (batched)");
+  const auto [B, M, N, K] = dims_of(g);
+  KILN_CHECK(g.y.size(g.y.ndim() - 1) == K && (!batched || g.y.size(0) == B), describe(g),
+             ": X and Y must share K (and the batch)");
+  KILN_CHECK(g.d.shape == (batched ? Shape{B, M, N} : Shape{M, N}) && g.d.contiguous() && g.x.contiguous() &&
+                 g.y.contiguous(),
+             describe(g), ": D must be [", batched ? cat(B, ",") : std::string(), M, ",", N,
+             "] and every operand contiguous");
+  if (batched)
+    KILN_CHECK(g.epilogue == Epilogue::none && !g.bias && !g.aux && B <= 0x7fffffff, describe(g),
+               ": a batched FP8 GEMM takes no epilogue (and at most 2^31 - 1 products)");
   KILN_CHECK(!g.accumulate || g.f32_result, describe(g), ": accumulating needs an f32 result");
   KILN_CHECK(g.f32_result ? g.d.dtype == DType::f32 : g.d.dtype == DType::bf16, describe(g),
              ": D is bf16 (an activation) or f32 (f32_result: a gradient, written or accumulated)");
@@ -143,7 +175,7 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
   if (uses_aux(g.epilogue))
     KILN_CHECK(g.aux.dtype == DType::bf16 && g.aux.numel() == M * N && aligned16(g.aux.data), describe(g), ": aux ",
                g.aux.str());
-  if (M == 0 || N == 0) return;
+  if (B == 0 || M == 0 || N == 0) return;
 
   Plan& p = plan(g);
   if (!p.fused) {

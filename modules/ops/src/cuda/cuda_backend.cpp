@@ -53,7 +53,10 @@ CudnnAttention::Shape cudnn_shape(const AttentionDims& d, const Args& a) {
 }  // namespace
 
 CudaBackend::CudaBackend(int device, const CudaOptions& options)
-    : device_(device), attention_(options.attention), attention_deterministic_(options.attention_deterministic) {
+    : device_(device),
+      attention_(options.attention),
+      attention_deterministic_(options.attention_deterministic),
+      grouped_call_(options.grouped_gemm == GroupedGemmImpl::grouped) {
   KILN_CUDA_CHECK(cudaSetDevice(device));
   std::size_t total = 0;
   KILN_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total));

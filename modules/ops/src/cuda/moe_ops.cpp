@@ -31,7 +31,7 @@ cuda::GroupedGemm& CudaBackend::grouped_gemm() {
   KILN_CUDA_CHECK(cudaGetDevice(&current));
   KILN_CUDA_CHECK(cudaSetDevice(device_));
   try {
-    grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, workspace_.data(), workspace_.bytes());
+    grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, lt_, workspace_.data(), workspace_.bytes(), grouped_call_);
   } catch (...) {
     cudaSetDevice(current);
     throw;

@@ -9,8 +9,13 @@
 // D^T (bf16). Epilogues cuBLASLt has no FP8 algorithm for run as a plain GEMM plus an
 // elementwise kernel. Fast accumulation only where GemmArgs asks (the forward pass).
 //
-// Plans (descriptors, layouts, the heuristic's first algorithm) are cached per shape, types and
-// epilogue, so a shape always runs the same kernel (deterministic results).
+// Batched (X [B, M, K], Y [B, N, K], D [B, M, N]): one cublasLtMatmul over B products, each layout
+// with CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = B and CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = its
+// slice's elements (tensor-wide scales: one scale pointer per operand serves every slice), no
+// epilogue; D bf16, or f32 written or accumulated (C = D, beta 1) as in the 2-D product.
+//
+// Plans (descriptors, layouts, the heuristic's first algorithm) are cached per shape (batch count
+// included), types and epilogue, so a shape always runs the same kernel (deterministic results).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -32,8 +37,8 @@ class Fp8GemmRunner {
 
  private:
   struct Plan;
-  // M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, int, int, int, bool, int, bool>;
+  // batch, M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, int, int, bool, int, bool>;
   Plan& plan(const GemmArgs& g);
   cublasLtHandle_t handle_;
   void* workspace_;

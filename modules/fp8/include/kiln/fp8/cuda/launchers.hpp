@@ -69,6 +69,43 @@ struct CastTransposeGrad {
 bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s);
 std::int64_t grad_partials(std::int64_t rows, std::int64_t cols);
 
+// The grouped cast + transpose (GroupedQuantizeArgs) on device pointers: expert e's rows of x
+// [*, cols] (rows [offsets[e], offsets[e + 1]), offsets a device array of experts + 1 entries; or,
+// with offsets null, rows [e rows_pad, (e + 1) rows_pad): a stacked [experts, rows_pad, cols] tensor,
+// the batched quantize) into rowwise [experts, rows_pad, cols] and/or colwise [experts, cols,
+// rows_pad] (either may be null), encode(x * *scale), the rows past an expert's own zero, i.e.
+// encode(0 * *scale); max |x| over the experts' rows max-accumulated into *amax unless null. Every
+// expert's rows must fit rows_pad. With neither copy, the amax of x's first used_rows rows alone.
+// 16-byte accesses over 64 x 64 tiles when rows_pad and cols are multiples of 16 and the pointers
+// 16-byte aligned; one element per thread otherwise.
+struct GroupedCast {
+  const void* x = nullptr;
+  DType x_dtype = DType::bf16;
+  const std::int32_t* offsets = nullptr;  // device, or null
+  int experts = 0;
+  std::int64_t used_rows = 0;  // offsets[experts] (experts * rows_pad without offsets)
+  std::int64_t rows_pad = 0, cols = 0;
+  std::uint8_t* rowwise = nullptr;
+  std::uint8_t* colwise = nullptr;
+  Format format = Format::e4m3;
+  const float* scale = nullptr;
+  float* amax = nullptr;
+};
+void cast_transpose_grouped(const GroupedCast& a, cudaStream_t s);
+
+// out [*, cols] row r < used_rows (= offsets[experts]) = row r - offsets[e] of in[e] ([experts,
+// rows_pad, cols]) for the expert e holding it; elements of elem_bytes, copied as bytes (16-byte
+// words where rows and pointers allow). offsets: a device array of experts + 1 entries.
+struct UngroupRows {
+  void* out = nullptr;
+  const void* in = nullptr;
+  std::size_t elem_bytes = 2;
+  const std::int32_t* offsets = nullptr;
+  int experts = 0;
+  std::int64_t used_rows = 0, rows_pad = 0, cols = 0;
+};
+void ungroup_rows(const UngroupRows& a, cudaStream_t s);
+
 // *amax = max(*amax, max |x|) over n elements (NaN propagates).
 void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s);
 
