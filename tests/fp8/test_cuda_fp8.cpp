@@ -7,8 +7,8 @@
 //  - the delayed-scaling update kernel, bit-identical to the CPU;
 //  - an Fp8Linear layer, and a whole FP8 training step, on CUDA against the CPU emulation;
 //  - a mixture of experts' grouped FP8 operands (the batched and the grouped quantisation, bit for
-//    bit; the copy back into grouped rows), the batched FP8 GEMM, an Fp8GroupedLinear layer and a
-//    whole mixture-of-experts FP8 training step, on CUDA against the CPU emulation.
+//    bit), the grouped FP8 GEMMs (one per expert, over several streams), an Fp8GroupedLinear layer
+//    and a whole mixture-of-experts FP8 training step, on CUDA against the CPU emulation.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -836,7 +836,7 @@ TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is d
 }
 
 // ---------------------------------------------------------------------------------------------------
-// A mixture of experts' grouped FP8 operands, the batched GEMM and the grouped layer.
+// A mixture of experts' grouped FP8 operands, the grouped GEMMs and the grouped layer.
 
 namespace {
 
@@ -844,16 +844,17 @@ namespace {
 // colwise (copies & 2) codes of the given shapes, every byte starting at 0xaa on both sides (so the
 // codes a kernel must write, the padding's included, are all checked), and {scale, amax}.
 struct CodesOnBoth {
-  std::size_t n;
+  std::size_t n_row, n_col;
   std::vector<std::uint8_t> c_row, c_col;
   Buffer d_row, d_col;
   std::vector<float> c_meta;
   Buffer d_meta;
   Fp8TensorView c, g;
   CodesOnBoth(Shape row_shape, Shape col_shape, int copies, Format f, float scale, float amax0)
-      : n(static_cast<std::size_t>(row_shape.numel())),
-        c_row(n, 0xaa),
-        c_col(n, 0xaa),
+      : n_row(static_cast<std::size_t>(row_shape.numel())),
+        n_col(static_cast<std::size_t>(col_shape.numel())),
+        c_row(n_row, 0xaa),
+        c_col(n_col, 0xaa),
         d_row(upload(c_row)),
         d_col(upload(c_col)),
         c_meta{scale, amax0},
@@ -877,6 +878,7 @@ struct CodesOnBoth {
     std::string first;
     std::size_t count = 0;
     auto cmp = [&](const std::vector<std::uint8_t>& want, const Buffer& dev, const char* which) {
+      const std::size_t n = want.size();
       const auto got = download<std::uint8_t>(dev.data(), n);
       for (std::size_t i = 0; i < n; ++i)
         if (got[i] != want[i] && count++ == 0)
@@ -894,14 +896,11 @@ struct CodesOnBoth {
 struct Grouping {
   std::vector<std::int32_t> off;
   std::int64_t R;
-  std::int64_t rows_pad;
   int experts() const { return static_cast<int>(off.size()) - 1; }
 };
-// Three experts, one empty, rows past the experts' (padded to 16); five experts, one empty, padded to
-// 48 (more than the largest expert's 29 rows) and to 30 (no multiple of 16: the elementwise kernel).
-const Grouping kGroupings[] = {{{0, 5, 5, 16}, 19, 16},
-                               {{0, 13, 13, 40, 41, 70}, 74, 48},
-                               {{0, 13, 13, 40, 41, 70}, 74, 30}};
+// Three experts, one empty, rows past the experts'; five experts, one empty, one of a single row;
+// four experts of 64, 0, 86 and 1 rows (several 64-row tiles, one expert exactly a tile).
+const Grouping kGroupings[] = {{{0, 5, 5, 16}, 19}, {{0, 13, 13, 40, 41, 70}, 74}, {{0, 64, 64, 150, 151}, 160}};
 
 }  // namespace
 
@@ -936,11 +935,12 @@ TEST_CASE("the batched quantize of [B, rows, cols] (each slice transposed on its
           }
 }
 
-TEST_CASE("the grouped quantisation pads each expert's rows with zero codes, rowwise and transposed, as the CPU does") {
+TEST_CASE("the grouped quantisation (rows as they are, each expert's transpose padded to 16) matches the CPU bit for bit") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);
   auto cpu = make_cpu_ops();
   std::uint64_t seed = 7000;
+  // Columns 80 and 144: the tiled kernel; 40 and 72: the elementwise one.
   for (const Grouping& gr : kGroupings)
     for (std::int64_t C : {40, 72, 80, 144})
       for (Format f : {Format::e4m3, Format::e5m2})
@@ -949,153 +949,149 @@ TEST_CASE("the grouped quantisation pads each expert's rows with zero codes, row
             for (DType dt : {DType::bf16, DType::f32}) {
               if (dt == DType::f32 && C != 80) continue;
               const int E = gr.experts();
-              const std::int64_t R = gr.R, P = gr.rows_pad;
-              INFO(E << " experts, R " << R << ", rows_pad " << P << ", cols " << C << " " << std::string(name_of(dt)) << " "
+              const std::int64_t R = gr.R, used = gr.off[static_cast<std::size_t>(E)],
+                                 S = segment_row(gr.off.data(), E);
+              INFO(E << " experts, R " << R << ", cols " << C << " " << std::string(name_of(dt)) << " "
                      << std::string(name_of(f)) << " copies " << copies << " amax " << with_amax);
               const std::size_t n = static_cast<std::size_t>(R * C);
               auto v = test::normal_values(n, ++seed, 2.0f);
-              v[static_cast<std::size_t>(gr.off[static_cast<std::size_t>(E)] * C + 1)] = 1000.0f;  // past the experts' rows
+              v[static_cast<std::size_t>(used * C + 1)] = 1000.0f;  // past the experts' rows
               const auto b = to_bf16(v);
               if (dt == DType::bf16) v = from_bf16(b);
-              CodesOnBoth o({E, P, C}, {E, C, P}, copies, f, 40.0f, 0.0f);
+              CodesOnBoth o({used, C}, {S * C}, copies, f, 40.0f, 0.0f);
               Buffer dx = dt == DType::bf16 ? upload(b) : upload(v);
               void* host = dt == DType::bf16 ? static_cast<void*>(const_cast<std::uint16_t*>(b.data())) : v.data();
-              cpu->quantize_grouped({TensorView(host, {R, C}, dt, Device::cpu), gr.off.data(), E, P, o.c,
+              cpu->quantize_grouped({TensorView(host, {R, C}, dt, Device::cpu), gr.off.data(), E, o.c,
                                      o.cpu_amax(with_amax)});
-              gpu->quantize_grouped({TensorView(dx.data(), {R, C}, dt, Device::cuda), gr.off.data(), E, P, o.g,
+              gpu->quantize_grouped({TensorView(dx.data(), {R, C}, dt, Device::cuda), gr.off.data(), E, o.g,
                                      o.gpu_amax(with_amax)});
               const std::string diff = o.differences();
               INFO(diff);
               CHECK(diff.empty());
               if (with_amax) CHECK(o.c_meta[1] < 1000.0f);  // the rows past the experts' are not in it
             }
-  // The offsets are checked on the host: an expert over rows_pad is named.
-  const std::vector<std::int32_t> off = {0, 20, 24};
-  Buffer dx(Device::cuda, 24 * 16 * 2), dq(Device::cuda, 2 * 16 * 16);
+  // The offsets are checked on the host: a decreasing one is named.
+  const std::vector<std::int32_t> off = {0, 20, 12};
+  Buffer dx(Device::cuda, 24 * 16 * 2), dq(Device::cuda, 24 * 16);
   std::vector<float> meta = {1.0f};
   Buffer dm = upload(meta);
   Fp8TensorView out;
-  out.rowwise = TensorView(dq.data(), {2, 16, 16}, DType::e4m3, Device::cuda);
+  out.rowwise = TensorView(dq.data(), {12, 16}, DType::e4m3, Device::cuda);
   out.scale = static_cast<float*>(dm.data());
   CHECK_THROWS_WITH_AS(gpu->quantize_grouped({TensorView(dx.data(), {24, 16}, DType::bf16, Device::cuda), off.data(), 2,
-                                              16, out, nullptr}),
-                       doctest::Contains("exceed rows_pad"), Error);
-}
-
-TEST_CASE("ungroup copies each expert's padded result rows back into its grouped rows, as the CPU does") {
-  KILN_REQUIRE_CUDA();
-  auto gpu = make_cuda_ops(nullptr);
-  auto cpu = make_cpu_ops();
-  std::uint64_t seed = 8000;
-  // Rows of 80 and 144 bytes (16-byte words), 94 bytes (2-byte words), 12 bytes (4-byte words).
-  for (const Grouping& gr : kGroupings)
-    for (std::int64_t C : {40, 72, 47, 6}) {
-      const int E = gr.experts();
-      const std::int64_t R = gr.R, P = gr.rows_pad;
-      INFO(E << " experts, R " << R << ", rows_pad " << P << ", cols " << C);
-      auto in = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(E * P * C), ++seed)));
-      std::vector<float> out(static_cast<std::size_t>(R * C), -5.0f);
-      Buffer d_in = upload(to_bf16(in)), d_out = upload(to_bf16(out));
-      cpu->ungroup(TensorView(out.data(), {R, C}, DType::f32, Device::cpu),
-                   TensorView(in.data(), {E, P, C}, DType::f32, Device::cpu), gr.off.data());
-      gpu->ungroup(TensorView(d_out.data(), {R, C}, DType::bf16, Device::cuda),
-                   TensorView(d_in.data(), {E, P, C}, DType::bf16, Device::cuda), gr.off.data());
-      CHECK(test::same_bits(from_bf16(download<std::uint16_t>(d_out.data(), out.size())), out));
-    }
+                                              out, nullptr}),
+                       doctest::Contains("offsets decrease at expert 1"), Error);
 }
 
 namespace {
 
-struct BatchedGemmCase {
-  std::int64_t B, M, N, K;
+struct GroupedGemmCase {
+  std::vector<std::int64_t> M;  // each product's rows (0: none)
+  std::int64_t N, K;
   Format fx, fy;
   bool f32_result, accumulate, fast;
 };
 
-// One batched FP8 GEMM on the GPU against double-precision products of each slice's dequantised
-// operands (plus D's old values when accumulating); returns the relative L2 error over all slices.
-// Slice 1 of X is all zeros (an expert without rows): its products are exactly 0 (or D's old values).
-double batched_gemm_error(Fp8Ops& gpu, const BatchedGemmCase& c, std::uint64_t seed, bool& zero_slice_exact) {
-  const std::size_t xs = static_cast<std::size_t>(c.M * c.K), ys = static_cast<std::size_t>(c.N * c.K),
-                    ds = static_cast<std::size_t>(c.M * c.N), B = static_cast<std::size_t>(c.B);
-  auto xv = test::normal_values(B * xs, seed, 2.0f);
-  const auto yv = test::normal_values(B * ys, seed + 1, 0.05f);
-  if (c.B > 1) std::fill(xv.begin() + static_cast<std::ptrdiff_t>(xs), xv.begin() + static_cast<std::ptrdiff_t>(2 * xs), 0.0f);
-  const float sx = compute_scale(max_value(c.fx), test::max_abs(xv), 0, 1.0f);
-  const float sy = compute_scale(max_value(c.fy), test::max_abs(yv), 0, 1.0f);
-  std::vector<std::uint8_t> xq(xv.size()), yq(yv.size());
-  for (std::size_t i = 0; i < xv.size(); ++i) xq[i] = quantize(xv[i], sx, c.fx);
-  for (std::size_t i = 0; i < yv.size(); ++i) yq[i] = quantize(yv[i], sy, c.fy);
-  const auto xd = test::fake_quantize(xv, sx, c.fx), yd = test::fake_quantize(yv, sy, c.fy);
-  const auto d0 = test::normal_values(B * ds, seed + 2);
-  std::vector<float> ref(B * ds);
-  for (std::size_t b = 0; b < B; ++b) {
-    auto slice = [b](const std::vector<float>& v, std::size_t n) {
-      return std::vector<float>(v.begin() + static_cast<std::ptrdiff_t>(b * n),
-                                v.begin() + static_cast<std::ptrdiff_t>((b + 1) * n));
-    };
-    const auto p = test::matmul_nt(slice(xd, xs), slice(yd, ys), static_cast<int>(c.M), static_cast<int>(c.N),
-                                   static_cast<int>(c.K));
-    for (std::size_t i = 0; i < ds; ++i) ref[b * ds + i] = p[i] + (c.accumulate ? d0[b * ds + i] : 0.0f);
+// The products of one gemm_grouped call on the GPU against double-precision products of the
+// dequantised operands (plus D's old values when accumulating); returns the relative L2 error over
+// all of them and, in *bits, the results' bits (to compare runs).
+double grouped_gemm_error(Fp8Ops& gpu, const GroupedGemmCase& c, std::uint64_t seed, std::vector<float>* bits) {
+  std::vector<GemmArgs> gs;
+  std::vector<Buffer> keep;
+  std::vector<float> ref, got;
+  std::vector<std::pair<Buffer*, std::size_t>> outs;
+  std::vector<float> scales(8 * c.M.size() + 8);
+  struct Product {
+    std::size_t d, n;
+  };
+  std::vector<Product> products;
+  keep.reserve(4 * c.M.size() + 1);
+  for (std::size_t i = 0; i < c.M.size(); ++i) {
+    const std::int64_t M = c.M[i];
+    const std::size_t xs = static_cast<std::size_t>(M * c.K), ys = static_cast<std::size_t>(c.N * c.K),
+                      ds = static_cast<std::size_t>(M * c.N);
+    const auto xv = test::normal_values(xs, seed + 10 * i, 2.0f), yv = test::normal_values(ys, seed + 10 * i + 1, 0.05f);
+    const float sx = compute_scale(max_value(c.fx), std::max(test::max_abs(xv), 1e-3f), 0, 1.0f);
+    const float sy = compute_scale(max_value(c.fy), test::max_abs(yv), 0, 1.0f);
+    std::vector<std::uint8_t> xq(xs), yq(ys);
+    for (std::size_t j = 0; j < xs; ++j) xq[j] = quantize(xv[j], sx, c.fx);
+    for (std::size_t j = 0; j < ys; ++j) yq[j] = quantize(yv[j], sy, c.fy);
+    const auto p = test::matmul_nt(test::fake_quantize(xv, sx, c.fx), test::fake_quantize(yv, sy, c.fy),
+                                   static_cast<int>(M), static_cast<int>(c.N), static_cast<int>(c.K));
+    const auto d0 = test::normal_values(ds, seed + 10 * i + 2);
+    for (std::size_t j = 0; j < ds; ++j) ref.push_back(p[j] + (c.accumulate ? d0[j] : 0.0f));
+    scales[8 * i] = 1.0f / sx;  // 16-byte aligned, as cuBLASLt wants
+    scales[8 * i + 4] = 1.0f / sy;
+    keep.push_back(upload(xq.empty() ? std::vector<std::uint8_t>(16) : xq));
+    keep.push_back(upload(yq));
+    keep.push_back(c.f32_result ? upload(d0.empty() ? std::vector<float>(4) : d0)
+                                : upload(to_bf16(d0.empty() ? std::vector<float>(8) : d0)));
+    products.push_back({keep.size() - 1, ds});
+    GemmArgs g;
+    g.x = TensorView(keep[keep.size() - 3].data(), {M, c.K}, dtype_of(c.fx), Device::cuda);
+    g.y = TensorView(keep[keep.size() - 2].data(), {c.N, c.K}, dtype_of(c.fy), Device::cuda);
+    g.d = TensorView(keep.back().data(), {M, c.N}, c.f32_result ? DType::f32 : DType::bf16, Device::cuda);
+    g.f32_result = c.f32_result;
+    g.accumulate = c.accumulate;
+    g.fast_accum = c.fast;
+    gs.push_back(g);
   }
-  std::vector<float> scales = {1.0f / sx, 0, 0, 0, 1.0f / sy};  // 16-byte aligned, as cuBLASLt wants
-  Buffer dsc = upload(scales), dxq = upload(xq), dyq = upload(yq);
-  Buffer dd = c.f32_result ? upload(d0) : upload(to_bf16(d0));
-  GemmArgs g;
-  g.x = TensorView(dxq.data(), {c.B, c.M, c.K}, dtype_of(c.fx), Device::cuda);
-  g.x_scale_inv = static_cast<float*>(dsc.data());
-  g.y = TensorView(dyq.data(), {c.B, c.N, c.K}, dtype_of(c.fy), Device::cuda);
-  g.y_scale_inv = static_cast<float*>(dsc.data()) + 4;
-  g.d = TensorView(dd.data(), {c.B, c.M, c.N}, c.f32_result ? DType::f32 : DType::bf16, Device::cuda);
-  g.f32_result = c.f32_result;
-  g.accumulate = c.accumulate;
-  g.fast_accum = c.fast;
-  gpu.gemm(g);
-  const auto got = c.f32_result ? download<float>(dd.data(), B * ds) : from_bf16(download<std::uint16_t>(dd.data(), B * ds));
-  zero_slice_exact = true;
-  if (c.B > 1)
-    for (std::size_t i = ds; i < 2 * ds; ++i)
-      zero_slice_exact = zero_slice_exact && got[i] == (c.accumulate ? d0[i] : 0.0f);
+  keep.push_back(upload(scales));
+  for (std::size_t i = 0; i < gs.size(); ++i) {
+    gs[i].x_scale_inv = static_cast<float*>(keep.back().data()) + 8 * i;
+    gs[i].y_scale_inv = static_cast<float*>(keep.back().data()) + 8 * i + 4;
+  }
+  gpu.gemm_grouped(gs);
+  for (const Product& p : products) {
+    const auto v = c.f32_result ? download<float>(keep[p.d].data(), p.n)
+                                : from_bf16(download<std::uint16_t>(keep[p.d].data(), p.n));
+    got.insert(got.end(), v.begin(), v.end());
+  }
+  if (bits) *bits = got;
   return test::rel_err(got, ref);
 }
 
 }  // namespace
 
-TEST_CASE("the batched FP8 GEMM (one cuBLASLt call over every expert) matches products of the dequantised operands") {
+TEST_CASE("grouped FP8 GEMMs (one cuBLASLt matmul per expert, over several streams) match products of the dequantised "
+          "operands, at any row count, deterministically") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);
   const auto e4 = Format::e4m3, e5 = Format::e5m2;
-  // The grouped layer's three products: forward E4M3 x E4M3 (bf16, fast accumulation), dgrad
-  // E5M2 x E4M3 (bf16), wgrad E5M2 x E4M3 over the padded rows (f32, written or accumulated; K = 16:
-  // a single row tile), and a batch of one.
-  const BatchedGemmCase cases[] = {
-      {3, 48, 80, 64, e4, e4, false, false, true},   {3, 16, 144, 48, e5, e4, false, false, false},
-      {3, 80, 64, 48, e5, e4, true, false, false},   {3, 80, 64, 16, e5, e4, true, true, false},
-      {5, 64, 48, 48, e4, e5, true, true, false},    {5, 256, 192, 320, e4, e4, false, false, true},
-      {1, 32, 48, 64, e5, e4, true, true, false},
+  // The grouped layer's products: forward E4M3 x E4M3 (bf16, fast accumulation) and dgrad E5M2 x
+  // E4M3 (bf16) over rows that are no multiple of 16 (and an expert without rows); wgrad E5M2 x E4M3
+  // (f32, written or accumulated) with K the padded rows (16, 48); more products than streams.
+  const GroupedGemmCase cases[] = {
+      {{37, 0, 100, 1, 64}, 80, 64, e4, e4, false, false, true},
+      {{5, 130, 16}, 144, 48, e5, e4, false, false, false},
+      {{80, 64, 48}, 64, 48, e5, e4, true, false, false},
+      {{80, 80}, 64, 16, e5, e4, true, true, false},
+      {{64, 48, 32, 16, 96, 112}, 48, 48, e4, e5, true, true, false},
   };
   std::uint64_t seed = 9000;
   for (const auto& c : cases) {
-    bool zero_exact = false;
-    const double err = batched_gemm_error(*gpu, c, seed += 10, zero_exact);
+    std::vector<float> first, second;
+    const double err = grouped_gemm_error(*gpu, c, seed += 100, &first);
     const double bound = c.f32_result ? 2e-3 : 1e-2;
-    MESSAGE("batched FP8 GEMM B " << c.B << " M " << c.M << " N " << c.N << " K " << c.K << " " << std::string(name_of(c.fx))
-                                  << " x " << std::string(name_of(c.fy)) << std::string(c.f32_result ? " f32" : " bf16")
-                                  << std::string(c.accumulate ? " accumulate" : "") << std::string(c.fast ? " fast" : "")
-                                  << ": relative error " << err << " (bound " << bound << ")");
+    MESSAGE("grouped FP8 GEMM of " << c.M.size() << " products, N " << c.N << " K " << c.K << " "
+                                   << std::string(name_of(c.fx)) << " x " << std::string(name_of(c.fy))
+                                   << std::string(c.f32_result ? " f32" : " bf16") << std::string(c.accumulate ? " accumulate" : "")
+                                   << std::string(c.fast ? " fast" : "") << ": relative error " << err << " (bound "
+                                   << bound << ")");
     CHECK(err < bound);
-    CHECK(zero_exact);
+    grouped_gemm_error(*gpu, c, seed, &second);
+    CHECK(test::same_bits(first, second));
   }
-  // A batched product takes no epilogue.
+  // The products take no epilogue.
   Buffer b(Device::cuda, 1 << 16);
   GemmArgs bad;
-  bad.x = TensorView(b.data(), {2, 16, 16}, DType::e4m3, Device::cuda);
-  bad.y = TensorView(b.data(), {2, 16, 16}, DType::e4m3, Device::cuda);
-  bad.d = TensorView(b.data(), {2, 16, 16}, DType::bf16, Device::cuda);
+  bad.x = TensorView(b.data(), {16, 16}, DType::e4m3, Device::cuda);
+  bad.y = TensorView(b.data(), {16, 16}, DType::e4m3, Device::cuda);
+  bad.d = TensorView(b.data(), {16, 16}, DType::bf16, Device::cuda);
   bad.x_scale_inv = bad.y_scale_inv = static_cast<float*>(b.data());
   bad.epilogue = ops::Epilogue::gelu;
   bad.aux = bad.d;
-  CHECK_THROWS_WITH_AS(gpu->gemm(bad), doctest::Contains("no epilogue"), Error);
+  CHECK_THROWS_WITH_AS(gpu->gemm_grouped(std::span<const GemmArgs>(&bad, 1)), doctest::Contains("no epilogue"), Error);
 }
 
 TEST_CASE("an FP8 grouped (expert) linear on CUDA matches the CPU emulation (both layouts and recipes, dweight "

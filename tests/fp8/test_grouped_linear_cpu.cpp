@@ -1,5 +1,5 @@
-// A mixture of experts' grouped linears in FP8 on the CPU emulation: the grouped quantisation into
-// padded batched operands, the batched GEMM, and Fp8GroupedLinear's forward, data gradient and weight
+// A mixture of experts' grouped linears in FP8 on the CPU emulation: the grouped quantisation (rows
+// as they are, each expert's transpose padded to 16), and Fp8GroupedLinear's forward, data gradient and weight
 // gradient against fp32 products of each expert's dequantised operands, for both weight layouts.
 #include <doctest/doctest.h>
 
@@ -25,39 +25,45 @@ double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
 
 }  // namespace
 
-TEST_CASE("CPU grouped quantisation pads each expert's rows with zeros, rowwise and transposed, with the amax") {
+TEST_CASE("CPU grouped quantisation: the rows as they are, each expert's transpose padded to 16 with zeros, the amax") {
   auto ops = make_cpu_ops({.threads = 2});
-  const int R = 11, C = 6, E = 3, P = 16;
-  const std::vector<std::int32_t> off = {0, 4, 4, 9};  // an empty expert, two rows past the experts'
+  const int R = 30, C = 6, E = 4;
+  // an empty expert, one of exactly 16 rows, two rows past the experts'
+  const std::vector<std::int32_t> off = {0, 5, 5, 21, 28};
+  CHECK(segment_rows(off.data(), 0) == 16);
+  CHECK(segment_rows(off.data(), 1) == 0);
+  CHECK(segment_rows(off.data(), 2) == 16);
+  CHECK(segment_row(off.data(), 3) == 32);
+  const std::int64_t S = segment_row(off.data(), E);
+  CHECK(S == 48);
   auto x = test::normal_values(R * C, 5, 2.0f);
-  x[10 * C + 1] = 100.0f;  // past the experts' rows: neither quantised nor in the amax
+  x[29 * C + 1] = 100.0f;  // past the experts' rows: neither quantised nor in the amax
   float scale = 20.0f, scale_inv = 1.0f / 20.0f, amax = 0;
-  std::vector<std::uint8_t> row(E * P * C, 0xaa), col(E * C * P, 0xaa);
+  std::vector<std::uint8_t> row(off[E] * C, 0xaa), col(S * C, 0xaa);
   Fp8TensorView out;
-  out.rowwise = TensorView(row.data(), {E, P, C}, DType::e4m3, Device::cpu);
-  out.colwise = TensorView(col.data(), {E, C, P}, DType::e4m3, Device::cpu);
+  out.rowwise = TensorView(row.data(), {off[E], C}, DType::e4m3, Device::cpu);
+  out.colwise = TensorView(col.data(), {S * C}, DType::e4m3, Device::cpu);
   out.scale = &scale;
   out.scale_inv = &scale_inv;
-  ops->quantize_grouped({host(x, {R, C}), off.data(), E, P, out, &amax});
-  for (int e = 0; e < E; ++e)
+  ops->quantize_grouped({host(x, {R, C}), off.data(), E, out, &amax});
+  for (int r = 0; r < off[E]; ++r)
+    for (int c = 0; c < C; ++c) CHECK(row[r * C + c] == fp8::quantize(x[r * C + c], scale, Format::e4m3));
+  for (int e = 0; e < E; ++e) {
+    const std::int64_t P = segment_rows(off.data(), e), at = segment_row(off.data(), e);
     for (int p = 0; p < P; ++p)
       for (int c = 0; c < C; ++c) {
         const int r = off[e] + p;
         const std::uint8_t want = r < off[e + 1] ? fp8::quantize(x[r * C + c], scale, Format::e4m3) : 0;
-        CHECK(row[(e * P + p) * C + c] == want);
-        CHECK(col[(e * C + c) * P + p] == want);
+        CHECK(col[at * C + c * P + p] == want);
       }
+  }
   float want_amax = 0;
   for (int i = 0; i < off[E] * C; ++i) want_amax = std::max(want_amax, std::fabs(x[i]));
   CHECK(amax == want_amax);
-  // ungroup: the first rows of each expert's padded block back to its rows; the rest untouched.
-  std::vector<float> padded(E * P * C), back(R * C, -5.0f);
-  for (std::size_t i = 0; i < padded.size(); ++i) padded[i] = static_cast<float>(i);
-  ops->ungroup(host(back, {R, C}), host(padded, {E, P, C}), off.data());
-  for (int e = 0; e < E; ++e)
-    for (int r = off[e]; r < off[e + 1]; ++r)
-      for (int c = 0; c < C; ++c) CHECK(back[r * C + c] == padded[(e * P + (r - off[e])) * C + c]);
-  for (int r = off[E]; r < R; ++r) CHECK(back[r * C] == -5.0f);
+  // Offsets that decrease are refused.
+  const std::vector<std::int32_t> bad = {0, 9, 4, 12, 28};
+  CHECK_THROWS_WITH_AS(ops->quantize_grouped({host(x, {R, C}), bad.data(), E, out, nullptr}),
+                       doctest::Contains("offsets decrease at expert 1"), Error);
 }
 
 TEST_CASE("Fp8GroupedLinear: forward, data and weight gradients are each expert's products of dequantised operands") {

@@ -1,7 +1,7 @@
-// Fp8GroupedLinear: a mixture of experts' grouped GEMMs as batched FP8 GEMMs over padded rows.
+// Fp8GroupedLinear: a mixture of experts' grouped GEMMs as one FP8 GEMM per expert.
 #include "kiln/fp8/grouped_linear.hpp"
 
-#include <algorithm>
+#include <vector>
 
 #include "kiln/core/error.hpp"
 #include "scaling.hpp"
@@ -20,12 +20,6 @@ Fp8GroupedLinear::Fp8GroupedLinear(Fp8Ops& ops, Fp8MetaStore& meta, int first_sl
              "..", first_slot + kRolesPerLinear - 1, " outside the store of ", meta.size());
   KILN_CHECK(slot(TensorRole::input).format == Format::e4m3 && slot(TensorRole::weight).format == Format::e4m3,
              name_, ": the forward GEMM needs E4M3 input and weight (E5M2 x E5M2 products do not exist)");
-}
-
-std::int64_t Fp8GroupedLinear::padded_rows(const std::int32_t* offsets_host, int experts) {
-  std::int64_t most = 0;
-  for (int e = 0; e < experts; ++e) most = std::max<std::int64_t>(most, offsets_host[e + 1] - offsets_host[e]);
-  return (most + 15) / 16 * 16;
 }
 
 TensorView Fp8GroupedLinear::codes(void* at, Shape shape, const ScalingSlot& s) const {
@@ -64,35 +58,53 @@ void Fp8GroupedLinear::ensure_weight(const TensorView& w, bool in_out, std::int6
   cache_.source = w.data;
 }
 
+namespace {
+// Matrix e of a stacked [E, A, B] tensor as [A, B].
+TensorView expert_matrix(const TensorView& t, std::int64_t e) {
+  const std::int64_t A = t.size(1), B = t.size(2);
+  return TensorView(static_cast<char*>(t.data) + static_cast<std::size_t>(e * A * B) * size_of(t.dtype), {A, B},
+                    t.dtype, t.device);
+}
+}  // namespace
+
 void Fp8GroupedLinear::forward(const ops::GroupedLinearForward& a, std::int64_t weight_version, bool replay) {
-  const std::int64_t E = a.weight.size(0), IC = a.x.size(1), OC = a.out.size(1);
+  const std::int64_t E = a.weight.size(0), IC = a.x.size(1);
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && a.x.size(0) == a.out.size(0), name_, " forward: weight ",
              a.weight.str(), ", x ", a.x.str(), ", out ", a.out.str());
   KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
              ": a replayed forward needs the weight of the original one");
   ensure_weight(a.weight, a.weight_in_out, weight_version);
   const std::int32_t* off = a.offsets_host;
-  const int experts = static_cast<int>(E);
-  const std::int64_t P = padded_rows(off, experts);
-  if (P == 0) return;  // no rows
+  const std::int64_t used = off[E];
+  if (used == 0) return;  // no rows
   const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight);
-  const TensorView used = a.x.rows(0, off[E]);
-  float* record = replay ? nullptr : prepare_scale(ops_, meta_, recipe_, sx, [&](float* into) { ops_.amax(used, into); });
-  // Scratch: the padded input codes, then the padded result.
-  const std::size_t xb = aligned(static_cast<std::size_t>(E * P * IC));
-  std::uint8_t* scratch = ws_.get(xb + static_cast<std::size_t>(E * P * OC) * size_of(ops_.act_dtype()));
-  ops_.quantize_grouped({a.x, off, experts, P, fp8(sx, scratch, {E, P, IC}, nullptr, {}), record});
-  const TensorView d(scratch + xb, {E, P, OC}, ops_.act_dtype(), ops_.device());
-  GemmArgs g;
-  g.what = "fp8_grouped_gemm_forward";
-  g.x = codes(scratch, {E, P, IC}, sx);
-  g.x_scale_inv = sx.scale_inv;
-  g.y = codes(cache_.forward.data(), {E, OC, IC}, sw);
-  g.y_scale_inv = sw.scale_inv;
-  g.d = d;
-  g.fast_accum = recipe_.fast_accum_forward;
-  ops_.gemm(g);
-  ops_.ungroup(a.out, d, off);
+  const TensorView x = a.x.rows(0, used);
+  float* record = replay ? nullptr : prepare_scale(ops_, meta_, recipe_, sx, [&](float* into) { ops_.amax(x, into); });
+  std::uint8_t* codes_x = ws_.get(static_cast<std::size_t>(used * IC));
+  ops_.quantize(x, fp8(sx, codes_x, {used, IC}, nullptr, {}), record);
+  ops_.gemm_grouped(rows_products("fp8_grouped_gemm_forward", {codes_x, sx}, {cache_.forward.data(), sw}, a.out, off,
+                                  E, IC, recipe_.fast_accum_forward));
+}
+
+std::vector<GemmArgs> Fp8GroupedLinear::rows_products(const char* what, const Operand& x, const Operand& w,
+                                                      const TensorView& d, const std::int32_t* off, std::int64_t E,
+                                                      std::int64_t K, bool fast_accum) const {
+  const std::int64_t N = d.size(1);
+  std::vector<GemmArgs> gs;
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::int64_t rows = off[e + 1] - off[e];
+    if (rows == 0) continue;
+    GemmArgs g;
+    g.what = what;
+    g.x = codes(static_cast<std::uint8_t*>(x.codes) + off[e] * K, {rows, K}, x.slot);
+    g.x_scale_inv = x.slot.scale_inv;
+    g.y = codes(static_cast<std::uint8_t*>(w.codes) + e * N * K, {N, K}, w.slot);
+    g.y_scale_inv = w.slot.scale_inv;
+    g.d = d.rows(off[e], rows);
+    g.fast_accum = fast_accum;
+    gs.push_back(g);
+  }
+  return gs;
 }
 
 void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
@@ -102,54 +114,55 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   if (!weight_cached(a.weight)) ensure_weight(a.weight, a.weight_in_out, cache_.version);
   const std::int32_t* off = a.offsets_host;
   const int experts = static_cast<int>(E);
-  const std::int64_t P = padded_rows(off, experts);
-  const DType act = ops_.act_dtype();
-  const Device dev = ops_.device();
-  if (a.dx && off[E] < R) {  // rows past the experts' get a zero gradient
-    const TensorView rest = a.dx.rows(off[E], R - off[E]);
+  const std::int64_t used = off[E], padded = segment_row(off, experts);
+  if (a.dx && used < R) {  // rows past the experts' get a zero gradient
+    const TensorView rest = a.dx.rows(used, R - used);
     ops_.zero(rest.data, rest.bytes());
   }
-  if (P == 0) {  // no rows: a zero weight gradient written, or nothing added
+  if (used == 0) {  // no rows: a zero weight gradient written, or nothing added
     if (a.dweight_overwrite) ops_.zero(a.dweight.data, a.dweight.bytes());
     return;
   }
   const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight), sg = slot(TensorRole::grad_output);
-  // Scratch: the output gradient's padded codes, rowwise and colwise; the input's colwise codes;
-  // the data gradient's padded result.
-  const std::size_t gb = aligned(static_cast<std::size_t>(E * P * OC)), xb = aligned(static_cast<std::size_t>(E * P * IC));
-  std::uint8_t* scratch = ws_.get(2 * gb + xb + (a.dx ? static_cast<std::size_t>(E * P * IC) * size_of(act) : 0));
-  std::uint8_t *gr = scratch, *gc = scratch + gb, *xc = scratch + 2 * gb;
-  const TensorView dout = a.dout.rows(0, off[E]);
+  // Scratch: the output gradient's rowwise codes (for the data gradient) and padded transposes, the
+  // input's padded transposes.
+  const std::size_t rb = a.dx ? aligned(static_cast<std::size_t>(used * OC)) : 0,
+                    gb = aligned(static_cast<std::size_t>(padded * OC));
+  std::uint8_t* scratch = ws_.get(rb + gb + static_cast<std::size_t>(padded * IC));
+  std::uint8_t *gr = a.dx ? scratch : nullptr, *gc = scratch + rb, *xc = scratch + rb + gb;
+  const TensorView dout = a.dout.rows(0, used);
   float* record = prepare_scale(ops_, meta_, recipe_, sg, [&](float* into) { ops_.amax(dout, into); });
-  ops_.quantize_grouped({a.dout, off, experts, P, fp8(sg, gr, {E, P, OC}, gc, {E, OC, P}), record});
+  ops_.quantize_grouped({a.dout, off, experts, fp8(sg, gr, {used, OC}, gc, {padded * OC}), record});
   // The input again, with the forward's scale (its amax is recorded already).
-  ops_.quantize_grouped({a.x, off, experts, P, fp8(sx, nullptr, {}, xc, {E, IC, P}), nullptr});
-  if (a.dx) {
-    GemmArgs g;  // dx[e][P, IC] = dout[e][P, OC] @ W[e][OC, IC]: K = OC, Y = W[e] as [IC, OC]
-    g.what = "fp8_grouped_gemm_dgrad";
-    g.x = codes(gr, {E, P, OC}, sg);
-    g.x_scale_inv = sg.scale_inv;
-    g.y = codes(cache_.dgrad.data(), {E, IC, OC}, sw);
-    g.y_scale_inv = sw.scale_inv;
-    const TensorView d(scratch + 2 * gb + xb, {E, P, IC}, act, dev);
-    g.d = d;
-    ops_.gemm(g);
-    ops_.ungroup(a.dx, d, off);
-    if (a.dx_gelu_pre) ops_.dgelu(a.dx.rows(0, off[E]), a.dx_gelu_pre.rows(0, off[E]));
+  ops_.quantize_grouped({a.x, off, experts, fp8(sx, nullptr, {}, xc, {padded * IC}), nullptr});
+  if (a.dx) {  // dx[e] [rows, IC] = dout[e] [rows, OC] @ W[e] [OC, IC]
+    ops_.gemm_grouped(rows_products("fp8_grouped_gemm_dgrad", {gr, sg}, {cache_.dgrad.data(), sw}, a.dx, off, E, OC, false));
+    if (a.dx_gelu_pre) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));
   }
-  // dW[e] [OC, IC] += dout[e]^T @ x[e] (K = the padded rows: zeros add nothing); an FC2 stored
-  // [IC, OC] per expert takes x^T @ dout.
-  GemmArgs w;
-  w.what = "fp8_grouped_gemm_wgrad";
-  const TensorView dout_t = codes(gc, {E, OC, P}, sg), x_t = codes(xc, {E, IC, P}, sx);
-  w.x = a.weight_in_out ? x_t : dout_t;
-  w.x_scale_inv = a.weight_in_out ? sx.scale_inv : sg.scale_inv;
-  w.y = a.weight_in_out ? dout_t : x_t;
-  w.y_scale_inv = a.weight_in_out ? sg.scale_inv : sx.scale_inv;
-  w.d = a.dweight;
-  w.f32_result = true;
-  w.accumulate = !a.dweight_overwrite;
-  ops_.gemm(w);
+  // dW[e] [OC, IC] += dout[e]^T @ x[e] (K = the expert's padded rows: zeros add nothing); an FC2
+  // stored [IC, OC] per expert takes x^T @ dout.
+  std::vector<GemmArgs> gs;
+  for (int e = 0, at = 0; e < experts; at += static_cast<int>(segment_rows(off, e)), ++e) {
+    const TensorView dw = expert_matrix(a.dweight, e);
+    if (off[e + 1] == off[e]) {
+      if (a.dweight_overwrite) ops_.zero(dw.data, dw.bytes());
+      continue;
+    }
+    const std::int64_t P = segment_rows(off, e);
+    const TensorView dout_t = codes(gc + static_cast<std::int64_t>(at) * OC, {OC, P}, sg),
+                     x_t = codes(xc + static_cast<std::int64_t>(at) * IC, {IC, P}, sx);
+    GemmArgs w;
+    w.what = "fp8_grouped_gemm_wgrad";
+    w.x = a.weight_in_out ? x_t : dout_t;
+    w.x_scale_inv = a.weight_in_out ? sx.scale_inv : sg.scale_inv;
+    w.y = a.weight_in_out ? dout_t : x_t;
+    w.y_scale_inv = a.weight_in_out ? sg.scale_inv : sx.scale_inv;
+    w.d = dw;
+    w.f32_result = true;
+    w.accumulate = !a.dweight_overwrite;
+    gs.push_back(w);
+  }
+  ops_.gemm_grouped(gs);
 }
 
 }  // namespace kiln::fp8

@@ -26,4 +26,14 @@ inline void check_transpose_args(const TensorView& out, const TensorView& in, De
   c.check(size_of(in.dtype) == 1, "codes of one byte, got ", in.str());
 }
 
+// A grouping's offsets (experts + 1 of them, host memory) against R rows: non-decreasing from 0,
+// within R.
+inline void check_offsets(const std::int32_t* off, std::int64_t experts, std::int64_t R, const char* what) {
+  KILN_CHECK(off && experts > 0, what, ": ", experts, " experts", off ? "" : " and no offsets");
+  KILN_CHECK(off[0] == 0 && off[experts] <= R, what, ": offsets [0] = ", off[0], ", [E] = ", off[experts], " for ", R,
+             " rows");
+  for (std::int64_t e = 0; e < experts; ++e)
+    KILN_CHECK(off[e + 1] >= off[e], what, ": offsets decrease at expert ", e, " (", off[e], " then ", off[e + 1], ")");
+}
+
 }  // namespace kiln::fp8

@@ -33,10 +33,6 @@ class ProfiledOps final : public Fp8Ops {
                                                 : "fp8_quantize_grouped_colwise");
     in_->quantize_grouped(a);
   }
-  void ungroup(const TensorView& out, const TensorView& in, const std::int32_t* offsets_host) override {
-    Scope s(be_, "fp8_ungroup");
-    in_->ungroup(out, in, offsets_host);
-  }
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
     Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_gelu_both" : out.rowwise ? "fp8_quantize_gelu_rowwise"
                                                                                      : "fp8_quantize_gelu_colwise");
@@ -87,6 +83,10 @@ class ProfiledOps final : public Fp8Ops {
   void gemm(const GemmArgs& g) override {
     Scope s(be_, g.what ? g.what : "fp8_gemm");
     in_->gemm(g);
+  }
+  void gemm_grouped(std::span<const GemmArgs> gs) override {
+    Scope s(be_, !gs.empty() && gs.front().what ? gs.front().what : "fp8_gemm_grouped");
+    in_->gemm_grouped(gs);
   }
   void bias_grad(const TensorView& dbias, const TensorView& dy) override {
     Scope s(be_, "fp8_bias_grad");

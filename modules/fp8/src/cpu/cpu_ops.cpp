@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -89,53 +90,35 @@ class CpuOps final : public Fp8Ops {
 
   void quantize_grouped(const GroupedQuantizeArgs& a) override {
     expect_input(a.x, "fp8 quantize_grouped x");
-    KILN_CHECK(a.x.ndim() == 2 && a.offsets_host && a.experts > 0 && a.out.scale, "fp8 quantize_grouped: x ",
-               a.x.str(), ", ", a.experts, " experts");
-    const std::int64_t R = a.x.size(0), C = a.x.size(1), E = a.experts, P = a.rows_pad;
+    KILN_CHECK(a.x.ndim() == 2 && a.out.scale, "fp8 quantize_grouped: x ", a.x.str(), " (2-D, with a scale)");
+    const std::int64_t R = a.x.size(0), C = a.x.size(1), E = a.experts;
     const std::int32_t* off = a.offsets_host;
-    KILN_CHECK(off[0] == 0 && off[E] <= R, "fp8 quantize_grouped: offsets [0] = ", off[0], ", [E] = ", off[E],
-               " for ", R, " rows");
-    for (std::int64_t e = 0; e < E; ++e)
-      KILN_CHECK(off[e + 1] >= off[e] && off[e + 1] - off[e] <= P, "fp8 quantize_grouped: expert ", e, "'s ",
-                 off[e + 1] - off[e], " rows exceed rows_pad = ", P);
+    check_offsets(off, E, R, "fp8 quantize_grouped");
+    const std::int64_t used = off[E], padded = segment_row(off, a.experts);
     if (a.out.rowwise)
-      KILN_CHECK(a.out.rowwise.dtype == dtype_of(a.out.format) && a.out.rowwise.shape == Shape({E, P, C}),
-                 "fp8 quantize_grouped: rowwise ", a.out.rowwise.str());
+      KILN_CHECK(a.out.rowwise.dtype == dtype_of(a.out.format) && a.out.rowwise.shape == Shape({used, C}),
+                 "fp8 quantize_grouped: rowwise ", a.out.rowwise.str(), " for [", used, ",", C, "]");
     if (a.out.colwise)
-      KILN_CHECK(a.out.colwise.dtype == dtype_of(a.out.format) && a.out.colwise.shape == Shape({E, C, P}),
-                 "fp8 quantize_grouped: colwise ", a.out.colwise.str());
+      KILN_CHECK(a.out.colwise.dtype == dtype_of(a.out.format) && a.out.colwise.shape == Shape({padded * C}),
+                 "fp8 quantize_grouped: colwise ", a.out.colwise.str(), " for ", padded * C, " codes");
     const float s = *a.out.scale;
     std::uint8_t* row = a.out.rowwise ? a.out.rowwise.as<std::uint8_t>() : nullptr;
     std::uint8_t* col = a.out.colwise ? a.out.colwise.as<std::uint8_t>() : nullptr;
     const std::uint8_t zero = fp8::quantize(0.0f, s, a.out.format);
-    for (std::int64_t e = 0; e < E; ++e)
+    for (int e = 0; e < a.experts; ++e) {
+      const std::int64_t P = segment_rows(off, e), base = C * segment_row(off, e);
 #pragma omp parallel for num_threads(threads_) schedule(static) if (P * C >= kParallelWork)
       for (std::int64_t p = 0; p < P; ++p) {
         const std::int64_t r = off[e] + p;
         const bool real = r < off[e + 1];
         for (std::int64_t c = 0; c < C; ++c) {
           const std::uint8_t q = real ? fp8::quantize(load(a.x, r * C + c), s, a.out.format) : zero;
-          if (row) row[(e * P + p) * C + c] = q;
-          if (col) col[(e * C + c) * P + p] = q;
+          if (row && real) row[r * C + c] = q;
+          if (col) col[base + c * P + p] = q;
         }
       }
-    if (a.amax) *a.amax = amax_max(*a.amax, max_abs(a.x.rows(0, off[E])));
-  }
-
-  void ungroup(const TensorView& out, const TensorView& in, const std::int32_t* offsets_host) override {
-    expect_input(out, "fp8 ungroup out");
-    expect_input(in, "fp8 ungroup in");
-    KILN_CHECK(in.ndim() == 3 && out.ndim() == 2 && in.size(2) == out.size(1) && offsets_host, "fp8 ungroup: ",
-               in.str(), " -> ", out.str());
-    const std::int64_t E = in.size(0), P = in.size(1), C = in.size(2);
-    const std::int32_t* off = offsets_host;
-    KILN_CHECK(off[E] <= out.size(0), "fp8 ungroup: ", off[E], " rows into ", out.str());
-    float* o = out.as<float>();
-    const float* i = in.as<float>();
-    for (std::int64_t e = 0; e < E; ++e) {
-      KILN_CHECK(off[e + 1] - off[e] <= P, "fp8 ungroup: expert ", e, "'s rows exceed ", P);
-      std::memcpy(o + off[e] * C, i + e * P * C, static_cast<std::size_t>((off[e + 1] - off[e]) * C) * sizeof(float));
     }
+    if (a.amax) *a.amax = amax_max(*a.amax, max_abs(a.x.rows(0, used)));
   }
 
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
@@ -196,20 +179,14 @@ class CpuOps final : public Fp8Ops {
       for (std::int64_t r = 0; r < rows; ++r) dst[c * rows + r] = src[r * cols + c];
   }
 
-  void gemm(const GemmArgs& g) override {
-    if (g.x.ndim() == 3) {  // batched: one product per slice
-      KILN_CHECK(g.y.ndim() == 3 && g.d.ndim() == 3 && g.x.size(0) == g.y.size(0) && g.x.size(0) == g.d.size(0) &&
-                     g.epilogue == ops::Epilogue::none,
-                 "fp8 batched gemm: x ", g.x.str(), ", y ", g.y.str(), ", d ", g.d.str(), " (no epilogue)");
-      for (std::int64_t b = 0; b < g.x.size(0); ++b) {
-        GemmArgs one = g;
-        one.x = slice(g.x, b);
-        one.y = slice(g.y, b);
-        one.d = slice(g.d, b);
-        gemm(one);
-      }
-      return;
+  void gemm_grouped(std::span<const GemmArgs> gs) override {
+    for (const GemmArgs& g : gs) {
+      KILN_CHECK(g.epilogue == ops::Epilogue::none, "fp8 gemm_grouped: the products take no epilogue");
+      gemm(g);
     }
+  }
+
+  void gemm(const GemmArgs& g) override {
     const Format fx = format_of(g.x, "fp8 gemm x"), fy = format_of(g.y, "fp8 gemm y");
     KILN_CHECK(fx == Format::e4m3 || fy == Format::e4m3, "fp8 gemm: E5M2 x E5M2 products are not supported");
     KILN_CHECK(g.x.ndim() == 2 && g.y.ndim() == 2 && g.x.size(1) == g.y.size(1), "fp8 gemm: x ", g.x.str(), " and y ",
@@ -338,12 +315,6 @@ class CpuOps final : public Fp8Ops {
 
  private:
   float store(float v) const { return round_ ? round_bf16(v) : v; }
-  // Slice b of a [B, rows, cols] tensor as [rows, cols].
-  static TensorView slice(const TensorView& t, std::int64_t b) {
-    const std::int64_t rows = t.size(1), cols = t.size(2);
-    return TensorView(static_cast<char*>(t.data) + static_cast<std::size_t>(b * rows * cols) * size_of(t.dtype),
-                      {rows, cols}, t.dtype, t.device);
-  }
 
   std::vector<float> gelu_of(const TensorView& pre) const {
     expect_input(pre, "fp8 gelu input");

@@ -4,10 +4,13 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <span>
+#include <vector>
 #include <cstring>
 
 #include "kiln/fp8/cuda/gemm.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/lanes.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "../ops_checks.hpp"
@@ -102,17 +105,6 @@ class HostUploads {
   int next_ = 0;
 };
 
-// A grouping's offsets (experts + 1 of them, host memory) against R rows and rows_pad: non-decreasing
-// from 0, within R, no expert over rows_pad (the CPU emulation's checks).
-void check_offsets(const std::int32_t* off, std::int64_t experts, std::int64_t R, std::int64_t rows_pad,
-                   const char* what) {
-  KILN_CHECK(off && experts > 0, what, ": ", experts, " experts", off ? "" : " and no offsets");
-  KILN_CHECK(off[0] == 0 && off[experts] <= R, what, ": offsets [0] = ", off[0], ", [E] = ", off[experts], " for ", R,
-             " rows");
-  for (std::int64_t e = 0; e < experts; ++e)
-    KILN_CHECK(off[e + 1] >= off[e] && off[e + 1] - off[e] <= rows_pad, what, ": expert ", e, "'s ",
-               off[e + 1] - off[e], " rows exceed rows_pad = ", rows_pad);
-}
 
 class CudaOps final : public Fp8Ops {
  public:
@@ -123,6 +115,7 @@ class CudaOps final : public Fp8Ops {
   }
   ~CudaOps() override {
     cudaStreamSynchronize(stream_);
+    lanes_.reset();
     gemm_.reset();
     if (lt_) cublasLtDestroy(lt_);
   }
@@ -150,47 +143,13 @@ class CudaOps final : public Fp8Ops {
     check_input(a.x, "fp8 quantize_grouped x");
     KILN_CHECK(a.x.ndim() == 2 && a.out.scale, "fp8 quantize_grouped: x must be 2-D [rows, cols] (got ", a.x.str(),
                ") and a scale is needed");
-    const std::int64_t R = a.x.size(0), C = a.x.size(1), E = a.experts, P = a.rows_pad;
-    check_offsets(a.offsets_host, E, R, P, "fp8 quantize_grouped");
-    check_copy(a.out.rowwise, a.out.format, {E, P, C}, "fp8 quantize_grouped: rowwise");
-    check_copy(a.out.colwise, a.out.format, {E, C, P}, "fp8 quantize_grouped: colwise");
-    cuda::GroupedCast k;
-    k.x = a.x.data;
-    k.x_dtype = a.x.dtype;
-    k.experts = as_int(E, "experts");
-    k.used_rows = a.offsets_host[E];
-    k.rows_pad = P;
-    k.cols = C;
-    k.rowwise = a.out.rowwise.as<std::uint8_t>();
-    k.colwise = a.out.colwise.as<std::uint8_t>();
-    k.format = a.out.format;
-    k.scale = a.out.scale;
-    k.amax = a.amax;
-    if (k.rowwise || k.colwise)
-      k.offsets = offsets_on_device(a.offsets_host, E);
-    else if (!k.amax)
-      return;
-    cuda::cast_transpose_grouped(k, stream_);
-  }
-
-  void ungroup(const TensorView& out, const TensorView& in, const std::int32_t* offsets_host) override {
-    check_input(out, "fp8 ungroup out");
-    check_input(in, "fp8 ungroup in");
-    KILN_CHECK(in.ndim() == 3 && out.ndim() == 2 && in.size(2) == out.size(1) && in.dtype == out.dtype, "fp8 ungroup: ",
-               in.str(), " -> ", out.str());
-    const std::int64_t E = in.size(0), P = in.size(1), C = in.size(2);
-    check_offsets(offsets_host, E, out.size(0), P, "fp8 ungroup");
-    if (offsets_host[E] == 0 || C == 0) return;
-    cuda::UngroupRows k;
-    k.out = out.data;
-    k.in = in.data;
-    k.elem_bytes = size_of(in.dtype);
-    k.offsets = offsets_on_device(offsets_host, E);
-    k.experts = as_int(E, "experts");
-    k.used_rows = offsets_host[E];
-    k.rows_pad = P;
-    k.cols = C;
-    cuda::ungroup_rows(k, stream_);
+    const std::int64_t R = a.x.size(0), C = a.x.size(1), E = a.experts;
+    check_offsets(a.offsets_host, E, R, "fp8 quantize_grouped");
+    const std::int64_t used = a.offsets_host[E], padded = segment_row(a.offsets_host, a.experts);
+    check_copy(a.out.rowwise, a.out.format, {used, C}, "fp8 quantize_grouped: rowwise");
+    check_copy(a.out.colwise, a.out.format, {padded * C}, "fp8 quantize_grouped: colwise");
+    if (!a.out.rowwise && !a.out.colwise && !a.amax) return;
+    grouped_cast(a.x, a.offsets_host, a.experts, 0, a.out, a.amax);
   }
 
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
@@ -202,19 +161,7 @@ class CudaOps final : public Fp8Ops {
       const std::int64_t B = x.size(0), R = x.size(1), C = x.size(2);
       check_copy(out.rowwise, out.format, {B, R, C}, "fp8 quantize: rowwise");
       check_copy(out.colwise, out.format, {B, C, R}, "fp8 quantize: colwise");
-      cuda::GroupedCast k;
-      k.x = x.data;
-      k.x_dtype = x.dtype;
-      k.experts = as_int(B, "batch");
-      k.used_rows = B * R;
-      k.rows_pad = R;
-      k.cols = C;
-      k.rowwise = out.rowwise.as<std::uint8_t>();
-      k.colwise = out.colwise.as<std::uint8_t>();
-      k.format = out.format;
-      k.scale = out.scale;
-      k.amax = amax;
-      cuda::cast_transpose_grouped(k, stream_);
+      if (B > 0 && R > 0 && C > 0) grouped_cast(x, nullptr, as_int(B, "batch"), R, out, amax);
       return;
     }
     check_outputs(x, out, "fp8 quantize");
@@ -324,6 +271,11 @@ class CudaOps final : public Fp8Ops {
 
   void gemm(const GemmArgs& g) override { gemm_->run(g, static_cast<cudaStream_t>(stream_)); }
 
+  void gemm_grouped(std::span<const GemmArgs> gs) override {
+    if (!lanes_) lanes_ = std::make_unique<kiln::cuda::LtLanes>(stream_, workspace_.data(), kWorkspaceBytes);
+    gemm_->run_grouped(gs, *lanes_);
+  }
+
   void bias_grad(const TensorView& dbias, const TensorView& dy) override {
     KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.ndim() == 2 && dy.contiguous(),
                "fp8 bias_grad dy ", dy.str());
@@ -373,10 +325,29 @@ class CudaOps final : public Fp8Ops {
     KILN_CHECK(t.device == Device::cuda && t.dtype == dtype_of(f) && t.contiguous() && t.shape == shape, what, " ",
                t.str(), ": expected a contiguous CUDA ", name_of(f), shape.str());
   }
-  // The offsets of a grouping on the device (experts + 1 entries), copied on the stream.
-  const std::int32_t* offsets_on_device(const std::int32_t* offsets_host, std::int64_t experts) {
-    return static_cast<const std::int32_t*>(
-        uploads_.upload(offsets_host, static_cast<std::size_t>(experts + 1) * sizeof(std::int32_t)));
+  // The grouped cast of x's experts (offsets on the host; or, without, `rows_each` rows each, no
+  // padding) into out's copies, its plan uploaded on the stream.
+  void grouped_cast(const TensorView& x, const std::int32_t* offsets, int experts, std::int64_t rows_each,
+                    const Fp8TensorView& out, float* amax) {
+    const std::vector<std::int32_t> plan = cuda::grouped_cast_plan(offsets, experts, rows_each, x.size(x.ndim() - 1));
+    const std::size_t E = static_cast<std::size_t>(experts);
+    cuda::GroupedCast k;
+    k.x = x.data;
+    k.x_dtype = x.dtype;
+    k.experts = experts;
+    k.used_rows = plan[E];
+    k.padded_rows = plan[2 * E + 1];
+    k.tiles = plan[3 * E + 2];
+    k.tiled = offsets != nullptr || rows_each % 16 == 0;
+    k.cols = x.size(x.ndim() - 1);
+    k.rowwise = out.rowwise.as<std::uint8_t>();
+    k.colwise = out.colwise.as<std::uint8_t>();
+    k.format = out.format;
+    k.scale = out.scale;
+    k.amax = amax;
+    if (k.rowwise || k.colwise)
+      k.plan = static_cast<const std::int32_t*>(uploads_.upload(plan.data(), plan.size() * sizeof(std::int32_t)));
+    cuda::cast_transpose_grouped(k, stream_);
   }
 
   static void check_outputs(const TensorView& x, const Fp8TensorView& out, const char* what) {
@@ -413,6 +384,7 @@ class CudaOps final : public Fp8Ops {
   cublasLtHandle_t lt_ = nullptr;
   Buffer workspace_;
   std::unique_ptr<cuda::Fp8GemmRunner> gemm_;
+  std::unique_ptr<kiln::cuda::LtLanes> lanes_;  // made by the first grouped GEMM
   Buffer scratch_;
   Buffer tickets_;
   HostUploads uploads_;

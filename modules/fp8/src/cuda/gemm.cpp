@@ -36,22 +36,11 @@ cudaDataType_t lt_type(DType t) {
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 
-// The batch count of a product (1 for a 2-D one) and its M, N, K.
+// A product's M, N, K.
 struct Dims {
-  std::int64_t B, M, N, K;
+  std::int64_t M, N, K;
 };
-Dims dims_of(const GemmArgs& g) {
-  const int o = g.x.ndim() == 3 ? 1 : 0;
-  return {o ? g.x.size(0) : 1, g.x.size(o), g.y.size(o), g.x.size(o + 1)};
-}
-
-// Layout l as `batch` matrices, `stride` elements apart (a strided batch).
-void set_batch(cublasLtMatrixLayout_t l, std::int64_t batch, std::int64_t stride) {
-  const auto count = static_cast<std::int32_t>(batch);
-  KILN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-  KILN_CUBLAS_CHECK(
-      cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
-}
+Dims dims_of(const GemmArgs& g) { return {g.x.size(0), g.y.size(0), g.x.size(1)}; }
 
 }  // namespace
 
@@ -65,12 +54,13 @@ Fp8GemmRunner::Fp8GemmRunner(cublasLtHandle_t handle, void* workspace, std::size
   KILN_CUDA_CHECK(cudaMemcpy(one_.data(), &one, sizeof(one), cudaMemcpyHostToDevice));
 }
 
-Fp8GemmRunner::~Fp8GemmRunner() = default;
+Fp8GemmRunner::~Fp8GemmRunner() {
+  for (auto& [key, op] : ragged_ops_) cublasLtMatmulDescDestroy(op);
+}
 
 Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
-  const auto [B, M, N, K] = dims_of(g);
-  const Key key{B,
-                M,
+  const auto [M, N, K] = dims_of(g);
+  const Key key{M,
                 N,
                 K,
                 static_cast<int>(g.x.dtype),
@@ -109,11 +99,6 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, lt_type(g.y.dtype), uK, uN, K));  // Y [N, K] row-major
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, lt_type(g.x.dtype), uK, uM, K));  // X [M, K] row-major
   KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, lt_type(g.d.dtype), uN, uM, N));  // D [M, N] row-major
-  if (B > 1) {  // one strided batch per layout (C = D shares D's)
-    set_batch(p->a, B, N * K);
-    set_batch(p->b, B, M * K);
-    set_batch(p->d, B, M * N);
-  }
 
   kiln::cuda::LtPreference pref;
   pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes_));
@@ -136,33 +121,22 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
   return *plans_.emplace(key, std::move(p)).first->second;
 }
 
-void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
-  GemmArgs g = desc;
-  if (g.epilogue == Epilogue::bias && !g.bias) g.epilogue = Epilogue::none;
-  if (g.epilogue != Epilogue::bias && g.epilogue != Epilogue::gelu) g.bias = {};
-  if (!uses_aux(g.epilogue)) g.aux = {};
+void Fp8GemmRunner::validate(const GemmArgs& g) {
   KILN_CHECK(g.x.device == Device::cuda && g.y.device == Device::cuda && g.d.device == Device::cuda, describe(g),
              ": operands must be CUDA tensors");
   KILN_CHECK(is_fp8(g.x.dtype) && is_fp8(g.y.dtype), describe(g), ": X and Y must be e4m3 or e5m2");
   KILN_CHECK(g.x.dtype == DType::e4m3 || g.y.dtype == DType::e4m3, describe(g), ": E5M2 x E5M2 products are not supported");
-  const bool batched = g.x.ndim() == 3;
-  KILN_CHECK((g.x.ndim() == 2 || batched) && g.y.ndim() == g.x.ndim() && g.d.ndim() == g.x.ndim(), describe(g),
-             ": X, Y and D must all be 2-D, or all 3-D (batched)");
-  const auto [B, M, N, K] = dims_of(g);
-  KILN_CHECK(g.y.size(g.y.ndim() - 1) == K && (!batched || g.y.size(0) == B), describe(g),
-             ": X and Y must share K (and the batch)");
-  KILN_CHECK(g.d.shape == (batched ? Shape{B, M, N} : Shape{M, N}) && g.d.contiguous() && g.x.contiguous() &&
-                 g.y.contiguous(),
-             describe(g), ": D must be [", batched ? cat(B, ",") : std::string(), M, ",", N,
-             "] and every operand contiguous");
-  if (batched)
-    KILN_CHECK(g.epilogue == Epilogue::none && !g.bias && !g.aux && B <= 0x7fffffff, describe(g),
-               ": a batched FP8 GEMM takes no epilogue (and at most 2^31 - 1 products)");
+  KILN_CHECK(g.x.ndim() == 2 && g.y.ndim() == 2 && g.d.ndim() == 2, describe(g), ": X, Y and D must be 2-D");
+  const auto [M, N, K] = dims_of(g);
+  KILN_CHECK(g.y.size(1) == K, describe(g), ": X and Y must share K");
+  KILN_CHECK(g.d.shape == Shape({M, N}) && g.d.contiguous() && g.x.contiguous() && g.y.contiguous(), describe(g),
+             ": D must be [", M, ",", N, "] and every operand contiguous");
+  KILN_CHECK(M <= 0x7fffffff && N <= 0x7fffffff && K <= 0x7fffffff, describe(g), ": dimensions beyond 32 bits");
   KILN_CHECK(!g.accumulate || g.f32_result, describe(g), ": accumulating needs an f32 result");
   KILN_CHECK(g.f32_result ? g.d.dtype == DType::f32 : g.d.dtype == DType::bf16, describe(g),
              ": D is bf16 (an activation) or f32 (f32_result: a gradient, written or accumulated)");
   KILN_CHECK(!g.f32_result || g.epilogue == Epilogue::none, describe(g), ": epilogues write activations, not f32 results");
-  KILN_CHECK(M % 16 == 0 && N % 16 == 0 && K % 16 == 0, describe(g), ": FP8 GEMMs need M, N and K to be multiples of 16");
+  KILN_CHECK(N % 16 == 0 && K % 16 == 0, describe(g), ": FP8 GEMMs need N and K to be multiples of 16");
   KILN_CHECK(aligned16(g.x.data) && aligned16(g.y.data) && aligned16(g.d.data), describe(g),
              ": FP8 GEMM operands must be 16-byte aligned");
   KILN_CHECK(g.x_scale_inv && g.y_scale_inv, describe(g), ": missing operand scales");
@@ -175,7 +149,16 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
   if (uses_aux(g.epilogue))
     KILN_CHECK(g.aux.dtype == DType::bf16 && g.aux.numel() == M * N && aligned16(g.aux.data), describe(g), ": aux ",
                g.aux.str());
-  if (B == 0 || M == 0 || N == 0) return;
+}
+
+void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
+  GemmArgs g = desc;
+  if (g.epilogue == Epilogue::bias && !g.bias) g.epilogue = Epilogue::none;
+  if (g.epilogue != Epilogue::bias && g.epilogue != Epilogue::gelu) g.bias = {};
+  if (!uses_aux(g.epilogue)) g.aux = {};
+  validate(g);
+  const auto [M, N, K] = dims_of(g);
+  if (M == 0 || N == 0) return;
 
   Plan& p = plan(g);
   if (!p.fused) {
@@ -219,6 +202,63 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
     KILN_THROW("cublasLtMatmul failed for ", describe(g), ": ", cublasLtGetStatusName(st));
   }
   p.verified = true;
+}
+
+void Fp8GemmRunner::run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLanes& lanes) {
+  int jobs = 0;
+  for (const GemmArgs& g : gs) {
+    validate(g);
+    KILN_CHECK(g.epilogue == Epilogue::none && !g.bias, describe(g), ": a grouped FP8 GEMM takes no epilogue");
+    jobs += g.x.size(0) > 0 && g.y.size(0) > 0 ? 1 : 0;
+  }
+  const int n = kiln::cuda::LtLanes::lanes_for(jobs);
+  lanes.fork(n);
+  int lane = 0;
+  for (const GemmArgs& g : gs) {
+    if (g.x.size(0) == 0 || g.y.size(0) == 0) continue;
+    run_ragged(g, lanes.stream(lane), lanes.workspace(lane));
+    lane = (lane + 1) % n;
+  }
+  lanes.join(n);
+}
+
+void Fp8GemmRunner::run_ragged(const GemmArgs& g, cudaStream_t stream, void* workspace) {
+  const auto [M, N, K] = dims_of(g);
+  const auto key = std::make_tuple(static_cast<int>(g.x.dtype), static_cast<int>(g.y.dtype), static_cast<int>(g.d.dtype),
+                                   g.fast_accum);
+  auto it = ragged_ops_.find(key);
+  if (it == ragged_ops_.end()) {
+    cublasLtMatmulDesc_t op = nullptr;
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    set_attr(op, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<std::int32_t>(CUBLAS_OP_T));
+    set_attr(op, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<std::int32_t>(CUBLAS_OP_N));
+    set_attr(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<std::int8_t>(g.fast_accum ? 1 : 0));
+    it = ragged_ops_.emplace(key, op).first;
+  }
+  cublasLtMatmulDesc_t op = it->second;
+  set_attr(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(g.y_scale_inv));
+  set_attr(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(g.x_scale_inv));
+  struct Layouts {
+    kiln::cuda::LtLayout a, b, c;
+  };
+  // cuBLASLt's (m, n, k) = kiln's (N, M, K): A = Y [K, N] ld K, B = X [K, M] ld K, D [N, M] ld N.
+  auto layouts = [&](int m, int n, int k) {
+    return Layouts{kiln::cuda::LtLayout(lt_type(g.y.dtype), k, m, k), kiln::cuda::LtLayout(lt_type(g.x.dtype), k, n, k),
+                   kiln::cuda::LtLayout(lt_type(g.d.dtype), m, n, m)};
+  };
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  const Layouts exact = layouts(m, n, k);
+  const std::int64_t kind = (static_cast<std::int64_t>(g.x.dtype) << 24) | (static_cast<std::int64_t>(g.y.dtype) << 16) |
+                            (static_cast<std::int64_t>(g.d.dtype) << 8) | (g.fast_accum ? 2 : 0) | (g.accumulate ? 1 : 0);
+  const char* why = "";
+  const cublasLtMatmulAlgo_t* algo =
+      ragged_algos_.find(handle_, op, kind, m, n, k, layouts, exact, workspace_bytes_, &why);
+  KILN_CHECK(algo, "cuBLASLt has no algorithm for ", describe(g), " (workspace ", workspace_bytes_, " bytes): ", why);
+  const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
+  const cublasStatus_t st = cublasLtMatmul(handle_, op, &alpha, g.y.data, exact.a.l, g.x.data, exact.b.l, &beta,
+                                           g.d.data, exact.c.l, g.d.data, exact.c.l, algo, workspace, workspace_bytes_,
+                                           stream);
+  KILN_CHECK(st == CUBLAS_STATUS_SUCCESS, "cublasLtMatmul failed for ", describe(g), ": ", cublasLtGetStatusName(st));
 }
 
 }  // namespace kiln::fp8::cuda

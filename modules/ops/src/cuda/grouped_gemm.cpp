@@ -29,6 +29,7 @@ GroupedGemm::GroupedGemm(cudaStream_t stream, cublasLtHandle_t lt, void* workspa
       lt_(lt),
       workspace_(workspace),
       workspace_bytes_(workspace_bytes),
+      lanes_(stream, workspace, workspace_bytes),
       grouped_unsupported_(!grouped_call) {
   KILN_CUBLAS_CHECK(cublasCreate(&handle_));
   try {
@@ -51,62 +52,13 @@ GroupedGemm::~GroupedGemm() {
   if (handle_) cublasDestroy(handle_);
 }
 
-namespace {
-// Layouts made for one call and destroyed after it (cheap host objects).
-struct Layout {
-  cublasLtMatrixLayout_t l = nullptr;
-  Layout(cudaDataType_t t, int rows, int cols, int ld) {
-    KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, t, static_cast<std::uint64_t>(rows),
-                                                 static_cast<std::uint64_t>(cols), ld));
-  }
-  ~Layout() { cublasLtMatrixLayoutDestroy(l); }
-  Layout(const Layout&) = delete;
-  Layout& operator=(const Layout&) = delete;
-};
-int round128(int v) { return (v + 127) / 128 * 128; }
-}  // namespace
-
-const cublasLtMatmulAlgo_t& GroupedGemm::lt_algo(const LtCall& c, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a,
-                                                 cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t cl) {
-  // The data GEMMs vary in n (rows), the weight gradients in k (rows): round the one that varies.
-  const bool rows_in_k = c.c_f32;
-  const int n = rows_in_k ? c.n : round128(c.n), k = rows_in_k ? round128(c.k) : c.k;
-  const auto key = std::make_tuple(static_cast<int>(c.ta), static_cast<int>(c.tb), c.m, n, k, c.c_f32, c.beta != 0);
-  auto heuristic = [&](cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc) {
-    cublasLtMatmulPreference_t pref = nullptr;
-    KILN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const auto bytes = static_cast<std::uint64_t>(workspace_bytes_);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, op, la, lb, lc, lc, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    KILN_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
-               "cuBLASLt has no algorithm for an expert GEMM [", c.m, ", ", c.n, ", ", c.k, "] (",
-               cublasLtGetStatusName(st), ")");
-    return result.algo;
-  };
-  auto it = lt_algos_.find(key);
-  if (it == lt_algos_.end()) {
-    // The heuristic's choice for the rounded shape (leading dimensions as the exact call's).
-    const Layout ra(CUDA_R_16BF, c.ta == CUBLAS_OP_N ? c.m : k, c.ta == CUBLAS_OP_N ? k : c.m, c.lda);
-    const Layout rb(CUDA_R_16BF, c.tb == CUBLAS_OP_N ? k : n, c.tb == CUBLAS_OP_N ? n : k, c.ldb);
-    const Layout rc(c.c_f32 ? CUDA_R_32F : CUDA_R_16BF, c.m, n, c.ldc);
-    it = lt_algos_.emplace(key, heuristic(ra.l, rb.l, rc.l)).first;
-  }
-  cublasLtMatmulHeuristicResult_t check{};
-  if (cublasLtMatmulAlgoCheck(lt_, op, a, b, cl, cl, &it->second, &check) == CUBLAS_STATUS_SUCCESS &&
-      check.workspaceSize <= workspace_bytes_)
-    return it->second;
-  // The rounded shape's algorithm does not take this one: the exact shape's, cached under it.
-  const auto exact = std::make_tuple(static_cast<int>(c.ta), static_cast<int>(c.tb), c.m, c.n, c.k, c.c_f32,
-                                     c.beta != 0);
-  auto e = lt_algos_.find(exact);
-  if (e == lt_algos_.end()) e = lt_algos_.emplace(exact, heuristic(a, b, cl)).first;
-  return e->second;
+int GroupedGemm::busy(const std::int32_t* off, int E) {
+  int n = 0;
+  for (int e = 0; e < E; ++e) n += off[e + 1] > off[e] ? 1 : 0;
+  return n;
 }
 
-void GroupedGemm::lt_gemm(const LtCall& c) {
+void GroupedGemm::lt_gemm(const LtCall& c, int lane) {
   const auto key = std::make_tuple(static_cast<int>(c.ta), static_cast<int>(c.tb), c.c_f32);
   auto it = lt_ops_.find(key);
   if (it == lt_ops_.end()) {
@@ -116,13 +68,30 @@ void GroupedGemm::lt_gemm(const LtCall& c) {
     cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &c.tb, sizeof(c.tb));
     it = lt_ops_.emplace(key, op).first;
   }
-  const Layout a(CUDA_R_16BF, c.ta == CUBLAS_OP_N ? c.m : c.k, c.ta == CUBLAS_OP_N ? c.k : c.m, c.lda);
-  const Layout b(CUDA_R_16BF, c.tb == CUBLAS_OP_N ? c.k : c.n, c.tb == CUBLAS_OP_N ? c.n : c.k, c.ldb);
-  const Layout cl(c.c_f32 ? CUDA_R_32F : CUDA_R_16BF, c.m, c.n, c.ldc);
-  const cublasLtMatmulAlgo_t& algo = lt_algo(c, it->second, a.l, b.l, cl.l);
+  // The layouts of a shape; the rounded shapes' with the exact call's leading dimensions where they
+  // are fixed, tight ones where they follow the rounded dimension.
+  struct Layouts {
+    LtLayout a, b, c;
+  };
+  auto layouts = [&](int m, int n, int k, int lda, int ldb, int ldc) {
+    return Layouts{LtLayout(CUDA_R_16BF, c.ta == CUBLAS_OP_N ? m : k, c.ta == CUBLAS_OP_N ? k : m, lda),
+                   LtLayout(CUDA_R_16BF, c.tb == CUBLAS_OP_N ? k : n, c.tb == CUBLAS_OP_N ? n : k, ldb),
+                   LtLayout(c.c_f32 ? CUDA_R_32F : CUDA_R_16BF, m, n, ldc)};
+  };
+  const Layouts exact = layouts(c.m, c.n, c.k, c.lda, c.ldb, c.ldc);
+  auto rounded = [&](int m, int n, int k) {
+    return layouts(m, n, k, c.ta == CUBLAS_OP_N ? m : k, c.tb == CUBLAS_OP_N ? k : n, m);
+  };
+  const std::int64_t kind = (static_cast<std::int64_t>(c.ta) << 8) | (static_cast<std::int64_t>(c.tb) << 4) |
+                            (c.c_f32 ? 2 : 0) | (c.beta != 0 ? 1 : 0);
+  const char* why = "";
+  const cublasLtMatmulAlgo_t* algo =
+      lt_algos_.find(lt_, it->second, kind, c.m, c.n, c.k, rounded, exact, workspace_bytes_, &why);
+  KILN_CHECK(algo, "cuBLASLt has no algorithm for an expert GEMM [", c.m, ", ", c.n, ", ", c.k, "] (", why, ")");
   const float alpha = 1.0f;
-  KILN_CUBLAS_CHECK(cublasLtMatmul(lt_, it->second, &alpha, c.a, a.l, c.b, b.l, &c.beta, c.c, cl.l, c.c, cl.l, &algo,
-                                   workspace_, workspace_bytes_, stream_));
+  KILN_CUBLAS_CHECK(cublasLtMatmul(lt_, it->second, &alpha, c.a, exact.a.l, c.b, exact.b.l, &c.beta, c.c, exact.c.l,
+                                   c.c, exact.c.l, algo, lanes_.workspace(lane), workspace_bytes_,
+                                   lanes_.stream(lane)));
 }
 
 bool GroupedGemm::one_call(const bf16* D, const bf16* X, const bf16* W, int E, int K, int N) const {
@@ -132,7 +101,9 @@ bool GroupedGemm::one_call(const bf16* D, const bf16* X, const bf16* W, int E, i
 
 void GroupedGemm::per_expert(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int E, int K, int N,
                              bool w_nk) {
-  for (int e = 0; e < E; ++e) {
+  const int lanes = LtLanes::lanes_for(busy(off, E));
+  lanes_.fork(lanes);
+  for (int e = 0, lane = 0; e < E; ++e) {
     const int rows = off[e + 1] - off[e];
     if (rows == 0) continue;
     lt_gemm({.ta = w_nk ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -145,8 +116,11 @@ void GroupedGemm::per_expert(bf16* D, const bf16* X, const bf16* W, const std::i
              .b = X + static_cast<std::int64_t>(off[e]) * K,
              .ldb = K,
              .c = D + static_cast<std::int64_t>(off[e]) * N,
-             .ldc = N});
+             .ldc = N},
+            lane);
+    lane = (lane + 1) % lanes;
   }
+  lanes_.join(lanes);
 }
 
 void GroupedGemm::rows_times_weight(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int E, int K,
@@ -207,13 +181,15 @@ void GroupedGemm::rows_times_weight(bf16* D, const bf16* X, const bf16* W, const
 void GroupedGemm::weight_grad(float* dW, const bf16* A, const bf16* B, const std::int32_t* off, int E, int P, int Q,
                               bool overwrite) {
   const std::int64_t per = static_cast<std::int64_t>(P) * Q;
-  for (int e = 0; e < E; ++e) {
+  for (int e = 0; e < E; ++e)  // on the backend's stream, before the fork
+    if (overwrite && off[e + 1] == off[e])
+      KILN_CUDA_CHECK(cudaMemsetAsync(dW + e * per, 0, static_cast<std::size_t>(per) * sizeof(float), stream_));
+  const int lanes = LtLanes::lanes_for(busy(off, E));
+  lanes_.fork(lanes);
+  for (int e = 0, lane = 0; e < E; ++e) {
     const int rows = off[e + 1] - off[e];
+    if (rows == 0) continue;
     float* dWe = dW + e * per;
-    if (rows == 0) {
-      if (overwrite) KILN_CUDA_CHECK(cudaMemsetAsync(dWe, 0, static_cast<std::size_t>(per) * sizeof(float), stream_));
-      continue;
-    }
     lt_gemm({.ta = CUBLAS_OP_N,
              .tb = CUBLAS_OP_T,
              .m = Q,
@@ -226,8 +202,11 @@ void GroupedGemm::weight_grad(float* dW, const bf16* A, const bf16* B, const std
              .c = dWe,
              .ldc = Q,
              .c_f32 = true,
-             .beta = overwrite ? 0.0f : 1.0f});
+             .beta = overwrite ? 0.0f : 1.0f},
+            lane);
+    lane = (lane + 1) % lanes;
   }
+  lanes_.join(lanes);
 }
 
 }  // namespace kiln::cuda

@@ -5,16 +5,20 @@
 //     shape; checked against the exact shape with cublasLtMatmulAlgoCheck, which falls back to the
 //     exact shape's heuristic): the rows change every step, and a heuristic per call costs the host
 //     ~100 us (with cublasGemmEx, measured: the forward after the grouping's synchronisation waited on
-//     it). Measured at moe-1b's shapes on an H200: ~700 TFLOP/s;
+//     it) (kiln::cuda::LtRaggedAlgos). The experts' matmuls are spread over the streams of an LtLanes
+//     (the backend's and three more, each with its own cuBLASLt workspace) so that one expert's last
+//     partial wave of tiles may overlap the next one's; each writes its own rows or weight gradient
+//     with the same algorithm wherever it runs: deterministic. Measured at moe-1b's shapes on an
+//     H200: ~700 TFLOP/s;
 //   - grouped (`grouped_call`): the data GEMMs as ONE cublasGemmGroupedBatchedEx call over the experts
 //     that have rows, one group of one problem each (its own m, n, k), bf16 A/B/C with f32 compute; its
 //     A/B/C pointer arrays live on the device, written by grouped_gemm_pointers (kiln/ops/cuda/moe.hpp);
 //     the other arrays are host arrays, reused from call to call. ~310 TFLOP/s there;
 //   - weight gradients (f32 out): per expert either way (cuBLAS's grouped GEMM takes bf16 A/B only
 //     with a bf16 C).
-// The handle runs on the backend's stream with the backend's cuBLASLt workspace (the two never run
-// at once: one stream), f32 reductions only (no reduced-precision split-K). Deterministic: a shape
-// always runs the same kernels (cuBLAS's reproducibility on one stream).
+// The grouped call's handle runs on the backend's stream with the backend's cuBLASLt workspace (the
+// two never run at once: one stream), f32 reductions only (no reduced-precision split-K).
+// Deterministic: a shape always runs the same kernels (cuBLAS's reproducibility on one stream).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -24,6 +28,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kiln/ops/cuda/cublaslt.hpp"
+#include "kiln/ops/cuda/lanes.hpp"
 #include "kiln/ops/cuda/moe.hpp"
 #include "kiln/tensor/buffer.hpp"
 
@@ -55,6 +61,8 @@ class GroupedGemm {
 
  private:
   void per_expert(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int E, int K, int N, bool w_nk);
+  // The experts of `off` that have rows.
+  static int busy(const std::int32_t* off, int E);
   // One column-major cuBLASLt matmul C[m, n] = op(A) op(B) (+ beta C): bf16 A and B, C bf16 or f32.
   struct LtCall {
     cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -68,20 +76,17 @@ class GroupedGemm {
     bool c_f32 = false;
     float beta = 0;
   };
-  void lt_gemm(const LtCall& c);
-  // The algorithm for a call of this shape, rounding `n` (the data GEMMs' rows) or `k` (the weight
-  // gradients' rows) up to a multiple of 128 for the cache.
-  const cublasLtMatmulAlgo_t& lt_algo(const LtCall& c, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a,
-                                      cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t cl);
+  void lt_gemm(const LtCall& c, int lane);
 
   cudaStream_t stream_;
   cublasLtHandle_t lt_;
   void* workspace_;
   std::size_t workspace_bytes_;
+  LtLanes lanes_;
   cublasHandle_t handle_ = nullptr;
   // cuBLASLt: a matmul descriptor per (op A, op B, C f32), algorithms per rounded shape.
   std::map<std::tuple<int, int, bool>, cublasLtMatmulDesc_t> lt_ops_;
-  std::map<std::tuple<int, int, int, int, int, bool, bool>, cublasLtMatmulAlgo_t> lt_algos_;
+  LtRaggedAlgos lt_algos_;
   bool grouped_unsupported_ = false;  // not asked for, or it answered NOT_SUPPORTED once: per expert from then on
   Buffer pointers_;                   // 3 kGroupedMaxGroups device pointers: A, B, C arrays
   GroupedPointerTable table_{};

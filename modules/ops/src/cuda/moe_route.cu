@@ -111,37 +111,41 @@ __global__ __launch_bounds__(kSeqThreads) void shares_kernel(float* f, const std
     f[static_cast<std::int64_t>(blockIdx.x) * E + e] = static_cast<float>(count[e]) / total;
 }
 
-// A block's doubles summed by thread 0 in thread order (fixed), returned to thread 0.
-__device__ double block_sum_ordered(double v, double* red) {
-  red[threadIdx.x] = v;
-  __syncthreads();
-  double total = 0;
-  if (threadIdx.x == 0)
-    for (int i = 0; i < static_cast<int>(blockDim.x); ++i) total += red[i];
-  __syncthreads();
-  return total;
-}
-
-// Sequence s's parts of the two losses, in doubles as the CPU: sum_e f[s, e] P[s, e] / T (P summed
-// over the tokens in token order) and sum_t lse[t]^2. partial[2 s], partial[2 s + 1].
+// Sequence s's parts of the two losses, in doubles as the CPU: sum_e f[s, e] P[s, e] / T and
+// sum_t lse[t]^2. partial[2 s], partial[2 s + 1]. The threads stride over the sequence's tokens
+// (each expert's P a fixed-order sum: per thread, then the warp's butterfly, then the warps in
+// order), so the sums take T / blockDim steps, not T.
 __global__ __launch_bounds__(kSeqThreads) void loss_partials_kernel(double* partial, const float* f,
                                                                      const float* scores, const float* psum,
                                                                      const float* lse, int T, int E) {
-  __shared__ double red[kSeqThreads];
+  __shared__ double red[kSeqThreads / kWarp];
   const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * T;
-  double aux = 0;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+  // Every warp's sum of v, added by thread 0 in warp order.
+  auto block_sum = [&](double v) {
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    double total = 0;
+    if (threadIdx.x == 0)
+      for (int w = 0; w < warps; ++w) total += red[w];
+    __syncthreads();
+    return total;
+  };
+  double aux = 0;  // thread 0's
+  for (int e = 0; e < E; ++e) {
     double P = 0;
-    for (int t = 0; t < T; ++t) {
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
       const float sc = scores[(t0 + t) * E + e];
       P += psum ? sc / psum[t0 + t] : sc;
     }
-    aux += static_cast<double>(f[static_cast<std::int64_t>(blockIdx.x) * E + e]) * (P / static_cast<double>(T));
+    P = block_sum(P);
+    if (threadIdx.x == 0)
+      aux += static_cast<double>(f[static_cast<std::int64_t>(blockIdx.x) * E + e]) * (P / static_cast<double>(T));
   }
   double z = 0;
   for (int t = threadIdx.x; t < T; t += blockDim.x) z += static_cast<double>(lse[t0 + t]) * lse[t0 + t];
-  aux = block_sum_ordered(aux, red);
-  z = block_sum_ordered(z, red);
+  z = block_sum(z);
   if (threadIdx.x == 0) {
     partial[2 * blockIdx.x] = aux;
     partial[2 * blockIdx.x + 1] = z;

@@ -3,15 +3,18 @@
 // FP8, with the contract of ops::GroupedLinearForward / GroupedLinearBackward. Device-agnostic: it only
 // calls Fp8Ops.
 //
-// Each GEMM runs over every expert at once as one batched FP8 GEMM: the experts' rows are quantised
-// into operands padded to the largest expert's row count (rounded up to 16, as Hopper's FP8 GEMMs
-// need), each expert's rows first and zeros after (Fp8Ops::quantize_grouped), and the padded results
-// are copied back into the grouped rows (Fp8Ops::ungroup). The padding costs the GEMM time of the
-// imbalance between the experts, never a second launch per expert.
+// Each GEMM is one FP8 product per expert with rows (Fp8Ops::gemm_grouped: on CUDA one cuBLASLt
+// matmul each, spread over streams), reading and writing the grouped rows where they are: the
+// forward and data-gradient operands are the experts' rows of one rowwise quantisation, their
+// results land in the grouped rows; the weight gradient's operands are each expert's transposed
+// rows, padded with zero codes to a multiple of 16 (Fp8Ops::quantize_grouped). Nothing is padded to
+// the largest expert and nothing copied back. (The earlier design, one batched GEMM over rows padded
+// to the largest expert plus a copy back, cost moe-1b 50.8 ms of FP8 expert work per step on an
+// H200 against 44.4 ms for the bf16 experts: docs/PERF.md.)
 //
-//   forward  out[e]  = x[e] @ W[e]^T          X = x rowwise (padded),  Y = W as [OC, IC] per expert
-//   dgrad    dx[e]   = dout[e] @ W[e]         X = dout rowwise,        Y = W as [IC, OC] per expert
-//   wgrad    dW[e]  += dout[e]^T @ x[e]       X = dout colwise,        Y = x colwise (both padded)
+//   forward  out[e]  = x[e] @ W[e]^T          X = x rowwise,   Y = W as [OC, IC] per expert
+//   dgrad    dx[e]   = dout[e] @ W[e]         X = dout rowwise, Y = W as [IC, OC] per expert
+//   wgrad    dW[e]  += dout[e]^T @ x[e]       X = dout colwise, Y = x colwise (both padded to 16)
 // (an FC2 stored [in, out] per expert swaps wgrad's operands and uses the stored layout for dgrad).
 //
 // Scales: per tensor, the three slots of a linear (TensorRole) in an Fp8MetaStore: one for the
@@ -22,6 +25,7 @@
 // no amax, as Fp8Linear's.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kiln/fp8/linear.hpp"
 #include "kiln/fp8/meta.hpp"
@@ -44,14 +48,21 @@ class Fp8GroupedLinear {
 
   ScalingSlot slot(TensorRole r) const { return meta_.slot(first_slot_ + static_cast<int>(r)); }
   const std::string& name() const { return name_; }
-  // The padded rows of a grouping: the largest expert's rows rounded up to 16 (0 without rows).
-  static std::int64_t padded_rows(const std::int32_t* offsets_host, int experts);
 
  private:
   // Makes the weight's two FP8 copies: forward [E, OC, IC] and dgrad [E, IC, OC].
   void ensure_weight(const TensorView& w, bool in_out, std::int64_t version);
   bool weight_cached(const TensorView& w) const { return cache_.valid && cache_.source == w.data; }
   TensorView codes(void* at, Shape shape, const ScalingSlot& s) const;
+  // FP8 codes with their scaling slot.
+  struct Operand {
+    void* codes;
+    ScalingSlot slot;
+  };
+  // One product per expert with rows: d's rows [off[e], off[e + 1]) = x's same rows ([*, K] codes)
+  // @ W[e]^T (w: [E, N, K] codes, N = d's columns).
+  std::vector<GemmArgs> rows_products(const char* what, const Operand& x, const Operand& w, const TensorView& d,
+                                      const std::int32_t* off, std::int64_t E, std::int64_t K, bool fast_accum) const;
   Fp8TensorView fp8(const ScalingSlot& s, void* rowwise, Shape row_shape, void* colwise, Shape col_shape) const;
 
   Fp8Ops& ops_;

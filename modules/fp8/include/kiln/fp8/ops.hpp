@@ -9,6 +9,7 @@
 // floats in the device's memory; operations are asynchronous on the CUDA stream and deterministic.
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "kiln/fp8/recipe.hpp"
 #include "kiln/fp8/tensor.hpp"
@@ -19,15 +20,14 @@
 namespace kiln::fp8 {
 
 // D[M, N] = deq(X)[M, K] @ deq(Y)[N, K]^T with deq(q) = decode(q) * scale_inv. Both operands have K
-// contiguous, as Hopper's FP8 tensor cores require. Epilogues: ops::Epilogue (D act, written).
-// Batched: x [B, M, K], y [B, N, K] and d [B, M, N] (3-D, no epilogue) give B such products at once,
-// one scale per operand for all of them (a mixture of experts' experts, GroupedQuantizeArgs).
+// contiguous, as Hopper's FP8 tensor cores require (and N and K multiples of 16 on CUDA). Epilogues:
+// ops::Epilogue (D act, written).
 struct GemmArgs {
-  TensorView x;                         // [M, K] (or [B, M, K]) e4m3/e5m2
+  TensorView x;                         // [M, K] e4m3/e5m2
   const float* x_scale_inv = nullptr;
-  TensorView y;                         // [N, K] (or [B, N, K]) e4m3/e5m2 (not both e5m2)
+  TensorView y;                         // [N, K] e4m3/e5m2 (not both e5m2)
   const float* y_scale_inv = nullptr;
-  TensorView d;                         // [M, N] (or [B, M, N]) act (written), or f32 with f32_result (written, or D += result)
+  TensorView d;                         // [M, N] act (written), or f32 with f32_result (written, or D += result)
   bool accumulate = false;              // D += result (needs f32_result)
   bool f32_result = false;              // D f32, never rounded to act (a weight gradient)
   ops::Epilogue epilogue = ops::Epilogue::none;
@@ -82,17 +82,30 @@ struct AdamWQuantizeArgs {
 };
 
 // A grouped tensor's rows (a mixture of experts: expert e's are rows [offsets[e], offsets[e + 1]) of
-// x) quantised into batched GEMM operands, each expert's rows zero-padded to rows_pad: rowwise
-// [experts, rows_pad, cols] and/or colwise [experts, cols, rows_pad] (each expert's transpose), with
-// *out.scale; max |x| over the experts' rows max-accumulated into *amax unless null.
+// x) quantised with *out.scale as the operands of one FP8 GEMM per expert:
+//   out.rowwise [offsets[experts], cols]: the rows as they are (as quantize() of them writes);
+//   out.colwise [segment_row(offsets, experts) * cols] (1-D): expert e's transpose as one contiguous
+//     [cols, segment_rows(offsets, e)] block starting at element cols * segment_row(offsets, e), its
+//     columns past the expert's rows holding the code of 0 (segment_rows rounds the rows up to a
+//     multiple of 16: the weight gradient's K, which Hopper's FP8 GEMMs want a multiple of 16);
+// max |x| over the experts' rows max-accumulated into *amax unless null.
 struct GroupedQuantizeArgs {
   TensorView x;                                // [R, cols] act
   const std::int32_t* offsets_host = nullptr;  // [experts + 1], host memory
   int experts = 0;
-  std::int64_t rows_pad = 0;                   // at least the largest expert's rows
   Fp8TensorView out;
   float* amax = nullptr;
 };
+// Expert e's rows rounded up to a multiple of 16, and the first of its padded rows (e = experts:
+// the padded total), as GroupedQuantizeArgs lays out its colwise copy.
+constexpr std::int64_t segment_rows(const std::int32_t* offsets, int e) {
+  return (static_cast<std::int64_t>(offsets[e + 1]) - offsets[e] + 15) / 16 * 16;
+}
+constexpr std::int64_t segment_row(const std::int32_t* offsets, int e) {
+  std::int64_t r = 0;
+  for (int j = 0; j < e; ++j) r += segment_rows(offsets, j);
+  return r;
+}
 
 class Fp8Ops {
  public:
@@ -115,10 +128,6 @@ class Fp8Ops {
   // transposed on its own: a mixture of experts' stacked weights).
   virtual void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) = 0;
   virtual void quantize_grouped(const GroupedQuantizeArgs& a) = 0;
-  // out [R, cols] act: expert e's rows [offsets[e], offsets[e + 1]) from the first rows of in[e]
-  // (in [experts, rows_pad, cols] act, a batched GEMM's padded result); rows from offsets[experts]
-  // on left alone.
-  virtual void ungroup(const TensorView& out, const TensorView& in, const std::int32_t* offsets_host) = 0;
   // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
   virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_gelu(const TensorView& pre, float* amax) = 0;
@@ -141,6 +150,12 @@ class Fp8Ops {
   // as they are (the colwise copy of a weight whose rowwise copy was gathered).
   virtual void transpose(const TensorView& out, const TensorView& in) = 0;
   virtual void gemm(const GemmArgs& g) = 0;
+  // Independent products, each as gemm() takes it but 2-D without epilogue, no two writing the same
+  // D and none reading another's: a mixture of experts' experts, whose rows (M, or K for a weight
+  // gradient) change from call to call. CUDA runs them concurrently over several streams (see
+  // kiln/fp8/cuda/gemm.hpp), each with the algorithm cached for its rounded shape: the same product
+  // as gemm(), deterministic, though not necessarily gemm()'s kernel.
+  virtual void gemm_grouped(std::span<const GemmArgs> gs) = 0;
   // dbias[n] += sum over m of dy[m, n] (dy act, dbias f32).
   virtual void bias_grad(const TensorView& dbias, const TensorView& dy) = 0;
   virtual void update_delayed(const DelayedUpdateArgs& a) = 0;

@@ -9,21 +9,27 @@
 // D^T (bf16). Epilogues cuBLASLt has no FP8 algorithm for run as a plain GEMM plus an
 // elementwise kernel. Fast accumulation only where GemmArgs asks (the forward pass).
 //
-// Batched (X [B, M, K], Y [B, N, K], D [B, M, N]): one cublasLtMatmul over B products, each layout
-// with CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = B and CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = its
-// slice's elements (tensor-wide scales: one scale pointer per operand serves every slice), no
-// epilogue; D bf16, or f32 written or accumulated (C = D, beta 1) as in the 2-D product.
+// Plans (descriptors, layouts, the heuristic's first algorithm) are cached per shape, types and
+// epilogue, so a shape always runs the same kernel (deterministic results).
 //
-// Plans (descriptors, layouts, the heuristic's first algorithm) are cached per shape (batch count
-// included), types and epilogue, so a shape always runs the same kernel (deterministic results).
+// Grouped (run_grouped): independent 2-D products without epilogue whose rows M or depth K change
+// from call to call (a mixture of experts' experts), one cublasLtMatmul each, spread over the
+// streams of a kiln::cuda::LtLanes; layouts made per call, algorithms from a
+// kiln::cuda::LtRaggedAlgos (per shape rounded up to multiples of 128, checked against the exact one).
+//
+// M (the rows of X and D) may be any count; N and K must be multiples of 16 (Hopper's FP8 kernels
+// want 16-byte aligned columns of both operands).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <map>
 #include <memory>
+#include <span>
 #include <tuple>
 
 #include "kiln/fp8/ops.hpp"
+#include "kiln/ops/cuda/cublaslt.hpp"
+#include "kiln/ops/cuda/lanes.hpp"
 
 namespace kiln::fp8::cuda {
 
@@ -34,17 +40,24 @@ class Fp8GemmRunner {
   Fp8GemmRunner(const Fp8GemmRunner&) = delete;
   Fp8GemmRunner& operator=(const Fp8GemmRunner&) = delete;
   void run(const GemmArgs& g, cudaStream_t stream);
+  void run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLanes& lanes);
 
  private:
+  // Throws naming the product unless cuBLASLt can run it (shapes, types, alignment, epilogue).
+  static void validate(const GemmArgs& g);
+  void run_ragged(const GemmArgs& g, cudaStream_t stream, void* workspace);
   struct Plan;
-  // batch, M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, int, int, bool, int, bool>;
+  // M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, int, int, int, bool, int, bool>;
   Plan& plan(const GemmArgs& g);
   cublasLtHandle_t handle_;
   void* workspace_;
   std::size_t workspace_bytes_;
   Buffer one_;  // a device 1.0f: the scale pointers the heuristic is shown
   std::map<Key, std::unique_ptr<Plan>> plans_;
+  // Grouped products: a descriptor per (x type, y type, d type, fast accumulation) and the algorithms.
+  std::map<std::tuple<int, int, int, bool>, cublasLtMatmulDesc_t> ragged_ops_;
+  kiln::cuda::LtRaggedAlgos ragged_algos_;
 };
 
 }  // namespace kiln::fp8::cuda

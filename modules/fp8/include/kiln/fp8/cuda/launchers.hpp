@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kiln/fp8/format.hpp"
 #include "kiln/fp8/ops.hpp"
@@ -69,22 +70,30 @@ struct CastTransposeGrad {
 bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s);
 std::int64_t grad_partials(std::int64_t rows, std::int64_t cols);
 
-// The grouped cast + transpose (GroupedQuantizeArgs) on device pointers: expert e's rows of x
-// [*, cols] (rows [offsets[e], offsets[e + 1]), offsets a device array of experts + 1 entries; or,
-// with offsets null, rows [e rows_pad, (e + 1) rows_pad): a stacked [experts, rows_pad, cols] tensor,
-// the batched quantize) into rowwise [experts, rows_pad, cols] and/or colwise [experts, cols,
-// rows_pad] (either may be null), encode(x * *scale), the rows past an expert's own zero, i.e.
-// encode(0 * *scale); max |x| over the experts' rows max-accumulated into *amax unless null. Every
-// expert's rows must fit rows_pad. With neither copy, the amax of x's first used_rows rows alone.
-// 16-byte accesses over 64 x 64 tiles when rows_pad and cols are multiples of 16 and the pointers
-// 16-byte aligned; one element per thread otherwise.
+// The grouped cast + transpose (GroupedQuantizeArgs) on device pointers. A grouping's plan (host
+// ints, uploaded by the caller): three arrays of experts + 1 entries, begin (expert e's first row of
+// x; entry `experts`: the rows used), seg (its first padded row: its colwise block, a contiguous
+// [cols, seg[e + 1] - seg[e]] one, starts at element cols * seg[e]; entry `experts`: the padded
+// total) and tile (its first 64 x 64 tile of the padded rows; entry `experts`: the tiles).
+//   grouped_cast_plan(offsets, experts, 0, cols): a mixture of experts' grouping (offsets: host,
+//     experts + 1 entries), each expert's rows padded to a multiple of 16;
+//   grouped_cast_plan(nullptr, experts, rows, cols): a stacked [experts, rows, cols] tensor, no
+//     padding (the batched quantize of the experts' weights: colwise = [experts, cols, rows]).
+std::vector<std::int32_t> grouped_cast_plan(const std::int32_t* offsets, int experts, std::int64_t rows_each,
+                                            std::int64_t cols);
+// rowwise [begin[experts], cols] gets encode(x * *scale) of the rows as they are, colwise the blocks,
+// the padded rows' codes being encode(0 * *scale) (either copy may be null); max |x| over the rows
+// used max-accumulated into *amax unless null. With neither copy, the amax alone. 16-byte accesses
+// over 64 x 64 tiles when every padded count and cols are multiples of 16 and the pointers 16-byte
+// aligned; one element per thread otherwise.
 struct GroupedCast {
   const void* x = nullptr;
   DType x_dtype = DType::bf16;
-  const std::int32_t* offsets = nullptr;  // device, or null
+  const std::int32_t* plan = nullptr;  // device: begin, seg, tile (grouped_cast_plan)
   int experts = 0;
-  std::int64_t used_rows = 0;  // offsets[experts] (experts * rows_pad without offsets)
-  std::int64_t rows_pad = 0, cols = 0;
+  std::int64_t used_rows = 0, padded_rows = 0, tiles = 0;  // the plan's totals
+  bool tiled = false;                                      // every padded count a multiple of 16
+  std::int64_t cols = 0;
   std::uint8_t* rowwise = nullptr;
   std::uint8_t* colwise = nullptr;
   Format format = Format::e4m3;
@@ -92,19 +101,6 @@ struct GroupedCast {
   float* amax = nullptr;
 };
 void cast_transpose_grouped(const GroupedCast& a, cudaStream_t s);
-
-// out [*, cols] row r < used_rows (= offsets[experts]) = row r - offsets[e] of in[e] ([experts,
-// rows_pad, cols]) for the expert e holding it; elements of elem_bytes, copied as bytes (16-byte
-// words where rows and pointers allow). offsets: a device array of experts + 1 entries.
-struct UngroupRows {
-  void* out = nullptr;
-  const void* in = nullptr;
-  std::size_t elem_bytes = 2;
-  const std::int32_t* offsets = nullptr;
-  int experts = 0;
-  std::int64_t used_rows = 0, rows_pad = 0, cols = 0;
-};
-void ungroup_rows(const UngroupRows& a, cudaStream_t s);
 
 // *amax = max(*amax, max |x|) over n elements (NaN propagates).
 void amax(const void* x, DType x_dtype, std::int64_t n, float* amax, cudaStream_t s);

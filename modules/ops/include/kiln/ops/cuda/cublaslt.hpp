@@ -3,6 +3,11 @@
 // RAII pieces.
 #include <cublasLt.h>
 
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <tuple>
+
 #include "kiln/ops/epilogue.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
@@ -57,6 +62,78 @@ struct LtMatmulPlan {
     op = nullptr;
     a = b = d = nullptr;
   }
+};
+
+// A matrix layout made for one call and destroyed after it (a cheap host object).
+struct LtLayout {
+  cublasLtMatrixLayout_t l = nullptr;
+  LtLayout(cudaDataType_t type, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+    KILN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<std::uint64_t>(rows),
+                                                 static_cast<std::uint64_t>(cols), ld));
+  }
+  ~LtLayout() { cublasLtMatrixLayoutDestroy(l); }
+  LtLayout(const LtLayout&) = delete;
+  LtLayout& operator=(const LtLayout&) = delete;
+};
+
+// The heuristic's first algorithm for `op` on layouts a, b and c (= d) within `workspace_bytes`, or
+// nothing (the reason in *why) when it has none.
+inline std::optional<cublasLtMatmulAlgo_t> lt_first_algo(cublasLtHandle_t h, cublasLtMatmulDesc_t op,
+                                                         cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                                         cublasLtMatrixLayout_t c, std::size_t workspace_bytes,
+                                                         const char** why = nullptr) {
+  LtPreference pref;
+  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, op, a, b, c, c, pref.p, 1, &result, &found);
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) return result.algo;
+  if (why)
+    *why = st != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(st)
+           : found == 0                ? "the heuristic returned no algorithm"
+                                       : cublasLtGetStatusName(result.state);
+  return std::nullopt;
+}
+
+// Algorithms for matmuls whose shapes change from call to call (a mixture of experts' experts: their
+// rows change every step, and a heuristic per call costs the host ~100 us): the heuristic's choice
+// for the shape with m, n and k rounded up to multiples of 128, cached per rounded shape and `kind`
+// (whatever else decides the choice: types, transposes, beta), used where cublasLtMatmulAlgoCheck
+// says it takes the exact shape within the workspace, else the exact shape's choice (cached too).
+// Deterministic: a shape always gets the same algorithm.
+class LtRaggedAlgos {
+ public:
+  // `make(m, n, k)`: an object with members a, b, c (LtLayouts) for a shape; `exact`: the call's.
+  template <class Make, class Layouts>
+  const cublasLtMatmulAlgo_t* find(cublasLtHandle_t h, cublasLtMatmulDesc_t op, std::int64_t kind, int m, int n,
+                                   int k, const Make& make, const Layouts& exact, std::size_t workspace_bytes,
+                                   const char** why) {
+    auto round = [](int v) { return (v + 127) / 128 * 128; };
+    const Key rounded{kind, round(m), round(n), round(k)};
+    auto it = algos_.find(rounded);
+    if (it == algos_.end()) {
+      const auto r = make(std::get<1>(rounded), std::get<2>(rounded), std::get<3>(rounded));
+      if (auto algo = lt_first_algo(h, op, r.a.l, r.b.l, r.c.l, workspace_bytes)) it = algos_.emplace(rounded, *algo).first;
+    }
+    cublasLtMatmulHeuristicResult_t check{};
+    if (it != algos_.end() &&
+        cublasLtMatmulAlgoCheck(h, op, exact.a.l, exact.b.l, exact.c.l, exact.c.l, &it->second, &check) ==
+            CUBLAS_STATUS_SUCCESS &&
+        check.workspaceSize <= workspace_bytes)
+      return &it->second;
+    const Key key{kind, m, n, k};
+    auto e = algos_.find(key);
+    if (e == algos_.end()) {
+      auto algo = lt_first_algo(h, op, exact.a.l, exact.b.l, exact.c.l, workspace_bytes, why);
+      if (!algo) return nullptr;
+      e = algos_.emplace(key, *algo).first;
+    }
+    return &e->second;
+  }
+
+ private:
+  using Key = std::tuple<std::int64_t, int, int, int>;
+  std::map<Key, cublasLtMatmulAlgo_t> algos_;
 };
 
 }  // namespace kiln::cuda
