@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # pipelines/fsdp-fp8.toml, the headline pipeline (FSDP full_shard, FP8 delayed scaling, full
-# activation checkpointing with dropout drawn from the RNG tracker, async training-state
-# checkpoints), shrunk to the CPU on two thread ranks: a run stopped after step 20 and run again
-# with the same command continues to step 30 with the losses of a run that was never stopped.
+# activation checkpointing with dropout drawn from the RNG tracker, a mixture of experts split over
+# the two ranks (parallel.ep = 2) with expert dropout, async training-state checkpoints), shrunk to
+# the CPU on two thread ranks: a run stopped after step 20 and run again with the same command
+# continues to step 30 with the losses of a run that was never stopped.
 # usage: headline_pipeline_test.sh KILN PIPELINE
 set -u
 KILN=$1
@@ -13,7 +14,7 @@ cd "$TMP"
 small=(--nproc 2 --set engine.device=cpu --set backend.cpu_threads=1 --set model.n_layer=2 --set model.n_head=2
   --set model.n_embd=32 --set model.max_seq_len=32 --set train.seq_len=32 --set train.batch_size=4
   --set train.steps=30 --set data.synthetic_vocab=256 --set 'data.train_files=""' --set 'data.val_files=""'
-  --set log.val_every=0 --set log.every=1 --set checkpoint.every=10)
+  --set log.val_every=0 --set log.every=1 --set checkpoint.every=10 --set parallel.ep=2)
 losses() { grep -o '"step":[0-9]*,"loss":[^,]*' "$1" | awk -F'[:,]' '$2 > 20'; }
 fail() { echo "FAIL: $*"; exit 1; }
 
@@ -21,11 +22,15 @@ fail() { echo "FAIL: $*"; exit 1; }
   { cat straight.txt; fail "the straight run failed"; }
 grep -q "fsdp rank 1 holds 1/2" straight.txt || { cat straight.txt; fail "FSDP did not shard over two ranks"; }
 grep -q "activation checkpoint: full recompute in 2 of 2 blocks" straight.txt || fail "no activation checkpointing"
-grep -q "fp8: 8 of 9 linear layers in FP8 (delayed scaling" straight.txt || { cat straight.txt; fail "FP8 is not on"; }
+grep -q "fp8: 6 of 8 linear layers and 2 of 2 grouped (expert) linears in FP8 (delayed scaling" straight.txt ||
+  { cat straight.txt; fail "FP8 is not on, or the mixture of experts is missing"; }
+grep -q "parameters (.* active per token)" straight.txt || { cat straight.txt; fail "no mixture of experts"; }
 [ -f straight/step_000030/manifest.json ] || fail "no checkpoint at step 30"
 for blob in rng fp8; do  # the RNG tracker's states and the FP8 scaling state are in the checkpoint
   grep -q "\"name\": *\"$blob\"" straight/step_000030/manifest.json || fail "the checkpoint lacks the $blob state"
 done
+grep -q '"name": *"model/blocks.0.mlp.experts.fc.weight"' straight/step_000030/manifest.json ||
+  fail "the checkpoint lacks the experts' weights"
 
 "$KILN" run "$PIPELINE" "${small[@]}" --set checkpoint.dir=ck --set log.metrics=resumed.jsonl \
   --set train.exit_interval=20 > first.txt 2>&1 || { cat first.txt; fail "the first half failed"; }
