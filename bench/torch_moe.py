@@ -21,39 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB, REAL_VOCAB = 50304, 50257
+from torch_llama import REAL_VOCAB, VOCAB, RMSNorm, Rope  # the same RMSNorm and RoPE as the dense reference
+
 ALIGN = 16  # torch._grouped_mm's row alignment per group
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-class Rope(nn.Module):
-    def __init__(self, dim, seq, theta):
-        super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        ang = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
-        emb = torch.cat((ang, ang), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, x):  # [B, heads, T, D]
-        t = x.shape[2]
-        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
-        return x * cos + rotate_half(x) * sin
 
 
 class MoE(nn.Module):

@@ -151,9 +151,14 @@ ops::MoeDropout MoeMlp::dropout_args(const TensorView& t) const {
           .cols_total = o_.hidden};
 }
 
-ops::MoeRoute MoeMlp::route_args() {
+MoeMlp::LossCoeffs MoeMlp::loss_coeffs() const {
   // The load-balancing loss is a mean over the global batch's sequences, the z-loss over its tokens.
   const auto sequences = static_cast<float>(ctx_.batch_sequences);
+  return {o_.aux_loss_coeff / sequences, o_.z_loss_coeff / (sequences * static_cast<float>(ctx_.T))};
+}
+
+ops::MoeRoute MoeMlp::route_args() {
+  const LossCoeffs c = loss_coeffs();
   return {.scores = scores_,
           .lse = lse_,
           .experts = experts_,
@@ -164,8 +169,8 @@ ops::MoeRoute MoeMlp::route_args() {
           .score = o_.score,
           .normalize = o_.normalize_gates,
           .seq_len = ctx_.T,
-          .aux_coeff = o_.aux_loss_coeff / sequences,
-          .z_coeff = o_.z_loss_coeff / (sequences * static_cast<float>(ctx_.T))};
+          .aux_coeff = c.aux,
+          .z_coeff = c.z};
 }
 
 void MoeMlp::activate() {
@@ -295,7 +300,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   if (moves) ep_.combine(dx_grouped, dx_in_, plan_);
   const TensorView col_dx = ctx_.stream.col_dx;
   be.moe_permute_backward({col_dx, dx_grouped, row_of_});
-  const auto sequences = static_cast<float>(ctx_.batch_sequences);
+  const LossCoeffs c = loss_coeffs();
   be.moe_route_backward({.dlogits = dlogits_,
                          .dgates = dgates_,
                          .scores = scores_,
@@ -305,8 +310,8 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
                          .score = o_.score,
                          .normalize = o_.normalize_gates,
                          .seq_len = ctx_.T,
-                         .aux_coeff = o_.aux_loss_coeff / sequences,
-                         .z_coeff = o_.z_loss_coeff / (sequences * static_cast<float>(ctx_.T))});
+                         .aux_coeff = c.aux,
+                         .z_coeff = c.z});
   router_.backward_whole({.dx = drouter_, .dout = dlogits_, .x = x});
   // The router's input gradient is whole on every TP rank: added once (on rank 0) before the sum of
   // the experts' partial ones over the group.

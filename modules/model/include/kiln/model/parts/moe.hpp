@@ -91,6 +91,11 @@ class MoeMlp final : public Mixer {
   // The activation of FC1's output, then expert dropout (a forward, or a refill for the backward).
   void activate();
   ops::MoeDropout dropout_args(const TensorView& t) const;
+  // The router losses' coefficients as the kernels take them (per sequence and per token).
+  struct LossCoeffs {
+    float aux, z;
+  };
+  LossCoeffs loss_coeffs() const;
   ops::MoeRoute route_args();
   TensorView weight(Entity e, bool grad) const;  // an experts' weight as [local experts, rows, cols]
   // The implementation running a grouped linear: the one a module attached, else the backend's.
