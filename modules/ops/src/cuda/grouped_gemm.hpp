@@ -52,7 +52,7 @@ class GroupedGemm {
                          bool w_nk);
   // Whether rows_times_weight with these arguments runs as one grouped call: every matrix 16-byte
   // aligned (K, N multiples of 8, 16-byte aligned bases; the grouped call cannot see its device
-  // pointers' alignment), at most kGroupedMaxGroups experts. Otherwise one cublasGemmEx per expert.
+  // pointers' alignment), at most kGroupedMaxGroups experts. Otherwise one cuBLASLt matmul per expert.
   bool one_call(const bf16* D, const bf16* X, const bf16* W, int E, int K, int N) const;
   // For each expert e: dW_e [P, Q] (row-major f32) = (overwrite) or += A[rows]^T @ B[rows], A [R, P],
   // B [R, Q] bf16. Experts without rows: dW_e written zero with overwrite, else untouched.

@@ -391,9 +391,10 @@ bool cuda_available();
 enum class AttentionImpl { auto_, kiln, cudnn };
 BOOST_DESCRIBE_ENUM(AttentionImpl, auto_, kiln, cudnn)
 // How the CUDA backend runs a mixture of experts' grouped linears (ops::GroupedLinearForward/Backward):
-// per_expert, one cublasGemmEx per expert that has rows; grouped, the data GEMMs as one call of
-// cuBLAS's grouped batched GEMM (cublasGemmGroupedBatchedEx; weight gradients per expert either way:
-// it cannot write f32). Measured on an H200 at moe-1b's shapes: 710 TFLOP/s per expert, 310 grouped.
+// per_expert, one cuBLASLt matmul per expert that has rows (over four streams); grouped, the data
+// GEMMs as one call of cuBLAS's grouped batched GEMM (cublasGemmGroupedBatchedEx; weight gradients
+// per expert either way: it cannot write f32). Measured on an H200 at moe-1b's shapes: ~700 TFLOP/s
+// per expert, 310 grouped.
 enum class GroupedGemmImpl { per_expert, grouped };
 BOOST_DESCRIBE_ENUM(GroupedGemmImpl, per_expert, grouped)
 
