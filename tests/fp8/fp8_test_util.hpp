@@ -9,6 +9,7 @@
 
 #include "kiln/fp8/format.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln_test.hpp"
 
 namespace kiln::test {
 
@@ -67,17 +68,6 @@ inline std::vector<float> transpose(const std::vector<float>& a, int rows, int c
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) t[static_cast<std::size_t>(c) * rows + r] = a[static_cast<std::size_t>(r) * cols + c];
   return t;
-}
-
-// ||a - b|| / ||b||; infinity if anything is not finite.
-inline double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += double(a[i] - b[i]) * (a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
 }
 
 }  // namespace kiln::test

@@ -17,12 +17,6 @@ namespace {
 
 TensorView host(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
 
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) num += double(a[i] - b[i]) * (a[i] - b[i]), den += double(b[i]) * b[i];
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 }  // namespace
 
 TEST_CASE("CPU grouped quantisation: the rows as they are, each expert's transpose padded to 16 with zeros, the amax") {
@@ -99,7 +93,7 @@ TEST_CASE("Fp8GroupedLinear: forward, data and weight gradients are each expert'
             for (int i = 0; i < IC; ++i) acc += double(xd[r * IC + i]) * wd[w_at(e, o, i)];
             want[r * OC + o] = static_cast<float>(acc);
           }
-      CHECK(rel_l2(out, want) < 1e-6);
+      CHECK(test::rel_error(out, want) < 1e-6);
       CHECK(out[(R - 1) * OC] == 7.0f);  // rows past the experts' left alone
 
       std::vector<float> dx(R * IC, 3.0f), dw(E * OC * IC, 0.5f);
@@ -128,9 +122,9 @@ TEST_CASE("Fp8GroupedLinear: forward, data and weight gradients are each expert'
             want_dw[w_at(e, o, i)] = static_cast<float>(acc);
           }
       }
-      CHECK(rel_l2(dx, want_dx) < 1e-6);
+      CHECK(test::rel_error(dx, want_dx) < 1e-6);
       for (int r = off[E]; r < R; ++r) CHECK(dx[r * IC] == 0.0f);  // rows past the experts': zero
-      CHECK(rel_l2(dw, want_dw) < 1e-6);
+      CHECK(test::rel_error(dw, want_dw) < 1e-6);
       for (int o = 0; o < OC; ++o) CHECK(dw[w_at(1, o, 0)] == 0.0f);  // the empty expert: written zero
       // Accumulating adds the same again.
       const auto once = dw;

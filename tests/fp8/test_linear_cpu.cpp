@@ -96,7 +96,7 @@ TEST_CASE("CPU FP8 GEMM: D = deq(X) deq(Y)^T with bias, GELU, dGELU and accumula
   g.d = host(d, {M, N});
 
   ops->gemm(g);
-  CHECK(test::rel_err(d, ref) < 1e-6);
+  CHECK(test::rel_error(d, ref) < 1e-6);
 
   g.epilogue = ops::Epilogue::bias;
   g.bias = host(bias, {N});
@@ -170,18 +170,18 @@ TEST_CASE("an FP8 linear layer on the CPU matches fp32 products of the dequantis
         auto y = test::matmul_nt(xd, wd, N, OC, IC);
         for (int i = 0; i < N * OC; ++i) y[i] += b[i % OC];
         if (gelu) {
-          CHECK(test::rel_err(pre_gelu, y) < 1e-6);
+          CHECK(test::rel_error(pre_gelu, y) < 1e-6);
           for (auto& v : y) v = ops::gelu(v);
         }
-        CHECK(test::rel_err(out, y) < 1e-6);
+        CHECK(test::rel_error(out, y) < 1e-6);
 
         auto dx_ref = test::matmul_nt(gd, test::transpose(wd, OC, IC), N, IC, OC);
         if (gelu)
           for (int i = 0; i < N * IC; ++i) dx_ref[i] *= ops::gelu_grad(pre[i]);
-        CHECK(test::rel_err(dx, dx_ref) < 1e-6);
+        CHECK(test::rel_error(dx, dx_ref) < 1e-6);
         auto dw_ref = test::matmul_nt(test::transpose(gd, N, OC), test::transpose(xd, N, IC), OC, IC, N);
         for (auto& v : dw_ref) v += 0.25f;
-        CHECK(test::rel_err(dw, dw_ref) < 1e-6);
+        CHECK(test::rel_error(dw, dw_ref) < 1e-6);
         for (int o = 0; o < OC; ++o) {
           double s = -1.0;
           for (int n = 0; n < N; ++n) s += dout[n * OC + o];  // from the unquantised gradient
@@ -192,7 +192,7 @@ TEST_CASE("an FP8 linear layer on the CPU matches fp32 products of the dequantis
         for (int i = 0; i < N * OC; ++i) exact[i] += b[i % OC];
         if (gelu)
           for (auto& v : exact) v = ops::gelu(v);
-        CHECK(test::rel_err(out, exact) < 0.08);
+        CHECK(test::rel_error(out, exact) < 0.08);
       }
 }
 

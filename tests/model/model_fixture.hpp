@@ -111,6 +111,26 @@ inline std::vector<float> grads_of(World& w) {
   return h;
 }
 
+// What a run recorded: each step's loss, and the gradients of its first step (before they are
+// synchronised or used).
+struct RunRecord {
+  std::vector<double> losses;
+  std::vector<float> step1_grads;
+};
+inline RunRecord run_recording(Pipeline& p) {
+  RunRecord r;
+  auto& w = *p.world;
+  w.systems().add({"test.grads", Phase::grad_sync, [&r](World& world) {
+                     if (world.resource<RunControl>().step == 1) r.step1_grads = grads_of(world);
+                   },
+                   {"model.loss"}});
+  w.systems().add({"test.loss", Phase::step_end,
+                   [&r](World& world) { r.losses.push_back(world.resource<train::TrainState>().loss); },
+                   {"train.step_end"}});
+  p.run();
+  return r;
+}
+
 // Runs one step's phases up to and including the backward pass (no optimizer).
 inline void forward_backward_step(World& w) {
   auto& ctl = w.resource<RunControl>();

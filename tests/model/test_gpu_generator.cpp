@@ -65,16 +65,6 @@ std::vector<float> all_logits(model::Generator& g, const std::vector<int>& token
   return logits;
 }
 
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num += double(a[i] - b[i]) * (a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
-
 }  // namespace
 
 TEST_CASE("CUDA generator logits match the CPU generator's within bf16 tolerance") {
@@ -97,7 +87,7 @@ TEST_CASE("CUDA generator logits match the CPU generator's within bf16 tolerance
     for (std::size_t r0 = 0; r0 < c.size(); r0 += rows) {
       const std::size_t n = std::min(rows, c.size() - r0);
       const auto at = [&](const std::vector<float>& v) { return std::vector<float>(v.begin() + r0, v.begin() + r0 + n); };
-      const double err = rel_error(at(g), at(c));
+      const double err = test::rel_error(at(g), at(c));
       INFO("prefilled " << prefilled << ", positions from " << r0 / cfg.vocab_size << ": relative error " << err);
       CHECK(err < 3e-2);
     }

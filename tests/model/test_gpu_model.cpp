@@ -35,34 +35,14 @@ TEST_CASE("a CUDA training step matches the CPU reference step (GPT-2; Llama wit
     test::Pipeline gpu(kModel, sets({"engine.device=cuda"}));
     std::string what;
     for (const auto& s : sets({})) what += s + " ";
-    std::vector<double> losses[2];
-    std::vector<float> grads[2];
-    int i = 0;
-    for (auto* p : {&cpu, &gpu}) {
-      auto& w = *p->world;
-      auto* out = &losses[i];
-      auto* g = &grads[i];
-      w.systems().add({"test.grads", Phase::grad_sync, [g](World& world) {
-                         if (world.resource<RunControl>().step == 1) *g = test::grads_of(world);
-                       },
-                       {"model.loss"}});
-      w.systems().add({"test.loss", Phase::step_end,
-                       [out](World& world) { out->push_back(world.resource<train::TrainState>().loss); },
-                       {"train.step_end"}});
-      p->run();
-      ++i;
-    }
+    const test::RunRecord c = test::run_recording(cpu), g = test::run_recording(gpu);
     // Initial weights are identical (init draws are bit-identical), so step 1's loss agrees closely.
-    INFO(what << "losses cpu " << losses[0][0] << " gpu " << losses[1][0]);
-    CHECK(losses[1][0] == doctest::Approx(losses[0][0]).epsilon(5e-3));
-    double num = 0, den = 0;
-    for (std::size_t k = 0; k < grads[0].size(); ++k) {
-      num += double(grads[1][k] - grads[0][k]) * (grads[1][k] - grads[0][k]);
-      den += double(grads[0][k]) * grads[0][k];
-    }
-    INFO(what << "gradient relative error " << std::sqrt(num / den));
-    CHECK(std::sqrt(num / den) < 3e-2);  // bf16 activations, different summation orders
-    for (std::size_t s = 0; s < losses[0].size(); ++s) CHECK(losses[1][s] == doctest::Approx(losses[0][s]).epsilon(2e-2));
+    INFO(what << "losses cpu " << c.losses[0] << " gpu " << g.losses[0]);
+    CHECK(g.losses[0] == doctest::Approx(c.losses[0]).epsilon(5e-3));
+    const double gerr = test::rel_error(g.step1_grads, c.step1_grads);
+    INFO(what << "gradient relative error " << gerr);
+    CHECK(gerr < 3e-2);  // bf16 activations, different summation orders
+    for (std::size_t s = 0; s < c.losses.size(); ++s) CHECK(g.losses[s] == doctest::Approx(c.losses[s]).epsilon(2e-2));
   }
 }
 
@@ -86,34 +66,13 @@ TEST_CASE("a CUDA mixture-of-experts training step matches the CPU reference ste
     };
     test::Pipeline cpu(kModel, sets({"engine.device=cpu", "backend.cpu_round_bf16=true"}));
     test::Pipeline gpu(kModel, sets({"engine.device=cuda"}));
-    std::vector<double> losses[2];
-    std::vector<float> grads[2];
-    int i = 0;
-    for (auto* p : {&cpu, &gpu}) {
-      auto& w = *p->world;
-      auto* out = &losses[i];
-      auto* g = &grads[i];
-      w.systems().add({"test.grads", Phase::grad_sync, [g](World& world) {
-                         if (world.resource<RunControl>().step == 1) *g = test::grads_of(world);
-                       },
-                       {"model.loss"}});
-      w.systems().add({"test.loss", Phase::step_end,
-                       [out](World& world) { out->push_back(world.resource<train::TrainState>().loss); },
-                       {"train.step_end"}});
-      p->run();
-      ++i;
-    }
-    INFO(what << "losses cpu " << losses[0][0] << " gpu " << losses[1][0]);
-    CHECK(losses[1][0] == doctest::Approx(losses[0][0]).epsilon(5e-3));
-    double num = 0, den = 0;
-    for (std::size_t k = 0; k < grads[0].size(); ++k) {
-      num += double(grads[1][k] - grads[0][k]) * (grads[1][k] - grads[0][k]);
-      den += double(grads[0][k]) * grads[0][k];
-    }
-    MESSAGE(what << ": step-1 gradient relative error " << std::sqrt(num / den) << ", loss cpu " << losses[0][0]
-                 << " gpu " << losses[1][0]);
-    CHECK(std::sqrt(num / den) < 6e-2);
-    for (std::size_t s = 0; s < losses[0].size(); ++s) CHECK(losses[1][s] == doctest::Approx(losses[0][s]).epsilon(2e-2));
+    const test::RunRecord c = test::run_recording(cpu), g = test::run_recording(gpu);
+    INFO(what << "losses cpu " << c.losses[0] << " gpu " << g.losses[0]);
+    CHECK(g.losses[0] == doctest::Approx(c.losses[0]).epsilon(5e-3));
+    const double gerr = test::rel_error(g.step1_grads, c.step1_grads);
+    MESSAGE(what << ": step-1 gradient relative error " << gerr << ", loss cpu " << c.losses[0] << " gpu " << g.losses[0]);
+    CHECK(gerr < 6e-2);
+    for (std::size_t s = 0; s < c.losses.size(); ++s) CHECK(g.losses[s] == doctest::Approx(c.losses[s]).epsilon(2e-2));
   }
 }
 

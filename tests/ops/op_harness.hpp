@@ -119,17 +119,6 @@ class Dual {
   Buffer cpu_buf_, gpu_buf_;
 };
 
-// ||a - b|| / ||b|| (b the reference); NaN anywhere gives infinity.
-inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += double(a[i] - b[i]) * (a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
 // CHECKs that the GPU values of `t` match its CPU values within `tol` relative L2 error.
 #define KILN_CHECK_CLOSE(dual, tol)                                                   \
   do {                                                                                \

@@ -2,10 +2,14 @@
 // Helpers shared by kiln's test suites.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <vector>
+
 #include <unistd.h>
 
 namespace kiln::test {
@@ -16,6 +20,17 @@ namespace kiln::test {
     std::cout << "KILN_SKIP: " << (reason) << "\n"; \
     return;                                          \
   } while (0)
+
+// ||a - b|| / ||b|| (b the reference); anything not finite gives infinity.
+inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    num += double(a[i] - b[i]) * (a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
 
 // A fresh directory under the build tree, removed on destruction.
 class TempDir {
