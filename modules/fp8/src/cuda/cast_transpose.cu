@@ -131,11 +131,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int i = 0; i < 16; ++i) local = max(local, abs_bits(v[i]));
       if (ROW)
         *reinterpret_cast<uint4*>(row + static_cast<size_t>(gr) * cols + gc) = make_uint4(w[0], w[1], w[2], w[3]);
-      if (COL) {
-        auto* dst = reinterpret_cast<std::uint32_t*>(tile + lr * kStride + lv * 16);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) dst[j] = w[j];
-      }
+      if (COL) stage_codes(tile, w);
     }
     if (COL) {
       __syncthreads();
@@ -185,9 +181,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int i = 0; i < 16; ++i) local = max(local, abs_bits(v[i]));
       *reinterpret_cast<uint4*>(row + at) = make_uint4(w[0], w[1], w[2], w[3]);
-      auto* dst = reinterpret_cast<std::uint32_t*>(tile + lr * kStride + lv * 16);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) dst[j] = w[j];
+      stage_codes(tile, w);
     } else {
 #pragma unroll
       for (int i = 0; i < 16; ++i) v[i] = 0.0f;

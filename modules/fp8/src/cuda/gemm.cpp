@@ -205,6 +205,9 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
 }
 
 void Fp8GemmRunner::run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLanes& lanes) {
+  // The algorithms are chosen for this runner's workspace; every lane's must hold it.
+  KILN_CHECK(lanes.workspace_bytes() >= workspace_bytes_, "grouped FP8 GEMMs: the lanes' workspaces of ",
+             lanes.workspace_bytes(), " bytes are smaller than the runner's ", workspace_bytes_);
   int jobs = 0;
   for (const GemmArgs& g : gs) {
     validate(g);

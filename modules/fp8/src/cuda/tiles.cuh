@@ -72,6 +72,14 @@ __device__ __forceinline__ void encode16(const float v[16], float scale, std::ui
            (cvt2<F>(__fmul_rn(v[4 * j + 2], scale), __fmul_rn(v[4 * j + 3], scale)) << 16);
 }
 
+// End of the load phase for the colwise copy: thread t's four code words (tile row t / 4, columns
+// 16 (t % 4) ..) into the shared tile.
+__device__ __forceinline__ void stage_codes(std::uint8_t* tile, const std::uint32_t w[4]) {
+  auto* dst = reinterpret_cast<std::uint32_t*>(tile + (threadIdx.x / 4) * kStride + (threadIdx.x % 4) * 16);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) dst[j] = w[j];
+}
+
 // Transpose phase of a tile whose codes sit in `tile`: thread (tc, tv) writes rows
 // r0 + 16 tv .. + 15 of column c0 + tc as one 16-byte word of the colwise copy.
 __device__ __forceinline__ void store_transposed(const std::uint8_t* tile, std::uint8_t* col, int r0, int c0, int rows,

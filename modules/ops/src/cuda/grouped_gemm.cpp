@@ -27,8 +27,6 @@ GroupedGemm::GroupedGemm(cudaStream_t stream, cublasLtHandle_t lt, void* workspa
                          bool grouped_call)
     : stream_(stream),
       lt_(lt),
-      workspace_(workspace),
-      workspace_bytes_(workspace_bytes),
       lanes_(stream, workspace, workspace_bytes),
       grouped_unsupported_(!grouped_call) {
   KILN_CUBLAS_CHECK(cublasCreate(&handle_));
@@ -86,11 +84,11 @@ void GroupedGemm::lt_gemm(const LtCall& c, int lane) {
                             (c.c_f32 ? 2 : 0) | (c.beta != 0 ? 1 : 0);
   const char* why = "";
   const cublasLtMatmulAlgo_t* algo =
-      lt_algos_.find(lt_, it->second, kind, c.m, c.n, c.k, rounded, exact, workspace_bytes_, &why);
+      lt_algos_.find(lt_, it->second, kind, c.m, c.n, c.k, rounded, exact, lanes_.workspace_bytes(), &why);
   KILN_CHECK(algo, "cuBLASLt has no algorithm for an expert GEMM [", c.m, ", ", c.n, ", ", c.k, "] (", why, ")");
   const float alpha = 1.0f;
   KILN_CUBLAS_CHECK(cublasLtMatmul(lt_, it->second, &alpha, c.a, exact.a.l, c.b, exact.b.l, &c.beta, c.c, exact.c.l,
-                                   c.c, exact.c.l, algo, lanes_.workspace(lane), workspace_bytes_,
+                                   c.c, exact.c.l, algo, lanes_.workspace(lane), lanes_.workspace_bytes(),
                                    lanes_.stream(lane)));
 }
 

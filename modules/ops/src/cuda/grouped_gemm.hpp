@@ -80,9 +80,7 @@ class GroupedGemm {
 
   cudaStream_t stream_;
   cublasLtHandle_t lt_;
-  void* workspace_;
-  std::size_t workspace_bytes_;
-  LtLanes lanes_;
+  LtLanes lanes_;  // lane 0: the backend's stream and cuBLASLt workspace
   cublasHandle_t handle_ = nullptr;
   // cuBLASLt: a matmul descriptor per (op A, op B, C f32), algorithms per rounded shape.
   std::map<std::tuple<int, int, bool>, cublasLtMatmulDesc_t> lt_ops_;
