@@ -968,6 +968,79 @@ TEST_CASE("the grouped quantisation (rows as they are, each expert's transpose p
                        doctest::Contains("offsets decrease at expert 1"), Error);
 }
 
+TEST_CASE("the grouped quantisation of an activation or its gradient computed on load equals quantising the "
+          "activation op's output, bit for bit, and the CPU's") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops({.round_bf16 = true});
+  enum class Src { gelu, swiglu, dgelu, dswiglu };
+  std::uint64_t seed = 7500;
+  for (const Grouping& gr : kGroupings)
+    for (Src src : {Src::gelu, Src::swiglu, Src::dgelu, Src::dswiglu})
+      // Output columns: 80 and 160 tiled with a partial column tile (dswiglu: 160 loads 80 of them,
+      // swiglu 80 from 160), 96 tiled (dswiglu loads 48), 40 and 72 elementwise (dswiglu: 36 loaded).
+      for (std::int64_t C : {40, 72, 80, 96, 160})
+        for (int copies = 0; copies <= 3; ++copies) {
+          const int E = gr.experts();
+          const std::int64_t R = gr.R, used = gr.off[static_cast<std::size_t>(E)], S = segment_row(gr.off.data(), E);
+          INFO(E << " experts, R " << R << ", cols " << C << ", source " << int(src) << ", copies " << copies);
+          // The tensors the values come from, bf16 on the device and their f32 values on the host.
+          const std::int64_t in_cols = src == Src::swiglu ? 2 * C : C, grad_cols = src == Src::dswiglu ? C / 2 : C;
+          const auto in_b = to_bf16(test::normal_values(static_cast<std::size_t>(R * in_cols), ++seed, 2.5f));
+          const auto grad_b = to_bf16(test::normal_values(static_cast<std::size_t>(R * grad_cols), ++seed, 0.5f));
+          auto in_f = from_bf16(in_b), grad_f = from_bf16(grad_b);
+          Buffer d_in = upload(in_b), d_grad = upload(grad_b), d_vals(Device::cuda, static_cast<std::size_t>(R * C) * 2);
+          const TensorView hin(in_f.data(), {R, in_cols}, DType::f32, Device::cpu),
+              din(d_in.data(), {R, in_cols}, DType::bf16, Device::cuda),
+              hgrad(grad_f.data(), {R, grad_cols}, DType::f32, Device::cpu),
+              dgrad(d_grad.data(), {R, grad_cols}, DType::bf16, Device::cuda);
+          GroupedSource hs, ds;
+          auto* vals = static_cast<kiln::cuda::bf16*>(d_vals.data());
+          const auto* in = static_cast<const kiln::cuda::bf16*>(d_in.data());
+          const auto* g = static_cast<const kiln::cuda::bf16*>(d_grad.data());
+          switch (src) {  // the unfused op's output on the device, and the two sources
+            case Src::gelu:
+              kiln::cuda::gelu_forward(vals, in, R * C, nullptr);
+              hs = ops::GeluOnLoad{hin}, ds = ops::GeluOnLoad{din};
+              break;
+            case Src::swiglu:
+              kiln::cuda::swiglu_forward(vals, in, R, static_cast<int>(C), nullptr);
+              hs = ops::SwigluOnLoad{hin}, ds = ops::SwigluOnLoad{din};
+              break;
+            case Src::dgelu:
+              kiln::cuda::gelu_backward(vals, g, in, R * C, nullptr);
+              hs = ops::DgeluOnLoad{hgrad, hin}, ds = ops::DgeluOnLoad{dgrad, din};
+              break;
+            case Src::dswiglu:
+              kiln::cuda::swiglu_backward(vals, g, in, R, static_cast<int>(C / 2), nullptr);
+              hs = ops::DswigluOnLoad{hgrad, hin}, ds = ops::DswigluOnLoad{dgrad, din};
+              break;
+          }
+          CodesOnBoth fused({used, C}, {S * C}, copies, Format::e4m3, 30.0f, 0.0f),
+              unfused({used, C}, {S * C}, copies, Format::e4m3, 30.0f, 0.0f),
+              host({used, C}, {S * C}, copies, Format::e4m3, 30.0f, 0.0f);
+          gpu->quantize_grouped({ds, gr.off.data(), E, fused.g, fused.gpu_amax(true)});
+          gpu->quantize_grouped({TensorView(d_vals.data(), {R, C}, DType::bf16, Device::cuda), gr.off.data(), E,
+                                 unfused.g, unfused.gpu_amax(true)});
+          cpu->quantize_grouped({hs, gr.off.data(), E, host.c, host.cpu_amax(true)});
+          // Bit for bit against the unfused path on the device.
+          CHECK(download<std::uint8_t>(fused.d_row.data(), fused.n_row) ==
+                download<std::uint8_t>(unfused.d_row.data(), unfused.n_row));
+          CHECK(download<std::uint8_t>(fused.d_col.data(), fused.n_col) ==
+                download<std::uint8_t>(unfused.d_col.data(), unfused.n_col));
+          const float amax = download<float>(fused.d_meta.data(), 2)[1];
+          CHECK(float_bits(amax) == float_bits(download<float>(unfused.d_meta.data(), 2)[1]));
+          CHECK(amax > 0.0f);
+          // Near the CPU's (the device's exp and division differ from the host's in the last bits).
+          CodeDiff d;
+          if (copies & 1) d.add(host.c_row, fused.d_row.data());
+          if (copies & 2) d.add(host.c_col, fused.d_col.data());
+          CHECK(d.far == 0);
+          CHECK(d.differ <= (fused.n_row + fused.n_col) / 500 + 2);
+          CHECK(amax == doctest::Approx(host.c_meta[1]).epsilon(1e-2));
+        }
+}
+
 namespace {
 
 struct GroupedGemmCase {

@@ -1,6 +1,7 @@
 // A mixture of experts' grouped linears in FP8 on the CPU emulation: the grouped quantisation (rows
-// as they are, each expert's transpose padded to 16), and Fp8GroupedLinear's forward, data gradient and weight
-// gradient against fp32 products of each expert's dequantised operands, for both weight layouts.
+// as they are, each expert's transpose padded to 16, or activations computed on load), and
+// Fp8GroupedLinear's forward, data gradient and weight gradient against fp32 products of each
+// expert's dequantised operands, for both weight layouts, and through prologues and a kept input.
 #include <doctest/doctest.h>
 
 #include <cstring>
@@ -135,5 +136,160 @@ TEST_CASE("Fp8GroupedLinear: forward, data and weight gradients are each expert'
                     .offsets_host = off.data(),
                     .weight_in_out = in_out});
       for (std::size_t i = 0; i < dw.size(); ++i) CHECK(dw[i] == doctest::Approx(2 * once[i]).epsilon(1e-6));
+    }
+}
+
+namespace {
+
+// The activations' values as the CPU backend's ops store them (f32: no rounding).
+std::vector<float> swiglu_values(const std::vector<float>& pre, int R, int F) {
+  std::vector<float> v(static_cast<std::size_t>(R * F));
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) v[r * F + f] = ops::swiglu(pre[r * 2 * F + f], pre[r * 2 * F + F + f]);
+  return v;
+}
+std::vector<float> dswiglu_values(const std::vector<float>& dact, const std::vector<float>& pre, int R, int F) {
+  std::vector<float> v(static_cast<std::size_t>(R * 2 * F));
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) {
+      const float g = pre[r * 2 * F + f], u = pre[r * 2 * F + F + f], go = dact[r * F + f];
+      v[r * 2 * F + f] = ops::dswiglu_gate(go, g, u);
+      v[r * 2 * F + F + f] = ops::dswiglu_up(go, g);
+    }
+  return v;
+}
+std::vector<float> gelu_values(const std::vector<float>& pre) {
+  std::vector<float> v(pre.size());
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = ops::gelu(pre[i]);
+  return v;
+}
+std::vector<float> dgelu_values(const std::vector<float>& dact, const std::vector<float>& pre) {
+  std::vector<float> v(pre.size());
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = dact[i] * ops::gelu_grad(pre[i]);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("CPU grouped quantisation from a prologue equals quantising the activation op's values, bit for bit") {
+  auto ops = make_cpu_ops({.threads = 2});
+  const int R = 30, F = 10, E = 4;
+  const std::vector<std::int32_t> off = {0, 5, 5, 21, 28};
+  const std::int64_t S = segment_row(off.data(), E);
+  auto pre2 = test::normal_values(R * 2 * F, 21, 2.0f), pre = test::normal_values(R * F, 22, 2.0f);
+  auto dact = test::normal_values(R * F, 23, 0.5f);
+  struct Case {
+    const char* name;
+    GroupedSource src;
+    std::vector<float> values;
+    int cols;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"gelu", ops::GeluOnLoad{host(pre, {R, F})}, gelu_values(pre), F});
+  cases.push_back({"swiglu", ops::SwigluOnLoad{host(pre2, {R, 2 * F})}, swiglu_values(pre2, R, F), F});
+  cases.push_back({"dgelu", ops::DgeluOnLoad{host(dact, {R, F}), host(pre, {R, F})}, dgelu_values(dact, pre), F});
+  cases.push_back({"dswiglu", ops::DswigluOnLoad{host(dact, {R, F}), host(pre2, {R, 2 * F})},
+                   dswiglu_values(dact, pre2, R, F), 2 * F});
+  for (Case& c : cases) {
+    CAPTURE(c.name);
+    const int C = c.cols;
+    float scale = 20.0f, amax[2] = {0, 0};
+    std::vector<std::uint8_t> row[2], col[2];
+    for (int k = 0; k < 2; ++k) {
+      row[k].assign(static_cast<std::size_t>(off[E] * C), 0xaa);
+      col[k].assign(static_cast<std::size_t>(S * C), 0xaa);
+      Fp8TensorView out;
+      out.rowwise = TensorView(row[k].data(), {off[E], C}, DType::e4m3, Device::cpu);
+      out.colwise = TensorView(col[k].data(), {S * C}, DType::e4m3, Device::cpu);
+      out.scale = &scale;
+      const GroupedSource src = k == 0 ? c.src : GroupedSource(host(c.values, {R, C}));
+      ops->quantize_grouped({src, off.data(), E, out, &amax[k]});
+    }
+    CHECK(row[0] == row[1]);
+    CHECK(col[0] == col[1]);
+    CHECK(amax[0] == amax[1]);
+    CHECK(amax[0] > 0.0f);
+    float alone = 0;  // neither copy: the amax alone
+    ops->quantize_grouped({c.src, off.data(), E, Fp8TensorView{.scale = &scale}, &alone});
+    CHECK(alone == amax[0]);
+  }
+  // A source whose tensors do not fit together is named.
+  CHECK_THROWS_WITH_AS(ops->quantize_grouped({ops::DswigluOnLoad{host(dact, {R, F}), host(pre2, {R, F})}, off.data(),
+                                              E, Fp8TensorView{.scale = nullptr}, nullptr}),
+                       doctest::Contains("the SwiGLU output's gradient"), Error);
+}
+
+TEST_CASE("Fp8GroupedLinear: an input and output gradient through prologues, and a kept input, give the plain path's "
+          "results bit for bit") {
+  for (const bool swiglu : {true, false})
+    for (const RecipeKind kind : {RecipeKind::delayed, RecipeKind::current}) {
+      CAPTURE(swiglu);
+      CAPTURE(kind == RecipeKind::delayed);
+      auto ops = make_cpu_ops({.threads = 2});
+      const FormatPolicy policy = FormatPolicy::hybrid;
+      std::vector<Format> formats;
+      for (int layer = 0; layer < 2; ++layer)
+        for (TensorRole r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
+          formats.push_back(format_for(policy, r));
+      const int history = kind == RecipeKind::delayed ? 4 : 1;
+      Fp8MetaStore meta_a(*ops, formats, history), meta_b(*ops, formats, history);
+      Fp8Workspace ws(*ops);
+      const Fp8Recipe recipe{kind, 4, AmaxAlgo::max, 0, policy, false};
+      // An FC2 (weight stored [in, out] per expert) and an FC1 ([out, in]), each plain and fused.
+      Fp8GroupedLinear fc2_a(*ops, meta_a, 0, ws, recipe, "plain.proj"), fc1_a(*ops, meta_a, 3, ws, recipe, "plain.fc");
+      Fp8GroupedLinear fc2_b(*ops, meta_b, 0, ws, recipe, "fused.proj", /*keep_input=*/true),
+          fc1_b(*ops, meta_b, 3, ws, recipe, "fused.fc");
+      const int E = 3, R = 37, H = 16, C = 24, FC = swiglu ? 2 * H : H;
+      const std::vector<std::int32_t> off = {0, 9, 9, 33};
+      auto w2 = test::normal_values(E * H * C, 31, 0.3f), w1 = test::normal_values(E * FC * C, 32, 0.3f);
+      auto x = test::normal_values(R * C, 33, 1.0f);
+      for (int step = 1; step <= 3; ++step) {  // delayed scaling takes the recorded amaxes from step 2 on
+        CAPTURE(step);
+        auto pre = test::normal_values(R * FC, 40 + step, 2.0f), dy = test::normal_values(R * C, 50 + step, 0.01f);
+        std::vector<float> act = swiglu ? swiglu_values(pre, R, H) : gelu_values(pre);
+        const ops::LinearInput on_load =
+            swiglu ? ops::LinearInput(ops::SwigluOnLoad{host(pre, {R, FC})}) : ops::LinearInput(ops::GeluOnLoad{host(pre, {R, FC})});
+        std::vector<float> y_a(R * C, 0.0f), y_b(R * C, 0.0f);
+        fc2_a.forward({host(y_a, {R, C}), host(act, {R, H}), host(w2, {E, H, C}), off.data(), true}, step);
+        fc2_b.forward({host(y_b, {R, C}), on_load, host(w2, {E, H, C}), off.data(), true}, step);
+        CHECK(y_a == y_b);
+        std::vector<float> dact_a(R * H, 0.0f), dact_b(R * H, 0.0f), dw2_a(E * H * C), dw2_b(E * H * C);
+        fc2_a.backward({.dx = host(dact_a, {R, H}), .dweight = host(dw2_a, {E, H, C}), .dout = host(dy, {R, C}),
+                        .x = host(act, {R, H}), .weight = host(w2, {E, H, C}), .offsets_host = off.data(),
+                        .weight_in_out = true, .dweight_overwrite = true});
+        // The kept input: the backward reads none (an empty view).
+        fc2_b.backward({.dx = host(dact_b, {R, H}), .dweight = host(dw2_b, {E, H, C}), .dout = host(dy, {R, C}),
+                        .x = TensorView{}, .weight = host(w2, {E, H, C}), .offsets_host = off.data(),
+                        .weight_in_out = true, .dweight_overwrite = true});
+        CHECK(dact_a == dact_b);
+        CHECK(dw2_a == dw2_b);
+        // FC1: the plain output gradient is the activation's backward of dact.
+        std::vector<float> dpre = swiglu ? dswiglu_values(dact_a, pre, R, H) : dgelu_values(dact_a, pre);
+        const ops::OutputGrad grad_on_load = swiglu ? ops::OutputGrad(ops::DswigluOnLoad{host(dact_b, {R, H}), host(pre, {R, FC})})
+                                                    : ops::OutputGrad(ops::DgeluOnLoad{host(dact_b, {R, H}), host(pre, {R, FC})});
+        std::vector<float> h_a(R * FC), h_b(R * FC), dx_a(R * C), dx_b(R * C), dw1_a(E * FC * C), dw1_b(E * FC * C);
+        fc1_a.forward({host(h_a, {R, FC}), host(x, {R, C}), host(w1, {E, FC, C}), off.data()}, step);
+        fc1_b.forward({host(h_b, {R, FC}), host(x, {R, C}), host(w1, {E, FC, C}), off.data()}, step);
+        fc1_a.backward({.dx = host(dx_a, {R, C}), .dweight = host(dw1_a, {E, FC, C}), .dout = host(dpre, {R, FC}),
+                        .x = host(x, {R, C}), .weight = host(w1, {E, FC, C}), .offsets_host = off.data(),
+                        .dweight_overwrite = true});
+        fc1_b.backward({.dx = host(dx_b, {R, C}), .dweight = host(dw1_b, {E, FC, C}), .dout = grad_on_load,
+                        .x = host(x, {R, C}), .weight = host(w1, {E, FC, C}), .offsets_host = off.data(),
+                        .dweight_overwrite = true});
+        CHECK(dx_a == dx_b);
+        CHECK(dw1_a == dw1_b);
+        for (int i = 0; i < 6; ++i) CHECK(meta_a.scales().as<float>()[i] == meta_b.scales().as<float>()[i]);
+      }
+      // A backward over another grouping than its forward's kept input is refused, naming the layer.
+      const std::vector<std::int32_t> other = {0, 9, 10, 33};
+      std::vector<float> dw(E * H * C), dy(R * C, 0.01f);
+      CHECK_THROWS_WITH_AS(fc2_b.backward({.dweight = host(dw, {E, H, C}), .dout = host(dy, {R, C}),
+                                           .weight = host(w2, {E, H, C}), .offsets_host = other.data(),
+                                           .weight_in_out = true}),
+                           doctest::Contains("fused.proj: backward without its forward's kept input"), Error);
+      // A LayerNorm prologue is not a grouped linear's.
+      std::vector<float> y(R * C);
+      CHECK_THROWS_WITH_AS(fc1_b.forward({host(y, {R, C}), ops::LayerNormOnLoad{}, host(w1, {E, FC, C}), off.data()}, 9),
+                           doctest::Contains("takes no layernorm-on-load prologue"), Error);
     }
 }

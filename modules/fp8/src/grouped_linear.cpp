@@ -14,8 +14,14 @@ std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * 
 }  // namespace
 
 Fp8GroupedLinear::Fp8GroupedLinear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace,
-                                   const Fp8Recipe& recipe, std::string name)
-    : ops_(ops), meta_(meta), first_slot_(first_slot), ws_(workspace), recipe_(recipe), name_(std::move(name)) {
+                                   const Fp8Recipe& recipe, std::string name, bool keep_input)
+    : ops_(ops),
+      meta_(meta),
+      first_slot_(first_slot),
+      ws_(workspace),
+      recipe_(recipe),
+      name_(std::move(name)),
+      keep_input_(keep_input) {
   KILN_CHECK(first_slot >= 0 && first_slot + kRolesPerLinear <= meta.size(), name_, ": meta slots ", first_slot,
              "..", first_slot + kRolesPerLinear - 1, " outside the store of ", meta.size());
   KILN_CHECK(slot(TensorRole::input).format == Format::e4m3 && slot(TensorRole::weight).format == Format::e4m3,
@@ -58,6 +64,17 @@ void Fp8GroupedLinear::ensure_weight(const TensorView& w, bool in_out, std::int6
   cache_.source = w.data;
 }
 
+void* Fp8GroupedLinear::kept_input(const std::int32_t* off, int experts, std::int64_t cols) {
+  const auto bytes = static_cast<std::size_t>(segment_row(off, experts) * cols);
+  if (kept_.bytes() < bytes) {
+    ops_.synchronize();
+    kept_ = ops_.alloc(bytes);
+  }
+  kept_off_.assign(off, off + experts + 1);
+  kept_cols_ = cols;
+  return kept_.data();
+}
+
 namespace {
 // Matrix e of a stacked [E, A, B] tensor as [A, B].
 TensorView expert_matrix(const TensorView& t, std::int64_t e) {
@@ -65,23 +82,43 @@ TensorView expert_matrix(const TensorView& t, std::int64_t e) {
   return TensorView(static_cast<char*>(t.data) + static_cast<std::size_t>(e * A * B) * size_of(t.dtype), {A, B},
                     t.dtype, t.device);
 }
+
+// A grouped linear's input or output gradient as the source of a grouped quantisation.
+GroupedSource input_source(const ops::LinearInput& x, const std::string& name) {
+  if (const auto* t = std::get_if<TensorView>(&x)) return *t;
+  if (const auto* g = std::get_if<ops::GeluOnLoad>(&x)) return *g;
+  if (const auto* g = std::get_if<ops::SwigluOnLoad>(&x)) return *g;
+  KILN_THROW(name, ": a grouped linear takes no ", ops::name_of(ops::prologue_of(x)), " prologue");
+}
+GroupedSource grad_source(const ops::OutputGrad& dout) {
+  if (const auto* t = std::get_if<TensorView>(&dout)) return *t;
+  if (const auto* g = std::get_if<ops::DgeluOnLoad>(&dout)) return *g;
+  return std::get<ops::DswigluOnLoad>(dout);
+}
 }  // namespace
 
 void Fp8GroupedLinear::forward(const ops::GroupedLinearForward& a, std::int64_t weight_version, bool replay) {
-  const std::int64_t E = a.weight.size(0), IC = a.x.size(1);
-  KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && a.x.size(0) == a.out.size(0), name_, " forward: weight ",
-             a.weight.str(), ", x ", a.x.str(), ", out ", a.out.str());
+  const GroupedSource x = input_source(a.x, name_);
+  const Shape xs = grouped_source_shape(x, name_.c_str());
+  KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && xs[0] == a.out.size(0), name_, " forward: weight ",
+             a.weight.str(), ", x [", xs[0], ",", xs[1], "], out ", a.out.str());
+  const std::int64_t E = a.weight.size(0), IC = xs[1];
   KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
              ": a replayed forward needs the weight of the original one");
   ensure_weight(a.weight, a.weight_in_out, weight_version);
   const std::int32_t* off = a.offsets_host;
+  const int experts = static_cast<int>(E);
   const std::int64_t used = off[E];
-  if (used == 0) return;  // no rows
   const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight);
-  const TensorView x = a.x.rows(0, used);
-  float* record = replay ? nullptr : prepare_scale(ops_, meta_, recipe_, sx, [&](float* into) { ops_.amax(x, into); });
+  // The input's padded transposes for the backward, kept from here where asked.
+  void* kept = keep_input_ ? kept_input(off, experts, IC) : nullptr;
+  if (used == 0) return;  // no rows
+  float* record = replay ? nullptr : prepare_scale(ops_, meta_, recipe_, sx, [&](float* into) {
+    ops_.quantize_grouped({x, off, experts, fp8(sx, nullptr, {}, nullptr, {}), into});
+  });
   std::uint8_t* codes_x = ws_.get(static_cast<std::size_t>(used * IC));
-  ops_.quantize(x, fp8(sx, codes_x, {used, IC}, nullptr, {}), record);
+  ops_.quantize_grouped(
+      {x, off, experts, fp8(sx, codes_x, {used, IC}, kept, {segment_row(off, experts) * IC}), record});
   ops_.gemm_grouped(rows_products("fp8_grouped_gemm_forward", {codes_x, sx}, {cache_.forward.data(), sw}, a.out, off,
                                   E, IC, recipe_.fast_accum_forward));
 }
@@ -108,13 +145,20 @@ std::vector<GemmArgs> Fp8GroupedLinear::rows_products(const char* what, const Op
 }
 
 void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
-  const std::int64_t E = a.weight.size(0), R = a.x.size(0), IC = a.x.size(1), OC = a.dout.size(1);
-  KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && a.dout.size(0) == R, name_, " backward: weight ",
-             a.weight.str(), ", x ", a.x.str(), ", dout ", a.dout.str());
+  const GroupedSource dout = grad_source(a.dout);
+  const Shape ds = grouped_source_shape(dout, name_.c_str());
+  KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host, name_, " backward: weight ", a.weight.str());
+  const std::int64_t E = a.weight.size(0), R = ds[0], OC = ds[1];
+  const std::int64_t IC = a.weight_in_out ? a.weight.size(1) : a.weight.size(2);
+  KILN_CHECK((a.weight_in_out ? a.weight.size(2) : a.weight.size(1)) == OC, name_, " backward: weight ",
+             a.weight.str(), ", dout [", R, ",", OC, "]");
   if (!weight_cached(a.weight)) ensure_weight(a.weight, a.weight_in_out, cache_.version);
   const std::int32_t* off = a.offsets_host;
   const int experts = static_cast<int>(E);
   const std::int64_t used = off[E], padded = segment_row(off, experts);
+  if (keep_input_)
+    KILN_CHECK(kept_cols_ == IC && kept_off_ == std::vector<std::int32_t>(off, off + E + 1), name_,
+               ": backward without its forward's kept input (another grouping or width)");
   if (a.dx && used < R) {  // rows past the experts' get a zero gradient
     const TensorView rest = a.dx.rows(used, R - used);
     ops_.zero(rest.data, rest.bytes());
@@ -125,16 +169,19 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   }
   const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight), sg = slot(TensorRole::grad_output);
   // Scratch: the output gradient's rowwise codes (for the data gradient) and padded transposes, the
-  // input's padded transposes.
+  // input's padded transposes (unless kept).
   const std::size_t rb = a.dx ? aligned(static_cast<std::size_t>(used * OC)) : 0,
                     gb = aligned(static_cast<std::size_t>(padded * OC));
-  std::uint8_t* scratch = ws_.get(rb + gb + static_cast<std::size_t>(padded * IC));
-  std::uint8_t *gr = a.dx ? scratch : nullptr, *gc = scratch + rb, *xc = scratch + rb + gb;
-  const TensorView dout = a.dout.rows(0, used);
-  float* record = prepare_scale(ops_, meta_, recipe_, sg, [&](float* into) { ops_.amax(dout, into); });
-  ops_.quantize_grouped({a.dout, off, experts, fp8(sg, gr, {used, OC}, gc, {padded * OC}), record});
-  // The input again, with the forward's scale (its amax is recorded already).
-  ops_.quantize_grouped({a.x, off, experts, fp8(sx, nullptr, {}, xc, {padded * IC}), nullptr});
+  std::uint8_t* scratch = ws_.get(rb + gb + (keep_input_ ? 0 : static_cast<std::size_t>(padded * IC)));
+  std::uint8_t *gr = a.dx ? scratch : nullptr, *gc = scratch + rb;
+  std::uint8_t* xc = keep_input_ ? static_cast<std::uint8_t*>(kept_.data()) : scratch + rb + gb;
+  float* record = prepare_scale(ops_, meta_, recipe_, sg, [&](float* into) {
+    ops_.quantize_grouped({dout, off, experts, fp8(sg, nullptr, {}, nullptr, {}), into});
+  });
+  ops_.quantize_grouped({dout, off, experts, fp8(sg, gr, {used, OC}, gc, {padded * OC}), record});
+  // The input again, with the forward's scale (its amax is recorded already), unless kept.
+  if (!keep_input_)
+    ops_.quantize_grouped({input_source(a.x, name_), off, experts, fp8(sx, nullptr, {}, xc, {padded * IC}), nullptr});
   if (a.dx) {  // dx[e] [rows, IC] = dout[e] [rows, OC] @ W[e] [OC, IC]
     ops_.gemm_grouped(rows_products("fp8_grouped_gemm_dgrad", {gr, sg}, {cache_.dgrad.data(), sw}, a.dx, off, E, OC, false));
     if (a.dx_gelu_pre) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));

@@ -170,6 +170,26 @@ void save_scaling_state(World& w, Fp8State& st) {
        }});
 }
 
+// The roles whose layers (Layer: nn::Linear or nn::GroupedLinear) keep the colwise FP8 copy of their
+// input for the backward pass: where the model would otherwise store that input in bf16 for it alone
+// (half the bytes, and no second quantisation), for a role only when every such layer of it is among
+// `fp8` (otherwise the model stores them all anyway).
+template <class Layer>
+std::set<nn::LinearRole> roles_kept_in_fp8(World& w, const std::vector<Entity>& fp8) {
+  std::map<nn::LinearRole, std::pair<int, int>> stored_fp8;  // role -> (stored for backward, of those FP8)
+  for (Entity e : w.view<Layer>()) {
+    const auto& l = w.get<Layer>(e);
+    if (!l.input_stored_for_backward) continue;
+    auto& c = stored_fp8[l.role];
+    ++c.first;
+    if (std::find(fp8.begin(), fp8.end(), e) != fp8.end()) ++c.second;
+  }
+  std::set<nn::LinearRole> roles;
+  for (const auto& [role, c] : stored_fp8)
+    if (c.first == c.second) roles.insert(role);
+  return roles;
+}
+
 void install(World& w, const Fp8Config& cfg) {
   if (!cfg.enabled) return;
   const auto& file = w.resource<RankInfo>().pipeline_file;
@@ -217,22 +237,9 @@ void install(World& w, const Fp8Config& cfg) {
     }
     st.grouped_entities.push_back(e);
   }
-  // An FP8 layer keeps the colwise FP8 copy of its input for its backward pass where the model would
-  // otherwise store that input in bf16 for it alone (half the bytes, and no second quantisation),
-  // for a role only when all of its layers are FP8 (otherwise the model stores them all anyway).
-  std::set<nn::LinearRole> keep_roles;
-  {
-    std::map<nn::LinearRole, std::pair<int, int>> stored_fp8;  // role -> (stored for backward, of those FP8)
-    for (Entity e : w.view<nn::Linear>()) {
-      const auto& l = w.get<nn::Linear>(e);
-      if (!l.input_stored_for_backward) continue;
-      auto& c = stored_fp8[l.role];
-      ++c.first;
-      if (std::find(st.entities.begin(), st.entities.end(), e) != st.entities.end()) ++c.second;
-    }
-    for (const auto& [role, c] : stored_fp8)
-      if (c.first == c.second) keep_roles.insert(role);
-  }
+  // Which FP8 layers keep their input in FP8 for the backward pass.
+  const std::set<nn::LinearRole> keep_roles = roles_kept_in_fp8<nn::Linear>(w, st.entities);
+  const std::set<nn::LinearRole> keep_grouped_roles = roles_kept_in_fp8<nn::GroupedLinear>(w, st.grouped_entities);
   for (std::size_t i = 0; i < st.grouped_entities.size(); ++i)
     for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
       formats.push_back(format_for(cfg.format, r));
@@ -269,7 +276,7 @@ void install(World& w, const Fp8Config& cfg) {
                                                         lin->forward(a, state->weights_version, state->replaying);
                                                       },
                                                   .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
-                                                  .prologues = ops::PrologueSet::all(),
+                                                  .prologues = Fp8Linear::kPrologues,
                                                   .keeps_input = keep});
   }
 
@@ -277,8 +284,10 @@ void install(World& w, const Fp8Config& cfg) {
     const Entity e = st.grouped_entities[i];
     const int first = static_cast<int>(st.entities.size() + i) * kRolesPerLinear;
     const auto* name = w.try_get<Name>(e);
+    const auto& grouped = w.get<nn::GroupedLinear>(e);
+    const bool keep = grouped.input_stored_for_backward && keep_grouped_roles.count(grouped.role) > 0;
     st.grouped.push_back(std::make_unique<Fp8GroupedLinear>(*st.ops, *st.meta, first, *st.workspace, st.recipe,
-                                                            name ? name->value : w.describe(e)));
+                                                            name ? name->value : w.describe(e), keep));
     Fp8GroupedLinear* lin = st.grouped.back().get();
     Fp8State* state = &st;
     w.emplace<ops::GroupedLinearImpl>(
@@ -286,7 +295,9 @@ void install(World& w, const Fp8Config& cfg) {
                                       [lin, state](const ops::GroupedLinearForward& a) {
                                         lin->forward(a, state->grouped_version, state->replaying);
                                       },
-                                  .backward = [lin](const ops::GroupedLinearBackward& a) { lin->backward(a); }});
+                                  .backward = [lin](const ops::GroupedLinearBackward& a) { lin->backward(a); },
+                                  .prologues = Fp8GroupedLinear::kPrologues,
+                                  .keeps_input = keep});
   }
 
   // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies; or, with

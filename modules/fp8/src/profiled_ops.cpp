@@ -28,9 +28,20 @@ class ProfiledOps final : public Fp8Ops {
     in_->quantize(x, out, amax);
   }
   void quantize_grouped(const GroupedQuantizeArgs& a) override {
-    Scope s(be_, a.out.rowwise && a.out.colwise ? "fp8_quantize_grouped_both"
-                 : a.out.rowwise                ? "fp8_quantize_grouped_rowwise"
-                                                : "fp8_quantize_grouped_colwise");
+    // fp8_quantize_grouped[_<prologue>]_<copies>, e.g. fp8_quantize_grouped_dswiglu_both.
+    static constexpr const char* kNames[5][4] = {
+        {"fp8_quantize_grouped_both", "fp8_quantize_grouped_rowwise", "fp8_quantize_grouped_colwise",
+         "fp8_quantize_grouped_amax"},
+        {"fp8_quantize_grouped_gelu_both", "fp8_quantize_grouped_gelu_rowwise", "fp8_quantize_grouped_gelu_colwise",
+         "fp8_quantize_grouped_gelu_amax"},
+        {"fp8_quantize_grouped_swiglu_both", "fp8_quantize_grouped_swiglu_rowwise",
+         "fp8_quantize_grouped_swiglu_colwise", "fp8_quantize_grouped_swiglu_amax"},
+        {"fp8_quantize_grouped_dgelu_both", "fp8_quantize_grouped_dgelu_rowwise", "fp8_quantize_grouped_dgelu_colwise",
+         "fp8_quantize_grouped_dgelu_amax"},
+        {"fp8_quantize_grouped_dswiglu_both", "fp8_quantize_grouped_dswiglu_rowwise",
+         "fp8_quantize_grouped_dswiglu_colwise", "fp8_quantize_grouped_dswiglu_amax"}};
+    const int copies = a.out.rowwise && a.out.colwise ? 0 : a.out.rowwise ? 1 : a.out.colwise ? 2 : 3;
+    Scope s(be_, kNames[a.x.index()][copies]);
     in_->quantize_grouped(a);
   }
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {

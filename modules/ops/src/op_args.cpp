@@ -402,25 +402,27 @@ void grouped_weight(OpArgs& c, const char* arg, const TensorView& w, ArgDType dt
 GroupedDims check_args(const GroupedLinearForward& a, const ArgTarget& on) {
   OpArgs c("grouped_linear_forward", on);
   const auto E = c.dim("E"), R = c.dim("R"), IC = c.dim("IC"), OC = c.dim("OC");
-  c.tensor("x", a.x, Act, {R, IC});
+  const TensorView x = plain_operand(c, "x", a.x);
+  c.tensor("x", x, Act, {R, IC});
   c.tensor("out", a.out, Act, {R, OC});
   grouped_weight(c, "weight", a.weight, Act, a.weight_in_out, E, IC, OC);
   check_offsets(c, a.offsets_host, c[E], c[R]);
-  return {c[E], c[R], c[IC], c[OC]};
+  return {c[E], c[R], c[IC], c[OC], x, {}};
 }
 
 GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on) {
   OpArgs c("grouped_linear_backward", on);
   const auto E = c.dim("E"), R = c.dim("R"), IC = c.dim("IC"), OC = c.dim("OC");
-  c.tensor("x", a.x, Act, {R, IC});
-  c.tensor("dout", a.dout, Act, {R, OC});
+  const TensorView x = plain_operand(c, "x", a.x), dout = plain_operand(c, "dout", a.dout);
+  c.tensor("x", x, Act, {R, IC});
+  c.tensor("dout", dout, Act, {R, OC});
   grouped_weight(c, "weight", a.weight, Act, a.weight_in_out, E, IC, OC);
   grouped_weight(c, "dweight", a.dweight, f32, a.weight_in_out, E, IC, OC);
   c.optional("dx", a.dx, Act, {R, IC});
   if (c.optional("dx_gelu_pre", a.dx_gelu_pre, Act, {R, IC}))
     c.check(static_cast<bool>(a.dx), "dx_gelu_pre without dx: the GELU's derivative applies to dx");
   check_offsets(c, a.offsets_host, c[E], c[R]);
-  return {c[E], c[R], c[IC], c[OC]};
+  return {c[E], c[R], c[IC], c[OC], x, dout};
 }
 
 MoeDims check_args(const MoeDropout& a, const ArgTarget& on) {

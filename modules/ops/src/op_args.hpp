@@ -89,6 +89,7 @@ MoeDims check_args(const MoeDropout& a, const ArgTarget& on);
 // Experts, rows, in and out features; the host offsets checked (0 first, ascending, at most R).
 struct GroupedDims {
   std::int64_t E, R, IC, OC;
+  TensorView x, dout;  // the plain operands (dout: backward only)
 };
 GroupedDims check_args(const GroupedLinearForward& a, const ArgTarget& on);
 GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on);

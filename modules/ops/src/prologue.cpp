@@ -1,15 +1,8 @@
 #include "kiln/ops/prologue.hpp"
 
-namespace kiln::ops {
+#include "kiln/core/overloaded.hpp"
 
-namespace {
-template <class... F>
-struct Overloaded : F... {
-  using F::operator()...;
-};
-template <class... F>
-Overloaded(F...) -> Overloaded<F...>;  // clang 14 deduces no aggregate's arguments
-}  // namespace
+namespace kiln::ops {
 
 Prologue prologue_of(const LinearInput& x) {
   return std::visit(Overloaded{[](const TensorView&) { return Prologue::plain; },
@@ -20,7 +13,10 @@ Prologue prologue_of(const LinearInput& x) {
 }
 
 Prologue prologue_of(const OutputGrad& dout) {
-  return std::holds_alternative<TensorView>(dout) ? Prologue::plain : Prologue::dgelu;
+  return std::visit(Overloaded{[](const TensorView&) { return Prologue::plain; },
+                               [](const DgeluOnLoad&) { return Prologue::dgelu; },
+                               [](const DswigluOnLoad&) { return Prologue::dswiglu; }},
+                    dout);
 }
 
 const char* name_of(Prologue p) {
@@ -30,6 +26,7 @@ const char* name_of(Prologue p) {
     case Prologue::gelu: return "gelu-on-load";
     case Prologue::swiglu: return "swiglu-on-load";
     case Prologue::dgelu: return "dgelu-on-load";
+    case Prologue::dswiglu: return "dswiglu-on-load";
   }
   return "?";
 }

@@ -89,12 +89,15 @@ class CpuOps final : public Fp8Ops {
   }
 
   void quantize_grouped(const GroupedQuantizeArgs& a) override {
-    expect_input(a.x, "fp8 quantize_grouped x");
-    KILN_CHECK(a.x.ndim() == 2 && a.out.scale, "fp8 quantize_grouped: x ", a.x.str(), " (2-D, with a scale)");
-    const std::int64_t R = a.x.size(0), C = a.x.size(1), E = a.experts;
+    const Shape shape = grouped_source_shape(a.x, "fp8 quantize_grouped");
+    KILN_CHECK(a.out.scale, "fp8 quantize_grouped: no scale");
+    const std::int64_t R = shape[0], C = shape[1], E = a.experts;
     const std::int32_t* off = a.offsets_host;
     check_offsets(off, E, R, "fp8 quantize_grouped");
     const std::int64_t used = off[E], padded = segment_row(off, a.experts);
+    // The values of the rows used: the rows themselves, or computed from the prologue's tensors.
+    std::vector<float> computed;
+    const TensorView x = source_values(a.x, used, C, computed);
     if (a.out.rowwise)
       KILN_CHECK(a.out.rowwise.dtype == dtype_of(a.out.format) && a.out.rowwise.shape == Shape({used, C}),
                  "fp8 quantize_grouped: rowwise ", a.out.rowwise.str(), " for [", used, ",", C, "]");
@@ -112,13 +115,13 @@ class CpuOps final : public Fp8Ops {
         const std::int64_t r = off[e] + p;
         const bool real = r < off[e + 1];
         for (std::int64_t c = 0; c < C; ++c) {
-          const std::uint8_t q = real ? fp8::quantize(load(a.x, r * C + c), s, a.out.format) : zero;
+          const std::uint8_t q = real ? fp8::quantize(load(x, r * C + c), s, a.out.format) : zero;
           if (row && real) row[r * C + c] = q;
           if (col) col[base + c * P + p] = q;
         }
       }
     }
-    if (a.amax) *a.amax = amax_max(*a.amax, max_abs(a.x.rows(0, used)));
+    if (a.amax) *a.amax = amax_max(*a.amax, max_abs(x.rows(0, used)));
   }
 
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
@@ -336,6 +339,45 @@ class CpuOps final : public Fp8Ops {
       for (std::int64_t f = 0; f < F; ++f)
         y[static_cast<std::size_t>(r * F + f)] = store(ops::swiglu(load(pre, r * 2 * F + f), load(pre, r * 2 * F + F + f)));
     return y;
+  }
+
+  // The first `rows` rows of a grouped quantisation's source [R, C]: the tensor itself, or its values
+  // computed into `into` (f32), each rounded as the activation op that stores it rounds it.
+  TensorView source_values(const GroupedSource& src, std::int64_t rows, std::int64_t C, std::vector<float>& into) const {
+    if (const auto* t = std::get_if<TensorView>(&src)) {
+      expect_input(*t, "fp8 quantize_grouped x");
+      return *t;
+    }
+    into.resize(static_cast<std::size_t>(rows * C));
+    float* v = into.data();
+    const std::int64_t n = rows * C;
+    if (const auto* g = std::get_if<ops::GeluOnLoad>(&src)) {
+      expect_input(g->pre, "fp8 quantize_grouped pre");
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+      for (std::int64_t i = 0; i < n; ++i) v[i] = store(ops::gelu(load(g->pre, i)));
+    } else if (const auto* g = std::get_if<ops::DgeluOnLoad>(&src)) {
+      expect_input(g->pre, "fp8 quantize_grouped pre");
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+      for (std::int64_t i = 0; i < n; ++i) v[i] = store(load(g->dgelu, i) * ops::gelu_grad(load(g->pre, i)));
+    } else if (const auto* g = std::get_if<ops::SwigluOnLoad>(&src)) {
+      expect_input(g->gate_up, "fp8 quantize_grouped gate_up");
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t c = 0; c < C; ++c)
+          v[r * C + c] = store(ops::swiglu(load(g->gate_up, r * 2 * C + c), load(g->gate_up, r * 2 * C + C + c)));
+    } else {
+      const auto& d = std::get<ops::DswigluOnLoad>(src);
+      expect_input(d.gate_up, "fp8 quantize_grouped gate_up");
+      const std::int64_t F = C / 2;
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t f = 0; f < F; ++f) {
+          const float g = load(d.gate_up, r * C + f), u = load(d.gate_up, r * C + F + f), go = load(d.dswiglu, r * F + f);
+          v[r * C + f] = store(ops::dswiglu_gate(go, g, u));
+          v[r * C + F + f] = store(ops::dswiglu_up(go, g));
+        }
+    }
+    return TensorView(v, {rows, C}, DType::f32, Device::cpu);
   }
 
   float max_abs(const TensorView& x) const {

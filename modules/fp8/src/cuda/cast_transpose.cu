@@ -18,90 +18,12 @@
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "loads.cuh"
 #include "tiles.cuh"
 
 namespace kiln::fp8::cuda {
 
 namespace {
-
-__device__ __forceinline__ float act_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-// Two values rounded to bf16 (round to nearest even, as act_round) by one paired conversion.
-__device__ __forceinline__ void act_round2(float& a, float& b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // a in the low half
-  const std::uint32_t u = *reinterpret_cast<const std::uint32_t*>(&h);
-  a = __uint_as_float(u << 16);
-  b = __uint_as_float(u & 0xffff0000u);
-}
-
-// What a quantising kernel applies to the values it loads (the quantised values are the results):
-// 16 consecutive columns gc.. of row gr in the tiled kernels, one element in the elementwise one.
-// A Load with kLoadsItself reads its values from its own pointers (load(v, r, c) and at(r, c)) in
-// place of the kernel's x.
-struct PlainLoad {
-  static constexpr bool kLoadsItself = false;
-  __device__ void operator()(float (&)[16], int, int) const {}
-  __device__ float operator()(float v, long long, long long) const { return v; }
-};
-// act(gelu(v)), as the GELU kernels store it (bf16 round to nearest even).
-struct GeluLoad {
-  static constexpr bool kLoadsItself = false;
-  __device__ void operator()(float (&v)[16], int, int) const {
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      v[i] = ops::gelu(v[i]);
-      v[i + 1] = ops::gelu(v[i + 1]);
-      act_round2(v[i], v[i + 1]);
-    }
-  }
-  __device__ float operator()(float v, long long, long long) const { return act_round(ops::gelu(v)); }
-};
-// act(LayerNorm(v)) with the forward's statistics, as the LayerNorm kernel stores it.
-struct LayerNormLoad {
-  static constexpr bool kLoadsItself = false;
-  const float* mean;
-  const float* rstd;
-  const bf16* weight;
-  const bf16* bias;
-  __device__ void operator()(float (&v)[16], int r, int c) const {
-    const float m = mean[r], s = rstd[r];
-    float w[16], b[16];
-    load16(weight + c, w);
-    load16(bias + c, b);
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      v[i] = ops::layernorm_apply(v[i], m, s, w[i], b[i]);
-      v[i + 1] = ops::layernorm_apply(v[i + 1], m, s, w[i + 1], b[i + 1]);
-      act_round2(v[i], v[i + 1]);
-    }
-  }
-  __device__ float operator()(float v, long long r, long long c) const {
-    return act_round(ops::layernorm_apply(v, mean[r], rstd[r], __bfloat162float(weight[c]), __bfloat162float(bias[c])));
-  }
-};
-
-// act(silu(gate) * up) from pre [rows, 2 cols] (gate columns, then up columns), as the SwiGLU
-// kernel stores it (bf16 round to nearest even).
-struct SwigluLoad {
-  static constexpr bool kLoadsItself = true;
-  const bf16* pre;
-  long long F;  // the output's columns
-  __device__ void load(float (&v)[16], int r, int c) const {
-    float u[16];
-    const bf16* row = pre + static_cast<size_t>(r) * 2 * F;
-    load16(row + c, v);
-    load16(row + F + c, u);
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      v[i] = ops::swiglu(v[i], u[i]);
-      v[i + 1] = ops::swiglu(v[i + 1], u[i + 1]);
-      act_round2(v[i], v[i + 1]);
-    }
-  }
-  __device__ float at(long long r, long long c) const {
-    const bf16* row = pre + r * 2 * F;
-    return act_round(ops::swiglu(__bfloat162float(row[c]), __bfloat162float(row[F + c])));
-  }
-};
 
 template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 __global__ void __launch_bounds__(kThreads)

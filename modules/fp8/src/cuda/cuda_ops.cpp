@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <variant>
 #include <span>
 #include <vector>
 #include <cstring>
@@ -140,16 +141,31 @@ class CudaOps final : public Fp8Ops {
   }
 
   void quantize_grouped(const GroupedQuantizeArgs& a) override {
-    check_input(a.x, "fp8 quantize_grouped x");
-    KILN_CHECK(a.x.ndim() == 2 && a.out.scale, "fp8 quantize_grouped: x must be 2-D [rows, cols] (got ", a.x.str(),
-               ") and a scale is needed");
-    const std::int64_t R = a.x.size(0), C = a.x.size(1), E = a.experts;
+    const Shape shape = grouped_source_shape(a.x, "fp8 quantize_grouped");
+    KILN_CHECK(a.out.scale, "fp8 quantize_grouped: no scale");
+    const std::int64_t R = shape[0], C = shape[1], E = a.experts;
     check_offsets(a.offsets_host, E, R, "fp8 quantize_grouped");
     const std::int64_t used = a.offsets_host[E], padded = segment_row(a.offsets_host, a.experts);
     check_copy(a.out.rowwise, a.out.format, {used, C}, "fp8 quantize_grouped: rowwise");
     check_copy(a.out.colwise, a.out.format, {padded * C}, "fp8 quantize_grouped: colwise");
     if (!a.out.rowwise && !a.out.colwise && !a.amax) return;
-    grouped_cast(a.x, a.offsets_host, a.experts, 0, a.out, a.amax);
+    cuda::GroupedCast k;
+    if (const auto* t = std::get_if<TensorView>(&a.x)) {
+      check_input(*t, "fp8 quantize_grouped x");
+      k.x = t->data;
+      k.x_dtype = t->dtype;
+    } else if (const auto* g = std::get_if<ops::GeluOnLoad>(&a.x)) {
+      k = source_of(cuda::CastSource::gelu, g->pre, {}, "fp8 quantize_grouped: the GELU's pre-activation");
+    } else if (const auto* g = std::get_if<ops::SwigluOnLoad>(&a.x)) {
+      k = source_of(cuda::CastSource::swiglu, g->gate_up, {}, "fp8 quantize_grouped: the SwiGLU's input");
+    } else if (const auto* g = std::get_if<ops::DgeluOnLoad>(&a.x)) {
+      k = source_of(cuda::CastSource::dgelu, g->pre, g->dgelu, "fp8 quantize_grouped: dgelu-on-load");
+    } else {
+      const auto& d = std::get<ops::DswigluOnLoad>(a.x);
+      k = source_of(cuda::CastSource::dswiglu, d.gate_up, d.dswiglu, "fp8 quantize_grouped: dswiglu-on-load");
+    }
+    const std::int64_t load_cols = k.source == cuda::CastSource::dswiglu ? C / 2 : C;
+    grouped_cast(k, cuda::grouped_cast_plan(a.offsets_host, a.experts, 0, load_cols), C, a.out, a.amax, true);
   }
 
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
@@ -329,25 +345,47 @@ class CudaOps final : public Fp8Ops {
   // padding) into out's copies, its plan uploaded on the stream.
   void grouped_cast(const TensorView& x, const std::int32_t* offsets, int experts, std::int64_t rows_each,
                     const Fp8TensorView& out, float* amax) {
-    const std::vector<std::int32_t> plan = cuda::grouped_cast_plan(offsets, experts, rows_each, x.size(x.ndim() - 1));
-    const std::size_t E = static_cast<std::size_t>(experts);
+    const std::int64_t cols = x.size(x.ndim() - 1);
     cuda::GroupedCast k;
     k.x = x.data;
     k.x_dtype = x.dtype;
-    k.experts = experts;
+    grouped_cast(k, cuda::grouped_cast_plan(offsets, experts, rows_each, cols), cols, out, amax,
+                 offsets != nullptr || rows_each % 16 == 0);
+  }
+  // k (its source set) completed with a plan of cols-wide rows and launched.
+  void grouped_cast(cuda::GroupedCast& k, const std::vector<std::int32_t>& plan, std::int64_t cols,
+                    const Fp8TensorView& out, float* amax, bool tiled) {
+    const std::size_t E = plan.size() / 3 - 1;
+    k.experts = static_cast<int>(E);
     k.used_rows = plan[E];
     k.padded_rows = plan[2 * E + 1];
     k.tiles = plan[3 * E + 2];
-    k.tiled = offsets != nullptr || rows_each % 16 == 0;
-    k.cols = x.size(x.ndim() - 1);
+    k.tiled = tiled;
+    k.cols = cols;
     k.rowwise = out.rowwise.as<std::uint8_t>();
     k.colwise = out.colwise.as<std::uint8_t>();
     k.format = out.format;
     k.scale = out.scale;
     k.amax = amax;
-    if (k.rowwise || k.colwise)
+    if (k.rowwise || k.colwise || k.source != cuda::CastSource::plain)
       k.plan = static_cast<const std::int32_t*>(uploads_.upload(plan.data(), plan.size() * sizeof(std::int32_t)));
     cuda::cast_transpose_grouped(k, stream_);
+  }
+  // A grouped cast computing its values from x (and grad) as it loads them: contiguous bf16 CUDA tensors.
+  static cuda::GroupedCast source_of(cuda::CastSource source, const TensorView& x, const TensorView& grad,
+                                     const char* what) {
+    const auto check = [what](const TensorView& t) {
+      KILN_CHECK(t.device == Device::cuda && t.dtype == DType::bf16 && t.contiguous(), what,
+                 ": expected a contiguous bf16 CUDA tensor, got ", t.str());
+    };
+    check(x);
+    if (source == cuda::CastSource::dgelu || source == cuda::CastSource::dswiglu) check(grad);
+    cuda::GroupedCast k;
+    k.x = x.data;
+    k.x_dtype = DType::bf16;
+    k.source = source;
+    k.grad = grad ? grad.data : nullptr;
+    return k;
   }
 
   static void check_outputs(const TensorView& x, const Fp8TensorView& out, const char* what) {

@@ -7,6 +7,12 @@
 
 namespace kiln::model {
 
+ActOutput act_output_for(bool fc2_takes_prologue, bool fc2_keeps_input, bool recompute) {
+  if (fc2_takes_prologue) return ActOutput::on_load;
+  if (fc2_keeps_input) return ActOutput::forward_only;
+  return recompute ? ActOutput::refilled : ActOutput::saved;
+}
+
 Mlp::Mlp(LayerBuilder& b, const MlpOptions& o, const std::vector<std::int64_t>& fc_parts, ops::Prologue act_prologue)
     : ctx_(b.ctx()),
       fc_(b, o.name + ".fc", nn::LinearRole::mlp_in, parallel::ColumnParallelLinear(ctx_.tp, ctx_.cfg.n_embd, fc_parts), o.bias,
@@ -23,14 +29,8 @@ void Mlp::declare(ActivationTable::Rows& rows, const std::string& key, StageSet 
   const DType act = ctx_.act();
   rows.saved(pre_, key + ".pre", act, {ctx_.N, fc_.local_out()}, stage);
   const auto* impl = ctx_.world.try_get<ops::LinearImpl>(proj_.entity());
-  if (impl && impl->prologues.has(act_prologue_))
-    act_output_ = ActOutput::on_load;
-  else if (impl && impl->keeps_input)
-    act_output_ = ActOutput::forward_only;
-  else if (ctx_.cfg.recompute_gelu)
-    act_output_ = ActOutput::refilled;
-  else
-    act_output_ = ActOutput::saved;
+  act_output_ = act_output_for(impl && impl->prologues.has(act_prologue_), impl && impl->keeps_input,
+                               ctx_.cfg.recompute_gelu);
   const Shape act_shape{ctx_.N, proj_.local_in()};
   if (act_output_ == ActOutput::saved)
     rows.saved(act_, key + ".act", act, act_shape, stage);

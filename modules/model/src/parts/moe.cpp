@@ -50,7 +50,9 @@ MoeMlp::MoeMlp(LayerBuilder& b, const MoeOptions& o, std::unique_ptr<Mlp> shared
   proj_linear_ = b.grouped_linear(b.prefix() + "mlp.experts.proj",
                                   {.role = nn::LinearRole::mlp_out, .weight = proj_, .experts = El,
                                    .in = static_cast<int>(hidden_local()), .out = static_cast<int>(C),
-                                   .weight_in_out = true});
+                                   .weight_in_out = true,
+                                   // FC2's input (the activation's output) is stored for it alone
+                                   .input_stored_for_backward = !ctx_.cfg.recompute_gelu});
   if (o.capacity_factor > 0)
     capacity_ = static_cast<std::int64_t>(
         std::ceil(static_cast<double>(o.capacity_factor) * ctx_.T * o.top_k / static_cast<double>(E)));
@@ -93,10 +95,14 @@ void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageS
     rows.saved(x_in_, key + ".x_expert", act, {R, C}, stage);
   }
   rows.saved(pre_, key + ".pre", act, {Rx, fc_local()}, stage);
-  act_saved_ = !ctx_.cfg.recompute_gelu;
-  if (act_saved_)
+  const ops::GroupedLinearImpl &fc1 = impl(fc_linear_), &fc2 = impl(proj_linear_);
+  act_output_ = act_output_for(fc2.prologues.has(gelu() ? ops::Prologue::gelu : ops::Prologue::swiglu) &&
+                                   o_.expert_dropout == 0,
+                               fc2.keeps_input, ctx_.cfg.recompute_gelu);
+  dact_on_load_ = fc1.prologues.has(gelu() ? ops::Prologue::dgelu : ops::Prologue::dswiglu);
+  if (act_output_ == ActOutput::saved)
     rows.saved(act_, key + ".act", act, {Rx, hidden_local()}, stage);
-  else
+  else if (act_output_ != ActOutput::on_load)
     rows.scratch(act_, "moe.act", act, {Rx, hidden_local()});
   // The experts' outputs back in grouped order: written by stage `out`, which no recompute runs.
   rows.own(y_, act, {R, C});
@@ -109,7 +115,7 @@ void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageS
   rows.backward_scratch(dy_, "moe.dy_expert", act, {Rx, C});
   if (moves) rows.backward_scratch(dy_out_, "moe.dy_grouped", act, {R, C});
   rows.backward_scratch(dact_, "moe.dact", act, {Rx, hidden_local()});
-  rows.backward_scratch(dpre_, "moe.dpre", act, {Rx, fc_local()});
+  if (!dact_on_load_) rows.backward_scratch(dpre_, "moe.dpre", act, {Rx, fc_local()});
   rows.backward_scratch(dx_in_, "moe.dx_expert", act, {Rx, C});
   rows.backward_scratch(drouter_, "moe.drouter", act, {N, C});
 }
@@ -183,6 +189,12 @@ void MoeMlp::activate() {
   if (dropout_on()) ctx_.be.moe_dropout(dropout_args(act_));
 }
 
+ops::LinearInput MoeMlp::fc2_input() const {
+  if (act_output_ != ActOutput::on_load) return act_;
+  if (gelu()) return ops::GeluOnLoad{pre_};
+  return ops::SwigluOnLoad{pre_};
+}
+
 void MoeMlp::forward_in(const NormOutput& x, float p) {
   ops::Backend& be = ctx_.be;
   const bool moves = ep_.size() > 1;
@@ -223,7 +235,7 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
     local = plan_.local_offsets.data();
   }
   impl(fc_linear_).forward({pre_, x_in_, weight(fc_, false), local});
-  activate();
+  if (act_output_ != ActOutput::on_load) activate();
 }
 
 void MoeMlp::forward_out(const TensorView& out_local) {
@@ -234,7 +246,7 @@ void MoeMlp::forward_out(const TensorView& out_local) {
     shared_->forward_out(out_local);
     be.copy(shared_out_, out_local);
   }
-  impl(proj_linear_).forward({moves ? y_out_ : y_, act_, weight(proj_, false), local, /*weight_in_out=*/true});
+  impl(proj_linear_).forward({moves ? y_out_ : y_, fc2_input(), weight(proj_, false), local, /*weight_in_out=*/true});
   if (moves) ep_.combine(y_, y_out_, plan_);
   // Each token's experts' outputs, weighted: this rank's part of the experts' hidden features, a
   // partial sum over TP like a row-parallel output, summed over the group into this rank's rows.
@@ -258,7 +270,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   ops::Backend& be = ctx_.be;
   const bool moves = ep_.size() > 1, sp = ctx_.tp.sequence_parallel();
   const std::int32_t* local = moves ? plan_.local_offsets.data() : offsets_host_.data();
-  if (!act_saved_) activate();
+  if (act_output_ == ActOutput::refilled) activate();
   if (shared_) be.copy(shared_out_, shared_->backward(dout_local, x, dx_local, p));
   // Every row of the output's gradient.
   TensorView dout = dout_local;
@@ -270,19 +282,23 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   be.moe_combine_backward({dy_grouped, dgates_, dout, y_, gates_, row_of_});
   ctx_.tp.all_reduce(dgates_);  // the outputs were this rank's partial sums
   if (moves) ep_.dispatch(dy_, dy_out_, plan_);
-  // FC2, then the activation (with GELU and no dropout, its derivative in FC2's data gradient), then FC1.
-  const bool fuse_gelu = gelu() && !dropout_on();
+  // FC2, then the activation's backward (in FC1's load of its output gradient where FC1 takes that;
+  // else with GELU and no dropout in FC2's data gradient; else on its own), then FC1.
+  const bool fuse_gelu = gelu() && !dropout_on() && !dact_on_load_;
   impl(proj_linear_).backward({.dx = fuse_gelu ? dpre_ : dact_,
                               .dweight = weight(proj_, true),
                               .dout = dy_,
-                              .x = act_,
+                              .x = fc2_input(),
                               .weight = weight(proj_, false),
                               .dx_gelu_pre = fuse_gelu ? pre_ : TensorView{},
                               .offsets_host = local,
                               .weight_in_out = true,
                               .dweight_overwrite = first_micro_batch()});
-  if (!fuse_gelu) {
-    if (dropout_on()) be.moe_dropout(dropout_args(dact_));
+  if (dropout_on()) be.moe_dropout(dropout_args(dact_));
+  ops::OutputGrad dfc = dpre_;
+  if (dact_on_load_) {
+    dfc = gelu() ? ops::OutputGrad(ops::DgeluOnLoad{dact_, pre_}) : ops::OutputGrad(ops::DswigluOnLoad{dact_, pre_});
+  } else if (!fuse_gelu) {
     const std::int64_t used = local[ep_.local_experts()];
     if (gelu())
       be.gelu_backward({dpre_.rows(0, used), dact_.rows(0, used), pre_.rows(0, used)});
@@ -291,7 +307,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   }
   impl(fc_linear_).backward({.dx = dx_in_,
                               .dweight = weight(fc_, true),
-                              .dout = dpre_,
+                              .dout = dfc,
                               .x = x_in_,
                               .weight = weight(fc_, false),
                               .offsets_host = local,

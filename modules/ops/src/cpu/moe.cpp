@@ -240,7 +240,7 @@ void CpuBackend::grouped_linear_forward(const GroupedLinearForward& a) {
   Timer timer(*this, "grouped_linear_forward");
   const GroupedDims d = check_args(a, kTarget);
   const std::int64_t E = d.E, IC = d.IC, OC = d.OC;
-  const float *x = a.x.as<float>(), *w = a.weight.as<float>();
+  const float *x = d.x.as<float>(), *w = a.weight.as<float>();
   float* out = a.out.as<float>();
   const std::int32_t* off = a.offsets_host;
   // Element (o, i) of expert e's weight as an [out, in] matrix.
@@ -261,7 +261,7 @@ void CpuBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
   Timer timer(*this, "grouped_linear_backward");
   const GroupedDims d = check_args(a, kTarget);
   const std::int64_t E = d.E, R = d.R, IC = d.IC, OC = d.OC;
-  const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>();
+  const float *x = d.x.as<float>(), *w = a.weight.as<float>(), *dout = d.dout.as<float>();
   const float* pre = a.dx_gelu_pre ? a.dx_gelu_pre.as<float>() : nullptr;
   const std::int32_t* off = a.offsets_host;
   const std::int64_t so = a.weight_in_out ? 1 : IC, si = a.weight_in_out ? OC : 1;

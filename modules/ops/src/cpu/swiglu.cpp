@@ -24,8 +24,8 @@ void CpuBackend::swiglu_backward(const SwigluBackward& a) {
   for (std::int64_t n = 0; n < N; ++n)
     for (std::int64_t f = 0; f < F; ++f) {
       const float g = x[n * 2 * F + f], u = x[n * 2 * F + F + f], go = dout[n * F + f];
-      dx[n * 2 * F + f] = store(go * u * silu_grad(g));
-      dx[n * 2 * F + F + f] = store(go * silu(g));
+      dx[n * 2 * F + f] = store(dswiglu_gate(go, g, u));
+      dx[n * 2 * F + F + f] = store(dswiglu_up(go, g));
     }
 }
 

@@ -101,7 +101,7 @@ void CudaBackend::grouped_linear_forward(const GroupedLinearForward& a) {
   const int E = i32(d.E), IC = i32(d.IC), OC = i32(d.OC);
   cuda::GroupedGemm& gg = grouped_gemm();
   bf16* out = dptr<bf16>(a.out);
-  const bf16 *x = dptr<bf16>(a.x), *w = dptr<bf16>(a.weight);
+  const bf16 *x = dptr<bf16>(d.x), *w = dptr<bf16>(a.weight);
   Timer t(*this, gg.one_call(out, x, w, E, IC, OC) ? "grouped_linear_forward" : "grouped_linear_forward_per_expert");
   gg.rows_times_weight(out, x, w, a.offsets_host, E, /*K=*/IC, /*N=*/OC, /*w_nk=*/!a.weight_in_out);
 }
@@ -114,7 +114,7 @@ void CudaBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
   const std::int64_t R = d.R, used = a.offsets_host[E];
   cuda::GroupedGemm& gg = grouped_gemm();
   bf16* dx = dptr_or_null<bf16>(a.dx);
-  const bf16 *dout = dptr<bf16>(a.dout), *x = dptr<bf16>(a.x), *w = dptr<bf16>(a.weight);
+  const bf16 *dout = dptr<bf16>(d.dout), *x = dptr<bf16>(d.x), *w = dptr<bf16>(a.weight);
   const bool one = !dx || gg.one_call(dx, dout, w, E, OC, IC);
   Timer t(*this, one ? "grouped_linear_backward" : "grouped_linear_backward_per_expert");
   if (dx) {

@@ -111,8 +111,8 @@ __global__ __launch_bounds__(kThreads) void swiglu_bwd8(bf16* dx, const bf16* do
     load8(dout + n * F + f, go);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      dg[k] = go[k] * u[k] * ops::silu_grad(g[k]);
-      du[k] = go[k] * ops::silu(g[k]);
+      dg[k] = ops::dswiglu_gate(go[k], g[k], u[k]);
+      du[k] = ops::dswiglu_up(go[k], g[k]);
     }
     store8(dx + n * 2 * F + f, dg);
     store8(dx + n * 2 * F + F + f, du);
@@ -137,8 +137,8 @@ __global__ __launch_bounds__(kThreads) void swiglu_bwd(bf16* dx, const bf16* dou
     const std::int64_t n = idx / F, f = idx % F;
     const float g = __bfloat162float(x[n * 2 * F + f]), u = __bfloat162float(x[n * 2 * F + F + f]);
     const float go = __bfloat162float(dout[idx]);
-    dx[n * 2 * F + f] = __float2bfloat16_rn(go * u * ops::silu_grad(g));
-    dx[n * 2 * F + F + f] = __float2bfloat16_rn(go * ops::silu(g));
+    dx[n * 2 * F + f] = __float2bfloat16_rn(ops::dswiglu_gate(go, g, u));
+    dx[n * 2 * F + F + f] = __float2bfloat16_rn(ops::dswiglu_up(go, g));
   }
 }
 

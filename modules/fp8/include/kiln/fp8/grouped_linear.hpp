@@ -17,6 +17,13 @@
 //   wgrad    dW[e]  += dout[e]^T @ x[e]       X = dout colwise, Y = x colwise (both padded to 16)
 // (an FC2 stored [in, out] per expert swaps wgrad's operands and uses the stored layout for dgrad).
 //
+// Operands through prologues (ops::GroupedLinearImpl::prologues): the input may be the GELU or SwiGLU
+// of the pre-activation (an FC2 whose activation the model does not store) and the output gradient
+// the GELU's or SwiGLU's output gradient with the pre-activation (an FC1 whose activation's backward
+// the model does not run): Fp8Ops::quantize_grouped computes the values as it quantises them, the
+// same codes as the unfused path. With keep_input, the forward writes the input's padded transposes
+// too and keeps them for the backward, which then reads no input (ops::GroupedLinearImpl::keeps_input).
+//
 // Scales: per tensor, the three slots of a linear (TensorRole) in an Fp8MetaStore: one for the
 // whole grouped input (every expert's rows), one for all of this rank's experts' weights, one for the
 // output gradient. The weight's FP8 copies are made once per weight version and reused by every
@@ -38,7 +45,10 @@ class Fp8GroupedLinear {
  public:
   // Uses slots first_slot + TensorRole of `meta`.
   Fp8GroupedLinear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace, const Fp8Recipe& recipe,
-                   std::string name = "grouped linear");
+                   std::string name = "grouped linear", bool keep_input = false);
+  // What it takes through prologues (ops::GroupedLinearImpl::prologues).
+  static constexpr ops::PrologueSet kPrologues = {ops::Prologue::plain, ops::Prologue::gelu, ops::Prologue::swiglu,
+                                                  ops::Prologue::dgelu, ops::Prologue::dswiglu};
 
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor). Bump the version whenever the weight values change.
@@ -48,6 +58,8 @@ class Fp8GroupedLinear {
 
   ScalingSlot slot(TensorRole r) const { return meta_.slot(first_slot_ + static_cast<int>(r)); }
   const std::string& name() const { return name_; }
+  bool keeps_input() const { return keep_input_; }
+  std::size_t kept_bytes() const { return kept_.bytes(); }  // the kept input copy's memory
 
  private:
   // Makes the weight's two FP8 copies: forward [E, OC, IC] and dgrad [E, IC, OC].
@@ -64,6 +76,8 @@ class Fp8GroupedLinear {
   std::vector<GemmArgs> rows_products(const char* what, const Operand& x, const Operand& w, const TensorView& d,
                                       const std::int32_t* off, std::int64_t E, std::int64_t K, bool fast_accum) const;
   Fp8TensorView fp8(const ScalingSlot& s, void* rowwise, Shape row_shape, void* colwise, Shape col_shape) const;
+  // The keep_input buffer, sized for the padded transposes of `cols`-wide rows grouped by `off`.
+  void* kept_input(const std::int32_t* off, int experts, std::int64_t cols);
 
   Fp8Ops& ops_;
   Fp8MetaStore& meta_;
@@ -77,6 +91,10 @@ class Fp8GroupedLinear {
     std::int64_t version = 0;
     const void* source = nullptr;
   } cache_;
+  bool keep_input_ = false;
+  Buffer kept_;                        // keep_input: the input's padded transposes of the last forward
+  std::vector<std::int32_t> kept_off_;  // ... for these offsets
+  std::int64_t kept_cols_ = 0;
 };
 
 }  // namespace kiln::fp8

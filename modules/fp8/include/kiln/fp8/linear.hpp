@@ -65,6 +65,9 @@ class Fp8Linear {
   // Uses slots first_slot + TensorRole of `meta`; their formats decide the FP8 types.
   Fp8Linear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace, const Fp8Recipe& recipe,
             std::string name = "linear", bool keep_input = false);
+  // What it takes through prologues (ops::LinearImpl::prologues).
+  static constexpr ops::PrologueSet kPrologues = {ops::Prologue::plain, ops::Prologue::layernorm, ops::Prologue::gelu,
+                                                  ops::Prologue::swiglu, ops::Prologue::dgelu};
 
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor). Bump the version whenever the weight values change.

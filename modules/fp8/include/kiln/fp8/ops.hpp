@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <variant>
 
 #include "kiln/fp8/recipe.hpp"
 #include "kiln/fp8/tensor.hpp"
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/epilogue.hpp"
+#include "kiln/ops/prologue.hpp"
 #include "kiln/tensor/buffer.hpp"
 
 namespace kiln::fp8 {
@@ -88,9 +90,24 @@ struct AdamWQuantizeArgs {
 //     [cols, segment_rows(offsets, e)] block starting at element cols * segment_row(offsets, e), its
 //     columns past the expert's rows holding the code of 0 (segment_rows rounds the rows up to a
 //     multiple of 16: the weight gradient's K, which Hopper's FP8 GEMMs want a multiple of 16);
-// max |x| over the experts' rows max-accumulated into *amax unless null.
+// max |x| over the experts' rows max-accumulated into *amax unless null; with neither copy, the
+// amax alone.
+//
+// x is the rows themselves, or the values an activation's forward or backward pass would store,
+// computed as they are loaded (rounded to act exactly as those ops round them, so the codes are the
+// unfused path's): the input of an FC2 whose activation is not stored, the output gradient of an FC1
+// whose activation's backward is not run on its own.
+//   TensorView [R, cols]                   the rows
+//   ops::GeluOnLoad{pre [R, cols]}         gelu_forward's values
+//   ops::SwigluOnLoad{gate_up [R, 2 cols]} swiglu_forward's values
+//   ops::DgeluOnLoad{dgelu, pre [R, cols]} gelu_backward's values (dgelu * gelu'(pre))
+//   ops::DswigluOnLoad{dswiglu [R, cols / 2], gate_up [R, cols]}  swiglu_backward's values
+using GroupedSource =
+    std::variant<TensorView, ops::GeluOnLoad, ops::SwigluOnLoad, ops::DgeluOnLoad, ops::DswigluOnLoad>;
+// A source's [R, cols]; throws where its tensors do not fit together (naming `what`).
+Shape grouped_source_shape(const GroupedSource& x, const char* what);
 struct GroupedQuantizeArgs {
-  TensorView x;                                // [R, cols] act
+  GroupedSource x;                             // [R, cols] act
   const std::int32_t* offsets_host = nullptr;  // [experts + 1], host memory
   int experts = 0;
   Fp8TensorView out;

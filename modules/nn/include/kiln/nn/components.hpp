@@ -102,6 +102,7 @@ struct GroupedLinear {
   Entity weight{};
   int experts = 0, in = 0, out = 0;
   bool weight_in_out = false;
+  bool input_stored_for_backward = false;  // as Linear's (ops::GroupedLinearImpl::keeps_input)
 };
 
 // World resource the model provides once it has allocated its activations (Phase::setup): memory

@@ -51,6 +51,11 @@ KILN_HD float silu_grad(float g) {
   const float s = silu_logistic(g);
   return s * (1.0f + g * (1.0f - s));
 }
+// SwiGLU's backward before rounding, from the output's gradient dout: what swiglu_backward stores
+// (act-rounded) for the gate column and the up column, and what FP8's gradient quantisation with the
+// SwiGLU's derivative reads.
+KILN_HD float dswiglu_gate(float dout, float gate, float up) { return dout * up * silu_grad(gate); }
+KILN_HD float dswiglu_up(float dout, float gate) { return dout * silu(gate); }
 
 // RoPE's inverse frequency of pair i of a D-wide head: theta^(-2i/D), in f32 as Hugging Face's
 // Llama computes it; the angle of position pos is pos * rope_inv_freq(i, D, theta), rounded to f32.

@@ -12,6 +12,10 @@ namespace kiln::ops {
 struct GroupedLinearImpl {
   std::function<void(const GroupedLinearForward&)> forward;
   std::function<void(const GroupedLinearBackward&)> backward;
+  // The prologues it takes (LinearImpl::prologues): the backend's ops take the plain tensors alone.
+  PrologueSet prologues = {Prologue::plain};
+  // backward never reads GroupedLinearBackward::x (LinearImpl::keeps_input).
+  bool keeps_input = false;
 };
 
 // The backend's own grouped linear ops as a GroupedLinearImpl.

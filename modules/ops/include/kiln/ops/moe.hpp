@@ -13,6 +13,7 @@
 // matches the CPU reference and reruns match bit for bit.
 #include <cstdint>
 
+#include "kiln/ops/prologue.hpp"
 #include "kiln/rng/philox.hpp"
 #include "kiln/tensor/tensor.hpp"
 
@@ -125,7 +126,9 @@ struct MoeCombineBackward {
 // offsets_host: the same E + 1 offsets on the host (the group sizes a grouped GEMM is launched with).
 struct GroupedLinearForward {
   TensorView out;     // [R, OC] act
-  TensorView x;       // [R, IC] act
+  // [R, IC] act; or, for a GroupedLinearImpl that takes it, the GELU or SwiGLU prologue the input is
+  // computed from (prologue.hpp: the backends take the tensor itself).
+  LinearInput x;
   TensorView weight;  // [E, OC, IC] or [E, IC, OC] act
   const std::int32_t* offsets_host = nullptr;
   bool weight_in_out = false;
@@ -137,8 +140,8 @@ struct GroupedLinearForward {
 struct GroupedLinearBackward {
   TensorView dx;           // [R, IC] act, optional
   TensorView dweight;      // [E, OC, IC] or [E, IC, OC] f32
-  TensorView dout;         // [R, OC] act
-  TensorView x;            // [R, IC] act
+  OutputGrad dout;         // [R, OC] act; or, for a GroupedLinearImpl that takes it, DgeluOnLoad or DswigluOnLoad
+  LinearInput x;           // as the forward was given it (GroupedLinearImpl::keeps_input: not read)
   TensorView weight;       // [E, OC, IC] or [E, IC, OC] act
   TensorView dx_gelu_pre;  // [R, IC] act, optional
   const std::int32_t* offsets_host = nullptr;

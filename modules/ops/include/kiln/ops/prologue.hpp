@@ -41,11 +41,18 @@ struct DgeluOnLoad {
   TensorView dgelu;  // [N, OC] act: d loss / d gelu(out)
   TensorView pre;    // [N, OC] act: the forward's output
 };
-// A backward's output gradient: the tensor [N, OC] act itself, or DgeluOnLoad.
-using OutputGrad = std::variant<TensorView, DgeluOnLoad>;
+// The output gradient of a linear layer whose output is a SwiGLU's input (gate columns, then up
+// columns), given as the gradient with respect to the SwiGLU's output: the layer computes the
+// gradient with respect to its output as it loads it, the values swiglu_backward would store.
+struct DswigluOnLoad {
+  TensorView dswiglu;  // [N, OC / 2] act: d loss / d swiglu(out)
+  TensorView gate_up;  // [N, OC] act: the forward's output
+};
+// A backward's output gradient: the tensor [N, OC] act itself, DgeluOnLoad or DswigluOnLoad.
+using OutputGrad = std::variant<TensorView, DgeluOnLoad, DswigluOnLoad>;
 
 // The prologues by name, one per alternative above (plain: the tensor itself).
-enum class Prologue : std::uint8_t { plain, layernorm, gelu, swiglu, dgelu };
+enum class Prologue : std::uint8_t { plain, layernorm, gelu, swiglu, dgelu, dswiglu };
 Prologue prologue_of(const LinearInput& x);
 Prologue prologue_of(const OutputGrad& dout);
 const char* name_of(Prologue p);  // "plain", "layernorm-on-load", ...
@@ -57,7 +64,7 @@ class PrologueSet {
     for (Prologue p : ps) bits_ |= bit(p);
   }
   static constexpr PrologueSet all() {
-    return {Prologue::plain, Prologue::layernorm, Prologue::gelu, Prologue::swiglu, Prologue::dgelu};
+    return {Prologue::plain, Prologue::layernorm, Prologue::gelu, Prologue::swiglu, Prologue::dgelu, Prologue::dswiglu};
   }
   constexpr bool has(Prologue p) const { return (bits_ & bit(p)) != 0; }
 

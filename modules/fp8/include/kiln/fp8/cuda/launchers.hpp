@@ -81,14 +81,22 @@ std::int64_t grad_partials(std::int64_t rows, std::int64_t cols);
 //     padding (the batched quantize of the experts' weights: colwise = [experts, cols, rows]).
 std::vector<std::int32_t> grouped_cast_plan(const std::int32_t* offsets, int experts, std::int64_t rows_each,
                                             std::int64_t cols);
-// rowwise [begin[experts], cols] gets encode(x * *scale) of the rows as they are, colwise the blocks,
-// the padded rows' codes being encode(0 * *scale) (either copy may be null); max |x| over the rows
-// used max-accumulated into *amax unless null. With neither copy, the amax alone. 16-byte accesses
-// over 64 x 64 tiles when every padded count and cols are multiples of 16 and the pointers 16-byte
-// aligned; one element per thread otherwise.
+// rowwise [begin[experts], cols] gets encode(v * *scale) of the rows' values v, colwise the blocks,
+// the padded rows' codes being encode(0 * *scale) (either copy may be null); max |v| over the rows
+// used max-accumulated into *amax unless null. With neither copy, the amax alone. The values
+// (GroupedSource, on device pointers): the rows of x as they are (bf16 or f32), or, from bf16
+// tensors, gelu(x), swiglu(x) (x [rows, 2 cols]), grad * gelu'(x) (grad and x [rows, cols]), or
+// swiglu_backward's values (grad [rows, cols / 2], x [rows, cols]), each rounded to bf16 as those ops
+// store it. The plan's tiles cover the loaded columns: cols, or cols / 2 for dswiglu (both halves of
+// a row come from one load). 16-byte accesses over 64 x 64 tiles when every padded count and the
+// loaded columns are multiples of 16 and the pointers 16-byte aligned; one element per thread
+// otherwise.
+enum class CastSource { plain, gelu, swiglu, dgelu, dswiglu };
 struct GroupedCast {
   const void* x = nullptr;
   DType x_dtype = DType::bf16;
+  CastSource source = CastSource::plain;
+  const void* grad = nullptr;  // dgelu, dswiglu: the activation output's gradient (bf16)
   const std::int32_t* plan = nullptr;  // device: begin, seg, tile (grouped_cast_plan)
   int experts = 0;
   std::int64_t used_rows = 0, padded_rows = 0, tiles = 0;  // the plan's totals

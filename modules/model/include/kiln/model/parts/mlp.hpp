@@ -18,6 +18,13 @@
 
 namespace kiln::model {
 
+// Where an activation's output (FC2's input) lives: written and kept for the backward pass, written
+// and recomputed there (model.recompute_gelu), written for the forward only (FC2's implementation
+// keeps its own copy of its input), or never written (FC2's implementation computes it from FC1's
+// output as it loads it).
+enum class ActOutput { saved, refilled, forward_only, on_load };
+ActOutput act_output_for(bool fc2_takes_prologue, bool fc2_keeps_input, bool recompute);
+
 struct MlpOptions {
   std::string name = "mlp";  // its linears are <name>.fc and <name>.proj
   int hidden = 0;    // hidden features (all ranks): GELU's width, or SwiGLU's gate (and up) width
@@ -54,7 +61,6 @@ class Mlp : public Mixer {
   TensorView dpre_;  // backward scratch: FC1's output gradient
 
  private:
-  enum class ActOutput { saved, refilled, forward_only, on_load };
   ops::Prologue act_prologue_;
   ActOutput act_output_ = ActOutput::saved;
 };

@@ -90,6 +90,7 @@ class MoeMlp final : public Mixer {
   bool first_micro_batch() const;
   // The activation of FC1's output, then expert dropout (a forward, or a refill for the backward).
   void activate();
+  ops::LinearInput fc2_input() const;  // FC2's input: the activation's output, or its prologue
   ops::MoeDropout dropout_args(const TensorView& t) const;
   // The router losses' coefficients as the kernels take them (per sequence and per token).
   struct LossCoeffs {
@@ -109,7 +110,11 @@ class MoeMlp final : public Mixer {
   Entity fc_{}, proj_{};          // the experts' weights
   Entity fc_linear_{}, proj_linear_{};  // their grouped linears (nn::GroupedLinear)
   std::int64_t capacity_ = 0;  // per sequence and expert; 0: dropless
-  bool act_saved_ = false;      // the activation's output kept (else refilled for the backward pass)
+  // Where the activation's output lives (FC2's implementation may compute it on load: never with
+  // expert dropout, which sits between the two), and whether FC1's computes the activation's backward
+  // as it loads its output gradient (then dpre_ is not needed).
+  ActOutput act_output_ = ActOutput::saved;
+  bool dact_on_load_ = false;
   // Saved: the router's logits, scores and lse; each token's experts and gates; the grouping; the
   // experts' input rows and choice ids, FC1's output, the activation's output; the experts' outputs
   // back in grouped order.

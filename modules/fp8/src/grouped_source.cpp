@@ -1,0 +1,50 @@
+// The shape of a grouped quantisation's source (GroupedQuantizeArgs::x), checked.
+#include <variant>
+
+#include "kiln/core/error.hpp"
+#include "kiln/core/overloaded.hpp"
+#include "kiln/fp8/ops.hpp"
+
+namespace kiln::fp8 {
+
+namespace {
+
+void expect_2d(const TensorView& t, const char* what, const char* arg) {
+  KILN_CHECK(t && t.ndim() == 2, what, ": ", arg, " must be a 2-D tensor, got ", t.str());
+}
+}  // namespace
+
+Shape grouped_source_shape(const GroupedSource& x, const char* what) {
+  return std::visit(
+      Overloaded{[&](const TensorView& t) {
+                   expect_2d(t, what, "x");
+                   return t.shape;
+                 },
+                 [&](const ops::GeluOnLoad& g) {
+                   expect_2d(g.pre, what, "the GELU's pre-activation");
+                   return g.pre.shape;
+                 },
+                 [&](const ops::SwigluOnLoad& g) {
+                   expect_2d(g.gate_up, what, "the SwiGLU's input");
+                   KILN_CHECK(g.gate_up.size(1) % 2 == 0, what, ": the SwiGLU's input ", g.gate_up.str(),
+                              " needs an even column count (gate, then up)");
+                   return Shape{g.gate_up.size(0), g.gate_up.size(1) / 2};
+                 },
+                 [&](const ops::DgeluOnLoad& g) {
+                   expect_2d(g.pre, what, "the GELU's pre-activation");
+                   KILN_CHECK(g.dgelu.shape == g.pre.shape && g.dgelu.dtype == g.pre.dtype, what,
+                              ": the GELU output's gradient ", g.dgelu.str(), " for the pre-activation ", g.pre.str());
+                   return g.pre.shape;
+                 },
+                 [&](const ops::DswigluOnLoad& g) {
+                   expect_2d(g.gate_up, what, "the SwiGLU's input");
+                   const std::int64_t R = g.gate_up.size(0), C = g.gate_up.size(1);
+                   KILN_CHECK(C % 2 == 0 && g.dswiglu.shape == Shape({R, C / 2}) && g.dswiglu.dtype == g.gate_up.dtype,
+                              what, ": the SwiGLU output's gradient ", g.dswiglu.str(), " for the SwiGLU's input ",
+                              g.gate_up.str());
+                   return g.gate_up.shape;
+                 }},
+      x);
+}
+
+}  // namespace kiln::fp8
