@@ -785,7 +785,7 @@ const char* const kModel = test::kSmallGpuModel;
 TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is deterministic") {
   KILN_REQUIRE_CUDA();
   // GPT-2 (GELU and LayerNorm computed while quantising) and Llama (SwiGLU computed while quantising
-  // FC2's input, grouped-query attention).
+  // FC2's input, its backward while quantising FC1's output gradient, grouped-query attention).
   for (const bool llama : {false, true})
   for (const char* recipe : {"delayed", "current"}) {
     INFO((llama ? "llama " : "gpt2 ") << recipe);

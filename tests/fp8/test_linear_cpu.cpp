@@ -355,6 +355,56 @@ TEST_CASE("the deferred dGELU and a kept input give the gradients of the unfused
     }
 }
 
+TEST_CASE("the SwiGLU's backward computed on load gives the gradients of the unfused path, bit for bit") {
+  // FC1 of a Llama MLP: the reference gets swiglu_backward's output; the fused layer gets the SwiGLU
+  // output's gradient with FC1's [gate | up] output (ops::DswigluOnLoad). N = 32: the colwise copy is
+  // written by the grouped quantisation; N = 37: the rowwise codes are transposed.
+  const int H = 24, F = 20, OC = 2 * F;
+  for (const int N : {32, 37})
+    for (auto kind : {RecipeKind::delayed, RecipeKind::current}) {
+      INFO("N " << N << ", recipe " << (kind == RecipeKind::delayed ? "delayed" : "current"));
+      Layer ref(kind, FormatPolicy::hybrid), fused(kind, FormatPolicy::hybrid);
+      for (int step = 1; step <= 3; ++step) {
+        auto x = test::normal_values(N * H, 110 + step, 1.5f), w = test::normal_values(OC * H, 210 + step, 0.2f);
+        auto pre = test::normal_values(N * OC, 410 + step, 2.0f);
+        auto dact = test::normal_values(N * F, 510 + step, 1e-2f);  // gradient of swiglu(pre)
+        std::vector<float> out(N * OC), dx_r(N * H), dx_f(N * H), dw_r(OC * H, 0.5f), dw_f(OC * H, 0.5f);
+        ref.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), {}}, step);
+        fused.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), {}}, step);
+        std::vector<float> dpre(N * OC);  // as swiglu_backward stores it (f32 on the CPU)
+        for (int n = 0; n < N; ++n)
+          for (int f = 0; f < F; ++f) {
+            const float g = pre[n * OC + f], u = pre[n * OC + F + f], go = dact[n * F + f];
+            dpre[n * OC + f] = ops::dswiglu_gate(go, g, u);
+            dpre[n * OC + F + f] = ops::dswiglu_up(go, g);
+          }
+        ref.lin.backward({host(dx_r, {N, H}), host(dw_r, {OC, H}), {}, host(dpre, {N, OC}), host(x, {N, H}),
+                          host(w, {OC, H}), {}});
+        fused.lin.backward({host(dx_f, {N, H}), host(dw_f, {OC, H}), {},
+                            ops::DswigluOnLoad{host(dact, {N, F}), host(pre, {N, OC})}, host(x, {N, H}),
+                            host(w, {OC, H}), {}});
+        CHECK(test::same_bits(dx_r, dx_f));
+        CHECK(test::same_bits(dw_r, dw_f));
+        CHECK(test::same_bits(meta_state(ref.meta), meta_state(fused.meta)));
+        if (kind == RecipeKind::delayed) {
+          ref.meta.update(*ref.ops, AmaxAlgo::max, 0);
+          fused.meta.update(*fused.ops, AmaxAlgo::max, 0);
+        }
+      }
+    }
+  // A bias is not taken with it (the bias gradient is the plain path's fused reduction).
+  Layer L(RecipeKind::current, FormatPolicy::hybrid);
+  const int N = 16;
+  auto x = test::normal_values(N * H, 1), w = test::normal_values(OC * H, 2), pre = test::normal_values(N * OC, 3);
+  auto dact = test::normal_values(N * F, 4);
+  std::vector<float> out(N * OC), dw(OC * H), db(OC);
+  L.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), {}}, 1);
+  CHECK_THROWS_WITH_AS(L.lin.backward({{}, host(dw, {OC, H}), host(db, {OC}),
+                                       ops::DswigluOnLoad{host(dact, {N, F}), host(pre, {N, OC})}, host(x, {N, H}),
+                                       host(w, {OC, H}), {}}),
+                       doctest::Contains("dswiglu-on-load needs an even output width and no bias"), Error);
+}
+
 TEST_CASE("a backward without its kept input is an error naming the layer") {
   Layer L(RecipeKind::delayed, FormatPolicy::hybrid);
   Fp8Linear kept(*L.ops, L.meta, 0, L.ws, Fp8Recipe{}, "blocks.0.mlp.proj", true);

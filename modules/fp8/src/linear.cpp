@@ -298,10 +298,18 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   if (!keep_input_) expect(x, act, N, x.size(1), in.what);
   const bool gathered = a.weight.dtype == DType::u8;  // the weight's gathered codes
   expect(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
-  // The output gradient, or the gradient of its GELU (ops::DgeluOnLoad) with the pre-activation.
+  // The output gradient, or the gradient of its GELU (ops::DgeluOnLoad) with the pre-activation, or
+  // of its SwiGLU (ops::DswigluOnLoad) with the SwiGLU's input (this layer's output).
   const auto* dgelu = std::get_if<ops::DgeluOnLoad>(&a.dout);
-  const TensorView dout = dgelu ? dgelu->dgelu : std::get<TensorView>(a.dout);
-  expect(dout, act, N, OC, name_ + " backward dout");
+  const auto* dswiglu = std::get_if<ops::DswigluOnLoad>(&a.dout);
+  const TensorView dout = dgelu ? dgelu->dgelu : dswiglu ? dswiglu->dswiglu : std::get<TensorView>(a.dout);
+  if (dswiglu) {
+    expect(dout, act, N, OC / 2, name_ + " backward dout (dswiglu-on-load: the SwiGLU output's gradient)");
+    expect(dswiglu->gate_up, act, N, OC, name_ + " backward dout's SwiGLU input (dswiglu-on-load)");
+    KILN_CHECK(OC % 2 == 0 && !a.dbias, name_, ": dswiglu-on-load needs an even output width and no bias");
+  } else {
+    expect(dout, act, N, OC, name_ + " backward dout");
+  }
   expect(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
   if (a.dx) expect(a.dx, act, N, IC, name_ + " backward dx");
   if (a.dx_gelu_pre) expect(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
@@ -338,8 +346,24 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   std::uint8_t* scratch = ws_.get(2 * gbytes + (keep_input_ ? 0 : static_cast<std::size_t>(N * IC)));
   void* gr = scratch;
   void* gc = scratch + gbytes;
-  float* record = prepare_scale(sg, dout);
-  ops_.quantize_grad({dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias});
+  if (dswiglu) {
+    // The SwiGLU's backward computed as the gradient is quantised: as one expert's rows of a grouped
+    // quantisation, whose padded transpose is the colwise copy where N is a multiple of 16; else the
+    // rowwise codes, transposed.
+    const std::int32_t rows[2] = {0, static_cast<std::int32_t>(N)};
+    KILN_CHECK(N <= 0x7fffffff, name_, ": ", N, " rows do not fit the grouped quantisation");
+    const bool whole = N % 16 == 0;
+    float* record = prepare_scale(sg, [&](float* into) {
+      ops_.quantize_grouped({*dswiglu, rows, 1, view(sg, nullptr, nullptr, N, OC), into});
+    });
+    Fp8TensorView g = view(sg, gr, nullptr, N, OC);
+    if (whole) g.colwise = TensorView(gc, {N * OC}, dtype_of(sg.format), dev);
+    ops_.quantize_grouped({*dswiglu, rows, 1, g, record});
+    if (!whole) ops_.transpose(TensorView(gc, {OC, N}, dtype_of(sg.format), dev), g.rowwise);
+  } else {
+    float* record = prepare_scale(sg, dout);
+    ops_.quantize_grad({dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias});
+  }
   // The input's colwise copy: kept from the forward, or quantised again with the forward's scale
   // (its amax is already recorded).
   void* xc = nullptr;

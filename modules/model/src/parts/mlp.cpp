@@ -36,7 +36,6 @@ void Mlp::declare(ActivationTable::Rows& rows, const std::string& key, StageSet 
     rows.saved(act_, key + ".act", act, act_shape, stage);
   else if (act_written())  // one tensor for every block
     rows.scratch(act_, key + ".act", act, act_shape);
-  rows.backward_scratch(dpre_, key + ".dpre", act, {ctx_.N, fc_.local_out()});
   declare_backward_scratch(rows, key);
 }
 
@@ -53,6 +52,10 @@ double Mlp::flops_per_token() const {
 }
 
 GeluMlp::GeluMlp(LayerBuilder& b, const MlpOptions& o) : Mlp(b, o, {o.hidden}, ops::Prologue::gelu) {}
+
+void GeluMlp::declare_backward_scratch(ActivationTable::Rows& rows, const std::string& key) {
+  rows.backward_scratch(dpre_, key + ".dpre", ctx_.act(), {ctx_.N, fc_.local_out()});
+}
 
 void GeluMlp::forward_in(const NormOutput& x, float) {
   if (act_written())  // the GEMM's epilogue writes the GELU's output and its pre-activation
@@ -82,6 +85,9 @@ SwigluMlp::SwigluMlp(LayerBuilder& b, const MlpOptions& o) : Mlp(b, o, {o.hidden
 
 void SwigluMlp::declare_backward_scratch(ActivationTable::Rows& rows, const std::string& key) {
   rows.backward_scratch(dact_, key + ".dact", ctx_.act(), {ctx_.N, proj_.local_in()});
+  // FC1's output gradient, unless FC1 computes it from the SwiGLU output's as it loads it.
+  fc1_applies_dswiglu_ = fc_.impl().prologues.has(ops::Prologue::dswiglu);
+  if (!fc1_applies_dswiglu_) rows.backward_scratch(dpre_, key + ".dpre", ctx_.act(), {ctx_.N, fc_.local_out()});
 }
 
 void SwigluMlp::forward_in(const NormOutput& x, float) {
@@ -95,6 +101,8 @@ TensorView SwigluMlp::backward(const TensorView& dout_local, const ops::LinearIn
                                float) {
   if (act_refilled()) activate();
   proj_.backward({.dx = dact_, .dout = ctx_.stream.full, .x = fc2_input()}, dout_local);
+  if (fc1_applies_dswiglu_)
+    return fc_.backward({.dx = ctx_.stream.col_dx, .dout = ops::DswigluOnLoad{dact_, pre_}, .x = x}, dx_local);
   ctx_.be.swiglu_backward({dpre_, dact_, pre_});
   return fc_.backward({.dx = ctx_.stream.col_dx, .dout = dpre_, .x = x}, dx_local);
 }

@@ -46,7 +46,8 @@ MoeMlp::MoeMlp(LayerBuilder& b, const MoeOptions& o, std::unique_ptr<Mlp> shared
   const int El = ep_.local_experts();
   fc_linear_ = b.grouped_linear(b.prefix() + "mlp.experts.fc",
                                 {.role = nn::LinearRole::mlp_in, .weight = fc_, .experts = El,
-                                 .in = static_cast<int>(C), .out = static_cast<int>(fc_local())});
+                                 .in = static_cast<int>(C), .out = static_cast<int>(fc_local()),
+                                 .input_stored_for_backward = true});  // the experts' input rows: for FC1 alone
   proj_linear_ = b.grouped_linear(b.prefix() + "mlp.experts.proj",
                                   {.role = nn::LinearRole::mlp_out, .weight = proj_, .experts = El,
                                    .in = static_cast<int>(hidden_local()), .out = static_cast<int>(C),
@@ -86,16 +87,16 @@ void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageS
   rows.saved(row_of_, key + ".row_of", i32, {N, k}, stage);
   rows.saved(source_, key + ".source", i32, {R}, stage);
   // The experts' input rows: the grouped rows themselves on one rank; with expert parallelism the
-  // rows received (the grouped rows before dispatch are scratch of the forward).
-  if (moves) {
-    rows.scratch(x_perm_, "moe.x_grouped", act, {R, C});
-    rows.saved(x_in_, key + ".x_expert", act, {Rx, C}, stage);
-    if (o_.expert_dropout > 0) rows.saved(ids_in_, key + ".ids_expert", i32, {Rx}, stage);
-  } else {
-    rows.saved(x_in_, key + ".x_expert", act, {R, C}, stage);
-  }
-  rows.saved(pre_, key + ".pre", act, {Rx, fc_local()}, stage);
+  // rows received (the grouped rows before dispatch are scratch of the forward). Kept for FC1's
+  // backward unless FC1 keeps its own copy (ops::GroupedLinearImpl::keeps_input).
   const ops::GroupedLinearImpl &fc1 = impl(fc_linear_), &fc2 = impl(proj_linear_);
+  if (moves) rows.scratch(x_perm_, "moe.x_grouped", act, {R, C});
+  if (fc1.keeps_input)
+    rows.scratch(x_in_, "moe.x_expert", act, {Rx, C});
+  else
+    rows.saved(x_in_, key + ".x_expert", act, {Rx, C}, stage);
+  if (moves && o_.expert_dropout > 0) rows.saved(ids_in_, key + ".ids_expert", i32, {Rx}, stage);
+  rows.saved(pre_, key + ".pre", act, {Rx, fc_local()}, stage);
   act_output_ = act_output_for(fc2.prologues.has(gelu() ? ops::Prologue::gelu : ops::Prologue::swiglu) &&
                                    o_.expert_dropout == 0,
                                fc2.keeps_input, ctx_.cfg.recompute_gelu);
@@ -308,7 +309,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   impl(fc_linear_).backward({.dx = dx_in_,
                               .dweight = weight(fc_, true),
                               .dout = dfc,
-                              .x = x_in_,
+                              .x = impl(fc_linear_).keeps_input ? TensorView{} : x_in_,
                               .weight = weight(fc_, false),
                               .offsets_host = local,
                               .dweight_overwrite = first_micro_batch()});

@@ -15,7 +15,8 @@
 // high-precision input (ops::LinearImpl::keeps_input; worth it where the model would otherwise keep
 // that input in bf16 only for this layer). The grad_output is quantised once in the backward pass
 // into both copies, with its amax and the bias gradient in the same pass, and with the dGELU too
-// when the caller hands in the output gradient as ops::DgeluOnLoad.
+// when the caller hands in the output gradient as ops::DgeluOnLoad, or the SwiGLU's backward with
+// ops::DswigluOnLoad (a layer without bias: Fp8Ops::quantize_grouped over one group of rows).
 // It takes every prologue of ops/prologue.hpp: the input as GeluOnLoad (the input is gelu of the
 // pre-activation), SwigluOnLoad (the SwiGLU of FC1's [gate | up] output) or LayerNormOnLoad (a
 // LayerNorm output: the forward computes its statistics, then its values while quantising; the
@@ -66,8 +67,7 @@ class Fp8Linear {
   Fp8Linear(Fp8Ops& ops, Fp8MetaStore& meta, int first_slot, Fp8Workspace& workspace, const Fp8Recipe& recipe,
             std::string name = "linear", bool keep_input = false);
   // What it takes through prologues (ops::LinearImpl::prologues).
-  static constexpr ops::PrologueSet kPrologues = {ops::Prologue::plain, ops::Prologue::layernorm, ops::Prologue::gelu,
-                                                  ops::Prologue::swiglu, ops::Prologue::dgelu};
+  static constexpr ops::PrologueSet kPrologues = ops::PrologueSet::all();
 
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor). Bump the version whenever the weight values change.

@@ -58,7 +58,7 @@ class Mlp : public Mixer {
   RowLinear proj_;
   TensorView pre_;   // saved: FC1's output [N, fc_.local_out()]
   TensorView act_;   // the activation's output, FC2's input [N, proj_.local_in()]
-  TensorView dpre_;  // backward scratch: FC1's output gradient
+  TensorView dpre_;  // backward scratch: FC1's output gradient (declared by the subclass that needs it)
 
  private:
   ops::Prologue act_prologue_;
@@ -78,6 +78,7 @@ class GeluMlp final : public Mlp {
  private:
   ops::LinearInput act_on_load() const override { return ops::GeluOnLoad{pre_}; }
   void activate() override;
+  void declare_backward_scratch(ActivationTable::Rows& rows, const std::string& key) override;
 };
 
 // FC1 (gate and up projections, [N, 2 hidden]) -> silu(gate) * up -> FC2 (Llama).
@@ -93,6 +94,7 @@ class SwigluMlp final : public Mlp {
   void activate() override;
   void declare_backward_scratch(ActivationTable::Rows& rows, const std::string& key) override;
   TensorView dact_;  // backward scratch: the SwiGLU output's gradient [N, hidden / tp]
+  bool fc1_applies_dswiglu_ = false;  // FC1 takes ops::DswigluOnLoad: dpre_ is never written
 };
 
 }  // namespace kiln::model
