@@ -12,5 +12,9 @@ cp -P "$SRC"/lib/*.so* .devbuild/lib/
 for lib in libtomlplusplus.so.3 libboost_program_options.so.1.81.0 libgomp.so.1; do
   cp -L "/usr/lib/x86_64-linux-gnu/$lib" .devbuild/syslib/
 done
+# CUPTI for bench/trace's libkiln_trace.so (the GPU machines have it off the library path).
+if [ -f "$SRC/lib/libkiln_trace.so" ]; then
+  cp -L /usr/local/cuda/lib64/libcupti.so.13 .devbuild/syslib/
+fi
 strip --strip-unneeded .devbuild/bin/* .devbuild/lib/*.so* 2>/dev/null || true
 du -sh .devbuild
