@@ -21,6 +21,7 @@
 #include "../model/model_fixture.hpp"
 #include "fp8_test_util.hpp"
 #include "kiln/engine/engine_module.hpp"
+#include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/fp8/grouped_linear.hpp"
 #include "kiln/fp8/linear.hpp"
 #include "kiln/fp8/module.hpp"
@@ -883,9 +884,18 @@ struct Grouping {
   std::int64_t R;
   int experts() const { return static_cast<int>(off.size()) - 1; }
 };
+// 70 experts of 0 to 6 rows: more than a kernel's parameters hold (cuda::kInlinePlanExperts), so
+// its plan is copied to the device.
+Grouping many_experts() {
+  Grouping g{{0}, 0};
+  for (int e = 0; e < 70; ++e) g.off.push_back(g.off.back() + (e * 5) % 7);
+  g.R = g.off.back() + 3;
+  return g;
+}
 // Three experts, one empty, rows past the experts'; five experts, one empty, one of a single row;
-// four experts of 64, 0, 86 and 1 rows (several 64-row tiles, one expert exactly a tile).
-const Grouping kGroupings[] = {{{0, 5, 5, 16}, 19}, {{0, 13, 13, 40, 41, 70}, 74}, {{0, 64, 64, 150, 151}, 160}};
+// four experts of 64, 0, 86 and 1 rows (several 64-row tiles, one expert exactly a tile); 70 experts.
+const Grouping kGroupings[] = {
+    {{0, 5, 5, 16}, 19}, {{0, 13, 13, 40, 41, 70}, 74}, {{0, 64, 64, 150, 151}, 160}, many_experts()};
 
 }  // namespace
 
@@ -925,6 +935,7 @@ TEST_CASE("the grouped quantisation (rows as they are, each expert's transpose p
   auto gpu = make_cuda_ops(nullptr);
   auto cpu = make_cpu_ops();
   std::uint64_t seed = 7000;
+  CHECK(many_experts().experts() > kiln::fp8::cuda::kInlinePlanExperts);  // one plan goes through device memory
   // Columns 80 and 144: the tiled kernel; 40 and 72: the elementwise one.
   for (const Grouping& gr : kGroupings)
     for (std::int64_t C : {40, 72, 80, 144})

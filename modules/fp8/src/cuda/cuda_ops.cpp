@@ -3,6 +3,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <variant>
 #include <span>
@@ -54,55 +55,61 @@ int as_int(std::int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
-// Host arrays (a grouping's offsets) copied to the device on the stream, asynchronously: each
-// upload goes through its own slot of pinned memory and device memory, taken round-robin. A slot is
-// written again only after the copy out of it has run (its event; the copies of kSlots - 1 later
-// uploads have been queued since, so that wait is normally over before it starts); the device side
-// needs no wait (the kernels reading it come before the next copy into it on the stream). Slots start
-// with room for 1,023 experts' offsets and grow on demand, with a synchronisation, as the ops'
-// scratch buffers do.
+// Host arrays (the plans of groupings of more experts than a kernel's parameters hold) copied to the
+// device on the stream, asynchronously: each upload goes through its own slot of one pinned and one
+// device arena, taken round-robin. A slot is written again only after the copy out of it has run
+// (its event). There are enough slots for several steps of a mixture of experts' uploads (six a
+// layer), so that wait does not throttle the host to the device: the host stays as far ahead as the
+// model's own synchronisations let it. (With eight slots it waited ~17 ms a step on moe-1b, and the
+// device idled behind it.) The device side needs no wait: the kernels reading a slot come before the
+// next copy into it on the stream. Slots start with room for 340 experts' plans and grow on demand,
+// with a synchronisation.
 class HostUploads {
  public:
   explicit HostUploads(cudaStream_t stream) : stream_(stream) {
-    for (auto& s : slots_) {
-      KILN_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
-      s.host = Buffer::pinned(kInitialBytes);
-      s.device = Buffer(Device::cuda, kInitialBytes);
-    }
+    for (auto& e : done_) KILN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    allocate(kInitialSlotBytes);
   }
   ~HostUploads() {
-    for (auto& s : slots_)
-      if (s.done) cudaEventDestroy(s.done);
+    for (auto& e : done_)
+      if (e) cudaEventDestroy(e);
   }
   HostUploads(const HostUploads&) = delete;
   HostUploads& operator=(const HostUploads&) = delete;
 
   const void* upload(const void* host, std::size_t bytes) {
-    Slot& s = slots_[next_];
-    next_ = (next_ + 1) % kSlots;
-    if (s.host.bytes() < bytes) {
-      KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old slot may still be in use
-      const std::size_t cap = bytes + bytes / 2;
-      s.host = Buffer::pinned(cap);
-      s.device = Buffer(Device::cuda, cap);
-    } else {
-      KILN_CUDA_CHECK(cudaEventSynchronize(s.done));  // the last copy out of this slot has run
+    if (bytes > slot_bytes_) {
+      KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // every slot may still be in use
+      allocate((bytes + bytes / 2 + 255) / 256 * 256);
     }
-    std::memcpy(s.host.data(), host, bytes);
-    KILN_CUDA_CHECK(cudaMemcpyAsync(s.device.data(), s.host.data(), bytes, cudaMemcpyHostToDevice, stream_));
-    KILN_CUDA_CHECK(cudaEventRecord(s.done, stream_));
-    return s.device.data();
+    const int s = next_;
+    next_ = (next_ + 1) % kSlots;
+    if (used_[static_cast<std::size_t>(s)]) KILN_CUDA_CHECK(cudaEventSynchronize(done_[static_cast<std::size_t>(s)]));
+    auto* h = static_cast<std::uint8_t*>(host_.data()) + static_cast<std::size_t>(s) * slot_bytes_;
+    auto* d = static_cast<std::uint8_t*>(device_.data()) + static_cast<std::size_t>(s) * slot_bytes_;
+    std::memcpy(h, host, bytes);
+    KILN_CUDA_CHECK(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, stream_));
+    KILN_CUDA_CHECK(cudaEventRecord(done_[static_cast<std::size_t>(s)], stream_));
+    used_[static_cast<std::size_t>(s)] = true;
+    return d;
   }
 
  private:
-  static constexpr int kSlots = 8;
-  static constexpr std::size_t kInitialBytes = 4096;
-  struct Slot {
-    Buffer host, device;
-    cudaEvent_t done = nullptr;
-  };
+  static constexpr int kSlots = 256;
+  static constexpr std::size_t kInitialSlotBytes = 4096;
+  void allocate(std::size_t slot_bytes) {
+    host_ = Buffer();
+    device_ = Buffer();
+    host_ = Buffer::pinned(slot_bytes * kSlots);
+    device_ = Buffer(Device::cuda, slot_bytes * kSlots);
+    slot_bytes_ = slot_bytes;
+    used_.fill(false);
+  }
   cudaStream_t stream_;
-  std::array<Slot, kSlots> slots_;
+  Buffer host_, device_;
+  std::size_t slot_bytes_ = 0;
+  std::array<cudaEvent_t, kSlots> done_{};
+  std::array<bool, kSlots> used_{};
   int next_ = 0;
 };
 
@@ -367,7 +374,9 @@ class CudaOps final : public Fp8Ops {
     k.format = out.format;
     k.scale = out.scale;
     k.amax = amax;
-    if (k.rowwise || k.colwise || k.source != cuda::CastSource::plain)
+    if (E <= static_cast<std::size_t>(cuda::kInlinePlanExperts))
+      std::copy(plan.begin(), plan.end(), k.inline_plan.v);
+    else if (k.rowwise || k.colwise || k.source != cuda::CastSource::plain)
       k.plan = static_cast<const std::int32_t*>(uploads_.upload(plan.data(), plan.size() * sizeof(std::int32_t)));
     cuda::cast_transpose_grouped(k, stream_);
   }

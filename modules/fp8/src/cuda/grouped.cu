@@ -45,13 +45,13 @@ struct Plan {
 template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_grouped_tiled(const In* __restrict__ x, const std::int32_t* __restrict__ plan,
-                                 std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
+                                 const __grid_constant__ InlinePlan inline_plan, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                                  const float* __restrict__ scale_ptr, float* amax, int experts, int tiles, int cols,
                                  Load op) {
   constexpr int kOut = Load::kOutputs;
   __shared__ __align__(16) std::uint8_t tile[kOut][kTile * kStride];
   const float scale = *scale_ptr;
-  const Plan p(plan, experts);
+  const Plan p(plan ? plan : inline_plan.v, experts);
   const int tiles_c = (cols + kTile - 1) / kTile;
   const long long out_cols = static_cast<long long>(kOut) * cols;
   const int lr = threadIdx.x / 4, lv = threadIdx.x % 4;
@@ -107,11 +107,11 @@ __global__ void __launch_bounds__(kThreads)
 template <class In, Format F, bool ROW, bool COL, bool AMAX, class Load>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_grouped_any(const In* __restrict__ x, const std::int32_t* __restrict__ plan,
-                               std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
+                               const __grid_constant__ InlinePlan inline_plan, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                                const float* __restrict__ scale_ptr, float* amax, int experts, long long padded_rows,
                                long long cols, Load op) {
   const float scale = *scale_ptr;
-  const Plan p(plan, experts);
+  const Plan p(plan ? plan : inline_plan.v, experts);
   const long long n = padded_rows * cols;
   unsigned local = 0;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
@@ -155,11 +155,11 @@ void launch_grouped(const GroupedCast& a, const Load& op, cudaStream_t s) {
   if (tiled) {
     const auto grid = static_cast<unsigned>(std::clamp<long long>(a.tiles, 1, kMaxBlocks));
     cast_transpose_grouped_tiled<In, F, ROW, COL, AMAX, Load><<<grid, kThreads, 0, s>>>(
-        x, a.plan, a.rowwise, a.colwise, a.scale, a.amax, a.experts, static_cast<int>(a.tiles),
+        x, a.plan, a.inline_plan, a.rowwise, a.colwise, a.scale, a.amax, a.experts, static_cast<int>(a.tiles),
         static_cast<int>(load_cols), op);
   } else {
     cast_transpose_grouped_any<In, F, ROW, COL, AMAX, Load><<<grid_for(a.padded_rows * a.cols), kThreads, 0, s>>>(
-        x, a.plan, a.rowwise, a.colwise, a.scale, a.amax, a.experts, a.padded_rows, a.cols, op);
+        x, a.plan, a.inline_plan, a.rowwise, a.colwise, a.scale, a.amax, a.experts, a.padded_rows, a.cols, op);
   }
   KILN_CUDA_LAUNCH_CHECK();
 }
@@ -232,7 +232,7 @@ void cast_transpose_grouped(const GroupedCast& a, cudaStream_t s) {
     return;
   }
   if (!a.rowwise && !a.colwise && !a.amax) return;
-  KILN_CHECK(a.plan, "fp8 cast_transpose_grouped: no plan");
+  KILN_CHECK(a.plan || a.experts <= kInlinePlanExperts, "fp8 cast_transpose_grouped: no plan");
   const auto* x = static_cast<const bf16*>(a.x);
   const auto* grad = static_cast<const bf16*>(a.grad);
   switch (a.source) {

@@ -109,6 +109,7 @@ void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageS
   rows.own(y_, act, {R, C});
   if (moves) rows.scratch(y_out_, "moe.y_expert", act, {Rx, C});
   rows.scratch(loss_terms_, "moe.loss_terms", f32, {2});
+  rows.own(terms_sum_, f32, {2});
   if (!bias_.empty()) rows.own(bias_dev_, f32, {E});
   if (shared_) rows.scratch(shared_out_, "moe.shared_out", act, {ctx_.Nl, C});
   rows.backward_scratch(dlogits_, "moe.dlogits", act, {N, E});
@@ -256,12 +257,12 @@ void MoeMlp::forward_out(const TensorView& out_local) {
   ctx_.tp.exit(out_local, full);
   if (shared_) be.residual_forward({out_local, out_local, shared_out_, {}});
   if (!ctx_.training) return;
-  // The step's numbers (stage `out` runs once per forward: no recompute repeats it).
-  float terms[2];
-  be.copy(TensorView(terms, {2}, DType::f32, Device::cpu), loss_terms_);
-  be.synchronize();
-  aux_sum_ += terms[0];
-  z_sum_ += terms[1];
+  // The step's numbers (stage `out` runs once per forward: no recompute repeats it); the loss
+  // terms stay on the device until collect_stats.
+  if (forwards_++ == 0)
+    be.copy(terms_sum_, loss_terms_);
+  else
+    be.add(terms_sum_, loss_terms_);
   for (int e = 0; e < o_.n_experts; ++e) tokens_[static_cast<std::size_t>(e)] += offsets_host_[e + 1] - offsets_host_[e];
   dropped_ += static_cast<double>(rows() - offsets_host_.back());
 }
@@ -359,11 +360,14 @@ std::int64_t MoeMlp::inactive_parameters() const {
 }
 
 void MoeMlp::collect_stats(std::vector<float>& sums) {
-  sums.push_back(static_cast<float>(aux_sum_));
-  sums.push_back(static_cast<float>(z_sum_));
+  float terms[2] = {0, 0};
+  if (forwards_ > 0) ctx_.be.copy(TensorView(terms, {2}, DType::f32, Device::cpu), terms_sum_);
+  sums.push_back(terms[0]);
+  sums.push_back(terms[1]);
   sums.push_back(static_cast<float>(dropped_));
   for (double t : tokens_) sums.push_back(static_cast<float>(t));
-  aux_sum_ = z_sum_ = dropped_ = 0;
+  forwards_ = 0;
+  dropped_ = 0;
   std::fill(tokens_.begin(), tokens_.end(), 0.0);
 }
 

@@ -76,8 +76,9 @@ class Fp8GroupedLinear {
   std::vector<GemmArgs> rows_products(const char* what, const Operand& x, const Operand& w, const TensorView& d,
                                       const std::int32_t* off, std::int64_t E, std::int64_t K, bool fast_accum) const;
   Fp8TensorView fp8(const ScalingSlot& s, void* rowwise, Shape row_shape, void* colwise, Shape col_shape) const;
-  // The keep_input buffer, sized for the padded transposes of `cols`-wide rows grouped by `off`.
-  void* kept_input(const std::int32_t* off, int experts, std::int64_t cols);
+  // The keep_input buffer, sized for the padded transposes of `cols`-wide rows grouped by `off`
+  // (allocated for any grouping of `rows` rows).
+  void* kept_input(const std::int32_t* off, int experts, std::int64_t rows, std::int64_t cols);
 
   Fp8Ops& ops_;
   Fp8MetaStore& meta_;

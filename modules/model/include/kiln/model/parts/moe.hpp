@@ -122,6 +122,7 @@ class MoeMlp final : public Mixer {
   TensorView x_in_, ids_in_, pre_, act_, y_;
   TensorView x_perm_, y_out_;  // with expert parallelism: the rows before dispatch, the outputs before return
   TensorView loss_terms_;      // [2] f32: this forward's load-balancing loss and z-loss
+  TensorView terms_sum_;       // [2] f32: their sums over the step's training forwards, on the device
   TensorView bias_dev_;        // [E] f32: the sigmoid router's balancing bias
   TensorView shared_out_;      // [Nl, C]: the shared experts' output (and input gradient)
   // Backward scratch.
@@ -132,8 +133,10 @@ class MoeMlp final : public Mixer {
   rng::PhiloxArgs dropout_rng_;
   std::vector<float> bias_;                 // the balancing bias on the host (the same on every rank)
   bool bias_dirty_ = true;                  // changed since it was copied to the device
-  // What the step's training forwards saw: loss terms, choices per expert, dropped choices.
-  double aux_sum_ = 0, z_sum_ = 0, dropped_ = 0;
+  // What the step's training forwards saw: how many (their loss terms are summed in terms_sum_ and
+  // read once, by collect_stats: no synchronisation per forward), choices per expert, dropped choices.
+  int forwards_ = 0;
+  double dropped_ = 0;
   std::vector<double> tokens_;
 };
 
