@@ -444,18 +444,24 @@ TEST_CASE("the LayerNorm statistics of an FP8 layer are the backend LayerNorm's,
   }
 }
 
-TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and elementwise, with one, two or no copies)") {
+TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and elementwise, with one, two or no "
+          "copies, stacked matrices each transposed)") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);
   auto cpu = make_cpu_ops();
   // [3072, 768]: tiled, several tiles per block; [80, 48]: tiled, partial tiles; [33, 47]: the
-  // elementwise kernel.
-  const std::pair<std::int64_t, std::int64_t> shapes[] = {{3072, 768}, {80, 48}, {33, 47}};
+  // elementwise kernel. Stacked (a mixture of experts' weights): 3 x [128, 96], tiles within a
+  // matrix; 3 x [48, 80], tiles across two; 2 x [33, 47], elementwise.
+  struct Dims {
+    std::int64_t B, R, C;
+  };
+  const Dims shapes[] = {{1, 3072, 768}, {1, 80, 48}, {1, 33, 47}, {3, 128, 96}, {3, 48, 80}, {2, 33, 47}};
   int seed = 3000;
-  for (auto [R, C] : shapes)
+  for (auto [B, R, C] : shapes)
     for (int mode = 0; mode < 4; ++mode) {  // 0: update only, 1: both copies, 2: both and amax, 3: rowwise and amax
-      INFO("[" << R << "," << C << "] mode " << mode);
-      const std::size_t n = static_cast<std::size_t>(R * C);
+      INFO(B << " x [" << R << "," << C << "] mode " << mode);
+      const std::size_t n = static_cast<std::size_t>(B * R * C);
+      auto shape = [&](std::int64_t a, std::int64_t b) { return B > 1 ? Shape{B, a, b} : Shape{a, b}; };
       auto p = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.05f);
       const auto g = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.01f);
       auto m = test::normal_values(n, static_cast<std::uint64_t>(++seed), 1e-3f);
@@ -467,13 +473,13 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
              d_row(Device::cuda, n), d_col(Device::cuda, n);
       auto args = [&](Device dev, void* pp, void* gg, void* mm, void* vv, void* row, void* col, float* meta) {
         AdamWQuantizeArgs a;
-        a.param = TensorView(pp, {R, C}, DType::f32, dev);
-        a.grad = TensorView(gg, {R, C}, DType::f32, dev);
-        a.m = TensorView(mm, {R, C}, DType::f32, dev);
-        a.v = TensorView(vv, {R, C}, DType::f32, dev);
+        a.param = TensorView(pp, shape(R, C), DType::f32, dev);
+        a.grad = TensorView(gg, shape(R, C), DType::f32, dev);
+        a.m = TensorView(mm, shape(R, C), DType::f32, dev);
+        a.v = TensorView(vv, shape(R, C), DType::f32, dev);
         if (mode > 0) {
-          a.out.rowwise = TensorView(row, {R, C}, DType::e4m3, dev);
-          if (mode < 3) a.out.colwise = TensorView(col, {C, R}, DType::e4m3, dev);
+          a.out.rowwise = TensorView(row, shape(R, C), DType::e4m3, dev);
+          if (mode < 3) a.out.colwise = TensorView(col, shape(C, R), DType::e4m3, dev);
           a.out.format = Format::e4m3;
           a.out.scale = meta;
         }

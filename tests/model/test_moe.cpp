@@ -353,3 +353,24 @@ TEST_CASE("moe: FP8 experts (delayed and current scaling) learn, within 2% of bf
   CHECK(std::fabs(c_end - r_end) / r_end < 0.05);
   CHECK(delayed != ref);
 }
+
+TEST_CASE("moe: FP8 experts' weights made from the master into the compute copy and written by the optimizer's "
+          "step: the same losses as the layers quantising them") {
+  // The experts' FP8 copies live in the memory of their compute copy, made from the f32 master; with
+  // delayed scaling the optimizer's AdamW step writes them (one pass per expert). On the CPU the
+  // compute copy equals the master, so neither changes a loss; with expert parallelism and recompute.
+  test::TempDir dir("moe-fp8-weights");
+  const std::string shards = test::pattern_corpus(dir);
+  const test::Sets moe = {"model.arch=llama",       "model.n_head=4",      "model.n_kv_head=2",
+                          "model.moe.n_experts=4",  "model.moe.top_k=2",   "model.moe.hidden=64",
+                          "fp8.enabled=true"};
+  for (const char* recipe : {"delayed", "current"}) {
+    INFO("recipe " << recipe);
+    const test::Sets sets = moe + test::Sets{std::string("fp8.recipe=") + recipe};
+    const auto base = test::train_losses(shards, 12, sets);
+    REQUIRE(base.size() == 12);
+    CHECK(base == test::train_losses(shards, 12, sets + test::Sets{"fp8.weights_in_compute_copy=false"}));
+    CHECK(base == test::train_losses(shards, 12, sets + test::Sets{"fp8.fuse_weight_update=false"}));
+    CHECK(base == test::train_losses(shards, 12, sets + test::Sets{"activation_checkpoint.mode=full"}));
+  }
+}

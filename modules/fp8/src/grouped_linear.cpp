@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kiln/core/error.hpp"
+#include "kiln/tensor/alignment.hpp"
 #include "scaling.hpp"
 
 namespace kiln::fp8 {
@@ -44,25 +45,82 @@ Fp8TensorView Fp8GroupedLinear::fp8(const ScalingSlot& s, void* rowwise, Shape r
   return v;
 }
 
-void Fp8GroupedLinear::ensure_weight(const TensorView& w, bool in_out, std::int64_t version) {
+void Fp8GroupedLinear::ensure_weight(const TensorView& w, std::int64_t version) {
   if (weight_cached(w) && cache_.version == version) return;
   const std::int64_t E = w.size(0), A = w.size(1), B = w.size(2);  // stored [E, A, B]
   const auto bytes = static_cast<std::size_t>(E * A * B);
-  if (cache_.forward.bytes() < bytes) {
-    ops_.synchronize();
-    cache_.forward = ops_.alloc(bytes);
-    cache_.dgrad = ops_.alloc(bytes);
+  // The compute copy's memory holds both copies (2 bytes per element), made from the master (both
+  // flat or 2-D as the parameter store holds them: the layer takes them in the forward's shape).
+  const bool in_compute = master_ && w.data == compute_.data && w.numel() == compute_.numel();
+  const TensorView src = in_compute ? master_.reshape(w.shape) : w;
+  if (in_compute) {
+    KILN_CHECK(A * B % 16 == 0, name_, ": FP8 copies in the compute copy need A B a multiple of 16, got ", w.str());
+    master_shape_ = w.shape;
+  }
+  if (in_compute) {  // A B is a multiple of 16: every expert's block of either copy is aligned
+    cache_.stored = static_cast<std::uint8_t*>(compute_.data);
+    cache_.transposed = cache_.stored + bytes;
+  } else {
+    if (cache_.own.bytes() < aligned(bytes) + bytes) {
+      ops_.synchronize();
+      cache_.own = Buffer();
+      cache_.own = ops_.alloc(aligned(bytes) + bytes);
+    }
+    cache_.stored = static_cast<std::uint8_t*>(cache_.own.data());
+    cache_.transposed = cache_.stored + aligned(bytes);
   }
   const ScalingSlot s = slot(TensorRole::weight);
-  float* record = prepare_scale(ops_, meta_, recipe_, s, [&](float* into) { ops_.amax(w, into); });
-  // The stored layout is one copy, its per-expert transpose the other: [out, in] for the forward
-  // (an FC1's stored layout), [in, out] for the data gradient (an FC2's).
-  void* stored = in_out ? cache_.dgrad.data() : cache_.forward.data();
-  void* transposed = in_out ? cache_.forward.data() : cache_.dgrad.data();
-  ops_.quantize(w, fp8(s, stored, {E, A, B}, transposed, {E, B, A}), record);
+  float* record = prepare_scale(ops_, meta_, recipe_, s, [&](float* into) { ops_.amax(src, into); });
+  ops_.quantize(src, fp8(s, cache_.stored, {E, A, B}, cache_.transposed, {E, B, A}), record);
   cache_.valid = true;
   cache_.version = version;
   cache_.source = w.data;
+}
+
+void Fp8GroupedLinear::use_master_weight(const TensorView& master, const TensorView& compute) {
+  KILN_CHECK(master.dtype == DType::f32 && master.contiguous() && compute.shape == master.shape &&
+                 compute.contiguous() && size_of(compute.dtype) >= 2 && aligned16(compute.data),
+             name_, ": use_master_weight needs an f32 master and a 16-byte aligned compute copy of at least two bytes "
+                    "per element of the same shape, got ",
+             master.str(), " and ", compute.str());
+  master_ = master;
+  compute_ = compute;
+  master_shape_ = {};
+  cache_.valid = false;
+}
+
+void Fp8GroupedLinear::update_weight(AdamWQuantizeArgs u, std::int64_t version) {
+  KILN_CHECK(master_, name_, ": update_weight needs use_master_weight");
+  for (const TensorView* t : {&u.grad, &u.m, &u.v})
+    KILN_CHECK(t->numel() == master_.numel() && t->contiguous(), name_, ": update_weight's grad, m and v must have ",
+               master_.numel(), " elements, got ", t->str());
+  const ScalingSlot s = slot(TensorRole::weight);
+  // The experts' shape is the forward's (a forward has quantised from the master): before any, the
+  // update alone.
+  const bool quantise = recipe_.kind == RecipeKind::delayed && meta_.ready(s.index) && master_shape_.ndim == 3;
+  if (!quantise) {
+    const std::int64_t n = master_.numel();
+    u.param = master_.reshape({1, n});
+    for (TensorView* t : {&u.grad, &u.m, &u.v}) *t = t->reshape({1, n});
+    u.out = {};
+    u.amax = nullptr;
+    ops_.adamw_quantize(u);
+    cache_.valid = false;
+    return;
+  }
+  const std::int64_t E = master_shape_[0], A = master_shape_[1], B = master_shape_[2], per = A * B;
+  auto* stored = static_cast<std::uint8_t*>(compute_.data);
+  // One pass over every expert: the stored layout rowwise, each expert's transpose colwise.
+  u.param = master_.reshape(master_shape_);
+  for (TensorView* t : {&u.grad, &u.m, &u.v}) *t = t->reshape(master_shape_);
+  u.out = fp8(s, stored, {E, A, B}, stored + E * per, {E, B, A});
+  u.amax = s.amax;
+  ops_.adamw_quantize(u);
+  cache_.stored = stored;
+  cache_.transposed = stored + E * per;
+  cache_.valid = true;
+  cache_.version = version;
+  cache_.source = compute_.data;
 }
 
 void* Fp8GroupedLinear::kept_input(const std::int32_t* off, int experts, std::int64_t rows, std::int64_t cols) {
@@ -110,7 +168,7 @@ void Fp8GroupedLinear::forward(const ops::GroupedLinearForward& a, std::int64_t 
   const std::int64_t E = a.weight.size(0), IC = xs[1];
   KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
              ": a replayed forward needs the weight of the original one");
-  ensure_weight(a.weight, a.weight_in_out, weight_version);
+  ensure_weight(a.weight, weight_version);
   const std::int32_t* off = a.offsets_host;
   const int experts = static_cast<int>(E);
   const std::int64_t used = off[E];
@@ -126,7 +184,7 @@ void Fp8GroupedLinear::forward(const ops::GroupedLinearForward& a, std::int64_t 
   std::uint8_t* codes_x = ws_.get(static_cast<std::size_t>(xs[0] * IC));
   ops_.quantize_grouped(
       {x, off, experts, fp8(sx, codes_x, {used, IC}, kept, {segment_row(off, experts) * IC}), record});
-  ops_.gemm_grouped(rows_products("fp8_grouped_gemm_forward", {codes_x, sx}, {cache_.forward.data(), sw}, a.out, off,
+  ops_.gemm_grouped(rows_products("fp8_grouped_gemm_forward", {codes_x, sx}, {forward_codes(a.weight_in_out), sw}, a.out, off,
                                   E, IC, recipe_.fast_accum_forward));
 }
 
@@ -159,7 +217,7 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   const std::int64_t IC = a.weight_in_out ? a.weight.size(1) : a.weight.size(2);
   KILN_CHECK((a.weight_in_out ? a.weight.size(2) : a.weight.size(1)) == OC, name_, " backward: weight ",
              a.weight.str(), ", dout [", R, ",", OC, "]");
-  if (!weight_cached(a.weight)) ensure_weight(a.weight, a.weight_in_out, cache_.version);
+  if (!weight_cached(a.weight)) ensure_weight(a.weight, cache_.version);
   const std::int32_t* off = a.offsets_host;
   const int experts = static_cast<int>(E);
   const std::int64_t used = off[E], padded = segment_row(off, experts);
@@ -191,7 +249,7 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   if (!keep_input_)
     ops_.quantize_grouped({input_source(a.x, name_), off, experts, fp8(sx, nullptr, {}, xc, {padded * IC}), nullptr});
   if (a.dx) {  // dx[e] [rows, IC] = dout[e] [rows, OC] @ W[e] [OC, IC]
-    ops_.gemm_grouped(rows_products("fp8_grouped_gemm_dgrad", {gr, sg}, {cache_.dgrad.data(), sw}, a.dx, off, E, OC, false));
+    ops_.gemm_grouped(rows_products("fp8_grouped_gemm_dgrad", {gr, sg}, {dgrad_codes(a.weight_in_out), sw}, a.dx, off, E, OC, false));
     if (a.dx_gelu_pre) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));
   }
   // dW[e] [OC, IC] += dout[e]^T @ x[e] (K = the expert's padded rows: zeros add nothing); an FC2

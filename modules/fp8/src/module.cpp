@@ -303,27 +303,35 @@ void install(World& w, const Fp8Config& cfg) {
   // The optimizer's step of the weights left to us (nn::UpdatedBy), with its FP8 copies; or, with
   // sharded masters, the FP8 codes of every rank's parts of the updated weights. Runs after
   // fp8.scale_update (Phase::grad_sync), so the copies take the scales the next forward uses.
-  if (!st.fused.empty() || !st.in_compute_copy.empty())
+  if (!st.fused.empty() || !st.in_compute_copy.empty() || !st.grouped.empty())
     st.subscriptions.push_back(w.events().subscribe<nn::AdamWStep>([&w, &st](const nn::AdamWStep& e) {
+      const auto& store = w.resource<nn::ParamStore>();
       if (!st.gathered.empty() && st.fused.empty()) {
         quantize_weight_parts(w);
-        return;
-      }
-      if (st.fused.empty()) return;
-      if (!st.gathered.empty()) {  // each rank's part of the weights, updated with its codes
+      } else if (!st.gathered.empty()) {  // each rank's part of the weights, updated with its codes
         update_weight_parts(w, e);
-        return;
+      } else if (!st.fused.empty()) {
+        st.invalidate_weights();
+        st.fused_update_step = w.resource<RunControl>().step;
+        for (std::size_t i : st.fused) {
+          const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
+          AdamWQuantizeArgs u = step_args(e, p);
+          u.grad = store.grad_view(p);
+          u.m = nn::ParamStore::view_in(e.m, p);
+          u.v = nn::ParamStore::view_in(e.v, p);
+          st.linears[i]->update_weight(u, st.weights_version);
+        }
       }
-      const auto& store = w.resource<nn::ParamStore>();
-      st.invalidate_weights();
-      st.fused_update_step = w.resource<RunControl>().step;
-      for (std::size_t i : st.fused) {
-        const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
+      if (st.grouped_fused.empty()) return;  // the experts' weights (fp8.weights decides)
+      ++st.grouped_version;
+      st.grouped_update_step = w.resource<RunControl>().step;
+      for (std::size_t i : st.grouped_fused) {
+        const auto& p = w.get<nn::Param>(w.get<nn::GroupedLinear>(st.grouped_entities[i]).weight);
         AdamWQuantizeArgs u = step_args(e, p);
         u.grad = store.grad_view(p);
         u.m = nn::ParamStore::view_in(e.m, p);
         u.v = nn::ParamStore::view_in(e.v, p);
-        st.linears[i]->update_weight(u, st.weights_version);
+        st.grouped[i]->update_weight(u, st.grouped_version);
       }
     }));
 
@@ -333,6 +341,7 @@ void install(World& w, const Fp8Config& cfg) {
     st.invalidate_weights();
     ++st.grouped_version;
     st.fused_update_step = -1;
+    st.grouped_update_step = -1;
   }));
   save_scaling_state(w, st);
 
@@ -367,8 +376,14 @@ void install(World& w, const Fp8Config& cfg) {
   // them as the weight's rowwise copy (transposing them for the data gradient). After each optimizer
   // step the parts are quantised again (quantize_weight_parts), or, under delayed scaling with the
   // fused update, updated and quantised in one pass (update_weight_parts).
+  //
+  // The experts' weights (grouped linears) the same way where the masters are not sharded (sharded,
+  // their compute copies are gathered in act precision and quantised by the layers), marked
+  // nn::UpdatedBy here, before the first step, where their update is fused.
+  const bool grouped_in_compute = cfg.weights_in_compute_copy,
+             grouped_fused = cfg.weights_in_compute_copy && cfg.fuse_weight_update && cfg.recipe == RecipeKind::delayed;
   w.systems().add({"fp8.weights", Phase::setup,
-                   [](World& world) {
+                   [grouped_in_compute, grouped_fused](World& world) {
                      auto& s = world.resource<Fp8State>();
                      const auto& store = world.resource<nn::ParamStore>();
                      if (store.sharded()) {
@@ -380,6 +395,16 @@ void install(World& w, const Fp8Config& cfg) {
                      for (std::size_t i : s.in_compute_copy) {
                        const auto& wp = world.get<nn::Param>(world.get<nn::Linear>(s.entities[i]).weight);
                        s.linears[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));
+                     }
+                     if (store.sharded() || !grouped_in_compute) return;
+                     for (std::size_t i = 0; i < s.grouped.size(); ++i) {
+                       const Entity we = world.get<nn::GroupedLinear>(s.grouped_entities[i]).weight;
+                       const auto& wp = world.get<nn::Param>(we);
+                       s.grouped[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));
+                       if (grouped_fused && !world.try_get<nn::UpdatedBy>(we)) {
+                         world.emplace<nn::UpdatedBy>(we, nn::UpdatedBy{"fp8"});
+                         s.grouped_fused.push_back(i);
+                       }
                      }
                    },
                    {"params.allocate", "model.init"}});
@@ -409,8 +434,9 @@ void install(World& w, const Fp8Config& cfg) {
   // Unless the optimizer's update ran fused this step (then the copies are current).
   w.systems().add({"fp8.weights_changed", Phase::optimizer, [](World& world) {
                      auto& s = world.resource<Fp8State>();
-                     ++s.grouped_version;  // the experts' weights are never updated fused
-                     if (s.fused_update_step != world.resource<RunControl>().step) s.invalidate_weights();
+                     const std::int64_t step = world.resource<RunControl>().step;
+                     if (s.fused_update_step != step) s.invalidate_weights();
+                     if (s.grouped_update_step != step) ++s.grouped_version;
                    }});
 }
 

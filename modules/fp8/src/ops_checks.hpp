@@ -5,15 +5,19 @@
 
 namespace kiln::fp8 {
 
-// param, grad, m, v: f32 [rows, cols] on `device`, contiguous, one shape; no colwise copy without
-// the rowwise one.
+// param, grad, m, v: f32 [rows, cols] or [batch, rows, cols] on `device`, contiguous, one shape; no
+// colwise copy without the rowwise one.
 inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device) {
   ops::OpArgs c("fp8 adamw_quantize", {device, DType::f32, false});
   const auto rows = c.wide_dim("rows"), cols = c.wide_dim("cols");
-  c.tensor("param", a.param, DType::f32, {rows, cols});
-  c.tensor("grad", a.grad, DType::f32, {rows, cols});
-  c.tensor("m", a.m, DType::f32, {rows, cols});
-  c.tensor("v", a.v, DType::f32, {rows, cols});
+  if (a.param.ndim() == 3) {
+    const auto batch = c.wide_dim("batch");
+    for (auto [name, t] : {std::pair{"param", &a.param}, {"grad", &a.grad}, {"m", &a.m}, {"v", &a.v}})
+      c.tensor(name, *t, DType::f32, {batch, rows, cols});
+  } else {
+    for (auto [name, t] : {std::pair{"param", &a.param}, {"grad", &a.grad}, {"m", &a.m}, {"v", &a.v}})
+      c.tensor(name, *t, DType::f32, {rows, cols});
+  }
   c.check(a.out.rowwise || !a.out.colwise, "the colwise FP8 copy only with the rowwise one");
 }
 

@@ -1,7 +1,8 @@
 // The optimizer's step and the weight quantisation in one pass (AdamWQuantize): per element
 // ops::adamw_update of the f32 master, m and v, then the updated master's FP8 codes, rowwise and
 // through the shared tile colwise, and its amax, exactly as cast_transpose would quantise the
-// updated master (same scale, same hardware conversion).
+// updated master (same scale, same hardware conversion). Rows may be `batch` stacked matrices (a
+// mixture of experts' weights): the colwise copy is then each one's transpose, in one launch.
 //
 // The tiled kernel moves 30 bytes per element (param, grad, m, v read; param, m, v and both codes
 // written) where the unfused path moves 30 (AdamW with its bf16 copy) plus 6 (the f32 master read
@@ -33,7 +34,7 @@ template <Format F, bool QUANT, bool AMAX>
 __global__ void __launch_bounds__(kThreads)
     adamw_quantize_tiled(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                          float* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
-                         const float* __restrict__ scale_ptr, float* amax, int rows, int cols, Hyper h) {
+                         const float* __restrict__ scale_ptr, float* amax, int rows, int cols, int per, Hyper h) {
   __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
   const float scale = QUANT ? *scale_ptr : 0.0f;
   const int tiles_c = (cols + kTile - 1) / kTile;
@@ -74,7 +75,27 @@ __global__ void __launch_bounds__(kThreads)
         const auto* src = reinterpret_cast<const std::uint32_t*>(tile + lr * kStride + lv * 16);
         *reinterpret_cast<uint4*>(row + static_cast<size_t>(gr) * cols + gc) = make_uint4(src[0], src[1], src[2], src[3]);
       }
-      if (col) store_transposed(tile, col, r0, c0, rows, cols);
+      if (col) {
+        if (per == rows) {
+          store_transposed(tile, col, r0, c0, rows, cols);
+        } else {  // stacked matrices of `per` rows, a multiple of 16: a thread's 16 rows are in one
+          const int tc = threadIdx.x / 4, tv = threadIdx.x % 4;
+          const int oc = c0 + tc, orow = r0 + tv * 16;
+          if (oc < cols && orow < rows) {
+            const int b = orow / per;
+            std::uint32_t w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const std::uint8_t* p = tile + (tv * 16 + 4 * j) * kStride + tc;
+              w[j] = static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[kStride]) << 8) |
+                     (static_cast<std::uint32_t>(p[2 * kStride]) << 16) |
+                     (static_cast<std::uint32_t>(p[3 * kStride]) << 24);
+            }
+            *reinterpret_cast<uint4*>(col + static_cast<size_t>(b) * per * cols + static_cast<size_t>(oc) * per +
+                                      (orow - b * per)) = make_uint4(w[0], w[1], w[2], w[3]);
+          }
+        }
+      }
       __syncthreads();  // the next tile overwrites the shared tile
     }
   }
@@ -86,7 +107,8 @@ template <Format F, bool QUANT, bool AMAX>
 __global__ void __launch_bounds__(kThreads)
     adamw_quantize_any(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                        float* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
-                       const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols, Hyper h) {
+                       const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols,
+                       long long per, Hyper h) {
   const float scale = QUANT ? *scale_ptr : 0.0f;
   const long long n = rows * cols;
   unsigned local = 0;
@@ -100,7 +122,10 @@ __global__ void __launch_bounds__(kThreads)
     if (QUANT) {
       const std::uint8_t q = cvt1<F>(__fmul_rn(p, scale));
       row[i] = q;
-      if (col) col[(i % cols) * rows + i / cols] = q;
+      if (col) {  // matrix b's transpose: [cols, per] at b * per * cols
+        const long long r = i / cols, b = r / per;
+        col[b * per * cols + (i % cols) * per + (r - b * per)] = q;
+      }
       if (AMAX) local = max(local, abs_bits(p));
     }
   }
@@ -109,7 +134,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <Format F, bool QUANT, bool AMAX>
 void launch(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
-  const bool tiled = a.rows % 16 == 0 && a.cols % 16 == 0 && a.rows <= 0x7fffffff && a.cols <= 0x7fffffff &&
+  const long long per = a.rows / std::max<std::int64_t>(a.batch, 1);
+  const bool tiled = a.rows % 16 == 0 && a.cols % 16 == 0 && per % 16 == 0 && a.rows <= 0x7fffffff && a.cols <= 0x7fffffff &&
                      aligned16(a.param) && aligned16(a.grad) && aligned16(a.m) && aligned16(a.v) &&
                      (!QUANT || (aligned16(a.rowwise) && (!a.colwise || aligned16(a.colwise))));
   if (tiled) {
@@ -117,12 +143,13 @@ void launch(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
     const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
     adamw_quantize_tiled<F, QUANT, AMAX><<<grid, kThreads, 0, s>>>(a.param, a.grad, a.m, a.v, a.rowwise, a.colwise,
                                                                    a.scale, a.amax, static_cast<int>(a.rows),
-                                                                   static_cast<int>(a.cols), h);
+                                                                   static_cast<int>(a.cols), static_cast<int>(per), h);
   } else {
     const long long n = a.rows * a.cols;
     const auto grid = static_cast<unsigned>(std::clamp<long long>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
     adamw_quantize_any<F, QUANT, AMAX>
-        <<<grid, kThreads, 0, s>>>(a.param, a.grad, a.m, a.v, a.rowwise, a.colwise, a.scale, a.amax, a.rows, a.cols, h);
+        <<<grid, kThreads, 0, s>>>(a.param, a.grad, a.m, a.v, a.rowwise, a.colwise, a.scale, a.amax, a.rows, a.cols, per,
+                                   h);
   }
   KILN_CUDA_LAUNCH_CHECK();
 }
@@ -140,8 +167,8 @@ void with_flags(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
 }  // namespace
 
 void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s) {
-  KILN_CHECK(a.rows >= 0 && a.cols >= 0 && a.param && a.grad && a.m && a.v, "fp8 adamw_quantize: [", a.rows, ",",
-             a.cols, "]");
+  KILN_CHECK(a.rows >= 0 && a.cols >= 0 && a.batch >= 1 && a.rows % a.batch == 0 && a.param && a.grad && a.m && a.v,
+             "fp8 adamw_quantize: [", a.rows, ",", a.cols, "] in ", a.batch, " matrices");
   KILN_CHECK((a.rowwise || !a.colwise) && (!a.rowwise || a.scale), "fp8 adamw_quantize: the rowwise copy (and the "
              "colwise one) with a scale, or neither");
   if (a.rows == 0 || a.cols == 0) return;

@@ -313,7 +313,16 @@ class CudaOps final : public Fp8Ops {
 
   void adamw_quantize(const AdamWQuantizeArgs& a) override {
     check_adamw_quantize_args(a, Device::cuda);
-    if (a.out.rowwise) check_outputs(a.param, a.out, "fp8 adamw_quantize");
+    const bool batched = a.param.ndim() == 3;
+    const std::int64_t B = batched ? a.param.size(0) : 1, R = a.param.numel() / std::max<std::int64_t>(B, 1) /
+                                                                std::max<std::int64_t>(a.param.size(-1), 1);
+    if (a.out.rowwise && batched) {
+      const std::int64_t C = a.param.size(2);
+      check_copy(a.out.rowwise, a.out.format, {B, R, C}, "fp8 adamw_quantize: rowwise");
+      check_copy(a.out.colwise, a.out.format, {B, C, R}, "fp8 adamw_quantize: colwise");
+    } else if (a.out.rowwise) {
+      check_outputs(a.param, a.out, "fp8 adamw_quantize");
+    }
     cuda::AdamWQuantizeDev k;
     k.param = a.param.as<float>();
     k.grad = a.grad.as<float>();
@@ -324,8 +333,9 @@ class CudaOps final : public Fp8Ops {
     k.format = a.out.format;
     k.scale = a.out.scale;
     k.amax = a.amax;
-    k.rows = a.param.size(0);
-    k.cols = a.param.size(1);
+    k.rows = B * R;
+    k.cols = a.param.size(-1);
+    k.batch = B;
     k.lr = a.lr;
     k.beta1 = a.beta1;
     k.beta2 = a.beta2;

@@ -255,7 +255,8 @@ void Fp8GemmRunner::run_ragged(const GemmArgs& g, cudaStream_t stream, void* wor
                             (static_cast<std::int64_t>(g.d.dtype) << 8) | (g.fast_accum ? 2 : 0) | (g.accumulate ? 1 : 0);
   const char* why = "";
   const cublasLtMatmulAlgo_t* algo =
-      ragged_algos_.find(handle_, op, kind, m, n, k, layouts, exact, workspace_bytes_, &why);
+      ragged_algos_.find(handle_, op, kind, m, n, k, g.f32_result ? kiln::cuda::LtRagged::k : kiln::cuda::LtRagged::n,
+                         layouts, exact, workspace_bytes_, &why);
   KILN_CHECK(algo, "cuBLASLt has no algorithm for ", describe(g), " (workspace ", workspace_bytes_, " bytes): ", why);
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(handle_, op, &alpha, g.y.data, exact.a.l, g.x.data, exact.b.l, &beta,

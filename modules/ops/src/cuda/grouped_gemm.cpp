@@ -84,7 +84,8 @@ void GroupedGemm::lt_gemm(const LtCall& c, int lane) {
                             (c.c_f32 ? 2 : 0) | (c.beta != 0 ? 1 : 0);
   const char* why = "";
   const cublasLtMatmulAlgo_t* algo =
-      lt_algos_.find(lt_, it->second, kind, c.m, c.n, c.k, rounded, exact, lanes_.workspace_bytes(), &why);
+      lt_algos_.find(lt_, it->second, kind, c.m, c.n, c.k, c.c_f32 ? LtRagged::k : LtRagged::n, rounded, exact,
+                     lanes_.workspace_bytes(), &why);
   KILN_CHECK(algo, "cuBLASLt has no algorithm for an expert GEMM [", c.m, ", ", c.n, ", ", c.k, "] (", why, ")");
   const float alpha = 1.0f;
   KILN_CUBLAS_CHECK(cublasLtMatmul(lt_, it->second, &alpha, c.a, exact.a.l, c.b, exact.b.l, &c.beta, c.c, exact.c.l,

@@ -26,10 +26,15 @@
 //
 // Scales: per tensor, the three slots of a linear (TensorRole) in an Fp8MetaStore: one for the
 // whole grouped input (every expert's rows), one for all of this rank's experts' weights, one for the
-// output gradient. The weight's FP8 copies are made once per weight version and reused by every
-// micro-batch and the backward pass; the input is quantised again, with the forward's scale, for the
-// weight gradient. A replayed forward (activation recompute) reuses the forward's scales and records
-// no amax, as Fp8Linear's.
+// output gradient. The weight's FP8 copies (the stored layout [E, A, B] and each expert's transpose
+// [E, B, A]) are made once per weight version and reused by every micro-batch and the backward pass;
+// the input is quantised again, with the forward's scale, for the weight gradient. A replayed forward
+// (activation recompute) reuses the forward's scales and records no amax, as Fp8Linear's.
+//
+// As Fp8Linear's, the weight's copies may live in the memory of its act-precision compute copy,
+// made from the f32 master (use_master_weight), and the optimizer's step may write them in the same
+// pass as it updates the master (update_weight: delayed scaling with the scale known), one
+// adamw_quantize per expert.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -56,14 +61,31 @@ class Fp8GroupedLinear {
   void backward(const ops::GroupedLinearBackward& a);
   void invalidate_weight() { cache_.valid = false; }
 
+  // Makes the weight's FP8 copies from `master` (the stacked weight's f32 master, any shape of its
+  // elements: the forward's weight gives [E, A, B]) into the memory of `compute` (its act-precision
+  // compute copy, same shape: the stored layout in the first E A B bytes, the per-expert transposes
+  // in the next), for forwards whose weight is that compute copy; nothing else may read it between
+  // the first forward after an update and the next update.
+  void use_master_weight(const TensorView& master, const TensorView& compute);
+  // The optimizer's step of the master weight (use_master_weight) and its FP8 copies in one pass per
+  // expert (Fp8Ops::adamw_quantize; `u` names the master's grad, m and v, of its elements, and the
+  // hyperparameters). Under delayed scaling with the weight's scale known, the copies are written
+  // with it and the new weight's amax recorded as the next step's; they are then the copies of
+  // `version`. Otherwise the update alone: the next forward quantises.
+  void update_weight(AdamWQuantizeArgs u, std::int64_t version);
+
   ScalingSlot slot(TensorRole r) const { return meta_.slot(first_slot_ + static_cast<int>(r)); }
   const std::string& name() const { return name_; }
   bool keeps_input() const { return keep_input_; }
   std::size_t kept_bytes() const { return kept_.bytes(); }  // the kept input copy's memory
 
  private:
-  // Makes the weight's two FP8 copies: forward [E, OC, IC] and dgrad [E, IC, OC].
-  void ensure_weight(const TensorView& w, bool in_out, std::int64_t version);
+  // Makes the weight's two FP8 copies: the stored layout [E, A, B] and its per-expert transpose.
+  void ensure_weight(const TensorView& w, std::int64_t version);
+  // The copies the forward ([E, OC, IC]) and the data gradient ([E, IC, OC]) read: an FC1 stored
+  // [out, in] reads its stored layout forward, an FC2 stored [in, out] (in_out) its transposes.
+  void* forward_codes(bool in_out) const { return in_out ? cache_.transposed : cache_.stored; }
+  void* dgrad_codes(bool in_out) const { return in_out ? cache_.stored : cache_.transposed; }
   bool weight_cached(const TensorView& w) const { return cache_.valid && cache_.source == w.data; }
   TensorView codes(void* at, Shape shape, const ScalingSlot& s) const;
   // FP8 codes with their scaling slot.
@@ -87,11 +109,15 @@ class Fp8GroupedLinear {
   Fp8Recipe recipe_;
   std::string name_;
   struct WeightCache {
-    Buffer forward, dgrad;  // [E, OC, IC] and [E, IC, OC] codes
+    Buffer own;                          // both copies, unless they live in the compute copy
+    std::uint8_t* stored = nullptr;      // [E, A, B] codes
+    std::uint8_t* transposed = nullptr;  // [E, B, A] codes
     bool valid = false;
     std::int64_t version = 0;
     const void* source = nullptr;
   } cache_;
+  TensorView master_, compute_;  // use_master_weight
+  Shape master_shape_;           // the experts' [E, A, B] (the forward's), once it quantised from the master
   bool keep_input_ = false;
   Buffer kept_;                        // keep_input: the input's padded transposes of the last forward
   std::vector<std::int32_t> kept_off_;  // ... for these offsets

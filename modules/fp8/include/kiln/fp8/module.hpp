@@ -12,7 +12,9 @@
 // With delayed scaling (and fuse_weight_update) the FP8 layers' weights are marked nn::UpdatedBy:
 // the optimizer leaves them alone and publishes nn::AdamWStep, on which each layer runs the same
 // AdamW step fused with its weight's quantisation (Fp8Linear::update_weight), using the scales
-// fp8.scale_update just made: the next forward finds its FP8 weight ready.
+// fp8.scale_update just made: the next forward finds its FP8 weight ready. The experts' weights
+// the same way (Fp8GroupedLinear::update_weight: all experts in one pass) where the masters are not
+// sharded, marked in Phase::setup once that is known.
 // Anything else that changes the weights (a checkpoint load) calls Fp8State::invalidate_weights().
 #include <memory>
 #include <vector>
@@ -77,7 +79,9 @@ struct Fp8State {
   std::vector<std::unique_ptr<Fp8Linear>> linears;   // their layers, same order
   std::vector<Entity> grouped_entities;              // the FP8 GroupedLinear entities (a mixture of experts')
   std::vector<std::unique_ptr<Fp8GroupedLinear>> grouped;  // their layers, same order
-  std::int64_t grouped_version = 0;                  // their weights' version: every optimizer step bumps it
+  std::int64_t grouped_version = 0;                  // their weights' version: every optimizer step bumps it once
+  std::vector<std::size_t> grouped_fused;            // grouped linears whose weight update is fused
+  std::int64_t grouped_update_step = -1;             // the step whose optimizer update of them ran fused
   std::int64_t weights_version = 0;                  // the cached FP8 weights are of this version
   std::vector<std::size_t> in_compute_copy;          // linears whose FP8 weights live in the compute copy
   std::vector<std::size_t> gathered;                 // sharded masters: linears reading gathered FP8 codes

@@ -76,7 +76,10 @@ struct GradQuantizeArgs {
 // out.colwise), the copies of the updated param encoded with *out.scale and max |param|
 // max-accumulated into *amax (unless null), exactly as quantize(param, out, amax) after the update.
 struct AdamWQuantizeArgs {
-  TensorView param, grad, m, v;  // [rows, cols] f32; param, m, v updated in place
+  // [rows, cols] f32, or [batch, rows, cols] (stacked matrices, e.g. a mixture of experts' weights:
+  // their colwise copy is each one's transpose, [batch, cols, rows], as quantize() of them writes);
+  // param, m, v updated in place
+  TensorView param, grad, m, v;
   Fp8TensorView out;             // both copies, the rowwise one (a part of a weight), or neither
   float* amax = nullptr;
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0, grad_scale = 1;

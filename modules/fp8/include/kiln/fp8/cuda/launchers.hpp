@@ -146,6 +146,7 @@ struct AdamWQuantizeDev {
   const float* scale = nullptr;
   float* amax = nullptr;  // optional
   std::int64_t rows = 0, cols = 0;
+  std::int64_t batch = 1;  // rows are `batch` stacked matrices; colwise = each one's transpose
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_scale = 1;
   std::int64_t step = 1;
 };

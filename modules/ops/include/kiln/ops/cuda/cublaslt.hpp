@@ -95,21 +95,35 @@ inline std::optional<cublasLtMatmulAlgo_t> lt_first_algo(cublasLtHandle_t h, cub
   return std::nullopt;
 }
 
-// Algorithms for matmuls whose shapes change from call to call (a mixture of experts' experts: their
-// rows change every step, and a heuristic per call costs the host ~100 us): the heuristic's choice
-// for the shape with m, n and k rounded up to multiples of 128, cached per rounded shape and `kind`
-// (whatever else decides the choice: types, transposes, beta), used where cublasLtMatmulAlgoCheck
-// says it takes the exact shape within the workspace, else the exact shape's choice (cached too).
-// Deterministic: a shape always gets the same algorithm.
+// Which of a matmul's dimensions changes from call to call (a mixture of experts' rows: cuBLASLt's
+// n for a product of rows and a weight, its k for a weight gradient).
+enum class LtRagged { n, k };
+
+// Algorithms for matmuls one of whose dimensions changes from call to call (a mixture of experts'
+// experts: their rows change every step, and a heuristic per call costs the host ~100 us): the
+// heuristic's choice for the shape with that dimension rounded up to a bucket (128, 192, 256, 384,
+// 512, ...: two buckets an octave) and the others to multiples of 128, cached per rounded shape and
+// `kind` (whatever else decides the choice: types, transposes, beta), used where
+// cublasLtMatmulAlgoCheck says it takes the exact shape within the workspace, else the exact
+// shape's choice (cached too). Few buckets matter: every algorithm the heuristic picks is a kernel
+// that CUDA loads on its first launch (lazily, 1-10 ms each), and with rows rounded to multiples of
+// 128 moe-1b met a new one every few steps for its first 30. Deterministic: a shape always gets the
+// same algorithm.
 class LtRaggedAlgos {
  public:
+  // The bucket of a changing dimension v >= 1: the least 2^j or 3 * 2^(j-1) >= v, at least 128.
+  static int bucket(int v) {
+    int b = 128;
+    while (b < v) b = b % 3 == 0 ? b / 3 * 4 : b / 2 * 3;  // 128, 192, 256, 384, 512, ...
+    return b;
+  }
   // `make(m, n, k)`: an object with members a, b, c (LtLayouts) for a shape; `exact`: the call's.
   template <class Make, class Layouts>
   const cublasLtMatmulAlgo_t* find(cublasLtHandle_t h, cublasLtMatmulDesc_t op, std::int64_t kind, int m, int n,
-                                   int k, const Make& make, const Layouts& exact, std::size_t workspace_bytes,
-                                   const char** why) {
+                                   int k, LtRagged ragged, const Make& make, const Layouts& exact,
+                                   std::size_t workspace_bytes, const char** why) {
     auto round = [](int v) { return (v + 127) / 128 * 128; };
-    const Key rounded{kind, round(m), round(n), round(k)};
+    const Key rounded{kind, round(m), ragged == LtRagged::n ? bucket(n) : round(n), ragged == LtRagged::k ? bucket(k) : round(k)};
     auto it = algos_.find(rounded);
     if (it == algos_.end()) {
       const auto r = make(std::get<1>(rounded), std::get<2>(rounded), std::get<3>(rounded));
