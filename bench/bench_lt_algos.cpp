@@ -5,6 +5,8 @@
 // candidates in its order, each timed alone and as kiln runs the experts (eight products on four
 // streams), and whether its result has the same bits as the first's. Prints one line per
 // candidate, then kiln's choice on an imbalanced split against the fastest same-bits candidate.
+// With CHECK_ROWS set: for each product, how many row counts (3584..4608) the algorithm chosen for
+// their bucket (kiln::cuda::LtRaggedAlgos) does not take (cublasLtMatmulAlgoCheck).
 //   bench_lt_algos [candidates] [iters]
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -12,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -127,6 +130,26 @@ int main(int argc, char** argv) {
     };
     const Made full = make_ld(p.m, p.n, p.k, p.lda, p.ldb, p.ldc);
     const cuda::LtLayout &a = full.a, &b = full.b, &c = full.c;
+    if (std::getenv("CHECK_ROWS")) {  // which row counts the rounded shape's algorithm refuses
+      int refused = 0, first = -1, counts = 0;
+      for (int rows = 3584; rows <= 4608; rows += p.fp8 && p.rows_are_k ? 16 : 1, ++counts) {
+        const int r128 = cuda::LtRaggedAlgos::bucket(rows);
+        const Made r = p.rows_are_k ? make(p.m, p.n, r128) : make(p.m, r128, p.k);
+        const Made x = p.fp8 && p.rows_are_k ? make(p.m, p.n, rows)
+                       : p.rows_are_k        ? make_ld(p.m, p.n, rows, p.lda, p.ldb, p.ldc)
+                                             : make_ld(p.m, rows, p.k, p.lda, p.ldb, p.ldc);
+        const auto algo = cuda::lt_first_algo(h, op, r.a.l, r.b.l, r.c.l, kWorkspace);
+        cublasLtMatmulHeuristicResult_t check{};
+        if (!algo || cublasLtMatmulAlgoCheck(h, op, x.a.l, x.b.l, x.c.l, x.c.l, &*algo, &check) != CUBLAS_STATUS_SUCCESS) {
+          ++refused;
+          if (first < 0) first = rows;
+        }
+      }
+      std::printf("%-14s the rounded shape's algorithm refused for %d of %d row counts (first %d)\n", p.name, refused,
+                  counts, first);
+      cublasLtMatmulDescDestroy(op);
+      continue;
+    }
     cuda::LtPreference pref;
     pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(kWorkspace));
     std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<std::size_t>(want));
@@ -199,7 +222,8 @@ int main(int argc, char** argv) {
         const cublasLtMatmulAlgo_t* algo = &results[static_cast<std::size_t>(best)].algo;
         if (kiln_choice) {
           const char* why = "";
-          algo = ragged.find(h, op, 0, sh.m, sh.n, sh.k, make, exact, kWorkspace, &why);
+          algo = ragged.find(h, op, 0, sh.m, sh.n, sh.k, p.rows_are_k ? cuda::LtRagged::k : cuda::LtRagged::n, make,
+                             exact, kWorkspace, &why);
           KILN_CHECK(algo, p.name, ": ", why);
         }
         const float alpha = 1.0f, beta = 0.0f;
