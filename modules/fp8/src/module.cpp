@@ -115,6 +115,15 @@ AdamWQuantizeArgs step_args(const nn::AdamWStep& e, const nn::Param& p) {
   return u;
 }
 
+// The optimizer step's arguments for a whole weight (unsharded masters): its gradient and moments.
+AdamWQuantizeArgs whole_weight_args(const nn::AdamWStep& e, const nn::Param& p, const nn::ParamStore& store) {
+  AdamWQuantizeArgs u = step_args(e, p);
+  u.grad = store.grad_view(p);
+  u.m = nn::ParamStore::view_in(e.m, p);
+  u.v = nn::ParamStore::view_in(e.v, p);
+  return u;
+}
+
 // With sharded masters and the fused update: each rank's part of each weight left to us, updated by
 // the optimizer's AdamW step (nn::AdamWStep) and quantised into its held codes in one pass.
 void update_weight_parts(World& w, const nn::AdamWStep& e) {
@@ -313,26 +322,18 @@ void install(World& w, const Fp8Config& cfg) {
       } else if (!st.fused.empty()) {
         st.invalidate_weights();
         st.fused_update_step = w.resource<RunControl>().step;
-        for (std::size_t i : st.fused) {
-          const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
-          AdamWQuantizeArgs u = step_args(e, p);
-          u.grad = store.grad_view(p);
-          u.m = nn::ParamStore::view_in(e.m, p);
-          u.v = nn::ParamStore::view_in(e.v, p);
-          st.linears[i]->update_weight(u, st.weights_version);
-        }
+        for (std::size_t i : st.fused)
+          st.linears[i]->update_weight(
+              whole_weight_args(e, w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight), store),
+              st.weights_version);
       }
       if (st.grouped_fused.empty()) return;  // the experts' weights (fp8.weights decides)
       ++st.grouped_version;
       st.grouped_update_step = w.resource<RunControl>().step;
-      for (std::size_t i : st.grouped_fused) {
-        const auto& p = w.get<nn::Param>(w.get<nn::GroupedLinear>(st.grouped_entities[i]).weight);
-        AdamWQuantizeArgs u = step_args(e, p);
-        u.grad = store.grad_view(p);
-        u.m = nn::ParamStore::view_in(e.m, p);
-        u.v = nn::ParamStore::view_in(e.v, p);
-        st.grouped[i]->update_weight(u, st.grouped_version);
-      }
+      for (std::size_t i : st.grouped_fused)
+        st.grouped[i]->update_weight(
+            whole_weight_args(e, w.get<nn::Param>(w.get<nn::GroupedLinear>(st.grouped_entities[i]).weight), store),
+            st.grouped_version);
     }));
 
   // A checkpoint loaded new weights and scales: the FP8 copies are made again from them.
