@@ -30,7 +30,7 @@ std::unique_ptr<Fp8Ops> make_ops(World& w) {
   const auto& bc = w.resource<ops::BackendConfig>();
   std::unique_ptr<Fp8Ops> ops;
   if (be.device() == Device::cuda) {
-    ops = make_cuda_ops(be.stream());
+    ops = make_cuda_ops(be.stream(), bc.grouped_gemm_tune);
   } else {  // the same threads and bf16 rounding as the CPU backend
     const int local = std::max(1, w.resource<RankInfo>().local_world_size);
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -20,7 +20,9 @@ void install(World& w, const BackendConfig& cfg) {
                                                                                         .attention = cfg.attention,
                                                                                         .attention_deterministic =
                                                                                             cfg.attention_deterministic,
-                                                                                        .grouped_gemm = cfg.grouped_gemm});
+                                                                                        .grouped_gemm = cfg.grouped_gemm,
+                                                                                        .grouped_gemm_tune =
+                                                                                            cfg.grouped_gemm_tune});
   } else {
     int local = rank.local_world_size;
     int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -116,10 +116,11 @@ class HostUploads {
 
 class CudaOps final : public Fp8Ops {
  public:
-  explicit CudaOps(cudaStream_t stream) : stream_(stream), uploads_(stream) {
+  CudaOps(cudaStream_t stream, bool tune_grouped) : stream_(stream), uploads_(stream) {
     KILN_CUBLAS_CHECK(cublasLtCreate(&lt_));
     workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
     gemm_ = std::make_unique<cuda::Fp8GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
+    gemm_->set_tune_grouped(tune_grouped);
   }
   ~CudaOps() override {
     cudaStreamSynchronize(stream_);
@@ -449,8 +450,8 @@ class CudaOps final : public Fp8Ops {
 
 }  // namespace
 
-std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream) {
-  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream));
+std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream, bool tune_grouped) {
+  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream), tune_grouped);
 }
 
 }  // namespace kiln::fp8

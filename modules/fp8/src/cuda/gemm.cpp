@@ -254,9 +254,16 @@ void Fp8GemmRunner::run_ragged(const GemmArgs& g, cudaStream_t stream, void* wor
   const std::int64_t kind = (static_cast<std::int64_t>(g.x.dtype) << 24) | (static_cast<std::int64_t>(g.y.dtype) << 16) |
                             (static_cast<std::int64_t>(g.d.dtype) << 8) | (g.fast_accum ? 2 : 0) | (g.accumulate ? 1 : 0);
   const char* why = "";
+  kiln::cuda::LtRaggedAlgos::Tuner tuner;
+  if (tune_grouped_ && !g.accumulate)
+    tuner = [&](std::span<const cublasLtMatmulAlgo_t> algos) {
+      return kiln::cuda::lt_fastest_same_bits({handle_, op, g.y.data, g.x.data, exact.a.l, exact.b.l, exact.c.l,
+                                               g.d.bytes(), workspace, workspace_bytes_, stream},
+                                              algos);
+    };
   const cublasLtMatmulAlgo_t* algo =
       ragged_algos_.find(handle_, op, kind, m, n, k, g.f32_result ? kiln::cuda::LtRagged::k : kiln::cuda::LtRagged::n,
-                         layouts, exact, workspace_bytes_, &why);
+                         layouts, exact, workspace_bytes_, &why, tuner);
   KILN_CHECK(algo, "cuBLASLt has no algorithm for ", describe(g), " (workspace ", workspace_bytes_, " bytes): ", why);
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(handle_, op, &alpha, g.y.data, exact.a.l, g.x.data, exact.b.l, &beta,

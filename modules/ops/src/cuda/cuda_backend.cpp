@@ -56,7 +56,8 @@ CudaBackend::CudaBackend(int device, const CudaOptions& options)
     : device_(device),
       attention_(options.attention),
       attention_deterministic_(options.attention_deterministic),
-      grouped_call_(options.grouped_gemm == GroupedGemmImpl::grouped) {
+      grouped_call_(options.grouped_gemm == GroupedGemmImpl::grouped),
+      grouped_tune_(options.grouped_gemm_tune) {
   KILN_CUDA_CHECK(cudaSetDevice(device));
   std::size_t total = 0;
   KILN_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total));

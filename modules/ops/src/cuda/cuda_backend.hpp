@@ -119,6 +119,7 @@ class CudaBackend final : public Backend {
   AttentionImpl attention_;
   bool attention_deterministic_;
   bool grouped_call_;  // the experts' data GEMMs as one cuBLAS grouped call (CudaOptions::grouped_gemm)
+  bool grouped_tune_;  // their algorithms tuned (CudaOptions::grouped_gemm_tune)
   std::unique_ptr<CudnnAttention> cudnn_;
   bool cudnn_unavailable_ = false;                 // auto: libcudnn failed to open; kiln's kernels run
   std::set<std::tuple<int, int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for

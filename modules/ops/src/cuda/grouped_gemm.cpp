@@ -24,11 +24,12 @@
 namespace kiln::cuda {
 
 GroupedGemm::GroupedGemm(cudaStream_t stream, cublasLtHandle_t lt, void* workspace, std::size_t workspace_bytes,
-                         bool grouped_call)
+                         bool grouped_call, bool tune)
     : stream_(stream),
       lt_(lt),
       lanes_(stream, workspace, workspace_bytes),
-      grouped_unsupported_(!grouped_call) {
+      grouped_unsupported_(!grouped_call),
+      tune_(tune) {
   KILN_CUBLAS_CHECK(cublasCreate(&handle_));
   try {
     KILN_CUBLAS_CHECK(cublasSetStream(handle_, stream));
@@ -83,9 +84,17 @@ void GroupedGemm::lt_gemm(const LtCall& c, int lane) {
   const std::int64_t kind = (static_cast<std::int64_t>(c.ta) << 8) | (static_cast<std::int64_t>(c.tb) << 4) |
                             (c.c_f32 ? 2 : 0) | (c.beta != 0 ? 1 : 0);
   const char* why = "";
+  LtRaggedAlgos::Tuner tuner;
+  if (tune_ && c.beta == 0)
+    tuner = [&](std::span<const cublasLtMatmulAlgo_t> algos) {
+      const std::size_t d_bytes = static_cast<std::size_t>(c.ldc) * static_cast<std::size_t>(c.n) * (c.c_f32 ? 4 : 2);
+      return lt_fastest_same_bits({lt_, it->second, c.a, c.b, exact.a.l, exact.b.l, exact.c.l, d_bytes,
+                                   lanes_.workspace(lane), lanes_.workspace_bytes(), lanes_.stream(lane)},
+                                  algos);
+    };
   const cublasLtMatmulAlgo_t* algo =
       lt_algos_.find(lt_, it->second, kind, c.m, c.n, c.k, c.c_f32 ? LtRagged::k : LtRagged::n, rounded, exact,
-                     lanes_.workspace_bytes(), &why);
+                     lanes_.workspace_bytes(), &why, tuner);
   KILN_CHECK(algo, "cuBLASLt has no algorithm for an expert GEMM [", c.m, ", ", c.n, ", ", c.k, "] (", why, ")");
   const float alpha = 1.0f;
   KILN_CUBLAS_CHECK(cublasLtMatmul(lt_, it->second, &alpha, c.a, exact.a.l, c.b, exact.b.l, &c.beta, c.c, exact.c.l,

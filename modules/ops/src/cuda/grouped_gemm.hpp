@@ -38,9 +38,11 @@ namespace kiln::cuda {
 class GroupedGemm {
  public:
   // `grouped_call`: the data GEMMs as one grouped call where it can (else one GEMM per expert). `lt`:
-  // the backend's cuBLASLt handle (its workspace is `workspace`).
+  // the backend's cuBLASLt handle (its workspace is `workspace`). `tune`: each GEMM's algorithm per
+  // bucket of rows the fastest of the candidates with the heuristic's first's bits (not for
+  // accumulating weight gradients).
   GroupedGemm(cudaStream_t stream, cublasLtHandle_t lt, void* workspace, std::size_t workspace_bytes,
-              bool grouped_call);
+              bool grouped_call, bool tune = false);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;
@@ -86,6 +88,7 @@ class GroupedGemm {
   std::map<std::tuple<int, int, bool>, cublasLtMatmulDesc_t> lt_ops_;
   LtRaggedAlgos lt_algos_;
   bool grouped_unsupported_ = false;  // not asked for, or it answered NOT_SUPPORTED once: per expert from then on
+  bool tune_ = false;
   Buffer pointers_;                   // 3 kGroupedMaxGroups device pointers: A, B, C arrays
   GroupedPointerTable table_{};
   // The grouped call's host arrays, one entry per group.

@@ -31,7 +31,8 @@ cuda::GroupedGemm& CudaBackend::grouped_gemm() {
   KILN_CUDA_CHECK(cudaGetDevice(&current));
   KILN_CUDA_CHECK(cudaSetDevice(device_));
   try {
-    grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, lt_, workspace_.data(), workspace_.bytes(), grouped_call_);
+    grouped_ = std::make_unique<cuda::GroupedGemm>(stream_, lt_, workspace_.data(), workspace_.bytes(), grouped_call_,
+                                                   grouped_tune_);
   } catch (...) {
     cudaSetDevice(current);
     throw;

@@ -189,6 +189,8 @@ struct CpuOpsOptions {
 std::unique_ptr<Fp8Ops> make_cpu_ops(const CpuOpsOptions& options = {});
 // FP8 operations on the current CUDA device, on `stream` (a cudaStream_t; nullptr = the legacy
 // default stream). Throws in a build without CUDA.
-std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream);
+// `tune_grouped`: the experts' GEMM algorithms tuned among bit-identical candidates
+// (ops::BackendConfig::grouped_gemm_tune).
+std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream, bool tune_grouped = false);
 
 }  // namespace kiln::fp8

@@ -405,6 +405,8 @@ struct CudaOptions {
   // product per tile instead of accumulating it with atomics); false takes cuDNN's fastest graph.
   bool attention_deterministic = true;
   GroupedGemmImpl grouped_gemm = GroupedGemmImpl::per_expert;
+  // The experts' GEMMs: algorithms tuned among the bit-identical candidates (kiln::cuda::LtRaggedAlgos).
+  bool grouped_gemm_tune = true;
 };
 // The CUDA backend on device `device_index` (throws if unavailable).
 std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, const CudaOptions& options = {});

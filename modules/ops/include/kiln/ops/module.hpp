@@ -17,6 +17,7 @@ struct BackendConfig {
   AttentionImpl attention = AttentionImpl::auto_;
   bool attention_deterministic = true;
   GroupedGemmImpl grouped_gemm = GroupedGemmImpl::per_expert;
+  bool grouped_gemm_tune = true;
 };
 KILN_CONFIG(BackendConfig,
             (cpu_threads, "CPU backend threads per rank; 0 = hardware threads / local ranks"),
@@ -33,7 +34,11 @@ KILN_CONFIG(BackendConfig,
              "cuDNN attention: bitwise-reproducible backward (false: cuDNN's fastest, dQ accumulated with atomics)"),
             (grouped_gemm,
              "CUDA mixture-of-experts GEMMs: per_expert (one cuBLASLt matmul per expert, over four streams: ~700 "
-             "TFLOP/s on an H200 at moe-1b's shapes) or grouped (the data GEMMs as one cublasGemmGroupedBatchedEx call: 310 TFLOP/s there)"))
+             "TFLOP/s on an H200 at moe-1b's shapes) or grouped (the data GEMMs as one cublasGemmGroupedBatchedEx call: 310 TFLOP/s there)"),
+            (grouped_gemm_tune,
+             "CUDA mixture-of-experts GEMMs (bf16 and FP8): time up to 8 cuBLASLt algorithms per bucket of row counts "
+             "at its first use and keep the fastest of those whose result equals the heuristic's first bit for bit "
+             "(results stay reproducible; false: the heuristic's first)"))
 
 // World resource: the backend every module computes with.
 struct ActiveBackend {

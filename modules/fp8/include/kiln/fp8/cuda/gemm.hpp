@@ -41,6 +41,9 @@ class Fp8GemmRunner {
   Fp8GemmRunner& operator=(const Fp8GemmRunner&) = delete;
   void run(const GemmArgs& g, cudaStream_t stream);
   void run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLanes& lanes);
+  // Grouped products' algorithms per bucket of rows: the fastest of the candidates with the
+  // heuristic's first's bits (kiln::cuda::lt_fastest_same_bits; not for accumulating products).
+  void set_tune_grouped(bool on) { tune_grouped_ = on; }
 
  private:
   // Throws naming the product unless cuBLASLt can run it (shapes, types, alignment, epilogue).
@@ -58,6 +61,7 @@ class Fp8GemmRunner {
   // Grouped products: a descriptor per (x type, y type, d type, fast accumulation) and the algorithms.
   std::map<std::tuple<int, int, int, bool>, cublasLtMatmulDesc_t> ragged_ops_;
   kiln::cuda::LtRaggedAlgos ragged_algos_;
+  bool tune_grouped_ = false;
 };
 
 }  // namespace kiln::fp8::cuda

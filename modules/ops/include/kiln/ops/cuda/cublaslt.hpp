@@ -3,10 +3,16 @@
 // RAII pieces.
 #include <cublasLt.h>
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
+#include <span>
 #include <tuple>
+#include <vector>
 
 #include "kiln/ops/epilogue.hpp"
 #include "kiln/tensor/cuda_check.hpp"
@@ -95,6 +101,39 @@ inline std::optional<cublasLtMatmulAlgo_t> lt_first_algo(cublasLtHandle_t h, cub
   return std::nullopt;
 }
 
+// Up to `n` of the heuristic's algorithms for `op` on layouts a, b and c (= d), in its order.
+inline std::vector<cublasLtMatmulAlgo_t> lt_candidates(cublasLtHandle_t h, cublasLtMatmulDesc_t op,
+                                                       cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                                       cublasLtMatrixLayout_t c, std::size_t workspace_bytes, int n) {
+  LtPreference pref;
+  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes));
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<std::size_t>(n));
+  int found = 0;
+  std::vector<cublasLtMatmulAlgo_t> out;
+  if (cublasLtMatmulAlgoGetHeuristic(h, op, a, b, c, c, pref.p, n, results.data(), &found) != CUBLAS_STATUS_SUCCESS)
+    return out;
+  for (int i = 0; i < found; ++i)
+    if (results[static_cast<std::size_t>(i)].state == CUBLAS_STATUS_SUCCESS) out.push_back(results[static_cast<std::size_t>(i)].algo);
+  return out;
+}
+
+// One matmul D = op(A) op(B) (beta 0) as a tuner runs it: operands, layouts, where D may be written.
+struct LtTuneCall {
+  cublasLtHandle_t handle;
+  cublasLtMatmulDesc_t op;
+  const void *a, *b;
+  cublasLtMatrixLayout_t la, lb, lc;
+  std::size_t d_bytes;  // D's size
+  void* workspace;
+  std::size_t workspace_bytes;
+  cudaStream_t stream;
+};
+// The index of the fastest of `algos` (timed on the stream, the call's own operands, D written into
+// memory of its own, freed after) among those whose D equals algos[0]'s bit for bit; 0 where none
+// is faster. It synchronises the stream. With bit-equal results a tuned choice changes no number:
+// the run stays reproducible whichever candidate the timing picks.
+int lt_fastest_same_bits(const LtTuneCall& c, std::span<const cublasLtMatmulAlgo_t> algos);
+
 // Which of a matmul's dimensions changes from call to call (a mixture of experts' rows: cuBLASLt's
 // n for a product of rows and a weight, its k for a weight gradient).
 enum class LtRagged { n, k };
@@ -108,7 +147,7 @@ enum class LtRagged { n, k };
 // shape's choice (cached too). Few buckets matter: every algorithm the heuristic picks is a kernel
 // that CUDA loads on its first launch (lazily, 1-10 ms each), and with rows rounded to multiples of
 // 128 moe-1b met a new one every few steps for its first 30. Deterministic: a shape always gets the
-// same algorithm.
+// same algorithm, or (tuned) one whose results have the same bits.
 class LtRaggedAlgos {
  public:
   // The bucket of a changing dimension v >= 1: the least 2^j or 3 * 2^(j-1) >= v, at least 128.
@@ -117,17 +156,36 @@ class LtRaggedAlgos {
     while (b < v) b = b % 3 == 0 ? b / 3 * 4 : b / 2 * 3;  // 128, 192, 256, 384, 512, ...
     return b;
   }
+  // Picks among candidates for a rounded shape (their index), given those that take the exact call.
+  using Tuner = std::function<int(std::span<const cublasLtMatmulAlgo_t>)>;
   // `make(m, n, k)`: an object with members a, b, c (LtLayouts) for a shape; `exact`: the call's.
+  // With `tune`: a new rounded shape takes the candidate it picks among the heuristic's first eight
+  // that take the exact call (lt_fastest_same_bits), else the heuristic's first.
   template <class Make, class Layouts>
   const cublasLtMatmulAlgo_t* find(cublasLtHandle_t h, cublasLtMatmulDesc_t op, std::int64_t kind, int m, int n,
                                    int k, LtRagged ragged, const Make& make, const Layouts& exact,
-                                   std::size_t workspace_bytes, const char** why) {
+                                   std::size_t workspace_bytes, const char** why, const Tuner& tune = {}) {
     auto round = [](int v) { return (v + 127) / 128 * 128; };
     const Key rounded{kind, round(m), ragged == LtRagged::n ? bucket(n) : round(n), ragged == LtRagged::k ? bucket(k) : round(k)};
     auto it = algos_.find(rounded);
     if (it == algos_.end()) {
       const auto r = make(std::get<1>(rounded), std::get<2>(rounded), std::get<3>(rounded));
-      if (auto algo = lt_first_algo(h, op, r.a.l, r.b.l, r.c.l, workspace_bytes)) it = algos_.emplace(rounded, *algo).first;
+      std::vector<cublasLtMatmulAlgo_t> cands = lt_candidates(h, op, r.a.l, r.b.l, r.c.l, workspace_bytes, tune ? 8 : 1);
+      if (cands.size() > 1) {  // those that take the exact call, the heuristic's first first
+        std::vector<cublasLtMatmulAlgo_t> usable;
+        for (const auto& a : cands) {
+          cublasLtMatmulHeuristicResult_t check{};
+          if (cublasLtMatmulAlgoCheck(h, op, exact.a.l, exact.b.l, exact.c.l, exact.c.l, &a, &check) ==
+                  CUBLAS_STATUS_SUCCESS &&
+              check.workspaceSize <= workspace_bytes)
+            usable.push_back(a);
+        }
+        if (usable.size() > 1 && std::memcmp(&usable[0], &cands[0], sizeof(cublasLtMatmulAlgo_t)) == 0) {
+          const int pick = tune(usable);
+          cands.assign(1, usable[static_cast<std::size_t>(pick)]);
+        }
+      }
+      if (!cands.empty()) it = algos_.emplace(rounded, cands[0]).first;
     }
     cublasLtMatmulHeuristicResult_t check{};
     if (it != algos_.end() &&
