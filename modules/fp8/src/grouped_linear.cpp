@@ -53,11 +53,9 @@ void Fp8GroupedLinear::ensure_weight(const TensorView& w, std::int64_t version) 
   // flat or 2-D as the parameter store holds them: the layer takes them in the forward's shape).
   const bool in_compute = master_ && w.data == compute_.data && w.numel() == compute_.numel();
   const TensorView src = in_compute ? master_.reshape(w.shape) : w;
-  if (in_compute) {
+  if (in_compute) {  // A B a multiple of 16: every expert's block of either copy is aligned
     KILN_CHECK(A * B % 16 == 0, name_, ": FP8 copies in the compute copy need A B a multiple of 16, got ", w.str());
     master_shape_ = w.shape;
-  }
-  if (in_compute) {  // A B is a multiple of 16: every expert's block of either copy is aligned
     cache_.stored = static_cast<std::uint8_t*>(compute_.data);
     cache_.transposed = cache_.stored + bytes;
   } else {
@@ -126,12 +124,14 @@ void Fp8GroupedLinear::update_weight(AdamWQuantizeArgs u, std::int64_t version) 
 void* Fp8GroupedLinear::kept_input(const std::int32_t* off, int experts, std::int64_t rows, std::int64_t cols) {
   const auto bytes = static_cast<std::size_t>(segment_row(off, experts) * cols);
   if (kept_.bytes() < bytes) {
-    // Sized once for any grouping of these rows (each expert's padded to 16 at most 15 more): the
-    // padding changes from step to step, and a growth waits for the device and reallocates
-    // (~0.45 ms of an idle GPU each time on moe-1b).
+    // With room for the padding and the load to move (an eighth more, at most what any grouping of
+    // these rows needs, each expert's padded to 16 at most 15 more): they change from step to step,
+    // and a growth waits for the device and reallocates (~0.45 ms of an idle GPU each time on
+    // moe-1b). Not the bound alone: with expert parallelism `rows` is the worst case received.
+    const auto bound = static_cast<std::size_t>((rows + 15 * static_cast<std::int64_t>(experts)) * cols);
     ops_.synchronize();
     kept_ = Buffer();
-    kept_ = ops_.alloc(std::max(bytes, static_cast<std::size_t>((rows + 15 * static_cast<std::int64_t>(experts)) * cols)));
+    kept_ = ops_.alloc(std::min(bound, bytes + bytes / 8));
   }
   kept_off_.assign(off, off + experts + 1);
   kept_cols_ = cols;
