@@ -83,16 +83,8 @@ __global__ void __launch_bounds__(kThreads)
           const int oc = c0 + tc, orow = r0 + tv * 16;
           if (oc < cols && orow < rows) {
             const int b = orow / per;
-            std::uint32_t w[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const std::uint8_t* p = tile + (tv * 16 + 4 * j) * kStride + tc;
-              w[j] = static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[kStride]) << 8) |
-                     (static_cast<std::uint32_t>(p[2 * kStride]) << 16) |
-                     (static_cast<std::uint32_t>(p[3 * kStride]) << 24);
-            }
             *reinterpret_cast<uint4*>(col + static_cast<size_t>(b) * per * cols + static_cast<size_t>(oc) * per +
-                                      (orow - b * per)) = make_uint4(w[0], w[1], w[2], w[3]);
+                                      (orow - b * per)) = transposed_word(tile, tc, tv);
           }
         }
       }

@@ -80,13 +80,8 @@ __device__ __forceinline__ void stage_codes(std::uint8_t* tile, const std::uint3
   for (int j = 0; j < 4; ++j) dst[j] = w[j];
 }
 
-// Transpose phase of a tile whose codes sit in `tile`: thread (tc, tv) writes rows
-// r0 + 16 tv .. + 15 of column c0 + tc as one 16-byte word of the colwise copy.
-__device__ __forceinline__ void store_transposed(const std::uint8_t* tile, std::uint8_t* col, int r0, int c0, int rows,
-                                                 int cols) {
-  const int tc = threadIdx.x / 4, tv = threadIdx.x % 4;
-  const int oc = c0 + tc, orow = r0 + tv * 16;
-  if (oc >= cols || orow >= rows) return;  // rows % 16 == 0: all 16 rows exist
+// Tile rows 16 tv .. + 15 of tile column tc as one 16-byte word (the colwise copy's bytes).
+__device__ __forceinline__ uint4 transposed_word(const std::uint8_t* tile, int tc, int tv) {
   std::uint32_t w[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -94,7 +89,17 @@ __device__ __forceinline__ void store_transposed(const std::uint8_t* tile, std::
     w[j] = static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[kStride]) << 8) |
            (static_cast<std::uint32_t>(p[2 * kStride]) << 16) | (static_cast<std::uint32_t>(p[3 * kStride]) << 24);
   }
-  *reinterpret_cast<uint4*>(col + static_cast<size_t>(oc) * rows + orow) = make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Transpose phase of a tile whose codes sit in `tile`: thread (tc, tv) writes rows
+// r0 + 16 tv .. + 15 of column c0 + tc as one 16-byte word of the colwise copy.
+__device__ __forceinline__ void store_transposed(const std::uint8_t* tile, std::uint8_t* col, int r0, int c0, int rows,
+                                                 int cols) {
+  const int tc = threadIdx.x / 4, tv = threadIdx.x % 4;
+  const int oc = c0 + tc, orow = r0 + tv * 16;
+  if (oc >= cols || orow >= rows) return;  // rows % 16 == 0: all 16 rows exist
+  *reinterpret_cast<uint4*>(col + static_cast<size_t>(oc) * rows + orow) = transposed_word(tile, tc, tv);
 }
 
 
