@@ -4,7 +4,8 @@
 //     tensor (the bandwidth ceiling, ~4.3 TB/s on an H200).
 //  2. The kernels that compute while quantising (GELU on load, dGELU), and AdamW fused with the
 //     weight quantisation against AdamW and the cast apart.
-//  3. GEMM TFLOP/s, cuBLASLt FP8 against kiln's bf16 runner, at the model's linear-layer shapes
+//  3. The experts' grouped casts at moe-1b's sizes (`bench_fp8 grouped`: these alone).
+//  4. GEMM TFLOP/s, cuBLASLt FP8 against kiln's bf16 runner, at the model's linear-layer shapes
 //     (forward, dgrad, wgrad) and at M x N x K = 16384 x 8192 x 2048 (reference on an H200: FP8
 //     1,255 TFLOP/s, bf16 726).
 // Each entry: warm-up, then the median of CUDA-event timings of single calls, L2 flushed before each.
@@ -280,10 +281,72 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
   }
 }
 
+// The experts' grouped casts at moe-1b's sizes (16384 tokens x top-2 = 32768 rows over 8 experts of
+// uneven load, d 1024, expert width 2816): FC1's input, FC2's input as the SwiGLU of FC1's output,
+// FC2's output gradient and FC1's output gradient through the SwiGLU's backward, each into both
+// copies with the amax, as a training step runs them; GB/s of bytes read + written against a copy.
+void grouped_table(Timer& timer, cudaStream_t s, const Buffer& scales) {
+  std::printf("\n%-52s %-14s %9s %9s %9s\n", "moe-1b grouped (8 experts)", "out shape", "ms", "GB/s", "copy GB/s");
+  const float* scale = static_cast<const float*>(scales.data());
+  float* amax = static_cast<float*>(scales.data()) + 1;
+  const int E = 8;
+  const std::int64_t R = 32768, C = 1024, H = 2816;
+  std::vector<std::int32_t> offsets(E + 1, 0);
+  const int share[E] = {3901, 4517, 3377, 4703, 4099, 3671, 4213, 0};
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (e + 1 < E ? share[e] : static_cast<std::int32_t>(R) - offsets[e]);
+  Buffer x = bf16_buffer(R * C, 1.0f, s), gate_up = bf16_buffer(R * 2 * H, 1.0f, s), g = bf16_buffer(R * H, 1e-3f, s),
+         row(Device::cuda, static_cast<std::size_t>(R * 2 * H)), col(Device::cuda, static_cast<std::size_t>((R + 16 * E) * 2 * H)),
+         copy(Device::cuda, static_cast<std::size_t>(R * 2 * H) * 2);
+  struct Entry {
+    const char* what;
+    fp8::cuda::CastSource source;
+    const void* x;
+    const void* grad;
+    std::int64_t cols;     // the output's
+    double read_elems;     // bf16 elements read per row
+    fp8::Format format;
+  };
+  const Entry entries[] = {
+      {"fc1 x -> both e4m3 + amax", fp8::cuda::CastSource::plain, x.data(), nullptr, C, double(C), fp8::Format::e4m3},
+      {"fc2 x = swiglu(gate_up) -> both e4m3 + amax", fp8::cuda::CastSource::swiglu, gate_up.data(), nullptr, H,
+       double(2 * H), fp8::Format::e4m3},
+      {"fc2 dout -> both e5m2 + amax", fp8::cuda::CastSource::plain, x.data(), nullptr, C, double(C), fp8::Format::e5m2},
+      {"fc1 dout = dswiglu(g, gate_up) -> both e5m2 + amax", fp8::cuda::CastSource::dswiglu, gate_up.data(), g.data(),
+       2 * H, double(3 * H), fp8::Format::e5m2},
+  };
+  for (const Entry& e : entries) {
+    const std::int64_t load_cols = e.source == fp8::cuda::CastSource::dswiglu ? e.cols / 2 : e.cols;
+    const std::vector<std::int32_t> plan = fp8::cuda::grouped_cast_plan(offsets.data(), E, 0, load_cols);
+    fp8::cuda::GroupedCast a;
+    a.x = e.x;
+    a.source = e.source;
+    a.grad = e.grad;
+    std::copy(plan.begin(), plan.end(), a.inline_plan.v);
+    a.experts = E;
+    a.used_rows = plan[E];
+    a.padded_rows = plan[2 * (E + 1) - 1];
+    a.tiles = plan[3 * (E + 1) - 1];
+    a.tiled = true;
+    a.cols = e.cols;
+    a.rowwise = static_cast<std::uint8_t*>(row.data());
+    a.colwise = static_cast<std::uint8_t*>(col.data());
+    a.format = e.format;
+    a.scale = scale;
+    a.amax = amax;
+    const double ms = timer.median_ms([&] { fp8::cuda::cast_transpose_grouped(a, s); });
+    const double bytes = R * (2.0 * e.read_elems + 2.0 * e.cols);
+    const std::size_t copy_bytes = static_cast<std::size_t>(R * 2 * H) * 2;  // gate_up, the largest input
+    const double copy_ms = timer.median_ms(
+        [&] { KILN_CUDA_CHECK(cudaMemcpyAsync(copy.data(), gate_up.data(), copy_bytes, cudaMemcpyDeviceToDevice, s)); });
+    std::printf("%-52s %-14s %9.4f %9.1f %9.1f\n", e.what, dims(R, e.cols).c_str(), ms, bytes / (ms * 1e-3) / 1e9,
+                2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9);
+  }
+}
+
 }  // namespace
 }  // namespace kiln::bench
 
-int main() {
+int main(int argc, char** argv) {
   using namespace kiln;
   try {
     cudaStream_t s;
@@ -295,8 +358,14 @@ int main() {
     Buffer scales(Device::cuda, 256);
     const float init[2] = {1.0f, 0.0f};  // scale (and scale_inv) 1, amax 0
     KILN_CUDA_CHECK(cudaMemcpy(scales.data(), init, sizeof(init), cudaMemcpyHostToDevice));
+    const std::string only = argc > 1 ? argv[1] : "";
+    if (only == "grouped") {  // the experts' grouped casts alone
+      bench::grouped_table(timer, s, scales);
+      return 0;
+    }
     bench::quantize_table(timer, s, scales);
     bench::fused_table(timer, s, scales);
+    bench::grouped_table(timer, s, scales);
     cublasLtHandle_t lt;
     KILN_CUBLAS_CHECK(cublasLtCreate(&lt));
     constexpr std::size_t kWs = 32u << 20;

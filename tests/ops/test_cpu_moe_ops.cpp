@@ -176,6 +176,7 @@ TEST_CASE("moe_permute groups the choices by expert in choice order; a capacity 
   for (int i = 0; i < N * C; ++i) x[i] = static_cast<float>(i);
   std::vector<std::int32_t> offsets(E + 1), row_of(N * k), source(N * k);
   std::vector<float> out(N * k * C, -7.0f);
+  std::vector<std::int32_t> host(E + 1, -1);  // offsets_host
   auto permute = [&](int seq_len, std::int64_t capacity, std::int64_t token_offset) {
     b->moe_permute({.offsets = iview(offsets, {E + 1}),
                     .row_of = iview(row_of, {N, k}),
@@ -186,10 +187,12 @@ TEST_CASE("moe_permute groups the choices by expert in choice order; a capacity 
                     .n_experts = E,
                     .seq_len = seq_len,
                     .capacity = capacity,
-                    .token_offset = token_offset});
+                    .token_offset = token_offset,
+                    .offsets_host = host.data()});
   };
   permute(6, 0, 0);
   CHECK(offsets == std::vector<std::int32_t>{0, 4, 9, 12});
+  CHECK(host == offsets);
   // Each row's id: token x E + expert (choices 0, 4, 7, 10 are tokens 0, 2, 3, 5 of expert 0; ...).
   CHECK(source == std::vector<std::int32_t>{0, 6, 9, 15, 1, 4, 7, 10, 13, 5, 14, 17});
   CHECK(row_of == std::vector<std::int32_t>{0, 4, 5, 9, 1, 6, 7, 2, 10, 8, 3, 11});

@@ -288,6 +288,25 @@ TEST_CASE("cuda moe_permute matches the CPU: dropless and with a capacity per se
       p.gpu->synchronize();
       CHECK(gpu_ints(p, row_of) == r1);
       CHECK(gpu_ints(p, source) == s1);
+      // The offsets for the host, there when the call returns (the gather may still run), twice:
+      // the pinned copy is reused.
+      for (int again = 0; again < 2; ++again) {
+        std::vector<std::int32_t> host(static_cast<std::size_t>(c.E + 1), -7);
+        p.gpu->moe_permute({.offsets = offsets.gpu(),
+                            .row_of = row_of.gpu(),
+                            .source = source.gpu(),
+                            .out = out.gpu(),
+                            .x = x.gpu(),
+                            .experts = experts.gpu(),
+                            .n_experts = c.E,
+                            .seq_len = c.T,
+                            .capacity = c.capacity,
+                            .token_offset = 1000,
+                            .offsets_host = host.data()});
+        CHECK(host == f1);
+        p.gpu->synchronize();
+        CHECK(same_bits(out.gpu_values(), o1));
+      }
     }
 }
 

@@ -62,6 +62,10 @@ void GptModel::allocate_activations() {
   rows.own(tokens_, DType::i32, {N});
   rows.own(targets_, DType::i32, {N});
   rows.own(losses_, DType::f32, {static_cast<std::int64_t>(slots_), N});
+  std::int64_t stats = 0;
+  for (auto& block : blocks_)
+    for (auto& [name, mixer] : block->mixers()) stats += mixer->device_stats();
+  if (stats > 0) rows.own(part_stats_, DType::f32, {stats});
   for (auto& block : blocks_) block->declare(table_);
   // The residual streams; the whole input of a block that keeps only its rows' part of it lives in
   // one of two tensors taken in turn (needed from its forward to the next block's, and again after
@@ -84,6 +88,13 @@ void GptModel::allocate_activations() {
   rows.own(s.col_dx, act, {N, C});  // also the LM head's input gradient: not in the logits
   if (ctx_.cfg.dropout > 0) rows.backward_scratch(s.ddrop, "dropout.dx", act, {Nl, C});
   table_.allocate(ctx_.be);
+  std::int64_t at = 0;
+  for (auto& block : blocks_)
+    for (auto& [name, mixer] : block->mixers()) {
+      const std::int64_t n = mixer->device_stats();
+      if (n > 0) mixer->bind_device_stats(part_stats_.rows(at, n));
+      at += n;
+    }
   if (!sp) s.local = s.full = s.row_out;  // without sequence parallelism local rows are all rows
   // The blocks' backward scratch at the end of the logits, beside what the blocks' linears may borrow.
   std::size_t borrow = 0;
@@ -212,9 +223,18 @@ double GptModel::evaluate(const std::vector<train::Batch>& batches) {
 }
 
 std::vector<std::pair<std::string, double>> GptModel::step_metrics() {
+  // Every part's device numbers in one read.
+  std::vector<float> device(static_cast<std::size_t>(part_stats_ ? part_stats_.numel() : 0));
+  if (!device.empty())
+    ctx_.be.copy(TensorView(device.data(), {part_stats_.numel()}, DType::f32, Device::cpu), part_stats_);
   std::vector<float> sums;
+  std::size_t read = 0;
   for (auto& block : blocks_)
-    for (auto& [name, mixer] : block->mixers()) mixer->collect_stats(sums);
+    for (auto& [name, mixer] : block->mixers()) {
+      const auto n = static_cast<std::size_t>(mixer->device_stats());
+      mixer->collect_stats(std::span<const float>(device).subspan(read, n), sums);
+      read += n;
+    }
   std::vector<std::pair<std::string, double>> out;
   if (sums.empty()) return out;
   dp_.sum(sums);

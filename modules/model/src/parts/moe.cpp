@@ -109,7 +109,6 @@ void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageS
   rows.own(y_, act, {R, C});
   if (moves) rows.scratch(y_out_, "moe.y_expert", act, {Rx, C});
   rows.scratch(loss_terms_, "moe.loss_terms", f32, {2});
-  rows.own(terms_sum_, f32, {2});
   if (!bias_.empty()) rows.own(bias_dev_, f32, {E});
   if (shared_) rows.scratch(shared_out_, "moe.shared_out", act, {ctx_.Nl, C});
   rows.backward_scratch(dlogits_, "moe.dlogits", act, {N, E});
@@ -213,6 +212,9 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
     bias_dirty_ = false;
   }
   be.moe_route(route_args());
+  // The group sizes reach the host (for the grouped linears and the dispatch: a synchronisation)
+  // while the rows are gathered.
+  offsets_host_.resize(static_cast<std::size_t>(o_.n_experts + 1));
   be.moe_permute({.offsets = offsets_,
                   .row_of = row_of_,
                   .source = source_,
@@ -222,11 +224,8 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
                   .n_experts = o_.n_experts,
                   .seq_len = ctx_.T,
                   .capacity = capacity_,
-                  .token_offset = ctx_.seq_offset * ctx_.T});
-  // The group sizes on the host, for the grouped linears and the dispatch (a synchronisation).
-  offsets_host_.resize(static_cast<std::size_t>(o_.n_experts + 1));
-  be.copy(TensorView(offsets_host_.data(), {o_.n_experts + 1}, DType::i32, Device::cpu), offsets_);
-  be.synchronize();
+                  .token_offset = ctx_.seq_offset * ctx_.T,
+                  .offsets_host = offsets_host_.data()});
   const std::int32_t* local = offsets_host_.data();
   if (moves) {
     plan_ = ep_.plan(offsets_host_.data());
@@ -359,11 +358,10 @@ std::int64_t MoeMlp::inactive_parameters() const {
   return static_cast<std::int64_t>(o_.n_experts - o_.top_k) * (fc * C + H * C);
 }
 
-void MoeMlp::collect_stats(std::vector<float>& sums) {
-  float terms[2] = {0, 0};
-  if (forwards_ > 0) ctx_.be.copy(TensorView(terms, {2}, DType::f32, Device::cpu), terms_sum_);
-  sums.push_back(terms[0]);
-  sums.push_back(terms[1]);
+void MoeMlp::collect_stats(std::span<const float> device, std::vector<float>& sums) {
+  // terms_sum_ is written by the step's first training forward: nothing before it.
+  sums.push_back(forwards_ > 0 ? device[0] : 0.0f);
+  sums.push_back(forwards_ > 0 ? device[1] : 0.0f);
   sums.push_back(static_cast<float>(dropped_));
   for (double t : tokens_) sums.push_back(static_cast<float>(t));
   forwards_ = 0;

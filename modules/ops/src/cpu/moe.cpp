@@ -162,6 +162,7 @@ void CpuBackend::moe_permute(const MoePermute& a) {
   }
   offsets[0] = 0;
   for (std::int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + static_cast<std::int32_t>(counts[e]);
+  if (a.offsets_host) std::copy(offsets, offsets + E + 1, a.offsets_host);
   std::fill(source, source + R, -1);
   for (std::int64_t i = 0; i < N * k; ++i) {
     row_of[i] = rank[i] < 0 ? -1 : offsets[experts[i]] + static_cast<std::int32_t>(rank[i]);

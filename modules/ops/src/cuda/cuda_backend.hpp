@@ -15,6 +15,7 @@
 #include "kiln/ops/cuda/launchers.hpp"
 #include "cudnn_attention.hpp"
 #include "grouped_gemm.hpp"
+#include "host_readback.hpp"
 #include "../op_args.hpp"
 
 namespace kiln::ops::cuda_impl {
@@ -124,6 +125,7 @@ class CudaBackend final : public Backend {
   bool cudnn_unavailable_ = false;                 // auto: libcudnn failed to open; kiln's kernels run
   std::set<std::tuple<int, int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for
   Buffer tickets_;
+  cuda::HostReadback offsets_readback_;  // moe_permute's offsets for the host
   struct Staging {
     void* host = nullptr;
     Buffer device;

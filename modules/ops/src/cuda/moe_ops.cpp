@@ -67,9 +67,15 @@ void CudaBackend::moe_permute(const MoePermute& a) {
   const int N = i32(d.N), E = i32(d.E), k = i32(d.k), C = i32(d.C);
   auto* scratch =
       reinterpret_cast<std::int32_t*>(scratch_floats(cuda::moe_permute_scratch(N, k, E, a.seq_len, a.capacity)));
+  // The offsets to the host through pinned memory as soon as the scan wrote them; the host waits for
+  // that copy alone while the gather runs.
+  std::function<void()> indexed;
+  if (a.offsets_host)
+    indexed = [&] { offsets_readback_.copy(a.offsets.data, static_cast<std::size_t>(E + 1) * sizeof(std::int32_t), stream_); };
   cuda::moe_permute(dptr<std::int32_t>(a.offsets), dptr<std::int32_t>(a.row_of), dptr<std::int32_t>(a.source),
                     dptr_or_null<bf16>(a.out), a.out ? dptr<bf16>(a.x) : nullptr, dptr<std::int32_t>(a.experts),
-                    scratch, N, k, E, C, a.seq_len, a.capacity, a.token_offset, stream_);
+                    scratch, N, k, E, C, a.seq_len, a.capacity, a.token_offset, stream_, indexed);
+  if (a.offsets_host) offsets_readback_.read(a.offsets_host);
 }
 
 void CudaBackend::moe_permute_backward(const MoePermuteBackward& a) {

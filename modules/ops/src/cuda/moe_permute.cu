@@ -202,12 +202,14 @@ std::int64_t moe_permute_scratch(int N, int k, int E, int seq_len, std::int64_t 
 
 void moe_permute(std::int32_t* offsets, std::int32_t* row_of, std::int32_t* source, bf16* out, const bf16* x,
                  const std::int32_t* experts, std::int32_t* scratch, int N, int k, int E, int C, int seq_len,
-                 std::int64_t capacity, std::int64_t token_offset, cudaStream_t s) {
+                 std::int64_t capacity, std::int64_t token_offset, cudaStream_t s,
+                 const std::function<void()>& indexed) {
   KILN_CHECK(E >= 1 && E <= kMoeMaxExperts, "moe_permute: the CUDA kernels take 1 to ", kMoeMaxExperts,
              " experts, got ", E);
   const std::int64_t NK = static_cast<std::int64_t>(N) * k;
   if (NK == 0) {
     KILN_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (E + 1) * sizeof(std::int32_t), s));
+    if (indexed) indexed();
     return;
   }
   const Segments seg = segments_of(N, k, seq_len, capacity);
@@ -221,6 +223,7 @@ void moe_permute(std::int32_t* offsets, std::int32_t* row_of, std::int32_t* sour
   scatter_kernel<<<grid_for(NK, kThreads), kThreads, 0, s>>>(row_of, source, experts, chunk_base, seq_base, offsets,
                                                               NK, k, E, seg, capacity, token_offset);
   KILN_CUDA_LAUNCH_CHECK();
+  if (indexed) indexed();
   if (!out) return;
   const int R = static_cast<int>(NK);
   const dim3 block(kLanes, kRows);

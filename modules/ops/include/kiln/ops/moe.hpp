@@ -92,6 +92,10 @@ struct MoePermute {
   int seq_len = 0;     // tokens per sequence (with a capacity)
   std::int64_t capacity = 0;
   std::int64_t token_offset = 0;  // token 0's index in the step's global batch ((token_offset + N) E < 2^31)
+  // Optional, host memory of E + 1 ints: the offsets, there when the call returns (the grouped
+  // linears' sizes). The rows' gather may still be running then: a device backend copies the
+  // offsets out as soon as they are known, so the host plans the experts' work while it runs.
+  std::int32_t* offsets_host = nullptr;
 };
 // The permutation's backward: dx[t] = sum over j of dout[row_of[t, j]], in j order (dropped
 // choices: nothing).

@@ -42,9 +42,13 @@ class Mixer {
   // Parameters a token does not meet (a mixture of experts' unchosen experts): total minus active.
   virtual std::int64_t inactive_parameters() const { return 0; }
 
-  // The numbers it reports per step (a mixture of experts' losses and loads): appended to `sums`,
-  // which the data-parallel ranks add up, and then forgotten.
-  virtual void collect_stats(std::vector<float>& sums) { (void)sums; }
+  // How many f32 numbers it accumulates on the device over a step; the model gives them their place
+  // in one tensor of every part's (bind_device_stats) and reads it once per step.
+  virtual std::int64_t device_stats() const { return 0; }
+  virtual void bind_device_stats(const TensorView& slot) { (void)slot; }
+  // The numbers it reports per step (a mixture of experts' losses and loads), given the values of
+  // its device numbers: appended to `sums`, which the data-parallel ranks add up, and then forgotten.
+  virtual void collect_stats(std::span<const float> device, std::vector<float>& sums) { (void)device, (void)sums; }
   // Named metrics from the summed numbers (its own from `at` on), and whatever it updates from them
   // (the same on every rank); returns where the next part's begin.
   virtual std::size_t end_step(std::span<const float> sums, std::size_t at, const std::string& name,

@@ -74,7 +74,9 @@ class MoeMlp final : public Mixer {
   double flops_per_token() const override;
   // The experts a token does not meet: (E - k) experts' weights.
   std::int64_t inactive_parameters() const override;
-  void collect_stats(std::vector<float>& sums) override;
+  std::int64_t device_stats() const override { return 2; }
+  void bind_device_stats(const TensorView& slot) override { terms_sum_ = slot; }
+  void collect_stats(std::span<const float> device, std::vector<float>& sums) override;
   std::size_t end_step(std::span<const float> sums, std::size_t at, const std::string& name,
                        std::vector<std::pair<std::string, double>>& out) override;
   std::vector<float> state() const override { return bias_; }
@@ -122,7 +124,7 @@ class MoeMlp final : public Mixer {
   TensorView x_in_, ids_in_, pre_, act_, y_;
   TensorView x_perm_, y_out_;  // with expert parallelism: the rows before dispatch, the outputs before return
   TensorView loss_terms_;      // [2] f32: this forward's load-balancing loss and z-loss
-  TensorView terms_sum_;       // [2] f32: their sums over the step's training forwards, on the device
+  TensorView terms_sum_;       // [2] f32: their sums over the step's training forwards (the model's)
   TensorView bias_dev_;        // [E] f32: the sigmoid router's balancing bias
   TensorView shared_out_;      // [Nl, C]: the shared experts' output (and input gradient)
   // Backward scratch.

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/ops/moe.hpp"
@@ -35,10 +36,12 @@ void moe_route_backward(bf16* dlogits, float* scratch, const float* dgates, cons
 // counts and bases. seq_len: tokens per sequence when capacity > 0 (else unused).
 std::int64_t moe_permute_scratch(int N, int k, int E, int seq_len, std::int64_t capacity);
 // ops::MoePermute; out (with x) may be null. Choices naming an expert outside [0, E) are dropped
-// (the CPU reference refuses them; the kernels never index with them).
+// (the CPU reference refuses them; the kernels never index with them). `indexed`, when given, is
+// called once offsets, row_of and source are enqueued, before the rows' gather.
 void moe_permute(std::int32_t* offsets, std::int32_t* row_of, std::int32_t* source, bf16* out, const bf16* x,
                  const std::int32_t* experts, std::int32_t* scratch, int N, int k, int E, int C, int seq_len,
-                 std::int64_t capacity, std::int64_t token_offset, cudaStream_t s);
+                 std::int64_t capacity, std::int64_t token_offset, cudaStream_t s,
+                 const std::function<void()>& indexed = {});
 // ops::MoePermuteBackward: dx [N, C] from dout [N k, C].
 void moe_permute_backward(bf16* dx, const bf16* dout, const std::int32_t* row_of, int N, int k, int C,
                           cudaStream_t s);
