@@ -36,7 +36,9 @@ void run_pipeline(World& world) {
   auto& ctl = world.resource<RunControl>();
   auto& sys = world.systems();
   auto phase = [&](Phase p) {
-    sys.run(p, world);
+    const auto* hook = world.try_resource<PhaseHook>();
+    if (!hook || !hook->before(world, p)) sys.run(p, world);
+    if (hook) hook->after(world, p);
     world.events().drain();
   };
   phase(Phase::setup);

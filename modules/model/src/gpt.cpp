@@ -103,7 +103,7 @@ void GptModel::allocate_activations() {
   allocated_ = true;
 }
 
-float GptModel::begin_forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker) {
+void GptModel::load(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker) {
   KILN_CHECK(batch.B == ctx_.B && batch.T == ctx_.T, "batch of ", batch.B, "x", batch.T,
              " but the model was built for ", ctx_.B, "x", ctx_.T);
   KILN_CHECK(allocated_, "forward before allocate_activations()");
@@ -118,20 +118,25 @@ float GptModel::begin_forward(const train::Batch& batch, int slot, bool training
   }
   ctx_.be.copy(tokens_, TensorView(const_cast<std::int32_t*>(batch.inputs.data()), {N}, DType::i32, Device::cpu));
   ctx_.be.copy(targets_, TensorView(const_cast<std::int32_t*>(batch.targets.data()), {N}, DType::i32, Device::cpu));
-  const float p = training ? ctx_.cfg.dropout : 0.0f;
   ctx_.seq_offset = batch.global_index;
-  ctx_.training = training;
   if (training && tracker) {  // every micro-batch of the step draws from the same states
     if (slot == 0)
       step_rng_ = tracker->get_states();
     else
       tracker->set_states(step_rng_);
   }
-  return p;
 }
 
 void GptModel::forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker) {
-  const float p = begin_forward(batch, slot, training, tracker);
+  load(batch, slot, training, tracker);
+  forward_loaded(slot, training, tracker);
+}
+
+void GptModel::forward_loaded(int slot, bool training, rng::RngStatesTracker* tracker) {
+  KILN_CHECK(allocated_, "forward before allocate_activations()");
+  KILN_CHECK(slot >= 0 && slot < slots_, "loss slot ", slot, " of ", slots_);
+  const float p = training ? ctx_.cfg.dropout : 0.0f;
+  ctx_.training = training;
   auto& bus = ctx_.world.events();
   bus.publish(nn::LayerForwardBegin{0});
   embedding_.forward(tokens_, residuals_.front());

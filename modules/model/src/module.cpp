@@ -9,6 +9,7 @@
 #include "init_from.hpp"
 #include "kiln/model/gpt.hpp"
 #include "kiln/model/spec.hpp"
+#include "kiln/model/step_graph.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "sample.hpp"
 #include "kiln/engine/engine_module.hpp"
@@ -162,6 +163,8 @@ void install(World& w, const ModelConfig& cfg) {
                      }
                    },
                    {"params.allocate"}});
+  if (const auto* backend = w.try_resource<ops::BackendConfig>(); backend && backend->cuda_graph)
+    w.systems().add({"model.cuda_graph", Phase::setup, [](World& world) { StepGraph::install(world); }, {"model.init"}});
   if (!cfg.init_from.empty())
     w.systems().add({"model.init_from", Phase::setup,
                      [cfg](World& world) { load_initial_weights(world, cfg, cfg.init_from); }, {"model.init"}});
@@ -173,10 +176,18 @@ void install(World& w, const ModelConfig& cfg) {
                      if (ranges.empty()) ranges = store.grad_zero_ranges(world);
                      zero_grads(store, world.resource<ops::ActiveBackend>().get(), ranges);
                    }});
+  // The micro-batch's tokens go up in the data phase, after whatever filled the batch; the forward
+  // phase is device work alone (what a captured step replays, StepGraph).
+  w.systems().add({"model.load_batch", Phase::data,
+                   [](World& world) {
+                     world.resource<GptModel>().load(world.resource<train::Batch>(),
+                                                     world.resource<RunControl>().micro_batch, true,
+                                                     &world.resource<rng::RngStatesTracker>());
+                   },
+                   {kAllSystems}});
   w.systems().add({"model.forward", Phase::forward, [](World& world) {
-                     world.resource<GptModel>().forward(world.resource<train::Batch>(),
-                                                        world.resource<RunControl>().micro_batch, true,
-                                                        &world.resource<rng::RngStatesTracker>());
+                     world.resource<GptModel>().forward_loaded(world.resource<RunControl>().micro_batch, true,
+                                                               &world.resource<rng::RngStatesTracker>());
                    }});
   w.systems().add({"model.backward", Phase::backward, [](World& world) {
                      world.resource<GptModel>().backward(world.resource<train::Batch>());

@@ -2,6 +2,7 @@
 // The engine's own [engine] section and run control. Registered like any module (name "engine").
 #include <boost/describe/enum.hpp>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,14 @@ struct RunControl {
     if (!stop) stop_reason = std::move(reason);
     stop = true;
   }
+};
+
+// A World resource for a module that launches some phases' device work another way (the model
+// replaying a CUDA graph of a micro-batch's forward and backward): the runner calls `before` ahead of
+// every phase and runs the phase's systems only when it returns false, then calls `after`.
+struct PhaseHook {
+  std::function<bool(World&, Phase)> before;
+  std::function<void(World&, Phase)> after;
 };
 
 // Where this World sits in the job: filled by the launcher before modules are installed.

@@ -260,32 +260,25 @@ void CudaBackend::embedding_forward(const EmbeddingForward& a) {
 void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   Timer t(*this, "embedding_backward");
   const EmbeddingDims d = check_args(a, kTarget);
-  const int N = i32(d.N), C = i32(d.C);
-  // The kernel writes dwte rows by token id: an id outside the table would write out of bounds.
+  const int N = i32(d.N), C = i32(d.C), V = i32(d.V);
+  // The kernel writes dwte rows by token id: an id outside the table would write out of bounds (the
+  // buckets leave such tokens out as well).
   check_tokens("embedding_backward", "tokens_host", a.tokens_host, N, d.vocab_total);
-  const std::int64_t V = d.V, begin = a.vocab_begin;
-  // Bucket this table's positions by token on the host (stable), so the kernel sums each token's rows
-  // in order; rows are local (token - begin).
-  auto mine = [&](int n) { return a.tokens_host[n] >= begin && a.tokens_host[n] < begin + V; };
-  std::vector<std::int32_t> table(static_cast<std::size_t>(3 * N + 1));
-  std::int32_t* order = table.data();
-  int M = 0;  // positions whose token is in this table
-  for (int n = 0; n < N; ++n)
-    if (mine(n)) order[M++] = n;
-  std::stable_sort(order, order + M, [&](int x, int y) { return a.tokens_host[x] < a.tokens_host[y]; });
-  std::vector<std::int32_t> starts, tokens;
-  for (int i = 0; i < M; ++i)
-    if (i == 0 || a.tokens_host[order[i]] != a.tokens_host[order[i - 1]]) {
-      starts.push_back(i);
-      tokens.push_back(static_cast<std::int32_t>(a.tokens_host[order[i]] - begin));
-    }
-  const int U = static_cast<int>(starts.size());
-  starts.push_back(M);
-  std::copy(starts.begin(), starts.end(), table.begin() + M);
-  std::copy(tokens.begin(), tokens.end(), table.begin() + M + U + 1);
-  auto* dev = static_cast<std::int32_t*>(upload(table.data(), (M + 2 * U + 1) * sizeof(std::int32_t), 0));
-  cuda::embedding_backward(dptr<float>(a.dwte), dptr<float>(a.dwpe), dptr<bf16>(a.dout), dev, dev + M,
-                           dev + M + U + 1, U, N, a.T, C, stream_);
+  // This table's positions bucketed by token on the device (stable), so the kernel sums each token's
+  // rows in order: nothing of the step's tokens passes through the host.
+  const std::size_t words = 3 * static_cast<std::size_t>(N) + 1;
+  const std::size_t bytes = words * sizeof(std::int32_t) + cuda::embedding_buckets_scratch(N, V);
+  if (embed_buckets_.bytes() < bytes) {
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be in use
+    embed_buckets_ = Buffer(Device::cuda, bytes);
+  }
+  auto* order = static_cast<std::int32_t*>(embed_buckets_.data());
+  std::int32_t *ends = order + N, *tokens = ends + N;
+  int* runs = tokens + N;
+  cuda::embedding_buckets(order, ends, tokens, runs, dptr<std::int32_t>(a.tokens), a.vocab_begin, V, N, runs + 1,
+                          bytes - words * sizeof(std::int32_t), stream_);
+  cuda::embedding_backward(dptr<float>(a.dwte), dptr<float>(a.dwpe), dptr<bf16>(a.dout), order, ends, tokens, runs, V,
+                           N, a.T, C, stream_);
 }
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {

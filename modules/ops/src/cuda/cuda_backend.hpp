@@ -81,6 +81,9 @@ class CudaBackend final : public Backend {
   void reset_op_times() override;
   void* stream() const override { return stream_; }
   std::size_t device_memory_in_use() const override;
+  bool can_capture() const override { return !profiling_; }  // profiling records events per op
+  void begin_capture() override;
+  std::unique_ptr<CapturedWork> end_capture() override;
 
  private:
   // What the op descriptions check: device tensors, bf16 activations, dimensions the kernels' ints hold.
@@ -125,6 +128,7 @@ class CudaBackend final : public Backend {
   bool cudnn_unavailable_ = false;                 // auto: libcudnn failed to open; kiln's kernels run
   std::set<std::tuple<int, int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for
   Buffer tickets_;
+  Buffer embed_buckets_;  // embedding_backward's buckets and their scratch
   cuda::HostReadback offsets_readback_;  // moe_permute's offsets for the host
   struct Staging {
     void* host = nullptr;

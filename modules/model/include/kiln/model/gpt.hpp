@@ -49,6 +49,11 @@ class GptModel {
   // global index, so any split of the batch over data-parallel ranks and micro-batches draws what
   // one rank with the whole batch would.
   void forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker);
+  // The same in two parts: load() checks the batch's tokens, uploads inputs and targets and sets the
+  // tracker to the states the step's first micro-batch started from; forward_loaded() is the device
+  // work of the forward alone (what a captured CUDA graph of it replays, StepGraph).
+  void load(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker);
+  void forward_loaded(int slot, bool training, rng::RngStatesTracker* tracker);
   // Backward of the last training forward; accumulates into the gradient buffer.
   void backward(const train::Batch& batch);
 
@@ -78,9 +83,6 @@ class GptModel {
   void set_loss_scale(float s) { dloss_ = s; }
 
  private:
-  // Checks the batch's tokens, uploads inputs and targets, and sets the tracker to the states the
-  // step's first micro-batch started from (with dropout). Returns this forward's dropout.
-  float begin_forward(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker);
 
   ModelContext ctx_;
   parallel::DataParallel dp_;

@@ -289,6 +289,8 @@ struct AdamW {
   std::int64_t step = 1;
 };
 
+class CapturedWork;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -372,8 +374,21 @@ class Backend {
   virtual void reset_op_times() = 0;
   // The CUDA stream of the compute work (cudaStream_t), or nullptr on CPU.
   virtual void* stream() const = 0;
+  // Capture: the device work queued between begin_capture and end_capture is recorded instead of run
+  // (a CUDA graph) and runs on each CapturedWork::launch, in stream order with the work around it.
+  // Nothing captured may wait for the device or allocate. Backends that cannot capture say so.
+  virtual bool can_capture() const { return false; }
+  virtual void begin_capture();
+  virtual std::unique_ptr<CapturedWork> end_capture();
   // Device memory this backend's process has taken since the backend was made (bytes); 0 on CPU.
   virtual std::size_t device_memory_in_use() const = 0;
+};
+
+// Device work recorded by Backend::end_capture.
+class CapturedWork {
+ public:
+  virtual ~CapturedWork() = default;
+  virtual void launch() = 0;
 };
 
 struct CpuOptions {

@@ -18,6 +18,7 @@ struct BackendConfig {
   bool attention_deterministic = true;
   GroupedGemmImpl grouped_gemm = GroupedGemmImpl::per_expert;
   bool grouped_gemm_tune = true;
+  bool cuda_graph = false;
 };
 KILN_CONFIG(BackendConfig,
             (cpu_threads, "CPU backend threads per rank; 0 = hardware threads / local ranks"),
@@ -38,7 +39,11 @@ KILN_CONFIG(BackendConfig,
             (grouped_gemm_tune,
              "CUDA mixture-of-experts GEMMs (bf16 and FP8): time up to 8 cuBLASLt algorithms per bucket of row counts "
              "at its first use and keep the fastest of those whose result equals the heuristic's first bit for bit "
-             "(results stay reproducible; false: the heuristic's first)"))
+             "(results stay reproducible; false: the heuristic's first)"),
+            (cuda_graph,
+             "CUDA: capture each micro-batch's forward and backward as a CUDA graph at step 3 and replay it "
+             "every later step (the optimizer runs eagerly); where capture cannot run (CPU, profiling, several "
+             "ranks, FSDP, mixtures of experts) every step stays eager, said at start"))
 
 // World resource: the backend every module computes with.
 struct ActiveBackend {

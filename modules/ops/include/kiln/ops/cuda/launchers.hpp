@@ -37,11 +37,20 @@ void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream
 // positions: add wpe[n % T].
 void embedding_forward(bf16* out, const std::int32_t* tokens, const bf16* wte, const bf16* wpe, int N, int T, int C,
                        std::int64_t vocab_begin, int V, bool positions, cudaStream_t s);
-// Deterministic: `order` lists the N positions sorted by token (stable), `bucket_start[u]` is where
-// unique token u's positions begin in `order` (U + 1 entries), `bucket_token[u]` its id.
+// The token buckets of embedding_backward, made on the device (no host copy of the tokens: a CUDA
+// graph can replay it): `order` [N] the positions whose token lies in [vocab_begin, vocab_begin + V),
+// stable-sorted by token (a radix sort), then the others; run u of `order` holds bucket_token[u]'s
+// positions (a row of the table, token - vocab_begin, or V for the others) and ends at bucket_end[u];
+// *runs counts the runs. Each array holds N entries. Scratch: embedding_buckets_scratch(N, V) bytes.
+std::size_t embedding_buckets_scratch(int N, int V);
+void embedding_buckets(std::int32_t* order, std::int32_t* bucket_end, std::int32_t* bucket_token, int* runs,
+                       const std::int32_t* tokens, std::int64_t vocab_begin, int V, int N, void* scratch,
+                       std::size_t scratch_bytes, cudaStream_t s);
+// Deterministic (the buckets of embedding_buckets): dwte row t gets the rows of dout at its token's
+// positions added in position order, dwpe[t] those of position t of every sequence in order.
 void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::int32_t* order,
-                        const std::int32_t* bucket_start, const std::int32_t* bucket_token, int U, int N, int T,
-                        int C, cudaStream_t s);
+                        const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
+                        int N, int T, int C, cudaStream_t s);
 
 // ---- layernorm ----
 void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight, const bf16* bias, int N,

@@ -1,0 +1,52 @@
+#pragma once
+// backend.cuda_graph: each micro-batch's forward and backward captured once as a CUDA graph (after
+// two eager steps, which size every buffer and settle the FP8 scales' state) and replayed in every
+// later step instead of launching the ops one by one. The micro-batch's tokens are uploaded in the
+// data phase, outside the graph; the dropout masks come from the RNG tracker's graph-safe mode (each
+// replay's base offsets are copied in before its launch, so every step draws fresh masks and the
+// tracker advances as an eager step would); the loss is read and the optimizer runs eagerly, after it.
+// A graph per micro-batch index: the loss slot and whether the weight gradients are written or
+// accumulated differ between them.
+//
+// It runs the phases through the engine's PhaseHook: on a replaying step the forward and backward
+// phases' systems do not run at all, so whatever they would do on the host must be the same every
+// step. What breaks that is refused at start (eager steps, said once): the CPU backend, op profiling,
+// more than one rank (their collectives and bookkeeping run on the layer events), FSDP, mixtures of
+// experts (the experts' group sizes reach the host every step).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kiln/engine/world.hpp"
+#include "kiln/ops/backend.hpp"
+#include "kiln/rng/tracker.hpp"
+
+namespace kiln::model {
+
+class StepGraph {
+ public:
+  static constexpr int kEagerSteps = 2;
+  // Why the step cannot be captured in this world ("" when it can).
+  static std::string refusal(World& w);
+  // Installs the PhaseHook that captures and replays.
+  static void install(World& w);
+
+  bool before(World& w, Phase p);
+  void after(World& w, Phase p);
+  int graphs() const;  // captured so far
+
+ private:
+  struct Captured {
+    std::unique_ptr<ops::CapturedWork> work;
+    rng::GraphCapture rng;
+    Buffer bases;  // the RNG states' base offsets the graph's kernels read
+  };
+  void replay(World& w, Captured& c);
+
+  std::vector<Captured> by_micro_batch_;
+  int steps_ = 0;          // steps begun
+  int capturing_ = -1;     // the micro-batch being captured
+  bool replayed_ = false;  // this micro-batch's forward and backward ran as a replay
+};
+
+}  // namespace kiln::model
