@@ -98,3 +98,34 @@ TEST_CASE("the run loop runs setup, the step phases per step, and shutdown") {
   CHECK(log == expected);
   CHECK(ctl.stop_reason == "done");
 }
+
+TEST_CASE("a PhaseHook is asked before every phase and skips the systems of those it runs itself") {
+  kiln::World w;
+  auto& ctl = w.emplace_resource<kiln::RunControl>();
+  std::vector<std::string> log;
+  for (auto p : kiln::all_phases())
+    w.systems().add({std::string(kiln::phase_name(p)), p, [&log, p](kiln::World& world) {
+                       log.push_back(std::string(kiln::phase_name(p)));
+                       if (p == kiln::Phase::step_end && world.resource<kiln::RunControl>().step == 2)
+                         world.resource<kiln::RunControl>().request_stop("done");
+                     }});
+  // From step 2 on, the forward and backward run "another way" (as a replayed graph would).
+  w.emplace_resource<kiln::PhaseHook>(kiln::PhaseHook{
+      [&log](kiln::World& world, kiln::Phase p) {
+        const bool skip = world.resource<kiln::RunControl>().step >= 2 &&
+                          (p == kiln::Phase::forward || p == kiln::Phase::backward);
+        if (skip) log.push_back(std::string("hooked ") + std::string(kiln::phase_name(p)));
+        return skip;
+      },
+      [&log](kiln::World&, kiln::Phase p) {
+        if (p == kiln::Phase::backward) log.push_back("after backward");
+      }});
+  kiln::run_pipeline(w);
+  const std::vector<std::string> expected = {
+      "setup",      "step_begin",     "data",           "forward",   "backward",  "after backward",
+      "grad_sync",  "optimizer",      "step_end",       "checkpoint", "step_begin", "data",
+      "hooked forward", "hooked backward", "after backward", "grad_sync", "optimizer", "step_end",
+      "checkpoint", "shutdown"};
+  CHECK(log == expected);
+  CHECK(ctl.stop_reason == "done");
+}

@@ -8,6 +8,7 @@
 #include "kiln/data/tokenizer.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/model/gpt.hpp"
+#include "kiln/model/step_graph.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln_test.hpp"
@@ -70,6 +71,21 @@ TEST_CASE("gradient accumulation over micro-batches equals one batch") {
   CHECK(std::sqrt(num / den) < 1e-5);
   CHECK(one.world->resource<model::GptModel>().mean_loss(1) ==
         doctest::Approx(four.world->resource<model::GptModel>().mean_loss(4)).epsilon(1e-5));
+}
+
+// backend.cuda_graph where capture cannot run (here: the CPU backend) leaves every step eager and
+// says why once: nothing is hooked and the steps compute what they compute without it.
+TEST_CASE("backend.cuda_graph on the CPU backend runs every step eagerly with the same losses") {
+  const std::vector<std::string> sets = {"train.steps=4", "model.dropout=0.1"};
+  auto with = sets;
+  with.push_back("backend.cuda_graph=true");
+  test::Pipeline graphed(kTiny, with), eager(kTiny, sets);
+  const test::RunRecord g = test::run_recording(graphed), e = test::run_recording(eager);
+  CHECK(graphed.world->try_resource<model::StepGraph>() == nullptr);
+  CHECK(graphed.world->try_resource<PhaseHook>() == nullptr);
+  REQUIRE(g.losses.size() == 4);
+  CHECK(g.losses == e.losses);
+  CHECK(model::StepGraph::refusal(*graphed.world).find("CPU") != std::string::npos);
 }
 
 TEST_CASE("recomputing LayerNorm and GELU outputs in the backward pass gives the same gradients") {
