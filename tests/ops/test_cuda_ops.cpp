@@ -288,6 +288,33 @@ TEST_CASE("cuda residual_forward matches the CPU with and without dropout") {
   }
 }
 
+TEST_CASE("cuda zero_many zeroes exactly its pieces (odd offsets and sizes), as the CPU, twice and with new pieces") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const std::int64_t n = 5003;
+  auto buf = f32(p, {n}, 71, 1.0f, 3.0f);  // no zeros
+  auto pieces = [](const Dual& d, bool gpu, std::vector<std::pair<std::int64_t, std::int64_t>> at) {
+    std::vector<TensorView> out;
+    const TensorView flat = gpu ? d.gpu() : d.cpu();
+    for (auto [begin, count] : at) out.push_back(flat.flat_slice(begin, count));
+    return out;
+  };
+  const std::vector<std::pair<std::int64_t, std::int64_t>> first = {{1, 3}, {7, 4093}, {4101, 1}, {4200, 800}, {5002, 1}};
+  const std::vector<std::pair<std::int64_t, std::int64_t>> second = {{0, 2}, {4102, 9}};
+  const std::vector<float> before = buf.cpu_values();
+  std::vector<bool> zeroed(static_cast<std::size_t>(n), false);
+  for (const auto* at : {&first, &first, &second}) {  // the same pieces again, then new ones
+    on_both(p, [&](const Side& s) { s.b().zero_many(pieces(buf, s.gpu, *at)); });
+    for (const auto& [b, k] : *at)
+      for (std::int64_t i = b; i < b + k; ++i) zeroed[static_cast<std::size_t>(i)] = true;
+    const auto g = buf.gpu_values();
+    std::int64_t wrong = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) wrong += g[i] != (zeroed[i] ? 0.0f : before[i]);
+    CHECK(wrong == 0);
+    CHECK(g == buf.cpu_values());
+  }
+}
+
 TEST_CASE("cuda residual_forward in place (out aliases residual)") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);

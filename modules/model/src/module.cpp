@@ -32,10 +32,12 @@ struct ModelHooks {
 // accumulates them (ParamStore::unit_grads), every range but the gradients their first micro-batch
 // writes (nn::GradWrittenFirst); ranges that meet in memory are zeroed together.
 void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::vector<nn::UnitRange>>& ranges) {
+  // The runs of adjacent ranges, zeroed together (one launch on CUDA).
+  std::vector<TensorView> runs;
   float* run = nullptr;
   std::int64_t n = 0;
   auto flush = [&] {
-    if (n > 0) be.zero(TensorView(run, {n}, DType::f32, store.device()));
+    if (n > 0) runs.push_back(TensorView(run, {n}, DType::f32, store.device()));
     n = 0;
   };
   for (std::size_t u = 0; u < ranges.size(); ++u) {
@@ -52,6 +54,7 @@ void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::
     }
   }
   flush();
+  be.zero_many(runs);
 }
 
 // What of a mixture of experts does not run, as config errors naming the key: expert parallelism
@@ -210,13 +213,17 @@ void install(World& w, const ModelConfig& cfg) {
                    },
                    {},
                    {"train.step_end"}});
-  // The step's device work (the optimizer) finishes before the step timer stops.
+  // The step's device work (the optimizer) finishes before the step timer stops. The memory in use
+  // (cudaMemGetInfo: ~75 us on an H200, with the GPU idle) is read over the first steps, where the
+  // buffers reach their sizes, then every tenth step and at the last.
   w.systems().add({"model.sync", Phase::step_end,
                    [](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      be.synchronize();
                      auto& ts = world.resource<train::TrainState>();
-                     ts.peak_device_memory = std::max(ts.peak_device_memory, be.device_memory_in_use());
+                     const std::int64_t step = world.resource<RunControl>().step;
+                     if (step <= 5 || step % 10 == 0 || step >= world.resource<train::TrainConfig>().steps)
+                       ts.peak_device_memory = std::max(ts.peak_device_memory, be.device_memory_in_use());
                    },
                    {},
                    {"train.step_end"}});

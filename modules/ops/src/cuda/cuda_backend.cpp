@@ -210,6 +210,28 @@ void CudaBackend::zero(const TensorView& t) {
   KILN_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_));
 }
 
+void CudaBackend::zero_many(std::span<const TensorView> ts) {
+  std::vector<cuda::ZeroRun> runs;
+  std::int64_t work = 0;
+  for (const TensorView& t : ts) {
+    KILN_CHECK(t.dtype == DType::f32 && t.device == Device::cuda && t.contiguous(), "zero_many: ", t.str(),
+               " is not a contiguous f32 device tensor");
+    if (t.numel() == 0) continue;
+    runs.push_back({static_cast<float*>(t.data), t.numel(), work});
+    work += (t.numel() + 3) / 4 * 4;
+  }
+  if (runs.empty()) return;
+  Timer timer(*this, "zero_many");
+  if (runs != zero_runs_) {  // new pieces (the first call, in practice): the table goes up once
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be read
+    zero_table_ = Buffer(Device::cuda, runs.size() * sizeof(cuda::ZeroRun));
+    KILN_CUDA_CHECK(cudaMemcpy(zero_table_.data(), runs.data(), zero_table_.bytes(), cudaMemcpyHostToDevice));
+    zero_runs_ = runs;
+  }
+  cuda::zero_many(static_cast<const cuda::ZeroRun*>(zero_table_.data()), static_cast<int>(runs.size()), work,
+                  stream_);
+}
+
 void CudaBackend::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 double CudaBackend::sum_squares(const TensorView& x) { return sum_squares_each(std::span(&x, 1)).front(); }

@@ -35,6 +35,7 @@ class CudaBackend final : public Backend {
   void copy(const TensorView& dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;
   void zero(const TensorView& t) override;
+  void zero_many(std::span<const TensorView> ts) override;
   void synchronize() override;
   double sum_squares(const TensorView& x) override;
   std::vector<double> sum_squares_each(std::span<const TensorView> xs) override;
@@ -129,6 +130,9 @@ class CudaBackend final : public Backend {
   std::set<std::tuple<int, int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for
   Buffer tickets_;
   Buffer embed_buckets_;  // embedding_backward's buckets and their scratch
+  // zero_many's table of pieces (cuda::ZeroRun), on the device while the pieces stay the same.
+  std::vector<cuda::ZeroRun> zero_runs_;
+  Buffer zero_table_;
   cuda::HostReadback offsets_readback_;  // moe_permute's offsets for the host
   struct Staging {
     void* host = nullptr;

@@ -244,3 +244,39 @@ void gemm_epilogue_fallback(bf16* d, const bf16* aux, const bf16* bias, std::int
 }  // namespace detail
 
 }  // namespace kiln::cuda
+
+// ---- zero_many ----
+namespace kiln::cuda {
+namespace {
+
+// A grid-stride loop over the work space, 4 elements of one piece per thread and step (a float4
+// store where aligned); the table is tiny and read by every thread.
+__global__ void zero_many_kernel(const ZeroRun* runs, int n, std::int64_t W) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
+  for (std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; w < W; w += stride) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (__ldg(&runs[mid].work) <= w) lo = mid;
+      else hi = mid - 1;
+    }
+    const std::int64_t local = w - __ldg(&runs[lo].work), count = __ldg(&runs[lo].count);
+    if (local >= count) continue;  // the rounding after the piece's last element
+    float* p = runs[lo].data + local;
+    if (local + 4 <= count && (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0) {
+      *reinterpret_cast<float4*>(p) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    } else {
+      for (std::int64_t j = 0; j < 4 && local + j < count; ++j) p[j] = 0.0f;
+    }
+  }
+}
+
+}  // namespace
+
+void zero_many(const ZeroRun* runs, int n, std::int64_t work, cudaStream_t s) {
+  if (n <= 0 || work <= 0) return;
+  zero_many_kernel<<<grid_for(ceil_div(work, 4), 256, 8192), 256, 0, s>>>(runs, n, work);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln::cuda

@@ -309,6 +309,9 @@ class Backend {
   // element count.
   virtual void convert(const TensorView& dst, const TensorView& src) = 0;
   virtual void zero(const TensorView& t) = 0;
+  // Zeroes contiguous f32 tensors (a gradient buffer's pieces each step): as one launch where the
+  // backend can (the CUDA backend: one kernel over a table it keeps while the pieces stay the same).
+  virtual void zero_many(std::span<const TensorView> ts);
   virtual void synchronize() = 0;
   // Sum of squares of an f32 tensor, in double on the host (synchronises).
   virtual double sum_squares(const TensorView& x) = 0;

@@ -52,6 +52,17 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::i
                         const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
                         int N, int T, int C, cudaStream_t s);
 
+// ---- zeroing many f32 pieces in one launch ----
+// A piece: count floats at data; work: where it starts in the launch's work space (the pieces end
+// to end, each rounded up to a multiple of 4).
+struct ZeroRun {
+  float* data = nullptr;
+  std::int64_t count = 0, work = 0;
+  bool operator==(const ZeroRun&) const = default;
+};
+// Zeroes every piece of the device table `runs` (n of them, sorted by work; `work` in all).
+void zero_many(const ZeroRun* runs, int n, std::int64_t work, cudaStream_t s);
+
 // ---- layernorm ----
 void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* x, const bf16* weight, const bf16* bias, int N,
                        int C, float eps, cudaStream_t s);
