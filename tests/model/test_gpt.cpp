@@ -2,6 +2,7 @@
 // the non-finite checks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 
@@ -86,6 +87,27 @@ TEST_CASE("backend.cuda_graph on the CPU backend runs every step eagerly with th
   REQUIRE(g.losses.size() == 4);
   CHECK(g.losses == e.losses);
   CHECK(model::StepGraph::refusal(*graphed.world).find("CPU") != std::string::npos);
+}
+
+// model.report_activations reads the table's saved rows: every block's, each with its own copy, or
+// the one copy the recomputing blocks share under activation checkpointing.
+TEST_CASE("the activation table lists each block's saved rows, own or shared under recompute") {
+  for (const bool recompute : {false, true}) {
+    test::Pipeline p(kTiny, recompute ? std::vector<std::string>{"activation_checkpoint.mode=full"}
+                                      : std::vector<std::string>{});
+    p.world->systems().run(Phase::setup, *p.world);
+    const auto& rows = p.world->resource<model::GptModel>().activation_table().saved_rows();
+    std::vector<std::string> keys0, keys1;
+    for (const auto& r : rows) {
+      if (r.block < 0) continue;  // the model's own (the final norm's)
+      if (r.block == 0) keys0.push_back(r.key);
+      if (r.block == 1) keys1.push_back(r.key);
+      CHECK(r.shared == recompute);
+    }
+    CHECK(keys0 == keys1);
+    CHECK(std::find(keys0.begin(), keys0.end(), "mlp.pre") != keys0.end());
+    CHECK(std::find(keys0.begin(), keys0.end(), "attention.qkv") != keys0.end());
+  }
 }
 
 TEST_CASE("recomputing LayerNorm and GELU outputs in the backward pass gives the same gradients") {

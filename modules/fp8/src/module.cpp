@@ -9,6 +9,8 @@
 #include <set>
 #include <thread>
 
+#include <boost/describe/enum_to_string.hpp>
+
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/nn/events.hpp"
@@ -248,6 +250,11 @@ void install(World& w, const Fp8Config& cfg) {
   }
   // Which FP8 layers keep their input in FP8 for the backward pass.
   const std::set<nn::LinearRole> keep_roles = roles_kept_in_fp8<nn::Linear>(w, st.entities);
+  struct Kept {
+    std::size_t bytes = 0;
+    int in = 0, layers = 0;
+  };
+  std::map<nn::LinearRole, Kept> kept;
   const std::set<nn::LinearRole> keep_grouped_roles = roles_kept_in_fp8<nn::GroupedLinear>(w, st.grouped_entities);
   for (std::size_t i = 0; i < st.grouped_entities.size(); ++i)
     for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
@@ -265,6 +272,12 @@ void install(World& w, const Fp8Config& cfg) {
     const auto* name = w.try_get<Name>(e);
     const auto& linear = w.get<nn::Linear>(e);
     const bool keep = linear.input_stored_for_backward && keep_roles.count(linear.role) > 0;
+    if (keep) {  // for the report: the colwise copy [in, tokens], one byte an element
+      auto& k = kept[linear.role];
+      k.bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(linear.in);
+      k.in = linear.in;
+      ++k.layers;
+    }
     st.linears.push_back(std::make_unique<Fp8Linear>(*st.ops, *st.meta, first, *st.workspace, st.recipe,
                                                      name ? name->value : w.describe(e), keep));
     Fp8Linear* lin = st.linears.back().get();
@@ -357,13 +370,18 @@ void install(World& w, const Fp8Config& cfg) {
 
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size();
   const std::size_t g_fp8 = st.grouped.size(), g_all = w.view<nn::GroupedLinear>().size();
-  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, cfg, skipped](World& world) {
+  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, cfg, skipped, kept, tokens](World& world) {
                      if (world.resource<RankInfo>().rank != 0) return;
                      std::cout << "fp8: " << n_fp8 << " of " << n_all << " linear layers"
                                << (g_all > 0 ? cat(" and ", g_fp8, " of ", g_all, " grouped (expert) linears") : "")
                                << " in FP8 (" << (cfg.recipe == RecipeKind::delayed ? "delayed" : "current")
                                << " scaling, " << (cfg.format == FormatPolicy::hybrid ? "hybrid E4M3/E5M2" : "E4M3")
                                << ")\n";
+                     for (const auto& [role, k] : kept)  // where the model would keep the input in bf16
+                       std::cout << "fp8: the " << boost::describe::enum_to_string(role, "?") << " layers keep their input in FP8 for the backward "
+                                 << "pass (e4m3 [" << k.in << ", " << tokens << "]: "
+                                 << static_cast<double>(k.bytes) / (1 << 20) << " MiB a layer, " << k.layers
+                                 << " layers), not in bf16\n";
                      for (auto& s : skipped)
                        std::cout << "fp8: " << s
                                  << (s.find(')') == std::string::npos ? " stays bf16 (dimensions not multiples of 16)"

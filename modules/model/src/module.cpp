@@ -6,6 +6,7 @@
 #include <iomanip>
 #include <iostream>
 
+#include "activation_report.hpp"
 #include "init_from.hpp"
 #include "kiln/model/gpt.hpp"
 #include "kiln/model/spec.hpp"
@@ -163,6 +164,8 @@ void install(World& w, const ModelConfig& cfg) {
                                  << std::fixed << std::setprecision(3)
                                  << static_cast<double>(m.activation_bytes()) / (1 << 30) << " GiB\n"
                                  << std::defaultfloat;
+                       if (world.resource<ModelConfig>().report_activations)
+                         std::cout << activation_report(m.activation_table(), m.residual_stream());
                      }
                    },
                    {"params.allocate"}});

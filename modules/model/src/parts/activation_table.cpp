@@ -6,6 +6,7 @@ namespace kiln::model {
 
 void ActivationTable::Rows::saved(TensorView& slot, const std::string& key, DType dtype, Shape shape,
                                   StageSet stage) {
+  table_.saved_rows_.push_back({block_, key, dtype, shape, (recomputed_ & stage) != 0});
   if (recomputed_ & stage)
     add(table_.recomputed_, key, {&slot, dtype, shape});
   else

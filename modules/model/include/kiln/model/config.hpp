@@ -34,6 +34,7 @@ struct ModelConfig {
   bool tie_embeddings = true;
   bool recompute_norm = true;
   bool recompute_gelu = true;
+  bool report_activations = false;
   std::string init_from;
   MoeConfig moe;
   void validate(config::Checks& c) const {
@@ -100,6 +101,8 @@ KILN_CONFIG(ModelConfig,
             (recompute_gelu,
              "recompute the MLP's activations (GELU, or SwiGLU for llama) in the backward pass instead of "
              "keeping them (gpt2: 4 of 16 saved values per token and layer)"),
+            (report_activations,
+             "print at start what a block keeps for its backward pass: each saved tensor's type, shape and bytes"),
             (init_from,
              "start from these weights instead of random ones: a safetensors file with Hugging Face GPT-2 names "
              "(config.json beside it is not read; this section's shape must match; gpt2 only); a checkpoint to "

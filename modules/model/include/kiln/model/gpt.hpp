@@ -41,6 +41,9 @@ class GptModel {
   // the blocks' backward scratch placed in it): nn::BlockScratch.
   nn::BlockScratch block_scratch() const { return lent_; }
   std::size_t activation_bytes() const { return table_.bytes(); }
+  const ActivationTable& activation_table() const { return table_; }
+  // Block 0's input: the residual stream each block keeps (its norm's backward reads it).
+  const TensorView& residual_stream() const { return residuals_.front(); }
 
   // One micro-batch forward; the per-token losses go to loss slot `slot`. With `training`, draws
   // dropout masks from the tracker and prepares the backward. Dropout masks are functions of the

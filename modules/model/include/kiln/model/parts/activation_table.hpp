@@ -35,13 +35,27 @@ class ActivationTable {
 
    private:
     friend class ActivationTable;
-    Rows(ActivationTable& table, StageSet recomputed) : table_(table), recomputed_(recomputed) {}
+    Rows(ActivationTable& table, StageSet recomputed, int block)
+        : table_(table), recomputed_(recomputed), block_(block) {}
     ActivationTable& table_;
     StageSet recomputed_;
+    int block_;
   };
 
-  Rows block(StageSet recomputed) { return Rows(*this, recomputed); }
-  Rows model() { return Rows(*this, 0); }
+  Rows block(StageSet recomputed) { return Rows(*this, recomputed, blocks_++); }
+  Rows model() { return Rows(*this, 0, -1); }
+
+  // Every saved row as declared, for reports: the block that declared it (in declaration order), and
+  // whether it lives in the one copy the recomputing blocks share.
+  struct SavedRow {
+    int block = 0;
+    std::string key;
+    DType dtype = DType::f32;
+    Shape shape;
+    bool shared = false;
+    std::size_t bytes() const { return static_cast<std::size_t>(shape.numel()) * size_of(dtype); }
+  };
+  const std::vector<SavedRow>& saved_rows() const { return saved_rows_; }
 
   // Allocates every row but the backward scratch (slots must stay where they are until then).
   void allocate(ops::Backend& be);
@@ -71,6 +85,8 @@ class ActivationTable {
 
   Arena arena_, backward_;
   std::map<std::string, Shared> recomputed_, scratch_, backward_rows_;
+  std::vector<SavedRow> saved_rows_;
+  int blocks_ = 0;
   bool backward_apart_ = false;
 };
 
