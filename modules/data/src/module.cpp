@@ -77,24 +77,47 @@ void install(World& w, const DataConfig& cfg) {
                      }
                    }});
 
-  w.systems().add({"data.next_batch", Phase::data, [cfg, T, data_seed](World& world) {
+  // This rank's micro-batch starting at global sample `first`.
+  auto make = [cfg, T, data_seed](World& world, std::uint64_t first, train::Batch& batch) {
+    auto& st = world.resource<DataState>();
+    const int count = world.resource<train::TrainState>().micro_batch_size;
+    if (cfg.synthetic_vocab > 0)
+      fill_synthetic(batch, data_seed, first, count, T, cfg.synthetic_vocab);
+    else
+      fill(batch, st, first, count, T);
+  };
+  // The step's global batch is samples [position, position + batch_size); DP rank d takes the d-th
+  // slice of it, one micro-batch at a time.
+  auto first_of = [](World& world, std::uint64_t position, int micro_batch) {
+    const auto& ts = world.resource<train::TrainState>();
+    const auto& par = world.resource<parallel::ParallelState>();
+    const auto& tc = world.resource<train::TrainConfig>();
+    const std::uint64_t per_rank = static_cast<std::uint64_t>(tc.batch_size / par.dp_size());
+    return position + per_rank * par.dp_rank() + static_cast<std::uint64_t>(micro_batch) * ts.micro_batch_size;
+  };
+  w.systems().add({"data.next_batch", Phase::data, [make, first_of](World& world) {
                      auto& st = world.resource<DataState>();
-                     const auto& ts = world.resource<train::TrainState>();
-                     const auto& par = world.resource<parallel::ParallelState>();
-                     const auto& ctl = world.resource<RunControl>();
-                     const auto& tc = world.resource<train::TrainConfig>();
-                     // The step's global batch is samples [position, position + batch_size); DP rank d
-                     // takes the d-th slice of it, one micro-batch at a time.
-                     const std::uint64_t per_rank = static_cast<std::uint64_t>(tc.batch_size / par.dp_size());
-                     const std::uint64_t first = st.position + per_rank * par.dp_rank() +
-                                                 static_cast<std::uint64_t>(ctl.micro_batch) * ts.micro_batch_size;
+                     const std::uint64_t first = first_of(world, st.position, world.resource<RunControl>().micro_batch);
                      auto& batch = world.resource<train::Batch>();
-                     if (cfg.synthetic_vocab > 0)
-                       fill_synthetic(batch, data_seed, first, ts.micro_batch_size, T, cfg.synthetic_vocab);
+                     if (st.prefetched_first == first)
+                       std::swap(batch, st.prefetched);
                      else
-                       fill(batch, st, first, ts.micro_batch_size, T);
+                       make(world, first, batch);
+                     st.prefetched_first.reset();
                      batch.global_index = static_cast<std::int64_t>(first - st.position);
                    }});
+  // The next step's first micro-batch, made on the host while the device runs the optimizer step
+  // (instead of after the step's end, with the device idle: ~0.35 ms of GPT-2 124M's step for
+  // synthetic tokens).
+  w.systems().add({"data.prefetch", Phase::optimizer,
+                   [make, first_of](World& world) {
+                     auto& st = world.resource<DataState>();
+                     const auto next = st.position + static_cast<std::uint64_t>(world.resource<train::TrainConfig>().batch_size);
+                     const std::uint64_t first = first_of(world, next, 0);
+                     make(world, first, st.prefetched);
+                     st.prefetched_first = first;
+                   },
+                   {kAllSystems}});
 
   w.systems().add({"data.advance", Phase::step_end, [](World& world) {
                      world.resource<DataState>().position +=

@@ -8,6 +8,7 @@
 #include "kiln/data/loader.hpp"
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
+#include "kiln/train/train.hpp"
 
 namespace kiln::data {
 
@@ -38,6 +39,10 @@ struct DataState {
   std::uint64_t position = 0;
   std::unique_ptr<WindowIndex> train;
   std::unique_ptr<SampleOrder> order;
+  // The next step's first micro-batch of this rank, made while the optimizer step runs on the device
+  // (data.prefetch), and the global sample it starts at; data.next_batch takes it when it matches.
+  std::optional<std::uint64_t> prefetched_first;
+  train::Batch prefetched;
 };
 
 void register_module(ModuleRegistry& registry);
