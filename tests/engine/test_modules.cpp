@@ -78,17 +78,24 @@ TEST_CASE("a dependency cycle is an error naming the modules in it") {
   }
 }
 
-TEST_CASE("the run loop runs setup, the step phases per step, and shutdown") {
-  kiln::World w;
-  auto& ctl = w.emplace_resource<kiln::RunControl>();
-  ctl.micro_batches = 2;
-  std::vector<std::string> log;
+namespace {
+// A system per phase that logs its name; the run stops after step 2.
+void log_phases(kiln::World& w, std::vector<std::string>& log) {
   for (auto p : kiln::all_phases())
     w.systems().add({std::string(kiln::phase_name(p)), p, [&log, p](kiln::World& world) {
                        log.push_back(std::string(kiln::phase_name(p)));
                        if (p == kiln::Phase::step_end && world.resource<kiln::RunControl>().step == 2)
                          world.resource<kiln::RunControl>().request_stop("done");
                      }});
+}
+}  // namespace
+
+TEST_CASE("the run loop runs setup, the step phases per step, and shutdown") {
+  kiln::World w;
+  auto& ctl = w.emplace_resource<kiln::RunControl>();
+  ctl.micro_batches = 2;
+  std::vector<std::string> log;
+  log_phases(w, log);
   kiln::run_pipeline(w);
   std::vector<std::string> step = {"step_begin", "data", "forward", "backward", "data", "forward",
                                    "backward", "grad_sync", "optimizer", "step_end", "checkpoint"};
@@ -103,12 +110,7 @@ TEST_CASE("a PhaseHook is asked before every phase and skips the systems of thos
   kiln::World w;
   auto& ctl = w.emplace_resource<kiln::RunControl>();
   std::vector<std::string> log;
-  for (auto p : kiln::all_phases())
-    w.systems().add({std::string(kiln::phase_name(p)), p, [&log, p](kiln::World& world) {
-                       log.push_back(std::string(kiln::phase_name(p)));
-                       if (p == kiln::Phase::step_end && world.resource<kiln::RunControl>().step == 2)
-                         world.resource<kiln::RunControl>().request_stop("done");
-                     }});
+  log_phases(w, log);
   // From step 2 on, the forward and backward run "another way" (as a replayed graph would).
   w.emplace_resource<kiln::PhaseHook>(kiln::PhaseHook{
       [&log](kiln::World& world, kiln::Phase p) {

@@ -246,7 +246,7 @@ TEST_CASE("cuda moe_permute matches the CPU: dropless and with a capacity per se
       auto row_of = poisoned_ints(p, {c.N, c.k});
       auto source = poisoned_ints(p, {R});
       auto out = poisoned(p, Kind::act, {R, C});
-      auto run = [&](const Side& s) {
+      auto run = [&](const Side& s, std::int32_t* offsets_host = nullptr) {
         s.b().moe_permute({.offsets = s(offsets),
                            .row_of = s(row_of),
                            .source = s(source),
@@ -256,7 +256,8 @@ TEST_CASE("cuda moe_permute matches the CPU: dropless and with a capacity per se
                            .n_experts = c.E,
                            .seq_len = c.T,
                            .capacity = c.capacity,
-                           .token_offset = 1000});
+                           .token_offset = 1000,
+                           .offsets_host = offsets_host});
       };
       on_both(p, run);
       const auto off = cpu_ints(offsets);
@@ -292,17 +293,7 @@ TEST_CASE("cuda moe_permute matches the CPU: dropless and with a capacity per se
       // the pinned copy is reused.
       for (int again = 0; again < 2; ++again) {
         std::vector<std::int32_t> host(static_cast<std::size_t>(c.E + 1), -7);
-        p.gpu->moe_permute({.offsets = offsets.gpu(),
-                            .row_of = row_of.gpu(),
-                            .source = source.gpu(),
-                            .out = out.gpu(),
-                            .x = x.gpu(),
-                            .experts = experts.gpu(),
-                            .n_experts = c.E,
-                            .seq_len = c.T,
-                            .capacity = c.capacity,
-                            .token_offset = 1000,
-                            .offsets_host = host.data()});
+        run(Side{p, true}, host.data());
         CHECK(host == f1);
         p.gpu->synchronize();
         CHECK(same_bits(out.gpu_values(), o1));

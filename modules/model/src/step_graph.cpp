@@ -18,6 +18,10 @@ std::string StepGraph::refusal(World& w) {
     return "more than one rank (collectives and their bookkeeping are not captured yet)";
   if (w.try_resource<parallel::FsdpConfig>()) return "FSDP gathers and frees on the layer events";
   if (w.resource<ModelConfig>().moe.enabled()) return "a mixture of experts' group sizes reach the host every step";
+  // A replay runs no system of these phases: another module's would silently not run.
+  for (const auto& [phase, ours] : {std::pair{Phase::forward, "model.forward"}, std::pair{Phase::backward, "model.backward"}})
+    for (const std::string& name : w.systems().order(phase))
+      if (name != ours) return cat("system '", name, "' runs in the ", phase_name(phase), " phase (a replay would skip it)");
   return "";
 }
 

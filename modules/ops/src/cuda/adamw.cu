@@ -15,25 +15,13 @@ struct Hyper {
   float lr, beta1, beta2, eps, grad_scale, bc1, bc2;
 };
 
-// The segment holding work index w: the last whose work start is <= w (the table is sorted by
-// work, tiny, and read by every thread, so it lives in L1).
-__device__ __forceinline__ int find_segment(const AdamWSegmentDev* segs, int n, std::int64_t w) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (__ldg(&segs[mid].work) <= w) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 // VEC: params, grads, m, v 16-byte aligned and params_bf16 (if any) 8-byte aligned.
 template <bool VEC>
 __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grads, float* m, float* v,
                              const AdamWSegmentDev* segs, int n_segs, std::int64_t W, Hyper h) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
   for (std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; w < W; w += stride) {
-    const int seg = find_segment(segs, n_segs, w);
+    const int seg = entry_at_work(segs, n_segs, w);
     const std::int64_t local = w - __ldg(&segs[seg].work), count = __ldg(&segs[seg].count);
     if (local >= count) continue;  // the rounding after the segment's last element
     const std::int64_t i = __ldg(&segs[seg].offset) + local;

@@ -14,6 +14,21 @@
 namespace kiln::cuda {
 
 // ---- 8 bf16 <-> one 16-byte word (unpack8: device_basics.cuh) ----
+// The entry of a table sorted by `work` (the pieces of a launch laid end to end) that holds work
+// index w: the last whose work is <= w. The tables are tiny and read by every thread (L1).
+template <class Entry>
+__device__ __forceinline__ int entry_at_work(const Entry* table, int n, std::int64_t w) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(&table[mid].work) <= w)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // round to nearest even, like round_bf16()
   return *reinterpret_cast<unsigned*>(&h);

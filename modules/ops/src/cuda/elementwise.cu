@@ -254,12 +254,7 @@ namespace {
 __global__ void zero_many_kernel(const ZeroRun* runs, int n, std::int64_t W) {
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
   for (std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; w < W; w += stride) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (__ldg(&runs[mid].work) <= w) lo = mid;
-      else hi = mid - 1;
-    }
+    const int lo = entry_at_work(runs, n, w);
     const std::int64_t local = w - __ldg(&runs[lo].work), count = __ldg(&runs[lo].count);
     if (local >= count) continue;  // the rounding after the piece's last element
     float* p = runs[lo].data + local;

@@ -12,7 +12,9 @@
 // phases' systems do not run at all, so whatever they would do on the host must be the same every
 // step. What breaks that is refused at start (eager steps, said once): the CPU backend, op profiling,
 // more than one rank (their collectives and bookkeeping run on the layer events), FSDP, mixtures of
-// experts (the experts' group sizes reach the host every step).
+// experts (the experts' group sizes reach the host every step), and any other system in the forward
+// or backward phase. A module acting on the layer events (LayerForwardBegin, ...) sees them in the
+// eager steps and the captured one only.
 #include <memory>
 #include <string>
 #include <vector>
