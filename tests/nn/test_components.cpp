@@ -109,7 +109,8 @@ TEST_CASE("an AdamWStep event carries the step's hyperparameters and the moment 
     got = e;
     ++calls;
   });
-  w.events().publish(nn::AdamWStep{7, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.25f,
+  const float scalars[4] = {3e-4f, 0.25f, 0.5f, 0.75f};
+  w.events().publish(nn::AdamWStep{7, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, scalars,
                                    TensorView(m.data(), {128}, DType::f32, Device::cpu),
                                    TensorView(v.data(), {128}, DType::f32, Device::cpu)});
   REQUIRE(calls == 1);
@@ -119,7 +120,7 @@ TEST_CASE("an AdamWStep event carries the step's hyperparameters and the moment 
   CHECK(got.beta2 == 0.95f);
   CHECK(got.eps == 1e-8f);
   CHECK(got.weight_decay == 0.1f);
-  CHECK(got.grad_scale == 0.25f);
+  CHECK(got.scalars == scalars);
   CHECK(got.m.data == m.data());
   CHECK(got.v.data == v.data());
   CHECK(got.m.shape == Shape{128});

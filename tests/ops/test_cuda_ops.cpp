@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/formulas.hpp"
 #include "kiln/rng/tracker.hpp"
 #include "op_harness.hpp"
 
@@ -549,6 +550,84 @@ TEST_CASE("cuda adamw with two segments, with and without decay") {
   KILN_CHECK_CLOSE(params, 1e-6);
   KILN_CHECK_CLOSE(m, 1e-6);
   KILN_CHECK_CLOSE(v, 1e-6);
+}
+
+// The optimizer's path without the host: the norm and clipping scale made on the device equal the
+// host path's of the same backend bit for bit (the same f32 partial sums, added in double in order;
+// the optimizer's numbers do not change), the two backends' within 1e-6, AdamW reading its numbers
+// from device memory equals AdamW given them on the host, and a NaN scale (a non-finite gradient)
+// leaves parameters and moments as they were.
+TEST_CASE("cuda grad_clip and AdamW from device scalars match the CPU; a non-finite gradient skips the step") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int P = 5003;
+  for (const double max_norm : {0.0, 1.0, 1e9}) {
+    INFO("max_norm " << max_norm);
+    AdamWCase c(p, P, 91, true);
+    Dual scalars(p, Kind::f32, {6});  // four floats, then the norm (a double) in the last two
+    float lr = 1e-2f, bc1 = 0, bc2 = 0;
+    ops::adamw_bias_corrections(0.9f, 0.95f, 4, bc1, bc2);
+    scalars.set({lr, -1.0f, bc1, bc2, 0.0f, 0.0f});
+    on_both(p, [&](const Side& s) {
+      const TensorView sc = s(scalars);
+      s.b().grad_clip({s(c.grads), max_norm, sc.as<float>(), reinterpret_cast<double*>(sc.as<float>() + 4)});
+      ops::AdamW a;
+      a.params = s(c.params);
+      a.params_act = s(c.pact);
+      a.grads = s(c.grads);
+      a.m = s(c.m);
+      a.v = s(c.v);
+      a.segments = {{0, P, true}};
+      a.weight_decay = 0.1f;
+      a.scalars = sc.as<float>();
+      s.b().adamw(a);
+    });
+    // Each backend's device-made norm is its host path's to the bit (its own sum_squares, in double,
+    // then the same formula); the two backends' sums differ in order only.
+    for (const bool gpu : {false, true}) {
+      INFO((gpu ? "cuda" : "cpu"));
+      const auto got = gpu ? scalars.gpu_values() : scalars.cpu_values();
+      double norm = 0;
+      std::memcpy(&norm, got.data() + 4, sizeof(norm));
+      ops::Backend& b = gpu ? *p.gpu : *p.cpu;
+      const double host = std::sqrt(b.sum_squares(gpu ? c.grads.gpu() : c.grads.cpu()));
+      CHECK(std::memcmp(&norm, &host, sizeof(norm)) == 0);
+      CHECK(got[ops::kAdamWGradScale] == ops::grad_clip_scale(host, max_norm));
+    }
+    double gpu_norm = 0, cpu_norm = 0;
+    std::memcpy(&gpu_norm, scalars.gpu_values().data() + 4, sizeof(double));
+    std::memcpy(&cpu_norm, scalars.cpu_values().data() + 4, sizeof(double));
+    CHECK(gpu_norm == doctest::Approx(cpu_norm).epsilon(1e-6));
+    KILN_CHECK_CLOSE(c.params, 1e-6);
+    KILN_CHECK_CLOSE(c.m, 1e-6);
+    KILN_CHECK_CLOSE(c.v, 1e-6);
+  }
+  // An infinite gradient: the scale is NaN and nothing is written, on either side.
+  AdamWCase c(p, P, 93, true);
+  auto grads = c.grads.cpu_values();
+  grads[1234] = INFINITY;
+  c.grads.set(grads);
+  Dual scalars(p, Kind::f32, {6});
+  scalars.set({1e-2f, 1.0f, 0.5f, 0.5f, 0.0f, 0.0f});
+  const auto p0 = c.params.gpu_values(), m0 = c.m.gpu_values(), v0 = c.v.gpu_values();
+  on_both(p, [&](const Side& s) {
+    const TensorView sc = s(scalars);
+    s.b().grad_clip({s(c.grads), 1.0, sc.as<float>(), reinterpret_cast<double*>(sc.as<float>() + 4)});
+    ops::AdamW a;
+    a.params = s(c.params);
+    a.grads = s(c.grads);
+    a.m = s(c.m);
+    a.v = s(c.v);
+    a.segments = {{0, P, true}};
+    a.scalars = sc.as<float>();
+    s.b().adamw(a);
+  });
+  CHECK(std::isnan(scalars.gpu_values()[ops::kAdamWGradScale]));
+  CHECK(std::isnan(scalars.cpu_values()[ops::kAdamWGradScale]));
+  CHECK(c.params.gpu_values() == p0);
+  CHECK(c.m.gpu_values() == m0);
+  CHECK(c.v.gpu_values() == v0);
+  CHECK(c.params.cpu_values() == p0);
 }
 
 TEST_CASE("cuda adamw leaves segments another module updates untouched") {

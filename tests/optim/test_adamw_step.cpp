@@ -7,6 +7,7 @@
 
 #include "kiln/core/error.hpp"
 #include "kiln/nn/events.hpp"
+#include "kiln/ops/formulas.hpp"
 #include "toy_model.hpp"
 
 using namespace kiln;
@@ -85,10 +86,10 @@ TEST_CASE("gradient clipping scales the gradient by grad_clip / norm") {
   const double norm = test::toy_grad_norm(model_of(*w), 1);
   REQUIRE(norm > 100);
   CHECK(w->resource<train::TrainState>().grad_norm == doctest::Approx(norm).epsilon(1e-6));
-  CHECK(events[0].grad_scale == doctest::Approx(1.0 / norm).epsilon(1e-5));
+  CHECK(events[0].scalars[ops::kAdamWGradScale] == doctest::Approx(1.0 / norm).epsilon(1e-5));
   const auto& oc = w->resource<optim::OptimConfig>();
   for (std::size_t i = 0; i < 5; ++i)
-    check_equals_reference(*w, i, test::adamw_reference(model_of(*w), oc, 1, i, {events[0].grad_scale}));
+    check_equals_reference(*w, i, test::adamw_reference(model_of(*w), oc, 1, i, {events[0].scalars[ops::kAdamWGradScale]}));
   const auto unclipped = test::adamw_reference(model_of(*w), oc, 1, 0, {1.0f});
   CHECK(test::to_vector(w->resource<nn::ParamStore>().master_view(param(*w, 0))) != unclipped.p);
 }
@@ -96,7 +97,7 @@ TEST_CASE("gradient clipping scales the gradient by grad_clip / norm") {
 TEST_CASE("a gradient norm below grad_clip is not scaled") {
   auto w = toy_world({"model.grad_gain=0.01", "optim.grad_clip=1", "train.steps=1"});
   std::vector<float> scales;
-  auto sub = w->events().subscribe<nn::AdamWStep>([&](const nn::AdamWStep& e) { scales.push_back(e.grad_scale); });
+  auto sub = w->events().subscribe<nn::AdamWStep>([&](const nn::AdamWStep& e) { scales.push_back(e.scalars[ops::kAdamWGradScale]); });
   run_pipeline(*w);
   REQUIRE(test::toy_grad_norm(model_of(*w), 1) < 1);
   CHECK(scales == std::vector<float>{1.0f});
@@ -105,7 +106,7 @@ TEST_CASE("a gradient norm below grad_clip is not scaled") {
 TEST_CASE("grad_clip = 0 never scales the gradient") {
   auto w = toy_world({"model.grad_gain=50", "optim.grad_clip=0", "train.steps=2"});
   std::vector<float> scales;
-  auto sub = w->events().subscribe<nn::AdamWStep>([&](const nn::AdamWStep& e) { scales.push_back(e.grad_scale); });
+  auto sub = w->events().subscribe<nn::AdamWStep>([&](const nn::AdamWStep& e) { scales.push_back(e.scalars[ops::kAdamWGradScale]); });
   run_pipeline(*w);
   CHECK(scales == std::vector<float>{1.0f, 1.0f});
   CHECK(w->resource<train::TrainState>().grad_norm == doctest::Approx(test::toy_grad_norm(model_of(*w), 2)).epsilon(1e-6));
@@ -161,12 +162,13 @@ TEST_CASE("each step publishes AdamWStep with that step's hyperparameters and th
     CHECK(e.beta2 == 0.99f);
     CHECK(e.eps == 1e-6f);
     CHECK(e.weight_decay == 0.05f);
-    CHECK(e.grad_scale == 1.0f);
+    CHECK(e.scalars == static_cast<const float*>(st.scalars.data()));  // read when the kernels run
     CHECK(e.m.data == st.m.data());
     CHECK(e.v.data == st.v.data());
     CHECK(e.m.shape == Shape{store.total()});
     CHECK(e.v.dtype == DType::f32);
   }
+  CHECK(st.grad_scale == 1.0f);
   CHECK(events[0].lr < events[1].lr);  // warm-up
   CHECK(w->resource<train::TrainState>().lr == events[2].lr);
 }
@@ -188,14 +190,14 @@ TEST_CASE("a handler applying AdamWStep to a parameter marked UpdatedBy reproduc
       float bc1 = 0, bc2 = 0;
       ops::adamw_bias_corrections(e.beta1, e.beta2, e.step, bc1, bc2);
       for (std::int64_t k = 0; k < p.numel; ++k) {
-        ops::adamw_update(x[k], m[k], v[k], g[k] * e.grad_scale, e.lr, e.beta1, e.beta2, e.eps,
+        ops::adamw_update(x[k], m[k], v[k], g[k] * e.scalars[ops::kAdamWGradScale], e.lr, e.beta1, e.beta2, e.eps,
                           p.weight_decay ? e.weight_decay : 0.0f, bc1, bc2);
         xc[k] = x[k];
       }
     }
   });
   std::vector<float> scales;
-  auto record = w->events().subscribe<nn::AdamWStep>([&](const nn::AdamWStep& e) { scales.push_back(e.grad_scale); });
+  auto record = w->events().subscribe<nn::AdamWStep>([&](const nn::AdamWStep& e) { scales.push_back(e.scalars[ops::kAdamWGradScale]); });
   run_pipeline(*w);
   REQUIRE(scales.size() == 3);
   CHECK(scales[0] < 1.0f);

@@ -112,8 +112,8 @@ AdamWQuantizeArgs step_args(const nn::AdamWStep& e, const nn::Param& p) {
   u.beta2 = e.beta2;
   u.eps = e.eps;
   u.weight_decay = p.weight_decay ? e.weight_decay : 0.0f;
-  u.grad_scale = e.grad_scale;
   u.step = e.step;
+  u.scalars = e.scalars;
   return u;
 }
 

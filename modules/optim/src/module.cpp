@@ -1,11 +1,13 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numbers>
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/nn/events.hpp"
 #include "kiln/nn/param_store.hpp"
+#include "kiln/ops/formulas.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/optim/optim.hpp"
 #include "kiln/parallel/module.hpp"
@@ -66,11 +68,20 @@ std::vector<TensorView> gradient_views(const nn::ParamStore& store, const std::v
   return out;
 }
 
-// The squared norm of the whole (logical) gradient. A rank holds shards of some parameters under
-// tensor (and expert) parallelism and full copies of the others, and under FSDP its part of each
-// unit: the squares are summed over the ranks that together hold one copy of the parameters
-// (parallel::param_shards), a part held by several of them counted once (each of its n holders adds
-// 1/n of it: parallel::replicas_in_param_shards).
+// Whether the gradient's norm is the plain one of the held gradient buffer (one rank holding every
+// gradient once): then it is computed on the device (ops::GradClip), with no synchronisation.
+bool norm_of_held_buffer(World& w) {
+  if (parallel::param_shards(w).size() != 1) return false;
+  for (const auto& h : held_parts(w))
+    if (parallel::replicas_in_param_shards(w, *h.param) != 1) return false;
+  return true;
+}
+
+// The squared norm of the whole (logical) gradient on the host (synchronises). A rank holds shards
+// of some parameters under tensor (and expert) parallelism and full copies of the others, and under
+// FSDP its part of each unit: the squares are summed over the ranks that together hold one copy of
+// the parameters (parallel::param_shards), a part held by several of them counted once (each of its
+// n holders adds 1/n of it: parallel::replicas_in_param_shards).
 double global_sum_squares(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
   const auto parts = held_parts(w);
@@ -128,19 +139,39 @@ void install(World& w, const OptimConfig& cfg) {
                      st.v = be.alloc(static_cast<std::size_t>(store.held()) * 4);
                      be.zero(st.m.view(DType::f32, {store.held()}));
                      be.zero(st.v.view(DType::f32, {store.held()}));
+                     st.scalars = be.alloc(OptimState::kNormAt + sizeof(double));
                    },
                    {"params.allocate"}});
 
+  // The step on the stream, without waiting for the device: the learning rate and bias corrections
+  // go up first, the gradient's norm and clipping scale are made on the device (ops::GradClip; on the
+  // host, synchronising, where ranks share the gradient), and every AdamW kernel reads them from
+  // there when it runs (a non-finite norm makes the scale NaN: nothing is updated).
   w.systems().add({"optim.step", Phase::optimizer, [cfg](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      auto& store = world.resource<nn::ParamStore>();
                      auto& st = world.resource<OptimState>();
                      auto& ts = world.resource<train::TrainState>();
                      const auto step = world.resource<RunControl>().step;
-                     const double norm = std::sqrt(global_sum_squares(world, be));
-                     if (!std::isfinite(norm))
-                       KILN_THROW("step ", step, ": non-finite gradient in ", non_finite_gradients(world, be),
-                                  "; stopping");
+                     const std::int64_t t = st.steps_taken + 1;  // counted once the step is known finite
+                     const auto lr = static_cast<float>(learning_rate(cfg, step, world.resource<train::TrainConfig>().steps));
+                     float numbers[ops::kAdamWScalars] = {lr, 1.0f, 0.0f, 0.0f};
+                     ops::adamw_bias_corrections(cfg.beta1, cfg.beta2, t, numbers[ops::kAdamWBc1], numbers[ops::kAdamWBc2]);
+                     const Device dev = be.device();
+                     auto* scalars = static_cast<float*>(st.scalars.data());
+                     auto* norm = reinterpret_cast<double*>(static_cast<char*>(st.scalars.data()) + OptimState::kNormAt);
+                     be.copy(TensorView(scalars, {ops::kAdamWScalars}, DType::f32, dev),
+                             TensorView(numbers, {ops::kAdamWScalars}, DType::f32, Device::cpu));
+                     if (norm_of_held_buffer(world)) {
+                       be.grad_clip({store.grads_flat(), cfg.grad_clip, scalars, norm});
+                     } else {
+                       const double n = std::sqrt(global_sum_squares(world, be));
+                       const float scale = ops::grad_clip_scale(n, cfg.grad_clip);
+                       be.copy(TensorView(scalars + ops::kAdamWGradScale, {1}, DType::f32, dev),
+                               TensorView(const_cast<float*>(&scale), {1}, DType::f32, Device::cpu));
+                       be.copy(TensorView(norm, {8}, DType::u8, dev),
+                               TensorView(const_cast<double*>(&n), {8}, DType::u8, Device::cpu));
+                     }
                      ops::AdamW a;
                      a.params = store.master_flat();
                      a.params_act = store.compute_flat();
@@ -151,22 +182,40 @@ void install(World& w, const OptimConfig& cfg) {
                      // itself (nn::UpdatedBy, during install or setup).
                      if (st.segments.empty()) st.segments = segments(world);
                      a.segments = st.segments;
-                     a.lr = static_cast<float>(learning_rate(cfg, step, world.resource<train::TrainConfig>().steps));
+                     a.lr = lr;
                      a.beta1 = cfg.beta1;
                      a.beta2 = cfg.beta2;
                      a.eps = cfg.eps;
                      a.weight_decay = cfg.weight_decay;
-                     a.grad_scale = (cfg.grad_clip > 0 && norm > cfg.grad_clip)
-                                        ? static_cast<float>(cfg.grad_clip / (norm + 1e-6))
-                                        : 1.0f;
-                     a.step = ++st.steps_taken;
+                     a.step = t;
+                     a.scalars = scalars;
                      be.adamw(a);
                      // The parameters another module updates (nn::UpdatedBy), with the same step.
-                     world.events().publish(nn::AdamWStep{a.step, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
-                                                          a.grad_scale, a.m, a.v});
-                     ts.lr = a.lr;
-                     ts.grad_norm = norm;
+                     world.events().publish(
+                         nn::AdamWStep{t, lr, a.beta1, a.beta2, a.eps, a.weight_decay, scalars, a.m, a.v});
+                     ts.lr = lr;
                    }});
+  // After the step (one read of the norm and scale, with the step's other reads): the norm for the
+  // log, and a non-finite gradient stops the run naming the tensors, the weights as they were.
+  w.systems().add({"optim.check", Phase::step_end,
+                   [](World& world) {
+                     auto& be = world.resource<ops::ActiveBackend>().get();
+                     auto& st = world.resource<OptimState>();
+                     unsigned char host[OptimState::kNormAt + sizeof(double)];
+                     be.copy(TensorView(host, {static_cast<std::int64_t>(sizeof(host))}, DType::u8, Device::cpu),
+                             TensorView(st.scalars.data(), {static_cast<std::int64_t>(sizeof(host))}, DType::u8,
+                                        be.device()));
+                     double norm = 0;
+                     std::memcpy(&st.grad_scale, host + ops::kAdamWGradScale * sizeof(float), sizeof(float));
+                     std::memcpy(&norm, host + OptimState::kNormAt, sizeof(double));
+                     world.resource<train::TrainState>().grad_norm = norm;
+                     if (!std::isfinite(norm))
+                       KILN_THROW("step ", world.resource<RunControl>().step, ": non-finite gradient in ",
+                                  non_finite_gradients(world, be), "; stopping");
+                     ++st.steps_taken;
+                   },
+                   {},
+                   {"train.step_end"}});
 }
 
 }  // namespace

@@ -20,7 +20,19 @@ namespace {
 
 struct Hyper {
   float lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2;
+  const float* scalars;  // lr, grad_scale, bc1, bc2 from device memory instead (ops::AdamW::scalars)
 };
+
+// Takes the step's numbers from device memory where given; false where the step is skipped (a NaN
+// gradient scale: the gradient was not finite). The same for every thread.
+__device__ __forceinline__ bool step_numbers(Hyper& h) {
+  if (!h.scalars) return true;
+  h.lr = h.scalars[ops::kAdamWLr];
+  h.grad_scale = h.scalars[ops::kAdamWGradScale];
+  h.bc1 = h.scalars[ops::kAdamWBc1];
+  h.bc2 = h.scalars[ops::kAdamWBc2];
+  return !isnan(h.grad_scale);
+}
 
 __device__ __forceinline__ void update(float& p, float& m, float& v, float g, const Hyper& h) {
   ops::adamw_update(p, m, v, g * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.bc1, h.bc2);
@@ -35,6 +47,7 @@ __global__ void __launch_bounds__(kThreads)
     adamw_quantize_tiled(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                          float* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                          const float* __restrict__ scale_ptr, float* amax, int rows, int cols, int per, Hyper h) {
+  if (!step_numbers(h)) return;
   __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
   const float scale = QUANT ? *scale_ptr : 0.0f;
   const int tiles_c = (cols + kTile - 1) / kTile;
@@ -101,6 +114,7 @@ __global__ void __launch_bounds__(kThreads)
                        float* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                        const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols,
                        long long per, Hyper h) {
+  if (!step_numbers(h)) return;
   const float scale = QUANT ? *scale_ptr : 0.0f;
   const long long n = rows * cols;
   unsigned local = 0;
@@ -166,7 +180,7 @@ void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s) {
   if (a.rows == 0 || a.cols == 0) return;
   float bc1 = 0, bc2 = 0;
   ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
-  const Hyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, bc1, bc2};
+  const Hyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, bc1, bc2, a.scalars};
   if (a.format == Format::e4m3)
     with_flags<Format::e4m3>(a, h, s);
   else

@@ -344,6 +344,7 @@ class CudaOps final : public Fp8Ops {
     k.weight_decay = a.weight_decay;
     k.grad_scale = a.grad_scale;
     k.step = a.step;
+    k.scalars = a.scalars;
     cuda::adamw_quantize(k, stream_);
   }
 

@@ -13,12 +13,20 @@ constexpr int kThreads = 256;
 
 struct Hyper {
   float lr, beta1, beta2, eps, grad_scale, bc1, bc2;
+  const float* scalars;  // lr, grad_scale, bc1, bc2 from device memory instead (ops::AdamW::scalars)
 };
 
 // VEC: params, grads, m, v 16-byte aligned and params_bf16 (if any) 8-byte aligned.
 template <bool VEC>
 __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grads, float* m, float* v,
                              const AdamWSegmentDev* segs, int n_segs, std::int64_t W, Hyper h) {
+  if (h.scalars) {
+    h.lr = h.scalars[ops::kAdamWLr];
+    h.grad_scale = h.scalars[ops::kAdamWGradScale];
+    h.bc1 = h.scalars[ops::kAdamWBc1];
+    h.bc2 = h.scalars[ops::kAdamWBc2];
+    if (isnan(h.grad_scale)) return;  // a non-finite gradient: the step is skipped
+  }
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
   for (std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; w < W; w += stride) {
     const int seg = entry_at_work(segs, n_segs, w);
@@ -62,9 +70,9 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
 
 void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
            int n_segments, std::int64_t work, float lr, float beta1, float beta2, float eps, float grad_scale, float bc1,
-           float bc2, cudaStream_t s) {
+           float bc2, const float* scalars, cudaStream_t s) {
   if (work <= 0 || n_segments <= 0) return;
-  const Hyper h{lr, beta1, beta2, eps, grad_scale, bc1, bc2};
+  const Hyper h{lr, beta1, beta2, eps, grad_scale, bc1, bc2, scalars};
   const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) &&
                    (reinterpret_cast<std::uintptr_t>(params_bf16) & 7u) == 0;
   const unsigned grid = grid_for(ceil_div(work, 4), kThreads, 8192);

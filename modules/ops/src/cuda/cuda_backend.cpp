@@ -551,7 +551,18 @@ void CudaBackend::adamw(const AdamW& a) {
   adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
   cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, dptr<float>(a.grads),
               dptr<float>(a.m), dptr<float>(a.v), segments,
-              static_cast<int>(table.size()), work, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, stream_);
+              static_cast<int>(table.size()), work, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, a.scalars,
+              stream_);
+}
+
+void CudaBackend::grad_clip(const GradClip& a) {
+  Timer t(*this, "grad_clip");
+  KILN_CHECK(a.scalars && a.norm, "grad_clip: scalars and norm are required");
+  const std::int64_t n = check_f32_tensor("grad_clip", "grads", a.grads, kTarget);
+  const std::int64_t count = cuda::sum_squares_partials(n);
+  float* partials = scratch_floats(count);
+  cuda::sum_squares_f32(partials, dptr<float>(a.grads), n, stream_);
+  cuda::grad_clip_finish(partials, count, a.max_norm, a.scalars, a.norm, stream_);
 }
 
 }  // namespace cuda_impl

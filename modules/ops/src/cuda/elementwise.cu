@@ -275,3 +275,26 @@ void zero_many(const ZeroRun* runs, int n, std::int64_t work, cudaStream_t s) {
 }
 
 }  // namespace kiln::cuda
+
+// ---- grad_clip_finish ----
+namespace kiln::cuda {
+namespace {
+
+__global__ void grad_clip_finish_kernel(const float* partials, std::int64_t count, double max_norm, float* scalars,
+                                        double* norm) {
+  double sum = 0;
+  for (std::int64_t i = 0; i < count; ++i) sum += partials[i];  // the host's order
+  const double n = sqrt(sum);
+  *norm = n;
+  scalars[ops::kAdamWGradScale] = ops::grad_clip_scale(n, max_norm);
+}
+
+}  // namespace
+
+void grad_clip_finish(const float* partials, std::int64_t count, double max_norm, float* scalars, double* norm,
+                      cudaStream_t s) {
+  grad_clip_finish_kernel<<<1, 1, 0, s>>>(partials, count, max_norm, scalars, norm);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace kiln::cuda

@@ -84,6 +84,9 @@ struct AdamWQuantizeArgs {
   float* amax = nullptr;
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0, grad_scale = 1;
   std::int64_t step = 1;
+  // As ops::AdamW::scalars: the step's lr, gradient scale and bias corrections from device memory
+  // when the update runs (in place of lr, grad_scale and step); a NaN gradient scale writes nothing.
+  const float* scalars = nullptr;
 };
 
 // A grouped tensor's rows (a mixture of experts: expert e's are rows [offsets[e], offsets[e + 1]) of

@@ -21,14 +21,15 @@ struct BackwardEnd { int micro_batch; };
 
 // Published by the optimizer once per step, after it queued its own AdamW update on the compute
 // stream, for the parameters marked UpdatedBy: each handler applies exactly that update
-// (ops::adamw_update with these hyperparameters and ops::adamw_bias_corrections(step)) to its
-// parameters, reading the gradient times grad_scale and the state at the parameter's offset.
+// (ops::adamw_update with these hyperparameters) to its parameters, reading the state at the
+// parameter's offset and the step's learning rate, gradient scale (clipping) and bias corrections
+// from `scalars` when its kernels run (ops::AdamW::scalars: a NaN scale skips the step).
 struct AdamWStep {
-  std::int64_t step = 0;  // the optimizer's step count, from 1 (bias corrections)
-  float lr = 0, beta1 = 0, beta2 = 0, eps = 0;
-  float weight_decay = 0;  // for parameters with Param::weight_decay
-  float grad_scale = 1;    // gradient clipping
-  TensorView m, v;         // [ParamStore::held] f32, laid out like the held parameters
+  std::int64_t step = 0;  // the optimizer's step count, from 1
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0;  // lr: this step's, also in scalars
+  float weight_decay = 0;         // for parameters with Param::weight_decay
+  const float* scalars = nullptr;  // device: lr, gradient scale, bias corrections (ops::AdamWScalar)
+  TensorView m, v;                 // [ParamStore::held] f32, laid out like the held parameters
 };
 
 // Published (in Phase::setup) after a checkpoint replaced the held master weights, their compute

@@ -287,6 +287,21 @@ struct AdamW {
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
   float grad_scale = 1;
   std::int64_t step = 1;
+  // Optional, device memory of kAdamWScalars floats (formulas.hpp): the learning rate, gradient scale
+  // and bias corrections read when the update runs, in place of lr, grad_scale and step (the
+  // optimizer writes them on the stream before the step: no host value is baked into the launch). A
+  // NaN gradient scale (grad_clip of a non-finite gradient) skips the update: nothing is written.
+  const float* scalars = nullptr;
+};
+
+// The gradient's global norm and clipping scale without the host: norm = sqrt of the sum of the
+// squares of `grads` (f32 partial sums added in double in order, as sum_squares) into *norm, and
+// scalars[kAdamWGradScale] = grad_clip_scale(norm, max_norm).
+struct GradClip {
+  TensorView grads;          // [P] f32
+  double max_norm = 0;       // 0: no clipping (the scale is 1)
+  float* scalars = nullptr;  // device: AdamW::scalars
+  double* norm = nullptr;    // device
 };
 
 class CapturedWork;
@@ -312,6 +327,7 @@ class Backend {
   // Zeroes contiguous f32 tensors (a gradient buffer's pieces each step): as one launch where the
   // backend can (the CUDA backend: one kernel over a table it keeps while the pieces stay the same).
   virtual void zero_many(std::span<const TensorView> ts);
+  virtual void grad_clip(const GradClip& a) = 0;
   virtual void synchronize() = 0;
   // Sum of squares of an f32 tensor, in double on the host (synchronises).
   virtual double sum_squares(const TensorView& x) = 0;

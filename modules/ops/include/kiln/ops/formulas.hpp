@@ -2,6 +2,7 @@
 // Scalar formulas shared by the CPU and CUDA backends, so both compute the same function.
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "kiln/tensor/hd.hpp"
 
@@ -103,5 +104,22 @@ inline void adamw_bias_corrections(float beta1, float beta2, std::int64_t step, 
   bc1 = 1.0f - std::pow(beta1, static_cast<float>(step));
   bc2 = 1.0f - std::pow(beta2, static_cast<float>(step));
 }
+
+// Gradient clipping's scale for a gradient of global norm `norm` (max_norm 0: no clipping), in double
+// as the optimizer computes it, the same on host and device; NaN where the norm is not finite (the
+// AdamW implementations then skip the step).
+KILN_HD float grad_clip_scale(double norm, double max_norm) {
+  if (!(norm - norm == 0.0)) {  // inf - inf and NaN - NaN are NaN
+#ifdef __CUDA_ARCH__
+    return __int_as_float(0x7fc00000);
+#else
+    return std::numeric_limits<float>::quiet_NaN();
+#endif
+  }
+  return max_norm > 0 && norm > max_norm ? static_cast<float>(max_norm / (norm + 1e-6)) : 1.0f;
+}
+
+// AdamW::scalars: the step's numbers in device memory, four floats.
+enum AdamWScalar { kAdamWLr = 0, kAdamWGradScale = 1, kAdamWBc1 = 2, kAdamWBc2 = 3, kAdamWScalars = 4 };
 
 }  // namespace kiln::ops

@@ -55,6 +55,11 @@ double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t tot
 // World resource: AdamW moments, flat f32 buffers with the parameter layout.
 struct OptimState {
   Buffer m, v;
+  // Device memory: the step's ops::AdamW::scalars (learning rate, gradient scale, bias corrections),
+  // then at byte kNormAt the gradient's global norm (double), made on the device where it can be.
+  Buffer scalars;
+  static constexpr std::size_t kNormAt = 16;
+  float grad_scale = 1;  // the last step's gradient scale, read with the norm after the step
   std::int64_t steps_taken = 0;
   std::vector<ops::AdamWSegment> segments;  // made at the first step: decay, and parameters left to other modules
 };

@@ -149,6 +149,7 @@ struct AdamWQuantizeDev {
   std::int64_t batch = 1;  // rows are `batch` stacked matrices; colwise = each one's transpose
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, grad_scale = 1;
   std::int64_t step = 1;
+  const float* scalars = nullptr;  // ops::AdamW::scalars (device), in place of lr, grad_scale and step
 };
 void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s);
 

@@ -31,6 +31,10 @@ void init_normal_f32(float* dst, std::int64_t n, float std, rng::PhiloxArgs rng,
 // sum_squares_partials(n) floats; the caller adds them up.
 std::int64_t sum_squares_partials(std::int64_t n);
 void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s);
+// ops::GradClip on the device: the `count` partials of sum_squares_f32 added in double in order (as
+// the host adds them), *norm = their square root, scalars[kAdamWGradScale] = grad_clip_scale.
+void grad_clip_finish(const float* partials, std::int64_t count, double max_norm, float* scalars, double* norm,
+                      cudaStream_t s);
 
 // ---- embedding ----
 // wte holds rows [vocab_begin, vocab_begin + V) of the table; other tokens contribute zero.
@@ -135,8 +139,10 @@ struct AdamWSegmentDev {
 };
 // segments: device array of n_segments entries, sorted by `work`, the elements to update (other
 // elements are not touched); `work`: the end of the last one.
+// With `scalars` (ops::AdamW::scalars, device) lr, grad_scale, bc1 and bc2 are read from there when
+// the kernel runs, and a NaN gradient scale leaves everything as it was.
 void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
            int n_segments, std::int64_t work, float lr, float beta1, float beta2, float eps, float grad_scale,
-           float bc1, float bc2, cudaStream_t s);
+           float bc1, float bc2, const float* scalars, cudaStream_t s);
 
 }  // namespace kiln::cuda
