@@ -305,22 +305,16 @@ class CpuOps final : public Fp8Ops {
 
   void adamw_quantize(const AdamWQuantizeArgs& a) override {
     check_adamw_quantize_args(a, Device::cpu);
-    float lr = a.lr, grad_scale = a.grad_scale, bc1 = 0, bc2 = 0;
-    if (a.scalars) {
-      lr = a.scalars[ops::kAdamWLr];
-      grad_scale = a.scalars[ops::kAdamWGradScale];
-      bc1 = a.scalars[ops::kAdamWBc1];
-      bc2 = a.scalars[ops::kAdamWBc2];
-      if (std::isnan(grad_scale)) return;  // a non-finite gradient: the step is skipped
-    } else {
-      ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
-    }
+    ops::AdamWNumbers h{a.lr, a.grad_scale, 0, 0};
+    ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, h.bc1, h.bc2);
+    if (!ops::adamw_numbers(a.scalars, h)) return;  // a non-finite gradient: the step is skipped
     float *p = a.param.as<float>(), *m = a.m.as<float>(), *v = a.v.as<float>();
     const float* g = a.grad.as<float>();
     const std::int64_t n = a.param.numel();
 #pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
     for (std::int64_t i = 0; i < n; ++i)
-      ops::adamw_update(p[i], m[i], v[i], g[i] * grad_scale, lr, a.beta1, a.beta2, a.eps, a.weight_decay, bc1, bc2);
+      ops::adamw_update(p[i], m[i], v[i], g[i] * h.grad_scale, h.lr, a.beta1, a.beta2, a.eps, a.weight_decay, h.bc1,
+                        h.bc2);
     if (a.out.rowwise) quantize(a.param, a.out, a.amax);
   }
 

@@ -26,12 +26,10 @@ struct Hyper {
 // Takes the step's numbers from device memory where given; false where the step is skipped (a NaN
 // gradient scale: the gradient was not finite). The same for every thread.
 __device__ __forceinline__ bool step_numbers(Hyper& h) {
-  if (!h.scalars) return true;
-  h.lr = h.scalars[ops::kAdamWLr];
-  h.grad_scale = h.scalars[ops::kAdamWGradScale];
-  h.bc1 = h.scalars[ops::kAdamWBc1];
-  h.bc2 = h.scalars[ops::kAdamWBc2];
-  return !isnan(h.grad_scale);
+  ops::AdamWNumbers n{h.lr, h.grad_scale, h.bc1, h.bc2};
+  if (!ops::adamw_numbers(h.scalars, n)) return false;
+  h.lr = n.lr, h.grad_scale = n.grad_scale, h.bc1 = n.bc1, h.bc2 = n.bc2;
+  return true;
 }
 
 __device__ __forceinline__ void update(float& p, float& m, float& v, float g, const Hyper& h) {

@@ -20,13 +20,9 @@ struct Hyper {
 template <bool VEC>
 __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grads, float* m, float* v,
                              const AdamWSegmentDev* segs, int n_segs, std::int64_t W, Hyper h) {
-  if (h.scalars) {
-    h.lr = h.scalars[ops::kAdamWLr];
-    h.grad_scale = h.scalars[ops::kAdamWGradScale];
-    h.bc1 = h.scalars[ops::kAdamWBc1];
-    h.bc2 = h.scalars[ops::kAdamWBc2];
-    if (isnan(h.grad_scale)) return;  // a non-finite gradient: the step is skipped
-  }
+  ops::AdamWNumbers n{h.lr, h.grad_scale, h.bc1, h.bc2};
+  if (!ops::adamw_numbers(h.scalars, n)) return;  // a non-finite gradient: the step is skipped
+  h.lr = n.lr, h.grad_scale = n.grad_scale, h.bc1 = n.bc1, h.bc2 = n.bc2;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x * 4;
   for (std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; w < W; w += stride) {
     const int seg = entry_at_work(segs, n_segs, w);

@@ -122,4 +122,19 @@ KILN_HD float grad_clip_scale(double norm, double max_norm) {
 // AdamW::scalars: the step's numbers in device memory, four floats.
 enum AdamWScalar { kAdamWLr = 0, kAdamWGradScale = 1, kAdamWBc1 = 2, kAdamWBc2 = 3, kAdamWScalars = 4 };
 
+// The numbers an AdamW implementation steps with: those given on the host, replaced by `scalars`'
+// (device memory the optimizer wrote) where given. False where the step is skipped: a NaN gradient
+// scale (the gradient was not finite).
+struct AdamWNumbers {
+  float lr, grad_scale, bc1, bc2;
+};
+KILN_HD bool adamw_numbers(const float* scalars, AdamWNumbers& n) {
+  if (!scalars) return true;
+  n.lr = scalars[kAdamWLr];
+  n.grad_scale = scalars[kAdamWGradScale];
+  n.bc1 = scalars[kAdamWBc1];
+  n.bc2 = scalars[kAdamWBc2];
+  return n.grad_scale == n.grad_scale;
+}
+
 }  // namespace kiln::ops
