@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <iostream>
 #include <sstream>
 
@@ -15,11 +16,12 @@ namespace kiln::app {
 
 int cmd_generate(const Args& args) {
   po::options_description opts(
-      "kiln generate CHECKPOINT_OR_SAFETENSORS --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]\n\n"
-      "Prints the prompt and N tokens sampled after it (a KV cache on the GPU, or on the CPU backend). Text is\n"
-      "encoded and decoded by --tokenizer: by default bytes for a vocabulary of at most 256, GPT-2's BPE for\n"
-      "50257 (when scripts/fetch-tokenizers.sh has fetched its files). Without a tokenizer, give --prompt-ids:\n"
-      "token ids are printed.\n\noptions");
+      "kiln generate MODEL --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]\n\n"
+      "Prints the prompt and N tokens sampled after it (a KV cache on the GPU, or on the CPU backend). MODEL is a\n"
+      "checkpoint, a Hugging Face model directory (Llama or GPT-2) or a GPT-2 .safetensors file. Text is encoded\n"
+      "and decoded by --tokenizer: by default the Hugging Face directory's tokenizer.json, bytes for a vocabulary\n"
+      "of at most 256, GPT-2's BPE for 50257 (when scripts/fetch-tokenizers.sh has fetched its files). Without a\n"
+      "tokenizer, give --prompt-ids: token ids are printed.\n\noptions");
   std::string input, prompt, prompt_ids, device, tokenizer_spec;
   int tokens = 64, top_k = 0;
   float temperature = 1.0f;
@@ -32,7 +34,7 @@ int cmd_generate(const Args& args) {
       "seed", po::value(&seed)->default_value(0), "sampling seed")(
       "device", po::value(&device)->default_value("auto"), "cpu, cuda, or auto (cuda when there is a GPU)")(
       "tokenizer", po::value(&tokenizer_spec), "bytes, gpt2, a directory with encoder.json + vocab.bpe, or a tiktoken file")(
-      "input", po::value(&input), "checkpoint directory or .safetensors file");
+      "input", po::value(&input), "checkpoint, Hugging Face directory or .safetensors file");
   po::positional_options_description pos;
   pos.add("input", 1);
   if (!parse_args(args, opts, pos)) return 0;
@@ -57,7 +59,11 @@ int cmd_generate(const Args& args) {
 
   const bool cuda = device == "cuda" || (device == "auto" && ops::cuda_available());
   auto backend = cuda ? ops::make_cuda_backend() : ops::make_cpu_backend();
-  model::Generator gen(src.config, *backend, src.weights);
+  // The cache holds max_seq_len positions: a Llama (no position table; Llama 3.1 says 131072) needs
+  // only the prompt and the new tokens.
+  model::ModelConfig cfg = src.config;
+  if (cfg.llama()) cfg.max_seq_len = std::min(cfg.max_seq_len, static_cast<int>(ids.size()) + tokens);
+  model::Generator gen(cfg, *backend, src.weights);
   model::SamplingOptions o;
   o.temperature = temperature;
   o.top_k = top_k;

@@ -16,14 +16,16 @@ int cmd_tokenize(const Args& args) {
       "kiln tokenize TEXT... -o DIR [--tokenizer bytes|gpt2|PATH]\n\nTokenizes text files into llm.c token shards "
       "DIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin:\nuint16 tokens (llm.c's GPT-2 header) when the vocabulary fits, "
       "else uint32 (its Llama 3 header).\nWith a BPE tokenizer each file is a document, preceded by the document "
-      "token\n(GPT-2: <|endoftext|>), as llm.c's data scripts do.\n\noptions");
+      "token\n(GPT-2, Qwen2: <|endoftext|>; Llama 3: <|begin_of_text|>), as llm.c's data scripts do.\nThe text is "
+      "plain text: special tokens' names in it (\"<|endoftext|>\") are encoded as text.\n\noptions");
   std::vector<std::string> inputs;
   std::string out, tokenizer_spec;
   data::TokenizeOptions o;
   opts.add_options()("help,h", "show this help")("output,o", po::value(&out), "output directory")(
       "tokenizer", po::value(&tokenizer_spec)->default_value("bytes"),
-      "bytes (vocabulary 256), gpt2 (GPT-2's BPE, fetched by scripts/fetch-tokenizers.sh), a directory with "
-      "encoder.json + vocab.bpe, or a tiktoken rank file (cl100k_base.tiktoken, Llama 3's tokenizer.model)")(
+      "bytes (vocabulary 256), gpt2 (GPT-2's BPE, fetched by scripts/fetch-tokenizers.sh), a Hugging Face "
+      "tokenizer.json of a byte-level BPE model (GPT-2, Llama 3, Qwen2) or a model directory holding one, a directory "
+      "with encoder.json + vocab.bpe, or a tiktoken rank file (cl100k_base.tiktoken, Llama 3's tokenizer.model)")(
       "val-fraction", po::value(&o.val_fraction)->default_value(0.1), "last fraction of the tokens used for validation")(
       "shard-tokens", po::value(&o.shard_tokens)->default_value(100'000'000), "tokens per shard")(
       "strip-pos-tags", po::bool_switch(&o.strip_pos_tags), "input is word/TAG text (e.g. the Brown corpus)")(

@@ -23,6 +23,7 @@ int cmd_topology(const Args& args);
 int cmd_plot(const Args& args);
 int cmd_export(const Args& args);
 int cmd_generate(const Args& args);
+int cmd_eval(const Args& args);
 
 // Parses a subcommand's arguments (positional arguments as `positional`, -1 = any number); returns
 // false after printing the help when --help (-h) was given.

@@ -19,8 +19,9 @@ const char* kUsage =
     "  topology FILE --world N [--set ...]     print the parallel groups for N ranks\n"
     "  tokenize TEXT... -o DIR                 turn text files into byte-level token shards\n"
     "  plot METRICS[=LABEL]... -o OUT.svg      plot metrics files (log.metrics) as an SVG line chart\n"
-    "  export CHECKPOINT -o MODEL.safetensors  a checkpoint's weights with Hugging Face GPT-2 names\n"
-    "  generate MODEL --prompt TEXT            sample text from a checkpoint or a safetensors file\n"
+    "  export CHECKPOINT -o DIR                a model's weights in Hugging Face's layout (Llama, GPT-2)\n"
+    "  generate MODEL --prompt TEXT            sample text from a checkpoint or a Hugging Face model\n"
+    "  eval MODEL --data SHARDS                a model's loss and perplexity over token shards\n"
     "\n"
     "`kiln <command> --help` describes a command.\n";
 }
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
     if (cmd == "plot") return kiln::app::cmd_plot(args);
     if (cmd == "export") return kiln::app::cmd_export(args);
     if (cmd == "generate") return kiln::app::cmd_generate(args);
+    if (cmd == "eval") return kiln::app::cmd_eval(args);
     std::cerr << "kiln: unknown command '" << cmd << "'\n\n" << kUsage;
     return 2;
   } catch (const kiln::ConfigError& e) {

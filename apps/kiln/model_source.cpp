@@ -35,6 +35,7 @@ ModelSource from_checkpoint(const std::string& path) {
   ModelSource s;
   s.description = reader->dir();
   s.config = saved_model_config(reader->manifest().config, reader->dir() + "/manifest.json (config)");
+  if (!s.config.init_from.empty() && is_hf_model_dir(s.config.init_from)) s.hf_dir = s.config.init_from;
   s.weights = [reader](const std::string& name) {
     const auto* t = reader->manifest().tensor("model/" + name);
     if (!t) KILN_FILE_ERROR("checkpoint ", reader->dir(), " has no tensor 'model/", name, "'");
@@ -47,15 +48,21 @@ ModelSource from_checkpoint(const std::string& path) {
   return s;
 }
 
-ModelSource from_safetensors(const std::string& path) {
-  const std::string config = (fs::path(path).parent_path() / "config.json").string();
-  if (!fs::exists(config))
+ModelSource from_hf(const std::string& path) {
+  const model::HfModelPath hf = model::classify_hf_path(path);
+  if (hf.config_json.empty())
     KILN_FILE_ERROR(path, ": no config.json beside it (the model's shape: n_layer, n_head, n_embd, ...)");
   ModelSource s;
   s.description = path;
-  s.config = model::with_gpt2_shape({}, interop::read_hf_gpt2_config(config));
+  s.hf_dir = hf.kind == model::HfModelPath::Kind::gpt2_file ? "" : path;
+  s.config = model::config_from_hf_dir({}, hf);
+  if (hf.kind == model::HfModelPath::Kind::llama_dir) {
+    auto reader = std::make_shared<interop::HfLlamaReader>(model::llama_shape(s.config), hf.weights);
+    s.weights = [reader](const std::string& name) { return reader->read(name); };
+    return s;
+  }
   auto weights = std::make_shared<std::map<std::string, std::vector<float>>>(
-      interop::import_hf_gpt2(model::gpt2_shape(s.config), path));
+      interop::import_hf_gpt2(model::gpt2_shape(s.config), hf.weights));
   s.weights = [weights, path](const std::string& name) {
     auto it = weights->find(name);
     if (it == weights->end()) KILN_FILE_ERROR(path, ": no tensor for kiln's parameter '", name, "'");
@@ -66,8 +73,13 @@ ModelSource from_safetensors(const std::string& path) {
 
 }  // namespace
 
+bool is_hf_model_dir(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) && fs::is_regular_file(fs::path(path) / "config.json", ec);
+}
+
 ModelSource open_model(const std::string& path) {
-  if (fs::is_regular_file(path)) return from_safetensors(path);
+  if (fs::is_regular_file(path) || is_hf_model_dir(path)) return from_hf(path);
   return from_checkpoint(path);
 }
 
@@ -89,8 +101,11 @@ std::unique_ptr<data::TextTokenizer> open_tokenizer(const std::string& spec) {
 std::unique_ptr<data::TextTokenizer> model_tokenizer(const ModelSource& model, const std::string& spec) {
   const auto vocab = static_cast<std::uint32_t>(model.config.vocab_size);
   std::unique_ptr<data::TextTokenizer> t;
+  std::error_code ec;
   if (!spec.empty())
     t = open_tokenizer(spec);
+  else if (!model.hf_dir.empty() && fs::is_regular_file(fs::path(model.hf_dir) / "tokenizer.json", ec))
+    t = open_tokenizer((fs::path(model.hf_dir) / "tokenizer.json").string());
   else if (vocab <= 256)
     t = std::make_unique<data::ByteTokenizer>();
   else if (vocab == 50257 && data::find_gpt2_files(gpt2_tokenizer_dirs()))

@@ -151,6 +151,73 @@ expect 0 "The " -- "$KILN" generate export/model.safetensors --prompt "The " --t
 expect 0 "model: weights from export/model.safetensors" -- \
   "$KILN" run tiny.toml --set model.init_from=export/model.safetensors --set train.steps=1 --set log.metrics=ft.jsonl
 
+# A Llama through Hugging Face's layout: trained and exported as a directory of shards with the
+# index; a run with init_from takes its shape from config.json (the pipeline names only the
+# architecture), saves at step 0, and that checkpoint exports to the same bytes (f32).
+cat > llama.toml <<TOML
+[engine]
+device = "cpu"
+[backend]
+cpu_threads = 1
+[train]
+steps = 3
+batch_size = 4
+seq_len = 16
+[model]
+arch = "llama"
+n_layer = 2
+n_head = 4
+n_kv_head = 2
+n_embd = 32
+ffn_hidden = 48
+vocab_size = 100
+max_seq_len = 64
+tie_embeddings = false
+[model.rope_scaling]
+type = "llama3"
+factor = 8.0
+original_max_seq_len = 16
+[data]
+synthetic_vocab = 100
+TOML
+cat > llama-ft.toml <<TOML
+[engine]
+device = "cpu"
+[backend]
+cpu_threads = 1
+[train]
+steps = 0
+batch_size = 4
+seq_len = 16
+[model]
+arch = "llama"
+[data]
+synthetic_vocab = 100
+TOML
+expect 0 "train.steps reached" -- "$KILN" run llama.toml --set checkpoint.dir=lck --set checkpoint.every=3
+expect 0 "model.safetensors.index.json" -- "$KILN" export lck -o hf --max-shard-size 20KB
+[ -f hf/model-00002-of-00005.safetensors ] || fail "the export is not 5 shards of at most 20 KB: $(ls hf)"
+grep -q '"rope_type": "llama3"' hf/config.json || fail "config.json lacks rope_scaling: $(cat hf/config.json)"
+expect 0 "checkpoint: saved fck/step_000000" -- "$KILN" run llama-ft.toml --set model.init_from=hf --set checkpoint.dir=fck
+expect 0 "exported fck" -- "$KILN" export fck -o hf2 --max-shard-size 20KB
+for f in hf/*.safetensors; do
+  cmp -s "$f" "hf2/$(basename "$f")" || fail "$(basename "$f") differs after the round trip through init_from"
+done
+expect 0 "exported hf" -- "$KILN" export hf -o hf3
+[ -f hf3/model.safetensors ] || fail "an export of a Hugging Face directory into one file: $(ls hf3)"
+expect 2 "model.n_layer differs from 'num_hidden_layers'" -- \
+  "$KILN" run llama-ft.toml --set model.init_from=hf --set model.n_layer=3
+sed -i 's/"llama3"/"yarn"/' hf3/config.json
+expect 2 "'rope_scaling.rope_type'" -- "$KILN" run llama-ft.toml --set model.init_from=hf3
+expect 0 "" -- "$KILN" generate hf --prompt-ids "1 2 3" --tokens 4 --temperature 0
+for i in $(seq 40); do echo "THE QUICK BROWN FOX JUMPS OVER 1234567890 LAZY DOGS"; done > upper.txt
+echo "lowercase bytes are beyond a vocabulary of 100" > lower.txt
+expect 0 "tokenized" -- "$KILN" tokenize upper.txt -o up
+expect 0 "tokenized" -- "$KILN" tokenize lower.txt -o low --val-fraction 0
+expect 0 "over 64 tokens (4 windows of 16)" -- "$KILN" eval hf --data 'up/train_*.bin' --seq-len 16 --max-sequences 4
+expect 0 "loss " -- "$KILN" eval fck --data 'up/*.bin' --seq-len 16
+expect 2 "outside the model's vocabulary of 100" -- "$KILN" eval hf --data 'low/*.bin' --seq-len 16
+
 if [ "$failures" != 0 ]; then
   echo "$failures check(s) failed"
   exit 1

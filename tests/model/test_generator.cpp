@@ -104,9 +104,11 @@ const std::vector<std::string> kLlama = {"model.arch=llama", "model.n_kv_head=2"
                                          "model.tie_embeddings=false"};
 
 namespace {
-void check_generator_matches_training(bool llama) {
-  INFO((llama ? "llama" : "gpt2"));
-  TrainedTiny tiny(llama ? kLlama : std::vector<std::string>{});
+void check_generator_matches_training(bool llama, const std::vector<std::string>& more = {}) {
+  INFO((llama ? "llama" : "gpt2") << (more.empty() ? "" : " " + more[0]));
+  std::vector<std::string> sets = llama ? kLlama : std::vector<std::string>{};
+  sets.insert(sets.end(), more.begin(), more.end());
+  TrainedTiny tiny(sets);
   auto& be = tiny.world.resource<ops::ActiveBackend>().get();
   model::Generator gen(tiny.cfg, be, model::param_store_weights(tiny.world));
   const auto tokens = random_tokens(kT, 3);
@@ -152,6 +154,8 @@ void check_generator_matches_training(bool llama) {
 TEST_CASE("generator logits at every position equal the training model's, prefilled or decoded") {
   check_generator_matches_training(false);
   check_generator_matches_training(true);
+  // Llama 3.1's scaled rotary frequencies, in the cache as in training.
+  check_generator_matches_training(true, {"model.rope_scaling.type=llama3", "model.rope_scaling.original_max_seq_len=16"});
 }
 
 TEST_CASE("greedy generation is deterministic and follows the most likely token") {

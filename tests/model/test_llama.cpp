@@ -64,6 +64,8 @@ TEST_CASE("llama: whole-model gradients match finite differences (GQA, MQA, MHA,
   test::check_finite_differences(kTinyLlama, small + test::Sets{"model.dropout=0.2"});
   test::check_finite_differences(kTinyLlama, small + test::Sets{"model.n_kv_head=1", "model.tie_embeddings=true"});
   test::check_finite_differences(kTinyLlama, small + test::Sets{"model.n_kv_head=4", "model.rope_theta=500000"});
+  test::check_finite_differences(kTinyLlama, small + test::Sets{"model.rope_scaling.type=llama3", "model.rope_scaling.factor=8",
+                                                                "model.rope_scaling.original_max_seq_len=16"});
 }
 
 TEST_CASE("llama: parameters are the architecture's, with no biases, no position table and an untied head") {

@@ -97,6 +97,48 @@ TEST_CASE("rope rotates each query and key pair by its position's angle; the inv
   for (std::size_t i = 0; i < x.size(); ++i) CHECK(x[i] == doctest::Approx(x0[i]).epsilon(1e-5));
 }
 
+// Llama 3.1's frequency scaling, written as Meta's reference (apply_scaling in llama/model.py) in
+// double: the low frequencies divided by the factor, the high kept, a smooth blend between.
+double llama3_inv_freq(int i, int D, double theta, double factor, double low, double high, double original) {
+  const double freq = std::pow(theta, -2.0 * i / D);
+  const double wavelen = 2 * M_PI / freq;
+  if (wavelen < original / high) return freq;
+  if (wavelen > original / low) return freq / factor;
+  const double smooth = (original / wavelen - low) / (high - low);
+  return (1 - smooth) * freq / factor + smooth * freq;
+}
+
+TEST_CASE("rope with llama3 scaling rotates by Meta's scaled frequencies, in all three bands") {
+  auto b = cpu();
+  const int B = 1, T = 300, heads = 2, rotated = 2, D = 16;
+  const float theta = 10000.0f;
+  // Wavelengths 2 pi 10000^(2i/16): 6.3, 19.9, 62.8, 199, ... against the bands' limits 64 / 4 = 16
+  // (kept below) and 64 / 1 = 64 (divided above): pairs 0 kept, 1 and 2 blended, 3-7 divided.
+  const ops::RopeScaling s{8.0f, 1.0f, 4.0f, 64.0f};
+  for (int i = 0; i < D / 2; ++i) {
+    CAPTURE(i);
+    CHECK(ops::rope_inv_freq(i, D, theta, s) ==
+          doctest::Approx(llama3_inv_freq(i, D, theta, 8, 1, 4, 64)).epsilon(1e-6));
+  }
+  CHECK(ops::rope_inv_freq(0, D, theta, s) == ops::rope_inv_freq(0, D, theta));
+  CHECK(ops::rope_inv_freq(5, D, theta, s) == ops::rope_inv_freq(5, D, theta) / 8.0f);
+  const auto x0 = random_values(B * T * heads * D, 61);
+  auto x = x0;
+  b->rope({view(x, {B, T, heads, D}), rotated, theta, 0, false, s});
+  for (int t = 0; t < T; t += 37)
+    for (int i = 0; i < D / 2; ++i) {
+      const std::size_t at = (t * heads + 1) * D;
+      const double angle = t * llama3_inv_freq(i, D, theta, 8, 1, 4, 64);
+      const double a = x0[at + i], c = x0[at + i + D / 2];
+      CHECK(x[at + i] == doctest::Approx(a * std::cos(angle) - c * std::sin(angle)).epsilon(1e-4));
+      CHECK(x[at + i + D / 2] == doctest::Approx(c * std::cos(angle) + a * std::sin(angle)).epsilon(1e-4));
+    }
+  b->rope({view(x, {B, T, heads, D}), rotated, theta, 0, true, s});
+  for (std::size_t i = 0; i < x.size(); ++i) CHECK(x[i] == doctest::Approx(x0[i]).epsilon(1e-4));
+  CHECK_THROWS_WITH(b->rope({view(x, {B, T, heads, D}), rotated, theta, 0, false, {0.5f, 1.0f, 4.0f, 64.0f}}),
+                    doctest::Contains("factor >= 1"));
+}
+
 TEST_CASE("rope backward (the inverse rotation of the gradient) matches finite differences") {
   auto b = cpu();
   const int B = 2, T = 4, heads = 3, rotated = 2, D = 8;

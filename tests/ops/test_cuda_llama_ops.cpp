@@ -53,6 +53,22 @@ TEST_CASE("cuda rope matches the CPU, forward and inverse, at long positions") {
   }
 }
 
+TEST_CASE("cuda rope with llama3 scaling matches the CPU") {
+  auto p = backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int B = 2, T = 301, heads = 12;
+  const ops::RopeScaling s{32.0f, 1.0f, 4.0f, 8192.0f};  // Llama 3.2's
+  for (int D : {6, 64}) {
+    INFO("D = " << D);
+    auto x = act(p, {B, T, heads, D}, 170 + D);
+    for (bool inverse : {false, true}) {
+      on_both(p, [&](const Side& side) { side.b().rope({side(x), 10, 500000.0f, 7000, inverse, s}); });
+      KILN_CHECK_CLOSE(x, 1e-2);
+      x.set(x.cpu_values());
+    }
+  }
+}
+
 TEST_CASE("cuda swiglu forward and backward match the CPU") {
   auto p = backend_pair();
   KILN_REQUIRE_GPU(p);

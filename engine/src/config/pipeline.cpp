@@ -137,6 +137,12 @@ PipelineConfig resolve(const Node& doc, const std::string& file, const ModuleReg
     std::any value = desc.schema.read(section, name, read_errors);
     for (auto& m : read_errors.messages()) errors.add(Source{}, m);
     if (!read_errors.empty()) continue;  // validating half-read values would only add noise
+    if (desc.complete) {
+      Errors complete_errors;
+      desc.complete(value, doc, file, complete_errors);
+      for (auto& m : complete_errors.messages()) errors.add(Source{}, m);
+      if (!complete_errors.empty()) continue;
+    }
     for (auto& f : desc.schema.validate(value))
       errors.add(source_of(doc, file, cat(name, ".", f.field)), cat(name, ".", f.field, ": ", f.message));
     cfg.values.emplace(name, std::move(value));

@@ -231,22 +231,32 @@ std::span<const std::byte> SafetensorsFile::bytes(std::string_view name) const {
 std::vector<float> read_f32(const SafetensorsFile& file, std::string_view name) {
   const auto* t = file.find(name);
   if (!t) KILN_FILE_ERROR(file.path(), ": tensor '", name, "': no such tensor in the file");
-  const auto b = file.bytes(name);
   std::vector<float> out(static_cast<std::size_t>(t->numel()));
+  read_f32(file, name, 0, t->numel(), out.data());
+  return out;
+}
+
+void read_f32(const SafetensorsFile& file, std::string_view name, std::int64_t begin, std::int64_t count, float* out) {
+  const auto* t = file.find(name);
+  if (!t) KILN_FILE_ERROR(file.path(), ": tensor '", name, "': no such tensor in the file");
+  if (begin < 0 || count < 0 || begin + count > t->numel())
+    KILN_THROW(file.path(), ": tensor '", name, "': values [", begin, ", ", begin + count, ") outside its ", t->numel());
+  if (count == 0) return;
+  const auto b = file.bytes(name);
+  const auto first = static_cast<std::size_t>(begin), n = static_cast<std::size_t>(count);
   if (t->dtype == "F32") {
-    if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());  // an empty vector's data() may be null
+    std::memcpy(out, b.data() + 4 * first, 4 * n);
   } else if (t->dtype == "BF16" || t->dtype == "F16") {
     const bool bf = t->dtype == "BF16";
-    for (std::size_t i = 0; i < out.size(); ++i) {
+    for (std::size_t i = 0; i < n; ++i) {
       std::uint16_t h;
-      std::memcpy(&h, b.data() + 2 * i, 2);
+      std::memcpy(&h, b.data() + 2 * (first + i), 2);
       out[i] = bf ? bf16_bits_to_float(h) : f16_to_float(h);
     }
   } else {
     KILN_FILE_ERROR(file.path(), ": tensor '", name, "': dtype ", t->dtype,
                     " cannot be read as floats (F32, BF16 or F16)");
   }
-  return out;
 }
 
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,

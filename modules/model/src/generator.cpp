@@ -152,7 +152,8 @@ void Generator::forward(std::span<const int> tokens) {
     const TensorView rows = b.cache.rows(pos, n);
     be_.linear_forward({rows, {}, ln, b.qkv_w, b.qkv_b});
     if (spec_.attention.rope)
-      be_.rope({rows.reshape({1, n, H_ + 2 * K_, D_}), H_ + K_, spec_.attention.rope->theta, pos, false});
+      be_.rope({rows.reshape({1, n, H_ + 2 * K_, D_}), H_ + K_, spec_.attention.rope->theta, pos, false,
+                spec_.attention.rope->scaling});
     if (pos == 0) {
       ops::AttentionForward a{atty.reshape({1, n, H_, D_}), lse, heads(b.cache.rows(0, n), n), scale};
       a.kv_heads = kv_heads;

@@ -9,6 +9,7 @@
 #include "activation_report.hpp"
 #include "init_from.hpp"
 #include "kiln/model/gpt.hpp"
+#include "kiln/model/hf.hpp"
 #include "kiln/model/spec.hpp"
 #include "kiln/model/step_graph.hpp"
 #include "kiln/nn/param_store.hpp"
@@ -73,7 +74,24 @@ void check_moe_layout(World& w, const ModelConfig& cfg) {
                            " (each expert-parallel rank holds n_experts / ep of them)"));
   if (!cfg.moe.enabled()) return;
   if (!cfg.init_from.empty())
-    throw config_error(w, "model.init_from", "reads GPT-2 weights with dense MLPs; this model has a mixture of experts");
+    throw config_error(w, "model.init_from",
+                       "reads Hugging Face weights with dense MLPs; this model has a mixture of experts");
+}
+
+// model.init_from names weights of this architecture (a Llama's come in a Hugging Face directory).
+void check_init_from(World& w, const ModelConfig& cfg) {
+  if (cfg.init_from.empty()) return;
+  HfModelPath path;
+  try {
+    path = classify_hf_path(cfg.init_from);
+  } catch (const Error& e) {
+    throw config_error(w, "model.init_from", e.what());
+  }
+  const bool llama = path.kind == HfModelPath::Kind::llama_dir;
+  if (llama != cfg.llama())
+    throw config_error(w, "model.init_from",
+                       cat(cfg.init_from, " holds ", llama ? "a Llama" : "GPT-2 weights", ", but model.arch is ",
+                           cfg.llama() ? "llama (a Llama starts from a Hugging Face directory)" : "gpt2"));
 }
 
 // The parts' state that is neither parameter nor activation (routers' balancing biases) in
@@ -122,9 +140,8 @@ void install(World& w, const ModelConfig& cfg) {
            tp, tensor_parallel_splits(cfg, ts.micro_batch_size * tc.seq_len, par.sequence_parallel_applies(),
                                       par.vocab_parallel_applies())))
     throw config_error(w, problem.key, problem.message);
-  if (cfg.llama() && !cfg.init_from.empty())
-    throw config_error(w, "model.init_from", "reads Hugging Face GPT-2 weights: it needs model.arch = \"gpt2\"");
   check_moe_layout(w, cfg);
+  check_init_from(w, cfg);
   auto& model = w.emplace_resource<GptModel>(w, cfg, ts.micro_batch_size, static_cast<int>(tc.seq_len),
                                              ts.micro_batches);
   model.set_loss_scale(1.0f / static_cast<float>(tc.batch_size * tc.seq_len));
@@ -238,7 +255,7 @@ void register_module(ModuleRegistry& registry) {
   registry.add(make_module<ModelConfig>("model",
                                         "the transformer (GPT-2 or Llama blocks): entities, flat parameters, "
                                         "forward/backward",
-                                        {"backend", "train", "rng", "parallel"}, install));
+                                        {"backend", "train", "rng", "parallel"}, install, complete_from_hf));
 }
 
 }  // namespace kiln::model

@@ -39,7 +39,7 @@ ModelSpec model_spec(const ModelConfig& cfg) {
     case Arch::llama:
       s.norm = NormKind::rmsnorm;
       s.positions = Positions::rotary;
-      s.attention.rope = RotaryEmbedding{cfg.rope_theta};
+      s.attention.rope = RotaryEmbedding{cfg.rope_theta, cfg.rope_scaling.op()};
       s.attention.bias = false;
       s.mlp = MlpKind::swiglu;
       s.mlp_options.bias = false;

@@ -235,6 +235,12 @@ RopeDims check_args(const Rope& a, const ArgTarget& on) {
   c.check(a.rotated_heads >= 0 && a.rotated_heads <= c[heads], "rotated_heads = ", a.rotated_heads,
           " must be in [0, ", c[heads], "]");
   c.check(a.theta > 1.0f, "theta = ", a.theta, " must be above 1");
+  if (a.scaling.enabled())
+    c.check(a.scaling.factor >= 1.0f && a.scaling.low_freq_factor > 0 &&
+                a.scaling.high_freq_factor > a.scaling.low_freq_factor && a.scaling.original_max_positions > 0,
+            "scaling (factor ", a.scaling.factor, ", low_freq_factor ", a.scaling.low_freq_factor, ", high_freq_factor ",
+            a.scaling.high_freq_factor, ", original_max_positions ", a.scaling.original_max_positions,
+            ") needs factor >= 1, 0 < low_freq_factor < high_freq_factor and original_max_positions > 0");
   c.check(a.pos_offset >= 0, "pos_offset = ", a.pos_offset, " must not be negative");
   return {c[B], c[T], c[heads], c[D]};
 }

@@ -21,6 +21,11 @@ struct ModuleDesc {
   config::ConfigSchema schema;
   // Type-erased install: stores the config as a World resource, then calls the module's install.
   std::function<void(World&, const std::any&)> install;
+  // Optional: completes the config from what it names outside the pipeline (the model's shape from
+  // the Hugging Face config.json of model.init_from) after it is read and before it is validated,
+  // so the effective config (kiln config, checkpoints) holds the completed values. Problems go to
+  // `errors`, with the document's sources where a key is to blame.
+  std::function<void(std::any& cfg, const config::Node& doc, const std::string& file, config::Errors& errors)> complete;
 };
 
 template <config::Described Cfg>
@@ -31,6 +36,19 @@ ModuleDesc make_module(std::string name, std::string doc, std::vector<std::strin
                       const Cfg& stored = w.emplace_resource<Cfg>(std::any_cast<const Cfg&>(cfg));
                       install(w, stored);
                     }};
+}
+
+// The same with a `complete` step (ModuleDesc::complete) on the typed config.
+template <config::Described Cfg>
+ModuleDesc make_module(
+    std::string name, std::string doc, std::vector<std::string> deps, std::function<void(World&, const Cfg&)> install,
+    std::function<void(Cfg&, const config::Node& doc, const std::string& file, config::Errors& errors)> complete) {
+  ModuleDesc d = make_module<Cfg>(std::move(name), std::move(doc), std::move(deps), std::move(install));
+  d.complete = [complete = std::move(complete)](std::any& cfg, const config::Node& doc, const std::string& file,
+                                                config::Errors& errors) {
+    complete(std::any_cast<Cfg&>(cfg), doc, file, errors);
+  };
+  return d;
 }
 
 class ModuleRegistry {

@@ -1,5 +1,6 @@
 // The "checkpoint" engine module: when to save and what to resume from.
 #include <chrono>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -51,6 +52,15 @@ void install(World& w, const CheckpointConfig& cfg) {
   // After every other setup system: the state it loads must exist, and nothing may overwrite it.
   w.systems().add({"checkpoint.resume", Phase::setup, [cfg, saver](World& world) {
                      resume(world, cfg);
+                     // A fresh run that takes no step (train.steps = 0: weights converted from
+                     // Hugging Face files, say) still leaves its state, as step 0.
+                     const auto& ctl = world.resource<RunControl>();
+                     std::error_code ec;
+                     if (cfg.at_end && ctl.stop && ctl.step == 0 &&
+                         !std::filesystem::exists(std::filesystem::path(cfg.dir) / step_directory_name(0), ec)) {
+                       saver->start(0);
+                       saver->complete(true);
+                     }
                      if (cfg.every <= 0) return;
                      const double s = saver->reserve();
                      if (world.resource<RankInfo>().rank == 0 && s > 0.5)

@@ -55,7 +55,7 @@ float CausalSelfAttention::scale() const { return 1.0f / std::sqrt(static_cast<f
 
 void CausalSelfAttention::rotate(const TensorView& qkv, bool inverse) const {
   // Positions count from each sequence's start (a micro-batch holds whole sequences).
-  ctx_.be.rope({qkv, Hl_ + Kl_, o_.rope->theta, 0, inverse});
+  ctx_.be.rope({qkv, Hl_ + Kl_, o_.rope->theta, 0, inverse, o_.rope->scaling});
 }
 
 void CausalSelfAttention::forward_in(const NormOutput& x, float p) {

@@ -16,7 +16,7 @@ void CpuBackend::rope(const Rope& a) {
     for (std::int64_t t = 0; t < s.T; ++t) {
       const float pos = static_cast<float>(a.pos_offset + t);
       for (int i = 0; i < half; ++i) {
-        const float angle = pos * rope_inv_freq(i, D, a.theta);
+        const float angle = pos * rope_inv_freq(i, D, a.theta, a.scaling);
         const float c = std::cos(angle), sn = sign * std::sin(angle);
         for (std::int64_t h = 0; h < a.rotated_heads; ++h) {
           float* head = x + ((b * s.T + t) * s.heads + h) * D;

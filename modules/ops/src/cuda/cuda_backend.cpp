@@ -409,8 +409,8 @@ void CudaBackend::rmsnorm_backward(const RmsNormBackward& a) {
 void CudaBackend::rope(const Rope& a) {
   Timer t(*this, "rope");
   const RopeDims d = check_args(a, kTarget);
-  cuda::rope(dptr<bf16>(a.x), i32(d.B), i32(d.T), i32(d.heads), a.rotated_heads, i32(d.D), a.theta, a.pos_offset,
-             a.inverse, stream_);
+  cuda::rope(dptr<bf16>(a.x), i32(d.B), i32(d.T), i32(d.heads), a.rotated_heads, i32(d.D), a.theta, a.scaling,
+             a.pos_offset, a.inverse, stream_);
 }
 
 void CudaBackend::swiglu_forward(const SwigluForward& a) {

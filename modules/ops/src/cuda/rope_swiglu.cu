@@ -13,8 +13,8 @@ constexpr int kThreads = 256;
 // One thread per (position, rotated head, pair i), i fastest: a warp reads and writes the two
 // contiguous halves of a head. The angle is the CPU's f32 pos * inv_freq.
 __global__ __launch_bounds__(kThreads) void rope_kernel(bf16* x, std::int64_t positions, int T, int heads,
-                                                        int rotated, int D, float theta, std::int64_t pos_offset,
-                                                        float sign) {
+                                                        int rotated, int D, float theta, ops::RopeScaling scaling,
+                                                        std::int64_t pos_offset, float sign) {
   const int half = D / 2;
   const std::int64_t work = positions * half * rotated;
   for (std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; idx < work;
@@ -24,7 +24,7 @@ __global__ __launch_bounds__(kThreads) void rope_kernel(bf16* x, std::int64_t po
     const int h = static_cast<int>(ph % rotated);
     const std::int64_t p = ph / rotated;
     const float pos = static_cast<float>(pos_offset + p % T);
-    const float angle = pos * ops::rope_inv_freq(i, D, theta);
+    const float angle = pos * ops::rope_inv_freq(i, D, theta, scaling);
     float sn, c;
     sincosf(angle, &sn, &c);
     sn *= sign;
@@ -44,8 +44,8 @@ __host__ __device__ std::int64_t rope8_work(std::int64_t positions, int D, int r
   return positions * (D / 16) * ((rotated + kRopeHeads - 1) / kRopeHeads);
 }
 __global__ __launch_bounds__(kThreads) void rope_kernel8(bf16* x, std::int64_t positions, int T, int heads,
-                                                         int rotated, int D, float theta, std::int64_t pos_offset,
-                                                         float sign) {
+                                                         int rotated, int D, float theta, ops::RopeScaling scaling,
+                                                         std::int64_t pos_offset, float sign) {
   const int half = D / 2, chunks = half / 8, groups = (rotated + kRopeHeads - 1) / kRopeHeads;
   const std::int64_t work = rope8_work(positions, D, rotated);
   for (std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; idx < work;
@@ -58,7 +58,7 @@ __global__ __launch_bounds__(kThreads) void rope_kernel8(bf16* x, std::int64_t p
     float c[8], sn[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      sincosf(pos * ops::rope_inv_freq(i0 + k, D, theta), &sn[k], &c[k]);
+      sincosf(pos * ops::rope_inv_freq(i0 + k, D, theta, scaling), &sn[k], &c[k]);
       sn[k] *= sign;
     }
     const int h_end = min(rotated, h0 + kRopeHeads);
@@ -144,17 +144,17 @@ __global__ __launch_bounds__(kThreads) void swiglu_bwd(bf16* dx, const bf16* dou
 
 }  // namespace
 
-void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, std::int64_t pos_offset, bool inverse,
-          cudaStream_t s) {
+void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, const ops::RopeScaling& scaling,
+          std::int64_t pos_offset, bool inverse, cudaStream_t s) {
   const std::int64_t positions = static_cast<std::int64_t>(B) * T, work = positions * (D / 2) * rotated;
   if (work == 0) return;
   const float sign = inverse ? -1.0f : 1.0f;
   if ((D / 2) % 8 == 0 && aligned16(x))
     rope_kernel8<<<grid_for(rope8_work(positions, D, rotated), kThreads), kThreads, 0, s>>>(
-        x, positions, T, heads, rotated, D, theta, pos_offset, sign);
+        x, positions, T, heads, rotated, D, theta, scaling, pos_offset, sign);
   else
-    rope_kernel<<<grid_for(work, kThreads), kThreads, 0, s>>>(x, positions, T, heads, rotated, D, theta, pos_offset,
-                                                               sign);
+    rope_kernel<<<grid_for(work, kThreads), kThreads, 0, s>>>(x, positions, T, heads, rotated, D, theta, scaling,
+                                                               pos_offset, sign);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

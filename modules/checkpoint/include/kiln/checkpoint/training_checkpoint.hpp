@@ -39,7 +39,7 @@ KILN_CONFIG(CheckpointConfig,
             (resume,
              "auto: continue from the newest complete checkpoint under dir, if there is one; never: start fresh; or "
              "the path of a checkpoint directory (or of a folder of them: its newest)"),
-            (at_end, "save after the last step"))
+            (at_end, "save after the last step (a fresh run of train.steps = 0: its starting state, as step 0)"))
 
 void register_state_module(ModuleRegistry& registry);
 

@@ -58,6 +58,8 @@ class SafetensorsFile {
 
 // A tensor's values as floats; F32, BF16 and F16 only (anything else is an error naming it).
 std::vector<float> read_f32(const SafetensorsFile& file, std::string_view name);
+// Values [begin, begin + count) of the flattened tensor into `out`.
+void read_f32(const SafetensorsFile& file, std::string_view name, std::int64_t begin, std::int64_t count, float* out);
 
 struct SafetensorsEntry {
   std::string name;

@@ -7,6 +7,7 @@
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/config/schema.hpp"
 #include "kiln/model/moe_config.hpp"
+#include "kiln/model/rope_config.hpp"
 
 namespace kiln::model {
 
@@ -31,6 +32,7 @@ struct ModelConfig {
   float init_std = 0.02f;
   float norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
+  RopeScalingConfig rope_scaling;
   bool tie_embeddings = true;
   bool recompute_norm = true;
   bool recompute_gelu = true;
@@ -54,6 +56,8 @@ struct ModelConfig {
              "grouped-query attention needs arch = \"llama\" (GPT-2 is multi-head: leave it 0)");
     c.expect(ffn_hidden >= 0, "ffn_hidden", "must be 0 (the architecture's default) or positive");
     c.expect(rope_theta > 0, "rope_theta", "must be positive");
+    c.expect(!rope_scaling.enabled() || arch == Arch::llama, "rope_scaling.type",
+             "scales rotary embeddings: it needs arch = \"llama\" (gpt2 learns its positions)");
     c.expect(tie_embeddings || arch == Arch::llama, "tie_embeddings",
              "gpt2 ties its LM head to the token embedding (false needs arch = \"llama\")");
     c.expect(arch != Arch::llama || n_head <= 0 || n_embd % n_head != 0 || head_dim() % 2 == 0, "n_embd",
@@ -94,6 +98,7 @@ KILN_CONFIG(ModelConfig,
             (init_std, "standard deviation of the normal weight initialisation"),
             (norm_eps, "the epsilon of the LayerNorms (gpt2) or RMSNorms (llama)"),
             (rope_theta, "llama: the rotary embedding's base (Llama 2: 10000, Llama 3: 500000)"),
+            (rope_scaling, "llama: the rotary embedding's frequencies scaled for long contexts ([model.rope_scaling])"),
             (tie_embeddings, "the LM head reuses the token embedding (gpt2 always ties it)"),
             (recompute_norm,
              "recompute the blocks' LayerNorm outputs in the backward pass instead of keeping them (2 of 16 "
@@ -104,9 +109,10 @@ KILN_CONFIG(ModelConfig,
             (report_activations,
              "print at start what a block keeps for its backward pass: each saved tensor's type, shape and bytes"),
             (init_from,
-             "start from these weights instead of random ones: a safetensors file with Hugging Face GPT-2 names "
-             "(config.json beside it is not read; this section's shape must match; gpt2 only); a checkpoint to "
-             "resume from takes precedence"),
+             "start from these weights instead of random ones: a Hugging Face model directory (Llama or GPT-2: "
+             "config.json, whose shape fills this section's architecture keys, and model.safetensors or its "
+             "sharded files with the index), or a GPT-2 .safetensors file (this section gives the shape); a "
+             "checkpoint to resume from takes precedence"),
             (moe, "mixture-of-experts MLPs ([model.moe])"))
 
 }  // namespace kiln::model

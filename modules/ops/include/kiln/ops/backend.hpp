@@ -21,6 +21,7 @@
 
 #include <boost/describe/enum.hpp>
 
+#include "kiln/ops/formulas.hpp"
 #include "kiln/ops/moe.hpp"
 #include "kiln/ops/prologue.hpp"
 #include "kiln/rng/philox.hpp"
@@ -144,14 +145,16 @@ struct RmsNormBackward {
 // Rotary position embedding, in place, on the first `rotated_heads` heads of every position of
 // x = [B, T, heads, D] (the fused QKV: its query and key heads). For i < D/2 the pair (x[i],
 // x[i + D/2]) rotates by the angle (pos_offset + t) * theta^(-2i/D), t the position in its sequence
-// (rotate_half, the layout of Hugging Face's Llama). inverse: by minus the angle, which is the
-// backward pass (the rotation's transpose) applied to the gradient.
+// (rotate_half, the layout of Hugging Face's Llama), or its Llama 3.1 scaled frequency (`scaling`).
+// inverse: by minus the angle, which is the backward pass (the rotation's transpose) applied to the
+// gradient.
 struct Rope {
   TensorView x;  // [B, T, heads, D] act, rotated in place
   int rotated_heads = 0;
   float theta = 10000.0f;
   std::int64_t pos_offset = 0;
   bool inverse = false;
+  RopeScaling scaling = {};
 };
 
 // SwiGLU (Llama's MLP): out[n, f] = silu(x[n, f]) * x[n, F + f], silu(g) = g / (1 + exp(-g)): x

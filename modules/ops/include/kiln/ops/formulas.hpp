@@ -64,6 +64,35 @@ KILN_HD float rope_inv_freq(int i, int D, float theta) {
   return 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(D));
 }
 
+// RoPE's frequencies stretched for long contexts as Llama 3.1 / 3.2 do (Hugging Face's rope_scaling
+// of type "llama3"): wavelengths longer than original_max_positions / low_freq_factor are divided
+// by `factor`, those shorter than original_max_positions / high_freq_factor kept, and those between
+// blended smoothly. factor = 0: none.
+struct RopeScaling {
+  float factor = 0.0f;
+  float low_freq_factor = 1.0f;
+  float high_freq_factor = 4.0f;
+  float original_max_positions = 8192.0f;
+  KILN_HD bool enabled() const { return factor > 0.0f; }
+};
+
+// The scaled inverse frequency of pair i, with f32 operations in the order transformers'
+// _compute_llama3_parameters makes them (x / tensor there is tensor.reciprocal() * x; its Python
+// scalars are rounded to f32), so both backends and Hugging Face agree to the bit.
+KILN_HD float rope_inv_freq(int i, int D, float theta, const RopeScaling& s) {
+  const float inv = rope_inv_freq(i, D, theta);
+  if (!s.enabled()) return inv;
+  const float low_wavelen = static_cast<float>(static_cast<double>(s.original_max_positions) / s.low_freq_factor);
+  const float high_wavelen = static_cast<float>(static_cast<double>(s.original_max_positions) / s.high_freq_factor);
+  const float two_pi = static_cast<float>(2.0 * 3.14159265358979323846);
+  const float wavelen = (1.0f / inv) * two_pi;
+  const float scaled = wavelen > low_wavelen ? inv / s.factor : inv;
+  if (wavelen < high_wavelen || wavelen > low_wavelen) return scaled;
+  const float span = static_cast<float>(static_cast<double>(s.high_freq_factor) - s.low_freq_factor);
+  const float smooth = ((1.0f / wavelen) * s.original_max_positions - s.low_freq_factor) / span;
+  return (1.0f - smooth) * scaled / s.factor + smooth * scaled;
+}
+
 // RMSNorm's rstd of one row as the CPU backend computes it (one pass in f32).
 inline float rmsnorm_row_rstd(const float* x, std::int64_t C, float eps) {
   float ss = 0;

@@ -15,6 +15,7 @@ namespace kiln::model {
 // QKV, in place; the backward pass is the inverse rotation of their gradient.
 struct RotaryEmbedding {
   float theta = 10000.0f;
+  ops::RopeScaling scaling = {};
 };
 
 struct AttentionOptions {

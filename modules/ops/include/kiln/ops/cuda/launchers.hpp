@@ -82,8 +82,8 @@ std::int64_t rmsnorm_backward_scratch(int N, int C);
 void rmsnorm_backward(bf16* dx, float* dweight, float* scratch, const bf16* dout, const bf16* x, const bf16* weight,
                       const float* rstd, int N, int C, cudaStream_t s);
 // In place on the first `rotated` heads of x [B, T, heads, D] (ops::Rope).
-void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, std::int64_t pos_offset, bool inverse,
-          cudaStream_t s);
+void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, const ops::RopeScaling& scaling,
+          std::int64_t pos_offset, bool inverse, cudaStream_t s);
 // x [N, 2F] = gate | up; out [N, F]; dx [N, 2F] written.
 void swiglu_forward(bf16* out, const bf16* x, std::int64_t N, int F, cudaStream_t s);
 void swiglu_backward(bf16* dx, const bf16* dout, const bf16* x, std::int64_t N, int F, cudaStream_t s);

@@ -1,0 +1,105 @@
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+
+#include <boost/program_options.hpp>
+
+#include "commands.hpp"
+#include "kiln/core/error.hpp"
+#include "kiln/data/shard.hpp"
+#include "kiln/model/generator.hpp"
+#include "kiln/ops/backend.hpp"
+#include "model_source.hpp"
+
+namespace po = boost::program_options;
+
+namespace kiln::app {
+
+namespace {
+
+// -log p(target) of one position from its logits, in double.
+double token_loss(const float* logits, int vocab, int target) {
+  double max = logits[0];
+  for (int v = 1; v < vocab; ++v) max = std::max(max, static_cast<double>(logits[v]));
+  double sum = 0;
+  for (int v = 0; v < vocab; ++v) sum += std::exp(static_cast<double>(logits[v]) - max);
+  return std::log(sum) + max - logits[target];
+}
+
+}  // namespace
+
+int cmd_eval(const Args& args) {
+  po::options_description opts(
+      "kiln eval MODEL --data SHARDS... [--seq-len T] [--max-sequences N] [--device auto|cpu|cuda]\n\n"
+      "Prints the mean loss (cross-entropy in nats per predicted token) and perplexity of a model over token "
+      "shards\n(llm.c shards, as kiln tokenize writes them): each shard is cut into windows of T + 1 tokens, the "
+      "model reads\nT of them and predicts the next, as a training step's validation does. MODEL is a checkpoint "
+      "directory (or a\nfolder of them: its newest), a Hugging Face model directory (Llama or GPT-2) or a GPT-2 "
+      ".safetensors file.\n\noptions");
+  std::string input, device;
+  std::vector<std::string> patterns;
+  int seq_len = 0;
+  std::int64_t max_sequences = 0;
+  opts.add_options()("help,h", "show this help")("data", po::value(&patterns)->multitoken()->composing(),
+                                                  "token shards (glob patterns, e.g. 'data/brown/val_*.bin')")(
+      "seq-len", po::value(&seq_len)->default_value(0), "tokens the model reads per window (0: min(1024, its max_seq_len))")(
+      "max-sequences", po::value(&max_sequences)->default_value(0), "stop after this many windows (0: all)")(
+      "device", po::value(&device)->default_value("auto"), "cpu, cuda, or auto (cuda when there is a GPU)")(
+      "input", po::value(&input), "checkpoint, Hugging Face directory or .safetensors file");
+  po::positional_options_description pos;
+  pos.add("input", 1);
+  if (!parse_args(args, opts, pos)) return 0;
+  if (input.empty()) throw po::error("a MODEL (checkpoint, Hugging Face directory or .safetensors) is required");
+  if (patterns.empty()) throw po::error("--data SHARDS is required");
+  if (device != "cpu" && device != "cuda" && device != "auto") throw po::error("--device must be cpu, cuda or auto");
+  if (seq_len < 0 || max_sequences < 0) throw po::error("--seq-len and --max-sequences must not be negative");
+
+  const ModelSource src = open_model(input);
+  model::ModelConfig cfg = src.config;
+  const int T = seq_len > 0 ? seq_len : std::min(1024, cfg.max_seq_len);
+  if (T > cfg.max_seq_len)
+    throw po::error("--seq-len " + std::to_string(T) + " exceeds the model's max_seq_len " + std::to_string(cfg.max_seq_len));
+  // The generator's cache holds max_seq_len positions: a Llama (no position table) needs only T.
+  if (cfg.llama()) cfg.max_seq_len = T;
+
+  std::vector<std::string> files;
+  for (const auto& p : patterns)
+    for (auto& f : data::expand_glob(p, "--data")) files.push_back(std::move(f));
+
+  const bool cuda = device == "cuda" || (device == "auto" && ops::cuda_available());
+  auto backend = cuda ? ops::make_cuda_backend() : ops::make_cpu_backend();
+  model::Generator gen(cfg, *backend, src.weights);
+  const int vocab = cfg.vocab_size;
+  double total = 0;
+  std::int64_t predicted = 0, sequences = 0;
+  std::vector<std::uint32_t> window(static_cast<std::size_t>(T) + 1);
+  std::vector<int> ids(static_cast<std::size_t>(T));
+  for (const auto& file : files) {
+    const data::TokenShard shard(file, data::ShardFormat::auto_);
+    for (std::size_t first = 0; first + T + 1 <= shard.size(); first += static_cast<std::size_t>(T)) {
+      if (max_sequences > 0 && sequences >= max_sequences) break;
+      shard.read(first, window.size(), window.data());
+      for (std::size_t i = 0; i < window.size(); ++i)
+        if (window[i] >= static_cast<std::uint32_t>(vocab))
+          KILN_FILE_ERROR(file, ": token ", first + i, " is ", window[i], ", outside the model's vocabulary of ", vocab);
+      for (int t = 0; t < T; ++t) ids[static_cast<std::size_t>(t)] = static_cast<int>(window[static_cast<std::size_t>(t)]);
+      const std::vector<float> logits = gen.prefill(ids, true);
+      for (int t = 0; t < T; ++t)
+        total += token_loss(logits.data() + static_cast<std::size_t>(t) * vocab, vocab,
+                            static_cast<int>(window[static_cast<std::size_t>(t) + 1]));
+      predicted += T;
+      ++sequences;
+    }
+  }
+  if (predicted == 0)
+    KILN_FILE_ERROR(files.front(), (files.size() > 1 ? " and the other shards" : ""), ": fewer than seq_len + 1 = ",
+                    T + 1, " tokens in every shard; nothing to evaluate");
+  const double loss = total / static_cast<double>(predicted);
+  char line[256];
+  std::snprintf(line, sizeof line, "loss %.6f, perplexity %.4f over %lld tokens (%lld windows of %d) from %zu shard(s)\n",
+                loss, std::exp(loss), static_cast<long long>(predicted), static_cast<long long>(sequences), T, files.size());
+  std::cout << "eval: " << src.description << " on " << backend->name() << "\n" << line;
+  return 0;
+}
+
+}  // namespace kiln::app
