@@ -1,5 +1,7 @@
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <iostream>
 
 #include <boost/program_options.hpp>
@@ -33,7 +35,8 @@ int cmd_eval(const Args& args) {
       "kiln eval MODEL --data SHARDS... [--seq-len T] [--max-sequences N] [--device auto|cpu|cuda]\n\n"
       "Prints the mean loss (cross-entropy in nats per predicted token) and perplexity of a model over token "
       "shards\n(llm.c shards, as kiln tokenize writes them): each shard is cut into windows of T + 1 tokens, the "
-      "model reads\nT of them and predicts the next, as a training step's validation does. MODEL is a checkpoint "
+      "model reads\nT of them and predicts the next, as a training step's validation does. Targets a loss mask "
+      "beside a shard\n(SHARD.mask) does not train on are left out. MODEL is a checkpoint "
       "directory (or a\nfolder of them: its newest), a Hugging Face model directory (Llama or GPT-2) or a GPT-2 "
       ".safetensors file.\n\noptions");
   std::string input, device;
@@ -74,26 +77,35 @@ int cmd_eval(const Args& args) {
   std::int64_t predicted = 0, sequences = 0;
   std::vector<std::uint32_t> window(static_cast<std::size_t>(T) + 1);
   std::vector<int> ids(static_cast<std::size_t>(T));
+  std::vector<std::uint8_t> flags(window.size(), data::kTrained);
   for (const auto& file : files) {
     const data::TokenShard shard(file, data::ShardFormat::auto_);
+    // A loss mask beside the shard: only the targets it trains on count.
+    std::optional<data::TokenMask> mask;
+    if (std::filesystem::exists(data::mask_path_of(file))) mask.emplace(data::mask_path_of(file), shard.size());
     for (std::size_t first = 0; first + T + 1 <= shard.size(); first += static_cast<std::size_t>(T)) {
       if (max_sequences > 0 && sequences >= max_sequences) break;
       shard.read(first, window.size(), window.data());
+      if (mask) mask->read(first, flags.size(), flags.data());
       for (std::size_t i = 0; i < window.size(); ++i)
         if (window[i] >= static_cast<std::uint32_t>(vocab))
           KILN_FILE_ERROR(file, ": token ", first + i, " is ", window[i], ", outside the model's vocabulary of ", vocab);
       for (int t = 0; t < T; ++t) ids[static_cast<std::size_t>(t)] = static_cast<int>(window[static_cast<std::size_t>(t)]);
       const std::vector<float> logits = gen.prefill(ids, true);
-      for (int t = 0; t < T; ++t)
-        total += token_loss(logits.data() + static_cast<std::size_t>(t) * vocab, vocab,
-                            static_cast<int>(window[static_cast<std::size_t>(t) + 1]));
-      predicted += T;
+      for (int t = 0; t < T; ++t) {
+        const auto next = static_cast<std::size_t>(t) + 1;
+        if (!(flags[next] & data::kTrained)) continue;
+        total += token_loss(logits.data() + static_cast<std::size_t>(t) * vocab, vocab, static_cast<int>(window[next]));
+        ++predicted;
+      }
       ++sequences;
     }
   }
   if (predicted == 0)
-    KILN_FILE_ERROR(files.front(), (files.size() > 1 ? " and the other shards" : ""), ": fewer than seq_len + 1 = ",
-                    T + 1, " tokens in every shard; nothing to evaluate");
+    KILN_FILE_ERROR(files.front(), (files.size() > 1 ? " and the other shards" : ""), ": ",
+                    sequences == 0 ? cat("fewer than seq_len + 1 = ", T + 1, " tokens in every shard")
+                                   : std::string("every target is masked out by the loss masks"),
+                    "; nothing to evaluate");
   const double loss = total / static_cast<double>(predicted);
   char line[256];
   std::snprintf(line, sizeof line, "loss %.6f, perplexity %.4f over %lld tokens (%lld windows of %d) from %zu shard(s)\n",

@@ -1,6 +1,7 @@
 #include "kiln/data/loader.hpp"
 
 #include <algorithm>
+#include <filesystem>
 #include <numeric>
 #include <vector>
 
@@ -11,6 +12,17 @@ namespace kiln::data {
 
 WindowIndex::WindowIndex(std::vector<TokenShard> shards, int T) : shards_(std::move(shards)), T_(T) {
   KILN_CHECK(T > 0, "sequence length must be positive");
+  // Loss masks: every shard has one, or none does.
+  std::size_t with = 0;
+  for (auto& s : shards_) with += std::filesystem::exists(mask_path_of(s.path())) ? 1 : 0;
+  if (with > 0) {
+    for (auto& s : shards_) {
+      if (!std::filesystem::exists(mask_path_of(s.path())))
+        KILN_FILE_ERROR(s.path(), ": has no loss mask (", mask_path_of(s.path()), ") though ", with,
+                        " other shard(s) of the set have one: give every shard its mask, or none");
+      masks_.emplace_back(mask_path_of(s.path()), s.size());
+    }
+  }
   for (auto& s : shards_) {
     first_.push_back(total_);
     if (s.size() >= static_cast<std::size_t>(T) + 1) total_ += (s.size() - 1) / T;
@@ -22,17 +34,36 @@ WindowIndex::WindowIndex(std::vector<TokenShard> shards, int T) : shards_(std::m
   }
 }
 
-void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit) const {
+std::pair<std::size_t, std::size_t> WindowIndex::locate(std::uint64_t w) const {
   KILN_CHECK(w < total_, "window ", w, " of ", total_);
   std::size_t s = static_cast<std::size_t>(std::upper_bound(first_.begin(), first_.end(), w) - first_.begin()) - 1;
   // Skip shards too short to hold a window (their first_ equals the next one's).
   while (s + 1 < first_.size() && first_[s + 1] <= w) ++s;
-  const std::size_t start = static_cast<std::size_t>(w - first_[s]) * T_;
+  return {s, static_cast<std::size_t>(w - first_[s]) * T_};
+}
+
+int WindowIndex::trained_targets(std::uint64_t w) const {
+  if (masks_.empty()) return T_;
+  const auto [s, start] = locate(w);
+  std::vector<std::uint8_t> flags(static_cast<std::size_t>(T_) + 1);
+  masks_[s].read(start, flags.size(), flags.data());
+  int n = 0;
+  for (int t = 1; t <= T_; ++t) n += (flags[t] & kTrained) ? 1 : 0;
+  return n;
+}
+
+void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit) const {
+  const auto [s, start] = locate(w);
   std::vector<std::uint32_t> tok(static_cast<std::size_t>(T_) + 1);
   shards_[s].read(start, tok.size(), tok.data());
+  std::vector<std::uint8_t> flags;
+  if (!masks_.empty()) {
+    flags.resize(tok.size());
+    masks_[s].read(start, flags.size(), flags.data());
+  }
   for (int t = 0; t < T_; ++t) {
     inputs[t] = static_cast<std::int32_t>(tok[t]);
-    targets[t] = static_cast<std::int32_t>(tok[t + 1]);
+    targets[t] = flags.empty() || (flags[t + 1] & kTrained) ? static_cast<std::int32_t>(tok[t + 1]) : -1;
   }
   if (vocab_limit > 0)
     for (int t = 0; t <= T_; ++t)

@@ -1,5 +1,7 @@
 #include "kiln/data/module.hpp"
 
+#include <algorithm>
+
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/rng/philox.hpp"
@@ -40,6 +42,22 @@ void fill_synthetic(train::Batch& b, std::uint64_t seed, std::uint64_t first, in
     }
 }
 
+// The targets trained on in the global batch of samples [position, position + batch_size): every
+// rank reads the loss masks of the whole batch (a byte per token), so all agree on the mean's
+// divisor without communicating. 0 without masks (all of them).
+std::int64_t step_targets(World& world, std::uint64_t position) {
+  auto& st = world.resource<DataState>();
+  if (!st.train || !st.train->masked()) return 0;
+  if (st.counted_at != position) {
+    const auto batch = static_cast<std::uint64_t>(world.resource<train::TrainConfig>().batch_size);
+    std::int64_t n = 0;
+    for (std::uint64_t i = 0; i < batch; ++i) n += st.train->trained_targets(st.order->window(position + i));
+    st.counted_at = position;
+    st.counted = std::max<std::int64_t>(n, 1);  // none trained on: the loss is 0 (every target -1), not 0/0
+  }
+  return st.counted;
+}
+
 void install(World& w, const DataConfig& cfg) {
   const auto& tc = w.resource<train::TrainConfig>();
   const int T = static_cast<int>(tc.seq_len);
@@ -52,6 +70,7 @@ void install(World& w, const DataConfig& cfg) {
   if (cfg.synthetic_vocab == 0) {
     st.train = open_split(cfg.train_files, cfg.format, T, "data.train_files");
     st.order = std::make_unique<SampleOrder>(st.train->windows(), data_seed, cfg.shuffle);
+    w.resource<train::TrainState>().loss_mask = st.train->masked();
   }
 
   w.systems().add({"data.load_validation", Phase::setup, [cfg, T](World& world) {
@@ -77,14 +96,16 @@ void install(World& w, const DataConfig& cfg) {
                      }
                    }});
 
-  // This rank's micro-batch starting at global sample `first`.
-  auto make = [cfg, T, data_seed](World& world, std::uint64_t first, train::Batch& batch) {
+  // This rank's micro-batch starting at global sample `first` of the step's global batch at
+  // `position`.
+  auto make = [cfg, T, data_seed](World& world, std::uint64_t position, std::uint64_t first, train::Batch& batch) {
     auto& st = world.resource<DataState>();
     const int count = world.resource<train::TrainState>().micro_batch_size;
     if (cfg.synthetic_vocab > 0)
       fill_synthetic(batch, data_seed, first, count, T, cfg.synthetic_vocab);
     else
       fill(batch, st, first, count, T);
+    batch.step_targets = step_targets(world, position);
   };
   // The step's global batch is samples [position, position + batch_size); DP rank d takes the d-th
   // slice of it, one micro-batch at a time.
@@ -102,7 +123,7 @@ void install(World& w, const DataConfig& cfg) {
                      if (st.prefetched_first == first)
                        std::swap(batch, st.prefetched);
                      else
-                       make(world, first, batch);
+                       make(world, st.position, first, batch);
                      st.prefetched_first.reset();
                      batch.global_index = static_cast<std::int64_t>(first - st.position);
                    }});
@@ -114,7 +135,7 @@ void install(World& w, const DataConfig& cfg) {
                      auto& st = world.resource<DataState>();
                      const auto next = st.position + static_cast<std::uint64_t>(world.resource<train::TrainConfig>().batch_size);
                      const std::uint64_t first = first_of(world, next, 0);
-                     make(world, first, st.prefetched);
+                     make(world, next, first, st.prefetched);
                      st.prefetched_first = first;
                    },
                    {kAllSystems}});

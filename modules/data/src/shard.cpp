@@ -175,6 +175,54 @@ void write_shard(const std::string& path, std::int32_t magic, std::int32_t versi
 
 }  // namespace
 
+std::string mask_path_of(const std::string& shard_path) {
+  const std::string_view bin = ".bin";
+  if (shard_path.ends_with(bin)) return shard_path.substr(0, shard_path.size() - bin.size()) + ".mask";
+  return shard_path + ".mask";
+}
+
+TokenMask::TokenMask(const std::string& path, std::size_t tokens) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) KILN_FILE_ERROR(path, ": cannot open loss mask: ", std::strerror(errno));
+  try {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) KILN_FILE_ERROR(path, ": cannot stat loss mask: ", std::strerror(errno));
+    std::int32_t header[kLlmcHeaderInts] = {};
+    const std::size_t got = pread_full(fd_, header, sizeof header, 0, path);
+    if (got < sizeof header) KILN_FILE_ERROR(path, ": truncated loss mask: shorter than its 1024-byte header");
+    if (header[0] != kMaskMagic || header[1] != 1)
+      KILN_FILE_ERROR(path, ": not a kiln loss mask (magic ", header[0], " version ", header[1], ", expected ",
+                      kMaskMagic, " version 1)");
+    if (header[2] < 0 || static_cast<std::size_t>(header[2]) != tokens)
+      KILN_FILE_ERROR(path, ": holds ", header[2], " flags but its shard has ", tokens, " tokens");
+    count_ = tokens;
+    if (static_cast<std::size_t>(st.st_size) != sizeof header + count_)
+      KILN_FILE_ERROR(path, ": header says ", count_, " flags (", sizeof header + count_, " bytes) but the file has ",
+                      st.st_size, " bytes");
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+TokenMask::TokenMask(TokenMask&& o) noexcept
+    : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)), count_(std::exchange(o.count_, 0)) {}
+
+TokenMask::~TokenMask() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void TokenMask::read(std::size_t first, std::size_t n, std::uint8_t* out) const {
+  if (first > count_ || n > count_ - first)
+    KILN_THROW(path_, ": flags [", first, ", ", first + n, ") asked of a mask of ", count_);
+  if (pread_full(fd_, out, n, kLlmcHeaderInts * 4 + first, path_) != n)
+    KILN_FILE_ERROR(path_, ": loss mask changed while in use (truncated or rewritten since it was opened?)");
+}
+
+void write_token_mask(const std::string& path, std::span<const std::uint8_t> flags) {
+  write_shard(path, kMaskMagic, 1, std::as_bytes(flags), flags.size());
+}
+
 void write_llmc_shard(const std::string& path, std::span<const std::uint16_t> tokens) {
   write_shard(path, kLlmcMagic, 1, std::as_bytes(tokens), tokens.size());
 }

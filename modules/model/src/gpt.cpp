@@ -119,6 +119,13 @@ void GptModel::load(const train::Batch& batch, int slot, bool training, rng::Rng
   ctx_.be.copy(tokens_, TensorView(const_cast<std::int32_t*>(batch.inputs.data()), {N}, DType::i32, Device::cpu));
   ctx_.be.copy(targets_, TensorView(const_cast<std::int32_t*>(batch.targets.data()), {N}, DType::i32, Device::cpu));
   ctx_.seq_offset = batch.global_index;
+  if (training && batch.step_targets > 0) {
+    // The mean over the step's trained targets; a global batch with none trains nothing (loss 0).
+    step_targets_ = batch.step_targets;
+    dloss_ = 1.0f / static_cast<float>(step_targets_);
+  } else if (training && step_targets_ > 0) {
+    KILN_THROW("a training batch without step_targets after one with them (loss masks on some steps only)");
+  }
   if (training && tracker) {  // every micro-batch of the step draws from the same states
     if (slot == 0)
       step_rng_ = tracker->get_states();
@@ -206,7 +213,7 @@ std::int64_t GptModel::parameter_count() const {
   return n;
 }
 
-double GptModel::mean_loss(int slots) {
+double GptModel::loss_sum(int slots) {
   KILN_CHECK(slots > 0 && slots <= slots_, "mean over ", slots, " loss slots of ", slots_);
   const std::int64_t n = slots * ctx_.N;
   std::vector<float> host(static_cast<std::size_t>(n));
@@ -214,17 +221,40 @@ double GptModel::mean_loss(int slots) {
   ctx_.be.synchronize();
   double sum = 0;
   for (float v : host) sum += v;
-  return dp_.mean(sum / static_cast<double>(host.size()));  // every DP rank saw its slice of the batch
+  return sum;
+}
+
+double GptModel::mean_loss(int slots) {
+  const double sum = loss_sum(slots);
+  // Every DP rank saw its slice of the batch: its rows, or its share of the trained targets (masked
+  // rows hold 0), so the mean over the replicas is the mean over the global batch's targets.
+  const double per_rank = step_targets_ > 0 ? static_cast<double>(step_targets_) / dp_.size()
+                                            : static_cast<double>(slots * ctx_.N);
+  return dp_.mean(sum / per_rank);
 }
 
 double GptModel::evaluate(const std::vector<train::Batch>& batches) {
   KILN_CHECK(!batches.empty(), "no validation batches");
+  std::int64_t targets = 0, rows = 0;
+  for (auto& b : batches) {
+    rows += static_cast<std::int64_t>(b.targets.size());
+    targets += std::count_if(b.targets.begin(), b.targets.end(), [](std::int32_t t) { return t >= 0; });
+  }
   double total = 0;
+  if (dp_.mean(static_cast<double>(rows - targets)) == 0) {  // no masked target on any rank
+    for (auto& b : batches) {
+      forward(b, 0, false, nullptr);
+      total += dp_.mean(loss_sum(1) / static_cast<double>(ctx_.N));
+    }
+    return total / static_cast<double>(batches.size());
+  }
   for (auto& b : batches) {
     forward(b, 0, false, nullptr);
-    total += mean_loss(1);
+    total += loss_sum(1);
   }
-  return total / static_cast<double>(batches.size());
+  // The sum over every rank's batches over the count of their targets.
+  const double all = dp_.mean(static_cast<double>(targets)) * dp_.size();
+  return all > 0 ? dp_.mean(total) * dp_.size() / all : 0.0;
 }
 
 std::vector<std::pair<std::string, double>> GptModel::step_metrics() {

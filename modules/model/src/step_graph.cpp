@@ -7,6 +7,7 @@
 #include "kiln/model/config.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/fsdp.hpp"
+#include "kiln/train/train.hpp"
 
 namespace kiln::model {
 
@@ -18,6 +19,8 @@ std::string StepGraph::refusal(World& w) {
     return "more than one rank (collectives and their bookkeeping are not captured yet)";
   if (w.try_resource<parallel::FsdpConfig>()) return "FSDP gathers and frees on the layer events";
   if (w.resource<ModelConfig>().moe.enabled()) return "a mixture of experts' group sizes reach the host every step";
+  if (w.resource<train::TrainState>().loss_mask)
+    return "the data's loss masks change the loss's divisor every step (a kernel argument)";
   // A replay runs no system of these phases: another module's would silently not run.
   for (const auto& [phase, ours] : {std::pair{Phase::forward, "model.forward"}, std::pair{Phase::backward, "model.backward"}})
     for (const std::string& name : w.systems().order(phase))

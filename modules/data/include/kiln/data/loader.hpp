@@ -1,7 +1,9 @@
 #pragma once
 // Streaming training windows: every window of T+1 tokens that starts at a multiple of T inside a
 // shard is one sample (inputs = first T tokens, targets = last T). A seeded permutation per epoch
-// orders them; the position (samples consumed) is all that is needed to resume exactly.
+// orders them; the position (samples consumed) is all that is needed to resume exactly. Shards
+// with loss masks beside them (shard.hpp's TokenMask) give target -1 (no loss) where the target
+// token is not trained on.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -12,16 +14,24 @@ namespace kiln::data {
 
 class WindowIndex {
  public:
-  // Throws an error naming the files if no window of T+1 tokens fits.
+  // Throws an error naming the files if no window of T+1 tokens fits, or if some shards have loss
+  // masks and others not (naming one without).
   WindowIndex(std::vector<TokenShard> shards, int T);
   std::uint64_t windows() const { return total_; }
   int seq_len() const { return T_; }
-  // Writes window w's T inputs and T targets; throws if a token is >= vocab_limit (when > 0).
+  // Writes window w's T inputs and T targets (-1 where masked); throws if a token is >= vocab_limit
+  // (when > 0).
   void read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit = 0) const;
+  // Whether the shards carry loss masks, and window w's targets that are trained on (T without).
+  bool masked() const { return !masks_.empty(); }
+  int trained_targets(std::uint64_t w) const;
   const std::vector<TokenShard>& shards() const { return shards_; }
 
  private:
+  // The shard holding window w and the window's first token in it.
+  std::pair<std::size_t, std::size_t> locate(std::uint64_t w) const;
   std::vector<TokenShard> shards_;
+  std::vector<TokenMask> masks_;  // one per shard, or none
   std::vector<std::uint64_t> first_;  // first window of each shard
   std::uint64_t total_ = 0;
   int T_;

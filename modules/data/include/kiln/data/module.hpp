@@ -43,6 +43,9 @@ struct DataState {
   // (data.prefetch), and the global sample it starts at; data.next_batch takes it when it matches.
   std::optional<std::uint64_t> prefetched_first;
   train::Batch prefetched;
+  // The trained targets of the global batch at `counted_at` (loss masks), counted once per step.
+  std::optional<std::uint64_t> counted_at;
+  std::int64_t counted = 0;
 };
 
 void register_module(ModuleRegistry& registry);

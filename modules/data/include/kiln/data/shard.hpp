@@ -54,6 +54,36 @@ class TokenShard {
   void read_bytes(std::size_t first, std::size_t n, void* out) const;
 };
 
+// A shard's loss mask, in a file beside it: DIR/train_000000.mask for DIR/train_000000.bin (the
+// name with ".bin" replaced, else ".mask" appended; a glob of *.bin does not take it for a shard).
+// A header of 256 int32 (kMaskMagic, version 1, the shard's token count), then one byte per token:
+// bit 0 (kTrained) set when the token is a target the loss is taken on (supervised fine-tuning
+// trains on the assistant's tokens only), bit 1 (kDocumentStart) when it starts a document.
+inline constexpr std::int32_t kMaskMagic = 20251126;
+inline constexpr std::uint8_t kTrained = 1, kDocumentStart = 2;
+std::string mask_path_of(const std::string& shard_path);
+
+class TokenMask {
+ public:
+  // FileErrors name the file: missing, truncated, another magic or version, or a count other than
+  // `tokens` (the shard's).
+  TokenMask(const std::string& path, std::size_t tokens);
+  TokenMask(TokenMask&&) noexcept;
+  TokenMask& operator=(TokenMask&&) = delete;
+  ~TokenMask();
+  const std::string& path() const { return path_; }
+  std::size_t size() const { return count_; }
+  void read(std::size_t first, std::size_t n, std::uint8_t* out) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  std::size_t count_ = 0;
+};
+
+// Writes a mask file atomically (as write_llmc_shard).
+void write_token_mask(const std::string& path, std::span<const std::uint8_t> flags);
+
 // Files matching a glob pattern (wildcards in the file name and directories), sorted; an error
 // naming the pattern if nothing matches.
 std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what);

@@ -63,9 +63,11 @@ class GptModel {
   // Fills the master weights this rank holds from the tracker's default state (layout-invariant
   // draws, by global element index) and refreshes the compute copy.
   void initialise(rng::RngStatesTracker& tracker);
-  // Mean loss over the first `slots` loss slots, and over the data-parallel replicas (synchronises).
+  // Mean loss over the first `slots` loss slots, and over the data-parallel replicas (synchronises):
+  // over the step's trained targets (train::Batch::step_targets) when the data has loss masks.
   double mean_loss(int slots);
-  // Mean validation loss over the batches (forward only, no dropout; uses slot 0).
+  // Mean validation loss over the batches (forward only, no dropout; uses slot 0), over their
+  // targets that are not -1 (loss masks).
   double evaluate(const std::vector<train::Batch>& batches);
   // The whole model's parameters (every rank's parts together).
   std::int64_t parameter_count() const;
@@ -82,14 +84,19 @@ class GptModel {
   // checkpoints: the same on every rank; empty where no part has any.
   std::vector<float> part_state() const;
   void set_part_state(std::span<const float> values);
-  // The dloss every token's loss gets: 1 / tokens in the global batch.
+  // The dloss every token's loss gets: 1 / tokens in the global batch (a training batch with
+  // step_targets, loss masks, sets 1 / step_targets for its step instead).
   void set_loss_scale(float s) { dloss_ = s; }
 
  private:
 
   ModelContext ctx_;
+  // This rank's losses of the first `slots` slots, summed on the host (synchronises).
+  double loss_sum(int slots);
+
   parallel::DataParallel dp_;
   int slots_;
+  std::int64_t step_targets_ = 0;  // of the last training batch loaded; 0: every target
   Embedding embedding_;
   std::vector<std::unique_ptr<TransformerBlock>> blocks_;
   OutputHead head_;

@@ -47,6 +47,10 @@ struct Batch {
   std::vector<std::int32_t> inputs;   // [B * T]
   std::vector<std::int32_t> targets;  // [B * T]
   std::int64_t global_index = 0;      // index of the first sequence in the global batch of the step
+  // Targets the loss is taken on in the step's whole global batch (every micro-batch of every
+  // data-parallel rank): the loss is their mean. Targets of -1 are not among them (loss masks);
+  // 0: all of them, batch_size x seq_len.
+  std::int64_t step_targets = 0;
 };
 
 // A fixed set of validation micro-batches, prepared once by the data module.
@@ -74,6 +78,8 @@ struct TrainState {
   std::int64_t tokens_per_step = 0;
   int micro_batches = 1;
   int micro_batch_size = 0;
+  // The data carries loss masks: the step's number of trained targets (Batch::step_targets) varies.
+  bool loss_mask = false;
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;

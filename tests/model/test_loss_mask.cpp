@@ -1,0 +1,165 @@
+// Loss masks (supervised fine-tuning trains on some targets only): shards with masks beside them
+// give targets of -1 where masked; the loss is the mean over the global batch's trained targets, so
+// it equals a hand computation and does not depend on how the batch is split (DP, TP,
+// micro-batches); bad masks are errors naming the file.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <random>
+
+#include "kiln/data/loader.hpp"
+#include "kiln/data/shard.hpp"
+#include "parallel_fixture.hpp"
+
+using namespace kiln;
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kTiny = R"(
+[engine]
+device = "cpu"
+[backend]
+cpu_threads = 1
+[train]
+steps = 3
+seed = 9
+batch_size = 8
+seq_len = 16
+[model]
+n_layer = 2
+n_head = 4
+n_embd = 32
+vocab_size = 64
+max_seq_len = 16
+[optim]
+lr = 1e-2
+warmup_steps = 1
+[data]
+shuffle = false
+[parallel]
+timeout_s = 60
+)";
+
+constexpr int T = 16, kWindows = 8;
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/kiln_mask_XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// Windows of T + 1 tokens that overlap by one (window w is tokens [w T, w T + T]).
+std::vector<std::uint16_t> random_tokens(std::uint32_t seed, std::size_t n) {
+  std::mt19937 g(seed);
+  std::vector<std::uint16_t> t(n);
+  for (auto& x : t) x = static_cast<std::uint16_t>(g() % 64);
+  return t;
+}
+
+test::Sets data_from(const std::string& dir) { return {"data.train_files=\"" + dir + "/train_*.bin\""}; }
+
+}  // namespace
+
+TEST_CASE("a window's targets are -1 where the mask does not train on them") {
+  TempDir d;
+  const auto tokens = random_tokens(1, kWindows * T + 1);
+  std::vector<std::uint8_t> flags(tokens.size());
+  for (std::size_t i = 0; i < flags.size(); ++i) flags[i] = (i % 3 == 0 ? data::kTrained : 0) | (i == 0 ? data::kDocumentStart : 0);
+  data::write_llmc_shard(d.path + "/train_000000.bin", tokens);
+  data::write_token_mask(d.path + "/train_000000.mask", flags);
+  std::vector<data::TokenShard> shards;
+  shards.emplace_back(d.path + "/train_000000.bin", data::ShardFormat::auto_);
+  data::WindowIndex index(std::move(shards), T);
+  CHECK(index.masked());
+  std::vector<std::int32_t> in(T), tg(T);
+  index.read(2, in.data(), tg.data());
+  int trained = 0;
+  for (int t = 0; t < T; ++t) {
+    const std::size_t at = 2 * T + t + 1;
+    CHECK(tg[t] == (at % 3 == 0 ? static_cast<std::int32_t>(tokens[at]) : -1));
+    CHECK(in[t] == tokens[at - 1]);
+    trained += at % 3 == 0;
+  }
+  CHECK(index.trained_targets(2) == trained);
+}
+
+TEST_CASE("bad masks are errors naming the file") {
+  TempDir d;
+  const auto tokens = random_tokens(2, 40);
+  data::write_llmc_shard(d.path + "/train_000000.bin", tokens);
+  data::write_llmc_shard(d.path + "/train_000001.bin", tokens);
+  data::write_token_mask(d.path + "/train_000000.mask", std::vector<std::uint8_t>(39, 1));
+  CHECK_THROWS_WITH(data::TokenMask(d.path + "/train_000000.mask", 40),
+                    doctest::Contains("train_000000.mask: holds 39 flags but its shard has 40 tokens"));
+  data::write_token_mask(d.path + "/train_000000.mask", std::vector<std::uint8_t>(40, 1));
+  std::vector<data::TokenShard> shards;
+  shards.emplace_back(d.path + "/train_000000.bin", data::ShardFormat::auto_);
+  shards.emplace_back(d.path + "/train_000001.bin", data::ShardFormat::auto_);
+  CHECK_THROWS_WITH(data::WindowIndex(std::move(shards), T), doctest::Contains("train_000001.bin: has no loss mask"));
+  data::write_llmc_shard(d.path + "/x.mask", tokens);  // a token shard where a mask should be
+  CHECK_THROWS_WITH(data::TokenMask(d.path + "/x.mask", 40), doctest::Contains("not a kiln loss mask"));
+}
+
+TEST_CASE("the masked loss is the mean over the trained targets: one sequence trained equals a batch of it") {
+  // Window 3 is trained on; the other seven are masked out. The reference: eight copies of window 3,
+  // all trained on. The first step's loss and gradients (before any update) must agree.
+  TempDir masked, copies;
+  const auto tokens = random_tokens(3, kWindows * T + 1);
+  std::vector<std::uint8_t> flags(tokens.size(), 0);
+  for (int t = 1; t <= T; ++t) flags[3 * T + t] = data::kTrained;
+  data::write_llmc_shard(masked.path + "/train_000000.bin", tokens);
+  data::write_token_mask(masked.path + "/train_000000.mask", flags);
+  // Eight shards of window 3's T + 1 tokens: one window each.
+  std::vector<std::uint16_t> repeated;
+  for (int w = 0; w < kWindows; ++w) {
+    repeated.insert(repeated.end(), tokens.begin() + 3 * T, tokens.begin() + 4 * T + 1);
+    data::write_llmc_shard(copies.path + "/train_00000" + std::to_string(w) + ".bin", repeated);
+    repeated.clear();
+  }
+  const test::Sets one = {"train.steps=1"};
+  const test::Trace a = test::run_ranks(kTiny, 1, test::operator+(data_from(masked.path), one));
+  const test::Trace b = test::run_ranks(kTiny, 1, test::operator+(data_from(copies.path), one));
+  REQUIRE(a.loss.size() == 1);
+  CHECK(a.loss[0] == doctest::Approx(b.loss[0]).epsilon(1e-6));
+  for (const auto& [name, g] : b.grads[0]) {
+    CAPTURE(name);
+    const auto& h = a.grads[0].at(name);
+    double worst = 0, scale = 1e-12;
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      worst = std::max(worst, std::fabs(double(h[i]) - g[i]));
+      scale = std::max(scale, std::fabs(double(g[i])));
+    }
+    CHECK(worst <= 1e-5 * scale);
+  }
+}
+
+TEST_CASE("the masked loss does not depend on the split: DP = 2, TP = 2, micro-batches") {
+  TempDir d;
+  const auto tokens = random_tokens(4, 2 * kWindows * T + 1);
+  std::mt19937 g(5);
+  std::vector<std::uint8_t> flags(tokens.size());
+  // Each window trains on a different share of its targets (some none, some all).
+  for (std::size_t i = 0; i < flags.size(); ++i) {
+    const std::size_t w = i / T;
+    flags[i] = (g() % 8 < w % 9) ? data::kTrained : 0;
+  }
+  data::write_llmc_shard(d.path + "/train_000000.bin", tokens);
+  data::write_token_mask(d.path + "/train_000000.mask", flags);
+  const test::Trace ref = test::run_ranks(kTiny, 1, data_from(d.path));
+  REQUIRE(ref.loss.size() == 3);
+  for (const auto& [nproc, sets] :
+       {std::pair{2, test::Sets{}}, {2, test::Sets{"parallel.tp=2"}}, {1, test::Sets{"train.micro_batch_size=2"}},
+        {2, test::Sets{"train.micro_batch_size=1"}}}) {
+    CAPTURE(nproc);
+    CAPTURE(sets.empty() ? "DP = 2" : sets[0]);
+    const test::Trace t = test::run_ranks(kTiny, nproc, test::operator+(data_from(d.path), sets));
+    for (std::size_t s = 0; s < ref.loss.size(); ++s) CHECK(t.loss[s] == doctest::Approx(ref.loss[s]).epsilon(1e-5));
+  }
+}
