@@ -18,7 +18,8 @@
 # A summary line per run (executions, coverage) goes to BUILD/fuzz-work/summary.txt.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-TARGETS=(fuzz_pipeline fuzz_token_shard fuzz_manifest fuzz_checkpoint_reader fuzz_safetensors fuzz_tokenizer)
+TARGETS=(fuzz_pipeline fuzz_token_shard fuzz_manifest fuzz_checkpoint_reader fuzz_safetensors fuzz_tokenizer
+         fuzz_hf_tokenizer)
 JOBS=${JOBS:-1}
 
 if [ -f "$here/KILN_FUZZ_DIST" ]; then  # running from a copy made by `fuzz.sh dist`

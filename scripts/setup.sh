@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(cmake ninja-build g++ libboost1.81-dev libboost-program-options1.81-dev libtomlplusplus-dev doctest-dev
-          nlohmann-json3-dev libxxhash-dev libpcre2-dev libopenmpi-dev openmpi-bin)
+          nlohmann-json3-dev libxxhash-dev libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -292,9 +292,9 @@ TEST_CASE("tokenizers are chosen by name, directory or file, and a wrong name sa
   CHECK_THROWS_WITH_AS(open_tokenizer("gpt2", {(dir.path() / "none").string()}),
                        doctest::Contains("fetch-tokenizers.sh"), FileError);
   CHECK_THROWS_WITH_AS(open_tokenizer((dir.path() / "nothing.model").string(), {}),
-                       doctest::Contains("not bytes, gpt2, a directory"), FileError);
-  CHECK_THROWS_WITH_AS(open_tokenizer(dir.path().string(), {}), doctest::Contains("must hold GPT-2's encoder.json"),
-                       FileError);
+                       doctest::Contains("not bytes, gpt2, a Hugging Face tokenizer.json"), FileError);
+  CHECK_THROWS_WITH_AS(open_tokenizer(dir.path().string(), {}),
+                       doctest::Contains("must hold a Hugging Face tokenizer.json or GPT-2's encoder.json"), FileError);
   CHECK(open_tokenizer(tiktoken_file(dir, {{"ab", 256}}), {})->vocab_size() == 257);
   if (gpt2()) CHECK(open_tokenizer(kGpt2Dir, {})->vocab_size() == 50257);
 }

@@ -185,7 +185,14 @@ struct BpeTokenizer::Impl {
   std::uint32_t byte_token[256] = {};
   StringMap<std::uint32_t> whole;                  // tiktoken's whole-piece lookup
   PieceCache cache;
-  explicit Impl(BpeVocabulary vocabulary) : v(std::move(vocabulary)), pre(v.pattern) {}
+  // Added tokens as Hugging Face matches them: those not normalized in the text as given, the
+  // others (their content normalized) in each normalized stretch between those.
+  AddedTokenFinder raw_added, normalized_added;
+  StringMap<std::uint32_t> added_id;               // content -> id
+  bool plain_needs_added = false;                  // an added token that is not special exists
+  std::string normalized;                          // normalize()'s buffer
+  explicit Impl(BpeVocabulary vocabulary)
+      : v(std::move(vocabulary)), pre(v.regex.empty() ? Pretokenizer(v.pattern) : Pretokenizer(v.regex)) {}
 };
 
 BpeTokenizer::BpeTokenizer(BpeVocabulary vocabulary) : impl_(std::make_unique<Impl>(std::move(vocabulary))) {
@@ -210,6 +217,22 @@ BpeTokenizer::BpeTokenizer(BpeVocabulary vocabulary) : impl_(std::make_unique<Im
   if (v.whole_piece_tokens)
     for (std::uint32_t id = 0; id < v.tokens.size() && id < v.specials_from; ++id)
       if (!v.tokens[id].empty()) impl_->whole.emplace(v.tokens[id], id);
+  std::vector<AddedToken> raw, normalized;
+  for (const auto& t : v.added_tokens) {
+    if (t.id >= v.tokens.size() || v.tokens[t.id].empty())
+      KILN_FILE_ERROR(what, ": the added token \"", t.content, "\" has the id ", t.id, ", which has no token");
+    impl_->added_id.emplace(t.content, t.id);
+    impl_->plain_needs_added |= !t.special;
+    if (!t.normalized) {
+      raw.push_back(t);
+    } else {
+      normalized.push_back(t);
+      std::string buffer;
+      normalized.back().content = std::string(normalize(v.normalization, t.content, buffer));
+    }
+  }
+  impl_->raw_added = AddedTokenFinder(raw);
+  impl_->normalized_added = AddedTokenFinder(normalized);
 }
 
 BpeTokenizer::~BpeTokenizer() = default;
@@ -227,6 +250,29 @@ void BpeTokenizer::encode_piece(std::string_view piece, std::vector<std::uint32_
 }
 
 void BpeTokenizer::encode(std::string_view text, std::vector<std::uint32_t>& out) {
+  if (impl_->plain_needs_added || impl_->v.normalization != Normalization::none)
+    encode_around_added(text, false, out);
+  else
+    encode_ordinary(text, out);
+}
+
+void BpeTokenizer::encode_with_special_tokens(std::string_view text, std::vector<std::uint32_t>& out) {
+  if (!impl_->v.added_tokens.empty() || impl_->v.normalization != Normalization::none)
+    encode_around_added(text, true, out);
+  else
+    encode_ordinary(text, out);
+}
+
+void BpeTokenizer::encode_around_added(std::string_view text, bool with_special, std::vector<std::uint32_t>& out) {
+  Impl& m = *impl_;
+  auto token = [&](std::uint32_t id) { out.push_back(id); };
+  m.raw_added.split(text, with_special, [&](std::string_view stretch) {
+    const std::string_view normal = normalize(m.v.normalization, stretch, m.normalized);
+    m.normalized_added.split(normal, with_special, [&](std::string_view part) { encode_ordinary(part, out); }, token);
+  }, token);
+}
+
+void BpeTokenizer::encode_ordinary(std::string_view text, std::vector<std::uint32_t>& out) {
   Impl& m = *impl_;
   m.pre.split(text, [&](std::string_view piece) {
     if (piece.size() == 1) {
@@ -267,5 +313,10 @@ std::string BpeTokenizer::decode(std::span<const std::uint32_t> ids) const {
 std::uint32_t BpeTokenizer::vocab_size() const { return static_cast<std::uint32_t>(impl_->v.tokens.size()); }
 std::optional<std::uint32_t> BpeTokenizer::document_separator() const { return impl_->v.document_separator; }
 std::string BpeTokenizer::description() const { return impl_->v.description; }
+
+std::optional<std::uint32_t> BpeTokenizer::token_id(std::string_view name) const {
+  if (auto it = impl_->added_id.find(name); it != impl_->added_id.end()) return it->second;
+  return std::nullopt;
+}
 
 }  // namespace kiln::data

@@ -1,37 +1,21 @@
 // Readers of BPE vocabularies: GPT-2's encoder.json + vocab.bpe and tiktoken's rank files. Every
 // error names the file and, where there is one, the line.
-#include <algorithm>
-#include <fstream>
-#include <sstream>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
 #include "kiln/core/error.hpp"
 #include "kiln/data/bpe.hpp"
+#include "vocab_files.hpp"
 
 namespace kiln::data {
 
 namespace {
 
-std::string read_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) KILN_FILE_ERROR(path, ": cannot read ", what);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// "line:column" (1-based) of a byte offset.
-std::string place(const std::string& text, std::size_t offset) {
-  offset = std::min(offset, text.size());
-  std::size_t line = 1, column = 1;
-  for (std::size_t i = 0; i < offset; ++i) {
-    if (text[i] == '\n') ++line, column = 0;
-    ++column;
-  }
-  return cat(line, ":", column);
-}
+using detail::dense_id_limit;
+using detail::Gpt2ByteAlphabet;
+using detail::place;
+using detail::read_file;
 
 // Calls f(line_number, line) for each line (without its "\n" or "\r\n").
 template <class F>
@@ -46,38 +30,6 @@ void for_each_line(const std::string& text, F&& f) {
     begin = end + 1;
   }
 }
-
-// GPT-2 writes a token's bytes as printable characters: bytes that print as themselves in Latin-1
-// stay, the others become U+0100 + n, in byte order.
-struct Gpt2ByteAlphabet {
-  int byte_of[324];  // code point -> byte; -1: not in the alphabet
-  Gpt2ByteAlphabet() {
-    std::fill(std::begin(byte_of), std::end(byte_of), -1);
-    int n = 0;
-    for (int b = 0; b < 256; ++b) {
-      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-      byte_of[printable ? b : 256 + n++] = b;
-    }
-  }
-  // The bytes a token's text stands for; false if a character is outside the alphabet.
-  bool decode(std::string_view utf8, std::string& out) const {
-    out.clear();
-    for (std::size_t i = 0; i < utf8.size();) {
-      const auto c = static_cast<unsigned char>(utf8[i]);
-      std::uint32_t cp;
-      if (c < 0x80) {
-        cp = c, i += 1;
-      } else if ((c & 0xE0) == 0xC0 && i + 1 < utf8.size()) {
-        cp = ((c & 0x1Fu) << 6) | (static_cast<unsigned char>(utf8[i + 1]) & 0x3Fu), i += 2;
-      } else {
-        return false;  // three-byte characters and beyond are all outside the alphabet
-      }
-      if (cp >= 324 || byte_of[cp] < 0) return false;
-      out += static_cast<char>(byte_of[cp]);
-    }
-    return true;
-  }
-};
 
 // Where a key of encoder.json is written, for messages ("" when it cannot be found).
 std::string key_place(const std::string& text, const std::string& key) {
@@ -130,13 +82,6 @@ std::vector<std::pair<std::uint32_t, std::string>> known_specials(std::size_t ra
   return s;
 }
 
-// The largest id (exclusive) a vocabulary file of `entries` tokens may give: real files number
-// their tokens densely from 0; this leaves room for gaps (2^20 ids at least: a table of 32 MB of
-// empty strings) but not for a table far larger than the file (2^30 strings from a 16-byte file).
-std::int64_t dense_id_limit(std::size_t entries) {
-  return std::max<std::int64_t>(std::int64_t{1} << 20, 2 * static_cast<std::int64_t>(entries));
-}
-
 }  // namespace
 
 BpeVocabulary read_gpt2_vocabulary(const std::string& encoder_json, const std::string& vocab_bpe) {
@@ -144,15 +89,7 @@ BpeVocabulary read_gpt2_vocabulary(const std::string& encoder_json, const std::s
   BpeVocabulary v;
   v.pattern = PretokenizePattern::gpt2;
   const std::string json_text = read_file(encoder_json, "GPT-2's encoder.json");
-  nlohmann::json doc;
-  try {
-    doc = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::parse_error& e) {
-    std::string why = e.what();
-    if (auto at = why.find("column "); at != std::string::npos)
-      if (auto colon = why.find(": ", at); colon != std::string::npos) why = why.substr(colon + 2);
-    KILN_FILE_ERROR(encoder_json, ":", place(json_text, e.byte ? e.byte - 1 : 0), ": not valid JSON: ", why);
-  }
+  const nlohmann::json doc = detail::parse_json(encoder_json, json_text);
   if (!doc.is_object()) KILN_FILE_ERROR(encoder_json, ":1:1: expected a JSON object {\"token\": id, ...}");
   std::unordered_map<std::string, std::uint32_t> id_of;  // the token as written in the files -> id
   std::vector<std::string> written;                       // id -> the token as written
@@ -180,6 +117,7 @@ BpeVocabulary read_gpt2_vocabulary(const std::string& encoder_json, const std::s
   if (auto it = id_of.find("<|endoftext|>"); it != id_of.end()) {
     v.document_separator = it->second;
     if (it->second + 1 == v.tokens.size()) v.specials_from = it->second;
+    v.added_tokens.push_back({.content = it->first, .id = it->second, .special = true});
   }
 
   const std::string merges_text = read_file(vocab_bpe, "GPT-2's vocab.bpe");
@@ -265,6 +203,7 @@ BpeVocabulary read_tiktoken_vocabulary(const std::string& path) {
   for (const auto& [id, name] : specials) {
     if (id >= v.tokens.size()) v.tokens.resize(id + 1);
     v.tokens[id] = name;
+    v.added_tokens.push_back({.content = name, .id = id, .special = true});
   }
   if (ranks == 100256) v.document_separator = 100257;
   if (ranks == 128000) v.document_separator = 128000;

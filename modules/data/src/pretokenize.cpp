@@ -1,5 +1,7 @@
 #include "kiln/data/pretokenize.hpp"
 
+#include <algorithm>
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
@@ -31,6 +33,115 @@ std::string pretokenize_regex(PretokenizePattern pattern) {
              R"(\p{L}\p{N}]+[\r\n]*|[)" + s + R"(]*[\r\n]+|[)" + s + "]+(?![^" + s + "])|[" + s + "]+";
   }
   KILN_THROW("unknown pre-tokenization pattern");
+}
+
+std::string digits_then_regex(bool individual_digits, bool gpt2) {
+  const std::string s = kSpace, number = individual_digits ? R"(\p{N})" : R"(\p{N}+)";
+  if (!gpt2) return number + R"(|\P{N}+)";
+  // GPT-2's pattern without " ?\p{N}+" (numbers are pieces apart, a space before one is not theirs),
+  // and "\s+(?!\S)" taking white space up to a number as it would at the end of a text.
+  return R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|)" + number + R"(| ?[^)" + s + R"(\p{L}\p{N}]+|[)" + s + "]+(?![^" + s +
+         R"(\p{N}])|[)" + s + "]+";
+}
+
+std::string pcre2_from_oniguruma(std::string_view onig) {
+  // Seen in tokenizers' Oniguruma (tests/data/fixtures/hf_tokenizer_reference.json, "probes"): \w
+  // takes letters, marks, numbers and connector punctuation, but inside a class Alphabetic, marks,
+  // decimal digits and connector punctuation (not ½ or ²); \b is a boundary of the first; [:alpha:]
+  // is Alphabetic (with ⅷ and Arabic vowel marks, unlike PCRE2's \p{L}).
+  const std::string space = kSpace, hex = "0-9a-fA-F";
+  const std::string word = R"(\p{L}\p{M}\p{N}\p{Pc})", class_word = R"(\p{Alphabetic}\p{M}\p{Nd}\p{Pc})";
+  const std::string w = "[" + word + "]";
+  const std::string posix[][2] = {{"[:alpha:]", R"(\p{Alphabetic})"}, {"[:^alpha:]", R"(\P{Alphabetic})"},
+                                  {"[:space:]", space}, {"[:^space:]", R"(\P{White_Space})"},
+                                  {"[:digit:]", R"(\p{Nd})"}, {"[:^digit:]", R"(\P{Nd})"}};
+  auto unsupported = [&](std::size_t at, const char* what) {
+    KILN_THROW("the Oniguruma pattern has ", what, " at offset ", at, ", which kiln cannot write for PCRE2 (pattern: ",
+               onig, ")");
+  };
+  auto hex4 = [&](std::size_t at) {
+    auto is_hex = [](char h) { return (h >= '0' && h <= '9') || (h >= 'a' && h <= 'f') || (h >= 'A' && h <= 'F'); };
+    return at + 4 <= onig.size() && std::all_of(onig.begin() + static_cast<std::ptrdiff_t>(at),
+                                                onig.begin() + static_cast<std::ptrdiff_t>(at) + 4, is_hex);
+  };
+  std::string out;
+  bool in_class = false, anchors = false;
+  std::size_t class_body = 0;  // where the class's first member starts: a ']' there is a member
+  for (std::size_t i = 0; i < onig.size(); ++i) {
+    const char c = onig[i];
+    if (c == '\\' && i + 1 < onig.size()) {
+      const char e = onig[++i];
+      switch (e) {
+        case 's': out += in_class ? space : "[" + space + "]"; break;
+        case 'S': out += in_class ? std::string(R"(\P{White_Space})") : "[^" + space + "]"; break;
+        case 'h': out += in_class ? hex : "[" + hex + "]"; break;
+        case 'w': out += in_class ? class_word : w; break;
+        case 'H':
+        case 'W':
+          if (in_class) unsupported(i - 1, e == 'H' ? "\\H inside a class" : "\\W inside a class");
+          out += "[^" + (e == 'H' ? hex : word) + "]";
+          break;
+        case 'b':
+        case 'B':
+          if (in_class) {
+            out += c, out += e;  // a backspace in both
+          } else {
+            const std::string at = "(?<=" + w + ")(?!" + w + ")|(?<!" + w + ")(?=" + w + ")";
+            const std::string within = "(?<=" + w + ")(?=" + w + ")|(?<!" + w + ")(?!" + w + ")";
+            out += "(?:" + (e == 'b' ? at : within) + ")";
+          }
+          break;
+        case 'v': out += R"(\x{0B})"; break;  // Ruby's \v is the vertical tab, PCRE2's all vertical space
+        case 'u':
+          if (hex4(i + 1)) {
+            out += cat(R"(\x{)", onig.substr(i + 1, 4), "}");
+            i += 4;
+            break;
+          }
+          [[fallthrough]];
+        default: out += c, out += e;  // the same in both (\p{L}, \d, \r, \n, \x{..}, \., ...)
+      }
+      continue;
+    }
+    if (in_class) {
+      if (c == '[' && i + 1 < onig.size() && onig[i + 1] == ':') {
+        const auto close = onig.find(":]", i + 2);
+        if (close == std::string_view::npos) unsupported(i, "an unterminated [:class:]");
+        const std::string_view name = onig.substr(i, close + 2 - i);
+        std::string as = std::string(name);  // the others as PCRE2 has them
+        for (const auto& [from, to] : posix)
+          if (name == from) as = to;
+        out += as;
+        i = close + 1;
+        continue;
+      }
+      if (c == '[') unsupported(i, "a class inside a class");
+      if (c == '&' && i + 1 < onig.size() && onig[i + 1] == '&') unsupported(i, "a class intersection (&&)");
+      if (c == '^' && i == class_body && onig[i - 1] == '[') class_body = i + 1;
+      else if (c == ']' && i != class_body) in_class = false;
+      out += c;
+      continue;
+    }
+    if (c == '[') {
+      in_class = true;
+      class_body = i + 1;
+    } else if (c == '^' || c == '$') {
+      anchors = true;
+    } else if (c == '(' && onig.substr(i, 2) == "(?") {
+      // Inline options "(?imx-imx)" / "(?imx-imx:": Ruby's m is PCRE2's s.
+      std::size_t k = i + 2;
+      while (k < onig.size() && std::string_view("imx-").find(onig[k]) != std::string_view::npos) ++k;
+      if (k > i + 2 && k < onig.size() && (onig[k] == ':' || onig[k] == ')')) {
+        out += "(?";
+        for (std::size_t j = i + 2; j < k; ++j) out += onig[j] == 'm' ? 's' : onig[j];
+        i = k - 1;
+        continue;
+      }
+    }
+    out += c;
+  }
+  // Ruby's ^ and $ are always line anchors: PCRE2's multiline mode.
+  return anchors ? "(?m)" + out : out;
 }
 
 struct Pretokenizer::Impl {

@@ -8,6 +8,7 @@
 
 #include "kiln/core/error.hpp"
 #include "kiln/data/bpe.hpp"
+#include "kiln/data/hf_tokenizer.hpp"
 #include "kiln/data/shard.hpp"
 
 namespace kiln::data {
@@ -63,14 +64,22 @@ std::unique_ptr<TextTokenizer> open_tokenizer(const std::string& spec, const std
                     " (scripts/fetch-tokenizers.sh fetches them; or give their directory)");
   }
   std::error_code ec;
+  auto hf = [](const fs::path& file) { return std::make_unique<BpeTokenizer>(read_hf_tokenizer_json(file.string())); };
   if (fs::is_directory(spec, ec)) {
+    // A Hugging Face model's directory: tokenizer.json (beside vocab.json + merges.txt, which it holds too).
+    if (fs::is_regular_file(fs::path(spec) / "tokenizer.json", ec)) return hf(fs::path(spec) / "tokenizer.json");
     if (!find_gpt2_files({spec}))
-      KILN_FILE_ERROR(spec, ": a tokenizer directory must hold GPT-2's encoder.json and vocab.bpe");
+      KILN_FILE_ERROR(spec, ": a tokenizer directory must hold a Hugging Face tokenizer.json or GPT-2's encoder.json "
+                      "and vocab.bpe");
     return gpt2_in(spec);
   }
-  if (fs::is_regular_file(spec, ec)) return std::make_unique<BpeTokenizer>(read_tiktoken_vocabulary(spec));
-  KILN_FILE_ERROR("tokenizer \"", spec, "\": not bytes, gpt2, a directory with encoder.json + vocab.bpe, or a tiktoken "
-                  "rank file (no such file or directory)");
+  if (fs::is_regular_file(spec, ec)) {
+    // tiktoken rank files (.tiktoken, Llama 3's tokenizer.model) are never named .json.
+    if (fs::path(spec).extension() == ".json") return hf(spec);
+    return std::make_unique<BpeTokenizer>(read_tiktoken_vocabulary(spec));
+  }
+  KILN_FILE_ERROR("tokenizer \"", spec, "\": not bytes, gpt2, a Hugging Face tokenizer.json or a directory with one, a "
+                  "directory with encoder.json + vocab.bpe, or a tiktoken rank file (no such file or directory)");
 }
 
 std::string strip_pos_tags(std::string_view tagged) {

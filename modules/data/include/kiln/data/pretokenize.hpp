@@ -20,6 +20,21 @@ enum class PretokenizePattern {
 // own \s also takes U+180E, and JavaScript's (the npm gpt-3-encoder) takes U+FEFF but not U+0085.
 std::string pretokenize_regex(PretokenizePattern pattern);
 
+// Hugging Face's Digits pre-tokenizer, then ByteLevel's GPT-2 pattern on the text between the
+// numbers (StarCoder2, SmolLM), as one pattern: each number character (\p{N}) a piece of its own,
+// or each run of them with `individual_digits` false; the rest split as GPT-2 splits it, a number
+// ending the text before it. `gpt2` false: ByteLevel without its pattern (the text between whole).
+std::string digits_then_regex(bool individual_digits, bool gpt2);
+
+// A pattern of Hugging Face's "Split" pre-tokenizer, which tokenizers compiles with Oniguruma (Ruby
+// syntax, Unicode), rewritten for PCRE2 where the two differ: \s and \S as Unicode White_Space
+// (written out as pretokenize_regex does), \h and \H as hexadecimal digits, \w, \W, \b, \B and
+// [:alpha:] as Oniguruma's Unicode classes, \v as the vertical tab, \uHHHH as \x{HHHH}, the
+// option m (dot matches newline) as PCRE2's s, and ^ and $ as line anchors. Llama 3's and Qwen2's
+// patterns come out as cl100k's above. What PCRE2 cannot express (a class inside a class, &&
+// intersections, \W or \H inside a class) is an error.
+std::string pcre2_from_oniguruma(std::string_view pattern);
+
 // Not thread-safe (it owns PCRE2's match data): one per thread.
 class Pretokenizer {
  public:
