@@ -40,11 +40,20 @@ def kiln_loss(model_dir, device, T):
 
 
 V, T, windows = 1000, 256, 8
-cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=2, vocab_size=V, max_position_embeddings=4096, rope_theta=500000.0,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+
+
+def make_config(rope_scaling):
+    return LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=2, vocab_size=V, max_position_embeddings=4096, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                       # Large weights make attention peaky: the loss then depends on RoPE's frequencies
+                       # (with 0.02 a random model's attention is near uniform and hides them).
+                       initializer_range=0.3, rope_scaling=rope_scaling)
+
+
+cfg = make_config(SCALING)
 torch.manual_seed(0)
 model = LlamaForCausalLM(cfg).float().eval()
 model.save_pretrained(f"{work}/hf32", safe_serialization=True)
@@ -71,6 +80,12 @@ def hf_loss(m, device, dtype):
 
 
 ref32 = hf_loss(model, "cpu", torch.float32)
+# The same model with RoPE's plain frequencies: how far the scaling moves the loss (the check above
+# must be finer than this to mean anything).
+plain = LlamaForCausalLM(make_config(None)).float().eval()
+plain.load_state_dict(model.state_dict())
+plain32 = hf_loss(plain, "cpu", torch.float32)
+print(f"rope scaling moves the f32 loss by {abs(plain32 - ref32) / ref32:.2e} relative")
 got32 = kiln_loss(f"{work}/hf32", "cpu", T)
 check("f32 loss, kiln eval (CPU) vs transformers (CPU f32)", abs(got32 - ref32) <= 1e-5 * ref32,
       f"kiln {got32:.7f} transformers {ref32:.7f} relative {abs(got32 - ref32) / ref32:.2e}")
@@ -94,7 +109,9 @@ diff = (a - b).abs().max().item()
 n_files = len([f for f in os.listdir(f"{work}/exported") if f.endswith(".safetensors")])
 check("kiln export loads in transformers with the same logits", diff == 0.0,
       f"max |logit difference| {diff:.3e}, {n_files} shard files")
-check("config round trip", back.config.rope_scaling["rope_type"] == "llama3" and back.config.num_key_value_heads == 2
-      and back.config.eos_token_id == 2, f"{back.config.rope_scaling}, kv heads {back.config.num_key_value_heads}")
+rope = getattr(back.config, "rope_parameters", None) or back.config.rope_scaling
+check("config round trip", rope["rope_type"] == "llama3" and rope.get("factor") == 8.0
+      and back.config.num_key_value_heads == 2 and back.config.eos_token_id == 2,
+      f"{rope}, kv heads {back.config.num_key_value_heads}")
 
 print(f"hf_llama_check: {sum(results)}/{len(results)} passed")

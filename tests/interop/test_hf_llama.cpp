@@ -112,6 +112,35 @@ TEST_CASE("config.json sets the model's shape, GQA and llama3 rope scaling inclu
   CHECK(j["rope_scaling"]["rope_type"] == "llama3");
 }
 
+TEST_CASE("transformers 5's rope_parameters stand for rope_theta and rope_scaling") {
+  TempDir d;
+  test::HfLlamaFixture().write(d.path);
+  edit_config(d.path, [](auto& j) {
+    j.erase("rope_theta");
+    j["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 32.0},
+                            {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                            {"original_max_position_embeddings", 8192}};
+  });
+  auto s = interop::read_hf_llama_config(d.path + "/config.json");
+  CHECK(s.rope_theta == 500000.0f);
+  CHECK(s.rope_factor == 32.0f);
+  CHECK(s.rope_original_max_seq_len == 8192);
+  edit_config(d.path, [](auto& j) { j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 250000.0}}; });
+  s = interop::read_hf_llama_config(d.path + "/config.json");
+  CHECK(s.rope_theta == 250000.0f);
+  CHECK(s.rope_factor == 0.0f);
+  edit_config(d.path, [](auto& j) { j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0}}; });
+  CHECK(error_of([&] { interop::read_hf_llama_config(d.path + "/config.json"); }).find("'rope_parameters.rope_type'") !=
+        std::string::npos);
+  // The export writes both spellings with the same numbers.
+  s.rope_factor = 8, s.rope_theta = 500000;
+  const auto j = nlohmann::json::parse(interop::hf_llama_config_json(s, DType::f32));
+  CHECK(j["rope_theta"] == 500000.0);
+  CHECK(j["rope_parameters"]["rope_theta"] == 500000.0);
+  CHECK(j["rope_parameters"]["rope_type"] == "llama3");
+  CHECK(j["rope_scaling"]["factor"] == 8.0);
+}
+
 TEST_CASE("reading gives kiln's fused tensors, any range of them, from one file or from shards") {
   for (int shards : {1, 3}) {
     for (bool tied : {false, true}) {

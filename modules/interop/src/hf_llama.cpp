@@ -205,7 +205,12 @@ LlamaShape read_hf_llama_config(const std::string& config_json) {
   s.padded_vocab = s.vocab_size;
   s.max_seq_len = positive("max_position_embeddings");
   s.norm_eps = number(j, "", "rms_norm_eps", 1e-6f);  // LlamaConfig's default
-  s.rope_theta = number(j, "", "rope_theta", 10000.0f);
+  // transformers 5 writes rope_parameters {rope_type, rope_theta, factor, ...}; earlier versions
+  // (and most released checkpoints) rope_theta and rope_scaling.
+  const bool v5 = j.contains("rope_parameters") && !j["rope_parameters"].is_null();
+  if (v5 && !j["rope_parameters"].is_object()) fail("rope_parameters", "must be an object, got ", j["rope_parameters"].dump());
+  s.rope_theta = v5 ? number(j["rope_parameters"], "rope_parameters.", "rope_theta", 10000.0f)
+                    : number(j, "", "rope_theta", 10000.0f);
   s.init_std = number(j, "", "initializer_range", 0.02f);
   s.tie_embeddings = flag("tie_word_embeddings", false);
   if (s.n_embd % s.n_head != 0) fail("hidden_size", "(", s.n_embd, ") is not a multiple of num_attention_heads (", s.n_head, ")");
@@ -220,24 +225,28 @@ LlamaShape read_hf_llama_config(const std::string& config_json) {
     fail("hidden_act", "is ", j["hidden_act"].dump(), "; kiln's Llama MLP is SwiGLU (silu)");
   if (flag("attention_bias", false)) fail("attention_bias", "is true; kiln's Llama attention has no biases");
   if (flag("mlp_bias", false)) fail("mlp_bias", "is true; kiln's Llama MLP has no biases");
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    const auto& r = j["rope_scaling"];
-    if (!r.is_object()) fail("rope_scaling", "must be null or an object, got ", r.dump());
+  const std::string rkey = v5 ? "rope_parameters" : "rope_scaling";
+  if (j.contains(rkey) && !j[rkey].is_null()) {
+    const auto& r = j[rkey];
+    if (!r.is_object()) fail(rkey, "must be null or an object, got ", r.dump());
+    const std::string p = rkey + ".";
     // transformers reads "rope_type", older files say "type".
     const auto kind = r.contains("rope_type") ? r["rope_type"] : r.contains("type") ? r["type"] : nlohmann::json();
-    if (!kind.is_string() || kind.get<std::string>() != "llama3")
-      fail("rope_scaling.rope_type", "is ", kind.dump(), "; kiln implements \"llama3\" (Llama 3.1 / 3.2) only");
-    s.rope_factor = number(r, "rope_scaling.", "factor", 0.0f);
-    if (s.rope_factor < 1) fail("rope_scaling.factor", "must be at least 1, got ", r.value("factor", nlohmann::json()).dump());
-    s.rope_low_freq_factor = number(r, "rope_scaling.", "low_freq_factor", 1.0f);
-    s.rope_high_freq_factor = number(r, "rope_scaling.", "high_freq_factor", 4.0f);
-    if (s.rope_high_freq_factor <= s.rope_low_freq_factor)
-      fail("rope_scaling.high_freq_factor", "must exceed low_freq_factor");
-    if (!r.contains("original_max_position_embeddings")) fail("rope_scaling.original_max_position_embeddings", "is missing");
-    const auto& o = r["original_max_position_embeddings"];
-    if (!o.is_number_integer() || o.get<std::int64_t>() <= 0 || o.get<std::int64_t>() > INT32_MAX)
-      fail("rope_scaling.original_max_position_embeddings", "must be a positive integer, got ", o.dump());
-    s.rope_original_max_seq_len = o.get<int>();
+    const bool plain = v5 && (kind.is_null() || (kind.is_string() && kind.get<std::string>() == "default"));
+    if (!plain) {
+      if (!kind.is_string() || kind.get<std::string>() != "llama3")
+        fail(p + "rope_type", "is ", kind.dump(), "; kiln implements \"llama3\" (Llama 3.1 / 3.2) only");
+      s.rope_factor = number(r, p, "factor", 0.0f);
+      if (s.rope_factor < 1) fail(p + "factor", "must be at least 1, got ", r.value("factor", nlohmann::json()).dump());
+      s.rope_low_freq_factor = number(r, p, "low_freq_factor", 1.0f);
+      s.rope_high_freq_factor = number(r, p, "high_freq_factor", 4.0f);
+      if (s.rope_high_freq_factor <= s.rope_low_freq_factor) fail(p + "high_freq_factor", "must exceed low_freq_factor");
+      if (!r.contains("original_max_position_embeddings")) fail(p + "original_max_position_embeddings", "is missing");
+      const auto& o = r["original_max_position_embeddings"];
+      if (!o.is_number_integer() || o.get<std::int64_t>() <= 0 || o.get<std::int64_t>() > INT32_MAX)
+        fail(p + "original_max_position_embeddings", "must be a positive integer, got ", o.dump());
+      s.rope_original_max_seq_len = o.get<int>();
+    }
   }
   return s;
 }
@@ -258,6 +267,9 @@ std::string hf_llama_config_json(const LlamaShape& s, DType dtype, const std::st
   j["vocab_size"] = s.vocab_size;
   j["rms_norm_eps"] = short_double(s.norm_eps);
   j["rope_theta"] = short_double(s.rope_theta);
+  // Both spellings: rope_theta + rope_scaling (transformers 4, and 5 still reads them) and
+  // transformers 5's rope_parameters, the same numbers.
+  nlohmann::ordered_json params;
   if (s.rope_factor > 0) {
     nlohmann::ordered_json r;
     r["rope_type"] = "llama3";
@@ -266,9 +278,13 @@ std::string hf_llama_config_json(const LlamaShape& s, DType dtype, const std::st
     r["high_freq_factor"] = short_double(s.rope_high_freq_factor);
     r["original_max_position_embeddings"] = s.rope_original_max_seq_len;
     j["rope_scaling"] = r;
+    params = r;
   } else {
     j["rope_scaling"] = nullptr;
+    params["rope_type"] = "default";
   }
+  params["rope_theta"] = short_double(s.rope_theta);
+  j["rope_parameters"] = params;
   j["attention_bias"] = false;
   j["attention_dropout"] = 0.0;
   j["mlp_bias"] = false;

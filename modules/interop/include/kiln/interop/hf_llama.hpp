@@ -71,7 +71,8 @@ class HfLlamaReader {
 // A Llama config.json: num_hidden_layers, num_attention_heads, num_key_value_heads (default: the
 // heads), hidden_size, intermediate_size, vocab_size, max_position_embeddings, rms_norm_eps,
 // rope_theta (default 10000), tie_word_embeddings (default false, as LlamaConfig's),
-// initializer_range and rope_scaling (null or type "llama3"). What kiln cannot compute is an error
+// initializer_range and rope_scaling (null or type "llama3"), or transformers 5's rope_parameters
+// (rope_theta with rope_type "default" or "llama3") in their place. What kiln cannot compute is an error
 // naming the file and the key: another model_type or hidden_act, attention or MLP biases, a
 // head_dim other than hidden_size / heads, another rope_scaling type. padded_vocab is left to the
 // caller.
@@ -80,7 +81,8 @@ LlamaShape read_hf_llama_config(const std::string& config_json);
 // The model_type a config.json declares ("" when it has none); a FileError if it is not JSON.
 std::string hf_model_type(const std::string& config_json);
 
-// The config.json export_hf_llama writes; `extra` (JSON object text, may be empty) adds keys kiln
+// The config.json export_hf_llama writes (RoPE's numbers both as rope_theta + rope_scaling and as
+// rope_parameters, for transformers 4 and 5); `extra` (JSON object text, may be empty) adds keys kiln
 // does not model, such as bos_token_id / eos_token_id carried over from the model it started from.
 std::string hf_llama_config_json(const LlamaShape& shape, DType dtype, const std::string& extra = "");
 
