@@ -11,6 +11,7 @@
 #include "kiln/data/chat.hpp"
 #include "kiln/data/loader.hpp"
 #include "kiln/data/shard.hpp"
+#include "kiln_test.hpp"
 
 using namespace kiln;
 using namespace kiln::data;
@@ -56,18 +57,6 @@ std::string trained_text(const TextTokenizer& t, const Tokenized& x) {
   return t.decode(ids);
 }
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/kiln_sft_XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
 }  // namespace
 
 TEST_CASE("Llama 3's template: headers, trimmed contents, the assistant's turns trained with their <|eot_id|>") {
@@ -96,22 +85,22 @@ TEST_CASE("ChatML: <|im_start|>role, the assistant's content and <|im_end|> trai
 }
 
 TEST_CASE("the template is chosen by name, from tokenizer_config.json, or by the tokenizer's special tokens") {
-  TempDir d;
+  const test::TempDir d("sft-1");
   auto l = llama3();
   auto c = chatml();
   CHECK(choose_chat_template("chatml", l, "") == ChatTemplate::chatml);
   CHECK(choose_chat_template("auto", l, "") == ChatTemplate::llama3);
   CHECK(choose_chat_template("auto", c, "") == ChatTemplate::chatml);
-  std::ofstream(d.path + "/tokenizer_config.json") << R"({"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}"})";
-  CHECK(choose_chat_template("auto", l, d.path) == ChatTemplate::chatml);
+  std::ofstream(d.path().string() + "/tokenizer_config.json") << R"({"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}"})";
+  CHECK(choose_chat_template("auto", l, d.path().string()) == ChatTemplate::chatml);
   CHECK_THROWS_WITH(choose_chat_template("vicuna", l, ""), doctest::Contains("llama3 and chatml"));
   auto none = FakeTokenizer({});
   CHECK_THROWS_WITH(choose_chat_template("auto", none, ""), doctest::Contains("no chat template"));
 }
 
 TEST_CASE("JSONL conversations become packed shards with masks; the last examples go to validation") {
-  TempDir d;
-  std::ofstream(d.path + "/chat.jsonl")
+  const test::TempDir d("sft-2");
+  std::ofstream(d.path().string() + "/chat.jsonl")
       << R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "bb"}]})" << "\n\n"
       << R"({"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "ddd"}]})" << "\n"
       << R"({"messages": [{"role": "user", "content": "e"}, {"role": "assistant", "content": "f"}]})" << "\n";
@@ -121,15 +110,15 @@ TEST_CASE("JSONL conversations become packed shards with masks; the last example
   o.tokenizer = &tk;
   o.val_fraction = 0.34;
   o.shard_tokens = 40;
-  const SftResult r = tokenize_sft_files({d.path + "/chat.jsonl"}, d.path + "/out", o);
+  const SftResult r = tokenize_sft_files({d.path().string() + "/chat.jsonl"}, d.path().string() + "/out", o);
   CHECK(r.examples == 3);
   CHECK(r.trained_tokens == 3 + 4 + 2);  // each answer and its <|im_end|>
-  CHECK(fs::exists(d.path + "/out/train_000000.bin"));
-  CHECK(fs::exists(d.path + "/out/train_000000.mask"));
-  CHECK(fs::exists(d.path + "/out/val_000000.mask"));
+  CHECK(fs::exists(d.path().string() + "/out/train_000000.bin"));
+  CHECK(fs::exists(d.path().string() + "/out/train_000000.mask"));
+  CHECK(fs::exists(d.path().string() + "/out/val_000000.mask"));
   // The first example alone: 40-token shards split the second example across train_000000/1.
-  const TokenShard shard(d.path + "/out/train_000000.bin", ShardFormat::auto_);
-  const TokenMask mask(d.path + "/out/train_000000.mask", shard.size());
+  const TokenShard shard(d.path().string() + "/out/train_000000.bin", ShardFormat::auto_);
+  const TokenMask mask(d.path().string() + "/out/train_000000.mask", shard.size());
   std::vector<std::uint8_t> flags(shard.size());
   mask.read(0, flags.size(), flags.data());
   const auto first = encode_chat(tk, ChatTemplate::chatml, {{"user", "a"}, {"assistant", "bb"}});
@@ -141,20 +130,20 @@ TEST_CASE("JSONL conversations become packed shards with masks; the last example
 }
 
 TEST_CASE("prompt-completion lines and bad lines named by file, line and key") {
-  TempDir d;
+  const test::TempDir d("sft-3");
   auto tk = llama3();
   SftOptions o;
   o.tokenizer = &tk;
   o.format = SftFormat::prompt_completion;
   o.val_fraction = 0;
-  std::ofstream(d.path + "/pc.jsonl") << R"({"prompt": "Say hi", "completion": "hi"})" << "\n";
-  const SftResult r = tokenize_sft_files({d.path + "/pc.jsonl"}, d.path + "/pc", o);
+  std::ofstream(d.path().string() + "/pc.jsonl") << R"({"prompt": "Say hi", "completion": "hi"})" << "\n";
+  const SftResult r = tokenize_sft_files({d.path().string() + "/pc.jsonl"}, d.path().string() + "/pc", o);
   CHECK(r.trained_tokens == 3);  // "hi" and <|eot_id|>
   auto error_of = [&](const std::string& line, SftFormat f) {
-    std::ofstream(d.path + "/bad.jsonl") << "\n" << line << "\n";
+    std::ofstream(d.path().string() + "/bad.jsonl") << "\n" << line << "\n";
     o.format = f;
     try {
-      tokenize_sft_files({d.path + "/bad.jsonl"}, d.path + "/bad", o);
+      tokenize_sft_files({d.path().string() + "/bad.jsonl"}, d.path().string() + "/bad", o);
     } catch (const FileError& e) {
       return std::string(e.what());
     }

@@ -13,23 +13,12 @@
 #include "kiln/interop/hf_llama.hpp"
 #include "kiln/model/hf.hpp"
 #include "kiln/tensor/bf16.hpp"
+#include "kiln_test.hpp"
 
 using namespace kiln;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/kiln_hf_llama_XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 // The fixture's shape as kiln reads it (its vocabulary padded to kiln's multiple of 128).
 interop::LlamaShape shape_of(const std::string& dir) {
@@ -82,11 +71,11 @@ TEST_CASE("the layout fuses q/k/v and gate/up by rows and pads the vocabulary") 
 }
 
 TEST_CASE("config.json sets the model's shape, GQA and llama3 rope scaling included") {
-  TempDir d;
+  const test::TempDir d("hf-llama-1");
   test::HfLlamaFixture f;
   f.rope_scaling = true;
-  f.write(d.path);
-  const model::ModelConfig cfg = model::config_from_hf_dir({}, model::classify_hf_path(d.path));
+  f.write(d.path().string());
+  const model::ModelConfig cfg = model::config_from_hf_dir({}, model::classify_hf_path(d.path().string()));
   CHECK(cfg.llama());
   CHECK(cfg.n_layer == 2);
   CHECK(cfg.n_head == 4);
@@ -102,8 +91,8 @@ TEST_CASE("config.json sets the model's shape, GQA and llama3 rope scaling inclu
   CHECK(cfg.rope_scaling.original_max_seq_len == 16);
   // And back: the export's config.json reads to the same shape.
   const std::string text = interop::hf_llama_config_json(model::llama_shape(cfg), DType::bf16, R"({"bos_token_id": 1})");
-  std::ofstream(fs::path(d.path) / "config.json") << text;
-  const model::ModelConfig again = model::config_from_hf_dir({}, model::classify_hf_path(d.path));
+  std::ofstream(fs::path(d.path().string()) / "config.json") << text;
+  const model::ModelConfig again = model::config_from_hf_dir({}, model::classify_hf_path(d.path().string()));
   CHECK(model::llama_shape(again).rope_factor == 8.0f);
   CHECK(again.kv_heads() == 2);
   const auto j = nlohmann::json::parse(text);
@@ -113,24 +102,24 @@ TEST_CASE("config.json sets the model's shape, GQA and llama3 rope scaling inclu
 }
 
 TEST_CASE("transformers 5's rope_parameters stand for rope_theta and rope_scaling") {
-  TempDir d;
-  test::HfLlamaFixture().write(d.path);
-  edit_config(d.path, [](auto& j) {
+  const test::TempDir d("hf-llama-2");
+  test::HfLlamaFixture().write(d.path().string());
+  edit_config(d.path().string(), [](auto& j) {
     j.erase("rope_theta");
     j["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 32.0},
                             {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
                             {"original_max_position_embeddings", 8192}};
   });
-  auto s = interop::read_hf_llama_config(d.path + "/config.json");
+  auto s = interop::read_hf_llama_config(d.path().string() + "/config.json");
   CHECK(s.rope_theta == 500000.0f);
   CHECK(s.rope_factor == 32.0f);
   CHECK(s.rope_original_max_seq_len == 8192);
-  edit_config(d.path, [](auto& j) { j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 250000.0}}; });
-  s = interop::read_hf_llama_config(d.path + "/config.json");
+  edit_config(d.path().string(), [](auto& j) { j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 250000.0}}; });
+  s = interop::read_hf_llama_config(d.path().string() + "/config.json");
   CHECK(s.rope_theta == 250000.0f);
   CHECK(s.rope_factor == 0.0f);
-  edit_config(d.path, [](auto& j) { j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0}}; });
-  CHECK(error_of([&] { interop::read_hf_llama_config(d.path + "/config.json"); }).find("'rope_parameters.rope_type'") !=
+  edit_config(d.path().string(), [](auto& j) { j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0}}; });
+  CHECK(error_of([&] { interop::read_hf_llama_config(d.path().string() + "/config.json"); }).find("'rope_parameters.rope_type'") !=
         std::string::npos);
   // The export writes both spellings with the same numbers.
   s.rope_factor = 8, s.rope_theta = 500000;
@@ -146,14 +135,14 @@ TEST_CASE("reading gives kiln's fused tensors, any range of them, from one file 
     for (bool tied : {false, true}) {
       CAPTURE(shards);
       CAPTURE(tied);
-      TempDir d;
+      const test::TempDir d("hf-llama-101");
       test::HfLlamaFixture f;
       f.shards = shards;
       f.tied = tied;
-      f.write(d.path);
+      f.write(d.path().string());
       std::map<std::string, std::vector<float>> hf;
       for (auto& [name, t] : f.tensors()) hf[name] = t.second;
-      interop::HfLlamaReader r(shape_of(d.path), d.path);
+      interop::HfLlamaReader r(shape_of(d.path().string()), d.path().string());
       CHECK(r.checkpoint().sharded() == (shards > 1));
       // qkv = q | k | v by rows.
       const auto qkv = r.read("blocks.1.attn.qkv.weight");
@@ -187,12 +176,12 @@ TEST_CASE("reading gives kiln's fused tensors, any range of them, from one file 
 TEST_CASE("an f32 export writes back every tensor byte for byte, in one file or shards with the index") {
   for (bool tied : {false, true}) {
     CAPTURE(tied);
-    TempDir d;
+    const test::TempDir d("hf-llama-102");
     test::HfLlamaFixture f;
     f.tied = tied;
     f.rope_scaling = true;
     f.shards = 2;
-    const std::string in = d.path + "/in", out = d.path + "/out";
+    const std::string in = d.path().string() + "/in", out = d.path().string() + "/out";
     f.write(in);
     interop::HfLlamaReader r(shape_of(in), in);
     const auto shape = shape_of(in);
@@ -222,13 +211,13 @@ TEST_CASE("an f32 export writes back every tensor byte for byte, in one file or 
 }
 
 TEST_CASE("a bf16 export rounds to nearest even") {
-  TempDir d;
+  const test::TempDir d("hf-llama-3");
   test::HfLlamaFixture f;
-  f.write(d.path + "/in");
-  interop::HfLlamaReader r(shape_of(d.path + "/in"), d.path + "/in");
-  interop::export_hf_llama(shape_of(d.path + "/in"), [&](const std::string& n) { return r.read(n); }, d.path + "/out",
+  f.write(d.path().string() + "/in");
+  interop::HfLlamaReader r(shape_of(d.path().string() + "/in"), d.path().string() + "/in");
+  interop::export_hf_llama(shape_of(d.path().string() + "/in"), [&](const std::string& n) { return r.read(n); }, d.path().string() + "/out",
                            DType::bf16);
-  interop::SafetensorsFile file(d.path + "/out/model.safetensors");
+  interop::SafetensorsFile file(d.path().string() + "/out/model.safetensors");
   CHECK(file.find("model.norm.weight")->dtype == "BF16");
   const auto got = interop::read_f32(file, "model.layers.0.mlp.down_proj.weight");
   const auto want = r.read("blocks.0.mlp.proj.weight");
@@ -253,73 +242,73 @@ TEST_CASE("config.json fields kiln cannot honour are errors naming the file and 
   };
   for (const auto& [edit, key] : cases) {
     CAPTURE(key);
-    TempDir d;
-    test::HfLlamaFixture().write(d.path);
-    edit_config(d.path, edit);
-    const std::string e = error_of([&] { interop::read_hf_llama_config(d.path + "/config.json"); });
-    CHECK(e.find(d.path + "/config.json") != std::string::npos);
+    const test::TempDir d("hf-llama-103");
+    test::HfLlamaFixture().write(d.path().string());
+    edit_config(d.path().string(), edit);
+    const std::string e = error_of([&] { interop::read_hf_llama_config(d.path().string() + "/config.json"); });
+    CHECK(e.find(d.path().string() + "/config.json") != std::string::npos);
     CHECK(e.find("'" + key + "'") != std::string::npos);
   }
-  TempDir d;
-  test::HfLlamaFixture().write(d.path);
-  edit_config(d.path, [](auto& j) { j["model_type"] = "mistral"; });
-  CHECK(error_of([&] { model::classify_hf_path(d.path); }).find("model_type") != std::string::npos);
+  const test::TempDir d("hf-llama-4");
+  test::HfLlamaFixture().write(d.path().string());
+  edit_config(d.path().string(), [](auto& j) { j["model_type"] = "mistral"; });
+  CHECK(error_of([&] { model::classify_hf_path(d.path().string()); }).find("model_type") != std::string::npos);
 }
 
 TEST_CASE("bad weights are errors naming the file and the tensor") {
-  TempDir d;
+  const test::TempDir d("hf-llama-5");
   test::HfLlamaFixture f;
   f.shards = 2;
-  f.write(d.path + "/a");
-  const auto shape = shape_of(d.path + "/a");
+  f.write(d.path().string() + "/a");
+  const auto shape = shape_of(d.path().string() + "/a");
   // A shard the index names is missing.
-  fs::remove(d.path + "/a/model-00002-of-00002.safetensors");
-  std::string e = error_of([&] { interop::HfLlamaReader(shape, d.path + "/a"); });
+  fs::remove(d.path().string() + "/a/model-00002-of-00002.safetensors");
+  std::string e = error_of([&] { interop::HfLlamaReader(shape, d.path().string() + "/a"); });
   CHECK(e.find("model.safetensors.index.json") != std::string::npos);
   CHECK(e.find("model-00002-of-00002.safetensors") != std::string::npos);
   // No weights at all.
-  fs::remove(d.path + "/a/model.safetensors.index.json");
-  CHECK(error_of([&] { interop::HfLlamaReader(shape, d.path + "/a"); }).find("model.safetensors") != std::string::npos);
+  fs::remove(d.path().string() + "/a/model.safetensors.index.json");
+  CHECK(error_of([&] { interop::HfLlamaReader(shape, d.path().string() + "/a"); }).find("model.safetensors") != std::string::npos);
 
   // A shape that does not fit config.json.
   test::HfLlamaFixture g;
-  g.write(d.path + "/b");
-  edit_config(d.path + "/b", [](auto& j) { j["intermediate_size"] = 40; });
-  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path + "/b"), d.path + "/b"); });
+  g.write(d.path().string() + "/b");
+  edit_config(d.path().string() + "/b", [](auto& j) { j["intermediate_size"] = 40; });
+  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path().string() + "/b"), d.path().string() + "/b"); });
   CHECK(e.find("model.layers.0.mlp.gate_proj.weight") != std::string::npos);
   CHECK(e.find("[48, 32]") != std::string::npos);
   CHECK(e.find("[40, 32]") != std::string::npos);
 
   // An untied model without its head; a tied one whose head differs from the embedding.
-  g.write(d.path + "/c");
-  edit_config(d.path + "/c", [](auto& j) { j["tie_word_embeddings"] = true; });
-  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path + "/c"), d.path + "/c"); });
+  g.write(d.path().string() + "/c");
+  edit_config(d.path().string() + "/c", [](auto& j) { j["tie_word_embeddings"] = true; });
+  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path().string() + "/c"), d.path().string() + "/c"); });
   CHECK(e.find("lm_head.weight") != std::string::npos);
   CHECK(e.find("tie_word_embeddings") != std::string::npos);
   test::HfLlamaFixture tied;
   tied.tied = true;
-  tied.write(d.path + "/e");
-  edit_config(d.path + "/e", [](auto& j) { j["tie_word_embeddings"] = false; });
-  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path + "/e"), d.path + "/e"); });
+  tied.write(d.path().string() + "/e");
+  edit_config(d.path().string() + "/e", [](auto& j) { j["tie_word_embeddings"] = false; });
+  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path().string() + "/e"), d.path().string() + "/e"); });
   CHECK(e.find("'lm_head.weight'") != std::string::npos);
   CHECK(e.find("missing") != std::string::npos);
   // A tensor kiln has no parameter for.
   g.layers = 3;
-  g.write(d.path + "/f");
-  edit_config(d.path + "/f", [](auto& j) { j["num_hidden_layers"] = 2; });
-  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path + "/f"), d.path + "/f"); });
+  g.write(d.path().string() + "/f");
+  edit_config(d.path().string() + "/f", [](auto& j) { j["num_hidden_layers"] = 2; });
+  e = error_of([&] { interop::HfLlamaReader(shape_of(d.path().string() + "/f"), d.path().string() + "/f"); });
   CHECK(e.find("model.layers.2.") != std::string::npos);
   CHECK(e.find("not a parameter") != std::string::npos);
 }
 
 TEST_CASE("[model] init_from a Hugging Face directory fills the shape keys; a conflicting key is an error") {
-  TempDir d;
+  const test::TempDir d("hf-llama-6");
   test::HfLlamaFixture f;
-  f.write(d.path);
+  f.write(d.path().string());
   auto complete = [&](const std::string& toml) {
     const config::Node doc = config::parse_toml_text(toml, "p.toml");
     model::ModelConfig cfg;
-    cfg.init_from = d.path;
+    cfg.init_from = d.path().string();
     // What the schema would have read from the section.
     if (const auto* m = doc.find("model"); m && m->find("n_layer")) cfg.n_layer = static_cast<int>(m->find("n_layer")->integer);
     if (const auto* m = doc.find("model"); m && m->find("arch") && m->find("arch")->string == "llama")

@@ -9,6 +9,7 @@
 #include "kiln/interop/hf_llama.hpp"
 #include "kiln/model/hf.hpp"
 #include "parallel_fixture.hpp"
+#include "kiln_test.hpp"
 
 using namespace kiln;
 namespace fs = std::filesystem;
@@ -37,29 +38,17 @@ synthetic_vocab = 100
 timeout_s = 60
 )";
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/kiln_hf_init_XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
 }  // namespace
 
 TEST_CASE("init_from a Hugging Face Llama gives the same weights on one rank, TP = 2 and FSDP = 2") {
-  TempDir d;
+  const test::TempDir d("hf-init-1");
   test::HfLlamaFixture f;
   f.rope_scaling = true;
   f.shards = 2;
-  f.write(d.path);
-  const model::ModelConfig cfg = model::config_from_hf_dir({}, model::classify_hf_path(d.path));
-  interop::HfLlamaReader reader(model::llama_shape(cfg), d.path);
-  const test::Sets from = {"model.init_from=\"" + d.path + "\""};
+  f.write(d.path().string());
+  const model::ModelConfig cfg = model::config_from_hf_dir({}, model::classify_hf_path(d.path().string()));
+  interop::HfLlamaReader reader(model::llama_shape(cfg), d.path().string());
+  const test::Sets from = {"model.init_from=\"" + d.path().string() + "\""};
   for (const auto& [nproc, layout] : {std::pair{1, test::Sets{}}, {2, test::Sets{"parallel.tp=2"}},
                                       {2, test::Sets{"fsdp.strategy=\"full_shard\""}}}) {
     CAPTURE(nproc);
@@ -77,10 +66,10 @@ TEST_CASE("init_from a Hugging Face Llama gives the same weights on one rank, TP
 }
 
 TEST_CASE("a run started from a Hugging Face Llama trains, the same on one rank and on TP = 2") {
-  TempDir d;
+  const test::TempDir d("hf-init-2");
   test::HfLlamaFixture f;
-  f.write(d.path);
-  const test::Sets sets = {"model.init_from=\"" + d.path + "\"", "train.steps=4"};
+  f.write(d.path().string());
+  const test::Sets sets = {"model.init_from=\"" + d.path().string() + "\"", "train.steps=4"};
   const test::Trace one = test::run_ranks(kFromHf, 1, sets);
   const test::Trace two = test::run_ranks(kFromHf, 2, test::operator+(sets, test::Sets{"parallel.tp=2"}));
   REQUIRE(one.loss.size() == 4);
@@ -90,14 +79,14 @@ TEST_CASE("a run started from a Hugging Face Llama trains, the same on one rank 
 }
 
 TEST_CASE("init_from problems are config errors naming the key") {
-  TempDir d;
+  const test::TempDir d("hf-init-3");
   std::string failures;
-  test::run_ranks(kFromHf, 1, {"model.init_from=\"" + d.path + "/none\""}, nullptr, &failures);
+  test::run_ranks(kFromHf, 1, {"model.init_from=\"" + d.path().string() + "/none\""}, nullptr, &failures);
   CHECK(failures.find("model.init_from") != std::string::npos);
   CHECK(failures.find("no such file or directory") != std::string::npos);
   test::HfLlamaFixture f;
-  f.write(d.path);
+  f.write(d.path().string());
   // The pipeline says gpt2 where config.json says llama.
-  CHECK_THROWS_WITH(test::run_ranks(kFromHf, 1, {"model.init_from=\"" + d.path + "\"", "model.arch=gpt2"}),
+  CHECK_THROWS_WITH(test::run_ranks(kFromHf, 1, {"model.init_from=\"" + d.path().string() + "\"", "model.arch=gpt2"}),
                     doctest::Contains("model.arch differs from 'model_type'"));
 }

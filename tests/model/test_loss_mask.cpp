@@ -10,6 +10,7 @@
 #include "kiln/data/loader.hpp"
 #include "kiln/data/shard.hpp"
 #include "parallel_fixture.hpp"
+#include "kiln_test.hpp"
 
 using namespace kiln;
 namespace fs = std::filesystem;
@@ -43,18 +44,6 @@ timeout_s = 60
 
 constexpr int T = 16, kWindows = 8;
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/kiln_mask_XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
 // Windows of T + 1 tokens that overlap by one (window w is tokens [w T, w T + T]).
 std::vector<std::uint16_t> random_tokens(std::uint32_t seed, std::size_t n) {
   std::mt19937 g(seed);
@@ -68,14 +57,14 @@ test::Sets data_from(const std::string& dir) { return {"data.train_files=\"" + d
 }  // namespace
 
 TEST_CASE("a window's targets are -1 where the mask does not train on them") {
-  TempDir d;
+  const test::TempDir d("loss-mask-1");
   const auto tokens = random_tokens(1, kWindows * T + 1);
   std::vector<std::uint8_t> flags(tokens.size());
   for (std::size_t i = 0; i < flags.size(); ++i) flags[i] = (i % 3 == 0 ? data::kTrained : 0) | (i == 0 ? data::kDocumentStart : 0);
-  data::write_llmc_shard(d.path + "/train_000000.bin", tokens);
-  data::write_token_mask(d.path + "/train_000000.mask", flags);
+  data::write_llmc_shard(d.path().string() + "/train_000000.bin", tokens);
+  data::write_token_mask(d.path().string() + "/train_000000.mask", flags);
   std::vector<data::TokenShard> shards;
-  shards.emplace_back(d.path + "/train_000000.bin", data::ShardFormat::auto_);
+  shards.emplace_back(d.path().string() + "/train_000000.bin", data::ShardFormat::auto_);
   data::WindowIndex index(std::move(shards), T);
   CHECK(index.masked());
   std::vector<std::int32_t> in(T), tg(T);
@@ -91,41 +80,42 @@ TEST_CASE("a window's targets are -1 where the mask does not train on them") {
 }
 
 TEST_CASE("bad masks are errors naming the file") {
-  TempDir d;
+  const test::TempDir d("loss-mask-2");
   const auto tokens = random_tokens(2, 40);
-  data::write_llmc_shard(d.path + "/train_000000.bin", tokens);
-  data::write_llmc_shard(d.path + "/train_000001.bin", tokens);
-  data::write_token_mask(d.path + "/train_000000.mask", std::vector<std::uint8_t>(39, 1));
-  CHECK_THROWS_WITH(data::TokenMask(d.path + "/train_000000.mask", 40),
+  data::write_llmc_shard(d.path().string() + "/train_000000.bin", tokens);
+  data::write_llmc_shard(d.path().string() + "/train_000001.bin", tokens);
+  data::write_token_mask(d.path().string() + "/train_000000.mask", std::vector<std::uint8_t>(39, 1));
+  CHECK_THROWS_WITH(data::TokenMask(d.path().string() + "/train_000000.mask", 40),
                     doctest::Contains("train_000000.mask: holds 39 flags but its shard has 40 tokens"));
-  data::write_token_mask(d.path + "/train_000000.mask", std::vector<std::uint8_t>(40, 1));
+  data::write_token_mask(d.path().string() + "/train_000000.mask", std::vector<std::uint8_t>(40, 1));
   std::vector<data::TokenShard> shards;
-  shards.emplace_back(d.path + "/train_000000.bin", data::ShardFormat::auto_);
-  shards.emplace_back(d.path + "/train_000001.bin", data::ShardFormat::auto_);
+  shards.emplace_back(d.path().string() + "/train_000000.bin", data::ShardFormat::auto_);
+  shards.emplace_back(d.path().string() + "/train_000001.bin", data::ShardFormat::auto_);
   CHECK_THROWS_WITH(data::WindowIndex(std::move(shards), T), doctest::Contains("train_000001.bin: has no loss mask"));
-  data::write_llmc_shard(d.path + "/x.mask", tokens);  // a token shard where a mask should be
-  CHECK_THROWS_WITH(data::TokenMask(d.path + "/x.mask", 40), doctest::Contains("not a kiln loss mask"));
+  data::write_llmc_shard(d.path().string() + "/x.mask", tokens);  // a token shard where a mask should be
+  CHECK_THROWS_WITH(data::TokenMask(d.path().string() + "/x.mask", 40), doctest::Contains("not a kiln loss mask"));
 }
 
 TEST_CASE("the masked loss is the mean over the trained targets: one sequence trained equals a batch of it") {
   // Window 3 is trained on; the other seven are masked out. The reference: eight copies of window 3,
   // all trained on. The first step's loss and gradients (before any update) must agree.
-  TempDir masked, copies;
+  const test::TempDir masked("loss-mask-3");
+  const test::TempDir copies("loss-mask-4");
   const auto tokens = random_tokens(3, kWindows * T + 1);
   std::vector<std::uint8_t> flags(tokens.size(), 0);
   for (int t = 1; t <= T; ++t) flags[3 * T + t] = data::kTrained;
-  data::write_llmc_shard(masked.path + "/train_000000.bin", tokens);
-  data::write_token_mask(masked.path + "/train_000000.mask", flags);
+  data::write_llmc_shard(masked.path().string() + "/train_000000.bin", tokens);
+  data::write_token_mask(masked.path().string() + "/train_000000.mask", flags);
   // Eight shards of window 3's T + 1 tokens: one window each.
   std::vector<std::uint16_t> repeated;
   for (int w = 0; w < kWindows; ++w) {
     repeated.insert(repeated.end(), tokens.begin() + 3 * T, tokens.begin() + 4 * T + 1);
-    data::write_llmc_shard(copies.path + "/train_00000" + std::to_string(w) + ".bin", repeated);
+    data::write_llmc_shard(copies.path().string() + "/train_00000" + std::to_string(w) + ".bin", repeated);
     repeated.clear();
   }
   const test::Sets one = {"train.steps=1"};
-  const test::Trace a = test::run_ranks(kTiny, 1, test::operator+(data_from(masked.path), one));
-  const test::Trace b = test::run_ranks(kTiny, 1, test::operator+(data_from(copies.path), one));
+  const test::Trace a = test::run_ranks(kTiny, 1, test::operator+(data_from(masked.path().string()), one));
+  const test::Trace b = test::run_ranks(kTiny, 1, test::operator+(data_from(copies.path().string()), one));
   REQUIRE(a.loss.size() == 1);
   CHECK(a.loss[0] == doctest::Approx(b.loss[0]).epsilon(1e-6));
   for (const auto& [name, g] : b.grads[0]) {
@@ -141,7 +131,7 @@ TEST_CASE("the masked loss is the mean over the trained targets: one sequence tr
 }
 
 TEST_CASE("the masked loss does not depend on the split: DP = 2, TP = 2, micro-batches") {
-  TempDir d;
+  const test::TempDir d("loss-mask-5");
   const auto tokens = random_tokens(4, 2 * kWindows * T + 1);
   std::mt19937 g(5);
   std::vector<std::uint8_t> flags(tokens.size());
@@ -150,16 +140,16 @@ TEST_CASE("the masked loss does not depend on the split: DP = 2, TP = 2, micro-b
     const std::size_t w = i / T;
     flags[i] = (g() % 8 < w % 9) ? data::kTrained : 0;
   }
-  data::write_llmc_shard(d.path + "/train_000000.bin", tokens);
-  data::write_token_mask(d.path + "/train_000000.mask", flags);
-  const test::Trace ref = test::run_ranks(kTiny, 1, data_from(d.path));
+  data::write_llmc_shard(d.path().string() + "/train_000000.bin", tokens);
+  data::write_token_mask(d.path().string() + "/train_000000.mask", flags);
+  const test::Trace ref = test::run_ranks(kTiny, 1, data_from(d.path().string()));
   REQUIRE(ref.loss.size() == 3);
   for (const auto& [nproc, sets] :
        {std::pair{2, test::Sets{}}, {2, test::Sets{"parallel.tp=2"}}, {1, test::Sets{"train.micro_batch_size=2"}},
         {2, test::Sets{"train.micro_batch_size=1"}}}) {
     CAPTURE(nproc);
     CAPTURE(sets.empty() ? "DP = 2" : sets[0]);
-    const test::Trace t = test::run_ranks(kTiny, nproc, test::operator+(data_from(d.path), sets));
+    const test::Trace t = test::run_ranks(kTiny, nproc, test::operator+(data_from(d.path().string()), sets));
     for (std::size_t s = 0; s < ref.loss.size(); ++s) CHECK(t.loss[s] == doctest::Approx(ref.loss[s]).epsilon(1e-5));
   }
 }

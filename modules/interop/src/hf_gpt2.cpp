@@ -9,6 +9,7 @@
 
 #include "kiln/checkpoint/files.hpp"
 #include "kiln/interop/safetensors.hpp"
+#include "hf_common.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 
@@ -16,28 +17,15 @@ namespace kiln::interop {
 
 namespace {
 
+using detail::numel;
+using detail::shape_str;
+using detail::short_double;
+
 constexpr std::string_view kPrefix = "transformer.";
-
-std::int64_t numel(const std::vector<std::int64_t>& shape) {
-  return std::accumulate(shape.begin(), shape.end(), std::int64_t{1}, std::multiplies<>());
-}
-
-std::string shape_str(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 std::string config_str(const Gpt2Shape& c) {
   return cat("n_layer ", c.n_layer, ", n_embd ", c.n_embd, ", vocab_size ", c.vocab_size, ", max_seq_len ",
              c.max_seq_len);
-}
-
-// A float as the shortest decimal that reads back to it, so config.json shows 1e-05, not 9.99999974e-06.
-double short_double(float f) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof buf, f);
-  return std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
 }
 
 // The causal-mask buffers older GPT-2 checkpoints carry: h.N.attn.bias and h.N.attn.masked_bias.

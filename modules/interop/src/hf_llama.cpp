@@ -8,6 +8,7 @@
 #include <set>
 
 #include "kiln/checkpoint/files.hpp"
+#include "hf_common.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 
@@ -15,27 +16,14 @@ namespace kiln::interop {
 
 namespace {
 
-std::int64_t numel(const std::vector<std::int64_t>& shape) {
-  return std::accumulate(shape.begin(), shape.end(), std::int64_t{1}, std::multiplies<>());
-}
-
-std::string shape_str(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
+using detail::numel;
+using detail::shape_str;
+using detail::short_double;
 
 std::string config_str(const LlamaShape& c) {
   return cat("num_hidden_layers ", c.n_layer, ", hidden_size ", c.n_embd, ", num_attention_heads ", c.n_head,
              ", num_key_value_heads ", c.n_kv_head, ", intermediate_size ", c.ffn_hidden, ", vocab_size ",
              c.vocab_size);
-}
-
-// A float as the shortest decimal that reads back to it (1e-05, not 9.99999974e-06).
-double short_double(float f) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof buf, f);
-  return std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
 }
 
 // model.layers.N.self_attn.rotary_emb.inv_freq: a buffer older exports saved, not a parameter.
@@ -111,9 +99,14 @@ HfLlamaReader::HfLlamaReader(const LlamaShape& shape, const std::string& dir)
   }
 }
 
-void HfLlamaReader::read(const std::string& kiln_name, std::int64_t begin, std::int64_t count, float* out) {
+const HfLlamaTensor& HfLlamaReader::find(const std::string& kiln_name) const {
   const auto it = std::find_if(layout_.begin(), layout_.end(), [&](const auto& t) { return t.kiln_name == kiln_name; });
   if (it == layout_.end()) KILN_FILE_ERROR(ckpt_.dir(), ": no tensor for kiln's parameter '", kiln_name, "'");
+  return *it;
+}
+
+void HfLlamaReader::read(const std::string& kiln_name, std::int64_t begin, std::int64_t count, float* out) {
+  const HfLlamaTensor* it = &find(kiln_name);
   const std::int64_t total = numel(it->kiln_shape);
   KILN_CHECK(begin >= 0 && count >= 0 && begin + count <= total, kiln_name, ": values [", begin, ", ", begin + count,
              ") outside its ", total);
@@ -142,14 +135,14 @@ void HfLlamaReader::read(const std::string& kiln_name, std::int64_t begin, std::
 }
 
 std::vector<float> HfLlamaReader::read(const std::string& kiln_name) {
-  const auto it = std::find_if(layout_.begin(), layout_.end(), [&](const auto& t) { return t.kiln_name == kiln_name; });
-  if (it == layout_.end()) KILN_FILE_ERROR(ckpt_.dir(), ": no tensor for kiln's parameter '", kiln_name, "'");
-  std::vector<float> out(static_cast<std::size_t>(numel(it->kiln_shape)));
+  std::vector<float> out(static_cast<std::size_t>(numel(find(kiln_name).kiln_shape)));
   read(kiln_name, 0, static_cast<std::int64_t>(out.size()), out.data());
   return out;
 }
 
-std::string hf_model_type(const std::string& config_json) {
+namespace {
+// A config.json's object; a FileError naming it if it is not one.
+nlohmann::json read_config_object(const std::string& config_json) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(checkpoint::read_text_file(config_json));
@@ -157,17 +150,17 @@ std::string hf_model_type(const std::string& config_json) {
     KILN_FILE_ERROR(config_json, ": not valid JSON: ", e.what());
   }
   if (!j.is_object()) KILN_FILE_ERROR(config_json, ": not a JSON object");
+  return j;
+}
+}  // namespace
+
+std::string hf_model_type(const std::string& config_json) {
+  const nlohmann::json j = read_config_object(config_json);
   return j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "";
 }
 
 LlamaShape read_hf_llama_config(const std::string& config_json) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(checkpoint::read_text_file(config_json));
-  } catch (const nlohmann::json::exception& e) {
-    KILN_FILE_ERROR(config_json, ": not valid JSON: ", e.what());
-  }
-  if (!j.is_object()) KILN_FILE_ERROR(config_json, ": not a JSON object");
+  nlohmann::json j = read_config_object(config_json);
   const auto fail = [&](const std::string& key, auto&&... what) {
     KILN_FILE_ERROR(config_json, ": key '", key, "' ", what...);
   };

@@ -63,6 +63,7 @@ class HfLlamaReader {
   HfCheckpoint& checkpoint() { return ckpt_; }
 
  private:
+  const HfLlamaTensor& find(const std::string& kiln_name) const;
   LlamaShape shape_;
   std::vector<HfLlamaTensor> layout_;
   HfCheckpoint ckpt_;
