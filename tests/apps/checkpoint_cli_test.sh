@@ -208,7 +208,7 @@ expect 0 "exported hf" -- "$KILN" export hf -o hf3
 expect 2 "model.n_layer differs from 'num_hidden_layers'" -- \
   "$KILN" run llama-ft.toml --set model.init_from=hf --set model.n_layer=3
 sed -i 's/"llama3"/"yarn"/' hf3/config.json
-expect 2 "'rope_scaling.rope_type'" -- "$KILN" run llama-ft.toml --set model.init_from=hf3
+expect 2 "rope_type' is \"yarn\"; kiln implements \"llama3\"" -- "$KILN" run llama-ft.toml --set model.init_from=hf3
 expect 0 "" -- "$KILN" generate hf --prompt-ids "1 2 3" --tokens 4 --temperature 0
 for i in $(seq 40); do echo "THE QUICK BROWN FOX JUMPS OVER 1234567890 LAZY DOGS"; done > upper.txt
 echo "lowercase bytes are beyond a vocabulary of 100" > lower.txt
