@@ -54,9 +54,9 @@ int cmd_eval(const Args& args) {
   if (!parse_args(args, opts, pos)) return 0;
   if (input.empty()) throw po::error("a MODEL (checkpoint, Hugging Face directory or .safetensors) is required");
   if (patterns.empty()) throw po::error("--data SHARDS is required");
-  if (device != "cpu" && device != "cuda" && device != "auto") throw po::error("--device must be cpu, cuda or auto");
   if (seq_len < 0 || max_sequences < 0) throw po::error("--seq-len and --max-sequences must not be negative");
 
+  auto backend = open_backend(device);
   const ModelSource src = open_model(input);
   model::ModelConfig cfg = src.config;
   const int T = seq_len > 0 ? seq_len : std::min(1024, cfg.max_seq_len);
@@ -69,8 +69,6 @@ int cmd_eval(const Args& args) {
   for (const auto& p : patterns)
     for (auto& f : data::expand_glob(p, "--data")) files.push_back(std::move(f));
 
-  const bool cuda = device == "cuda" || (device == "auto" && ops::cuda_available());
-  auto backend = cuda ? ops::make_cuda_backend() : ops::make_cpu_backend();
   model::Generator gen(cfg, *backend, src.weights);
   const int vocab = cfg.vocab_size;
   double total = 0;

@@ -40,7 +40,7 @@ int cmd_generate(const Args& args) {
   if (!parse_args(args, opts, pos)) return 0;
   if (input.empty()) throw po::error("a CHECKPOINT or .safetensors file is required");
   if (tokens < 1) throw po::error("--tokens must be at least 1");
-  if (device != "cpu" && device != "cuda" && device != "auto") throw po::error("--device must be cpu, cuda or auto");
+  auto backend = open_backend(device);
   const ModelSource src = open_model(input);
   const auto tokenizer = model_tokenizer(src, tokenizer_spec);
   std::vector<int> ids;
@@ -57,8 +57,6 @@ int cmd_generate(const Args& args) {
   }
   if (ids.empty()) throw po::error("give a --prompt (or --prompt-ids)");
 
-  const bool cuda = device == "cuda" || (device == "auto" && ops::cuda_available());
-  auto backend = cuda ? ops::make_cuda_backend() : ops::make_cpu_backend();
   // The cache holds max_seq_len positions: a Llama (no position table; Llama 3.1 says 131072) needs
   // only the prompt and the new tokens.
   model::ModelConfig cfg = src.config;

@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <memory>
 
+#include <boost/program_options/errors.hpp>
+
 #include "kiln/builtin.hpp"
 #include "kiln/checkpoint/files.hpp"
 #include "kiln/checkpoint/reader.hpp"
@@ -72,6 +74,13 @@ ModelSource from_hf(const std::string& path) {
 }
 
 }  // namespace
+
+std::unique_ptr<ops::Backend> open_backend(const std::string& device) {
+  if (device != "cpu" && device != "cuda" && device != "auto")
+    throw boost::program_options::error("--device must be cpu, cuda or auto, not '" + device + "'");
+  const bool cuda = device == "cuda" || (device == "auto" && ops::cuda_available());
+  return cuda ? ops::make_cuda_backend() : ops::make_cpu_backend();
+}
 
 bool is_hf_model_dir(const std::string& path) {
   std::error_code ec;

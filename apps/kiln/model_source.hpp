@@ -11,6 +11,7 @@
 #include "kiln/data/tokenizer.hpp"
 #include "kiln/model/config.hpp"
 #include "kiln/model/generator.hpp"
+#include "kiln/ops/backend.hpp"
 
 namespace kiln::app {
 
@@ -22,6 +23,10 @@ struct ModelSource {
   // model.init_from where it still exists): its tokenizer and token ids go with the model.
   std::string hf_dir;
 };
+
+// The backend for `--device` cpu, cuda or auto (cuda when a GPU is visible); another word is a
+// usage error.
+std::unique_ptr<ops::Backend> open_backend(const std::string& device);
 
 // Whether `path` is a directory with a config.json (a Hugging Face model directory).
 bool is_hf_model_dir(const std::string& path);

@@ -1,5 +1,6 @@
 #include "kiln/data/chat.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -95,47 +96,6 @@ ChatTemplate choose_chat_template(const std::string& name, const TextTokenizer& 
 
 namespace {
 
-// The stream of one split, cut into shards as it fills.
-class ShardWriter {
- public:
-  ShardWriter(std::string dir, std::string split, std::int64_t shard_tokens, bool wide, SftResult& result)
-      : dir_(std::move(dir)), split_(std::move(split)), limit_(shard_tokens), wide_(wide), result_(result) {}
-  void add(const Tokenized& t) {
-    tokens_.insert(tokens_.end(), t.tokens.begin(), t.tokens.end());
-    flags_.insert(flags_.end(), t.flags.begin(), t.flags.end());
-    while (static_cast<std::int64_t>(tokens_.size()) >= limit_) flush(static_cast<std::size_t>(limit_));
-  }
-  void finish() {
-    if (!tokens_.empty()) flush(tokens_.size());
-  }
-
- private:
-  void flush(std::size_t n) {
-    char name[64];
-    std::snprintf(name, sizeof name, "%s_%06d", split_.c_str(), index_++);
-    const std::string base = (std::filesystem::path(dir_) / name).string();
-    const std::span<const std::uint32_t> ids(tokens_.data(), n);
-    if (wide_) {
-      write_llmc_shard(base + ".bin", ids);
-    } else {
-      std::vector<std::uint16_t> narrow(ids.begin(), ids.end());
-      write_llmc_shard(base + ".bin", narrow);
-    }
-    write_token_mask(mask_path_of(base + ".bin"), std::span<const std::uint8_t>(flags_.data(), n));
-    result_.files.push_back(base + ".bin");
-    result_.files.push_back(mask_path_of(base + ".bin"));
-    tokens_.erase(tokens_.begin(), tokens_.begin() + static_cast<std::ptrdiff_t>(n));
-    flags_.erase(flags_.begin(), flags_.begin() + static_cast<std::ptrdiff_t>(n));
-  }
-  std::string dir_, split_;
-  std::int64_t limit_;
-  bool wide_;
-  SftResult& result_;
-  int index_ = 0;
-  std::vector<std::uint32_t> tokens_;
-  std::vector<std::uint8_t> flags_;
-};
-
 std::string string_at(const nlohmann::json& j, const char* key, const std::string& where) {
   if (!j.contains(key) || !j[key].is_string()) KILN_FILE_ERROR(where, ": key '", key, "' must be a string");
   return j[key].get<std::string>();
@@ -175,20 +135,32 @@ SftResult tokenize_sft_files(const std::vector<std::string>& inputs, const std::
     }
   }
   if (examples.empty()) KILN_FILE_ERROR(inputs.empty() ? "(no input)" : inputs.front(), ": no examples");
-  std::filesystem::create_directories(out_dir);
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) KILN_FILE_ERROR(out_dir, ": cannot create the output directory: ", ec.message());
   SftResult r;
   r.examples = static_cast<std::int64_t>(examples.size());
-  const bool wide = o.tokenizer->vocab_size() > 65536;
-  const auto val = static_cast<std::size_t>(o.val_fraction * static_cast<double>(examples.size()));
-  ShardWriter train(out_dir, "train", o.shard_tokens, wide, r), valid(out_dir, "val", o.shard_tokens, wide, r);
+  // The examples packed into one stream; the last val_fraction of them (whole) is the validation split.
+  // n_train >= 1: val_fraction < 1.
+  const std::size_t n_train = examples.size() - static_cast<std::size_t>(o.val_fraction * static_cast<double>(examples.size()));
+  Tokenized all;
+  std::size_t train_tokens = 0;
   for (std::size_t i = 0; i < examples.size(); ++i) {
-    const bool is_val = i >= examples.size() - val;
-    (is_val ? valid : train).add(examples[i]);
-    (is_val ? r.val_tokens : r.train_tokens) += static_cast<std::int64_t>(examples[i].tokens.size());
-    for (auto f : examples[i].flags) r.trained_tokens += (f & kTrained) ? 1 : 0;
+    all.tokens.insert(all.tokens.end(), examples[i].tokens.begin(), examples[i].tokens.end());
+    all.flags.insert(all.flags.end(), examples[i].flags.begin(), examples[i].flags.end());
+    if (i + 1 == n_train) train_tokens = all.tokens.size();
   }
-  train.finish();
-  valid.finish();
+  r.train_tokens = static_cast<std::int64_t>(train_tokens);
+  r.val_tokens = static_cast<std::int64_t>(all.tokens.size() - train_tokens);
+  r.trained_tokens = std::count_if(all.flags.begin(), all.flags.end(), [](std::uint8_t f) { return f & kTrained; });
+  const bool wide = o.tokenizer->vocab_size() > 65536;
+  const std::span<const std::uint32_t> tokens(all.tokens);
+  const std::span<const std::uint8_t> flags(all.flags);
+  for (const auto& [split, begin, end] :
+       {std::tuple{"train", std::size_t{0}, train_tokens}, std::tuple{"val", train_tokens, all.tokens.size()}})
+    for (auto& f : write_split_shards(out_dir, split, tokens.subspan(begin, end - begin), flags.subspan(begin, end - begin),
+                                      o.shard_tokens, wide))
+      r.files.push_back(std::move(f));
   return r;
 }
 

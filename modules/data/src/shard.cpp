@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <utility>
@@ -221,6 +222,37 @@ void TokenMask::read(std::size_t first, std::size_t n, std::uint8_t* out) const 
 
 void write_token_mask(const std::string& path, std::span<const std::uint8_t> flags) {
   write_shard(path, kMaskMagic, 1, std::as_bytes(flags), flags.size());
+}
+
+std::vector<std::string> write_split_shards(const std::string& dir, const std::string& split,
+                                            std::span<const std::uint32_t> tokens, std::span<const std::uint8_t> flags,
+                                            std::int64_t shard_tokens, bool wide) {
+  KILN_CHECK(shard_tokens > 0, "tokenize: shard size must be positive");
+  KILN_CHECK(flags.empty() || flags.size() == tokens.size(), "tokenize: ", flags.size(), " flags for ", tokens.size(),
+             " tokens");
+  std::vector<std::string> files;
+  std::vector<std::uint16_t> narrow;
+  int index = 0;
+  for (std::size_t s = 0; s < tokens.size();) {
+    const std::size_t e = std::min(tokens.size(), s + static_cast<std::size_t>(shard_tokens));
+    char name[64];
+    std::snprintf(name, sizeof name, "%s_%06d.bin", split.c_str(), index++);
+    const auto path = (std::filesystem::path(dir) / name).string();
+    const auto part = tokens.subspan(s, e - s);
+    if (wide) {
+      write_llmc_shard(path, part);
+    } else {
+      narrow.assign(part.begin(), part.end());
+      write_llmc_shard(path, std::span<const std::uint16_t>(narrow));
+    }
+    files.push_back(path);
+    if (!flags.empty()) {
+      write_token_mask(mask_path_of(path), flags.subspan(s, e - s));
+      files.push_back(mask_path_of(path));
+    }
+    s = e;
+  }
+  return files;
 }
 
 void write_llmc_shard(const std::string& path, std::span<const std::uint16_t> tokens) {

@@ -161,27 +161,10 @@ TokenizeResult tokenize_files(const std::vector<std::string>& inputs, const std:
   if (ec) KILN_FILE_ERROR(out_dir, ": cannot create the output directory: ", ec.message());
   result.train_tokens = static_cast<std::int64_t>(n_train);
   result.val_tokens = static_cast<std::int64_t>(n_val);
-  std::vector<std::uint16_t> narrow;
-  auto write = [&](const char* split, std::size_t begin, std::size_t end) {
-    int index = 0;
-    for (std::size_t s = begin; s < end;) {
-      std::size_t e = std::min(end, s + static_cast<std::size_t>(options.shard_tokens));
-      char name[64];
-      std::snprintf(name, sizeof name, "%s_%06d.bin", split, index++);
-      auto path = (std::filesystem::path(out_dir) / name).string();
-      std::span<const std::uint32_t> part(tokens.data() + s, e - s);
-      if (wide) {
-        write_llmc_shard(path, part);
-      } else {
-        narrow.assign(part.begin(), part.end());
-        write_llmc_shard(path, std::span<const std::uint16_t>(narrow));
-      }
-      result.files.push_back(path);
-      s = e;
-    }
-  };
-  write("train", 0, n_train);
-  write("val", n_train, tokens.size());
+  const std::span<const std::uint32_t> all(tokens);
+  for (const auto& [split, part] : {std::pair{"train", all.first(n_train)}, std::pair{"val", all.subspan(n_train)}})
+    for (auto& f : write_split_shards(out_dir, split, part, {}, options.shard_tokens, wide))
+      result.files.push_back(std::move(f));
   return result;
 }
 

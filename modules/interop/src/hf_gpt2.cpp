@@ -1,15 +1,13 @@
 #include "kiln/interop/hf_gpt2.hpp"
 
-#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <set>
 
+#include "hf_common.hpp"
 #include "kiln/checkpoint/files.hpp"
 #include "kiln/interop/safetensors.hpp"
-#include "hf_common.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 

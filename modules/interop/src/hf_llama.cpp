@@ -1,14 +1,13 @@
 #include "kiln/interop/hf_llama.hpp"
 
-#include <charconv>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <set>
 
-#include "kiln/checkpoint/files.hpp"
 #include "hf_common.hpp"
+#include "kiln/checkpoint/files.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
 
@@ -106,16 +105,16 @@ const HfLlamaTensor& HfLlamaReader::find(const std::string& kiln_name) const {
 }
 
 void HfLlamaReader::read(const std::string& kiln_name, std::int64_t begin, std::int64_t count, float* out) {
-  const HfLlamaTensor* it = &find(kiln_name);
-  const std::int64_t total = numel(it->kiln_shape);
+  const HfLlamaTensor& t = find(kiln_name);
+  const std::int64_t total = numel(t.kiln_shape);
   KILN_CHECK(begin >= 0 && count >= 0 && begin + count <= total, kiln_name, ": values [", begin, ", ", begin + count,
              ") outside its ", total);
-  const std::int64_t row_len = it->kiln_shape.size() > 1 ? total / it->kiln_shape[0] : total;
+  const std::int64_t row_len = t.kiln_shape.size() > 1 ? total / t.kiln_shape[0] : total;
   std::int64_t at = begin;
   const std::int64_t end = begin + count;
   float* dst = out;
   // Each piece covers flat values [row * row_len, (row + rows) * row_len); what none covers is zero.
-  for (const auto& p : it->pieces) {
+  for (const auto& p : t.pieces) {
     const std::int64_t lo = p.row * row_len, hi = lo + numel(p.hf_shape);
     if (at >= end) break;
     if (hi <= at) continue;

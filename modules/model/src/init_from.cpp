@@ -39,12 +39,9 @@ RangeReader llama_reader(const ModelConfig& cfg, const std::string& dir) {
 }  // namespace
 
 void load_initial_weights(World& w, const ModelConfig& cfg, const std::string& path) {
+  // The model module checked at install that the path holds this architecture's weights.
   const HfModelPath source = classify_hf_path(path);
-  const bool llama = source.kind == HfModelPath::Kind::llama_dir;
-  if (llama != cfg.llama())
-    KILN_FILE_ERROR(path, ": holds ", llama ? "a Llama" : "GPT-2", " weights but model.arch is ",
-                    cfg.llama() ? "llama" : "gpt2");
-  const RangeReader read = llama ? llama_reader(cfg, source.weights) : gpt2_reader(cfg, source.weights);
+  const RangeReader read = cfg.llama() ? llama_reader(cfg, source.weights) : gpt2_reader(cfg, source.weights);
   auto& store = w.resource<nn::ParamStore>();
   auto& be = w.resource<ops::ActiveBackend>().get();
   // The held master weights in host memory first (padding zero), then one copy.

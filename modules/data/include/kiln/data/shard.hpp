@@ -84,6 +84,13 @@ class TokenMask {
 // Writes a mask file atomically (as write_llmc_shard).
 void write_token_mask(const std::string& path, std::span<const std::uint8_t> flags);
 
+// One split of a token stream as llm.c shards DIR/SPLIT_000000.bin, ... of at most `shard_tokens`
+// tokens each (uint32 when `wide`, else uint16), and, when `flags` is not empty (one per token),
+// each shard's loss mask beside it. Returns the files written, each shard followed by its mask.
+std::vector<std::string> write_split_shards(const std::string& dir, const std::string& split,
+                                            std::span<const std::uint32_t> tokens, std::span<const std::uint8_t> flags,
+                                            std::int64_t shard_tokens, bool wide);
+
 // Files matching a glob pattern (wildcards in the file name and directories), sorted; an error
 // naming the pattern if nothing matches.
 std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what);
