@@ -10,6 +10,11 @@
 #          loaded on one GPU (resharded); the 1.3B training state saved async and sync on all GPUs
 #   fail   a rank killed with SIGKILL during FSDP training (its all-gathers) and during a checkpoint
 #          save; the survivors must stop naming it, and the last complete checkpoint must load
+#   big    (issue 25, four or more GPUs) a ~20 B Llama (d6144, 48 blocks, 48 query / 8 key-value heads,
+#          SwiGLU 16384: 19.35 B parameters) with FSDP full_shard over every GPU, deferred init and
+#          every block recomputed, bf16 and FP8 delayed, 8 steps of 4 x 2048 tokens per GPU
+# STRATEGIES (default "full_shard shard_grad_op") picks the fsdp part's strategies; EQUIV4=1 runs only
+# the equivalence part's one-GPU baselines and its four-GPU rows.
 # usage: bash bench/gpu_multi.sh BUILD_DIR [all|fsdp|tp|equiv|ckpt|fail]...   (logs under $OUT)
 set -uo pipefail
 B=${1:-.devbuild}
@@ -31,7 +36,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv >> "$LOG"
 # BUDGET=S: a part starts only while fewer than S seconds have passed minus its usual length (the
 # device tool stops a command at 600 s; the summary must still print).
 BUDGET=${BUDGET:-100000}
-declare -A PART_S=([fsdp]=420 [tp]=100 [equiv]=150 [ckpt]=260 [fail]=150)
+declare -A PART_S=([fsdp]=420 [tp]=100 [equiv]=150 [ckpt]=260 [fail]=150 [big]=200)
 want() {
   [[ " $PARTS " == *" all "* || " $PARTS " == *" $1 "* ]] || return 1
   if [ $((SECONDS + PART_S[$1])) -gt "$BUDGET" ]; then
@@ -73,9 +78,24 @@ rank_pid() {
   done
 }
 
+# ---------------------------------------------------------------- big
+if [ "$N" -ge 4 ] && want big; then
+  # 19.35 B x 16 bytes (f32 weights, gradients, AdamW moments) / N per rank: 77 GB on four GPUs.
+  b20=(pipelines/llama-8b.toml --set model.n_layer=48 --set model.n_embd=6144 --set model.n_head=48 --set model.n_kv_head=8
+       --set model.ffn_hidden=16384 --set data.synthetic_vocab=50257 --set 'data.val_files=""' --set log.val_every=0
+       --set log.every=1 --set parallel.timeout_s=600 --set checkpoint.every=0 --set checkpoint.at_end=false
+       --set checkpoint.resume=never --set train.batch_size=$((4 * N)) --set fsdp.strategy=full_shard
+       --set activation_checkpoint.mode=full)
+  run big-20b-bf16 "$all_gpus" 8 "${b20[@]}" --nproc "$N" --set fp8.enabled=false
+  run big-20b-fp8 "$all_gpus" 8 "${b20[@]}" --nproc "$N" --set fp8.enabled=true
+  for n in big-20b-bf16 big-20b-fp8; do
+    note "$n: $(grep -hE 'holds 1/|^model' "$W/$n.log" | head -3 | tr '\n' ';' | cut -c1-600)"
+  done
+fi
+
 # ---------------------------------------------------------------- fsdp
 if want fsdp; then
-  OUT="$OUT" STRATEGIES="full_shard shard_grad_op" ONE_FSDP=0 bash bench/gpu_fsdp.sh "$B" 20 > "$W/fsdp-summary.txt" 2>&1
+  OUT="$OUT" STRATEGIES="${STRATEGIES:-full_shard shard_grad_op}" ONE_FSDP=0 bash bench/gpu_fsdp.sh "$B" 20 > "$W/fsdp-summary.txt" 2>&1
   cat "$OUT/fsdp-logs.txt" >> "$LOG" && rm -f "$OUT/fsdp-logs.txt" "$OUT/memory.txt"
   note "fsdp: $(sed -n '/FSDP summary/,$p' "$W/fsdp-summary.txt" | head -1)"
   sed -n '/FSDP summary/,$p' "$W/fsdp-summary.txt" | tail -n +2 > "$W/fsdp-table.txt"
@@ -92,12 +112,14 @@ fi
 if want equiv; then
   eq=("${small[@]}" --set backend.attention_deterministic=true)
   run eq-one 0 50 "${eq[@]}"
-  run eq-dp 0,1 50 "${eq[@]}" --nproc 2
-  run eq-fsdp-full 0,1 50 "${eq[@]}" --nproc 2 --set fsdp.strategy=full_shard
-  run eq-fsdp-grad 0,1 50 "${eq[@]}" --nproc 2 --set fsdp.strategy=shard_grad_op
-  run eq-fsdp-full-fp8 0,1 50 "${eq[@]}" --nproc 2 --set fsdp.strategy=full_shard --set fp8.enabled=true
-  run eq-one-fp8 0 50 "${eq[@]}" --set fp8.enabled=true
-  run eq-tp2 0,1 50 "${eq[@]}" --nproc 2 --set parallel.tp=2
+  if [ "${EQUIV4:-0}" != 1 ]; then
+    run eq-dp 0,1 50 "${eq[@]}" --nproc 2
+    run eq-fsdp-full 0,1 50 "${eq[@]}" --nproc 2 --set fsdp.strategy=full_shard
+    run eq-fsdp-grad 0,1 50 "${eq[@]}" --nproc 2 --set fsdp.strategy=shard_grad_op
+    run eq-fsdp-full-fp8 0,1 50 "${eq[@]}" --nproc 2 --set fsdp.strategy=full_shard --set fp8.enabled=true
+    run eq-one-fp8 0 50 "${eq[@]}" --set fp8.enabled=true
+    run eq-tp2 0,1 50 "${eq[@]}" --nproc 2 --set parallel.tp=2
+  fi
   if [ "$N" -ge 4 ]; then
     run eq-fsdp4-full 0,1,2,3 50 "${eq[@]}" --nproc 4 --set fsdp.strategy=full_shard
     run eq-tp2-fsdp2 0,1,2,3 50 "${eq[@]}" --nproc 4 --set parallel.tp=2 --set fsdp.strategy=full_shard
@@ -213,7 +235,8 @@ printed = False
 for n, g, base in [("tp-1.3b-one", 1, None), ("tp-1.3b-tp2", 2, "tp-1.3b-one"), ("tp-1.3b-tp2-sp", 2, "tp-1.3b-one"),
                    ("eq-one", 1, None), ("eq-dp", 2, "eq-one"), ("eq-fsdp-full", 2, "eq-one"),
                    ("eq-fsdp-grad", 2, "eq-one"), ("eq-tp2", 2, "eq-one"), ("eq-one-fp8", 1, None),
-                   ("eq-fsdp-full-fp8", 2, "eq-one-fp8"), ("eq-fsdp4-full", 4, "eq-one"), ("eq-tp2-fsdp2", 4, "eq-one")]:
+                   ("eq-fsdp-full-fp8", 2, "eq-one-fp8"), ("eq-fsdp4-full", 4, "eq-one"), ("eq-tp2-fsdp2", 4, "eq-one"),
+                   ("big-20b-bf16", 4, None), ("big-20b-fp8", 4, None)]:
     r = rows(n)
     if not r:
         if text(n): print(f"{n:<18} (no metrics) {text(n)[-300:]!r}")
@@ -233,6 +256,11 @@ for n, g, base in [("tp-1.3b-one", 1, None), ("tp-1.3b-tp2", 2, "tp-1.3b-one"), 
         if "grad_norm" in r[0]:
             dn = f"{max(abs(x['grad_norm'] - y['grad_norm']) / y['grad_norm'] for x, y in zip(r, b)):.1e}"
     print(f"{n:<18} {g:>4} {tps:>13,.0f} {share:>8} {ms:>8.2f} {mem(n):>7} {dl:>13} {dn:>13}")
+for n in ("big-20b-bf16", "big-20b-fp8"):
+    r = rows(n)
+    if r:
+        st = r[len(r) // 4:] or r
+        print(f"{n}: MFU {100 * statistics.median(x['mfu'] for x in st):.1f}% (kiln's model FLOPs / 989.4 TFLOP/s a GPU)")
 for n in ("tp-1.3b-one", "tp-1.3b-tp2"):
     t = text(n)
     i = t.find("op time breakdown")

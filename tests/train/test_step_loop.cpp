@@ -140,6 +140,24 @@ TEST_CASE("a step's timing fields are filled at its end") {
   CHECK(st.mfu > 0);
 }
 
+TEST_CASE("elapsed_s counts wall-clock time from the run's first step to each step's end") {
+  auto w = test::train_world(kPipeline, {"train.steps=3"});
+  std::vector<double> elapsed, step_ms;
+  w->systems().add({"test.work", Phase::forward, [](World&) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }});
+  // A slow step boundary (a validation, a save) counts towards the time, not towards step_ms.
+  w->systems().add({"test.between", Phase::checkpoint, [&](World& world) {
+                      const auto& st = world.resource<train::TrainState>();
+                      elapsed.push_back(st.elapsed_s);
+                      step_ms.push_back(st.step_ms);
+                      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                    }});
+  run_pipeline(*w);
+  REQUIRE(elapsed.size() == 3);
+  CHECK(elapsed[0] == doctest::Approx(step_ms[0] / 1000.0).epsilon(0.01));
+  CHECK(elapsed[1] >= elapsed[0] + 0.020 + step_ms[1] / 1000.0 * 0.99);
+  CHECK(elapsed[2] >= elapsed[1] + 0.020 + step_ms[2] / 1000.0 * 0.99);
+}
+
 TEST_CASE("without a known peak the model FLOPs utilisation stays 0") {
   auto w = test::train_world(kPipeline, {"train.steps=1"});
   w->systems().add({"test.flops", Phase::forward, [](World& world) {

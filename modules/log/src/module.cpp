@@ -87,7 +87,8 @@ void install(World& w, const LogConfig& cfg) {
                        nlohmann::ordered_json j = {{"step", ts.step},         {"loss", ts.loss},
                                                    {"lr", ts.lr},             {"grad_norm", ts.grad_norm},
                                                    {"tokens_per_s", ts.tokens_per_s}, {"step_ms", ts.step_ms},
-                                                   {"mfu", ts.mfu},           {"tokens", ts.tokens_seen}};
+                                                   {"mfu", ts.mfu},           {"tokens", ts.tokens_seen},
+                                                   {"elapsed_s", ts.elapsed_s}};
                        if (ts.val_loss) j["val_loss"] = *ts.val_loss;
                        for (const auto& [name, value] : ts.metrics) j[name] = value;
                        *mf.out << j.dump() << "\n";

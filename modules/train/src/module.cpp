@@ -41,11 +41,13 @@ void install(World& w, const TrainConfig& cfg) {
                      st.step = world.resource<RunControl>().step;
                      st.val_loss.reset();
                      st.step_start = std::chrono::steady_clock::now();
+                     if (!st.run_start) st.run_start = st.step_start;
                    }});
   w.systems().add({"train.step_end", Phase::step_end, [](World& world) {
                      auto& st = world.resource<TrainState>();
                      auto now = std::chrono::steady_clock::now();
                      st.step_ms = std::chrono::duration<double, std::milli>(now - st.step_start).count();
+                     st.elapsed_s = std::chrono::duration<double>(now - *st.run_start).count();
                      st.tokens_seen += st.tokens_per_step;
                      st.tokens_per_s = st.tokens_per_step / (st.step_ms / 1000.0);
                      st.mfu = st.peak_flops > 0 ? st.flops_per_token * st.tokens_per_s / (st.peak_flops * st.ranks) : 0;

@@ -96,6 +96,10 @@ struct TrainState {
   // name, in the order given; the log module writes them to the metrics file. Rewritten each step.
   std::vector<std::pair<std::string, double>> metrics;
   std::chrono::steady_clock::time_point step_start;
+  // Wall-clock seconds from this run's first step's start to this step's end: the time a loss took
+  // to reach, validations and checkpoint saves between included (a resumed run counts from 0 again).
+  double elapsed_s = 0;
+  std::optional<std::chrono::steady_clock::time_point> run_start;
 };
 
 void register_module(ModuleRegistry& registry);
