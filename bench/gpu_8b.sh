@@ -11,13 +11,15 @@
 #   torch   PyTorch 2.11 FSDP2 on the same model and batch (bench/torch_fsdp2_llama.py: fully_shard
 #           per block, bf16 parameters, fp32 reduction, compiled blocks, fused AdamW), with and
 #           without activation checkpointing
+#   trace   (not in all) the 8 B bf16 and FP8 steps under bench/trace's CUPTI tracer, summarised per
+#           rank: busy and idle GPU time, per-stream busy time, exposed communication, kernels
 #   moe     (issue 26) pipelines/moe-1b.toml in FP8 on one GPU against parallel.ep = 2 on two (the
 #           experts split, tokens moved by all-to-all), and a profiled ep = 2 run (per-op breakdown)
 #   loss    the time to a loss: the headline pipeline's model (pipelines/fsdp-fp8.toml with GPT-2's
 #           BPE vocabulary) on the Brown GPT-2 tokens (data/brown-gpt2, carried) for a fixed number
 #           of tokens, bf16 and FP8, validation every 25 steps; plot locally with
 #           kiln plot $OUT/ttl-bf16.jsonl=bf16 $OUT/ttl-fp8.jsonl=FP8 --x elapsed_s --y val_loss -o ...
-# usage: bash bench/gpu_8b.sh BUILD_DIR [all|bench|ckpt|torch|loss|moe]...   (logs under $OUT)
+# usage: bash bench/gpu_8b.sh BUILD_DIR [all|bench|ckpt|torch|loss|moe|trace]...   (logs under $OUT)
 # SMALL=1 shrinks the model to two blocks of d256 and runs everything on the CPU (two thread ranks):
 # a rehearsal of the script's commands and checks on a machine without GPUs.
 set -uo pipefail
@@ -32,7 +34,7 @@ K="$B/bin/kiln"
 W=${WORK:-/tmp/kiln-8b}
 rm -rf "$W"
 mkdir -p "$W"
-want() { [[ $PARTS == *" all "* || $PARTS == *" $1 "* ]]; }
+want() { [[ ($PARTS == *" all "* && $1 != trace) || $PARTS == *" $1 "* ]]; }
 # DEADLINE: no run starts later than this many seconds into the call, and none runs past HARD (the
 # device tool stops a command at 600 s; the summary must still print).
 DEADLINE=${DEADLINE:-540}
@@ -85,6 +87,16 @@ lane_kiln() {
       done
     done
   fi
+  if want trace; then  # the GPU's timeline of both ranks (bench/trace), then its summary per rank
+    for prec in bf16 fp8; do
+      CUDA_INJECTION64_PATH=$PWD/$B/lib/libkiln_trace.so KILN_TRACE="$W/t-$prec-{rank}.csv" \
+        run "trace-8b-$prec" "$lane_a" 240 "${k8[@]}" --set train.steps=6 --set fp8.enabled=$([ $prec = fp8 ] && echo true || echo false)
+      for r in 0 1; do
+        python3 bench/trace/summary.py "$W/t-$prec-$r.csv" --steps 6 --skip 3 --top 25 > "$OUT/trace-8b-$prec-rank$r.txt" 2>&1
+      done
+      rm -f "$W"/t-$prec-*.csv
+    done
+  fi
   if want ckpt; then
     local ck=("${k8[@]}" --set fp8.enabled=true --set backend.attention_deterministic=true --set train.steps=5
               --set checkpoint.dir="$W/ck8b" --set checkpoint.async=true --set checkpoint.keep=1)
@@ -97,7 +109,7 @@ lane_kiln() {
 
 lane_torch() {
   if want torch && [ "$N" -ge 2 ]; then
-    for ac in full none; do
+    for ac in ${TORCH_AC:-full none}; do
       if [ "$SECONDS" -gt "$DEADLINE" ]; then echo "torch-8b-$ac skipped" | tee "$OUT/torch-8b-$ac.log"; continue; fi
       CUDA_VISIBLE_DEVICES=$lane_b timeout "$(cap 300)" torchrun --standalone --nproc_per_node 2 bench/torch_fsdp2_llama.py \
         --batch 4 --steps "$STEPS" --ac $ac --out "$OUT/torch-8b-$ac.json" > "$OUT/torch-8b-$ac.log" 2>&1
@@ -158,9 +170,12 @@ for ac in ("full", "none"):
     if p.exists():
         t = json.loads(p.read_text())
         print(f"{'torch-8b-' + ac:<22} {t['tokens_per_s_per_gpu']:>13,.0f} {t['ms_per_step']:>8.1f} "
-              f"{100 * FLOPS * t['tokens_per_s_per_gpu'] / 989.4e12:>5.1f}% {t['peak_gib']:>12.2f}  (weights at start {t['weights_at_start_gib']:.2f} GiB)")
+              f"{100 * FLOPS * t['tokens_per_s_per_gpu'] / 989.4e12:>5.1f}% {t.get('peak_device_gib', t['peak_gib']):>12.2f}  (weights at start "
+              f"{t['weights_at_start_gib']:.2f} GiB; tensors' peak {t['peak_gib']:.2f}, reserved {t.get('peak_reserved_gib', 0):.2f})")
     elif (out / f"torch-8b-{ac}.log").exists():
         print(f"torch-8b-{ac}: no result: {(out / f'torch-8b-{ac}.log').read_text()[-600:]!r}")
+for p in sorted(out.glob("trace-8b-*-rank*.txt")):
+    print(f"--- {p.stem}"); print("\n".join(p.read_text().splitlines()[:40]))
 for line in text("8b-bf16-full").splitlines():
     if "holds 1/" in line or line.startswith("model:") or "parameters" in line[:40]:
         print("  " + line[:300])

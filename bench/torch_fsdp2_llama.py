@@ -6,8 +6,10 @@ init), every block activation-checkpointed (--ac full; --ac none keeps the activ
 torch.compile'd, then fully_shard'ed, and the root fully_shard'ed, with bf16 parameters and fp32
 gradient reduction; fused AdamW, gradient clipping at 1.0, synthetic tokens. Prints and writes
 (--out) the median tokens/s per GPU and ms/step of the last three quarters of the steps, and the
-peak memory per GPU (torch.cuda.max_memory_allocated, which excludes the CUDA context as kiln's
-figure does).
+peak memory per GPU: torch.cuda.max_memory_allocated (the tensors alone), max_memory_reserved
+(what the caching allocator held), and peak_device_gib, measured as kiln measures its own: the drop
+in cudaMemGetInfo's free memory from just after the CUDA context was made, highest at a step end
+(so NCCL's buffers, cuBLAS's workspaces and the allocator's reserve count, as they do for kiln).
 
     torchrun --standalone --nproc_per_node 2 bench/torch_fsdp2_llama.py --batch 4 --steps 20
     torchrun --standalone --nproc_per_node 1 bench/torch_fsdp2_llama.py --layers 4   # a smoke test
@@ -77,6 +79,8 @@ def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    free_at_start = torch.cuda.mem_get_info()[0]  # the context exists now; nothing else is allocated
+    peak_device = 0
     torch.manual_seed(1337 + rank)
     with torch.device("meta"):
         model = Llama(args.layers, args.seq, args.ac == "full")
@@ -103,6 +107,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        peak_device = max(peak_device, free_at_start - torch.cuda.mem_get_info()[0])
         if rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f} {1000 * times[-1]:.1f} ms", flush=True)
     steady = times[len(times) // 4:]
@@ -110,7 +115,8 @@ def main():
     result = {"model": f"llama-8b shape, {args.layers} layers", "parameters": params, "gpus": world,
               "batch_per_gpu": args.batch, "seq": args.seq, "ac": args.ac, "ms_per_step": ms,
               "tokens_per_s_per_gpu": args.batch * args.seq / (ms / 1000),
-              "weights_at_start_gib": start_gib, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+              "weights_at_start_gib": start_gib, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "peak_device_gib": peak_device / 2**30}
     if rank == 0:
         print(json.dumps(result))
         if args.out:

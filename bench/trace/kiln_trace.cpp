@@ -2,6 +2,7 @@
 // of a process with CUPTI's activity API and writes them as CSV when the process exits: the GPU's
 // timeline without Nsight Systems (which the lent GPU machines lack). No change to the program:
 //   CUDA_INJECTION64_PATH=$PWD/build/lib/libkiln_trace.so KILN_TRACE=trace.csv kiln run ...
+//   (KILN_TRACE=trace-{rank}.csv: one file per rank of a multi-process job)
 //   python3 bench/trace/summary.py trace.csv
 // Columns: kind (kernel, memcpy, memset, sync, runtime, driver), start and end (ns, CUPTI's clock
 // for all: a sync or API record's times are the host's), stream (for runtime and driver calls the
@@ -15,6 +16,8 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+
+#include <unistd.h>
 
 namespace {
 
@@ -111,10 +114,17 @@ void at_exit() {
 }  // namespace
 
 extern "C" int InitializeInjection() {
-  const char* path = std::getenv("KILN_TRACE");
-  g_out = std::fopen(path && *path ? path : "kiln_trace.csv", "w");
+  // "{rank}" in the path becomes the process's RANK (kiln's launcher sets it), so that the ranks of
+  // one job write one file each.
+  const char* env = std::getenv("KILN_TRACE");
+  std::string path = env && *env ? env : "kiln_trace.csv";
+  if (const auto at = path.find("{rank}"); at != std::string::npos) {
+    const char* rank = std::getenv("RANK");
+    path.replace(at, 6, rank && *rank ? std::string(rank) : "pid" + std::to_string(getpid()));
+  }
+  g_out = std::fopen(path.c_str(), "w");
   if (!g_out) {
-    std::fprintf(stderr, "kiln_trace: cannot write %s\n", path ? path : "kiln_trace.csv");
+    std::fprintf(stderr, "kiln_trace: cannot write %s\n", path.c_str());
     return 0;
   }
   std::fprintf(g_out, "kind,start,end,stream,correlation,name\n");

@@ -38,9 +38,12 @@ def main():
 
     work, syncs, api = [], [], []
     launch = {}  # correlation id -> (start, end) of the API call that launched the work
+    stream_of = {}  # (start, correlation) of a kernel, copy or memset -> its stream
     with open(a.csv) as f:
         for r in csv.DictReader(f):
             rec = (int(r["start"]), int(r["end"]), r["name"], r["kind"], int(r["correlation"]))
+            if r["kind"] in ("kernel", "memcpy", "memset"):
+                stream_of[(rec[0], rec[4])] = r["stream"]
             if r["kind"] == "sync":
                 syncs.append(rec)
             elif r["kind"] in ("runtime", "driver"):
@@ -92,6 +95,43 @@ def main():
     if launch:
         print(f"  of which the host launched the next work only after the GPU had gone idle: "
               f"{late / steps:.2f} ms a step")
+    # Per stream: its busy time (union of its work), and the time the busiest stream (the compute
+    # stream) had nothing to run while other streams (communication) did: exposed communication.
+    per_stream = collections.defaultdict(list)
+    for s, e, n, k, c in work:
+        if e > lo and s < hi:
+            per_stream[stream_of.get((s, c), "?")].append((max(s, lo), min(e, hi)))
+    def union(iv):
+        out = []
+        for s, e in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+    unions = {st: union(iv) for st, iv in per_stream.items()}
+    busy_of = {st: sum(e - s for s, e in u) / 1e6 for st, u in unions.items()}
+    if len(unions) > 1:
+        main_stream = max(busy_of, key=busy_of.get)
+        others = union([iv for st, u in unions.items() if st != main_stream for iv in u])
+        # others minus main: time only other streams work
+        exposed, j, m = 0.0, 0, unions[main_stream]
+        for s, e in others:
+            cur = s
+            while j < len(m) and m[j][1] <= cur:
+                j += 1
+            k = j
+            while cur < e:
+                if k < len(m) and m[k][0] <= cur:
+                    cur = max(cur, min(m[k][1], e)); k += 1
+                    continue
+                nxt = min(e, m[k][0]) if k < len(m) else e
+                exposed += (nxt - cur) / 1e6
+                cur = nxt
+        print("streams (busy ms a step): " + ", ".join(f"{st}: {busy_of[st] / steps:.2f}"
+                                                      for st in sorted(busy_of, key=busy_of.get, reverse=True)))
+        print(f"  stream {main_stream} idle {(span - busy_of[main_stream]) / steps:.2f} ms a step, of which other "
+              f"streams alone ran work (exposed) {exposed / steps:.2f} ms")
     sync_t = collections.Counter()
     for s, e, n, k, c in syncs:
         if lo <= s < hi:

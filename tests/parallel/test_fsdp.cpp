@@ -193,6 +193,11 @@ TEST_CASE("each rank holds 1/N of the parameters, gradients and optimizer state,
       const std::size_t C = 32, block = (12 * C * C + 13 * C + 63) / 64 * 64, emb = 128 * C + 32 * C;
       CHECK(h.fsdp.gathered <= (emb + 2 * C + 2 * 64 * n + (prefetch + 1) * (block + 64 * n)) * 4);
       CHECK(h.fsdp.gathered >= (emb + (prefetch + 1) * block) * 4);
+      // Gradient buffers besides the held part: the tied embeddings' own (read by the LM head too) and
+      // two block-sized ones; no partial sums for a step of one micro-batch reduced in f32.
+      const std::size_t buffers = h.fsdp.grads - h.grads;
+      CHECK(buffers >= (emb + 2 * block) * 4);
+      CHECK(buffers <= (emb + 2 * 64 * n + 2 * (block + 64 * n)) * 4);
     }
   }
 }

@@ -99,7 +99,7 @@ void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageS
   rows.saved(pre_, key + ".pre", act, {Rx, fc_local()}, stage);
   act_output_ = act_output_for(fc2.prologues.has(gelu() ? ops::Prologue::gelu : ops::Prologue::swiglu) &&
                                    o_.expert_dropout == 0,
-                               fc2.keeps_input, ctx_.cfg.recompute_gelu);
+                               fc2.keeps_input, ctx_.cfg.recompute_gelu && !rows.recomputes(stage));
   dact_on_load_ = fc1.prologues.has(gelu() ? ops::Prologue::dgelu : ops::Prologue::dswiglu);
   if (act_output_ == ActOutput::saved)
     rows.saved(act_, key + ".act", act, {Rx, hidden_local()}, stage);

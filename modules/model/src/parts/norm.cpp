@@ -34,8 +34,10 @@ void Norm::declare(ActivationTable::Rows& rows, const std::string& key, StageSet
   // and is not gathered over TP (the prologue reads this rank's rows, which are all of them).
   on_load_ = ctx_.cfg.recompute_norm && !kept_by_consumer && !ctx_.tp.sequence_parallel() && impl && kind &&
              impl->prologues.has(*kind);
-  refill_ = ctx_.cfg.recompute_norm && !kept_by_consumer && !on_load_;
-  if (!ctx_.cfg.recompute_norm && !kept_by_consumer)
+  // Where the block's backward recomputes this stage anyway (activation checkpointing), the
+  // recompute's output is kept until the consumer's backward instead of computed a third time.
+  refill_ = ctx_.cfg.recompute_norm && !rows.recomputes(stage) && !kept_by_consumer && !on_load_;
+  if (!kept_by_consumer && !on_load_ && !refill_)
     rows.saved(output_, key + ".output", ctx_.act(), shape, stage);
   else  // recomputed for the backward, or read by the forward alone: one tensor for every norm
     rows.scratch(output_, "norm.output", ctx_.act(), shape);

@@ -61,10 +61,16 @@ void Runner::setup() {
   readers_.assign(U, 0);
   for (const auto& list : uses_)
     for (int v : list) ++readers_[static_cast<std::size_t>(v)];
-  // Kept gathered from first use to last: units read by others, and the last unit (its backward
-  // follows its forward at once).
+  // Kept gathered from first use to last: units read by others. The last unit's backward follows its
+  // forward at once, so its weights are still in their pool buffer then; it takes a buffer of its own
+  // only where it is larger than the others (a large LM head of a small model), so that the pool's
+  // buffers need not grow to its size.
   kept_.assign(U, false);
-  for (int u = 0; u < units_; ++u) kept_[u] = readers_[u] > 1 || u == units_ - 1;
+  std::size_t largest_other = 0;
+  for (int u = 0; u + 1 < units_; ++u)
+    if (readers_[u] == 1) largest_other = std::max(largest_other, store_.image_bytes(u));
+  for (int u = 0; u < units_; ++u)
+    kept_[u] = readers_[u] > 1 || (u == units_ - 1 && store_.image_bytes(u) > largest_other);
   zero_ranges_ = store_.grad_zero_ranges(w_);
 
   // Gather buffers (of a unit's compute image: its one-byte group, then the act group): kept
@@ -86,36 +92,35 @@ void Runner::setup() {
     for (int i = 0; i <= cfg_.prefetch; ++i) slots_.push_back(Slot{be_.alloc(pool_bytes)});
   for (const auto& s : slots_) gathered_bytes_ += s.memory.bytes();
 
-  // Gradient buffers: kept units' own (their readers' backward passes span other units'), and two
-  // for the rest (one accumulating, one being reduce-scattered).
-  std::int64_t grad_pool = 0, max_held = 0;
+  // Gradient buffers: units read by several units their own (their readers' backward passes span
+  // other units'), and two for the rest (one accumulating, one being reduce-scattered). The last
+  // unit takes its own only where it is larger than the others (as its gather buffer above).
+  std::int64_t grad_pool = 0;
   auto grad_slot = [&](std::int64_t elems) {
     GradSlot g{be_.alloc(static_cast<std::size_t>(elems) * 4)};
     if (reduce_dtype_ == DType::bf16) g.low = be_.alloc(static_cast<std::size_t>(elems) * 2);
     grad_buffer_bytes_ += g.memory.bytes() + g.low.bytes();
     return g;
   };
+  for (int u = 0; u < units_; ++u)
+    if (size(u) > 0 && readers_[static_cast<std::size_t>(u)] == 1 && u != units_ - 1) grad_pool = std::max(grad_pool, size(u));
+  const int last = units_ - 1;
+  const bool last_own = last >= 0 && size(last) > 0 && (readers_[static_cast<std::size_t>(last)] > 1 || size(last) > grad_pool);
+  if (!last_own && last >= 0) grad_pool = std::max(grad_pool, size(last));
   for (int u = 0; u < units_; ++u) {
     if (size(u) == 0) continue;
-    max_held = std::max(max_held, store_.held_count(u));
-    if (kept(u)) {
+    max_held_ = std::max(max_held_, store_.held_count(u));
+    if (readers_[static_cast<std::size_t>(u)] > 1 || (u == last && last_own)) {
       own_grad_[u] = static_cast<int>(grad_slots_.size());
       grad_slots_.push_back(grad_slot(size(u)));
-    } else {
-      grad_pool = std::max(grad_pool, size(u));
     }
   }
   grad_pool_begin_ = grad_slots_.size();
   if (grad_pool > 0)
     for (int i = 0; i < 2; ++i) grad_slots_.push_back(grad_slot(grad_pool));
-  for (auto& p : partials_) {
-    p.memory = be_.alloc(static_cast<std::size_t>(max_held) * size_of(reduce_dtype_));
-    grad_buffer_bytes_ += p.memory.bytes();
-  }
-  if (reduce_dtype_ == DType::bf16) {
-    partial_f32_ = be_.alloc(static_cast<std::size_t>(max_held) * 4);
-    grad_buffer_bytes_ += partial_f32_.bytes();
-  }
+  // The partial sums are needed only after a step's first micro-batch and by a bf16 reduction: made
+  // then (allocate_partials), so that a step of one micro-batch in f32 holds none.
+  if (reduce_dtype_ == DType::bf16) allocate_partials();
   grad_slot_of_.assign(U, -1);
   readers_left_.assign(U, 0);
 }
@@ -204,11 +209,27 @@ void Runner::forward_end(int unit) {
   if (cfg_.strategy != FsdpStrategy::shard_grad_op && !kept(unit)) release(unit);
 }
 
+void Runner::allocate_partials() {
+  if (partials_[0].memory.bytes() > 0) return;
+  for (auto& p : partials_) {
+    p.memory = be_.alloc(static_cast<std::size_t>(max_held_) * size_of(reduce_dtype_));
+    grad_buffer_bytes_ += p.memory.bytes();
+  }
+  if (reduce_dtype_ == DType::bf16) {
+    partial_f32_ = be_.alloc(static_cast<std::size_t>(max_held_) * 4);
+    grad_buffer_bytes_ += partial_f32_.bytes();
+  }
+}
+
 void Runner::assign_grads(int unit) {
   if (store_.unit(unit).size() == 0 || grad_slot_of_[unit] >= 0) return;
+  // Of the free pool buffers the one whose reduce-scatter was queued first: the unit just reduced
+  // is still being reduce-scattered, and writing into its buffer would make the compute stream wait
+  // for that (a whole reduce-scatter per unit, exposed).
   int g = own_grad_[unit];
-  for (std::size_t i = grad_pool_begin_; i < grad_slots_.size() && g < 0; ++i)
-    if (grad_slots_[i].unit < 0) g = static_cast<int>(i);
+  for (std::size_t i = grad_pool_begin_; i < grad_slots_.size() && own_grad_[unit] < 0; ++i)
+    if (grad_slots_[i].unit < 0 && (g < 0 || grad_slots_[i].freed < grad_slots_[static_cast<std::size_t>(g)].freed))
+      g = static_cast<int>(i);
   KILN_CHECK(g >= 0, "fsdp: no free gradient buffer for layer unit ", unit);
   GradSlot& slot = grad_slots_[static_cast<std::size_t>(g)];
   slot.reduced.wait(compute_);  // its last reduce-scatter has read it
@@ -265,6 +286,7 @@ void Runner::reduce(int unit) {
   if (first && reduce_dtype_ == DType::f32) {
     out = held_grads(unit);
   } else {
+    allocate_partials();
     add_pending();
     partial = &partials_[next_partial_];
     next_partial_ ^= 1;
@@ -287,6 +309,7 @@ void Runner::reduce(int unit) {
   store_.place_unit_grads(unit, nullptr);
   grad_slot_of_[unit] = -1;
   g.unit = -1;
+  g.freed = ++reduces_;
 }
 
 void Runner::add_pending() {

@@ -52,6 +52,7 @@ class Runner {
     Buffer low;         // reduce_dtype bf16: the gradients converted for the reduce-scatter
     int unit = -1;      // accumulating for this unit (-1: free)
     StreamEvent reduced;  // its last reduce-scatter (communication stream)
+    std::uint64_t freed = 0;  // when its last reduce-scatter was queued (Runner::reduces_)
   };
   struct Partial {  // a reduce-scatter's output waiting to be added into the held gradients
     Buffer memory;
@@ -68,6 +69,7 @@ class Runner {
   void use(int unit);       // gathered, marked in use, the compute stream waits for it
   void release(int unit);   // no longer in use (its data stays until the slot is taken)
   void prefetch(int from, int step);
+  void allocate_partials();
   void assign_grads(int unit);
   void reduce(int unit);
   void add_pending();       // the pending partial sum into the held gradients (compute stream)
@@ -100,9 +102,11 @@ class Runner {
   std::size_t pool_begin_ = 0, grad_pool_begin_ = 0;
   std::vector<int> grad_slot_of_;        // per unit: the grad slot it accumulates in now, or -1
   std::vector<int> readers_left_;        // per unit: readers whose backward has not ended this micro-batch
-  Partial partials_[2];
+  Partial partials_[2];                  // allocated when first needed (micro-batches, bf16 reduction)
   Buffer partial_f32_;                   // bf16 partial sums converted before the add
   int next_partial_ = 0;
+  std::int64_t max_held_ = 0;            // the largest unit part held here (a partial's elements)
+  std::uint64_t reduces_ = 0;            // reduce-scatters queued so far
   std::int64_t version_ = 0;
   std::size_t gathered_bytes_ = 0, grad_buffer_bytes_ = 0;
 };

@@ -32,6 +32,9 @@ class ActivationTable {
     void scratch(TensorView& slot, const std::string& key, DType dtype, Shape shape);
     void backward_scratch(TensorView& slot, const std::string& key, DType dtype, Shape shape);
     void own(TensorView& slot, DType dtype, Shape shape);
+    // Whether the block's backward pass recomputes `stage` (its saved rows then live in the copy the
+    // recomputing blocks share, written again just before the block's backward reads them).
+    bool recomputes(StageSet stage) const { return (recomputed_ & stage) != 0; }
 
    private:
     friend class ActivationTable;
