@@ -13,13 +13,15 @@
 #           without activation checkpointing
 #   trace   (not in all) the 8 B bf16 and FP8 steps under bench/trace's CUPTI tracer, summarised per
 #           rank: busy and idle GPU time, per-stream busy time, exposed communication, kernels
+#   loss1b  the time to a loss for Llama 1B (pipelines/llama-1b.toml, data parallel, 8 x 2048 tokens a
+#           step) on the same tokens, bf16 and FP8 (TTL1B_STEPS, default 300)
 #   moe     (issue 26) pipelines/moe-1b.toml in FP8 on one GPU against parallel.ep = 2 on two (the
 #           experts split, tokens moved by all-to-all), and a profiled ep = 2 run (per-op breakdown)
 #   loss    the time to a loss: the headline pipeline's model (pipelines/fsdp-fp8.toml with GPT-2's
 #           BPE vocabulary) on the Brown GPT-2 tokens (data/brown-gpt2, carried) for a fixed number
 #           of tokens, bf16 and FP8, validation every 25 steps; plot locally with
 #           kiln plot $OUT/ttl-bf16.jsonl=bf16 $OUT/ttl-fp8.jsonl=FP8 --x elapsed_s --y val_loss -o ...
-# usage: bash bench/gpu_8b.sh BUILD_DIR [all|bench|ckpt|torch|loss|moe|trace]...   (logs under $OUT)
+# usage: bash bench/gpu_8b.sh BUILD_DIR [all|bench|ckpt|torch|loss|loss1b|moe|trace]...   (logs under $OUT)
 # SMALL=1 shrinks the model to two blocks of d256 and runs everything on the CPU (two thread ranks):
 # a rehearsal of the script's commands and checks on a machine without GPUs.
 set -uo pipefail
@@ -124,6 +126,13 @@ lane_torch() {
     run ttl-bf16 "$lane_b" 200 "${tl[@]}" --set fp8.enabled=false
     run ttl-fp8 "$lane_b" 200 "${tl[@]}" --set fp8.enabled=true
   fi
+  if want loss1b; then  # the same for Llama 1B (data parallel over the two GPUs, 8 x 2048 tokens a step)
+    [ -f data/brown-gpt2/train_000000.bin ] || { echo "data/brown-gpt2 missing: carry it"; return; }
+    local tb=(pipelines/llama-1b.toml --nproc 2 "${s8[@]}" --set train.batch_size=8 --set train.steps="${TTL1B_STEPS:-300}"
+              --set optim.warmup_steps=30 --set log.every=20 --set log.val_every=20 --set data.val_batches=8)
+    run ttl1b-bf16 "$lane_b" 200 "${tb[@]}" --set fp8.enabled=false
+    run ttl1b-fp8 "$lane_b" 200 "${tb[@]}" --set fp8.enabled=true
+  fi
   if want moe; then  # issue 26: expert parallelism over the two GPUs against one GPU
     local moe=(pipelines/moe-1b.toml "${smoe[@]}" --set data.synthetic_vocab=50257 --set 'data.val_files=""'
                --set log.val_every=0 --set log.every=5 --set train.steps="$((2 * STEPS))" --set fp8.enabled=true)
@@ -205,7 +214,7 @@ t = text("moe-ep2-profile")
 i = t.find("op time breakdown")
 if i >= 0:
     print("moe-ep2-profile: " + "\n".join(t[i:].splitlines()[:45]))
-for n in ("ttl-bf16", "ttl-fp8"):
+for n in ("ttl-bf16", "ttl-fp8", "ttl1b-bf16", "ttl1b-fp8"):
     r = rows(n)
     v = [x for x in r if "val_loss" in x]
     if v:

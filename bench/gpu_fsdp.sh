@@ -7,6 +7,7 @@
 # usage: bash bench/gpu_fsdp.sh BUILD_DIR [steps]      (logs and metrics under $OUT)
 #   STRATEGIES="full_shard shard_grad_op"  the strategies run on all GPUs (default: no_shard too)
 #   ONE_FSDP=0                            skip the one-GPU full_shard runs
+#   MODELS="1.3b"                         the models (default: 124m 1.3b)
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-20}
@@ -39,7 +40,7 @@ run() {  # name model gpus per_gpu_batch steps [args...]
 }
 
 : > "$OUT/memory.txt"
-for model in 124m 1.3b; do
+for model in ${MODELS:-124m 1.3b}; do
   per=16
   [ "$model" = 1.3b ] && per=8
   for prec in bf16 fp8; do
@@ -61,7 +62,7 @@ for model in 124m 1.3b; do
 done
 
 if [ "${TORCH:-0}" = 1 ]; then
-  for model in 124m 1.3b; do
+  for model in ${MODELS:-124m 1.3b}; do
     per=16
     [ "$model" = 1.3b ] && per=8
     echo "===== torch fsdp2 $model" >> "$log"

@@ -187,7 +187,11 @@ TEST_CASE("each rank holds 1/N of the parameters, gradients and optimizer state,
       CHECK(h.grads * n <= whole.grads + pad);
       CHECK(h.moments * n <= whole.moments + 2 * pad);
       CHECK(h.fsdp.shards == n);
-      CHECK(h.fsdp.params * n == h.fsdp.params_unsharded);
+      // The f32 master part alone: the act-dtype copy is converted as it is gathered, not kept.
+      CHECK(h.fsdp.params == h.master);
+      // An unsharded store: master and act copy (f32 on CPU), the layout padded for N parts.
+      CHECK(h.fsdp.params_unsharded >= whole.master * 2);
+      CHECK(h.fsdp.params_unsharded <= (whole.master + pad) * 2);
       CHECK(h.fsdp.optimizer * n == h.fsdp.optimizer_unsharded);
       // Gathered: the embeddings and the final unit (kept) and prefetch + 1 block-sized buffers.
       const std::size_t C = 32, block = (12 * C * C + 13 * C + 63) / 64 * 64, emb = 128 * C + 32 * C;

@@ -203,7 +203,7 @@ void GptModel::initialise(rng::RngStatesTracker& tracker) {
       });
     });
   }
-  ctx_.be.convert(store.compute_flat(), store.master_flat());
+  if (store.holds_act_copy()) ctx_.be.convert(store.compute_flat(), store.master_flat());
 }
 
 std::int64_t GptModel::parameter_count() const {

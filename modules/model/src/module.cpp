@@ -120,9 +120,11 @@ void save_part_state(World& w, GptModel& model) {
 }
 
 // The parameter store's held buffers on the backend: master and gradients zeroed (padding stays zero).
-nn::HeldBuffers held_buffers(ops::Backend& be, std::int64_t held) {
+nn::HeldBuffers held_buffers(ops::Backend& be, const nn::ParamStore& store) {
+  const std::int64_t held = store.held();
   const auto n = static_cast<std::size_t>(held);
-  nn::HeldBuffers b{be.alloc(n * 4), be.alloc(n * size_of(be.act_dtype())), be.alloc(n * 4), be.act_dtype(), be.stream()};
+  nn::HeldBuffers b{be.alloc(n * 4), be.alloc(store.held_compute_bytes(be.act_dtype())), be.alloc(n * 4), be.act_dtype(),
+                    be.stream()};
   be.zero(b.master.view(DType::f32, {held}));
   be.zero(b.grads.view(DType::f32, {held}));
   return b;
@@ -166,7 +168,7 @@ void install(World& w, const ModelConfig& cfg) {
   w.systems().add({"params.allocate", Phase::setup, [](World& world) {
                      auto& store = world.resource<nn::ParamStore>();
                      store.lay_out(world);
-                     store.allocate(held_buffers(world.resource<ops::ActiveBackend>().get(), store.held()));
+                     store.allocate(held_buffers(world.resource<ops::ActiveBackend>().get(), store));
                    }});
   w.systems().add({"model.init", Phase::setup, [](World& world) {
                      auto& m = world.resource<GptModel>();

@@ -44,7 +44,7 @@ void ParamStore::lay_out(World& w) {
   groups_.assign(static_cast<std::size_t>(n), {});
   unit_held_.assign(static_cast<std::size_t>(n), 0);
   auto align = [](std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; };
-  std::int64_t at = 0, held = 0;
+  std::int64_t at = 0, held = 0, codes = 0;
   for (int u = 0; u < n; ++u) {
     units_[u].begin = at;
     unit_held_[u] = held;
@@ -65,20 +65,26 @@ void ParamStore::lay_out(World& w) {
         g.count = at - g.begin;
         if (g.count == 0) continue;
         held += g.count / S;
+        if (bytes) {
+          g.codes = codes;
+          codes += g.count / S;
+        }
         groups_[u].push_back(g);
       }
     units_[u].end = at;
   }
   total_ = at;
   held_ = held;
+  held_codes_ = codes;
 }
 
 void ParamStore::allocate(HeldBuffers buffers) {
   KILN_CHECK(laid_out(), "the parameter store is allocated after lay_out()");
   const auto n = static_cast<std::size_t>(held_);
   KILN_CHECK(buffers.master.bytes() >= n * 4 && buffers.grads.bytes() >= n * 4 &&
-                 buffers.compute.bytes() >= n * size_of(buffers.act),
-             "the parameter store's held buffers must hold ", held_, " elements each");
+                 buffers.compute.bytes() >= held_compute_bytes(buffers.act),
+             "the parameter store's held buffers must hold ", held_, " elements each (the compute copy ",
+             held_compute_bytes(buffers.act), " bytes)");
   master_ = std::move(buffers.master);
   compute_ = std::move(buffers.compute);
   grads_ = std::move(buffers.grads);
@@ -180,9 +186,16 @@ TensorView ParamStore::compute_view(const Param& p) const {
 }
 
 TensorView ParamStore::held_compute(const UnitGroup& g) const {
-  auto* at = static_cast<char*>(compute_.data()) + static_cast<std::size_t>(g.held) * size_of(act_);
-  return TensorView(at, {g.count / shards_[static_cast<int>(g.domain)]}, g.bytes ? DType::u8 : act_,
+  const std::int64_t n = g.count / shards_[static_cast<int>(g.domain)];
+  if (g.bytes) return TensorView(static_cast<char*>(compute_.data()) + g.codes, {n}, DType::u8, compute_.device());
+  KILN_CHECK(holds_act_copy(), "a sharded parameter store holds no act-dtype compute copy (group at ", g.begin,
+             "): convert its held master part (held_master)");
+  return TensorView(static_cast<char*>(compute_.data()) + static_cast<std::size_t>(g.held) * size_of(act_), {n}, act_,
                     compute_.device());
+}
+
+TensorView ParamStore::held_master(const UnitGroup& g) const {
+  return master_flat().flat_slice(g.held, g.count / shards_[static_cast<int>(g.domain)]);
 }
 
 std::uint8_t* ParamStore::held_codes(const Param& p, const HeldPart& part) const {

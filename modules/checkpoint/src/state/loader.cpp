@@ -89,7 +89,7 @@ std::function<void()> prepare(World& w, const std::string& dir) {
   return [&w, &be, &store, staging, views, per, counters, blobs = std::move(blobs), step = m.step] {
     for (std::size_t f = 0; f < views.size(); ++f)
       be.copy(views[f](), staging->view(DType::f32, {store.held()}, f * per));
-    be.convert(store.compute_flat(), store.master_flat());
+    if (store.holds_act_copy()) be.convert(store.compute_flat(), store.master_flat());
     for (auto& [c, v] : counters) c->set(v);
     for (auto& apply : blobs) apply();
     be.synchronize();

@@ -30,9 +30,11 @@ void Mlp::declare(ActivationTable::Rows& rows, const std::string& key, StageSet 
   rows.saved(pre_, key + ".pre", act, {ctx_.N, fc_.local_out()}, stage);
   const auto* impl = ctx_.world.try_get<ops::LinearImpl>(proj_.entity());
   // Recomputed for the backward only where the block's recompute (activation checkpointing) does
-  // not write it just before anyway.
+  // not write it just before anyway, with the same bits (a refill computes it as activate() does;
+  // FC1's GELU epilogue rounds differently, and the backward must read what a run without
+  // recompute reads).
   act_output_ = act_output_for(impl && impl->prologues.has(act_prologue_), impl && impl->keeps_input,
-                               ctx_.cfg.recompute_gelu && !rows.recomputes(stage));
+                               ctx_.cfg.recompute_gelu && !(rows.recomputes(stage) && forward_activates()));
   const Shape act_shape{ctx_.N, proj_.local_in()};
   if (act_output_ == ActOutput::saved)
     rows.saved(act_, key + ".act", act, act_shape, stage);

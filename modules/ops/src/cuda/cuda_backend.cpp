@@ -188,18 +188,26 @@ void CudaBackend::copy(const TensorView& dst, const TensorView& src) {
 }
 
 void CudaBackend::convert(const TensorView& dst, const TensorView& src) {
-  KILN_CHECK(dst.numel() == src.numel(), "convert ", src.str(), " -> ", dst.str());
+  if (src.dtype == dst.dtype) return copy(dst, src);  // between devices too
   Timer t(*this, "convert");
+  convert_on(stream_, dst, src);
+}
+
+void CudaBackend::convert_on(void* stream, const TensorView& dst, const TensorView& src) {
+  KILN_CHECK(dst.numel() == src.numel(), "convert ", src.str(), " -> ", dst.str());
+  auto* s = static_cast<cudaStream_t>(stream);
   if (src.dtype == DType::f32 && dst.dtype == DType::bf16) {
     check_dev(src, DType::f32, "convert src");
     check_dev(dst, DType::bf16, "convert dst");
-    cuda::convert_f32_to_bf16(dptr<bf16>(dst), dptr<float>(src), src.numel(), stream_);
+    cuda::convert_f32_to_bf16(dptr<bf16>(dst), dptr<float>(src), src.numel(), s);
   } else if (src.dtype == DType::bf16 && dst.dtype == DType::f32) {
     check_dev(src, DType::bf16, "convert src");
     check_dev(dst, DType::f32, "convert dst");
-    cuda::convert_bf16_to_f32(dptr<float>(dst), dptr<bf16>(src), src.numel(), stream_);
+    cuda::convert_bf16_to_f32(dptr<float>(dst), dptr<bf16>(src), src.numel(), s);
   } else if (src.dtype == dst.dtype) {
-    copy(dst, src);
+    KILN_CHECK(dst.device == Device::cuda && src.device == Device::cuda, "convert_on ", src.str(), " -> ", dst.str(),
+               ": device tensors");
+    KILN_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, s));
   } else {
     KILN_THROW("convert ", src.str(), " -> ", dst.str(), " is not supported");
   }

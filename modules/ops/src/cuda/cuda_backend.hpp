@@ -34,6 +34,7 @@ class CudaBackend final : public Backend {
   Buffer alloc_host(std::size_t bytes) override { return Buffer::pinned(bytes); }
   void copy(const TensorView& dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;
+  void convert_on(void* stream, const TensorView& dst, const TensorView& src) override;
   void zero(const TensorView& t) override;
   void zero_many(std::span<const TensorView> ts) override;
   void synchronize() override;

@@ -129,11 +129,13 @@ FsdpMemory Runner::memory() const {
   const std::size_t act = size_of(store_.act());
   const auto held = static_cast<std::size_t>(store_.held()), total = static_cast<std::size_t>(store_.total());
   FsdpMemory m;
-  m.params = held * (4 + act);
+  // The f32 master part and the one-byte groups' codes (act-dtype weights are converted as they are
+  // gathered, not kept).
+  m.params = held * 4 + store_.held_compute_bytes(store_.act());
   m.grads = held * 4 + grad_buffer_bytes_;
   m.optimizer = held * 8;
   m.gathered = gathered_bytes_;
-  m.params_unsharded = total * (4 + act);
+  m.params_unsharded = total * (4 + act);  // an unsharded store: the master and the act-dtype copy
   m.grads_unsharded = total * 4;
   m.optimizer_unsharded = total * 8;
   m.shards = store_.shards();
@@ -167,13 +169,21 @@ Runner::Slot* Runner::gather(int unit, bool required) {
   // copy, and the last reads of the slot's previous unit.
   compute_mark_.record(compute_);
   compute_mark_.wait(comm_);
-  // Each group's parts from every rank: act-dtype elements, or one-byte codes (nn::ByteCompute)
-  // from the start of their held compute copy.
+  // Each group's parts from every rank: one-byte codes (nn::ByteCompute) from the held compute copy,
+  // or act-dtype elements converted from the held master into this rank's place of the buffer and
+  // gathered there in place (no rank keeps an act-dtype copy of its part).
   const Device dev = s->memory.device();
   for (const nn::UnitGroup& g : store_.groups(unit)) {
-    const TensorView part = store_.held_compute(g);
-    group_comm(g).all_gather(TensorView(static_cast<char*>(s->memory.data()) + g.image, {g.count}, part.dtype, dev),
-                             part, comm_);
+    auto* image = static_cast<char*>(s->memory.data()) + g.image;
+    if (g.bytes) {
+      group_comm(g).all_gather(TensorView(image, {g.count}, DType::u8, dev), store_.held_compute(g), comm_);
+      continue;
+    }
+    const TensorView whole(image, {g.count}, store_.act(), dev);
+    const TensorView mine = whole.flat_slice(store_.shard(g.domain) * (g.count / store_.shards(g.domain)),
+                                             g.count / store_.shards(g.domain));
+    be_.convert_on(comm_, mine, store_.held_master(g));
+    group_comm(g).all_gather(whole, mine, comm_);
   }
   s->gathered.record(comm_);
   return s;

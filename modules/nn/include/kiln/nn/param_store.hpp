@@ -16,12 +16,16 @@
 // `shard` of every group of its domain, the parts laid end to end in the held buffers in layout order
 // (UnitGroup::held). Unsharded, the held buffers are the whole layout.
 //
-// Held buffers: the f32 master weights, the compute copy (act dtype; the optimizer writes it with
-// the master) and the f32 gradients (the step's reduced gradient). Where each unit's whole compute
-// weights and gradient accumulation live at a moment is set by whoever provides them: the held
-// buffers themselves when unsharded (allocate), gathered and per-micro-batch buffers under FSDP
-// (place_unit_compute, place_unit_grads). The model reads weights and accumulates gradients through
-// compute_view / grad_view and so never knows which.
+// Held buffers: the f32 master weights, the compute copy and the f32 gradients (the step's reduced
+// gradient). Unsharded, the compute copy is the model's weights in act dtype (the optimizer writes it
+// with the master). Sharded, it holds only the one-byte groups' codes (their owner, the fp8 module,
+// writes them), laid end to end (UnitGroup::codes): whoever gathers an act-dtype group converts its
+// held master part on the way (FSDP, as PyTorch's FSDP2 casts before its all-gather), so no rank keeps
+// a second copy of its part of the weights. Where each unit's whole compute weights and gradient
+// accumulation live at a moment is set by whoever provides them: the held buffers themselves when
+// unsharded (allocate), gathered and per-micro-batch buffers under FSDP (place_unit_compute,
+// place_unit_grads). The model reads weights and accumulates gradients through compute_view /
+// grad_view and so never knows which.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -46,14 +50,16 @@ enum class ShardDomain { dense = 0, expert = 1 };
 
 // One of a unit's parameter groups: `count` layout elements from `begin`, of one shard domain,
 // compute copy one byte (bytes) or act-dtype per element. A rank holds count / shards(domain) of
-// them, from held offset `held`. The unit's compute image (ParamStore::unit_compute) holds the group
-// from byte `image` on.
+// them, from held offset `held` (and, a one-byte group, its codes from byte `codes` of the held
+// compute copy). The unit's compute image (ParamStore::unit_compute) holds the group from byte
+// `image` on.
 struct UnitGroup {
   std::int64_t begin = 0, count = 0;
   bool bytes = false;
   ShardDomain domain = ShardDomain::dense;
   std::int64_t held = 0;
   std::size_t image = 0;
+  std::int64_t codes = 0;
 };
 
 // A run of one parameter's elements that this rank holds: `count` elements from element `first` of
@@ -62,9 +68,9 @@ struct HeldPart {
   std::int64_t first = 0, count = 0, held = 0;
 };
 
-// The held buffers of a store, each held() elements: the f32 master weights, the compute copy (act
-// dtype), the f32 gradients; made on the model's backend, master and gradients zeroed (padding
-// stays zero).
+// The held buffers of a store: the f32 master weights and gradients of held() elements each, the
+// compute copy of held_compute_bytes(act); made on the model's backend, master and gradients zeroed
+// (padding stays zero).
 struct HeldBuffers {
   Buffer master, compute, grads;
   DType act = DType::f32;
@@ -125,8 +131,17 @@ class ParamStore {
   const UnitGroup& group_of(const Param& p) const;
   std::size_t image_bytes(int u) const;
 
+  // Bytes of the held compute copy for compute dtype `act`: every held element in act dtype unsharded,
+  // the one-byte groups' codes alone sharded.
+  std::size_t held_compute_bytes(DType act) const {
+    return sharded() ? static_cast<std::size_t>(held_codes_) : static_cast<std::size_t>(held_) * size_of(act);
+  }
+  // Whether the held compute copy holds the weights in act dtype (an unsharded store): then whoever
+  // writes the master writes it too (compute_flat).
+  bool holds_act_copy() const { return !sharded(); }
   TensorView master_flat() const { return master_.view(DType::f32, {held_}); }
-  TensorView compute_flat() const { return compute_.view(act_, {held_}); }
+  // The act-dtype compute copy of every held element; empty in a sharded store (holds_act_copy).
+  TensorView compute_flat() const { return holds_act_copy() ? compute_.view(act_, {held_}) : TensorView{}; }
   TensorView grads_flat() const { return grads_.view(DType::f32, {held_}); }
   // f(HeldPart) for each run of p's elements held here, in element order (one run at most per
   // parameter: its group's part is one range of the layout).
@@ -152,9 +167,12 @@ class ParamStore {
   // (A ByteCompute parameter of a sharded store: its one-byte codes, u8, p's shape.)
   TensorView compute_view(const Param& p) const;
   TensorView grad_view(const Param& p) const;
-  // A group's part of the held compute copy, as the gathers move it: act-dtype elements, or (a
-  // one-byte group) codes from the start of the group's held memory.
+  // A group's part of the held compute copy, as the gathers move it: act-dtype elements (unsharded),
+  // or (a one-byte group) its codes. A sharded store's act-dtype groups have none: gather
+  // held_master(g), converted.
   TensorView held_compute(const UnitGroup& g) const;
+  // A group's part of the held master weights (f32).
+  TensorView held_master(const UnitGroup& g) const;
   // The held codes of a ByteCompute parameter's held part.
   std::uint8_t* held_codes(const Param& p, const HeldPart& part) const;
   // p's view in any flat buffer laid out like the whole layout (e.g. the optimizer's moments of an
@@ -172,7 +190,7 @@ class ParamStore {
   std::vector<Entity> order_;
   int shards_[2] = {1, 1}, shard_[2] = {0, 0};  // by ShardDomain
   bool experts_set_ = false;                     // shard_experts_over was called
-  std::int64_t total_ = 0, held_ = 0;
+  std::int64_t total_ = 0, held_ = 0, held_codes_ = 0;
   std::vector<UnitRange> units_;
   std::vector<std::vector<UnitGroup>> groups_;
   std::vector<std::int64_t> unit_held_;

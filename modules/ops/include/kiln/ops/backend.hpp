@@ -326,6 +326,13 @@ class Backend {
   // Converts between f32 and act, or f32 and bf16 (bf16 rounding is round-to-nearest-even); same
   // element count.
   virtual void convert(const TensorView& dst, const TensorView& src) = 0;
+  // convert, queued on `stream` (a cudaStream_t of this backend's device) instead of the compute
+  // stream, for a module that orders it with its own work there (FSDP casting a unit's weights
+  // before its all-gather on the communication stream). Backends without streams convert at once.
+  virtual void convert_on(void* stream, const TensorView& dst, const TensorView& src) {
+    (void)stream;
+    convert(dst, src);
+  }
   virtual void zero(const TensorView& t) = 0;
   // Zeroes contiguous f32 tensors (a gradient buffer's pieces each step): as one launch where the
   // backend can (the CUDA backend: one kernel over a table it keeps while the pieces stay the same).

@@ -47,6 +47,9 @@ class Mlp : public Mixer {
   virtual ops::LinearInput act_on_load() const = 0;
   // The activation's output from FC1's, written (a forward, or a recompute for the backward pass).
   virtual void activate() = 0;
+  // Whether the forward writes the activation's output with activate() itself, so that a recompute's
+  // output has the bits a refill would (not where FC1's GEMM epilogue computes it).
+  virtual bool forward_activates() const { return true; }
   virtual void declare_backward_scratch(ActivationTable::Rows& rows, const std::string& key) { (void)rows, (void)key; }
   // FC2's input, as its forward read it.
   ops::LinearInput fc2_input() const { return act_output_ == ActOutput::on_load ? act_on_load() : ops::LinearInput(act_); }
@@ -78,6 +81,7 @@ class GeluMlp final : public Mlp {
  private:
   ops::LinearInput act_on_load() const override { return ops::GeluOnLoad{pre_}; }
   void activate() override;
+  bool forward_activates() const override { return false; }  // FC1's epilogue
   void declare_backward_scratch(ActivationTable::Rows& rows, const std::string& key) override;
 };
 
