@@ -210,6 +210,8 @@ expect 2 "model.n_layer differs from 'num_hidden_layers'" -- \
 sed -i 's/"llama3"/"yarn"/' hf3/config.json
 expect 2 "rope_type' is \"yarn\"; kiln implements \"llama3\"" -- "$KILN" run llama-ft.toml --set model.init_from=hf3
 expect 0 "" -- "$KILN" generate hf --prompt-ids "1 2 3" --tokens 4 --temperature 0
+expect 2 "neither Llama 3's header tokens nor ChatML" -- "$KILN" generate hf --chat --prompt hi --tokenizer bytes
+expect 2 "--system and --template go with --chat" -- "$KILN" generate hf --prompt-ids "1 2" --system hi
 for i in $(seq 40); do echo "THE QUICK BROWN FOX JUMPS OVER 1234567890 LAZY DOGS"; done > upper.txt
 echo "lowercase bytes are beyond a vocabulary of 100" > lower.txt
 expect 0 "tokenized" -- "$KILN" tokenize upper.txt -o up

@@ -84,6 +84,33 @@ TEST_CASE("ChatML: <|im_start|>role, the assistant's content and <|im_end|> trai
   CHECK_THROWS_WITH(encode_chat(bytes, ChatTemplate::chatml, {{"user", "x"}}), doctest::Contains("<|im_start|>"));
 }
 
+TEST_CASE("a generation prompt is the conversation and the assistant's header; its turn ends at the stop tokens") {
+  for (auto [tk, tmpl] : {std::pair{llama3(), ChatTemplate::llama3}, std::pair{chatml(), ChatTemplate::chatml}}) {
+    const std::vector<ChatTurn> turns = {{"system", "Be brief."}, {"user", "2+2?"}};
+    auto answered = turns;
+    answered.push_back({"assistant", "4"});
+    const auto prompt = encode_chat_prompt(tk, tmpl, turns);
+    const auto whole = encode_chat(tk, tmpl, answered).tokens;
+    // The prompt is what the template writes before the answer's content, token for token.
+    REQUIRE(prompt.size() < whole.size());
+    CHECK(std::equal(prompt.begin(), prompt.end(), whole.begin()));
+    const std::vector<std::uint32_t> rest(whole.begin() + static_cast<std::ptrdiff_t>(prompt.size()), whole.end());
+    const auto stop = chat_stop_tokens(tk, tmpl);
+    REQUIRE(!rest.empty());
+    CHECK(rest.front() == '4');
+    CHECK(rest[1] == stop.front());  // the answer ends with the first stop token
+    CHECK(stop.size() == 2);         // and the end of text, which both fakes have
+  }
+  auto l = llama3(), c = chatml();
+  CHECK(l.decode(encode_chat_prompt(l, ChatTemplate::llama3, {{"user", "hi"}})) ==
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant"
+        "<|end_header_id|>\n\n");
+  CHECK(c.decode(encode_chat_prompt(c, ChatTemplate::chatml, {{"user", "hi"}})) ==
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+  CHECK_THROWS_WITH(chat_stop_tokens(FakeTokenizer({"<|im_start|>"}), ChatTemplate::chatml),
+                    doctest::Contains("<|im_end|>"));
+}
+
 TEST_CASE("the template is chosen by name, from tokenizer_config.json, or by the tokenizer's special tokens") {
   const test::TempDir d("sft-1");
   auto l = llama3();

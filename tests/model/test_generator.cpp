@@ -196,6 +196,20 @@ TEST_CASE("top-k = 1 samples the greedy tokens") {
         gen.generate(prompt, 25, {.temperature = 0}));
 }
 
+TEST_CASE("generation stops after a stop token, which it returns last") {
+  TrainedTiny tiny;
+  model::Generator gen(tiny.cfg, tiny.world.resource<ops::ActiveBackend>().get(), model::param_store_weights(tiny.world));
+  const auto prompt = random_tokens(5, 16);
+  const auto free = gen.generate(prompt, 20, {.temperature = 0});
+  REQUIRE(free.size() == 20);
+  // Stop at the first occurrence of the fourth token: the run is the free run's prefix up to it.
+  const int stop = free[3];
+  const auto first = static_cast<std::size_t>(std::find(free.begin(), free.end(), stop) - free.begin());
+  const auto stopped = gen.generate(prompt, 20, {.temperature = 0, .stop = {stop}});
+  CHECK(stopped == std::vector<int>(free.begin(), free.begin() + static_cast<std::ptrdiff_t>(first) + 1));
+  CHECK(gen.generate(prompt, 20, {.temperature = 0, .stop = {-1}}) == free);  // a token never drawn
+}
+
 TEST_CASE("generation stops when the sequence fills max_seq_len") {
   TrainedTiny tiny;
   model::Generator gen(tiny.cfg, tiny.world.resource<ops::ActiveBackend>().get(), model::param_store_weights(tiny.world));

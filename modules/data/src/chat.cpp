@@ -71,6 +71,29 @@ Tokenized encode_prompt_completion(TextTokenizer& tk, ChatTemplate tmpl, const s
   return encode_chat(tk, tmpl, {{"user", prompt}, {"assistant", completion}});
 }
 
+std::vector<std::uint32_t> encode_chat_prompt(TextTokenizer& tk, ChatTemplate tmpl,
+                                              const std::vector<ChatTurn>& messages) {
+  Tokenized conversation = encode_chat(tk, tmpl, messages);
+  std::vector<std::uint32_t> out = std::move(conversation.tokens);
+  auto put_ids = [&](const std::vector<std::uint32_t>& ids) { out.insert(out.end(), ids.begin(), ids.end()); };
+  if (tmpl == ChatTemplate::llama3) {
+    put_ids({special(tk, "<|start_header_id|>", tmpl)});
+    put_ids(tk.encode("assistant"));
+    put_ids({special(tk, "<|end_header_id|>", tmpl)});
+    put_ids(tk.encode("\n\n"));
+  } else {
+    put_ids({special(tk, "<|im_start|>", tmpl)});
+    put_ids(tk.encode("assistant\n"));
+  }
+  return out;
+}
+
+std::vector<std::uint32_t> chat_stop_tokens(const TextTokenizer& tk, ChatTemplate tmpl) {
+  std::vector<std::uint32_t> out = {special(tk, tmpl == ChatTemplate::llama3 ? "<|eot_id|>" : "<|im_end|>", tmpl)};
+  if (const auto eos = tk.token_id(tmpl == ChatTemplate::llama3 ? "<|end_of_text|>" : "<|endoftext|>")) out.push_back(*eos);
+  return out;
+}
+
 ChatTemplate choose_chat_template(const std::string& name, const TextTokenizer& tk, const std::string& dir) {
   if (name == "llama3") return ChatTemplate::llama3;
   if (name == "chatml") return ChatTemplate::chatml;

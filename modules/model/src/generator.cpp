@@ -221,6 +221,7 @@ std::vector<int> Generator::generate(std::span<const int> prompt, int new_tokens
   std::vector<float> next = prefill(prompt);
   for (int i = 0; i < n; ++i) {
     out.push_back(sample_token(next, options, static_cast<std::uint64_t>(i)));
+    if (std::find(options.stop.begin(), options.stop.end(), out.back()) != options.stop.end()) break;
     if (i + 1 < n) next = decode(out.back());  // the last token is never fed
   }
   return out;

@@ -34,6 +34,15 @@ Tokenized encode_chat(TextTokenizer& tokenizer, ChatTemplate tmpl, const std::ve
 Tokenized encode_prompt_completion(TextTokenizer& tokenizer, ChatTemplate tmpl, const std::string& prompt,
                                    const std::string& completion);
 
+// The conversation and the header of the assistant's answer that follows it, as the template is
+// written for generation (Hugging Face's add_generation_prompt): Llama 3's
+// <|start_header_id|>assistant<|end_header_id|>\n\n, ChatML's <|im_start|>assistant\n.
+std::vector<std::uint32_t> encode_chat_prompt(TextTokenizer& tokenizer, ChatTemplate tmpl,
+                                              const std::vector<ChatTurn>& messages);
+// The tokens that end the assistant's answer: <|eot_id|> (and <|end_of_text|>) for Llama 3,
+// <|im_end|> (and <|endoftext|>) for ChatML, those the tokenizer has.
+std::vector<std::uint32_t> chat_stop_tokens(const TextTokenizer& tokenizer, ChatTemplate tmpl);
+
 // The template a tokenizer's model uses: `name` (llama3, chatml), or "auto": the chat_template of
 // tokenizer_config.json in `tokenizer_dir` when it is one of the two, else the one whose special
 // tokens the tokenizer has. An error saying which names kiln knows otherwise.

@@ -52,6 +52,7 @@ class Generator {
   // Prefills the prompt, then samples `new_tokens` tokens one at a time; returns them. At the
   // context limit it stops early: the prompt and the new tokens together never exceed
   // max_seq_len, so every returned token was predicted from its whole context (no sliding window).
+  // It also stops after a token of options.stop, which is the last one returned.
   std::vector<int> generate(std::span<const int> prompt, int new_tokens, const SamplingOptions& options);
 
  private:

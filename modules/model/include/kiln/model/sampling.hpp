@@ -3,6 +3,7 @@
 // temperature over the top-k tokens. Draws come from kiln's Philox, so a seed reproduces a run.
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace kiln::model {
 
@@ -10,6 +11,7 @@ struct SamplingOptions {
   float temperature = 1.0f;  // 0: greedy (the most likely token, the lowest id on ties)
   int top_k = 0;             // draw among the k most likely tokens only; 0: all
   std::uint64_t seed = 0;    // Philox key of the draws
+  std::vector<int> stop;     // generation ends after drawing one of these (a chat template's end of turn)
 };
 
 // The token drawn from `logits` (one per real vocabulary entry). Draw `draw` reads Philox words
