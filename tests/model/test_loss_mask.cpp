@@ -153,3 +153,74 @@ TEST_CASE("the masked loss does not depend on the split: DP = 2, TP = 2, micro-b
     for (std::size_t s = 0; s < ref.loss.size(); ++s) CHECK(t.loss[s] == doctest::Approx(ref.loss[s]).epsilon(1e-5));
   }
 }
+
+namespace {
+
+// Shards of kWindows windows of T + 1 tokens, each window two documents: [0, 8) and [8, T] of its
+// tokens; only the second's targets inside the window are trained on. `other` rewrites the first
+// documents' tokens.
+void write_two_documents(const std::string& dir, std::uint32_t other) {
+  auto tokens = random_tokens(6, kWindows * T + 1);
+  std::vector<std::uint8_t> flags(tokens.size(), 0);
+  for (int w = 0; w < kWindows; ++w) {
+    flags[w * T] |= data::kDocumentStart;
+    flags[w * T + 8] |= data::kDocumentStart;
+    for (int t = 9; t < T; ++t) flags[w * T + t] |= data::kTrained;
+  }
+  std::mt19937 g(other);
+  if (other != 0)
+    for (int w = 0; w < kWindows; ++w)
+      for (int t = 0; t < 8; ++t) tokens[w * T + t] = static_cast<std::uint16_t>(g() % 64);
+  data::write_llmc_shard(dir + "/train_000000.bin", tokens);
+  data::write_token_mask(dir + "/train_000000.mask", flags);
+}
+
+}  // namespace
+
+TEST_CASE("a window's document starts: the nearest start at or before each input, 0 inside a document") {
+  const test::TempDir d("doc-starts");
+  const auto tokens = random_tokens(7, 2 * T + 1);
+  std::vector<std::uint8_t> flags(tokens.size(), 0);
+  flags[3] = flags[10] = flags[T + 5] = data::kDocumentStart;
+  data::write_llmc_shard(d.path().string() + "/train_000000.bin", tokens);
+  data::write_token_mask(d.path().string() + "/train_000000.mask", flags);
+  std::vector<data::TokenShard> shards;
+  shards.emplace_back(d.path().string() + "/train_000000.bin", data::ShardFormat::auto_);
+  data::WindowIndex index(std::move(shards), T);
+  std::vector<std::int32_t> in(T), tg(T), starts(T);
+  index.read(0, in.data(), tg.data(), 0, starts.data());
+  for (int t = 0; t < T; ++t) CHECK(starts[t] == (t < 3 ? 0 : t < 10 ? 3 : 10));
+  index.read(1, in.data(), tg.data(), 0, starts.data());  // begins inside the document started at 10
+  for (int t = 0; t < T; ++t) CHECK(starts[t] == (t < 5 ? 0 : 5));
+}
+
+TEST_CASE("packed documents do not attend across their boundaries: another document's tokens change nothing") {
+  // The loss is taken on the second documents only. Rewriting the first documents' tokens must
+  // leave every loss and gradient as it was (a token's loss has zero gradient with respect to
+  // other documents' tokens), unless attention may cross the boundary.
+  const test::TempDir a("docs-a"), b("docs-b");
+  write_two_documents(a.path().string(), 0);
+  write_two_documents(b.path().string(), 11);
+  const test::Trace ta = test::run_ranks(kTiny, 1, data_from(a.path().string()));
+  const test::Trace tb = test::run_ranks(kTiny, 1, data_from(b.path().string()));
+  REQUIRE(ta.loss.size() == 3);
+  CHECK(ta.loss == tb.loss);
+  for (std::size_t s = 0; s < ta.grads.size(); ++s)
+    for (const auto& [name, g] : ta.grads[s]) {
+      CAPTURE(name);
+      CHECK(g == tb.grads[s].at(name));
+    }
+  const test::Sets across = {"data.attend_within_documents=false"};
+  const test::Trace xa = test::run_ranks(kTiny, 1, test::operator+(data_from(a.path().string()), across));
+  const test::Trace xb = test::run_ranks(kTiny, 1, test::operator+(data_from(b.path().string()), across));
+  CHECK(xa.loss[0] != xb.loss[0]);
+  CHECK(xa.loss[0] != ta.loss[0]);
+  // The same under DP = 2, TP = 2 (with sequence parallelism) and micro-batches.
+  for (const auto& [nproc, sets] :
+       {std::pair{2, test::Sets{}}, {2, test::Sets{"parallel.tp=2", "parallel.sequence_parallel=true"}},
+        {1, test::Sets{"train.micro_batch_size=2"}}}) {
+    CAPTURE(nproc);
+    const test::Trace t = test::run_ranks(kTiny, nproc, test::operator+(data_from(a.path().string()), sets));
+    for (std::size_t s = 0; s < ta.loss.size(); ++s) CHECK(t.loss[s] == doctest::Approx(ta.loss[s]).epsilon(1e-5));
+  }
+}

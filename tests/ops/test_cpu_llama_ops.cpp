@@ -283,3 +283,95 @@ TEST_CASE("llama ops reject shapes that do not fit, naming the argument") {
   a.kv_heads = 2;  // 2 does not divide 5 query heads
   CHECK_THROWS_WITH(b->attention_forward(a), doctest::Contains("must divide the 5 query heads"));
 }
+
+namespace {
+
+// Rows [first, first + n) of each position's qkv row block of sequence b, as a sequence of its own.
+std::vector<float> rows_of(const std::vector<float>& x, int b, int T, int row, int first, int n) {
+  const auto begin = x.begin() + (static_cast<std::ptrdiff_t>(b) * T + first) * row;
+  return std::vector<float>(begin, begin + static_cast<std::ptrdiff_t>(n) * row);
+}
+
+}  // namespace
+
+TEST_CASE("attention within packed documents equals each document attended on its own, forward and backward") {
+  auto b = cpu();
+  const int B = 2, T = 11, H = 4, K = 2, D = 4, row = (H + 2 * K) * D;
+  // Sequence 0 holds three documents, [0, 4), [4, 9), [9, 11); sequence 1 begins inside one, [0, 6),
+  // then [6, 11).
+  const std::vector<std::vector<int>> docs = {{0, 4, 9, 11}, {0, 6, 11}};
+  std::vector<std::int32_t> starts(B * T);
+  for (int s = 0; s < B; ++s)
+    for (std::size_t d = 0; d + 1 < docs[s].size(); ++d)
+      for (int t = docs[s][d]; t < docs[s][d + 1]; ++t) starts[s * T + t] = docs[s][d];
+  const TensorView doc_start(starts.data(), {B, T}, DType::i32, Device::cpu);
+  auto qkv = random_values(B * T * row, 301), dout = random_values(B * T * H * D, 302);
+  std::vector<float> out(B * T * H * D), lse(B * H * T), dqkv(qkv.size());
+  ops::AttentionForward f{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+  f.kv_heads = K;
+  f.doc_start = doc_start;
+  b->attention_forward(f);
+  ops::AttentionBackward g{view(dqkv, {B, T, H + 2 * K, D}), view(dout, {B, T, H, D}), view(out, {B, T, H, D}),
+                           view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+  g.kv_heads = K;
+  g.doc_start = doc_start;
+  b->attention_backward(g);
+  for (int s = 0; s < B; ++s)
+    for (std::size_t d = 0; d + 1 < docs[s].size(); ++d) {
+      const int first = docs[s][d], n = docs[s][d + 1] - first;
+      CAPTURE(s);
+      CAPTURE(first);
+      auto q1 = rows_of(qkv, s, T, row, first, n), go1 = rows_of(dout, s, T, H * D, first, n);
+      std::vector<float> o1(n * H * D), l1(H * n), dq1(q1.size());
+      ops::AttentionForward f1{view(o1, {1, n, H, D}), view(l1, {1, H, n}), view(q1, {1, n, H + 2 * K, D}), 0.5f};
+      f1.kv_heads = K;
+      b->attention_forward(f1);
+      ops::AttentionBackward g1{view(dq1, {1, n, H + 2 * K, D}), view(go1, {1, n, H, D}), view(o1, {1, n, H, D}),
+                                view(l1, {1, H, n}), view(q1, {1, n, H + 2 * K, D}), 0.5f};
+      g1.kv_heads = K;
+      b->attention_backward(g1);
+      // The same operations in the same order: the same bits.
+      CHECK(rows_of(out, s, T, H * D, first, n) == o1);
+      CHECK(rows_of(dqkv, s, T, row, first, n) == dq1);
+      for (int h = 0; h < H; ++h)
+        for (int t = 0; t < n; ++t) CHECK(lse[(s * H + h) * T + first + t] == l1[h * n + t]);
+    }
+}
+
+TEST_CASE("attention within packed documents: the backward matches finite differences, bad starts are refused") {
+  auto b = cpu();
+  const int B = 1, T = 7, H = 2, K = 1, D = 4;
+  std::vector<std::int32_t> starts = {0, 0, 0, 3, 3, 3, 3};
+  const TensorView doc_start(starts.data(), {B, T}, DType::i32, Device::cpu);
+  auto qkv = random_values(B * T * (H + 2 * K) * D, 303), lw = random_values(B * T * H * D, 304);
+  std::vector<float> out(B * T * H * D), lse(B * H * T);
+  auto forward = [&] {
+    ops::AttentionForward a{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+    a.kv_heads = K;
+    a.doc_start = doc_start;
+    b->attention_forward(a);
+    return dot(out, lw);
+  };
+  forward();
+  std::vector<float> dqkv(qkv.size());
+  ops::AttentionBackward a{view(dqkv, {B, T, H + 2 * K, D}), view(lw, {B, T, H, D}), view(out, {B, T, H, D}),
+                           view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+  a.kv_heads = K;
+  a.doc_start = doc_start;
+  b->attention_backward(a);
+  check_gradient("document attention dqkv", qkv, dqkv, forward, 100);
+  // The first document's rows get no gradient from the second's outputs: its keys and values are
+  // never read there (the loss weights only the second document's outputs).
+  std::vector<float> lw2(lw.size(), 0.0f);
+  for (int t = 3; t < T; ++t)
+    for (int i = 0; i < H * D; ++i) lw2[t * H * D + i] = lw[t * H * D + i];
+  std::vector<float> dq2(qkv.size());
+  ops::AttentionBackward a2 = a;
+  a2.dqkv = view(dq2, {B, T, H + 2 * K, D});
+  a2.dout = view(lw2, {B, T, H, D});
+  b->attention_backward(a2);
+  for (int t = 0; t < 3; ++t)
+    for (int i = 0; i < (H + 2 * K) * D; ++i) CHECK(dq2[t * (H + 2 * K) * D + i] == 0.0f);
+  starts[2] = 3;  // after its own position
+  CHECK_THROWS_WITH(forward(), doctest::Contains("doc_start[0, 2] = 3"));
+}

@@ -52,7 +52,8 @@ int WindowIndex::trained_targets(std::uint64_t w) const {
   return n;
 }
 
-void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit) const {
+void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit,
+                       std::int32_t* doc_start) const {
   const auto [s, start] = locate(w);
   std::vector<std::uint32_t> tok(static_cast<std::size_t>(T_) + 1);
   shards_[s].read(start, tok.size(), tok.data());
@@ -64,6 +65,13 @@ void WindowIndex::read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targ
   for (int t = 0; t < T_; ++t) {
     inputs[t] = static_cast<std::int32_t>(tok[t]);
     targets[t] = flags.empty() || (flags[t + 1] & kTrained) ? static_cast<std::int32_t>(tok[t + 1]) : -1;
+  }
+  if (doc_start) {
+    std::int32_t start = 0;
+    for (int t = 0; t < T_; ++t) {
+      if (!flags.empty() && (flags[t] & kDocumentStart)) start = t;
+      doc_start[t] = start;
+    }
   }
   if (vocab_limit > 0)
     for (int t = 0; t <= T_; ++t)

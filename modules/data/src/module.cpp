@@ -19,21 +19,30 @@ std::unique_ptr<WindowIndex> open_split(const std::string& pattern, ShardFormat 
   return std::make_unique<WindowIndex>(std::move(shards), T);
 }
 
-// Fills `b` with `count` samples starting at global sample `first`.
-void fill(train::Batch& b, DataState& st, std::uint64_t first, int count, int T) {
+// Window w of `index` into sequence i of `b` (sized already), with its document starts when `b`
+// takes them.
+void read_window(const WindowIndex& index, std::uint64_t w, train::Batch& b, int i) {
+  const int T = b.T;
+  index.read(w, b.inputs.data() + i * T, b.targets.data() + i * T, 0,
+             b.doc_start.empty() ? nullptr : b.doc_start.data() + i * T);
+}
+
+void size_batch(train::Batch& b, int count, int T, bool documents) {
   b.B = count;
   b.T = T;
   b.inputs.resize(static_cast<std::size_t>(count) * T);
   b.targets.resize(b.inputs.size());
-  for (int i = 0; i < count; ++i)
-    st.train->read(st.order->window(first + i), b.inputs.data() + i * T, b.targets.data() + i * T);
+  b.doc_start.resize(documents ? b.inputs.size() : 0);
+}
+
+// Fills `b` with `count` samples starting at global sample `first`.
+void fill(train::Batch& b, DataState& st, std::uint64_t first, int count, int T, bool documents) {
+  size_batch(b, count, T, documents);
+  for (int i = 0; i < count; ++i) read_window(*st.train, st.order->window(first + i), b, i);
 }
 
 void fill_synthetic(train::Batch& b, std::uint64_t seed, std::uint64_t first, int count, int T, int vocab) {
-  b.B = count;
-  b.T = T;
-  b.inputs.resize(static_cast<std::size_t>(count) * T);
-  b.targets.resize(b.inputs.size());
+  size_batch(b, count, T, false);
   for (int i = 0; i < count; ++i)
     for (int t = 0; t <= T; ++t) {
       auto tok = static_cast<std::int32_t>(rng::philox_u32(seed, (first + i) * (T + 1), t) % vocab);
@@ -70,7 +79,9 @@ void install(World& w, const DataConfig& cfg) {
   if (cfg.synthetic_vocab == 0) {
     st.train = open_split(cfg.train_files, cfg.format, T, "data.train_files");
     st.order = std::make_unique<SampleOrder>(st.train->windows(), data_seed, cfg.shuffle);
-    w.resource<train::TrainState>().loss_mask = st.train->masked();
+    auto& ts = w.resource<train::TrainState>();
+    ts.loss_mask = st.train->masked();
+    ts.documents = st.train->masked() && cfg.attend_within_documents;
   }
 
   w.systems().add({"data.load_validation", Phase::setup, [cfg, T](World& world) {
@@ -83,15 +94,12 @@ void install(World& w, const DataConfig& cfg) {
                      const int mbs = ts.micro_batch_size;
                      const std::uint64_t per_rank = static_cast<std::uint64_t>(cfg.val_batches) * mbs;
                      const std::uint64_t base = per_rank * par.dp_rank();
+                     // Validation shards mark documents as the training ones do (kiln tokenize writes both).
+                     const bool documents = index->masked() && cfg.attend_within_documents;
                      for (int b = 0; b < cfg.val_batches; ++b) {
                        train::Batch batch;
-                       batch.B = mbs;
-                       batch.T = T;
-                       batch.inputs.resize(static_cast<std::size_t>(mbs) * T);
-                       batch.targets.resize(batch.inputs.size());
-                       for (int i = 0; i < mbs; ++i)
-                         index->read((base + b * mbs + i) % index->windows(), batch.inputs.data() + i * T,
-                                     batch.targets.data() + i * T);
+                       size_batch(batch, mbs, T, documents);
+                       for (int i = 0; i < mbs; ++i) read_window(*index, (base + b * mbs + i) % index->windows(), batch, i);
                        val.batches.push_back(std::move(batch));
                      }
                    }});
@@ -100,11 +108,12 @@ void install(World& w, const DataConfig& cfg) {
   // `position`.
   auto make = [cfg, T, data_seed](World& world, std::uint64_t position, std::uint64_t first, train::Batch& batch) {
     auto& st = world.resource<DataState>();
-    const int count = world.resource<train::TrainState>().micro_batch_size;
+    const auto& ts = world.resource<train::TrainState>();
+    const int count = ts.micro_batch_size;
     if (cfg.synthetic_vocab > 0)
       fill_synthetic(batch, data_seed, first, count, T, cfg.synthetic_vocab);
     else
-      fill(batch, st, first, count, T);
+      fill(batch, st, first, count, T, ts.documents);
     batch.step_targets = step_targets(world, position);
   };
   // The step's global batch is samples [position, position + batch_size); DP rank d takes the d-th

@@ -61,6 +61,7 @@ void GptModel::allocate_activations() {
   auto rows = table_.model();
   rows.own(tokens_, DType::i32, {N});
   rows.own(targets_, DType::i32, {N});
+  rows.own(doc_start_, DType::i32, {ctx_.B, ctx_.T});  // packed documents' starts, when a batch has them
   rows.own(losses_, DType::f32, {static_cast<std::int64_t>(slots_), N});
   std::int64_t stats = 0;
   for (auto& block : blocks_)
@@ -118,6 +119,14 @@ void GptModel::load(const train::Batch& batch, int slot, bool training, rng::Rng
   }
   ctx_.be.copy(tokens_, TensorView(const_cast<std::int32_t*>(batch.inputs.data()), {N}, DType::i32, Device::cpu));
   ctx_.be.copy(targets_, TensorView(const_cast<std::int32_t*>(batch.targets.data()), {N}, DType::i32, Device::cpu));
+  ctx_.doc_start = {};
+  if (!batch.doc_start.empty()) {
+    KILN_CHECK(static_cast<std::int64_t>(batch.doc_start.size()) == N, "batch of ", N, " tokens with ",
+               batch.doc_start.size(), " document starts");
+    ctx_.be.copy(doc_start_, TensorView(const_cast<std::int32_t*>(batch.doc_start.data()), doc_start_.shape,
+                                        DType::i32, Device::cpu));
+    ctx_.doc_start = doc_start_;
+  }
   ctx_.seq_offset = batch.global_index;
   if (training && batch.step_targets > 0) {
     // The mean over the step's trained targets; a global batch with none trains nothing (loss 0).

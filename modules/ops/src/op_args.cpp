@@ -175,6 +175,7 @@ AttentionDims check_args(const AttentionForward& a, const ArgTarget& on) {
   c.tensor("out", a.out, Act, {B, T, H, D});
   const std::int64_t K = a.kv_heads == 0 ? c[H] : check_gqa(c, "qkv", a.qkv, B, T, H, D, a.kv_heads);
   c.tensor("lse", a.lse, f32, {B, H, T});
+  c.optional("doc_start", a.doc_start, DType::i32, {B, T});
   c.check(a.seq_offset >= 0, "seq_offset = ", a.seq_offset, " must not be negative");
   return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H]), K};
 }
@@ -189,6 +190,7 @@ AttentionDims check_args(const AttentionBackward& a, const ArgTarget& on) {
   c.tensor("dout", a.dout, Act, {B, T, H, D});
   if (a.kv_heads == 0) c.tensor("dqkv", a.dqkv, Act, {B, T, 3, H, D});
   else check_gqa(c, "dqkv", a.dqkv, B, T, H, D, a.kv_heads);
+  c.optional("doc_start", a.doc_start, DType::i32, {B, T});
   c.check(a.seq_offset >= 0, "seq_offset = ", a.seq_offset, " must not be negative");
   return {c[B], c[T], c[H], c[D], check_heads(c, a.head_offset, a.heads_total, c[H]), K};
 }

@@ -62,7 +62,7 @@ void CausalSelfAttention::forward_in(const NormOutput& x, float p) {
   qkv_.forward({qkv_out_.reshape({ctx_.N, qkv_.local_out()}), {}, x.input}, x.local);
   if (o_.rope) rotate(qkv_out_, false);
   ctx_.be.attention_forward({context_, lse_, heads_view(qkv_out_), scale(), p, probs_rng_, head_begin_, o_.heads,
-                             ctx_.seq_offset, kv_heads_arg()});
+                             ctx_.seq_offset, kv_heads_arg(), ctx_.doc_start});
 }
 
 void CausalSelfAttention::forward_out(const TensorView& out_local) {
@@ -75,7 +75,8 @@ TensorView CausalSelfAttention::backward(const TensorView& dout_local, const ops
                  dout_local);
   const TensorView dqkv = dqkv_.reshape(qkv_out_.shape);
   ctx_.be.attention_backward({heads_view(dqkv), dcontext_.reshape(context_.shape), context_, lse_, heads_view(qkv_out_),
-                              scale(), p, probs_rng_, head_begin_, o_.heads, ctx_.seq_offset, kv_heads_arg()});
+                              scale(), p, probs_rng_, head_begin_, o_.heads, ctx_.seq_offset, kv_heads_arg(),
+                              ctx_.doc_start});
   if (o_.rope) rotate(dqkv, true);  // the rotation's backward is the inverse rotation
   return qkv_.backward({.dx = ctx_.stream.col_dx, .dout = dqkv_, .x = x}, dx_local);
 }

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "cpu_backend.hpp"
+#include "kiln/core/error.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -17,6 +18,20 @@ struct AttnShape {
 };
 
 AttnShape shape_of(const AttentionDims& d) { return {d.B, d.T, d.H, d.D, d.heads_total, d.K}; }
+
+// The first key position of each query row: doc_start's (checked: 0 <= start <= i), or 0.
+std::vector<std::int64_t> first_keys(const TensorView& doc_start, const AttnShape& s) {
+  std::vector<std::int64_t> first(static_cast<std::size_t>(s.B * s.T), 0);
+  if (!doc_start) return first;
+  const auto* ds = doc_start.as<std::int32_t>();
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t i = 0; i < s.T; ++i) {
+      const std::int64_t v = ds[b * s.T + i];
+      KILN_CHECK(v >= 0 && v <= i, "attention: doc_start[", b, ", ", i, "] = ", v, " is not a position in [0, ", i, "]");
+      first[static_cast<std::size_t>(b * s.T + i)] = v;
+    }
+  return first;
+}
 
 // Philox element of attention probability (b, h, i, j); see AttentionForward.
 inline std::uint64_t prob_index(const AttnShape& s, std::int64_t seq_offset, int head_offset, std::int64_t b,
@@ -35,14 +50,16 @@ void CpuBackend::attention_forward(const AttentionForward& a) {
   const std::uint32_t threshold = rng::dropout_threshold(a.dropout);
   const float keep_scale = a.dropout > 0 ? 1.0f / (1.0f - a.dropout) : 1.0f;
   const std::uint64_t start = a.rng.start();
+  const std::vector<std::int64_t> first = first_keys(a.doc_start, s);
 #pragma omp parallel for collapse(2) num_threads(threads_) schedule(static)
   for (std::int64_t b = 0; b < s.B; ++b)
     for (std::int64_t h = 0; h < s.H; ++h) {
       std::vector<float> p(static_cast<std::size_t>(s.T));
       for (std::int64_t i = 0; i < s.T; ++i) {
         const float* q = qkv + (b * s.T + i) * rs + s.q(h);
+        const std::int64_t j0 = first[static_cast<std::size_t>(b * s.T + i)];
         float mx = -INFINITY;
-        for (std::int64_t j = 0; j <= i; ++j) {
+        for (std::int64_t j = j0; j <= i; ++j) {
           const float* k = qkv + (b * s.T + j) * rs + s.k(h);
           float dot = 0;
           for (std::int64_t d = 0; d < s.D; ++d) dot += q[d] * k[d];
@@ -50,14 +67,14 @@ void CpuBackend::attention_forward(const AttentionForward& a) {
           mx = std::max(mx, p[j]);
         }
         float sum = 0;
-        for (std::int64_t j = 0; j <= i; ++j) {
+        for (std::int64_t j = j0; j <= i; ++j) {
           p[j] = std::exp(p[j] - mx);
           sum += p[j];
         }
         lse[(b * s.H + h) * s.T + i] = mx + std::log(sum);
         float* o = out + ((b * s.T + i) * s.H + h) * s.D;
         std::vector<float> acc(static_cast<std::size_t>(s.D), 0.0f);
-        for (std::int64_t j = 0; j <= i; ++j) {
+        for (std::int64_t j = j0; j <= i; ++j) {
           float w = p[j] / sum;
           if (a.dropout > 0) {
             auto x = rng::philox_u32(a.rng.seed, start, prob_index(s, a.seq_offset, a.head_offset, b, h, i, j));
@@ -80,6 +97,7 @@ void CpuBackend::attention_backward(const AttentionBackward& a) {
   const std::uint32_t threshold = rng::dropout_threshold(a.dropout);
   const float keep_scale = a.dropout > 0 ? 1.0f / (1.0f - a.dropout) : 1.0f;
   const std::uint64_t start = a.rng.start();
+  const std::vector<std::int64_t> first = first_keys(a.doc_start, s);
   // One (sequence, key/value head) per iteration: its query heads one after the other add to its
   // dk and dv (in fp32, stored once at the end).
 #pragma omp parallel for collapse(2) num_threads(threads_) schedule(static)
@@ -93,8 +111,9 @@ void CpuBackend::attention_backward(const AttentionBackward& a) {
           const float* q = qkv + (b * s.T + i) * rs + s.q(h);
           const float* go = dout + ((b * s.T + i) * s.H + h) * s.D;
           const float l = lse[(b * s.H + h) * s.T + i];
+          const std::int64_t j0 = first[static_cast<std::size_t>(b * s.T + i)];
           float dsum = 0;  // D_i = sum_j P_ij dP_ij
-          for (std::int64_t j = 0; j <= i; ++j) {
+          for (std::int64_t j = j0; j <= i; ++j) {
             const float* k = qkv + (b * s.T + j) * rs + s.k(h);
             const float* v = qkv + (b * s.T + j) * rs + s.v(h);
             float dot = 0;
@@ -112,7 +131,7 @@ void CpuBackend::attention_backward(const AttentionBackward& a) {
             float pd = p[j] * m;
             for (std::int64_t d = 0; d < s.D; ++d) dv[j * s.D + d] += pd * go[d];
           }
-          for (std::int64_t j = 0; j <= i; ++j) {
+          for (std::int64_t j = j0; j <= i; ++j) {
             const float ds = p[j] * (dp[j] - dsum) * a.scale;
             const float* k = qkv + (b * s.T + j) * rs + s.k(h);
             for (std::int64_t d = 0; d < s.D; ++d) {

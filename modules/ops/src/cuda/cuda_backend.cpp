@@ -469,9 +469,19 @@ bool CudaBackend::use_cudnn_attention(float dropout, const CudnnAttention::Shape
   return true;
 }
 
+namespace {
+// Document boundaries (AttentionForward::doc_start) are the CPU backend's alone so far; the model
+// refuses them at start on CUDA (data.attend_within_documents), this says so to any other caller.
+void refuse_documents(const TensorView& doc_start, const char* op) {
+  KILN_CHECK(!doc_start, op, ": attention within packed documents (doc_start) runs on the CPU backend only so far; "
+             "the CUDA kernels and cuDNN take whole causal sequences");
+}
+}  // namespace
+
 void CudaBackend::attention_forward(const AttentionForward& a) {
   Timer t(*this, "attention_forward");
   const AttentionDims d = check_args(a, kTarget);
+  refuse_documents(a.doc_start, "attention_forward");
   const CudnnAttention::Shape s = cudnn_shape(d, a);
   if (use_cudnn_attention(a.dropout, s)) {
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->forward_workspace_bytes(s) / sizeof(float)));
@@ -485,6 +495,7 @@ void CudaBackend::attention_forward(const AttentionForward& a) {
 void CudaBackend::attention_backward(const AttentionBackward& a) {
   Timer t(*this, "attention_backward");
   const AttentionDims d = check_args(a, kTarget);
+  refuse_documents(a.doc_start, "attention_backward");
   const CudnnAttention::Shape s = cudnn_shape(d, a);
   if (use_cudnn_attention(a.dropout, s)) {
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->backward_workspace_bytes(s) / sizeof(float)));

@@ -21,7 +21,11 @@ class WindowIndex {
   int seq_len() const { return T_; }
   // Writes window w's T inputs and T targets (-1 where masked); throws if a token is >= vocab_limit
   // (when > 0).
-  void read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit = 0) const;
+  // With `doc_start` (masked shards), each input token's document start: the position in the
+  // window of the nearest token at or before it that starts a document (kDocumentStart), 0 where the
+  // window begins inside one.
+  void read(std::uint64_t w, std::int32_t* inputs, std::int32_t* targets, int vocab_limit = 0,
+            std::int32_t* doc_start = nullptr) const;
   // Whether the shards carry loss masks, and window w's targets that are trained on (T without).
   bool masked() const { return !masks_.empty(); }
   int trained_targets(std::uint64_t w) const;

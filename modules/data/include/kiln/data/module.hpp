@@ -19,6 +19,7 @@ struct DataConfig {
   bool shuffle = true;
   int val_batches = 4;
   int synthetic_vocab = 0;
+  bool attend_within_documents = true;
   void validate(config::Checks& c) const {
     c.expect(val_batches >= 0, "val_batches", "must be >= 0");
     c.expect(synthetic_vocab >= 0, "synthetic_vocab", "must be >= 0");
@@ -32,7 +33,10 @@ KILN_CONFIG(DataConfig,
             (format, "shard format: auto (by the llm.c magic number), llmc or raw"),
             (shuffle, "shuffle the training windows each epoch (seeded by train.seed)"),
             (val_batches, "validation micro-batches per evaluation (a fixed set)"),
-            (synthetic_vocab, "if > 0, train on uniformly random tokens below this value instead of files"))
+            (synthetic_vocab, "if > 0, train on uniformly random tokens below this value instead of files"),
+            (attend_within_documents,
+             "shards whose masks mark documents (kiln tokenize --format chat | prompt-completion) pack them into "
+             "windows: each token attends only to its own document's tokens; false lets attention cross them"))
 
 // World resource: the data position (samples consumed), which a checkpoint saves.
 struct DataState {

@@ -103,6 +103,7 @@ class GptModel {
   ActivationTable table_;
   std::vector<TensorView> residuals_;     // L + 1 residual streams [Nl, C]: residuals_[l] is block l's input
   TensorView tokens_, targets_, losses_;  // [N] i32 on the device, twice; [slots, N] f32
+  TensorView doc_start_;                  // [B, T] i32: the current batch's document starts, if it has them
   TensorView part_stats_;                 // every part's device numbers of the step (Mixer::device_stats)
   nn::BlockScratch lent_;
   rng::RngSnapshot step_rng_;  // the tracker's states at the step's first micro-batch

@@ -189,6 +189,9 @@ struct AttentionForward {
   int heads_total = 0;  // 0: H
   std::int64_t seq_offset = 0;  // the global index of sequence 0 (dropout)
   int kv_heads = 0;             // 0: multi-head attention
+  // [B, T] i32, optional: packed documents. Position i attends to positions [doc_start[b, i], i] of
+  // its sequence only (the first position of its document); empty: to [0, i].
+  TensorView doc_start;
 };
 struct AttentionBackward {
   TensorView dqkv;  // qkv's shape, act; a key or value head's gradient sums over its query heads
@@ -203,6 +206,7 @@ struct AttentionBackward {
   int heads_total = 0;
   std::int64_t seq_offset = 0;
   int kv_heads = 0;
+  TensorView doc_start;  // as AttentionForward's
 };
 
 // Attention of the newest position of each sequence over every position so far (generation with a

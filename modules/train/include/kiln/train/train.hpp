@@ -51,6 +51,9 @@ struct Batch {
   // data-parallel rank): the loss is their mean. Targets of -1 are not among them (loss masks);
   // 0: all of them, batch_size x seq_len.
   std::int64_t step_targets = 0;
+  // [B * T] or empty: where each input token's document starts in its sequence (packed documents,
+  // data.attend_within_documents): attention stays within each document.
+  std::vector<std::int32_t> doc_start;
 };
 
 // A fixed set of validation micro-batches, prepared once by the data module.
@@ -80,6 +83,8 @@ struct TrainState {
   int micro_batch_size = 0;
   // The data carries loss masks: the step's number of trained targets (Batch::step_targets) varies.
   bool loss_mask = false;
+  // The batches carry document starts (Batch::doc_start): attention stays within documents.
+  bool documents = false;
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;

@@ -41,6 +41,7 @@ struct ModelContext {
   std::int64_t Nl;               // this rank's token rows outside the TP regions
   std::int64_t batch_sequences;  // sequences of the step's global batch (all ranks and micro-batches)
   std::int64_t seq_offset = 0;   // the global index of the current micro-batch's first sequence
+  TensorView doc_start;          // [B, T] i32 of the current micro-batch (packed documents), or empty
   bool training = false;         // the current forward is a training one (not an evaluation)
   ops::LinearImpl backend_linear;  // the backend's linear ops, for linears no module replaced
   ops::GroupedLinearImpl backend_grouped_linear;  // and its grouped ones
