@@ -5,6 +5,7 @@
 // about 3e-3; lse (fp32) < 1e-4. Inputs are normals with std 1.5 for q and k, so the scaled scores
 // q.k / sqrt(D) have std ~2 (softmax rows neither flat nor one-hot).
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <vector>
 
@@ -32,6 +33,7 @@ struct Attn {
   std::int64_t seq_offset = 0;
   rng::PhiloxArgs rng{0x5eed1234ull, 17, nullptr};
   Dual qkv, out, lse, dout, dqkv;
+  std::optional<Dual> doc_start;  // [B, T] i32: packed documents (set_documents)
 
   Attn(BackendPair& pair, Dims d, float drop = 0, int ho = 0, int ht = 0, std::uint64_t seed = 1)
       : p(pair),
@@ -48,14 +50,33 @@ struct Attn {
     dout.set(random_values(static_cast<std::size_t>(dout.numel()), 200 + seed * 7 + d.T * 31 + d.D));
   }
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(s.D)); }
+  // Documents of random lengths (1 to max_len tokens) packed into each sequence; the first may have
+  // begun before the window.
+  void set_documents(int max_len, std::uint64_t seed) {
+    std::vector<std::int32_t> starts(static_cast<std::size_t>(s.B) * s.T);
+    std::uint64_t n = 0;
+    for (int b = 0; b < s.B; ++b) {
+      int start = 0, left = 1 + static_cast<int>(rng::philox_u32(seed, 0, n++) % max_len);
+      for (int t = 0; t < s.T; ++t, --left) {
+        if (left == 0) {
+          start = t;
+          left = 1 + static_cast<int>(rng::philox_u32(seed, 0, n++) % max_len);
+        }
+        starts[static_cast<std::size_t>(b) * s.T + t] = start;
+      }
+    }
+    doc_start.emplace(p, Kind::i32, Shape{s.B, s.T});
+    doc_start->set_ints(starts);
+  }
+  TensorView docs(bool gpu) const { return doc_start ? (gpu ? doc_start->gpu() : doc_start->cpu()) : TensorView{}; }
   ops::AttentionForward fwd_args(bool gpu) const {
     return {gpu ? out.gpu() : out.cpu(), gpu ? lse.gpu() : lse.cpu(), gpu ? qkv.gpu() : qkv.cpu(), scale(),
-            dropout, rng, head_offset, heads_total, seq_offset};
+            dropout, rng, head_offset, heads_total, seq_offset, 0, docs(gpu)};
   }
   ops::AttentionBackward bwd_args(bool gpu) const {
     return {gpu ? dqkv.gpu() : dqkv.cpu(), gpu ? dout.gpu() : dout.cpu(), gpu ? out.gpu() : out.cpu(),
             gpu ? lse.gpu() : lse.cpu(),   gpu ? qkv.gpu() : qkv.cpu(),   scale(),
-            dropout, rng, head_offset, heads_total, seq_offset};
+            dropout, rng, head_offset, heads_total, seq_offset, 0, docs(gpu)};
   }
   void forward() {
     out.poison();
@@ -164,6 +185,29 @@ TEST_CASE("cuda attention_backward (kiln's kernels) matches the CPU reference at
   auto p = backend_pair(with_attention(ops::AttentionImpl::kiln));
   KILN_REQUIRE_GPU(p);
   backward_at_awkward_shapes(p);
+}
+
+TEST_CASE("cuda attention within packed documents (kiln's kernels, also when cuDNN is asked) matches the CPU") {
+  for (auto impl : {ops::AttentionImpl::kiln, ops::AttentionImpl::cudnn}) {
+    auto p = backend_pair(with_attention(impl));
+    KILN_REQUIRE_GPU(p);
+    for (int D : kHeadDims)
+      for (Dims s : {Dims{3, 77, 2, 0}, Dims{2, 300, 3, 0}, Dims{1, 129, 1, 0}})
+        for (int max_len : {1, 9, 70, 1000}) {  // one-token documents, short ones, long ones, one document
+          s.D = D;
+          CAPTURE(max_len);
+          Attn a(p, s);
+          a.set_documents(max_len, static_cast<std::uint64_t>(D * 1000 + s.T + max_len));
+          check_backward(a);
+          KILN_CHECK_CLOSE(a.out, kActTol);
+          KILN_CHECK_CLOSE(a.lse, kLseTol);
+        }
+    // With dropout, and on a head shard.
+    Attn a(p, {2, 130, 2, 64}, 0.1f, 1, 4);
+    a.set_documents(40, 7);
+    check_backward(a);
+    KILN_CHECK_CLOSE(a.out, kActTol);
+  }
 }
 
 TEST_CASE("cuda attention_forward (cuDNN) matches the CPU reference at awkward shapes") {

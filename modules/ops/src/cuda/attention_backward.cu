@@ -59,8 +59,10 @@ struct DkvCfg {
   static constexpr int BN = 16 * WARPS;  // keys per block
   static constexpr int BM = BM_;         // queries per tile
   static constexpr bool KV_REGS = KV_REGS_;
-  // K, V; Q and dO double-buffered; lse and D double-buffered.
+  // K, V; Q and dO double-buffered; lse and D double-buffered (and, packed documents, the queries'
+  // document starts: kDocSmem more).
   static constexpr int kSmem = (2 * BN + 4 * BM) * kPad<D> * 2 + 4 * BM * 4;
+  static constexpr int kDocSmem = 2 * BM * 4;
 };
 // At D = 128 the dK, dV accumulators alone take 128 registers, so K and V fragments are re-read
 // from shared memory each tile and the query tile is halved (ptxas: no spills either way).
@@ -73,7 +75,7 @@ struct DkvTraits<128> {
   using Cfg = DkvCfg<128, 4, 32, false>;
 };
 
-template <class C, bool DROPOUT>
+template <class C, bool DROPOUT, bool DOC>
 __global__ void __launch_bounds__(C::NT)
     attention_dkv_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout, const float* __restrict__ lse,
                          const float* __restrict__ dsum, const bf16* __restrict__ qkv, const Problem pb,
@@ -87,6 +89,7 @@ __global__ void __launch_bounds__(C::NT)
   bf16* sdO = sQ + 2 * BM * P;  // [2][BM][P]
   float* sL = reinterpret_cast<float*>(sdO + 2 * BM * P);  // [2][BM] lse
   float* sD = sL + 2 * BM;                                  // [2][BM] D_i
+  [[maybe_unused]] std::int32_t* sS = reinterpret_cast<std::int32_t*>(sD + 2 * BM);  // DOC: [2][BM] starts
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int T = pb.T, H = pb.H;
@@ -112,6 +115,13 @@ __global__ void __launch_bounds__(C::NT)
       const bool ok = qq0 + i < T;
       const float* src = c < BM ? gL : gD;
       cp_async4(smem_addr((c < BM ? sL : sD) + stage * BM + i), ok ? src + qq0 + i : src, ok);
+    }
+    if constexpr (DOC) {  // the queries' document starts, 0 past T (those queries are masked anyway)
+      const std::int32_t* gS = pb.doc_start + static_cast<std::int64_t>(b) * T;
+      for (int i = tid; i < BM; i += NT) {
+        const bool ok = qq0 + i < T;
+        cp_async4(smem_addr(sS + stage * BM + i), ok ? gS + qq0 + i : gS, ok);
+      }
     }
   };
   load_tile<D, BN, NT>(sK, gK, ld, k0, T, tid);
@@ -193,6 +203,7 @@ __global__ void __launch_bounds__(C::NT)
         const float di = e & 1 ? dq.y : dq.x;
         float p = ex2(fmaf(st[nt][e], pb.scale_log2, -lse2));
         if (MASK && (query < key || query >= T)) p = 0.0f;
+        if (DOC && key < sS[stage * BM + nt * 8 + 2 * t + (e & 1)]) p = 0.0f;  // another document's key
         float dp = dpt[nt][e];
         bool keep = true;
         if constexpr (DROPOUT) {
@@ -245,7 +256,7 @@ __global__ void __launch_bounds__(C::NT)
       }
     }
     if (qq0 + BM - 1 >= kw0) {  // else every query of the tile precedes every key of this warp
-      if (qq0 < kw0 + 16 || qq0 + BM > T)
+      if (DOC || qq0 < kw0 + 16 || qq0 + BM > T)
         tile(std::true_type{}, stage, qq0);
       else
         tile(std::false_type{}, stage, qq0);
@@ -298,7 +309,7 @@ struct DqTraits<128> {
   using Cfg = DqCfg<128, 4, 32>;
 };
 
-template <class C, bool DROPOUT>
+template <class C, bool DROPOUT, bool DOC>
 __global__ void __launch_bounds__(C::NT)
     attention_dq_kernel(bf16* __restrict__ dqkv, const bf16* __restrict__ dout, const float* __restrict__ lse,
                         const float* __restrict__ dsum, const bf16* __restrict__ qkv, const Problem pb) {
@@ -345,6 +356,23 @@ __global__ void __launch_bounds__(C::NT)
     const std::uint64_t bhg = static_cast<std::uint64_t>(pb.seq_offset + b) * pb.heads_total + pb.head_offset + h;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) row_n[hr] = (bhg * T + static_cast<std::uint64_t>(wr0 + g + 8 * hr)) * T;
+  }
+
+  // Packed documents: the document start of each row this thread holds, and the smallest of the
+  // warp's rows (key tiles before it are skipped).
+  [[maybe_unused]] int rs[2] = {};
+  [[maybe_unused]] int warp_first = 0;
+  if constexpr (DOC) {
+    int lo = 0x7fffffff;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = wr0 + g + 8 * hr;
+      rs[hr] = row < T ? pb.doc_start[static_cast<std::int64_t>(b) * T + row] : 0;
+      if (row < T) lo = min(lo, rs[hr]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    warp_first = lo;
   }
 
   std::uint32_t qf[KS][4], of[KS][4];
@@ -394,7 +422,7 @@ __global__ void __launch_bounds__(C::NT)
         const int row = wr0 + g + 8 * hr;
         const int col = kv0 + nt * 8 + 2 * t + (e & 1);
         float p = ex2(fmaf(s[nt][e], pb.scale_log2, -lse2[hr]));
-        if (MASK && col > row) p = 0.0f;
+        if (MASK && (col > row || (DOC && col < rs[hr]))) p = 0.0f;
         float d = dp[nt][e];
         if constexpr (DROPOUT) {
           const bool keep = (bits[hr][nt / 4] >> ((nt % 4) * 8 + 2 * t + (e & 1))) & 1u;
@@ -439,10 +467,13 @@ __global__ void __launch_bounds__(C::NT)
     }
     const int kv0 = it * BN;
     if (kv0 <= wr0 + 15) {  // else every key of the tile lies after every row of this warp
-      if (kv0 + BN - 1 > wr0)
+      if constexpr (DOC) {  // every tile masked; none before the warp's first document
+        if (kv0 + BN - 1 >= warp_first) tile(std::true_type{}, stage, kv0);
+      } else if (kv0 + BN - 1 > wr0) {
         tile(std::true_type{}, stage, kv0);
-      else
+      } else {
         tile(std::false_type{}, stage, kv0);
+      }
     }
     __syncthreads();
   }
@@ -480,7 +511,7 @@ __global__ void attention_dkv_group_sum(bf16* __restrict__ dqkv, const bf16* __r
   }
 }
 
-template <int D, bool DROPOUT>
+template <int D, bool DROPOUT, bool DOC>
 void launch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out, const float* lse, const bf16* qkv,
                      const Problem& pb, cudaStream_t s, bf16* kv_heads) {
   const std::int64_t rows = static_cast<std::int64_t>(pb.B) * pb.T * pb.H;
@@ -490,10 +521,11 @@ void launch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out,
   KILN_CUDA_LAUNCH_CHECK();
 
   using KV = typename DkvTraits<D>::Cfg;
-  auto dkv = attention_dkv_kernel<KV, DROPOUT>;
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, KV::kSmem));
+  auto dkv = attention_dkv_kernel<KV, DROPOUT, DOC>;
+  constexpr int kv_smem = KV::kSmem + (DOC ? KV::kDocSmem : 0);
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, kv_smem));
   const dim3 grid_kv(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + KV::BN - 1) / KV::BN));
-  dkv<<<grid_kv, KV::NT, KV::kSmem, s>>>(dqkv, dout, lse, dsum, qkv, pb, kv_heads);
+  dkv<<<grid_kv, KV::NT, kv_smem, s>>>(dqkv, dout, lse, dsum, qkv, pb, kv_heads);
   KILN_CUDA_LAUNCH_CHECK();
   if (kv_heads) {
     const std::int64_t work = static_cast<std::int64_t>(pb.B) * pb.T * 2 * pb.K * D;
@@ -503,7 +535,7 @@ void launch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out,
   }
 
   using Q = typename DqTraits<D>::Cfg;
-  auto dq = attention_dq_kernel<Q, DROPOUT>;
+  auto dq = attention_dq_kernel<Q, DROPOUT, DOC>;
   KILN_CUDA_CHECK(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Q::kSmem));
   const dim3 grid_q(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + Q::BM - 1) / Q::BM));
   dq<<<grid_q, Q::NT, Q::kSmem, s>>>(dqkv, dout, lse, dsum, qkv, pb);
@@ -513,10 +545,15 @@ void launch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out,
 template <int D>
 void dispatch_backward(bf16* dqkv, float* dsum, const bf16* dout, const bf16* out, const float* lse, const bf16* qkv,
                        const Problem& pb, bool dropout, cudaStream_t s, bf16* kv_heads) {
-  if (dropout)
-    launch_backward<D, true>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
+  const bool doc = pb.doc_start != nullptr;
+  if (dropout && doc)
+    launch_backward<D, true, true>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
+  else if (dropout)
+    launch_backward<D, true, false>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
+  else if (doc)
+    launch_backward<D, false, true>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
   else
-    launch_backward<D, false>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
+    launch_backward<D, false, false>(dqkv, dsum, dout, out, lse, qkv, pb, s, kv_heads);
 }
 
 }  // namespace
@@ -534,9 +571,11 @@ std::int64_t attention_backward_scratch(int B, int T, int H, int D, int kv_heads
 
 void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* out, const float* lse,
                         const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s, int kv_heads) {
-  const attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
-                                              "attention_backward", kv_heads);
+                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s, int kv_heads,
+                        const std::int32_t* doc_start) {
+  attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
+                                        "attention_backward", kv_heads);
+  pb.doc_start = doc_start;
   bf16* kv_share = pb.K != pb.H ? reinterpret_cast<bf16*>(scratch + dsum_floats(B, T, H)) : nullptr;
   if (static_cast<std::int64_t>(B) * T * H == 0) return;
   KILN_CHECK(attn::aligned16(dqkv) && attn::aligned16(dout) && attn::aligned16(out) && attn::aligned16(qkv),

@@ -42,6 +42,9 @@ struct Problem {
   float keep_scale;              // 1 / (1 - p), 1 without dropout
   std::uint32_t threshold;       // dropout_threshold(p)
   rng::PhiloxArgs rng;
+  // [B, T] or null: packed documents; query i reads keys [doc_start[b, i], i] only (the kernels'
+  // DOC instantiations, which mask every tile they visit).
+  const std::int32_t* doc_start;
 };
 
 // The fused QKV's token stride ([B, T, H + 2K, D]) and where query head h's q, k and v start in a

@@ -38,7 +38,7 @@ struct FwdTraits<32> {
   using Cfg = FwdCfg<32, 2, 4, 32>;
 };
 
-template <class C, bool DROPOUT>
+template <class C, bool DROPOUT, bool DOC>
 __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse,
                                                                    const bf16* __restrict__ qkv, const Problem pb) {
   constexpr int D = C::D, MT = C::MT, BM = C::BM, BN = C::BN, NT = C::NT, P = kPad<D>;
@@ -95,6 +95,25 @@ __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restri
         row_n[mt][hr] = (bhg * T + static_cast<std::uint64_t>(wr0 + mt * 16 + g + 8 * hr)) * T;
   }
 
+  // Packed documents: the document start of each row this thread holds, and the smallest of the
+  // warp's rows (key tiles before it are skipped).
+  [[maybe_unused]] int rs[MT][2] = {};
+  [[maybe_unused]] int warp_first = 0;
+  if constexpr (DOC) {
+    int lo = 0x7fffffff;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = wr0 + mt * 16 + g + 8 * hr;
+        rs[mt][hr] = row < T ? pb.doc_start[static_cast<std::int64_t>(b) * T + row] : 0;
+        if (row < T) lo = min(lo, rs[mt][hr]);
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    warp_first = lo;
+  }
+
   const std::uint32_t k_frag = smem_addr(sK) + frag_b_offset<D>(lane) * 2;
   const std::uint32_t v_frag = smem_addr(sV) + frag_bt_offset<D>(lane) * 2;
 
@@ -130,7 +149,7 @@ __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restri
           for (int e = 0; e < 4; ++e) {
             const int row = wr0 + mt * 16 + g + ((e >> 1) << 3);
             const int col = kv0 + nt * 8 + 2 * t + (e & 1);
-            if (col > row) s[mt][nt][e] = -INFINITY;
+            if (col > row || (DOC && col < rs[mt][e >> 1])) s[mt][nt][e] = -INFINITY;
           }
     }
 #pragma unroll
@@ -222,10 +241,13 @@ __global__ void __launch_bounds__(C::NT) attention_forward_kernel(bf16* __restri
     }
     const int kv0 = it * BN;
     if (kv0 <= wr0 + 16 * MT - 1) {  // else every key of the tile lies after every row of this warp
-      if (kv0 + BN - 1 > wr0)
+      if constexpr (DOC) {             // every tile masked; none before the warp's first document
+        if (kv0 + BN - 1 >= warp_first) tile(std::true_type{}, stage, kv0);
+      } else if (kv0 + BN - 1 > wr0) {
         tile(std::true_type{}, stage, kv0);
-      else
+      } else {
         tile(std::false_type{}, stage, kv0);
+      }
     }
     __syncthreads();
   }
@@ -283,7 +305,7 @@ struct FwdWgTraits {
 
 // (The explicit 1 block per SM in the launch bounds keeps ptxas from capping registers for an
 // occupancy of its own choosing, which spilled.)
-template <class C, bool DROPOUT>
+template <class C, bool DROPOUT, bool DOC>
 __global__ void __launch_bounds__(C::NT, 1)
     attention_forward_wgmma_kernel(bf16* __restrict__ out, float* __restrict__ lse, const bf16* __restrict__ qkv,
                                    const Problem pb) {
@@ -331,6 +353,15 @@ __global__ void __launch_bounds__(C::NT, 1)
     for (int hr = 0; hr < 2; ++hr) row_n[hr] = (bhg * T + static_cast<std::uint64_t>(wr0 + g + 8 * hr)) * T;
   }
 
+  [[maybe_unused]] int rs[2] = {};  // packed documents: the document start of each row this thread holds
+  if constexpr (DOC) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = wr0 + g + 8 * hr;
+      rs[hr] = row < T ? pb.doc_start[static_cast<std::int64_t>(b) * T + row] : 0;
+    }
+  }
+
   for (int it = 0; it < n_tiles; ++it) {
     const int stage = it & 1;
     cp_async_wait<0>();
@@ -356,14 +387,14 @@ __global__ void __launch_bounds__(C::NT, 1)
     wgmma_wait<0>();
     fence_regs(s);
 
-    if (kv0 + BN - 1 > wr0) {  // the tile crosses this warp's diagonal (or T)
+    if (DOC || kv0 + BN - 1 > wr0) {  // the tile crosses this warp's diagonal (or T); documents: any
 #pragma unroll
       for (int nt = 0; nt < NTL; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = wr0 + g + ((e >> 1) << 3);
           const int col = kv0 + nt * 8 + 2 * t + (e & 1);
-          if (col > row) s[nt][e] = -INFINITY;
+          if (col > row || (DOC && col < rs[e >> 1])) s[nt][e] = -INFINITY;
         }
     }
 #pragma unroll
@@ -447,38 +478,39 @@ __global__ void __launch_bounds__(C::NT, 1)
 // ---------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------
-template <class C, bool DROPOUT>
+template <class C, bool DROPOUT, bool DOC>
 void launch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
-  auto kernel = attention_forward_kernel<C, DROPOUT>;
+  auto kernel = attention_forward_kernel<C, DROPOUT, DOC>;
   KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
   const dim3 grid(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + C::BM - 1) / C::BM));
   kernel<<<grid, C::NT, C::kSmem, s>>>(out, lse, qkv, pb);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <class C, bool DROPOUT>
+template <class C, bool DROPOUT, bool DOC>
 void launch_forward_wgmma(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
-  auto kernel = attention_forward_wgmma_kernel<C, DROPOUT>;
+  auto kernel = attention_forward_wgmma_kernel<C, DROPOUT, DOC>;
   KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
   const dim3 grid(static_cast<unsigned>(pb.B * pb.H), static_cast<unsigned>((pb.T + C::BM - 1) / C::BM));
   kernel<<<grid, C::NT, C::kSmem, s>>>(out, lse, qkv, pb);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <int D, bool DROPOUT>
+template <int D, bool DROPOUT, bool DOC>
 void run_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, cudaStream_t s) {
   if constexpr (D >= 64)
-    launch_forward_wgmma<typename FwdWgTraits<D, DROPOUT>::Cfg, DROPOUT>(out, lse, qkv, pb, s);
+    launch_forward_wgmma<typename FwdWgTraits<D, DROPOUT>::Cfg, DROPOUT, DOC>(out, lse, qkv, pb, s);
   else
-    launch_forward<typename FwdTraits<D>::Cfg, DROPOUT>(out, lse, qkv, pb, s);
+    launch_forward<typename FwdTraits<D>::Cfg, DROPOUT, DOC>(out, lse, qkv, pb, s);
 }
 
 template <int D>
 void dispatch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb, bool dropout, cudaStream_t s) {
+  const bool doc = pb.doc_start != nullptr;
   if (dropout)
-    run_forward<D, true>(out, lse, qkv, pb, s);
+    doc ? run_forward<D, true, true>(out, lse, qkv, pb, s) : run_forward<D, true, false>(out, lse, qkv, pb, s);
   else
-    run_forward<D, false>(out, lse, qkv, pb, s);
+    doc ? run_forward<D, false, true>(out, lse, qkv, pb, s) : run_forward<D, false, false>(out, lse, qkv, pb, s);
 }
 
 }  // namespace
@@ -486,9 +518,10 @@ void dispatch_forward(bf16* out, float* lse, const bf16* qkv, const Problem& pb,
 
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
                        rng::PhiloxArgs rng, int head_offset, int heads_total, std::int64_t seq_offset,
-                       cudaStream_t s, int kv_heads) {
-  const attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
-                                              "attention_forward", kv_heads);
+                       cudaStream_t s, int kv_heads, const std::int32_t* doc_start) {
+  attn::Problem pb = attn::make_problem(B, T, H, D, scale, dropout, rng, head_offset, heads_total, seq_offset,
+                                        "attention_forward", kv_heads);
+  pb.doc_start = doc_start;
   if (static_cast<std::int64_t>(B) * T * H == 0) return;
   KILN_CHECK(attn::aligned16(out) && attn::aligned16(qkv), "attention_forward: qkv and out must be 16-byte aligned");
   KILN_CHECK(static_cast<std::int64_t>(B) * H <= 0x7fffffff, "attention_forward: B * H = ", static_cast<std::int64_t>(B) * H, " is too large");

@@ -469,35 +469,26 @@ bool CudaBackend::use_cudnn_attention(float dropout, const CudnnAttention::Shape
   return true;
 }
 
-namespace {
-// Document boundaries (AttentionForward::doc_start) are the CPU backend's alone so far; the model
-// refuses them at start on CUDA (data.attend_within_documents), this says so to any other caller.
-void refuse_documents(const TensorView& doc_start, const char* op) {
-  KILN_CHECK(!doc_start, op, ": attention within packed documents (doc_start) runs on the CPU backend only so far; "
-             "the CUDA kernels and cuDNN take whole causal sequences");
-}
-}  // namespace
-
 void CudaBackend::attention_forward(const AttentionForward& a) {
   Timer t(*this, "attention_forward");
   const AttentionDims d = check_args(a, kTarget);
-  refuse_documents(a.doc_start, "attention_forward");
   const CudnnAttention::Shape s = cudnn_shape(d, a);
-  if (use_cudnn_attention(a.dropout, s)) {
+  // Packed documents (doc_start) run kiln's kernels, as dropout does: cuDNN takes whole sequences.
+  if (!a.doc_start && use_cudnn_attention(a.dropout, s)) {
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->forward_workspace_bytes(s) / sizeof(float)));
     cudnn_->forward(a.out.data, dptr<float>(a.lse), a.qkv.data, s, a.scale, ws);
     return;
   }
   cuda::attention_forward(dptr<bf16>(a.out), dptr<float>(a.lse), dptr<bf16>(a.qkv), s.B, s.T, s.H, s.D, a.scale,
-                          a.dropout, a.rng, a.head_offset, i32(d.heads_total), a.seq_offset, stream_, a.kv_heads);
+                          a.dropout, a.rng, a.head_offset, i32(d.heads_total), a.seq_offset, stream_, a.kv_heads,
+                          a.doc_start ? dptr<std::int32_t>(a.doc_start) : nullptr);
 }
 
 void CudaBackend::attention_backward(const AttentionBackward& a) {
   Timer t(*this, "attention_backward");
   const AttentionDims d = check_args(a, kTarget);
-  refuse_documents(a.doc_start, "attention_backward");
   const CudnnAttention::Shape s = cudnn_shape(d, a);
-  if (use_cudnn_attention(a.dropout, s)) {
+  if (!a.doc_start && use_cudnn_attention(a.dropout, s)) {
     void* ws = scratch_floats(static_cast<std::int64_t>(cudnn_->backward_workspace_bytes(s) / sizeof(float)));
     cudnn_->backward(a.dqkv.data, a.dout.data, a.out.data, dptr<float>(a.lse), a.qkv.data, s, a.scale, ws);
     return;
@@ -505,7 +496,8 @@ void CudaBackend::attention_backward(const AttentionBackward& a) {
   float* scratch = scratch_floats(cuda::attention_backward_scratch(s.B, s.T, s.H, s.D, a.kv_heads));
   cuda::attention_backward(dptr<bf16>(a.dqkv), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.out), dptr<float>(a.lse),
                            dptr<bf16>(a.qkv), s.B, s.T, s.H, s.D, a.scale, a.dropout, a.rng, a.head_offset,
-                           i32(d.heads_total), a.seq_offset, stream_, a.kv_heads);
+                           i32(d.heads_total), a.seq_offset, stream_, a.kv_heads,
+                           a.doc_start ? dptr<std::int32_t>(a.doc_start) : nullptr);
 }
 
 void CudaBackend::attention_decode(const AttentionDecode& a) {

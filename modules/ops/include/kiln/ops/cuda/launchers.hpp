@@ -102,15 +102,17 @@ void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout
 
 // ---- attention (flash-style, causal, deterministic backward) ----
 // q, k, v interleaved as qkv [B, T, 3, H, D] (kv_heads = 0), or grouped: [B, T, H + 2 kv_heads, D]
-// (ops::AttentionForward); out [B, T, H, D]; lse [B, H, T]. D in {16, 32, 64, 128}.
+// (ops::AttentionForward); out [B, T, H, D]; lse [B, H, T]. D in {16, 32, 64, 128}. doc_start: [B, T]
+// i32 on the device, or null (packed documents: query i reads keys [doc_start[b, i], i]).
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int H, int D, float scale, float dropout,
                        rng::PhiloxArgs rng, int head_offset, int heads_total, std::int64_t seq_offset,
-                       cudaStream_t s, int kv_heads = 0);
+                       cudaStream_t s, int kv_heads = 0, const std::int32_t* doc_start = nullptr);
 // `scratch` holds attention_backward_scratch(B, T, H, D, kv_heads) floats, 16-byte aligned.
 std::int64_t attention_backward_scratch(int B, int T, int H, int D, int kv_heads = 0);
 void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* out, const float* lse,
                         const bf16* qkv, int B, int T, int H, int D, float scale, float dropout, rng::PhiloxArgs rng,
-                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s, int kv_heads = 0);
+                        int head_offset, int heads_total, std::int64_t seq_offset, cudaStream_t s, int kv_heads = 0,
+                        const std::int32_t* doc_start = nullptr);
 
 // ---- decode attention (generation with a KV cache; see ops::AttentionDecode) ----
 // qkv [B, Tmax, 3, H, D] or [B, Tmax, H + 2 kv_heads, D], the query at row length - 1; out [B, H, D];
