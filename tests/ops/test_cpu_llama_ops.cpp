@@ -231,24 +231,40 @@ TEST_CASE("grouped-query attention equals multi-head attention on keys and value
   }
 }
 
+namespace {
+
+// Grouped-query attention of qkv [B, T, H + 2K, D] (with packed documents' starts, when given):
+// L = sum(out * lw) and its backward, checked against finite differences; returns the backward's
+// arguments for further calls.
+ops::AttentionBackward check_gqa_gradient(ops::Backend& b, std::vector<float>& qkv, std::vector<float>& lw,
+                                          std::vector<float>& out, std::vector<float>& lse, std::vector<float>& dqkv,
+                                          int B, int T, int H, int K, int D, const TensorView& doc_start,
+                                          const char* what) {
+  auto forward = [&] {
+    ops::AttentionForward a{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+    a.kv_heads = K;
+    a.doc_start = doc_start;
+    b.attention_forward(a);
+    return dot(out, lw);
+  };
+  forward();
+  ops::AttentionBackward a{view(dqkv, {B, T, H + 2 * K, D}), view(lw, {B, T, H, D}), view(out, {B, T, H, D}),
+                           view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+  a.kv_heads = K;
+  a.doc_start = doc_start;
+  b.attention_backward(a);
+  check_gradient(what, qkv, dqkv, forward, 100);
+  return a;
+}
+
+}  // namespace
+
 TEST_CASE("grouped-query attention backward matches finite differences") {
   auto b = cpu();
   const int B = 2, T = 5, H = 4, K = 2, D = 4;
   auto qkv = random_values(B * T * (H + 2 * K) * D, 95), lw = random_values(B * T * H * D, 96);
-  std::vector<float> out(B * T * H * D), lse(B * H * T);
-  auto forward = [&] {
-    ops::AttentionForward a{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
-    a.kv_heads = K;
-    b->attention_forward(a);
-    return dot(out, lw);
-  };
-  forward();
-  std::vector<float> dqkv(qkv.size());
-  ops::AttentionBackward a{view(dqkv, {B, T, H + 2 * K, D}), view(lw, {B, T, H, D}), view(out, {B, T, H, D}),
-                           view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
-  a.kv_heads = K;
-  b->attention_backward(a);
-  check_gradient("gqa dqkv", qkv, dqkv, forward, 100);
+  std::vector<float> out(B * T * H * D), lse(B * H * T), dqkv(qkv.size());
+  check_gqa_gradient(*b, qkv, lw, out, lse, dqkv, B, T, H, K, D, {}, "gqa dqkv");
 }
 
 TEST_CASE("grouped-query decode is row length - 1 of the grouped forward") {
@@ -344,22 +360,9 @@ TEST_CASE("attention within packed documents: the backward matches finite differ
   std::vector<std::int32_t> starts = {0, 0, 0, 3, 3, 3, 3};
   const TensorView doc_start(starts.data(), {B, T}, DType::i32, Device::cpu);
   auto qkv = random_values(B * T * (H + 2 * K) * D, 303), lw = random_values(B * T * H * D, 304);
-  std::vector<float> out(B * T * H * D), lse(B * H * T);
-  auto forward = [&] {
-    ops::AttentionForward a{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
-    a.kv_heads = K;
-    a.doc_start = doc_start;
-    b->attention_forward(a);
-    return dot(out, lw);
-  };
-  forward();
-  std::vector<float> dqkv(qkv.size());
-  ops::AttentionBackward a{view(dqkv, {B, T, H + 2 * K, D}), view(lw, {B, T, H, D}), view(out, {B, T, H, D}),
-                           view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
-  a.kv_heads = K;
-  a.doc_start = doc_start;
-  b->attention_backward(a);
-  check_gradient("document attention dqkv", qkv, dqkv, forward, 100);
+  std::vector<float> out(B * T * H * D), lse(B * H * T), dqkv(qkv.size());
+  const ops::AttentionBackward a =
+      check_gqa_gradient(*b, qkv, lw, out, lse, dqkv, B, T, H, K, D, doc_start, "document attention dqkv");
   // The first document's rows get no gradient from the second's outputs: its keys and values are
   // never read there (the loss weights only the second document's outputs).
   std::vector<float> lw2(lw.size(), 0.0f);
@@ -373,5 +376,8 @@ TEST_CASE("attention within packed documents: the backward matches finite differ
   for (int t = 0; t < 3; ++t)
     for (int i = 0; i < (H + 2 * K) * D; ++i) CHECK(dq2[t * (H + 2 * K) * D + i] == 0.0f);
   starts[2] = 3;  // after its own position
-  CHECK_THROWS_WITH(forward(), doctest::Contains("doc_start[0, 2] = 3"));
+  ops::AttentionForward bad{view(out, {B, T, H, D}), view(lse, {B, H, T}), view(qkv, {B, T, H + 2 * K, D}), 0.5f};
+  bad.kv_heads = K;
+  bad.doc_start = doc_start;
+  CHECK_THROWS_WITH(b->attention_forward(bad), doctest::Contains("doc_start[0, 2] = 3"));
 }
