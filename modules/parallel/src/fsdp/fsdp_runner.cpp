@@ -165,8 +165,8 @@ Runner::Slot* Runner::gather(int unit, bool required) {
   s->unit = unit;
   s->version = version_;
   s->in_use = true;
-  // After everything the compute stream has queued: the optimizer's write of the held compute
-  // copy, and the last reads of the slot's previous unit.
+  // After everything the compute stream has queued: the optimizer's write of the held master (and
+  // of the FP8 codes), and the last reads of the slot's previous unit.
   compute_mark_.record(compute_);
   compute_mark_.wait(comm_);
   // Each group's parts from every rank: one-byte codes (nn::ByteCompute) from the held compute copy,
