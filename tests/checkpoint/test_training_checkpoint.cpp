@@ -189,7 +189,7 @@ TEST_CASE("a checkpoint loads under another layout: the next steps match the one
   }
 }
 
-TEST_CASE("keep removes older checkpoints once a newer one is complete; latest names the newest") {
+TEST_CASE("keep removes older checkpoints once a newer one is complete, latest names the newest") {
   TempDir d;
   run(1, saving(d.path, {"checkpoint.every=2", "checkpoint.keep=2"}));
   const auto found = checkpoint::complete_checkpoints(d.path);
@@ -267,7 +267,7 @@ TEST_CASE("bad checkpoints are errors naming the file, tensor and rank, and chan
   CHECK(run_failing(2, resume).empty());
 }
 
-TEST_CASE("a full disk during a save is an error naming the file; the previous checkpoint stays complete") {
+TEST_CASE("a full disk during a save is an error naming the file, the previous checkpoint stays complete") {
   TempDir d;
   run(1, saving(d.path, {"train.steps=2"}));
   // A file-size limit stands in for a full disk: writes past it fail with EFBIG.

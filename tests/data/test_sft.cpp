@@ -84,7 +84,7 @@ TEST_CASE("ChatML: <|im_start|>role, the assistant's content and <|im_end|> trai
   CHECK_THROWS_WITH(encode_chat(bytes, ChatTemplate::chatml, {{"user", "x"}}), doctest::Contains("<|im_start|>"));
 }
 
-TEST_CASE("a generation prompt is the conversation and the assistant's header; its turn ends at the stop tokens") {
+TEST_CASE("a generation prompt is the conversation and the assistant's header, and its turn ends at the stop tokens") {
   for (auto [tk, tmpl] : {std::pair{llama3(), ChatTemplate::llama3}, std::pair{chatml(), ChatTemplate::chatml}}) {
     const std::vector<ChatTurn> turns = {{"system", "Be brief."}, {"user", "2+2?"}};
     auto answered = turns;
@@ -125,7 +125,7 @@ TEST_CASE("the template is chosen by name, from tokenizer_config.json, or by the
   CHECK_THROWS_WITH(choose_chat_template("auto", none, ""), doctest::Contains("no chat template"));
 }
 
-TEST_CASE("JSONL conversations become packed shards with masks; the last examples go to validation") {
+TEST_CASE("JSONL conversations become packed shards with masks, the last examples go to validation") {
   const test::TempDir d("sft-2");
   std::ofstream(d.path().string() + "/chat.jsonl")
       << R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "bb"}]})" << "\n\n"

@@ -187,7 +187,7 @@ TEST_CASE("quantize multiplies by the scale with one f32 rounding before encodin
   CHECK(fp8::quantize(-3.0f, 0.5f, Format::e5m2) == fp8::encode(-1.5f, Format::e5m2));
 }
 
-TEST_CASE("compute_scale: fp8_max / amax / 2^margin; a zero or non-finite amax keeps the previous scale") {
+TEST_CASE("compute_scale: fp8_max / amax / 2^margin, a zero or non-finite amax keeps the previous scale") {
   CHECK(fp8::compute_scale(448.0f, 2.0f, 0, 1.0f) == 224.0f);
   CHECK(fp8::compute_scale(448.0f, 2.0f, 1, 1.0f) == 112.0f);
   CHECK(fp8::compute_scale(57344.0f, 0.001f, 3, 1.0f) == (57344.0f / 0.001f) / 8.0f);

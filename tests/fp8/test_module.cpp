@@ -66,7 +66,7 @@ std::vector<float> host_copy(const TensorView& v) { return std::vector<float>(v.
 
 }  // namespace
 
-TEST_CASE("--set fp8.enabled=true turns the block linears into FP8 GEMMs; the LM head stays unless asked") {
+TEST_CASE("--set fp8.enabled=true turns the block linears into FP8 GEMMs, the LM head stays unless asked") {
   {
     test::Pipeline p(kTiny, {"fp8.enabled=true"});
     auto roles = fp8_roles(*p.world);

@@ -301,7 +301,7 @@ TEST_CASE("bad weights are errors naming the file and the tensor") {
   CHECK(e.find("not a parameter") != std::string::npos);
 }
 
-TEST_CASE("[model] init_from a Hugging Face directory fills the shape keys; a conflicting key is an error") {
+TEST_CASE("[model] init_from a Hugging Face directory fills the shape keys, a conflicting key is an error") {
   const test::TempDir d("hf-llama-6");
   test::HfLlamaFixture f;
   f.write(d.path().string());

@@ -19,7 +19,7 @@ std::size_t count(const std::string& s, const std::string& what) {
 }
 }  // namespace
 
-TEST_CASE("metrics files read back; bad lines are errors naming file:line") {
+TEST_CASE("metrics files read back, bad lines are errors naming file:line") {
   test::TempDir dir("log-metrics");
   const auto good = dir.file("m.jsonl",
                              "{\"step\":1,\"loss\":5.5,\"lr\":0.001}\n\n{\"step\":2,\"loss\":null,\"val_loss\":4.25}\n"
@@ -39,7 +39,7 @@ TEST_CASE("metrics files read back; bad lines are errors naming file:line") {
                        doctest::Contains("missing.jsonl: cannot open"), Error);
 }
 
-TEST_CASE("ticks are round numbers covering the range; smoothing is a centred moving average") {
+TEST_CASE("ticks are round numbers covering the range, smoothing is a centred moving average") {
   CHECK(log::nice_ticks(0, 2000) == std::vector<double>{0, 500, 1000, 1500, 2000});
   CHECK(log::nice_ticks(2.71, 5.52) == std::vector<double>{3.0, 3.5, 4.0, 4.5, 5.0, 5.5});
   CHECK(log::nice_ticks(3, 3).size() >= 2);

@@ -175,7 +175,7 @@ TEST_CASE("greedy generation is deterministic and follows the most likely token"
   }
 }
 
-TEST_CASE("sampling with the same seed repeats its tokens; another seed gives others") {
+TEST_CASE("sampling with the same seed repeats its tokens, another seed gives others") {
   TrainedTiny tiny;
   model::Generator gen(tiny.cfg, tiny.world.resource<ops::ActiveBackend>().get(), model::param_store_weights(tiny.world));
   const auto prompt = random_tokens(4, 12);

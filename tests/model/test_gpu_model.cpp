@@ -19,7 +19,7 @@ namespace {
 const char* const kModel = test::kSmallGpuModel;
 }  // namespace
 
-TEST_CASE("a CUDA training step matches the CPU reference step (GPT-2; Llama with grouped and multi-head attention)") {
+TEST_CASE("a CUDA training step matches the CPU reference step (GPT-2, Llama with grouped and multi-head attention)") {
   if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
   const std::vector<std::vector<std::string>> archs = {
       {},

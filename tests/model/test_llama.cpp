@@ -90,7 +90,7 @@ TEST_CASE("llama: parameters are the architecture's, with no biases, no position
   CHECK(model.flops_per_token() == doctest::Approx(6 * (2 * block + 128 * 32) + 12.0 * 2 * 32 * 32));
 }
 
-TEST_CASE("llama: micro-batches equal one batch; recomputing the norms and SwiGLU gives the same gradients") {
+TEST_CASE("llama: micro-batches equal one batch, recomputing the norms and SwiGLU gives the same gradients") {
   test::Pipeline one(kTinyLlama, {"train.batch_size=4", "train.micro_batch_size=4", "model.dropout=0.1"});
   test::Pipeline four(kTinyLlama, {"train.batch_size=4", "train.micro_batch_size=1", "model.dropout=0.1"});
   for (auto* p : {&one, &four}) {

@@ -103,7 +103,7 @@ TEST_CASE("moe: parameters, FLOPs and active parameters are the experts' and the
   CHECK(model.parameter_count() - model.active_parameter_count() == 2 * expert);  // 4 experts, 2 per token
 }
 
-TEST_CASE("moe: micro-batches equal one batch; recompute gives the same gradients bit for bit") {
+TEST_CASE("moe: micro-batches equal one batch, recompute gives the same gradients bit for bit") {
   const test::Sets drop = {"model.dropout=0.1", "model.moe.expert_dropout=0.1", "model.moe.capacity_factor=1.5"};
   test::Pipeline one(kTinyMoe, drop + test::Sets{"train.batch_size=4", "train.micro_batch_size=4"});
   test::Pipeline four(kTinyMoe, drop + test::Sets{"train.batch_size=4", "train.micro_batch_size=1"});
@@ -193,7 +193,7 @@ TEST_CASE("moe: an expert-parallel size that does not fit is a configuration err
   CHECK(failures.find("fsdp.strategy") != std::string::npos);
 }
 
-TEST_CASE("moe: each step reports the router's losses and every layer's expert load; the capacity's drops") {
+TEST_CASE("moe: each step reports the router's losses and every layer's expert load, the capacity's drops") {
   test::Pipeline p(kTinyMoe, {"model.moe.capacity_factor=0.5", "train.steps=1"});
   p.world->systems().run(Phase::setup, *p.world);
   test::forward_backward_step(*p.world);
@@ -261,7 +261,7 @@ test::Trace stop_and_resume(int save_ranks, const test::Sets& save, int load_ran
 
 }  // namespace
 
-TEST_CASE("moe: resumed bit-identically at ep = 2 (with FSDP too); loads at ep = 1 and ep = 4, experts resharded") {
+TEST_CASE("moe: resumed bit-identically at ep = 2 (with FSDP too), loads at ep = 1 and ep = 4, experts resharded") {
   const test::Sets drop = {"model.dropout=0.1", "model.moe.expert_dropout=0.1", "train.steps=8"};
   for (const test::Sets& layout : {test::Sets{"parallel.ep=2"}, test::Sets{"parallel.ep=2", "fsdp.strategy=full_shard"}}) {
     CAPTURE(layout.back());

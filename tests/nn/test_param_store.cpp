@@ -248,7 +248,7 @@ TEST_CASE("the gradient zeroing ranges leave out the gradients their first micro
   CHECK(ranges[1].empty());  // w2 fills its unit
 }
 
-TEST_CASE("a sharded store's whole master views are refused; its units are where someone puts them") {
+TEST_CASE("a sharded store's whole master views are refused, its units are where someone puts them") {
   World w;
   nn::ParamStore store;
   store.shard_over(2, 0);

@@ -49,7 +49,7 @@ std::unique_ptr<ops::Backend> cpu() { return ops::make_cpu_backend({.round_bf16 
 
 }  // namespace
 
-TEST_CASE("rmsnorm: rows of unit root mean square times the weight; backward matches finite differences") {
+TEST_CASE("rmsnorm: rows of unit root mean square times the weight, backward matches finite differences") {
   auto b = cpu();
   const int N = 7, C = 13;
   auto x = random_values(N * C, 50, 2.0f, 0.3f), w = random_values(C, 51, 0.5f, 1.0f), lw = random_values(N * C, 52);
@@ -74,7 +74,7 @@ TEST_CASE("rmsnorm: rows of unit root mean square times the weight; backward mat
   check_gradient("rmsnorm dw", w, dw, forward);
 }
 
-TEST_CASE("rope rotates each query and key pair by its position's angle; the inverse undoes it") {
+TEST_CASE("rope rotates each query and key pair by its position's angle, the inverse undoes it") {
   auto b = cpu();
   const int B = 2, T = 5, heads = 5, rotated = 3, D = 6;
   const float theta = 500000.0f;
@@ -153,7 +153,7 @@ TEST_CASE("rope backward (the inverse rotation of the gradient) matches finite d
   check_gradient("rope dx", x, dx, forward);
 }
 
-TEST_CASE("swiglu is silu(gate) * up; backward matches finite differences") {
+TEST_CASE("swiglu is silu(gate) * up, backward matches finite differences") {
   auto b = cpu();
   const int N = 6, F = 11;
   auto x = random_values(N * 2 * F, 70, 2.0f), lw = random_values(N * F, 71);

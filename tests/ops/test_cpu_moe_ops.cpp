@@ -168,7 +168,7 @@ TEST_CASE("moe_route_backward matches finite differences: gates, load balancing 
     }
 }
 
-TEST_CASE("moe_permute groups the choices by expert in choice order; a capacity per sequence drops the latest") {
+TEST_CASE("moe_permute groups the choices by expert in choice order, a capacity per sequence drops the latest") {
   auto b = cpu();
   const int N = 6, k = 2, E = 3, C = 2;
   std::vector<std::int32_t> experts = {0, 1, 1, 2, 0, 1, 1, 0, 2, 1, 0, 2};
@@ -223,7 +223,7 @@ TEST_CASE("moe_permute groups the choices by expert in choice order; a capacity 
     }
 }
 
-TEST_CASE("moe_combine weights each token's rows by its gates; its backward matches finite differences") {
+TEST_CASE("moe_combine weights each token's rows by its gates, its backward matches finite differences") {
   auto b = cpu();
   const int N = 5, k = 2, E = 3, C = 4;
   std::vector<std::int32_t> experts = {0, 1, 1, 2, 0, 1, 1, 0, 2, 1}, offsets(E + 1), row_of(N * k), source(N * k);
@@ -248,7 +248,7 @@ TEST_CASE("moe_combine weights each token's rows by its gates; its backward matc
   check_gradient("moe_combine dgates", gates, dgates, forward);
 }
 
-TEST_CASE("grouped linears: each expert's rows through its own weight; backward matches finite differences") {
+TEST_CASE("grouped linears: each expert's rows through its own weight, backward matches finite differences") {
   auto b = cpu();
   const int E = 3, R = 9, IC = 5, OC = 4;
   std::vector<std::int32_t> offsets = {0, 2, 2, 7};  // an empty expert, and two unused rows at the end

@@ -557,7 +557,7 @@ TEST_CASE("cuda adamw with two segments, with and without decay") {
 // the optimizer's numbers do not change), the two backends' within 1e-6, AdamW reading its numbers
 // from device memory equals AdamW given them on the host, and a NaN scale (a non-finite gradient)
 // leaves parameters and moments as they were.
-TEST_CASE("cuda grad_clip and AdamW from device scalars match the CPU; a non-finite gradient skips the step") {
+TEST_CASE("cuda grad_clip and AdamW from device scalars match the CPU, a non-finite gradient skips the step") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);
   const int P = 5003;

@@ -264,7 +264,7 @@ TEST_CASE("a vocabulary-parallel cross-entropy gives every rank the whole loss a
   }
 }
 
-TEST_CASE("entering a sequence-parallel region gathers the rows; its backward sums every rank's partial rows") {
+TEST_CASE("entering a sequence-parallel region gathers the rows, its backward sums every rank's partial rows") {
   const std::int64_t N = 8, C = 3;
   for (int size : {2, 4})
     run_group(size, {true, false}, [&](const TensorParallel& tp) {

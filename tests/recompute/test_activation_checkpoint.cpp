@@ -89,7 +89,7 @@ std::vector<int> recompute_units(World& w) {
 
 }  // namespace
 
-TEST_CASE("mode, every and first choose the blocks; each gets its scope") {
+TEST_CASE("mode, every and first choose the blocks, each gets its scope") {
   auto units = [](std::vector<std::string> sets) {
     test::Pipeline p(kModel, sets + std::vector<std::string>{"model.n_layer=6"});
     auto u = recompute_units(*p.world);
@@ -173,7 +173,7 @@ TEST_CASE("with tensor parallelism, recompute is bit-identical to the same layou
   compare_traces(run(2, tp2 + kModes[0] + dist), run(1, {}), "tp=2 full distributed vs tp=1", 1e-5);
 }
 
-TEST_CASE("activation memory: full < selective < none; distributed inputs keep 1/tp") {
+TEST_CASE("activation memory: full < selective < none, distributed inputs keep 1/tp") {
   auto bytes = [](std::vector<std::string> sets) {
     test::Pipeline p(kModel, sets + std::vector<std::string>{"model.n_layer=8", "model.n_embd=64",
                                                              "train.batch_size=8", "train.seq_len=16"});
