@@ -1,13 +1,13 @@
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <optional>
+#include <algorithm>
 #include <iostream>
 
 #include <boost/program_options.hpp>
 
 #include "commands.hpp"
 #include "kiln/core/error.hpp"
+#include "kiln/data/loader.hpp"
 #include "kiln/data/shard.hpp"
 #include "kiln/model/generator.hpp"
 #include "kiln/ops/backend.hpp"
@@ -32,22 +32,26 @@ double token_loss(const float* logits, int vocab, int target) {
 
 int cmd_eval(const Args& args) {
   po::options_description opts(
-      "kiln eval MODEL --data SHARDS... [--seq-len T] [--max-sequences N] [--device auto|cpu|cuda]\n\n"
+      "kiln eval MODEL --data SHARDS... [--seq-len T] [--max-sequences N] [--device auto|cpu|cuda]\n"
+      "          [--attend-across-documents]\n\n"
       "Prints the mean loss (cross-entropy in nats per predicted token) and perplexity of a model over token "
       "shards\n(llm.c shards, as kiln tokenize writes them): each shard is cut into windows of T + 1 tokens, the "
       "model reads\nT of them and predicts the next, as a training step's validation does. Targets a loss mask "
-      "beside a shard\n(SHARD.mask) does not train on are left out. MODEL is a checkpoint "
-      "directory (or a\nfolder of them: its newest), a Hugging Face model directory (Llama or GPT-2) or a GPT-2 "
-      ".safetensors file.\n\noptions");
+      "beside a shard\n(SHARD.mask) does not train on are left out, and each token attends only to its own document "
+      "there\n(as data.attend_within_documents trains). MODEL is a checkpoint directory (or a\nfolder of them: its "
+      "newest), a Hugging Face model directory (Llama or GPT-2) or a GPT-2 .safetensors file.\n\noptions");
   std::string input, device;
   std::vector<std::string> patterns;
   int seq_len = 0;
   std::int64_t max_sequences = 0;
+  bool across_documents = false;
   opts.add_options()("help,h", "show this help")("data", po::value(&patterns)->multitoken()->composing(),
                                                   "token shards (glob patterns, e.g. 'data/brown/val_*.bin')")(
       "seq-len", po::value(&seq_len)->default_value(0), "tokens the model reads per window (0: min(1024, its max_seq_len))")(
       "max-sequences", po::value(&max_sequences)->default_value(0), "stop after this many windows (0: all)")(
       "device", po::value(&device)->default_value("auto"), "cpu, cuda, or auto (cuda when there is a GPU)")(
+      "attend-across-documents", po::bool_switch(&across_documents),
+      "let attention cross the documents the masks mark (as data.attend_within_documents = false)")(
       "input", po::value(&input), "checkpoint, Hugging Face directory or .safetensors file");
   po::positional_options_description pos;
   pos.add("input", 1);
@@ -68,42 +72,36 @@ int cmd_eval(const Args& args) {
   std::vector<std::string> files;
   for (const auto& p : patterns)
     for (auto& f : data::expand_glob(p, "--data")) files.push_back(std::move(f));
+  // The windows a training run's validation reads: T + 1 tokens from every multiple of T in each
+  // shard, with the loss masks beside the shards (all or none) and their documents' starts.
+  std::vector<data::TokenShard> shards;
+  for (const auto& f : files) shards.emplace_back(f, data::ShardFormat::auto_);
+  const data::WindowIndex windows(std::move(shards), T);
+  const bool documents = windows.masked() && !across_documents;
 
   model::Generator gen(cfg, *backend, src.weights);
   const int vocab = cfg.vocab_size;
   double total = 0;
   std::int64_t predicted = 0, sequences = 0;
-  std::vector<std::uint32_t> window(static_cast<std::size_t>(T) + 1);
-  std::vector<int> ids(static_cast<std::size_t>(T));
-  std::vector<std::uint8_t> flags(window.size(), data::kTrained);
-  for (const auto& file : files) {
-    const data::TokenShard shard(file, data::ShardFormat::auto_);
-    // A loss mask beside the shard: only the targets it trains on count.
-    std::optional<data::TokenMask> mask;
-    if (std::filesystem::exists(data::mask_path_of(file))) mask.emplace(data::mask_path_of(file), shard.size());
-    for (std::size_t first = 0; first + T + 1 <= shard.size(); first += static_cast<std::size_t>(T)) {
-      if (max_sequences > 0 && sequences >= max_sequences) break;
-      shard.read(first, window.size(), window.data());
-      if (mask) mask->read(first, flags.size(), flags.data());
-      for (std::size_t i = 0; i < window.size(); ++i)
-        if (window[i] >= static_cast<std::uint32_t>(vocab))
-          KILN_FILE_ERROR(file, ": token ", first + i, " is ", window[i], ", outside the model's vocabulary of ", vocab);
-      for (int t = 0; t < T; ++t) ids[static_cast<std::size_t>(t)] = static_cast<int>(window[static_cast<std::size_t>(t)]);
-      const std::vector<float> logits = gen.prefill(ids, true);
-      for (int t = 0; t < T; ++t) {
-        const auto next = static_cast<std::size_t>(t) + 1;
-        if (!(flags[next] & data::kTrained)) continue;
-        total += token_loss(logits.data() + static_cast<std::size_t>(t) * vocab, vocab, static_cast<int>(window[next]));
-        ++predicted;
-      }
-      ++sequences;
+  std::vector<std::int32_t> inputs(static_cast<std::size_t>(T)), targets(inputs.size()), doc_start(inputs.size());
+  std::vector<int> ids(inputs.size());
+  for (std::uint64_t w = 0; w < windows.windows(); ++w) {
+    if (max_sequences > 0 && sequences >= max_sequences) break;
+    windows.read(w, inputs.data(), targets.data(), vocab, documents ? doc_start.data() : nullptr);
+    std::copy(inputs.begin(), inputs.end(), ids.begin());
+    const std::vector<float> logits =
+        gen.prefill(ids, true, documents ? std::span<const std::int32_t>(doc_start) : std::span<const std::int32_t>());
+    for (int t = 0; t < T; ++t) {
+      const int target = targets[static_cast<std::size_t>(t)];
+      if (target < 0) continue;  // masked: not trained on
+      total += token_loss(logits.data() + static_cast<std::size_t>(t) * vocab, vocab, target);
+      ++predicted;
     }
+    ++sequences;
   }
   if (predicted == 0)
-    KILN_FILE_ERROR(files.front(), (files.size() > 1 ? " and the other shards" : ""), ": ",
-                    sequences == 0 ? cat("fewer than seq_len + 1 = ", T + 1, " tokens in every shard")
-                                   : std::string("every target is masked out by the loss masks"),
-                    "; nothing to evaluate");
+    KILN_FILE_ERROR(files.front(), (files.size() > 1 ? " and the other shards" : ""),
+                    ": every target is masked out by the loss masks; nothing to evaluate");
   const double loss = total / static_cast<double>(predicted);
   char line[256];
   std::snprintf(line, sizeof line, "loss %.6f, perplexity %.4f over %lld tokens (%lld windows of %d) from %zu shard(s)\n",

@@ -75,11 +75,13 @@ struct TrainedTiny {
     be.convert(store.compute_flat(), store.master_flat());
   }
 
-  // The training model's loss at position t for target `target` (all other rows ignored).
-  double loss_at(const std::vector<int>& tokens, int t, int target) {
+  // The training model's loss at position t for target `target` (all other rows ignored), with
+  // packed documents' starts when given.
+  double loss_at(const std::vector<int>& tokens, int t, int target, const std::vector<std::int32_t>& doc_start = {}) {
     train::Batch batch{1, kT, std::vector<std::int32_t>(tokens.begin(), tokens.end()),
                        std::vector<std::int32_t>(kT, -1), 0};
     batch.targets[static_cast<std::size_t>(t)] = target;
+    batch.doc_start = doc_start;
     auto& m = world.resource<model::GptModel>();
     m.forward(batch, 0, false, nullptr);
     return m.mean_loss(1) * kT;  // the mean counts the ignored rows as 0
@@ -156,6 +158,39 @@ TEST_CASE("generator logits at every position equal the training model's, prefil
   check_generator_matches_training(true);
   // Llama 3.1's scaled rotary frequencies, in the cache as in training.
   check_generator_matches_training(true, {"model.rope_scaling.type=llama3", "model.rope_scaling.original_max_seq_len=16"});
+}
+
+// kiln eval's packed documents: a prefill given document starts attends within each document, as
+// the training model does with the same starts, and no document's logits depend on another's tokens.
+TEST_CASE("a prefill with document starts equals the training model's and ignores other documents") {
+  for (bool llama : {false, true}) {
+    INFO((llama ? "llama" : "gpt2"));
+    TrainedTiny tiny(llama ? kLlama : std::vector<std::string>{});
+    model::Generator gen(tiny.cfg, tiny.world.resource<ops::ActiveBackend>().get(), model::param_store_weights(tiny.world));
+    // Documents starting at 0, 1, 17 and 40 (a one-token one among them).
+    std::vector<std::int32_t> starts(kT);
+    for (int t = 0; t < kT; ++t) starts[static_cast<std::size_t>(t)] = t >= 40 ? 40 : t >= 17 ? 17 : t >= 1 ? 1 : 0;
+    auto tokens = random_tokens(kT, 21);
+    const auto docs = gen.prefill(tokens, true, starts);
+    const auto across = gen.prefill(tokens, true);
+    // Other documents rewritten: the third document's logits stay bit-identical.
+    auto other = tokens;
+    for (int t = 0; t < kT; ++t)
+      if (t < 17 || t >= 40) other[static_cast<std::size_t>(t)] = (other[static_cast<std::size_t>(t)] + 7) % kVocab;
+    const auto rewritten = gen.prefill(other, true, starts);
+    const std::size_t first = 17 * kVocab, last = 40 * kVocab;
+    CHECK(std::equal(docs.begin() + first, docs.begin() + last, rewritten.begin() + first));
+    CHECK(!std::equal(docs.begin() + first, docs.begin() + last, across.begin() + first));
+    CHECK(std::equal(docs.begin(), docs.begin() + kVocab, across.begin()));  // the first document's one token
+    for (int t : {0, 5, 16, 17, 30, 40, 63}) {
+      const int target = tokens[static_cast<std::size_t>((t + 1) % kT)];
+      INFO("position " << t);
+      CHECK(loss_of(docs.data() + static_cast<std::size_t>(t) * kVocab, target) ==
+            doctest::Approx(tiny.loss_at(tokens, t, target, starts)).epsilon(2e-6));
+    }
+    CHECK_THROWS_WITH_AS(gen.prefill(tokens, true, std::vector<std::int32_t>(kT, 2)),
+                         doctest::Contains("document start 2 of position 0"), Error);
+  }
 }
 
 TEST_CASE("greedy generation is deterministic and follows the most likely token") {

@@ -52,6 +52,7 @@ Generator::Generator(const ModelConfig& cfg, ops::Backend& backend, const Weight
   if (cfg.tie_embeddings) head_w_ = wte_;
 
   acts_.request(&tokens_, DType::i32, {T});
+  acts_.request(&doc_start_, DType::i32, {T});
   for (TensorView* v : {&x_, &ln_, &atty_, &tmp_}) acts_.request(v, act, {T, C});
   acts_.request(&mean_, DType::f32, {T});
   acts_.request(&rstd_, DType::f32, {T});
@@ -123,15 +124,26 @@ void Generator::check_tokens(std::span<const int> tokens) const {
                " is outside the vocabulary of ", cfg_.vocab_size);
 }
 
-void Generator::forward(std::span<const int> tokens) {
+void Generator::forward(std::span<const int> tokens, std::span<const std::int32_t> doc_start) {
   const int n = static_cast<int>(tokens.size()), pos = length_;
   KILN_CHECK(n > 0 && (pos == 0 || n == 1), "generator: a prompt starts at position 0, later tokens come one at a time");
+  KILN_CHECK(doc_start.empty() || static_cast<int>(doc_start.size()) == n, "generator: ", doc_start.size(),
+             " document starts for ", n, " tokens");
+  for (int i = 0; i < static_cast<int>(doc_start.size()); ++i)
+    KILN_CHECK(doc_start[static_cast<std::size_t>(i)] >= 0 && doc_start[static_cast<std::size_t>(i)] <= i,
+               "generator: document start ", doc_start[static_cast<std::size_t>(i)], " of position ", i,
+               " is not in [0, ", i, "]");
   KILN_CHECK(pos + n <= Tmax_, "generator: position ", pos + n - 1, " is beyond the context of ", Tmax_,
              " positions (model.max_seq_len)");
   check_tokens(tokens);
   host_tokens_.assign(tokens.begin(), tokens.end());
   const TensorView tok = tokens_.rows(0, n);
   be_.copy(tok, TensorView(host_tokens_.data(), {n}, DType::i32, Device::cpu));
+  const TensorView docs = doc_start.empty() ? TensorView{} : doc_start_.rows(0, n).reshape({1, n});
+  if (!doc_start.empty()) {
+    host_doc_start_.assign(doc_start.begin(), doc_start.end());
+    be_.copy(docs, TensorView(host_doc_start_.data(), {1, n}, DType::i32, Device::cpu));
+  }
 
   const TensorView x = x_.rows(0, n), ln = ln_.rows(0, n), atty = atty_.rows(0, n), tmp = tmp_.rows(0, n);
   const TensorView fc_pre = fc_pre_.rows(0, n), fc = fc_.rows(0, n);
@@ -157,6 +169,7 @@ void Generator::forward(std::span<const int> tokens) {
     if (pos == 0) {
       ops::AttentionForward a{atty.reshape({1, n, H_, D_}), lse, heads(b.cache.rows(0, n), n), scale};
       a.kv_heads = kv_heads;
+      a.doc_start = docs;
       be_.attention_forward(a);
     } else {
       ops::AttentionDecode a{atty.reshape({1, H_, D_}), heads(b.cache, Tmax_), pos + 1, scale};
@@ -197,10 +210,11 @@ std::vector<float> Generator::logits(int first, int count) {
   return out;
 }
 
-std::vector<float> Generator::prefill(std::span<const int> prompt, bool all_positions) {
+std::vector<float> Generator::prefill(std::span<const int> prompt, bool all_positions,
+                                      std::span<const std::int32_t> doc_start) {
   KILN_CHECK(!prompt.empty(), "generator: an empty prompt (give at least one token, e.g. an end-of-text token)");
   length_ = 0;
-  forward(prompt);
+  forward(prompt, doc_start);
   const int n = static_cast<int>(prompt.size());
   return all_positions ? logits(0, n) : logits(n - 1, 1);
 }

@@ -172,15 +172,6 @@ void install(World& w, const ModelConfig& cfg) {
                    }});
   w.systems().add({"model.init", Phase::setup, [](World& world) {
                      auto& m = world.resource<GptModel>();
-                     // kiln's CUDA kernels take document starts (their DOC instantiations), but until
-                     // test_cuda_attention's packed-documents case has passed on a GPU, training on one
-                     // with them is refused rather than trusted.
-                     if (world.resource<train::TrainState>().documents &&
-                         world.resource<ops::ActiveBackend>().get().device() == Device::cuda)
-                       throw config_error(world, "data.attend_within_documents",
-                                          "true: the shards mark packed documents, and attention within documents "
-                                          "runs on the CPU backend only so far (the CUDA kernels that take them await "
-                                          "their GPU test); set it to false to let attention cross them on the GPU");
                      m.allocate_activations();  // after every module attached its components
                      world.emplace_resource<nn::BlockScratch>(m.block_scratch());
                      m.initialise(world.resource<rng::RngStatesTracker>());

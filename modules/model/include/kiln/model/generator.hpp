@@ -43,8 +43,10 @@ class Generator {
 
   // Empties the cache and runs the prompt in one pass of causal attention. Returns the next-token
   // logits over the real vocabulary: of every prompt position ([prompt.size(), vocab_size] row-major)
-  // with all_positions, else of the last one ([vocab_size]).
-  std::vector<float> prefill(std::span<const int> prompt, bool all_positions = false);
+  // with all_positions, else of the last one ([vocab_size]). With `doc_start` (one per prompt token,
+  // packed documents as a training batch carries them), position i attends to [doc_start[i], i] only.
+  std::vector<float> prefill(std::span<const int> prompt, bool all_positions = false,
+                             std::span<const std::int32_t> doc_start = {});
   // Appends one token at position length() (which must be below capacity()); returns the logits of
   // the token that follows it, [vocab_size].
   std::vector<float> decode(int token);
@@ -63,7 +65,7 @@ class Generator {
   void upload(const WeightSource& weights);
   // Runs `tokens` at positions [length(), length() + n): a prompt from position 0 (causal attention
   // over its rows), or one token over the cache.
-  void forward(std::span<const int> tokens);
+  void forward(std::span<const int> tokens, std::span<const std::int32_t> doc_start = {});
   // Logits over the real vocabulary of x rows [first, first + count), after the final LayerNorm.
   std::vector<float> logits(int first, int count);
   void check_tokens(std::span<const int> tokens) const;
@@ -82,12 +84,13 @@ class Generator {
   TensorView wte_, wpe_, lnf_w_, lnf_b_, head_w_;  // head_w_: wte_ when tied
   std::vector<Block> blocks_;
   TensorView tokens_;           // [Tmax] i32
+  TensorView doc_start_;        // [Tmax] i32: a prefill's document starts, when it has them
   TensorView x_, ln_, atty_, tmp_;  // [Tmax, C]: residual stream, LayerNorm output, attention output, linear output
   TensorView mean_, rstd_;      // [Tmax] f32
   TensorView lse_;              // [H * Tmax] f32 (attention_forward's statistic, unused here)
   TensorView fc_pre_, fc_;      // [Tmax, F]; fc_pre [Tmax, 2F] for SwiGLU (gate and up)
   TensorView logits_, logits_f32_;  // [logit_rows, Vp]
-  std::vector<std::int32_t> host_tokens_;
+  std::vector<std::int32_t> host_tokens_, host_doc_start_;
 };
 
 }  // namespace kiln::model
