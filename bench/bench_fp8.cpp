@@ -5,6 +5,7 @@
 //  2. The kernels that compute while quantising (GELU on load, dGELU), and AdamW fused with the
 //     weight quantisation against AdamW and the cast apart.
 //  3. The experts' grouped casts at moe-1b's sizes (`bench_fp8 grouped`: these alone).
+//  (`bench_fp8 block`: block scaling alone, its GEMMs against per-tensor ones and its casts.)
 //  4. GEMM TFLOP/s, cuBLASLt FP8 against kiln's bf16 runner, at the model's linear-layer shapes
 //     (forward, dgrad, wgrad) and at M x N x K = 16384 x 8192 x 2048 (reference on an H200: FP8
 //     1,255 TFLOP/s, bf16 726).
@@ -281,6 +282,82 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
   }
 }
 
+// Block scaling (`bench_fp8 block`, issue 29): cuBLASLt's block-scaled GEMMs (1x128 x 128x128 for
+// the forward and data gradient, 1x128 x 1x128 for the weight gradient) against the per-tensor FP8
+// GEMM at 1.3B's and Llama 1B's linear-layer shapes, and the block quantisation kernels' GB/s.
+void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes,
+                 const Buffer& scales) {
+  fp8::cuda::Fp8GemmRunner f8(lt, ws, ws_bytes);
+  std::printf("\n%-30s %-22s %11s %11s %11s %8s\n", "block GEMM (D = X Y^T)", "shape", "tensor TF/s", "fast TF/s",
+              "block TF/s", "block/t");
+  struct Shape3 {
+    std::string what;
+    std::int64_t M, N, K;
+    bool wgrad;
+  };
+  std::vector<Shape3> shapes;
+  for (auto [model, N, C, F] : {std::tuple<const char*, std::int64_t, std::int64_t, std::int64_t>{"1.3B", 8192, 2048, 8192},
+                                {"llama1B", 8192, 2048, 2 * 8192}}) {
+    const std::string m = model;
+    shapes.push_back({m + " qkv fwd", N, 3 * C, C, false});
+    shapes.push_back({m + " fc1 fwd", N, F, C, false});
+    shapes.push_back({m + " fc2 fwd", N, C, F / (m == "llama1B" ? 2 : 1), false});
+    shapes.push_back({m + " fc1 dgrad", N, C, F, false});
+    shapes.push_back({m + " fc1 wgrad", F, C, N, true});
+  }
+  const float* one = static_cast<const float*>(scales.data());
+  for (const auto& sh : shapes) {
+    const std::int64_t M = sh.M, N = sh.N, K = sh.K;
+    Buffer xq(Device::cuda, static_cast<std::size_t>(M * K)), yq(Device::cuda, static_cast<std::size_t>(N * K));
+    KILN_CUDA_CHECK(cudaMemsetAsync(xq.data(), 0x31, xq.bytes(), s));
+    KILN_CUDA_CHECK(cudaMemsetAsync(yq.data(), 0x29, yq.bytes(), s));
+    Buffer d(Device::cuda, static_cast<std::size_t>(M * N) * 4);
+    KILN_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.bytes(), s));
+    const fp8::ScalingMode ym = sh.wgrad ? fp8::ScalingMode::block_1x128 : fp8::ScalingMode::block_128x128;
+    const fp8::BlockLayout lx{fp8::ScalingMode::block_1x128, M, K}, ly{ym, N, K};
+    std::vector<float> ones(static_cast<std::size_t>(std::max(lx.count(), ly.count())), 1.0f);
+    Buffer sb(Device::cuda, ones.size() * 4);
+    KILN_CUDA_CHECK(cudaMemcpy(sb.data(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    fp8::GemmArgs a;
+    a.x = TensorView(xq.data(), {M, K}, sh.wgrad ? DType::e5m2 : DType::e4m3, Device::cuda);
+    a.y = TensorView(yq.data(), {N, K}, DType::e4m3, Device::cuda);
+    a.x_scale_inv = a.y_scale_inv = one;
+    a.d = TensorView(d.data(), {M, N}, sh.wgrad ? DType::f32 : DType::bf16, Device::cuda);
+    a.accumulate = a.f32_result = sh.wgrad;
+    const double t_ms = timer.median_ms([&] { f8.run(a, s); });
+    a.fast_accum = true;
+    const double fast_ms = timer.median_ms([&] { f8.run(a, s); });
+    a.fast_accum = false;
+    a.x_scale_inv = a.y_scale_inv = static_cast<const float*>(sb.data());
+    a.x_mode = fp8::ScalingMode::block_1x128;
+    a.y_mode = ym;
+    double b_ms = -1;
+    try {
+      b_ms = timer.median_ms([&] { f8.run(a, s); });
+    } catch (const std::exception& e) {
+      std::printf("%-30s %s\n", sh.what.c_str(), e.what());
+      continue;
+    }
+    const double flops = 2.0 * M * N * K;
+    std::printf("%-30s %-22s %11.1f %11.1f %11.1f %7.2fx\n", sh.what.c_str(), mnk(M, N, K).c_str(),
+                flops / (t_ms * 1e-3) / 1e12, flops / (fast_ms * 1e-3) / 1e12, flops / (b_ms * 1e-3) / 1e12, t_ms / b_ms);
+  }
+  std::printf("\n%-40s %-14s %9s %9s\n", "block quantisation (bf16 in)", "shape", "ms", "GB/s");
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{8192, 2048}, {8192, 8192}, {2048, 8192}}) {
+    Buffer x = bf16_buffer(R * C, 1.0f, s), q(Device::cuda, static_cast<std::size_t>(R * C));
+    for (auto mode : {fp8::ScalingMode::block_1x128, fp8::ScalingMode::block_128x128}) {
+      const fp8::BlockLayout l{mode, R, C};
+      Buffer sc(Device::cuda, static_cast<std::size_t>(l.count()) * 4 + 256);
+      const double ms = timer.median_ms([&] {
+        fp8::cuda::quantize_blocks(x.data(), DType::bf16, static_cast<std::uint8_t*>(q.data()),
+                                   static_cast<float*>(sc.data()), l, fp8::Format::e4m3, false, false, s);
+      });
+      std::printf("%-40s %-14s %9.4f %9.1f\n", mode == fp8::ScalingMode::block_1x128 ? "1x128 -> e4m3" : "128x128 -> e4m3",
+                  dims(R, C).c_str(), ms, 3.0 * R * C / (ms * 1e-3) / 1e9);
+    }
+  }
+}
+
 // The experts' grouped casts at moe-1b's sizes (16384 tokens x top-2 = 32768 rows over 8 experts of
 // uneven load, d 1024, expert width 2816): FC1's input, FC2's input as the SwiGLU of FC1's output,
 // FC2's output gradient and FC1's output gradient through the SwiGLU's backward, each into both
@@ -361,6 +438,14 @@ int main(int argc, char** argv) {
     const std::string only = argc > 1 ? argv[1] : "";
     if (only == "grouped") {  // the experts' grouped casts alone
       bench::grouped_table(timer, s, scales);
+      return 0;
+    }
+    if (only == "block") {  // block scaling alone
+      cublasLtHandle_t lt;
+      KILN_CUBLAS_CHECK(cublasLtCreate(&lt));
+      Buffer ws(Device::cuda, 32u << 20);
+      bench::block_table(timer, s, lt, ws.data(), 32u << 20, scales);
+      cublasLtDestroy(lt);
       return 0;
     }
     bench::quantize_table(timer, s, scales);

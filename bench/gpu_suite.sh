@@ -2,9 +2,10 @@
 # Everything one GPU session needs, in one call, building nothing: GPU op tests, kernel benchmarks,
 # and end-to-end training throughput of gpt2-124m and gpt-1.3b with a per-op breakdown.
 # usage (on the GPU machine, from the repository root):
-#   bash bench/gpu_suite.sh BUILD_DIR [full|train|tests|fp8|attn]
+#   bash bench/gpu_suite.sh BUILD_DIR [full|train|tests|fp8|attn|block]
 # attn: the GPU tests, bench_attention, and bf16 / FP8 runs of both models with cuDNN's attention
-# (deterministic and atomic-dQ) beside kiln's kernels.
+# (deterministic and atomic-dQ) beside kiln's kernels. block: issue 29's block scaling (test_cuda_fp8,
+# bench_fp8 block, 1.3B and Llama 1B with block scaling beside per-tensor current scaling and bf16).
 # Logs go to $OUT (or ./gpu-logs); a summary table is printed last.
 set -uo pipefail
 B=${1:-.devbuild}
@@ -26,7 +27,9 @@ run_tests() {
   local rc=$?
   note "$exe: rc=$rc $(grep -E '^\[doctest\] test cases' "$OUT/$exe.log" | tail -1)"
 }
-if [ "$MODE" = "fp8" ] || [ "$MODE" = "attn" ]; then
+if [ "$MODE" = "block" ]; then
+  run_tests test_cuda_fp8
+elif [ "$MODE" = "fp8" ] || [ "$MODE" = "attn" ]; then
   run_tests test_cuda_fp8
   run_tests test_cuda_ops
   run_tests test_gpu_model
@@ -38,7 +41,9 @@ elif [ "$MODE" != "train" ]; then
   run_tests test_cuda_fp8
 fi
 
-if [ "$MODE" = "fp8" ]; then
+if [ "$MODE" = "block" ]; then
+  timeout 100 "$B/bin/bench_fp8" block > "$OUT/bench_fp8.log" 2>&1; note "bench_fp8 block rc=$?"
+elif [ "$MODE" = "fp8" ]; then
   timeout 100 "$B/bin/bench_fp8" > "$OUT/bench_fp8.log" 2>&1; note "bench_fp8 rc=$?"
 elif [ "$MODE" = "attn" ]; then
   timeout 100 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
@@ -75,6 +80,16 @@ if [ "$MODE" != "tests" ]; then
     train gpt-1.3b-fp8-kiln pipelines/gpt-1.3b.toml 30 "${F[@]}" "${K[@]}"
     train gpt-1.3b-profile pipelines/gpt-1.3b.toml 8 --set backend.profile=true
     train gpt-1.3b-fp8-profile pipelines/gpt-1.3b.toml 8 "${F[@]}" --set backend.profile=true
+  elif [ "$MODE" = "block" ]; then  # issue 29: block scaling against per-tensor current scaling and bf16
+    F=(--set fp8.enabled=true)
+    train gpt-1.3b-bf16 pipelines/gpt-1.3b.toml 30
+    train gpt-1.3b-current pipelines/gpt-1.3b.toml 30 "${F[@]}" --set fp8.recipe=current
+    train gpt-1.3b-block pipelines/gpt-1.3b.toml 30 "${F[@]}" --set fp8.recipe=block
+    train gpt-1.3b-block-profile pipelines/gpt-1.3b.toml 8 "${F[@]}" --set fp8.recipe=block --set backend.profile=true
+    train gpt-1.3b-current-profile pipelines/gpt-1.3b.toml 8 "${F[@]}" --set fp8.recipe=current --set backend.profile=true
+    train llama-1b-bf16 pipelines/llama-1b.toml 30
+    train llama-1b-current pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=current
+    train llama-1b-block pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=block
   elif [ "$MODE" = "fp8" ]; then
     train gpt2-124m pipelines/gpt2-124m.toml 60 --set fp8.enabled=true
     train gpt2-124m-current pipelines/gpt2-124m.toml 60 --set fp8.enabled=true --set fp8.recipe=current

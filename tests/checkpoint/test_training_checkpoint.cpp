@@ -321,3 +321,18 @@ TEST_CASE("exported to safetensors and read back with model.init_from, the weigh
     }
   }
 }
+
+TEST_CASE("FP8 block scaling: resumed bit-identically, and checkpoints switch to and from delayed scaling") {
+  const Sets block = {"fp8.enabled=true", "fp8.recipe=block"}, delayed = {"fp8.enabled=true", "fp8.amax_history_len=4"};
+  TempDir d;
+  const Trace ref = run(1, block);
+  check_identical_from(stop_and_resume(1, block, 1, block, d.path, 3), ref, 4);
+  // Block scaling keeps nothing in the checkpoint: a delayed-scaling checkpoint resumes under it
+  // (its amax histories unread), and one of it resumes under delayed scaling, which starts afresh.
+  TempDir d2, d3;
+  for (const Trace& t : {stop_and_resume(1, delayed, 1, block, d2.path, 3), stop_and_resume(1, block, 1, delayed, d3.path, 3)}) {
+    REQUIRE(t.loss.size() == ref.loss.size());
+    for (double l : t.loss) CHECK(std::isfinite(l));
+    CHECK(relative(t.loss.back(), ref.loss.back()) < 0.05);
+  }
+}

@@ -792,9 +792,10 @@ const char* const kModel = test::kSmallGpuModel;
 TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is deterministic") {
   KILN_REQUIRE_CUDA();
   // GPT-2 (GELU and LayerNorm computed while quantising) and Llama (SwiGLU computed while quantising
-  // FC2's input, its backward while quantising FC1's output gradient, grouped-query attention).
+  // FC2's input, its backward while quantising FC1's output gradient, grouped-query attention);
+  // block scaling (Fp8BlockLinear: plain operands, the epilogues after its GEMMs) in both.
   for (const bool llama : {false, true})
-  for (const char* recipe : {"delayed", "current"}) {
+  for (const char* recipe : {"delayed", "current", "block"}) {
     INFO((llama ? "llama " : "gpt2 ") << recipe);
     const std::string fp8 = "fp8.enabled=true", r = std::string("fp8.recipe=") + recipe;
     auto sets = [&](const char* device) {

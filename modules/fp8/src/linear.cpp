@@ -3,16 +3,10 @@
 
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/alignment.hpp"
+#include "ops_checks.hpp"
 #include "scaling.hpp"
 
 namespace kiln::fp8 {
-
-namespace {
-void expect(const TensorView& t, DType dtype, std::int64_t rows, std::int64_t cols, const std::string& what) {
-  if (t.dtype != dtype || t.ndim() != 2 || t.size(0) != rows || t.size(1) != cols || !t.contiguous())
-    KILN_THROW(what, ": expected a contiguous ", name_of(dtype), "[", rows, ",", cols, "], got ", t.str());
-}
-}  // namespace
 
 std::uint8_t* Fp8Workspace::get(std::size_t bytes) {
   if (bytes <= lent_bytes_) return lent_;
@@ -207,7 +201,7 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
   const TensorView& x = in.x;
   KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
   const std::int64_t N = in.N, IC = in.IC;
-  expect(x, act, N, x.size(1), in.what);
+  expect_matrix(x, act, N, x.size(1), in.what);
   if (a.weight.dtype == DType::u8) {  // the gathered codes themselves (a replay gets the same again)
     cache_.rowwise = a.weight.data;
     cache_.valid = false;
@@ -254,7 +248,7 @@ void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForwa
   KILN_CHECK(x.rowwise && x.format == s.format && x.scale_inv == s.scale_inv, name_,
              " forward_quantized: the input must be a rowwise ", name_of(s.format),
              " tensor quantised with this layer's input scale");
-  expect(x.rowwise, dtype_of(s.format), input.size(0), input.size(1), name_ + " forward_quantized x");
+  expect_matrix(x.rowwise, dtype_of(s.format), input.size(0), input.size(1), name_ + " forward_quantized x");
   ensure_weight(a.weight, weight_version);
   if (keep_input_) {  // the producer wrote the rowwise copy only: the colwise one from the input
     const std::int64_t N = input.size(0), IC = input.size(1);
@@ -266,10 +260,10 @@ void Fp8Linear::forward_quantized(const Fp8TensorView& x, const ops::LinearForwa
 void Fp8Linear::gemm_forward(const TensorView& xq, const ops::LinearForward& a) {
   const DType act = ops_.act_dtype();
   const std::int64_t N = xq.size(0), IC = xq.size(1), OC = a.weight.size(0);
-  expect(a.weight, a.weight.dtype == DType::u8 ? DType::u8 : act, OC, IC, name_ + " forward weight");
-  expect(a.out, act, N, OC, name_ + " forward out");
+  expect_matrix(a.weight, a.weight.dtype == DType::u8 ? DType::u8 : act, OC, IC, name_ + " forward weight");
+  expect_matrix(a.out, act, N, OC, name_ + " forward out");
   if (a.bias) KILN_CHECK(a.bias.dtype == act && a.bias.numel() == OC, name_, " forward bias ", a.bias.str());
-  if (a.pre_gelu) expect(a.pre_gelu, act, N, OC, name_ + " forward pre_gelu");
+  if (a.pre_gelu) expect_matrix(a.pre_gelu, act, N, OC, name_ + " forward pre_gelu");
   const ScalingSlot sx = slot(TensorRole::input), sw = slot(TensorRole::weight);
   GemmArgs g;
   g.x = xq;
@@ -295,24 +289,24 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   const TensorView& x = in.x;
   KILN_CHECK(a.weight.ndim() == 2, name_, " backward: weight ", a.weight.str());
   const std::int64_t N = in.N, IC = in.IC, OC = a.weight.size(0);
-  if (!keep_input_) expect(x, act, N, x.size(1), in.what);
+  if (!keep_input_) expect_matrix(x, act, N, x.size(1), in.what);
   const bool gathered = a.weight.dtype == DType::u8;  // the weight's gathered codes
-  expect(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
+  expect_matrix(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
   // The output gradient, or the gradient of its GELU (ops::DgeluOnLoad) with the pre-activation, or
   // of its SwiGLU (ops::DswigluOnLoad) with the SwiGLU's input (this layer's output).
   const auto* dgelu = std::get_if<ops::DgeluOnLoad>(&a.dout);
   const auto* dswiglu = std::get_if<ops::DswigluOnLoad>(&a.dout);
   const TensorView dout = dgelu ? dgelu->dgelu : dswiglu ? dswiglu->dswiglu : std::get<TensorView>(a.dout);
   if (dswiglu) {
-    expect(dout, act, N, OC / 2, name_ + " backward dout (dswiglu-on-load: the SwiGLU output's gradient)");
-    expect(dswiglu->gate_up, act, N, OC, name_ + " backward dout's SwiGLU input (dswiglu-on-load)");
+    expect_matrix(dout, act, N, OC / 2, name_ + " backward dout (dswiglu-on-load: the SwiGLU output's gradient)");
+    expect_matrix(dswiglu->gate_up, act, N, OC, name_ + " backward dout's SwiGLU input (dswiglu-on-load)");
     KILN_CHECK(OC % 2 == 0 && !a.dbias, name_, ": dswiglu-on-load needs an even output width and no bias");
   } else {
-    expect(dout, act, N, OC, name_ + " backward dout");
+    expect_matrix(dout, act, N, OC, name_ + " backward dout");
   }
-  expect(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
-  if (a.dx) expect(a.dx, act, N, IC, name_ + " backward dx");
-  if (a.dx_gelu_pre) expect(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
+  expect_matrix(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
+  if (a.dx) expect_matrix(a.dx, act, N, IC, name_ + " backward dx");
+  if (a.dx_gelu_pre) expect_matrix(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
   if (a.dbias) KILN_CHECK(a.dbias.dtype == DType::f32 && a.dbias.numel() == OC, name_, " backward dbias ", a.dbias.str());
   // The forward pass made the weight's copies; a different tensor (a library caller) is re-quantised.
   // Gathered codes give the colwise copy by a transpose, for the data gradient.
@@ -335,7 +329,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   // tensor's amax (current scaling, or delayed scaling's first step), the dGELU is applied first.
   TensorView gelu_pre = dgelu ? dgelu->pre : TensorView{};
   if (gelu_pre) {
-    expect(gelu_pre, act, N, OC, name_ + " backward dout's pre-activation (dgelu-on-load)");
+    expect_matrix(gelu_pre, act, N, OC, name_ + " backward dout's pre-activation (dgelu-on-load)");
     if (recipe_.kind == RecipeKind::current || !meta_.ready(sg.index)) {
       ops_.dgelu(dout, gelu_pre);
       gelu_pre = {};

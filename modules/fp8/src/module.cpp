@@ -201,6 +201,71 @@ std::set<nn::LinearRole> roles_kept_in_fp8(World& w, const std::vector<Entity>& 
   return roles;
 }
 
+// The blocks' FP8 scratch in the model's block scratch (its logits buffer): for when the LM head,
+// which writes the logits, is not among the FP8 layers.
+void lend_block_scratch(World& w) {
+  w.systems().add({"fp8.scratch", Phase::setup,
+                   [](World& world) {
+                     if (const auto* s = world.try_resource<nn::BlockScratch>())
+                       world.resource<Fp8State>().workspace->lend(s->data, s->bytes);
+                   },
+                   {"model.init"}});
+}
+
+// fp8.recipe = block: each selected linear (st.entities) gets an Fp8BlockLinear. No meta and no
+// amax systems; the weights' FP8 copies are made from their compute copies once per weight version
+// (every optimizer step, or a checkpoint load, makes a new one).
+void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string>& skipped) {
+  auto& st = w.resource<Fp8State>();
+  const BlockRecipe recipe{format_for(cfg.format, TensorRole::input), format_for(cfg.format, TensorRole::weight),
+                           format_for(cfg.format, TensorRole::grad_output), cfg.block_pow2_scales};
+  // Tensor parallelism splits the column-parallel layers' outputs (their weights' 128x128 tiles
+  // along OC) and the row-parallel layers' inputs (every 1x128 block along IC): each part must hold
+  // whole blocks, or the ranks would scale blocks that the unsplit layer does not have.
+  const int tp = w.resource<parallel::Communicators>().tp->size();
+  if (tp > 1)
+    for (Entity e : st.entities) {
+      const auto& l = w.get<nn::Linear>(e);
+      const bool row = l.role == nn::LinearRole::attn_out || l.role == nn::LinearRole::mlp_out;
+      const int part = row ? l.in : l.out;
+      if (part % kBlock != 0)
+        throw ConfigError(cat(w.resource<RankInfo>().pipeline_file, ": fp8.recipe = \"block\" with parallel.tp = ", tp,
+                              ": ", w.describe(e), " splits its ", row ? "input" : "output", " features into parts of ",
+                              part, ", not a multiple of 128 (a block would straddle two ranks); use a model whose ",
+                              "split dimensions are multiples of 128 x parallel.tp, or another fp8.recipe"));
+    }
+  st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
+  Fp8State* state = &st;
+  for (Entity e : st.entities) {
+    const auto* name = w.try_get<Name>(e);
+    st.block_linears.push_back(
+        std::make_unique<Fp8BlockLinear>(*st.ops, *st.workspace, recipe, name ? name->value : w.describe(e)));
+    Fp8BlockLinear* lin = st.block_linears.back().get();
+    w.emplace<ops::LinearImpl>(
+        e, ops::LinearImpl{.forward = [lin, state](const ops::LinearForward& a) { lin->forward(a, state->weights_version); },
+                           .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); }});
+  }
+  st.subscriptions.push_back(
+      w.events().subscribe<nn::ParamsLoaded>([&st](const nn::ParamsLoaded&) { st.invalidate_weights(); }));
+  w.systems().add({"fp8.weights_changed", Phase::optimizer,
+                   [](World& world) { world.resource<Fp8State>().invalidate_weights(); }});
+  if (!cfg.lm_head) lend_block_scratch(w);
+  const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size(),
+                    g_all = w.view<nn::GroupedLinear>().size();
+  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_all, recipe, skipped](World& world) {
+                     if (world.resource<RankInfo>().rank != 0) return;
+                     std::cout << "fp8: " << n_fp8 << " of " << n_all
+                               << " linear layers in FP8 (block scaling: 1x128 activations and gradients, 128x128 "
+                                  "weights, "
+                               << (recipe.grad == Format::e5m2 ? "hybrid E4M3/E5M2" : "E4M3")
+                               << (recipe.pow2 ? ", power-of-two scales" : "") << ")\n";
+                     if (g_all > 0)
+                       std::cout << "fp8: the " << g_all
+                                 << " grouped (expert) linears stay bf16 (block scaling does not cover them yet)\n";
+                     for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16\n";
+                   }});
+}
+
 void install(World& w, const Fp8Config& cfg) {
   if (!cfg.enabled) return;
   const auto& file = w.resource<RankInfo>().pipeline_file;
@@ -238,6 +303,7 @@ void install(World& w, const Fp8Config& cfg) {
     for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
       formats.push_back(format_for(cfg.format, r));
   }
+  if (cfg.recipe == RecipeKind::block) return install_block(w, cfg, skipped);  // (tokens % 16 == 0 covers its GEMMs' rows)
   // A mixture of experts' grouped linears (every block's): three slots each, after the linears'.
   for (Entity e : w.view<nn::GroupedLinear>()) {
     const auto& g = w.get<nn::GroupedLinear>(e);
@@ -429,13 +495,7 @@ void install(World& w, const Fp8Config& cfg) {
                    {"params.allocate", "model.init"}});
   // The blocks' FP8 scratch in the model's block scratch (its logits buffer), unless the LM head,
   // which writes the logits, runs in FP8 too.
-  if (!cfg.lm_head)
-    w.systems().add({"fp8.scratch", Phase::setup,
-                     [](World& world) {
-                       if (const auto* s = world.try_resource<nn::BlockScratch>())
-                         world.resource<Fp8State>().workspace->lend(s->data, s->bytes);
-                     },
-                     {"model.init"}});
+  if (!cfg.lm_head) lend_block_scratch(w);
   // The scales are updated once the step's gradients are complete and synchronised (as before the
   // optimizer ran, which may now write the weights' FP8 copies with them): after the parallel
   // module's gradient collectives, so every rank issues its collectives in the same order.

@@ -5,6 +5,13 @@
 
 namespace kiln::fp8 {
 
+// A layer's operand: a contiguous `dtype` [rows, cols], or an error naming `what`.
+inline void expect_matrix(const TensorView& t, DType dtype, std::int64_t rows, std::int64_t cols,
+                          const std::string& what) {
+  if (t.dtype != dtype || t.ndim() != 2 || t.size(0) != rows || t.size(1) != cols || !t.contiguous())
+    KILN_THROW(what, ": expected a contiguous ", name_of(dtype), "[", rows, ",", cols, "], got ", t.str());
+}
+
 // param, grad, m, v: f32 [rows, cols] or [batch, rows, cols] on `device`, contiguous, one shape; no
 // colwise copy without the rowwise one.
 inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device) {

@@ -189,7 +189,39 @@ class CpuOps final : public Fp8Ops {
     }
   }
 
-  void gemm(const GemmArgs& g) override {
+  void quantize_blocks(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
+                       bool pow2) override {
+    expect_input(x, "fp8 quantize_blocks x");
+    const Format f = format_of(codes, "fp8 quantize_blocks codes");
+    KILN_CHECK(x.ndim() == 2 && codes.shape == x.shape && codes.contiguous() && codes.device == Device::cpu,
+               "fp8 quantize_blocks: x ", x.str(), " and codes ", codes.str(), " must be the same [rows, cols]");
+    KILN_CHECK(scale_inv, "fp8 quantize_blocks: no scales");
+    std::vector<float> xf(static_cast<std::size_t>(x.numel()));
+    for (std::int64_t i = 0; i < x.numel(); ++i) xf[static_cast<std::size_t>(i)] = load(x, i);
+    quantize_blocks_reference(xf.data(), {mode, x.size(0), x.size(1)}, f, pow2, codes.as<std::uint8_t>(), scale_inv);
+  }
+
+  void quantize_blocks_transposed(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
+                                  bool pow2) override {
+    expect_input(x, "fp8 quantize_blocks_transposed x");
+    const Format f = format_of(codes, "fp8 quantize_blocks_transposed codes");
+    KILN_CHECK(x.ndim() == 2 && codes.shape == Shape({x.size(1), x.size(0)}) && codes.contiguous() &&
+                   codes.device == Device::cpu,
+               "fp8 quantize_blocks_transposed: codes ", codes.str(), " for the transpose of x ", x.str());
+    KILN_CHECK(scale_inv, "fp8 quantize_blocks_transposed: no scales");
+    const std::int64_t R = x.size(0), C = x.size(1);
+    std::vector<float> xt(static_cast<std::size_t>(x.numel()));
+    for (std::int64_t r = 0; r < R; ++r)
+      for (std::int64_t c = 0; c < C; ++c) xt[static_cast<std::size_t>(c * R + r)] = load(x, r * C + c);
+    quantize_blocks_reference(xt.data(), {mode, C, R}, f, pow2, codes.as<std::uint8_t>(), scale_inv);
+  }
+
+  // A product's formats and M, N, K, its arguments checked (either scaling).
+  struct GemmShape {
+    Format fx, fy;
+    std::int64_t M, N, K;
+  };
+  static GemmShape check_gemm(const GemmArgs& g) {
     const Format fx = format_of(g.x, "fp8 gemm x"), fy = format_of(g.y, "fp8 gemm y");
     KILN_CHECK(fx == Format::e4m3 || fy == Format::e4m3, "fp8 gemm: E5M2 x E5M2 products are not supported");
     KILN_CHECK(g.x.ndim() == 2 && g.y.ndim() == 2 && g.x.size(1) == g.y.size(1), "fp8 gemm: x ", g.x.str(), " and y ",
@@ -201,9 +233,17 @@ class CpuOps final : public Fp8Ops {
     KILN_CHECK(!g.accumulate || g.f32_result, "fp8 gemm: accumulating needs an f32 result");
     KILN_CHECK(!g.f32_result || g.epilogue == ops::Epilogue::none, "fp8 gemm: epilogues write activations, not f32 results");
     if (g.bias) KILN_CHECK(g.bias.dtype == DType::f32 && g.bias.numel() == N, "fp8 gemm: bias ", g.bias.str());
-    const bool uses_aux = g.epilogue == ops::Epilogue::gelu || g.epilogue == ops::Epilogue::dgelu;
-    if (uses_aux)
+    if (g.epilogue == ops::Epilogue::gelu || g.epilogue == ops::Epilogue::dgelu)
       KILN_CHECK(g.aux.dtype == DType::f32 && g.aux.shape == Shape({M, N}), "fp8 gemm: aux ", g.aux.str());
+    KILN_CHECK((g.x_mode == ScalingMode::per_tensor) == (g.y_mode == ScalingMode::per_tensor),
+               "fp8 gemm: both operands block-scaled, or neither");
+    return {fx, fy, M, N, K};
+  }
+
+  void gemm(const GemmArgs& g) override {
+    if (g.x_mode != ScalingMode::per_tensor) return block_gemm(g);
+    const auto [fx, fy, M, N, K] = check_gemm(g);
+    const bool uses_aux = g.epilogue == ops::Epilogue::gelu || g.epilogue == ops::Epilogue::dgelu;
     const std::vector<float> xd = dequantized(g.x, fx, *g.x_scale_inv);
     const std::vector<float> yd = dequantized(g.y, fy, *g.y_scale_inv);
     float* d = g.d.as<float>();
@@ -230,6 +270,34 @@ class CpuOps final : public Fp8Ops {
         }
       }
     }
+  }
+
+  // A block-scaled product (kiln/fp8/block.hpp's reference), then written, stored or accumulated.
+  void block_gemm(const GemmArgs& g) {
+    const auto [fx, fy, M, N, K] = check_gemm(g);
+    const bool uses_aux = g.epilogue == ops::Epilogue::gelu || g.epilogue == ops::Epilogue::dgelu;
+    std::vector<float> r(static_cast<std::size_t>(M * N));
+    block_gemm_reference(g.x.as<std::uint8_t>(), fx, g.x_scale_inv, g.x_mode, g.y.as<std::uint8_t>(), fy,
+                         g.y_scale_inv, g.y_mode, M, N, K, r.data(), threads_);
+    // The epilogue after the product, as the CUDA side runs it (a separate kernel on the stored
+    // product: bias and GELU on the act-rounded value).
+    float* d = g.d.as<float>();
+    const float* bias = (g.epilogue == ops::Epilogue::bias || g.epilogue == ops::Epilogue::gelu) && g.bias ? g.bias.as<float>() : nullptr;
+    float* aux = uses_aux ? g.aux.as<float>() : nullptr;
+    for (std::int64_t m = 0; m < M; ++m)
+      for (std::int64_t n = 0; n < N; ++n) {
+        const std::int64_t i = m * N + n;
+        const float v = r[static_cast<std::size_t>(i)];
+        switch (g.epilogue) {
+          case ops::Epilogue::none: d[i] = g.accumulate ? d[i] + v : g.f32_result ? v : store(v); break;
+          case ops::Epilogue::bias: d[i] = store(store(v) + (bias ? bias[n] : 0.0f)); break;
+          case ops::Epilogue::gelu:
+            aux[i] = bias ? store(store(v) + bias[n]) : store(v);
+            d[i] = store(ops::gelu(aux[i]));
+            break;
+          case ops::Epilogue::dgelu: d[i] = store(store(v) * ops::gelu_grad(aux[i])); break;
+        }
+      }
   }
 
   void bias_grad(const TensorView& dbias, const TensorView& dy) override {

@@ -176,6 +176,28 @@ class CudaOps final : public Fp8Ops {
     grouped_cast(k, cuda::grouped_cast_plan(a.offsets_host, a.experts, 0, load_cols), C, a.out, a.amax, true);
   }
 
+  void quantize_blocks(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
+                       bool pow2) override {
+    check_input(x, "fp8 quantize_blocks x");
+    KILN_CHECK(x.ndim() == 2 && codes.shape == x.shape && codes.contiguous() && codes.device == Device::cuda &&
+                   (codes.dtype == DType::e4m3 || codes.dtype == DType::e5m2),
+               "fp8 quantize_blocks: codes ", codes.str(), " for x ", x.str());
+    KILN_CHECK(scale_inv, "fp8 quantize_blocks: no scales");
+    cuda::quantize_blocks(x.data, x.dtype, codes.as<std::uint8_t>(), scale_inv, {mode, x.size(0), x.size(1)},
+                          codes.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2, pow2, false, stream_);
+  }
+
+  void quantize_blocks_transposed(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
+                                  bool pow2) override {
+    check_input(x, "fp8 quantize_blocks_transposed x");
+    KILN_CHECK(x.ndim() == 2 && codes.shape == Shape({x.size(1), x.size(0)}) && codes.contiguous() &&
+                   codes.device == Device::cuda && (codes.dtype == DType::e4m3 || codes.dtype == DType::e5m2),
+               "fp8 quantize_blocks_transposed: codes ", codes.str(), " for the transpose of x ", x.str());
+    KILN_CHECK(scale_inv, "fp8 quantize_blocks_transposed: no scales");
+    cuda::quantize_blocks(x.data, x.dtype, codes.as<std::uint8_t>(), scale_inv, {mode, x.size(1), x.size(0)},
+                          codes.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2, pow2, true, stream_);
+  }
+
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
     check_input(x, "fp8 quantize x");
     KILN_CHECK(x.ndim() == 2 || x.ndim() == 3, "fp8 quantize: x must be [rows, cols] or [batch, rows, cols], got ",

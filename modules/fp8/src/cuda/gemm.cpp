@@ -20,7 +20,9 @@ using ops::Epilogue;
 namespace {
 
 std::string describe(const GemmArgs& g) {
-  return cat("FP8 GEMM D", g.d.str(), " = X", g.x.str(), " @ Y", g.y.str(), "^T", g.accumulate ? " (accumulate)" : "",
+  const char* modes[] = {"", " (1x128 blocks)", " (128x128 blocks)"};
+  return cat("FP8 GEMM D", g.d.str(), " = X", g.x.str(), modes[static_cast<int>(g.x_mode)], " @ Y", g.y.str(), "^T",
+             modes[static_cast<int>(g.y_mode)], g.accumulate ? " (accumulate)" : "",
              ", epilogue ", ops::name_of(g.epilogue), g.bias ? " with bias" : "", g.fast_accum ? ", fast accumulation" : "");
 }
 
@@ -35,6 +37,14 @@ cudaDataType_t lt_type(DType t) {
 }
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
+
+std::int32_t lt_scale_mode(ScalingMode m) {
+  switch (m) {
+    case ScalingMode::block_1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case ScalingMode::block_128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    default: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  }
+}
 
 // A product's M, N, K.
 struct Dims {
@@ -68,15 +78,17 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
                 static_cast<int>(g.d.dtype),
                 g.accumulate,
                 static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0),
-                g.fast_accum};
+                g.fast_accum,
+                static_cast<int>(g.x_mode) | static_cast<int>(g.y_mode) << 4};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
 
   auto p = std::make_unique<Plan>();
+  // Block-scaled products have no fused epilogue on Hopper: the product, then the epilogue kernel.
   // cuBLASLt's FP8 kernels with the DGELU epilogue run at 190-350 TFLOP/s on an H200 against
   // 1,090-1,480 for the same GEMM without it (bench_fp8, FC2's data gradient of GPT-2 124M and
   // 1.3B): the plain GEMM and a separate dGELU kernel are 2.5-4x faster, so that epilogue is never
   // fused here. (bf16 GEMMs keep it fused: there the fused kernel wins.)
-  if (g.epilogue == Epilogue::dgelu) {
+  if (g.epilogue == Epilogue::dgelu || (g.x_mode != ScalingMode::per_tensor && g.epilogue != Epilogue::none)) {
     p->fused = false;
     return *plans_.emplace(key, std::move(p)).first->second;
   }
@@ -87,6 +99,10 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
   // Real device pointers for the heuristic; run() sets the operands' own scale_inv.
   set_attr(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(one_.data()));
   set_attr(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(one_.data()));
+  if (g.x_mode != ScalingMode::per_tensor) {
+    set_attr(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, lt_scale_mode(g.y_mode));
+    set_attr(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, lt_scale_mode(g.x_mode));
+  }
   set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g.epilogue, static_cast<bool>(g.bias)));
   // Bias and aux take D's type (bf16) by default, which is what kiln stores; the pointers shown
   // to the heuristic are placeholders with the alignment of the real ones (256 bytes).
@@ -143,6 +159,12 @@ void Fp8GemmRunner::validate(const GemmArgs& g) {
   // cuBLASLt refuses scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED).
   KILN_CHECK(aligned16(g.x_scale_inv) && aligned16(g.y_scale_inv), describe(g),
              ": the operand scale pointers must be 16-byte aligned");
+  const bool block_x = g.x_mode != ScalingMode::per_tensor, block_y = g.y_mode != ScalingMode::per_tensor;
+  KILN_CHECK(block_x == block_y, describe(g), ": both operands block-scaled, or neither");
+  KILN_CHECK(!block_x || !g.fast_accum, describe(g), ": a block-scaled product takes no fast accumulation");
+  // cuBLASLt (13.0, H100) has no algorithm for 1x128-scaled rows that are not a multiple of 4.
+  KILN_CHECK(g.x_mode != ScalingMode::block_1x128 || M % 4 == 0, describe(g),
+             ": 1x128 block scaling needs X's rows (M) to be a multiple of 4");
   if (g.bias)
     KILN_CHECK(g.bias.dtype == DType::bf16 && g.bias.numel() == N && g.bias.device == Device::cuda, describe(g), ": bias ",
                g.bias.str());
@@ -212,6 +234,7 @@ void Fp8GemmRunner::run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLane
   for (const GemmArgs& g : gs) {
     validate(g);
     KILN_CHECK(g.epilogue == Epilogue::none && !g.bias, describe(g), ": a grouped FP8 GEMM takes no epilogue");
+    KILN_CHECK(g.x_mode == ScalingMode::per_tensor, describe(g), ": grouped FP8 GEMMs are per-tensor scaled");
     jobs += g.x.size(0) > 0 && g.y.size(0) > 0 ? 1 : 0;
   }
   const int n = kiln::cuda::LtLanes::lanes_for(jobs);

@@ -16,11 +16,15 @@
 // the same way (Fp8GroupedLinear::update_weight: all experts in one pass) where the masters are not
 // sharded, marked in Phase::setup once that is known.
 // Anything else that changes the weights (a checkpoint load) calls Fp8State::invalidate_weights().
+// fp8.recipe = block attaches Fp8BlockLinear layers instead (no meta, no amax systems, nothing in
+// checkpoints; the weights' copies are made from the compute copy once per version; a mixture of
+// experts' grouped linears stay bf16 under it so far).
 #include <memory>
 #include <vector>
 
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
+#include "kiln/fp8/block_linear.hpp"
 #include "kiln/fp8/grouped_linear.hpp"
 #include "kiln/fp8/linear.hpp"
 #include "kiln/fp8/meta.hpp"
@@ -46,6 +50,7 @@ struct Fp8Config {
   bool forward_fast_accum = true;
   bool weights_in_compute_copy = true;
   bool fuse_weight_update = true;
+  bool block_pow2_scales = false;
   void validate(config::Checks& c) const {
     c.expect(amax_history_len >= 1, "amax_history_len", "must be at least 1");
     c.expect(margin >= 0 && margin <= 100, "margin", "must be in 0..100");
@@ -53,7 +58,8 @@ struct Fp8Config {
 };
 KILN_CONFIG(Fp8Config,
             (enabled, "run the linear layers' GEMMs in FP8 (false: the module installs nothing)"),
-            (recipe, "scaling recipe: delayed (amax history) or current (amax of the tensor itself)"),
+            (recipe, "scaling recipe: delayed (amax history), current (amax of the tensor itself) or block (a scale "
+                     "per 1x128 block of activations and gradients, per 128x128 block of weights)"),
             (amax_history_len, "delayed scaling: steps of amax history per tensor"),
             (amax_compute_algo, "delayed scaling: amax from the history's max or its most_recent entry"),
             (margin, "scale = fp8_max / amax / 2^margin"),
@@ -67,7 +73,8 @@ KILN_CONFIG(Fp8Config,
              "copy, which nothing else reads (false: extra buffers, made from the compute copy)"),
             (fuse_weight_update,
              "with delayed scaling and weights_in_compute_copy: the optimizer's AdamW step of an FP8 layer's weight "
-             "writes its FP8 copies in the same pass (false: the next forward quantises the updated master again)"))
+             "writes its FP8 copies in the same pass (false: the next forward quantises the updated master again)"),
+            (block_pow2_scales, "block recipe: round each block's scale down to a power of two (TransformerEngine's option)"))
 
 // World resource: this rank's FP8 machinery.
 struct Fp8State {
@@ -79,6 +86,7 @@ struct Fp8State {
   std::vector<std::unique_ptr<Fp8Linear>> linears;   // their layers, same order
   std::vector<Entity> grouped_entities;              // the FP8 GroupedLinear entities (a mixture of experts')
   std::vector<std::unique_ptr<Fp8GroupedLinear>> grouped;  // their layers, same order
+  std::vector<std::unique_ptr<Fp8BlockLinear>> block_linears;  // fp8.recipe = block: the layers (entities' order)
   std::int64_t grouped_version = 0;                  // their weights' version: every optimizer step bumps it once
   std::vector<std::size_t> grouped_fused;            // grouped linears whose weight update is fused
   std::int64_t grouped_update_step = -1;             // the step whose optimizer update of them ran fused

@@ -12,6 +12,7 @@
 #include <span>
 #include <variant>
 
+#include "kiln/fp8/block.hpp"
 #include "kiln/fp8/recipe.hpp"
 #include "kiln/fp8/tensor.hpp"
 #include "kiln/ops/backend.hpp"
@@ -37,6 +38,10 @@ struct GemmArgs {
   TensorView aux;                       // [M, N] act: gelu (written) and dgelu (read)
   bool fast_accum = false;              // FP8 fast accumulation (forward only)
   const char* what = "fp8_gemm";        // the name profiling reports it under
+  // Block scaling (kiln/fp8/block.hpp): x_scale_inv / y_scale_inv are then the operands' block
+  // scales in BlockLayout{mode, rows, K}. Block-scaled products take no fast accumulation, and
+  // their epilogues run after the product (cuBLASLt has neither fused for them on Hopper).
+  ScalingMode x_mode = ScalingMode::per_tensor, y_mode = ScalingMode::per_tensor;
 };
 
 // The delayed-scaling update of every slot at once: per slot i,
@@ -151,6 +156,16 @@ class Fp8Ops {
   // transposed on its own: a mixture of experts' stacked weights).
   virtual void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) = 0;
   virtual void quantize_grouped(const GroupedQuantizeArgs& a) = 0;
+  // Block quantisation (kiln/fp8/block.hpp): x [rows, cols] (act or f32) into codes [rows, cols]
+  // (e4m3 or e5m2: the format) and scale_inv (BlockLayout{mode, rows, cols}.count() floats), each
+  // 1x128 or 128x128 block with its own scale (rounded down to a power of two with pow2).
+  virtual void quantize_blocks(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
+                               bool pow2) = 0;
+  // The same of x's transpose: codes [cols, rows] and scale_inv in BlockLayout{mode, cols, rows}
+  // (the colwise operand of a weight or data gradient; 128x128 tiles of the transpose are the
+  // transposed tiles of x, so their scales are the same values transposed).
+  virtual void quantize_blocks_transposed(const TensorView& x, const TensorView& codes, float* scale_inv,
+                                          ScalingMode mode, bool pow2) = 0;
   // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
   virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_gelu(const TensorView& pre, float* amax) = 0;

@@ -4,6 +4,8 @@
 //    quantised with a scale computed from that history (fp8_max / amax / 2^margin), and its amax
 //    of this step is recorded for the next update, which runs once per step.
 //  - current: the amax of the tensor is computed when it is quantised and used at once.
+//  - block: a scale per 1x128 block of activations and gradients and per 128x128 block of weights,
+//    from each block's own amax (block.hpp, Fp8BlockLinear): no history, no per-tensor state.
 // Which format each tensor gets: "hybrid" uses E4M3 for activations and weights (forward) and
 // E5M2 for gradients (backward); "e4m3" uses E4M3 everywhere.
 #include <boost/describe/enum.hpp>
@@ -13,8 +15,8 @@
 
 namespace kiln::fp8 {
 
-enum class RecipeKind { delayed, current };
-BOOST_DESCRIBE_ENUM(RecipeKind, delayed, current)
+enum class RecipeKind { delayed, current, block };
+BOOST_DESCRIBE_ENUM(RecipeKind, delayed, current, block)
 
 enum class AmaxAlgo { max, most_recent };
 BOOST_DESCRIBE_ENUM(AmaxAlgo, max, most_recent)

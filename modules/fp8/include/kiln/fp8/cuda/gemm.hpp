@@ -19,6 +19,10 @@
 //
 // M (the rows of X and D) may be any count; N and K must be multiples of 16 (Hopper's FP8 kernels
 // want 16-byte aligned columns of both operands).
+//
+// Block-scaled products (GemmArgs::x_mode / y_mode, kiln/fp8/block.hpp) set cuBLASLt's
+// A_SCALE_MODE (Y's) and B_SCALE_MODE (X's) to VEC128_32F (1x128) or BLK128x128_32F (128x128), the
+// scale pointers to the block scales; no fast accumulation, the epilogue as a kernel after it.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -50,8 +54,9 @@ class Fp8GemmRunner {
   static void validate(const GemmArgs& g);
   void run_ragged(const GemmArgs& g, cudaStream_t stream, void* workspace);
   struct Plan;
-  // M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, int, int, int, bool, int, bool>;
+  // M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation,
+  // x scaling mode | y scaling mode << 4
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, int, int, int, bool, int, bool, int>;
   Plan& plan(const GemmArgs& g);
   cublasLtHandle_t handle_;
   void* workspace_;

@@ -21,6 +21,12 @@ namespace kiln::fp8::cuda {
 void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
                     const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
+// Block quantisation (kiln/fp8/block.hpp): x [layout.rows, layout.cols] (bf16 or f32) into codes
+// and scale_inv, bit for bit as quantize_blocks_reference; with `transposed`, x [layout.cols,
+// layout.rows] into the codes and scales of its transpose (layout is the transpose's).
+void quantize_blocks(const void* x, DType x_dtype, std::uint8_t* codes, float* scale_inv, const BlockLayout& layout,
+                     Format f, bool pow2, bool transposed, cudaStream_t s);
+
 // cast_transpose of act(gelu(pre)) (bf16 pre), the GELU computed on load; with neither copy, the
 // amax alone (scale must still point to a float).
 void cast_transpose_gelu(const __nv_bfloat16* pre, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
