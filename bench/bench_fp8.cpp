@@ -342,18 +342,28 @@ void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, st
     std::printf("%-30s %-22s %11.1f %11.1f %11.1f %7.2fx\n", sh.what.c_str(), mnk(M, N, K).c_str(),
                 flops / (t_ms * 1e-3) / 1e12, flops / (fast_ms * 1e-3) / 1e12, flops / (b_ms * 1e-3) / 1e12, t_ms / b_ms);
   }
-  std::printf("\n%-40s %-14s %9s %9s\n", "block quantisation (bf16 in)", "shape", "ms", "GB/s");
+  std::printf("\n%-40s %-14s %9s %9s\n", "block quantisation (bf16 in; GB/s read + written)", "shape", "ms", "GB/s");
   for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{8192, 2048}, {8192, 8192}, {2048, 8192}}) {
-    Buffer x = bf16_buffer(R * C, 1.0f, s), q(Device::cuda, static_cast<std::size_t>(R * C));
+    Buffer x = bf16_buffer(R * C, 1.0f, s), q(Device::cuda, static_cast<std::size_t>(R * C)),
+           qt(Device::cuda, static_cast<std::size_t>(R * C));
     for (auto mode : {fp8::ScalingMode::block_1x128, fp8::ScalingMode::block_128x128}) {
       const fp8::BlockLayout l{mode, R, C};
-      Buffer sc(Device::cuda, static_cast<std::size_t>(l.count()) * 4 + 256);
-      const double ms = timer.median_ms([&] {
-        fp8::cuda::quantize_blocks(x.data(), DType::bf16, static_cast<std::uint8_t*>(q.data()),
-                                   static_cast<float*>(sc.data()), l, fp8::Format::e4m3, false, false, s);
-      });
-      std::printf("%-40s %-14s %9.4f %9.1f\n", mode == fp8::ScalingMode::block_1x128 ? "1x128 -> e4m3" : "128x128 -> e4m3",
-                  dims(R, C).c_str(), ms, 3.0 * R * C / (ms * 1e-3) / 1e9);
+      Buffer sc(Device::cuda, static_cast<std::size_t>(l.count()) * 4 + 256),
+          sct(Device::cuda, static_cast<std::size_t>(fp8::BlockLayout{mode, C, R}.count()) * 4 + 256);
+      for (int copies : {1, 3}) {  // rowwise; both
+        fp8::cuda::BlockCast k{x.data(), DType::bf16, R, C, mode};
+        k.rowwise = static_cast<std::uint8_t*>(q.data());
+        k.row_scale_inv = static_cast<float*>(sc.data());
+        if (copies == 3) {
+          k.colwise = static_cast<std::uint8_t*>(qt.data());
+          k.col_scale_inv = static_cast<float*>(sct.data());
+        }
+        const double ms = timer.median_ms([&] { fp8::cuda::quantize_blocks(k, s); });
+        const std::string what = std::string(mode == fp8::ScalingMode::block_1x128 ? "1x128" : "128x128") +
+                                 (copies == 3 ? " -> e4m3 both" : " -> e4m3 rowwise");
+        std::printf("%-40s %-14s %9.4f %9.1f\n", what.c_str(), dims(R, C).c_str(), ms,
+                    (2.0 + (copies == 3 ? 2.0 : 1.0)) * R * C / (ms * 1e-3) / 1e9);
+      }
     }
   }
 }

@@ -5,23 +5,44 @@
 # go side by side on GPUs 0-2 while GPU 3 takes per-op profiles of FP8 steps; with fewer, one after
 # another; SUITE=1 puts `bench/gpu_suite.sh BUILD fp8` on GPU 3 instead (logs under $OUT/suite). Plot locally: kiln plot $OUT/numerics-bf16.jsonl=bf16 ... -o docs/fp8-loss.svg
 # usage: bash bench/gpu_numerics.sh BUILD_DIR [STEPS]
+# RUNS="bf16 fp8-block ..." picks the runs (one after another on fewer than four GPUs; default the
+# three above; fp8-block is issue 29's block scaling); MODEL=llama1b runs pipelines/llama-1b.toml on
+# the Brown GPT-2 BPE tokens (data/brown-gpt2, carried) instead, metrics to $OUT/numerics-llama1b-*.jsonl.
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-2000}
+RUNS=${RUNS:-"bf16 fp8-delayed fp8-current"}
+MODEL=${MODEL:-124m}
+PIPE=pipelines/gpt2-124m.toml
+PREFIX=numerics
+if [ "$MODEL" = llama1b ]; then PIPE=pipelines/llama-1b.toml; PREFIX=numerics-llama1b; fi
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0
 K="$B/bin/kiln"
 ngpu=$(nvidia-smi -L | wc -l)
-[ -f data/brown/train_000000.bin ] || { echo "data/brown missing: carry it"; exit 1; }
+data=data/brown
+[ "$MODEL" = llama1b ] && data=data/brown-gpt2
+[ -f $data/train_000000.bin ] || { echo "$data missing: carry it"; exit 1; }
 # run NAME GPU ARGS...
 run() {
   local name=$1 gpu=$2
   shift 2
-  CUDA_VISIBLE_DEVICES=$gpu timeout 560 "$K" run pipelines/gpt2-124m.toml --set train.steps="$STEPS" \
-    --set log.every=50 --set log.val_every=100 --set log.metrics="$OUT/numerics-$name.jsonl" "$@" > "$OUT/numerics-$name.log" 2>&1
-  echo "$name rc=$?" >> "$OUT/numerics-$name.log"
+  CUDA_VISIBLE_DEVICES=$gpu timeout 560 "$K" run "$PIPE" --set train.steps="$STEPS" \
+    --set log.every=50 --set log.val_every=100 --set log.metrics="$OUT/$PREFIX-$name.jsonl" "$@" > "$OUT/$PREFIX-$name.log" 2>&1
+  echo "$name rc=$?" >> "$OUT/$PREFIX-$name.log"
+}
+# The arguments of each named run.
+args_of() {
+  case $1 in
+    bf16) ;;
+    fp8-delayed) echo --set fp8.enabled=true ;;
+    fp8-current) echo --set fp8.enabled=true --set fp8.recipe=current ;;
+    fp8-block) echo --set fp8.enabled=true --set fp8.recipe=block ;;
+    fp8-block-e4m3) echo --set fp8.enabled=true --set fp8.recipe=block --set fp8.format=e4m3 ;;
+    *) echo "unknown run $1" >&2; exit 2 ;;
+  esac
 }
 profile() {  # NAME GPU PIPELINE ARGS...
   local name=$1 gpu=$2 pipe=$3
@@ -44,24 +65,23 @@ if [ "$ngpu" -ge 4 ]; then
   fi
   wait
 else
-  run bf16 0
-  run fp8-delayed 0 --set fp8.enabled=true
-  run fp8-current 0 --set fp8.enabled=true --set fp8.recipe=current
+  # shellcheck disable=SC2046
+  for r in $RUNS; do run "$r" 0 $(args_of "$r"); done
 fi
 echo "all runs: $(( $(date +%s) - t0 )) s"
-for f in "$OUT"/numerics-*.log "$OUT"/profile-*.log; do
+for f in "$OUT"/$PREFIX-*.log "$OUT"/profile-*.log; do
   [ -f "$f" ] || continue
   echo "===== $(basename "$f")"
   cat "$f"
-done > "$OUT/numerics-logs.txt"
-rm -f "$OUT"/numerics-*.log "$OUT"/profile-*.log "$OUT"/profile-*.jsonl  # the device returns few files
-python3 - "$OUT" <<'PY'
+done > "$OUT/$PREFIX-logs.txt"
+rm -f "$OUT"/$PREFIX-*.log "$OUT"/profile-*.log "$OUT"/profile-*.jsonl  # the device returns few files
+python3 - "$OUT" "$PREFIX" $RUNS <<'PY'
 import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
-print(f"{'run':<14} {'steps':>5} {'final loss':>10} {'final val':>10} {'vs bf16':>8} {'median tok/s':>12}")
+out, prefix, runs = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+print(f"{'run':<14} {'steps':>5} {'final loss':>10} {'final val':>10} {'vs first':>8} {'median tok/s':>12}")
 base = None
-for name in ["bf16", "fp8-delayed", "fp8-current"]:
-    p = out / f"numerics-{name}.jsonl"
+for name in runs:
+    p = out / f"{prefix}-{name}.jsonl"
     if not p.exists():
         print(f"{name:<14} missing"); continue
     rows = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]

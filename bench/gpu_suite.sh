@@ -90,6 +90,9 @@ if [ "$MODE" != "tests" ]; then
     train llama-1b-bf16 pipelines/llama-1b.toml 30
     train llama-1b-current pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=current
     train llama-1b-block pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=block
+    # The same machine's PyTorch bf16 reference (torch.compile'd Llama 1B, bench/torch_llama.py).
+    timeout 300 python3 bench/torch_llama.py --batch 4 --steps 30 --out "$OUT/torch-llama.json" > "$OUT/torch-llama.log" 2>&1
+    note "torch llama-1b bf16 rc=$? $(cat "$OUT/torch-llama.json" 2>/dev/null)"
   elif [ "$MODE" = "fp8" ]; then
     train gpt2-124m pipelines/gpt2-124m.toml 60 --set fp8.enabled=true
     train gpt2-124m-current pipelines/gpt2-124m.toml 60 --set fp8.enabled=true --set fp8.recipe=current

@@ -8,6 +8,7 @@
 
 #include "fp8_test_util.hpp"
 #include "kiln/fp8/block.hpp"
+#include "kiln/fp8/block_linear.hpp"
 #include "kiln/fp8/ops.hpp"
 
 using namespace kiln;
@@ -37,8 +38,8 @@ Quantized quantize(Fp8Ops& ops, const std::vector<float>& x, std::int64_t R, std
   Quantized q{std::vector<std::uint8_t>(x.size()), {}, {mode, R, C}, f};
   q.scale_inv.assign(static_cast<std::size_t>(q.layout.count()), -1.0f);
   auto in = x;
-  ops.quantize_blocks(TensorView(in.data(), {R, C}, DType::f32, Device::cpu),
-                      TensorView(q.codes.data(), {R, C}, dtype_of(f), Device::cpu), q.scale_inv.data(), mode, pow2);
+  ops.quantize_blocks({TensorView(in.data(), {R, C}, DType::f32, Device::cpu), mode, pow2,
+                       TensorView(q.codes.data(), {R, C}, dtype_of(f), Device::cpu), q.scale_inv.data()});
   return q;
 }
 
@@ -98,6 +99,30 @@ TEST_CASE("block quantisation: each block's amax reaches the format's maximum, p
       if (mode == ScalingMode::block_1x128) CHECK(zero_block == 1.0f);
       else CHECK(zero_block != 1.0f);  // row 128 of the same tile is not zero
     }
+}
+
+TEST_CASE("the transpose's blocks in the same pass equal quantising the transpose (128x128: the same scales)") {
+  auto cpu = make_cpu_ops({.threads = 1});
+  const std::int64_t R = 200, C = 300;
+  const auto x = test::normal_values(static_cast<std::size_t>(R * C), 9);
+  const auto xt = test::transpose(x, static_cast<int>(R), static_cast<int>(C));
+  for (auto mode : {ScalingMode::block_1x128, ScalingMode::block_128x128}) {
+    const Quantized want = quantize(*cpu, xt, C, R, mode), rows = quantize(*cpu, x, R, C, mode);
+    std::vector<std::uint8_t> codes(x.size()), rcodes(x.size());
+    std::vector<float> scales(want.scale_inv.size(), -1.0f), rscales(rows.scale_inv.size(), -1.0f);
+    auto in = x;
+    cpu->quantize_blocks({TensorView(in.data(), {R, C}, DType::f32, Device::cpu), mode, false,
+                          TensorView(rcodes.data(), {R, C}, DType::e4m3, Device::cpu), rscales.data(),
+                          TensorView(codes.data(), {C, R}, DType::e4m3, Device::cpu), scales.data()});
+    CHECK(codes == want.codes);
+    CHECK(test::same_bits(scales, want.scale_inv));
+    CHECK(rcodes == rows.codes);
+    if (mode == ScalingMode::block_128x128)  // tile (rb, cb) of x is tile (cb, rb) of the transpose
+      for (std::int64_t r = 0; r < R; r += kBlock)
+        for (std::int64_t c = 0; c < C; c += kBlock)
+          CHECK(rows.scale_inv[static_cast<std::size_t>(rows.layout.index(r, c))] ==
+                want.scale_inv[static_cast<std::size_t>(want.layout.index(c, r))]);
+  }
 }
 
 TEST_CASE("power-of-two block scales are powers of two at or below the exact scale") {
@@ -184,4 +209,40 @@ TEST_CASE("an outlier costs its own block: block scaling keeps small values that
   INFO("relative error outside the outlier's block: per tensor " << e_tensor << ", 1x128 blocks " << e_block);
   CHECK(e_tensor > 0.3);
   CHECK(e_block < 0.04);
+}
+
+TEST_CASE("a block-scaled FP8 linear layer computes out, dx, dweight and dbias as the exact products within FP8's error") {
+  auto cpu = make_cpu_ops({.threads = 2});
+  fp8::Fp8Workspace ws(*cpu);
+  fp8::Fp8BlockLinear lin(*cpu, ws, {}, "test");
+  const int N = 200, IC = 300, OC = 136;
+  auto x = test::normal_values(static_cast<std::size_t>(N * IC), 1), w = test::normal_values(static_cast<std::size_t>(OC * IC), 2, 0.05f),
+       b = test::normal_values(static_cast<std::size_t>(OC), 3), dout = test::normal_values(static_cast<std::size_t>(N * OC), 4, 1e-3f);
+  std::vector<float> out(static_cast<std::size_t>(N * OC)), dx(static_cast<std::size_t>(N * IC)),
+      dw(static_cast<std::size_t>(OC * IC), 0.5f), db(static_cast<std::size_t>(OC), 0.25f);
+  auto view = [](std::vector<float>& v, std::int64_t r, std::int64_t c) { return TensorView(v.data(), {r, c}, DType::f32, Device::cpu); };
+  ops::LinearForward f{view(out, N, OC), {}, view(x, N, IC), view(w, OC, IC), TensorView(b.data(), {OC}, DType::f32, Device::cpu)};
+  lin.forward(f, 1);
+  ops::LinearBackward bw{view(dx, N, IC), view(dw, OC, IC), TensorView(db.data(), {OC}, DType::f32, Device::cpu),
+                         view(dout, N, OC), view(x, N, IC), view(w, OC, IC)};
+  lin.backward(bw);
+  // References in double: out = x W^T + b, dx = dout W, dW = 0.5 + dout^T x, db = 0.25 + column sums of dout.
+  auto want_out = test::matmul_nt(x, w, N, OC, IC);
+  for (int n = 0; n < N; ++n)
+    for (int o = 0; o < OC; ++o) want_out[static_cast<std::size_t>(n * OC + o)] += b[static_cast<std::size_t>(o)];
+  const auto want_dx = test::matmul_nt(dout, test::transpose(w, OC, IC), N, IC, OC);
+  auto want_dw = test::matmul_nt(test::transpose(dout, N, OC), test::transpose(x, N, IC), OC, IC, N);
+  for (auto& v : want_dw) v += 0.5f;
+  std::vector<float> want_db(static_cast<std::size_t>(OC), 0.25f);
+  for (int n = 0; n < N; ++n)
+    for (int o = 0; o < OC; ++o) want_db[static_cast<std::size_t>(o)] += dout[static_cast<std::size_t>(n * OC + o)];
+  auto minus = [](std::vector<float> v, float c) { for (auto& e : v) e -= c; return v; };
+  const double e_out = test::rel_error(out, want_out), e_dx = test::rel_error(dx, want_dx),
+               e_dw = test::rel_error(minus(dw, 0.5f), minus(want_dw, 0.5f)), e_db = test::rel_error(db, want_db);
+  MESSAGE("relative errors: out " << e_out << ", dx " << e_dx << ", dweight " << e_dw << ", dbias " << e_db);
+  // E4M3 keeps 3 mantissa bits: each operand ~2.5% relative rounding, products of K terms average it down.
+  CHECK(e_out < 0.05);
+  CHECK(e_dx < 0.05);
+  CHECK(e_dw < 0.05);
+  CHECK(e_db < 1e-6);
 }

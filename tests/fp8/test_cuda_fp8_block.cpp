@@ -85,30 +85,37 @@ TEST_CASE("CUDA block quantisation (1x128, 128x128, and of the transpose) matche
             xb[i] = float_to_bf16_bits(x[i]);
             if (dt == DType::bf16) x[i] = bf16_bits_to_float(xb[i]);  // what the CPU sees of the bf16 input
           }
-          const BlockLayout l{mode, R, C};
-          std::vector<std::uint8_t> cc(x.size());
-          std::vector<float> cs(static_cast<std::size_t>(l.count()), -1.0f);
-          cpu->quantize_blocks(TensorView(x.data(), {R, C}, DType::f32, Device::cpu),
-                               TensorView(cc.data(), {R, C}, dtype_of(f), Device::cpu), cs.data(), mode, pow2);
-          Buffer dx = dt == DType::bf16 ? to_device(xb) : to_device(x), dc(Device::cuda, x.size() + 256);
-          Buffer ds = to_device(std::vector<float>(cs.size(), -1.0f));
-          gpu->quantize_blocks(TensorView(dx.data(), {R, C}, dt, Device::cuda),
-                               TensorView(dc.data(), {R, C}, dtype_of(f), Device::cuda), static_cast<float*>(ds.data()),
-                               mode, pow2);
-          CHECK(to_host<std::uint8_t>(dc.data(), cc.size()) == cc);
-          CHECK(test::same_bits(to_host<float>(ds.data(), cs.size()), cs));
-          // The transpose's blocks (the colwise operands), from the same input.
-          const BlockLayout tl{mode, C, R};
-          std::vector<std::uint8_t> tc(x.size());
-          std::vector<float> ts(static_cast<std::size_t>(tl.count()), -1.0f);
-          cpu->quantize_blocks_transposed(TensorView(x.data(), {R, C}, DType::f32, Device::cpu),
-                                          TensorView(tc.data(), {C, R}, dtype_of(f), Device::cpu), ts.data(), mode, pow2);
-          Buffer dts = to_device(std::vector<float>(ts.size(), -1.0f));
-          gpu->quantize_blocks_transposed(TensorView(dx.data(), {R, C}, dt, Device::cuda),
-                                          TensorView(dc.data(), {C, R}, dtype_of(f), Device::cuda),
-                                          static_cast<float*>(dts.data()), mode, pow2);
-          CHECK(to_host<std::uint8_t>(dc.data(), tc.size()) == tc);
-          CHECK(test::same_bits(to_host<float>(dts.data(), ts.size()), ts));
+          const BlockLayout l{mode, R, C}, tl{mode, C, R};
+          std::vector<std::uint8_t> cc(x.size()), tc(x.size());
+          std::vector<float> cs(static_cast<std::size_t>(l.count()), -1.0f), ts(static_cast<std::size_t>(tl.count()), -1.0f);
+          cpu->quantize_blocks({TensorView(x.data(), {R, C}, DType::f32, Device::cpu), mode, pow2,
+                                TensorView(cc.data(), {R, C}, dtype_of(f), Device::cpu), cs.data(),
+                                TensorView(tc.data(), {C, R}, dtype_of(f), Device::cpu), ts.data()});
+          Buffer dx = dt == DType::bf16 ? to_device(xb) : to_device(x);
+          // Each copy alone, then both in one pass.
+          for (int copies : {1, 2, 3}) {
+            CAPTURE(copies);
+            Buffer dc(Device::cuda, x.size() + 256), dt_(Device::cuda, x.size() + 256);
+            Buffer ds = to_device(std::vector<float>(cs.size(), -1.0f)), dts = to_device(std::vector<float>(ts.size(), -1.0f));
+            BlockQuantizeArgs a{TensorView(dx.data(), {R, C}, dt, Device::cuda), mode, pow2};
+            if (copies & 1) {
+              a.rowwise = TensorView(dc.data(), {R, C}, dtype_of(f), Device::cuda);
+              a.row_scale_inv = static_cast<float*>(ds.data());
+            }
+            if (copies & 2) {
+              a.colwise = TensorView(dt_.data(), {C, R}, dtype_of(f), Device::cuda);
+              a.col_scale_inv = static_cast<float*>(dts.data());
+            }
+            gpu->quantize_blocks(a);
+            if (copies & 1) {
+              CHECK(to_host<std::uint8_t>(dc.data(), cc.size()) == cc);
+              CHECK(test::same_bits(to_host<float>(ds.data(), cs.size()), cs));
+            }
+            if (copies & 2) {
+              CHECK(to_host<std::uint8_t>(dt_.data(), tc.size()) == tc);
+              CHECK(test::same_bits(to_host<float>(dts.data(), ts.size()), ts));
+            }
+          }
         }
 }
 
@@ -141,10 +148,10 @@ TEST_CASE("cuBLASLt block-scaled FP8 GEMMs match the CPU emulation (1x128 x 128x
     for (std::size_t i = 0; i < xv.size(); i += 89) xv[i] *= 40.0f;
     std::vector<std::uint8_t> xc(xv.size()), yc(yv.size());
     std::vector<float> xs(static_cast<std::size_t>(lx.count()), 0.0f), ys(static_cast<std::size_t>(ly.count()), 0.0f);
-    cpu->quantize_blocks(TensorView(xv.data(), {c.m, c.k}, DType::f32, Device::cpu),
-                         TensorView(xc.data(), {c.m, c.k}, dtype_of(c.fx), Device::cpu), xs.data(), c.xm, false);
-    cpu->quantize_blocks(TensorView(yv.data(), {c.n, c.k}, DType::f32, Device::cpu),
-                         TensorView(yc.data(), {c.n, c.k}, dtype_of(c.fy), Device::cpu), ys.data(), c.ym, false);
+    cpu->quantize_blocks({TensorView(xv.data(), {c.m, c.k}, DType::f32, Device::cpu), c.xm, false,
+                          TensorView(xc.data(), {c.m, c.k}, dtype_of(c.fx), Device::cpu), xs.data()});
+    cpu->quantize_blocks({TensorView(yv.data(), {c.n, c.k}, DType::f32, Device::cpu), c.ym, false,
+                          TensorView(yc.data(), {c.n, c.k}, dtype_of(c.fy), Device::cpu), ys.data()});
     // The CPU emulation, f32.
     std::vector<float> want(static_cast<std::size_t>(c.m * c.n));
     GemmArgs h;

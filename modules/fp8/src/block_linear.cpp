@@ -76,11 +76,9 @@ void Fp8BlockLinear::ensure_weight(const TensorView& w, std::int64_t version) {
   }
   const Device dev = ops_.device();
   const DType wt = dtype_of(recipe_.weight);
-  ops_.quantize_blocks(w, TensorView(cache_.rowwise.data(), {OC, IC}, wt, dev),
-                       static_cast<float*>(cache_.row_scales.data()), ScalingMode::block_128x128, recipe_.pow2);
-  ops_.quantize_blocks_transposed(w, TensorView(cache_.colwise.data(), {IC, OC}, wt, dev),
-                                  static_cast<float*>(cache_.col_scales.data()), ScalingMode::block_128x128,
-                                  recipe_.pow2);
+  ops_.quantize_blocks({w, ScalingMode::block_128x128, recipe_.pow2, TensorView(cache_.rowwise.data(), {OC, IC}, wt, dev),
+                        static_cast<float*>(cache_.row_scales.data()), TensorView(cache_.colwise.data(), {IC, OC}, wt, dev),
+                        static_cast<float*>(cache_.col_scales.data())});
   cache_.valid = true;
   cache_.version = version;
   cache_.source = w.data;
@@ -105,7 +103,7 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
   const BlockLayout xl{ScalingMode::block_1x128, N, IC};
   Carver c(ws_.get(Carver::bytes({xl})), ops_.device());
   const auto xq = c.take(xl, recipe_.input);
-  ops_.quantize_blocks(x, xq.codes, xq.scale_inv, ScalingMode::block_1x128, recipe_.pow2);
+  ops_.quantize_blocks({x, ScalingMode::block_1x128, recipe_.pow2, xq.codes, xq.scale_inv});
 
   GemmArgs g = block_product(xq.codes, xq.scale_inv, ScalingMode::block_1x128,
                              TensorView(cache_.rowwise.data(), {OC, IC}, dtype_of(recipe_.weight), ops_.device()),
@@ -145,8 +143,10 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
       xc{ScalingMode::block_1x128, IC, N};
   Carver c(ws_.get(Carver::bytes({gr, gc, xc})), ops_.device());
   const auto g_row = c.take(gr, recipe_.grad), g_col = c.take(gc, recipe_.grad), x_col = c.take(xc, recipe_.input);
-  ops_.quantize_blocks_transposed(dout, g_col.codes, g_col.scale_inv, ScalingMode::block_1x128, recipe_.pow2);
-  ops_.quantize_blocks_transposed(x, x_col.codes, x_col.scale_inv, ScalingMode::block_1x128, recipe_.pow2);
+  // The output gradient's two copies in one pass (the rowwise one only for the data gradient).
+  ops_.quantize_blocks({dout, ScalingMode::block_1x128, recipe_.pow2, a.dx ? g_row.codes : TensorView{},
+                        a.dx ? g_row.scale_inv : nullptr, g_col.codes, g_col.scale_inv});
+  ops_.quantize_blocks({x, ScalingMode::block_1x128, recipe_.pow2, {}, nullptr, x_col.codes, x_col.scale_inv});
 
   // wgrad: dW[OC, IC] (+)= dout^T @ x, both 1x128 along the tokens.
   GemmArgs w = block_product(g_col.codes, g_col.scale_inv, ScalingMode::block_1x128, x_col.codes, x_col.scale_inv,
@@ -156,7 +156,6 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   ops_.gemm(w);
 
   if (!a.dx) return;
-  ops_.quantize_blocks(dout, g_row.codes, g_row.scale_inv, ScalingMode::block_1x128, recipe_.pow2);
   // dgrad: dx[N, IC] = dout @ W = dout[N, OC] @ (W^T)[IC, OC]^T, the weight's transposed tiles.
   GemmArgs d = block_product(g_row.codes, g_row.scale_inv, ScalingMode::block_1x128,
                              TensorView(cache_.colwise.data(), {IC, OC}, dtype_of(recipe_.weight), ops_.device()),

@@ -44,16 +44,14 @@ class ProfiledOps final : public Fp8Ops {
     Scope s(be_, kNames[a.x.index()][copies]);
     in_->quantize_grouped(a);
   }
-  void quantize_blocks(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
-                       bool pow2) override {
-    Scope s(be_, mode == ScalingMode::block_1x128 ? "fp8_quantize_blocks_1x128" : "fp8_quantize_blocks_128x128");
-    in_->quantize_blocks(x, codes, scale_inv, mode, pow2);
-  }
-  void quantize_blocks_transposed(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
-                                  bool pow2) override {
-    Scope s(be_, mode == ScalingMode::block_1x128 ? "fp8_quantize_blocks_1x128_transposed"
-                                                  : "fp8_quantize_blocks_128x128_transposed");
-    in_->quantize_blocks_transposed(x, codes, scale_inv, mode, pow2);
+  void quantize_blocks(const BlockQuantizeArgs& a) override {
+    // fp8_quantize_blocks_<mode>_<copies>
+    static constexpr const char* kNames[2][3] = {
+        {"fp8_quantize_blocks_1x128_both", "fp8_quantize_blocks_1x128_rowwise", "fp8_quantize_blocks_1x128_colwise"},
+        {"fp8_quantize_blocks_128x128_both", "fp8_quantize_blocks_128x128_rowwise",
+         "fp8_quantize_blocks_128x128_colwise"}};
+    Scope s(be_, kNames[a.mode == ScalingMode::block_1x128 ? 0 : 1][a.rowwise && a.colwise ? 0 : a.rowwise ? 1 : 2]);
+    in_->quantize_blocks(a);
   }
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
     Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_gelu_both" : out.rowwise ? "fp8_quantize_gelu_rowwise"

@@ -189,31 +189,27 @@ class CpuOps final : public Fp8Ops {
     }
   }
 
-  void quantize_blocks(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
-                       bool pow2) override {
-    expect_input(x, "fp8 quantize_blocks x");
-    const Format f = format_of(codes, "fp8 quantize_blocks codes");
-    KILN_CHECK(x.ndim() == 2 && codes.shape == x.shape && codes.contiguous() && codes.device == Device::cpu,
-               "fp8 quantize_blocks: x ", x.str(), " and codes ", codes.str(), " must be the same [rows, cols]");
-    KILN_CHECK(scale_inv, "fp8 quantize_blocks: no scales");
-    std::vector<float> xf(static_cast<std::size_t>(x.numel()));
-    for (std::int64_t i = 0; i < x.numel(); ++i) xf[static_cast<std::size_t>(i)] = load(x, i);
-    quantize_blocks_reference(xf.data(), {mode, x.size(0), x.size(1)}, f, pow2, codes.as<std::uint8_t>(), scale_inv);
-  }
-
-  void quantize_blocks_transposed(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
-                                  bool pow2) override {
-    expect_input(x, "fp8 quantize_blocks_transposed x");
-    const Format f = format_of(codes, "fp8 quantize_blocks_transposed codes");
-    KILN_CHECK(x.ndim() == 2 && codes.shape == Shape({x.size(1), x.size(0)}) && codes.contiguous() &&
-                   codes.device == Device::cpu,
-               "fp8 quantize_blocks_transposed: codes ", codes.str(), " for the transpose of x ", x.str());
-    KILN_CHECK(scale_inv, "fp8 quantize_blocks_transposed: no scales");
-    const std::int64_t R = x.size(0), C = x.size(1);
-    std::vector<float> xt(static_cast<std::size_t>(x.numel()));
-    for (std::int64_t r = 0; r < R; ++r)
-      for (std::int64_t c = 0; c < C; ++c) xt[static_cast<std::size_t>(c * R + r)] = load(x, r * C + c);
-    quantize_blocks_reference(xt.data(), {mode, C, R}, f, pow2, codes.as<std::uint8_t>(), scale_inv);
+  void quantize_blocks(const BlockQuantizeArgs& a) override {
+    expect_input(a.x, "fp8 quantize_blocks x");
+    KILN_CHECK(a.x.ndim() == 2, "fp8 quantize_blocks: x ", a.x.str(), " must be [rows, cols]");
+    const std::int64_t R = a.x.size(0), C = a.x.size(1);
+    std::vector<float> xf(static_cast<std::size_t>(a.x.numel()));
+    for (std::int64_t i = 0; i < a.x.numel(); ++i) xf[static_cast<std::size_t>(i)] = load(a.x, i);
+    if (a.rowwise) {
+      KILN_CHECK(a.rowwise.shape == a.x.shape && a.rowwise.contiguous() && a.row_scale_inv,
+                 "fp8 quantize_blocks: rowwise ", a.rowwise.str(), " (and its scales) for x ", a.x.str());
+      quantize_blocks_reference(xf.data(), {a.mode, R, C}, format_of(a.rowwise, "fp8 quantize_blocks rowwise"), a.pow2,
+                                a.rowwise.as<std::uint8_t>(), a.row_scale_inv);
+    }
+    if (a.colwise) {
+      KILN_CHECK(a.colwise.shape == Shape({C, R}) && a.colwise.contiguous() && a.col_scale_inv,
+                 "fp8 quantize_blocks: colwise ", a.colwise.str(), " (and its scales) for the transpose of x ", a.x.str());
+      std::vector<float> xt(xf.size());
+      for (std::int64_t r = 0; r < R; ++r)
+        for (std::int64_t c = 0; c < C; ++c) xt[static_cast<std::size_t>(c * R + r)] = xf[static_cast<std::size_t>(r * C + c)];
+      quantize_blocks_reference(xt.data(), {a.mode, C, R}, format_of(a.colwise, "fp8 quantize_blocks colwise"), a.pow2,
+                                a.colwise.as<std::uint8_t>(), a.col_scale_inv);
+    }
   }
 
   // A product's formats and M, N, K, its arguments checked (either scaling).

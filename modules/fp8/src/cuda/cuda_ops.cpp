@@ -176,26 +176,29 @@ class CudaOps final : public Fp8Ops {
     grouped_cast(k, cuda::grouped_cast_plan(a.offsets_host, a.experts, 0, load_cols), C, a.out, a.amax, true);
   }
 
-  void quantize_blocks(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
-                       bool pow2) override {
-    check_input(x, "fp8 quantize_blocks x");
-    KILN_CHECK(x.ndim() == 2 && codes.shape == x.shape && codes.contiguous() && codes.device == Device::cuda &&
-                   (codes.dtype == DType::e4m3 || codes.dtype == DType::e5m2),
-               "fp8 quantize_blocks: codes ", codes.str(), " for x ", x.str());
-    KILN_CHECK(scale_inv, "fp8 quantize_blocks: no scales");
-    cuda::quantize_blocks(x.data, x.dtype, codes.as<std::uint8_t>(), scale_inv, {mode, x.size(0), x.size(1)},
-                          codes.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2, pow2, false, stream_);
-  }
-
-  void quantize_blocks_transposed(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
-                                  bool pow2) override {
-    check_input(x, "fp8 quantize_blocks_transposed x");
-    KILN_CHECK(x.ndim() == 2 && codes.shape == Shape({x.size(1), x.size(0)}) && codes.contiguous() &&
-                   codes.device == Device::cuda && (codes.dtype == DType::e4m3 || codes.dtype == DType::e5m2),
-               "fp8 quantize_blocks_transposed: codes ", codes.str(), " for the transpose of x ", x.str());
-    KILN_CHECK(scale_inv, "fp8 quantize_blocks_transposed: no scales");
-    cuda::quantize_blocks(x.data, x.dtype, codes.as<std::uint8_t>(), scale_inv, {mode, x.size(1), x.size(0)},
-                          codes.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2, pow2, true, stream_);
+  void quantize_blocks(const BlockQuantizeArgs& a) override {
+    check_input(a.x, "fp8 quantize_blocks x");
+    KILN_CHECK(a.x.ndim() == 2, "fp8 quantize_blocks: x ", a.x.str(), " must be [rows, cols]");
+    const std::int64_t R = a.x.size(0), C = a.x.size(1);
+    cuda::BlockCast k{a.x.data, a.x.dtype, R, C, a.mode};
+    k.pow2 = a.pow2;
+    auto codes = [&](const TensorView& t, const Shape& shape, float* scales, const char* which) {
+      KILN_CHECK(t.shape == shape && t.contiguous() && t.device == Device::cuda &&
+                     (t.dtype == DType::e4m3 || t.dtype == DType::e5m2) && scales,
+                 "fp8 quantize_blocks: ", which, " ", t.str(), " (and its scales) for x ", a.x.str());
+      KILN_CHECK(!k.rowwise || t.dtype == a.rowwise.dtype, "fp8 quantize_blocks: both copies in one format");
+      k.format = t.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2;
+      return t.as<std::uint8_t>();
+    };
+    if (a.rowwise) {
+      k.rowwise = codes(a.rowwise, {R, C}, a.row_scale_inv, "rowwise");
+      k.row_scale_inv = a.row_scale_inv;
+    }
+    if (a.colwise) {
+      k.colwise = codes(a.colwise, {C, R}, a.col_scale_inv, "colwise");
+      k.col_scale_inv = a.col_scale_inv;
+    }
+    cuda::quantize_blocks(k, stream_);
   }
 
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {

@@ -27,7 +27,7 @@
 namespace kiln::fp8 {
 
 struct BlockRecipe {
-  Format input = Format::e4m3, weight = Format::e4m3, grad = Format::e5m2;
+  Format input = Format::e4m3, weight = Format::e4m3, grad = Format::e4m3;
   bool pow2 = false;  // power-of-two scales (TransformerEngine's option)
 };
 

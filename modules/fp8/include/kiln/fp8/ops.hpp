@@ -135,6 +135,22 @@ constexpr std::int64_t segment_row(const std::int32_t* offsets, int e) {
   return r;
 }
 
+// Block quantisation (kiln/fp8/block.hpp) of x [rows, cols] (act or f32): the codes of x (rowwise
+// [rows, cols], scales in BlockLayout{mode, rows, cols}) and/or of its transpose (colwise [cols,
+// rows], scales in BlockLayout{mode, cols, rows}: the operand of a weight or data gradient; the
+// transpose's 128x128 tiles are x's transposed, so their scales are the same values), each block's
+// scale from its own amax (rounded down to a power of two with pow2). The codes' dtype (e4m3 or
+// e5m2, the same for both) is the format.
+struct BlockQuantizeArgs {
+  TensorView x;
+  ScalingMode mode = ScalingMode::block_1x128;
+  bool pow2 = false;
+  TensorView rowwise;
+  float* row_scale_inv = nullptr;
+  TensorView colwise;
+  float* col_scale_inv = nullptr;
+};
+
 class Fp8Ops {
  public:
   virtual ~Fp8Ops() = default;
@@ -156,16 +172,8 @@ class Fp8Ops {
   // transposed on its own: a mixture of experts' stacked weights).
   virtual void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) = 0;
   virtual void quantize_grouped(const GroupedQuantizeArgs& a) = 0;
-  // Block quantisation (kiln/fp8/block.hpp): x [rows, cols] (act or f32) into codes [rows, cols]
-  // (e4m3 or e5m2: the format) and scale_inv (BlockLayout{mode, rows, cols}.count() floats), each
-  // 1x128 or 128x128 block with its own scale (rounded down to a power of two with pow2).
-  virtual void quantize_blocks(const TensorView& x, const TensorView& codes, float* scale_inv, ScalingMode mode,
-                               bool pow2) = 0;
-  // The same of x's transpose: codes [cols, rows] and scale_inv in BlockLayout{mode, cols, rows}
-  // (the colwise operand of a weight or data gradient; 128x128 tiles of the transpose are the
-  // transposed tiles of x, so their scales are the same values transposed).
-  virtual void quantize_blocks_transposed(const TensorView& x, const TensorView& codes, float* scale_inv,
-                                          ScalingMode mode, bool pow2) = 0;
+  // Block quantisation (kiln/fp8/block.hpp) in one read of x (BlockQuantizeArgs).
+  virtual void quantize_blocks(const BlockQuantizeArgs& a) = 0;
   // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
   virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_gelu(const TensorView& pre, float* amax) = 0;

@@ -22,7 +22,8 @@
 //
 // Block-scaled products (GemmArgs::x_mode / y_mode, kiln/fp8/block.hpp) set cuBLASLt's
 // A_SCALE_MODE (Y's) and B_SCALE_MODE (X's) to VEC128_32F (1x128) or BLK128x128_32F (128x128), the
-// scale pointers to the block scales; no fast accumulation, the epilogue as a kernel after it.
+// scale pointers to the block scales; no fast accumulation; epilogues fused where cuBLASLt has an
+// algorithm for them, else run as a kernel after the product.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 

@@ -21,11 +21,22 @@ namespace kiln::fp8::cuda {
 void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::uint8_t* colwise, Format f,
                     const float* scale, float* amax, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 
-// Block quantisation (kiln/fp8/block.hpp): x [layout.rows, layout.cols] (bf16 or f32) into codes
-// and scale_inv, bit for bit as quantize_blocks_reference; with `transposed`, x [layout.cols,
-// layout.rows] into the codes and scales of its transpose (layout is the transpose's).
-void quantize_blocks(const void* x, DType x_dtype, std::uint8_t* codes, float* scale_inv, const BlockLayout& layout,
-                     Format f, bool pow2, bool transposed, cudaStream_t s);
+// Block quantisation (kiln/fp8/block.hpp) in one read of x [rows, cols] (bf16 or f32): the codes of
+// x and their scales (rowwise, BlockLayout{mode, rows, cols}) and/or those of its transpose
+// (colwise [cols, rows], BlockLayout{mode, cols, rows}), bit for bit as quantize_blocks_reference.
+struct BlockCast {
+  const void* x = nullptr;
+  DType x_dtype = DType::bf16;
+  std::int64_t rows = 0, cols = 0;
+  ScalingMode mode = ScalingMode::block_1x128;
+  Format format = Format::e4m3;
+  bool pow2 = false;
+  std::uint8_t* rowwise = nullptr;
+  float* row_scale_inv = nullptr;
+  std::uint8_t* colwise = nullptr;
+  float* col_scale_inv = nullptr;
+};
+void quantize_blocks(const BlockCast& k, cudaStream_t s);
 
 // cast_transpose of act(gelu(pre)) (bf16 pre), the GELU computed on load; with neither copy, the
 // amax alone (scale must still point to a float).
