@@ -238,7 +238,9 @@ class CpuOps final : public Fp8Ops {
 
   void gemm(const GemmArgs& g) override {
     if (g.x_mode != ScalingMode::per_tensor) return block_gemm(g);
-    const auto [fx, fy, M, N, K] = check_gemm(g);
+    const GemmShape shape = check_gemm(g);  // (plain names: OpenMP regions cannot capture structured bindings)
+    const Format fx = shape.fx, fy = shape.fy;
+    const std::int64_t M = shape.M, N = shape.N, K = shape.K;
     const bool uses_aux = g.epilogue == ops::Epilogue::gelu || g.epilogue == ops::Epilogue::dgelu;
     const std::vector<float> xd = dequantized(g.x, fx, *g.x_scale_inv);
     const std::vector<float> yd = dequantized(g.y, fy, *g.y_scale_inv);
@@ -270,7 +272,9 @@ class CpuOps final : public Fp8Ops {
 
   // A block-scaled product (kiln/fp8/block.hpp's reference), then written, stored or accumulated.
   void block_gemm(const GemmArgs& g) {
-    const auto [fx, fy, M, N, K] = check_gemm(g);
+    const GemmShape shape = check_gemm(g);  // (plain names: OpenMP regions cannot capture structured bindings)
+    const Format fx = shape.fx, fy = shape.fy;
+    const std::int64_t M = shape.M, N = shape.N, K = shape.K;
     const bool uses_aux = g.epilogue == ops::Epilogue::gelu || g.epilogue == ops::Epilogue::dgelu;
     std::vector<float> r(static_cast<std::size_t>(M * N));
     block_gemm_reference(g.x.as<std::uint8_t>(), fx, g.x_scale_inv, g.x_mode, g.y.as<std::uint8_t>(), fy,
