@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <algorithm>
 #include <iostream>
+#include <optional>
 
 #include <boost/program_options.hpp>
 
@@ -76,7 +77,15 @@ int cmd_eval(const Args& args) {
   // shard, with the loss masks beside the shards (all or none) and their documents' starts.
   std::vector<data::TokenShard> shards;
   for (const auto& f : files) shards.emplace_back(f, data::ShardFormat::auto_);
-  const data::WindowIndex windows(std::move(shards), T);
+  std::optional<data::WindowIndex> index;
+  try {
+    index.emplace(std::move(shards), T);
+  } catch (const FileError&) {
+    throw;
+  } catch (const Error& e) {  // no window fits: the files' fault (exit 2), and the message names them
+    throw FileError(cat(e.what(), " (kiln eval --seq-len ", T, ")"));
+  }
+  const data::WindowIndex& windows = *index;
   const bool documents = windows.masked() && !across_documents;
 
   model::Generator gen(cfg, *backend, src.weights);

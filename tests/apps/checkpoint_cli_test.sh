@@ -220,6 +220,7 @@ expect 0 "over 64 tokens (4 windows of 16)" -- "$KILN" eval hf --data 'up/train_
 expect 0 "loss " -- "$KILN" eval fck --data 'up/*.bin' --seq-len 16
 expect 0 "over 64 tokens (4 windows of 16)" -- "$KILN" eval hf --data "up/train_*.bin" --seq-len 16 --max-sequences 4 --attend-across-documents
 expect 2 "outside the model's vocabulary of 100" -- "$KILN" eval hf --data 'low/*.bin' --seq-len 16
+expect 2 "no window of 61 tokens fits" -- "$KILN" eval hf --data 'low/*.bin' --seq-len 60
 
 if [ "$failures" != 0 ]; then
   echo "$failures check(s) failed"
