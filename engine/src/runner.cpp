@@ -45,10 +45,20 @@ void run_pipeline(World& world) {
   while (!ctl.stop) {
     ++ctl.step;
     phase(Phase::step_begin);
-    for (ctl.micro_batch = 0; ctl.micro_batch < ctl.micro_batches; ++ctl.micro_batch) {
-      phase(Phase::data);
-      phase(Phase::forward);
-      phase(Phase::backward);
+    if (const auto* order = world.try_resource<StepPasses>()) {
+      for (const StepPass& pass : order->passes) {
+        ctl.micro_batch = pass.micro_batch;
+        ctl.chunk = pass.chunk;
+        if (pass.forward && pass.chunk == 0) phase(Phase::data);
+        phase(pass.forward ? Phase::forward : Phase::backward);
+      }
+      ctl.chunk = 0;
+    } else {
+      for (ctl.micro_batch = 0; ctl.micro_batch < ctl.micro_batches; ++ctl.micro_batch) {
+        phase(Phase::data);
+        phase(Phase::forward);
+        phase(Phase::backward);
+      }
     }
     phase(Phase::grad_sync);
     phase(Phase::optimizer);

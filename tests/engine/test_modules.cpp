@@ -131,3 +131,35 @@ TEST_CASE("a PhaseHook is asked before every phase and skips the systems of thos
   CHECK(log == expected);
   CHECK(ctl.stop_reason == "done");
 }
+
+TEST_CASE("StepPasses orders a step's passes: data once per micro-batch, on its first chunk") {
+  kiln::World w;
+  auto& ctl = w.emplace_resource<kiln::RunControl>();
+  ctl.micro_batches = 2;
+  std::vector<std::string> log;
+  for (auto p : kiln::all_phases())
+    w.systems().add({std::string(kiln::phase_name(p)), p, [&log, p](kiln::World& world) {
+                       const auto& c = world.resource<kiln::RunControl>();
+                       std::string entry(kiln::phase_name(p));
+                       if (p == kiln::Phase::data || p == kiln::Phase::forward || p == kiln::Phase::backward)
+                         entry += " " + std::to_string(c.micro_batch) + "." + std::to_string(c.chunk);
+                       log.push_back(entry);
+                       if (p == kiln::Phase::step_end) world.resource<kiln::RunControl>().request_stop("done");
+                     }});
+  // An interleaved pipeline rank's order: micro-batches 0 and 1 on chunks 0 and 1.
+  w.emplace_resource<kiln::StepPasses>(kiln::StepPasses{{{true, 0, 0},
+                                                         {true, 1, 0},
+                                                         {true, 0, 1},
+                                                         {false, 0, 1},
+                                                         {true, 1, 1},
+                                                         {false, 1, 1},
+                                                         {false, 0, 0},
+                                                         {false, 1, 0}}});
+  kiln::run_pipeline(w);
+  const std::vector<std::string> expected = {
+      "setup",        "step_begin",   "data 0.0",     "forward 0.0",  "data 1.0",     "forward 1.0",
+      "forward 0.1",  "backward 0.1", "forward 1.1",  "backward 1.1", "backward 0.0", "backward 1.0",
+      "grad_sync",    "optimizer",    "step_end",     "checkpoint",   "shutdown"};
+  CHECK(log == expected);
+  CHECK(ctl.chunk == 0);
+}

@@ -214,3 +214,50 @@ TEST_CASE("DpGradSync reduces each bucket when its last unit is ready, and the r
   });
   for (auto& e : errors) CHECK(e.empty());
 }
+
+TEST_CASE("p2p: only the peers take part, messages meet in order, across calls") {
+  // A ring of 3: each rank sends two buffers to the next, in two calls, and receives from the previous.
+  auto errors = run_ranks(3, [](int r, Communicator& c) {
+    const int next = (r + 1) % 3, prev = (r + 2) % 3;
+    std::vector<float> a(5, 1.0f + r), b(3, 10.0f + r), ga(5), gb(3);
+    c.p2p({{next, host(a)}}, {}, nullptr, "forward activation");
+    c.p2p({{next, host(b)}}, {{prev, host(ga)}}, nullptr, "forward activation");
+    c.p2p({}, {{prev, host(gb)}}, nullptr, "forward activation");
+    REQUIRE(ga == std::vector<float>(5, 1.0f + prev));
+    REQUIRE(gb == std::vector<float>(3, 10.0f + prev));
+    // Ranks 0 and 1 only: rank 2 takes no part.
+    if (r < 2) {
+      std::vector<float> mine(2, 5.0f * r), theirs(2);
+      c.p2p({{1 - r, host(mine)}}, {{1 - r, host(theirs)}}, nullptr, "exchange");
+      REQUIRE(theirs == std::vector<float>(2, 5.0f * (1 - r)));
+    }
+  });
+  for (const auto& e : errors) CHECK(e.empty());
+}
+
+TEST_CASE("p2p: a peer that never sends, or sends another shape, is named") {
+  auto errors = run_ranks(
+      2,
+      [](int r, Communicator& c) {
+        std::vector<float> x(4);
+        if (r == 0) c.p2p({}, {{1, host(x)}}, nullptr, "receive of micro-batch 3's activation");
+      },
+      200ms);
+  CHECK(errors[0].find("timed out") != std::string::npos);
+  CHECK(errors[0].find("receive of micro-batch 3's activation") != std::string::npos);
+  CHECK(errors[0].find("waiting for rank 1's send") != std::string::npos);
+  errors = run_ranks(2, [](int r, Communicator& c) {
+    std::vector<float> x(4 + r);
+    if (r == 0) c.p2p({}, {{1, host(x)}}, nullptr, "backward gradient");
+    if (r == 1) c.p2p({{0, host(x)}}, {}, nullptr, "backward gradient");
+  });
+  CHECK(errors[0].find("which sent 5 f32 elements") != std::string::npos);
+  // A rank that dies stops its peer's receive, naming both.
+  errors = run_ranks(2, [](int r, Communicator& c) {
+    std::vector<float> x(4);
+    if (r == 1) KILN_THROW("rank 1 died");
+    c.p2p({}, {{1, host(x)}}, nullptr, "forward activation of micro-batch 0");
+  });
+  CHECK(errors[0].find("receiving from rank 1") != std::string::npos);
+  CHECK(errors[0].find("rank 1 died") != std::string::npos);
+}

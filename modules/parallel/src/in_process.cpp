@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
@@ -30,6 +31,14 @@ struct InProcessHub::Group {
   std::vector<bool> present;
   std::vector<const void*> in;
   std::vector<std::string> op;  // what each rank called, to catch mismatched collectives
+  // Point-to-point messages posted and not yet received, by (sender, receiver) index in the group.
+  struct Message {
+    std::vector<char> bytes;
+    DType dtype = DType::f32;
+    std::int64_t numel = 0;
+    std::string what;
+  };
+  std::map<std::pair<int, int>, std::deque<Message>> mail;
 };
 
 namespace {
@@ -188,6 +197,58 @@ class InProcessCommunicator final : public Communicator {
     }
     sync(what);  // every rank has read what it was sent before the buffers may change
     for (auto& r : staged_recvs) r->store_back();
+  }
+
+  void p2p(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream,
+           const std::string& what) override {
+    // Sends are posted (copied) at once; receives wait for the peer's send (in order per peer).
+    for (const auto& t : sends) {
+      check_transfer(t, "send");
+      HostStage staged(t.buf, stream, true);
+      InProcessHub::Group::Message msg{std::vector<char>(staged.host().bytes()), t.buf.dtype, t.buf.numel(), what};
+      std::memcpy(msg.bytes.data(), staged.host().data, msg.bytes.size());
+      std::lock_guard lk(g_->m);
+      g_->mail[{me_, t.peer}].push_back(std::move(msg));
+    }
+    if (!sends.empty()) {
+      std::lock_guard lk(g_->m);
+      g_->cv.notify_all();
+    }
+    for (const auto& t : recvs) {
+      check_transfer(t, "receive");
+      HostStage staged(t.buf, stream, false);
+      const int from = g_->members[static_cast<std::size_t>(t.peer)];
+      InProcessHub::Group::Message msg;
+      {
+        std::unique_lock lk(g_->m);
+        auto& box = g_->mail[{t.peer, me_}];
+        const auto deadline = std::chrono::steady_clock::now() + hub_->timeout_;
+        while (box.empty()) {
+          if (hub_->aborted())
+            KILN_THROW("rank ", global_, ": stopped in ", name_, " ", what, " receiving from rank ", from, " because ",
+                       hub_->abort_reason());
+          if (g_->cv.wait_until(lk, deadline) == std::cv_status::timeout && box.empty()) {
+            const auto msg_text = cat("rank ", global_, ": timed out after ",
+                                      std::chrono::duration<double>(hub_->timeout_).count(), " s in ", name_, " ", what,
+                                      " waiting for rank ", from, "'s send");
+            lk.unlock();
+            hub_->abort(msg_text);
+            KILN_THROW(msg_text);
+          }
+        }
+        msg = std::move(box.front());
+        box.pop_front();
+      }
+      const TensorView& dst = staged.host();
+      if (msg.numel != dst.numel() || msg.dtype != dst.dtype) {
+        const auto text = cat(name_, " ", what, ": rank ", global_, " receives ", dst.str(), " from rank ", from,
+                              ", which sent ", msg.numel, " ", name_of(msg.dtype), " elements (", msg.what, ")");
+        hub_->abort(text);
+        KILN_THROW(text);
+      }
+      std::memcpy(dst.data, msg.bytes.data(), msg.bytes.size());
+      staged.store_back();
+    }
   }
 
  private:
@@ -356,6 +417,10 @@ class SelfCommunicator final : public Communicator {
   }
   void broadcast(const TensorView&, int, void*) override {}
   void barrier() override {}
+  void p2p(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream,
+           const std::string&) override {
+    send_recv(sends, recvs, stream);
+  }
   void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) override {
     KILN_CHECK(sends.size() == recvs.size(), name_, " send_recv on one rank: ", sends.size(), " sends but ",
                recvs.size(), " receives");

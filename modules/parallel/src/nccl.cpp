@@ -215,8 +215,25 @@ class NcclCommunicator final : public Communicator {
     });
   }
   void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) override {
+    grouped(sends, recvs, stream, cat(name_, " send_recv (", sends.size(), " sends, ", recvs.size(), " receives)"));
+  }
+  void p2p(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream,
+           const std::string& what) override {
+    std::string peers;
+    for (const auto* list : {&sends, &recvs})
+      for (const auto& t : *list) peers += cat(peers.empty() ? "" : ", ", list == &sends ? "to " : "from ", members_[static_cast<std::size_t>(t.peer)]);
+    grouped(sends, recvs, stream, cat(name_, " ", what, " (", peers, ")"));
+  }
+  void barrier() override {
+    std::int32_t one = 1;
+    all_reduce(TensorView(&one, {1}, DType::i32, Device::cpu), ReduceOp::sum, nullptr);
+  }
+
+ private:
+  // NCCL's grouped sends and receives: only the peers named take part.
+  void grouped(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream,
+               const std::string& what) {
     if (sends.empty() && recvs.empty()) return;
-    const std::string what = cat(name_, " send_recv (", sends.size(), " sends, ", recvs.size(), " receives)");
     for (const auto* list : {&sends, &recvs})
       for (const auto& t : *list)
         KILN_CHECK(t.buf.device == Device::cuda && t.peer >= 0 && t.peer < size_, what, ": ", t.buf.str(),
@@ -230,12 +247,7 @@ class NcclCommunicator final : public Communicator {
       ncclGroupEnd();
     });
   }
-  void barrier() override {
-    std::int32_t one = 1;
-    all_reduce(TensorView(&one, {1}, DType::i32, Device::cpu), ReduceOp::sum, nullptr);
-  }
 
- private:
   // Enqueues a collective on `stream`, tracked by the watchdog.
   template <class F>
   void run(void* stream, const std::string& what, F&& call) {

@@ -31,12 +31,31 @@ struct RunControl {
   std::int64_t step = 0;         // the current step, counted from 1; 0 before the first
   int micro_batches = 1;         // data/forward/backward run this many times per step
   int micro_batch = 0;           // index of the current micro-batch
+  int chunk = 0;                 // the model chunk the current pass runs on (StepPasses; else 0)
   bool stop = false;
   std::string stop_reason;
   void request_stop(std::string reason) {
     if (!stop) stop_reason = std::move(reason);
     stop = true;
   }
+};
+
+// One pass of a step (a pipeline schedule's order of them): a micro-batch's forward on one model
+// chunk (Phase::data, on the micro-batch's first chunk only, then Phase::forward) or its backward
+// (Phase::backward).
+struct StepPass {
+  bool forward = true;
+  int micro_batch = 0;
+  int chunk = 0;
+  bool operator==(const StepPass&) const = default;
+};
+
+// A World resource setting the order of a step's passes (pipeline parallelism: the module that splits
+// the model into stages emplaces its rank's schedule). Without it every micro-batch runs data,
+// forward and backward in turn, on chunk 0. Each micro-batch's first forward must come in
+// micro-batch order (the data phase reads the batches in turn).
+struct StepPasses {
+  std::vector<StepPass> passes;
 };
 
 // A World resource for a module that launches some phases' device work another way (the model

@@ -10,7 +10,8 @@ namespace kiln {
 // RankInfo (if absent), then checks the system order. Nothing runs yet.
 void install_pipeline(World& world, const config::PipelineConfig& cfg, const ModuleRegistry& registry);
 
-// setup; then per step (RunControl::step incremented first): step_begin, micro_batches x (data, forward, backward), grad_sync,
+// setup; then per step (RunControl::step incremented first): step_begin, micro_batches x (data, forward,
+// backward) or the passes of StepPasses in its order, grad_sync,
 // optimizer, step_end, checkpoint; until RunControl::stop; then shutdown. Queued events are
 // drained after every phase.
 void run_pipeline(World& world);

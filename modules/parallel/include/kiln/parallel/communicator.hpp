@@ -40,6 +40,15 @@ class Communicator {
     TensorView buf;
   };
   virtual void send_recv(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream) = 0;
+  // Point-to-point with some peers only (pipeline stages): only this rank and the peers it names take
+  // part, each calling p2p with its side. A rank's sends to a peer, in order, meet that peer's receives
+  // from it, in order, buffer by buffer (same dtype and element count), across calls. Sends and
+  // receives of one call start together (NCCL's grouped send/recv), so a call that sends to a peer
+  // and receives from it needs the peer's matching call to do the same; a send may complete before its
+  // receive is posted, but no caller may rely on it (NCCL's sends of large buffers wait). `what` names
+  // the transfer in errors (a peer that never comes, or died, is named with it).
+  virtual void p2p(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs, void* stream,
+                   const std::string& what) = 0;
   // Blocks the host until every rank of the group arrives.
   virtual void barrier() = 0;
 };

@@ -1,6 +1,7 @@
 #pragma once
 // The "parallel" module: the job's topology and this rank's place in it.
 #include <memory>
+#include <vector>
 
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/event_bus.hpp"
@@ -21,6 +22,8 @@ namespace kiln::parallel {
 struct ParallelConfig {
   int tp = 1;
   int pp = 1;
+  int vpp = 1;
+  std::vector<int> pp_layers;
   int cp = 1;
   int ep = 1;
   int dp = 0;
@@ -33,6 +36,8 @@ struct ParallelConfig {
     c.expect(timeout_s > 0, "timeout_s", "must be positive");
     c.expect(tp > 0, "tp", "must be positive");
     c.expect(pp > 0, "pp", "must be positive");
+    c.expect(vpp > 0, "vpp", "must be positive");
+    c.expect(vpp == 1 || pp > 1, "vpp", "interleaves the chunks of a pipeline: needs parallel.pp > 1");
     c.expect(cp > 0, "cp", "must be positive");
     c.expect(ep > 0, "ep", "must be positive");
     c.expect(dp >= 0, "dp", "must be positive, or 0 to derive it from the world size");
@@ -40,7 +45,16 @@ struct ParallelConfig {
 };
 KILN_CONFIG(ParallelConfig,
             (tp, "tensor-parallel size"),
-            (pp, "pipeline-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
+            (pp,
+             "pipeline-parallel size: the blocks split into pp stages (the embedding in the first, the head and loss "
+             "in the last), each rank holding one; micro-batches (train.micro_batch_size) flow through them in a "
+             "1F1B schedule (`kiln topology FILE --world N --schedule` prints it)"),
+            (vpp,
+             "model chunks per pipeline rank (Megatron's interleaved 1F1B: rank r holds virtual stages r, r + pp, "
+             "...; the bubble shrinks by vpp; the micro-batches per step must be a multiple of pp)"),
+            (pp_layers,
+             "blocks per chunk, in the order the layers run (pp x vpp numbers summing to model.n_layer); empty: "
+             "balanced by the blocks' and the head's FLOPs"),
             (cp, "context-parallel size; only 1 runs yet (`kiln topology` plans larger layouts)"),
             (ep,
              "expert-parallel size: a mixture of experts' experts split over groups of ep data-parallel ranks "
