@@ -1,23 +1,87 @@
+#include <iomanip>
 #include <iostream>
 
 #include <boost/program_options.hpp>
 
 #include "commands.hpp"
+#include "kiln/model/config.hpp"
+#include "kiln/model/spec.hpp"
 #include "kiln/parallel/module.hpp"
+#include "kiln/parallel/pipeline_schedule.hpp"
+#include "kiln/parallel/pipeline_split.hpp"
+#include "kiln/train/train.hpp"
 
 namespace po = boost::program_options;
 
 namespace kiln::app {
 
+namespace {
+
+// The pipeline's stages and each pipeline rank's schedule, as `kiln run` would make them.
+void print_schedule(const config::PipelineConfig& p, const parallel::ParallelConfig& par, const parallel::Topology& t,
+                    const std::string& file) {
+  const auto train = p.enabled("train") ? p.get<train::TrainConfig>("train") : train::TrainConfig{};
+  const auto model = p.enabled("model") ? p.get<model::ModelConfig>("model") : model::ModelConfig{};
+  const int dp = t.data_parallel_size(), pp = t.sizes().pp, vpp = par.vpp, S = pp * vpp;
+  const std::int64_t per_rank = train.batch_size / dp;
+  const std::int64_t mbs = train.micro_batch_size > 0 ? train.micro_batch_size : per_rank;
+  if (train.batch_size % dp != 0 || per_rank % mbs != 0)
+    throw ConfigError(cat(file, ": train.batch_size ", train.batch_size, " does not split into micro-batches of ", mbs,
+                          " over ", dp, " data-parallel ranks"));
+  const parallel::PipelineShape shape{pp, vpp, static_cast<int>(per_rank / mbs)};
+  if (const std::string problem = parallel::pipeline_shape_problem(shape); !problem.empty())
+    throw ConfigError(cat(file, ": train.micro_batch_size: ", problem));
+  std::vector<int> layers = par.pp_layers;
+  if (layers.empty()) {
+    if (model.n_layer < S)
+      throw ConfigError(cat(file, ": parallel.pp: ", S, " pipeline chunks, but the model has ", model.n_layer,
+                            " blocks (model.n_layer)"));
+    std::vector<double> costs;
+    for (int l = 0; l < model.n_layer; ++l)
+      costs.push_back(model::block_flops_estimate(model, static_cast<int>(train.seq_len), l));
+    layers = parallel::balanced_split(costs, 0.0, model::head_flops_estimate(model), S);
+  } else if (const std::string problem = parallel::split_problem(layers, model.n_layer, S); !problem.empty()) {
+    throw ConfigError(cat(file, ": parallel.pp_layers ", problem));
+  }
+  const auto starts = parallel::split_starts(layers);
+  std::cout << "pipeline: pp " << pp << (vpp > 1 ? cat(" x vpp ", vpp, " (interleaved 1F1B)") : " (1F1B)") << ", "
+            << shape.micro_batches << " micro-batches a step (train.batch_size " << train.batch_size << " / (dp " << dp
+            << " x micro_batch_size " << mbs << "))\n";
+  for (int r = 0; r < pp; ++r) {
+    std::cout << "pp rank " << r << ":";
+    for (int c = 0; c < vpp; ++c) {
+      const int v = c * pp + r;
+      const int first = starts[static_cast<std::size_t>(v)], last = starts[static_cast<std::size_t>(v) + 1] - 1;
+      std::cout << (c ? ";" : "") << " stage " << v << " = " << (v == 0 ? "embedding, " : "")
+                << (first == last ? cat("block ", first) : cat("blocks ", first, "-", last))
+                << (v == S - 1 ? ", head and loss" : "");
+    }
+    const auto plan = parallel::pipeline_schedule(shape, r);
+    std::cout << "\n  " << parallel::format_actions(plan) << "\n  micro-batches in flight at most: "
+              << parallel::max_in_flight(plan) << "\n";
+  }
+  const double simulated = parallel::simulate_pipeline(shape, 1.0, 2.0).bubble;
+  std::cout << std::fixed << std::setprecision(1) << "bubble: (pp - 1) / (vpp m + pp - 1) = " << pp - 1 << " / "
+            << vpp * shape.micro_batches + pp - 1 << " = " << 100.0 * parallel::pipeline_bubble(shape)
+            << "% of the step (simulated, backward = 2 x forward: " << 100.0 * simulated << "%)\n"
+            << std::defaultfloat;
+}
+
+}  // namespace
+
 int cmd_topology(const Args& args) {
-  po::options_description opts("kiln topology FILE --world N [--set ...]\n\nPrints the tensor, context, expert, "
-                               "data and pipeline parallel groups\nthe pipeline's [parallel] section gives for N "
-                               "ranks.\n\noptions");
+  po::options_description opts("kiln topology FILE --world N [--schedule] [--set ...]\n\nPrints the tensor, context, "
+                               "expert, data and pipeline parallel groups\nthe pipeline's [parallel] section gives for N "
+                               "ranks; with --schedule also\nthe pipeline stages and each pipeline rank's schedule.\n\n"
+                               "options");
   std::string file;
   int world = 0;
+  bool schedule = false;
   std::vector<std::string> sets;
   opts.add_options()("help,h", "show this help")("file", po::value(&file), "pipeline file")(
-      "world", po::value(&world), "number of ranks")("set", po::value(&sets)->composing(), "override a value");
+      "world", po::value(&world), "number of ranks")("schedule", po::bool_switch(&schedule),
+                                                      "print the pipeline stages and schedules")(
+      "set", po::value(&sets)->composing(), "override a value");
   po::positional_options_description pos;
   pos.add("file", 1);
   if (!parse_args(args, opts, pos)) return 0;
@@ -26,12 +90,14 @@ int cmd_topology(const Args& args) {
   auto p = load_pipeline(file, sets);
   parallel::ParallelConfig cfg;
   if (p->config.enabled("parallel")) cfg = p->config.get<parallel::ParallelConfig>("parallel");
+  std::optional<parallel::Topology> t;
   try {
-    parallel::Topology t(world, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp);
-    std::cout << t.describe();
+    t.emplace(world, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp);
   } catch (const Error& e) {
     throw ConfigError(cat(file, ": [parallel] ", e.what()));
   }
+  std::cout << t->describe();
+  if (schedule) print_schedule(p->config, cfg, *t, file);
   return 0;
 }
 

@@ -16,7 +16,7 @@ const char* kUsage =
     "  run FILE [--set section.key=value]...   train with a pipeline file\n"
     "  config FILE [--set ...]                 print the complete effective config as TOML\n"
     "  modules                                 list the registered modules and their config fields\n"
-    "  topology FILE --world N [--set ...]     print the parallel groups for N ranks\n"
+    "  topology FILE --world N [--schedule]    print the parallel groups (and pipeline schedules) for N ranks\n"
     "  tokenize TEXT... -o DIR                 turn text files into byte-level token shards\n"
     "  plot METRICS[=LABEL]... -o OUT.svg      plot metrics files (log.metrics) as an SVG line chart\n"
     "  export CHECKPOINT -o DIR                a model's weights in Hugging Face's layout (Llama, GPT-2)\n"

@@ -127,8 +127,10 @@ expect 2 "expected section.key=value" -- "$KILN" config tiny.toml --set train.st
 expect 2 "--set train.steps=x: train.steps: 'x' is not a valid value" -- "$KILN" run tiny.toml --set train.steps=x
 expect 2 "tiny.toml:6:1: train.seq_len: 16 exceeds model.max_seq_len = 8" -- "$KILN" run tiny.toml --set model.max_seq_len=8
 # Shapes that do not split over the ranks, and parallelisms that do not run yet, name the key and where it was set.
-expect 2 "--set parallel.pp=2: parallel.pp: is 2, but pipeline parallelism does not run yet" -- \
-  "$KILN" run "$SRC/pipelines/tiny-cpu.toml" --nproc 2 --set parallel.pp=2
+expect 2 "--set parallel.pp=3: parallel.pp: splits the blocks into 3 pipeline chunks (parallel.pp = 3), but the model has 2 (model.n_layer): each chunk needs at least one block" -- \
+  "$KILN" run tiny.toml --nproc 3 --set parallel.pp=3 --set model.n_layer=2
+# Pipeline stages train: two stages of one block each.
+expect 0 "step 5/5" -- "$KILN" run tiny.toml --nproc 2 --set parallel.pp=2 --set model.n_layer=2 --set train.micro_batch_size=1
 { cat tiny.toml; printf '[parallel]\ncp = 2\n'; } > cp.toml
 expect 2 "cp.toml:$(( $(wc -l < tiny.toml) + 2 )):1: parallel.cp: is 2, but context parallelism does not run yet" -- \
   "$KILN" run cp.toml --nproc 2
@@ -151,8 +153,13 @@ expect 0 "n_layer" -- "$KILN" modules
 expect 0 "tp groups: [0,1,2,3] [4,5,6,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
 expect 0 "dp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4
 expect 2 "world size 6 is not divisible by tp*pp*cp = 4*1*1" -- "$KILN" topology tiny.toml --world 6 --set parallel.tp=4
-# kiln topology still plans the layouts that do not run yet.
 expect 0 "pp groups: [0,4] [1,5] [2,6] [3,7]" -- "$KILN" topology tiny.toml --world 8 --set parallel.tp=4 --set parallel.pp=2
+# The pipeline's stages and schedules, and their bubble.
+expect 0 "bubble: (pp - 1) / (vpp m + pp - 1) = 1 / 5 = 20.0% of the step" -- \
+  "$KILN" topology tiny.toml --world 2 --schedule --set parallel.pp=2 --set model.n_layer=2 --set train.micro_batch_size=1
+expect 0 "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3" -- \
+  "$KILN" topology tiny.toml --world 2 --schedule --set parallel.pp=2 --set parallel.vpp=2 --set model.n_layer=4 \
+  --set train.micro_batch_size=1
 cat > plugin.toml <<TOML
 [engine]
 plugins = ["$PLUGIN"]

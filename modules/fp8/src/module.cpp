@@ -201,6 +201,56 @@ std::set<nn::LinearRole> roles_kept_in_fp8(World& w, const std::vector<Entity>& 
   return roles;
 }
 
+// Current scaling on a pipeline stage: a layer's backward quantises its saved input again with the
+// scale its forward took from that input, but the schedule runs other micro-batches' forwards in
+// between. Each unit's scales (and their inverses) are kept per micro-batch from the end of its
+// forward to the start of its backward. (A unit's linears' slots are consecutive: the linears are
+// made unit by unit.)
+void keep_scales_per_micro_batch(World& w, Fp8State& st) {
+  std::map<int, std::pair<int, int>> slots;  // unit -> [first, last) slot
+  for (std::size_t i = 0; i < st.entities.size(); ++i) {
+    const int unit = w.get<nn::Linear>(st.entities[i]).unit, first = static_cast<int>(i) * kRolesPerLinear;
+    auto [it, fresh] = slots.try_emplace(unit, first, first + kRolesPerLinear);
+    if (!fresh) {
+      KILN_CHECK(it->second.second == first, "fp8: unit ", unit, "'s linear layers are not consecutive");
+      it->second.second = first + kRolesPerLinear;
+    }
+  }
+  const int n = st.meta->size(), m = w.resource<train::TrainState>().micro_batches;
+  constexpr int S = Fp8MetaStore::kScaleInvStride;
+  auto& be = w.resource<ops::ActiveBackend>().get();
+  auto stash = std::make_shared<Buffer>(be.alloc(static_cast<std::size_t>(m) * n * (1 + S) * sizeof(float)));
+  // Micro-batch k's copies: scales [n], then inverses [n, S].
+  auto views = [stash, n](int k, int first, int last) {
+    const Shape one{last - first}, inv{last - first, S};
+    const std::size_t at = static_cast<std::size_t>(k) * n * (1 + S) * sizeof(float);
+    return std::pair{stash->view(DType::f32, one, at + static_cast<std::size_t>(first) * sizeof(float)),
+                     stash->view(DType::f32, inv, at + (static_cast<std::size_t>(n) + static_cast<std::size_t>(first) * S) * sizeof(float))};
+  };
+  auto live = [&st](int first, int last) {
+    return std::pair{st.meta->scales().flat_slice(first, last - first),
+                     st.meta->scale_invs().rows(first, last - first)};
+  };
+  st.subscriptions.push_back(w.events().subscribe<nn::LayerForwardEnd>([&w, slots, views, live](const nn::LayerForwardEnd& e) {
+    const auto it = slots.find(e.unit);
+    if (it == slots.end()) return;
+    auto& be = w.resource<ops::ActiveBackend>().get();
+    const auto [scale, inv] = views(w.resource<RunControl>().micro_batch, it->second.first, it->second.second);
+    const auto [now, now_inv] = live(it->second.first, it->second.second);
+    be.copy(scale, now);
+    be.copy(inv, now_inv);
+  }));
+  st.subscriptions.push_back(w.events().subscribe<nn::LayerBackwardBegin>([&w, slots, views, live](const nn::LayerBackwardBegin& e) {
+    const auto it = slots.find(e.unit);
+    if (it == slots.end()) return;
+    auto& be = w.resource<ops::ActiveBackend>().get();
+    const auto [scale, inv] = views(w.resource<RunControl>().micro_batch, it->second.first, it->second.second);
+    const auto [now, now_inv] = live(it->second.first, it->second.second);
+    be.copy(now, scale);
+    be.copy(now_inv, inv);
+  }));
+}
+
 // The blocks' FP8 scratch in the model's block scratch (its logits buffer): for when the LM head,
 // which writes the logits, is not among the FP8 layers.
 void lend_block_scratch(World& w) {
@@ -289,6 +339,15 @@ void install(World& w, const Fp8Config& cfg) {
     const auto& l = w.get<nn::Linear>(e);
     if (nn::in_block(l.role)) first_unit = std::min(first_unit, l.unit), last_unit = std::max(last_unit, l.unit);
   }
+  // A pipeline stage holds some blocks: the model's first and last are over every stage's.
+  const bool pipelined = w.try_resource<StepPasses>() != nullptr;
+  if (pipelined && cfg.first_last_bf16) {
+    float ends[2] = {-static_cast<float>(first_unit), static_cast<float>(last_unit)};
+    w.resource<parallel::Communicators>().pp->all_reduce(TensorView(ends, {2}, DType::f32, Device::cpu),
+                                                         parallel::ReduceOp::max, nullptr);
+    first_unit = static_cast<int>(-ends[0]);
+    last_unit = static_cast<int>(ends[1]);
+  }
   std::vector<Format> formats;
   std::vector<std::string> skipped;
   for (Entity e : w.view<nn::Linear>()) {
@@ -339,7 +398,9 @@ void install(World& w, const Fp8Config& cfg) {
     w.emplace<Fp8Meta>(e, meta);
     const auto* name = w.try_get<Name>(e);
     const auto& linear = w.get<nn::Linear>(e);
-    const bool keep = linear.input_stored_for_backward && keep_roles.count(linear.role) > 0;
+    // (Not on a pipeline stage: other micro-batches' forwards run between a forward and its backward,
+    // and a layer keeps one input.)
+    const bool keep = !pipelined && linear.input_stored_for_backward && keep_roles.count(linear.role) > 0;
     if (keep) {  // for the report: the colwise copy [in, tokens], one byte an element
       auto& k = kept[linear.role];
       k.bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(linear.in);
@@ -375,7 +436,7 @@ void install(World& w, const Fp8Config& cfg) {
     const int first = static_cast<int>(st.entities.size() + i) * kRolesPerLinear;
     const auto* name = w.try_get<Name>(e);
     const auto& grouped = w.get<nn::GroupedLinear>(e);
-    const bool keep = grouped.input_stored_for_backward && keep_grouped_roles.count(grouped.role) > 0;
+    const bool keep = !pipelined && grouped.input_stored_for_backward && keep_grouped_roles.count(grouped.role) > 0;
     st.grouped.push_back(std::make_unique<Fp8GroupedLinear>(*st.ops, *st.meta, first, *st.workspace, st.recipe,
                                                             name ? name->value : w.describe(e), keep));
     Fp8GroupedLinear* lin = st.grouped.back().get();
@@ -426,6 +487,8 @@ void install(World& w, const Fp8Config& cfg) {
     st.grouped_update_step = -1;
   }));
   save_scaling_state(w, st);
+
+  if (pipelined && cfg.recipe == RecipeKind::current) keep_scales_per_micro_batch(w, st);
 
   // Activation recompute replays forwards: same scales, no second amax (see Fp8Linear).
   st.subscriptions.push_back(w.events().subscribe<nn::LayerRecomputeBegin>([&st](const nn::LayerRecomputeBegin&) {

@@ -12,6 +12,7 @@
 #include "kiln/model/hf.hpp"
 #include "kiln/model/spec.hpp"
 #include "kiln/model/step_graph.hpp"
+#include "kiln/parallel/pipeline_split.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "sample.hpp"
 #include "kiln/engine/engine_module.hpp"
@@ -76,6 +77,40 @@ void check_moe_layout(World& w, const ModelConfig& cfg) {
   if (!cfg.init_from.empty())
     throw config_error(w, "model.init_from",
                        "reads Hugging Face weights with dense MLPs; this model has a mixture of experts");
+}
+
+// This rank's stage of the model (parallel.pp > 1): the blocks split into pp x vpp chunks, balanced by
+// their FLOPs (the head's counted on the last) or as parallel.pp_layers says, and the rank's
+// schedule over the step's micro-batches. Bad splits are config errors naming the key. One stage:
+// the whole model, one chunk.
+PipelinePlan pipeline_plan(World& w, const ModelConfig& cfg, int micro_batches, int T) {
+  const auto& par = w.resource<parallel::ParallelState>();
+  const int pp = par.pp_size(), vpp = par.vpp, L = cfg.n_layer, S = pp * vpp;
+  if (!par.pp_layers.empty())
+    if (const std::string problem = parallel::split_problem(par.pp_layers, L, S); !problem.empty())
+      throw config_error(w, "parallel.pp_layers", problem);
+  if (pp == 1) return PipelinePlan::single(L, micro_batches);
+  if (cfg.moe.enabled())
+    throw config_error(w, "parallel.pp",
+                       cat("is ", pp, ", but pipeline stages of a mixture of experts do not run yet (model.moe.n_experts "
+                           "= ", cfg.moe.n_experts, "); set parallel.pp = 1"));
+  if (L < S)
+    throw config_error(w, "parallel.pp",
+                       cat("splits the blocks into ", S, " pipeline chunks (parallel.pp = ", pp,
+                           vpp > 1 ? cat(" x parallel.vpp = ", vpp) : std::string(), "), but the model has ", L,
+                           " (model.n_layer): each chunk needs at least one block"));
+  const parallel::PipelineShape shape{pp, vpp, micro_batches};
+  if (const std::string problem = parallel::pipeline_shape_problem(shape); !problem.empty())
+    throw config_error(w, "train.micro_batch_size",
+                       cat(problem, " (micro-batches per step: train.batch_size / (data-parallel ranks x "
+                                    "train.micro_batch_size))"));
+  std::vector<int> layers = par.pp_layers;
+  if (layers.empty()) {
+    std::vector<double> costs;
+    for (int l = 0; l < L; ++l) costs.push_back(block_flops_estimate(cfg, T, l));
+    layers = parallel::balanced_split(costs, 0.0, head_flops_estimate(cfg), S);
+  }
+  return PipelinePlan::make(shape, par.coords.pp, layers);
 }
 
 // model.init_from names weights of this architecture (a Llama's come in a Hugging Face directory).
@@ -144,8 +179,15 @@ void install(World& w, const ModelConfig& cfg) {
     throw config_error(w, problem.key, problem.message);
   check_moe_layout(w, cfg);
   check_init_from(w, cfg);
+  PipelinePlan plan = pipeline_plan(w, cfg, ts.micro_batches, static_cast<int>(tc.seq_len));
+  if (plan.pipelined()) {
+    StepPasses order;
+    for (const auto& a : plan.passes)
+      order.passes.push_back({a.kind == parallel::PipelineAction::Kind::forward, a.micro_batch, a.chunk});
+    w.emplace_resource<StepPasses>(std::move(order));
+  }
   auto& model = w.emplace_resource<GptModel>(w, cfg, ts.micro_batch_size, static_cast<int>(tc.seq_len),
-                                             ts.micro_batches);
+                                             ts.micro_batches, std::move(plan));
   model.set_loss_scale(1.0f / static_cast<float>(tc.batch_size * tc.seq_len));
   ts.flops_per_token = model.flops_per_token();
   ts.peak_flops = w.resource<ops::ActiveBackend>().get().peak_bf16_flops();
@@ -175,8 +217,9 @@ void install(World& w, const ModelConfig& cfg) {
                      m.allocate_activations();  // after every module attached its components
                      world.emplace_resource<nn::BlockScratch>(m.block_scratch());
                      m.initialise(world.resource<rng::RngStatesTracker>());
+                     // Counted over the pipeline stages: every rank takes part.
+                     const std::int64_t total = m.parameter_count(), active = m.active_parameter_count();
                      if (world.resource<RankInfo>().rank == 0) {
-                       const std::int64_t total = m.parameter_count(), active = m.active_parameter_count();
                        std::cout << "model: " << total << " parameters"
                                  << (active < total ? cat(" (", active, " active per token)") : std::string()) << " on "
                                  << world.resource<ops::ActiveBackend>().get().name() << ", activation memory "
@@ -211,12 +254,19 @@ void install(World& w, const ModelConfig& cfg) {
                    },
                    {kAllSystems}});
   w.systems().add({"model.forward", Phase::forward, [](World& world) {
-                     world.resource<GptModel>().forward_loaded(world.resource<RunControl>().micro_batch, true,
-                                                               &world.resource<rng::RngStatesTracker>());
+                     const auto& ctl = world.resource<RunControl>();
+                     world.resource<GptModel>().forward_pass(ctl.micro_batch, ctl.chunk,
+                                                             &world.resource<rng::RngStatesTracker>());
                    }});
   w.systems().add({"model.backward", Phase::backward, [](World& world) {
-                     world.resource<GptModel>().backward(world.resource<train::Batch>());
+                     const auto& ctl = world.resource<RunControl>();
+                     world.resource<GptModel>().backward_pass(ctl.micro_batch, ctl.chunk);
                    }});
+  // A table tied over two pipeline stages: its gradients summed, after the data-parallel sums and
+  // before anything reads them (the sums commute). Nothing to do on one stage.
+  w.systems().add({"model.tied_grad_sync", Phase::grad_sync,
+                     [](World& world) { world.resource<GptModel>().sum_tied_gradients(); },
+                     {"parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
   // The loss is read (and checked) right after the backward pass, before the optimizer touches
   // the weights, so a non-finite loss is reported as such rather than as non-finite gradients.
   w.systems().add({"model.loss", Phase::grad_sync, [](World& world) {

@@ -12,10 +12,11 @@
 namespace kiln::model {
 
 std::string sample_text(World& w, const ModelConfig& cfg, const train::SampleRequested& e) {
-  if (w.resource<parallel::ParallelState>().tp_size() > 1 || w.resource<nn::ParamStore>().sharded())
+  const auto& par = w.resource<parallel::ParallelState>();
+  if (par.tp_size() > 1 || par.pp_size() > 1 || w.resource<nn::ParamStore>().sharded())
     throw config_error(w, "log.sample_every",
-                       "samples need the whole model on rank 0: parallel.tp = 1 and no fsdp sharding (sample from a "
-                       "checkpoint with `kiln generate` instead)");
+                       "samples need the whole model on rank 0: parallel.tp = 1, parallel.pp = 1 and no fsdp sharding "
+                       "(sample from a checkpoint with `kiln generate` instead)");
   if (w.resource<RankInfo>().rank != 0) return "";
   auto& be = w.resource<ops::ActiveBackend>().get();
   Generator gen(cfg, be, param_store_weights(w));

@@ -1,6 +1,7 @@
 // The one place model.arch becomes parts.
 #include "kiln/model/spec.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 namespace kiln::model {
@@ -102,5 +103,21 @@ std::vector<parallel::SplitDim> tensor_parallel_splits(const ModelConfig& cfg, s
                         cfg.vocab_multiple, ")")});
   return dims;
 }
+
+}  // namespace kiln::model
+
+namespace kiln::model {
+
+double block_flops_estimate(const ModelConfig& cfg, int T, int block) {
+  const double C = cfg.n_embd, D = cfg.head_dim(), kv = cfg.kv_heads();
+  const double parts = cfg.llama() ? 2.0 : 1.0;  // FC1's rows per hidden feature (SwiGLU: gate and up)
+  const double attention = 6.0 * ((C + 2.0 * kv * D) * C + C * C) + 12.0 * T * C;
+  auto mlp = [&](double hidden) { return 6.0 * (parts * hidden * C + hidden * C); };
+  if (!cfg.moe.enabled() || block % std::max(1, cfg.moe.every) != 0) return attention + mlp(cfg.mlp_hidden());
+  const double experts = cfg.moe.top_k * mlp(cfg.expert_hidden()) + 6.0 * C * cfg.moe.n_experts;
+  return attention + experts + (cfg.moe.shared_experts > 0 ? mlp(cfg.moe.shared_experts * cfg.expert_hidden()) : 0.0);
+}
+
+double head_flops_estimate(const ModelConfig& cfg) { return 6.0 * cfg.n_embd * cfg.padded_vocab(); }
 
 }  // namespace kiln::model

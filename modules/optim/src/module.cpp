@@ -33,13 +33,17 @@ struct HeldGradient {
   const nn::Param* param;
   nn::HeldPart part;
   bool updated_here;  // not left to another module (nn::UpdatedBy)
+  bool counted;       // in sums over the parameters (not another stage's copy: nn::TiedAcrossStages)
 };
 std::vector<HeldGradient> held_parts(World& w) {
   const auto& store = w.resource<nn::ParamStore>();
   std::vector<HeldGradient> out;
   for (Entity e : store.order()) {
     const auto& p = w.get<nn::Param>(e);
-    store.for_each_held(p, [&](const nn::HeldPart& part) { out.push_back({&p, part, !w.has<nn::UpdatedBy>(e)}); });
+    const auto* tied = w.try_get<nn::TiedAcrossStages>(e);
+    store.for_each_held(p, [&](const nn::HeldPart& part) {
+      out.push_back({&p, part, !w.has<nn::UpdatedBy>(e), !tied || !tied->copy});
+    });
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.part.held < b.part.held; });
   return out;
@@ -73,22 +77,23 @@ std::vector<TensorView> gradient_views(const nn::ParamStore& store, const std::v
 bool norm_of_held_buffer(World& w) {
   if (parallel::param_shards(w).size() != 1) return false;
   for (const auto& h : held_parts(w))
-    if (parallel::replicas_in_param_shards(w, *h.param) != 1) return false;
+    if (!h.counted || parallel::replicas_in_param_shards(w, *h.param) != 1) return false;
   return true;
 }
 
 // The squared norm of the whole (logical) gradient on the host (synchronises). A rank holds shards
 // of some parameters under tensor (and expert) parallelism and full copies of the others, and under
 // FSDP its part of each unit: the squares are summed over the ranks that together hold one copy of
-// the parameters (parallel::param_shards), a part held by several of them counted once (each of its
-// n holders adds 1/n of it: parallel::replicas_in_param_shards).
+// the parameters (parallel::param_shards: over the pipeline stages too), a part held by several of
+// them counted once (each of its n holders adds 1/n of it: parallel::replicas_in_param_shards), a
+// stage's copy of another stage's parameter (nn::TiedAcrossStages) not at all.
 double global_sum_squares(World& w, ops::Backend& be) {
   const auto& store = w.resource<nn::ParamStore>();
   const auto parts = held_parts(w);
   std::vector<int> replicas;
   bool all_once = true;
   for (const auto& h : parts) {
-    replicas.push_back(parallel::replicas_in_param_shards(w, *h.param));
+    replicas.push_back(h.counted ? parallel::replicas_in_param_shards(w, *h.param) : 0);  // 0: not counted
     all_once = all_once && replicas.back() == 1;
   }
   double local = 0;
@@ -96,7 +101,8 @@ double global_sum_squares(World& w, ops::Backend& be) {
     local = be.sum_squares(store.grads_flat());
   } else {
     const std::vector<double> each = be.sum_squares_each(gradient_views(store, parts));
-    for (std::size_t i = 0; i < parts.size(); ++i) local += replicas[i] == 1 ? each[i] : each[i] / replicas[i];
+    for (std::size_t i = 0; i < parts.size(); ++i)
+      if (replicas[i] > 0) local += replicas[i] == 1 ? each[i] : each[i] / replicas[i];
   }
   auto& shards = parallel::param_shards(w);
   if (shards.size() == 1) return local;
@@ -114,7 +120,10 @@ std::string non_finite_gradients(World& w, ops::Backend& be) {
   std::string names;
   for (std::size_t i = 0; i < parts.size(); ++i)
     if (!std::isfinite(each[i])) names += (names.empty() ? "'" : ", '") + parts[i].param->name + "'";
-  if (!names.empty()) return names;
+  const auto& par = w.resource<parallel::ParallelState>();
+  const std::string stage = par.pp_size() > 1 ? cat(" on pipeline stage ", par.coords.pp, " of ", par.pp_size()) : "";
+  if (!names.empty()) return names + stage;
+  if (par.pp_size() > 1) return cat("(none of pipeline stage ", par.coords.pp, "'s tensors: another stage's, or the sum overflowed)");
   return store.sharded() ? "(none of this rank's parts; another rank's, or the sum overflowed)"
                          : "(no single tensor; the sum overflowed)";
 }

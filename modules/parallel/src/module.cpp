@@ -17,18 +17,15 @@ namespace kiln::parallel {
 
 namespace {
 
-// Pipeline and context parallelism exist as ranks (the topology, the groups, the seeds) but nothing
-// runs them yet: larger sizes would silently train the same model on every stage. (Expert
-// parallelism runs where the model has experts; the model module checks that it does.)
+// Context parallelism exists as ranks (the topology, the groups, the seeds) but nothing runs it yet:
+// a larger size would silently train the same model on every rank. (Pipeline stages are the model
+// module's, expert parallelism runs where the model has experts; the model module checks both.)
 void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
-  const std::pair<const char*, int> sizes[] = {{"pp", cfg.pp}, {"cp", cfg.cp}};
-  const char* what[] = {"pipeline", "context"};
-  for (std::size_t i = 0; i < 2; ++i)
-    if (sizes[i].second > 1)
-      throw config_error(w, cat("parallel.", sizes[i].first),
-                         cat("is ", sizes[i].second, ", but ", what[i],
-                             " parallelism does not run yet (every stage would train the whole model); set it to "
-                             "1 (`kiln topology FILE --world N` still shows the groups of such a layout)"));
+  if (cfg.cp > 1)
+    throw config_error(w, "parallel.cp",
+                       cat("is ", cfg.cp, ", but context parallelism does not run yet (every rank would train the "
+                           "whole sequence); set it to 1 (`kiln topology FILE --world N` still shows the groups of "
+                           "such a layout)"));
 }
 
 // The data-parallel gradient buckets, planned at their first use (the parameters are laid out in
@@ -79,7 +76,8 @@ void install(World& w, const ParallelConfig& cfg) {
     }
   }();
   const Coords at = topo.coords(r.rank);
-  w.emplace_resource<ParallelState>(ParallelState{topo, r.rank, at, cfg.sequence_parallel, cfg.vocab_parallel});
+  w.emplace_resource<ParallelState>(
+      ParallelState{topo, r.rank, at, cfg.sequence_parallel, cfg.vocab_parallel, cfg.vpp, cfg.pp_layers});
   const Sizes n = topo.sizes();
   const auto& state = w.resource<ParallelState>();
   w.emplace_resource<train::ParallelLayout>(train::ParallelLayout{n.world(), n.tp, n.cp, n.ep, state.dp_size(), n.pp,
@@ -98,6 +96,11 @@ void install(World& w, const ParallelConfig& cfg) {
   comms.tp_ep = make("tp_ep", {Axis::tp, Axis::ep});
   comms.edp = make("expert_dp", {Axis::dp});
   comms.self = make_self_communicator("self", r.rank);
+  comms.pp = make("pp", {Axis::pp});
+  if (n.pp > 1) {
+    comms.tp_pp = make("tp_pp", {Axis::tp, Axis::pp});
+    comms.tp_ep_pp = make("tp_ep_pp", {Axis::tp, Axis::ep, Axis::pp});
+  }
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
   if (auto* launch = w.try_resource<LaunchContext>(); launch && launch->nccl)
@@ -171,9 +174,12 @@ std::unique_ptr<Communicator> make_group(World& w, const std::string& name, int 
 
 Communicator& param_shards(World& w) {
   if (const auto* s = w.try_resource<ShardedParameters>()) return *s->param_shards;
-  // Without sharding one copy is split over TP, and under expert parallelism the experts over EP too.
+  // Without sharding one copy is split over TP and the pipeline stages, and under expert parallelism
+  // the experts over EP too.
   auto& c = w.resource<Communicators>();
-  return w.resource<ParallelState>().ep_size() > 1 ? *c.tp_ep : *c.tp;
+  const auto& par = w.resource<ParallelState>();
+  if (par.pp_size() > 1) return par.ep_size() > 1 ? *c.tp_ep_pp : *c.tp_pp;
+  return par.ep_size() > 1 ? *c.tp_ep : *c.tp;
 }
 
 int replicas_in_param_shards(World& w, const nn::Param& p) {
@@ -195,6 +201,8 @@ TensorParallel tensor_parallel(World& w, ops::Backend& backend) {
 }
 
 DataParallel data_parallel(World& w) { return DataParallel(*w.resource<Communicators>().dp); }
+
+PipelineParallel pipeline_parallel(World& w) { return PipelineParallel(*w.resource<Communicators>().pp); }
 
 ExpertParallel expert_parallel(World& w, ops::Backend& backend, int n_experts) {
   return ExpertParallel(*w.resource<Communicators>().ep, backend, n_experts);

@@ -45,11 +45,13 @@ std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKi
 
 RngStatesTracker make_tracker(SeedPolicy policy, bool layout_invariant, std::uint64_t master_seed,
                               const RankCoords& coords) {
+  // Layout-invariant streams are the same on every tensor-, expert- and pipeline-parallel rank: draws
+  // are placed by global element index, and a pipeline stage's draws where one rank's would be.
   RankCoords sharded = coords;
-  if (layout_invariant) sharded.tp = sharded.ep = 0;
-  RngStatesTracker t(stream_seed(policy, master_seed, StreamKind::default_, coords));
+  if (layout_invariant) sharded.tp = sharded.ep = sharded.pp = 0;
+  RngStatesTracker t(stream_seed(policy, master_seed, StreamKind::default_, sharded));
   t.add(kModelParallelRng, stream_seed(policy, master_seed, StreamKind::model_parallel, sharded));
-  t.add(kDataParallelRng, stream_seed(policy, master_seed, StreamKind::data_parallel, coords));
+  t.add(kDataParallelRng, stream_seed(policy, master_seed, StreamKind::data_parallel, sharded));
   t.add(kExpertParallelRng, stream_seed(policy, master_seed, StreamKind::expert_parallel, sharded));
   return t;
 }

@@ -20,11 +20,14 @@ std::vector<HeldTensor> held_tensors(World& w, const std::vector<std::string>& f
   for (int f = 0; f < static_cast<int>(families.size()); ++f)
     for (Entity e : store.order()) {
       const auto& p = w.get<nn::Param>(e);
+      // A pipeline stage's copy of another stage's parameter (the tied head's table) is read, not written.
+      const auto* tied = w.try_get<nn::TiedAcrossStages>(e);
+      const bool copy = tied && tied->copy;
       store.for_each_held(p, [&](const nn::HeldPart& part) {
         HeldTensor t{families[static_cast<std::size_t>(f)] + "/" + p.name, dims(p.global_shape), f, part.held,
                      part.first, pieces_of(p.shard, p.global_shape, part.first, part.count), false};
         out.push_back(std::move(t));
-        tp_writes.push_back(p.shard.sharded() || par.coords.tp == 0);
+        tp_writes.push_back(!copy && (p.shard.sharded() || par.coords.tp == 0));
         domain.push_back(nn::ParamStore::domain_of(p));
       });
     }

@@ -10,8 +10,10 @@ void ActivationTable::Rows::saved(TensorView& slot, const std::string& key, DTyp
   if (recomputed_ & stage)
     add(table_.recomputed_, key, {&slot, dtype, shape});
   else
-    table_.arena_.request(&slot, dtype, shape);
+    table_.kept_.request(&slot, dtype, shape);
 }
+
+void ActivationTable::Rows::kept(TensorView& slot, DType dtype, Shape shape) { table_.kept_.request(&slot, dtype, shape); }
 
 void ActivationTable::Rows::scratch(TensorView& slot, const std::string& key, DType dtype, Shape shape) {
   add(table_.scratch_, key, {&slot, dtype, shape});
@@ -39,13 +41,19 @@ void ActivationTable::point(std::map<std::string, Shared>& rows) {
       *s.view = TensorView(shared.memory.data, s.shape, s.dtype, shared.memory.device);
 }
 
-void ActivationTable::allocate(ops::Backend& be) {
+void ActivationTable::allocate(ops::Backend& be, int copies) {
   request(arena_, recomputed_);
   request(arena_, scratch_);
   arena_.allocate(be);
+  kept_.allocate_copies(be, copies);
   point(recomputed_);
   point(scratch_);
   request(backward_, backward_rows_);  // sized now, placed by place_backward_scratch
+}
+
+void ActivationTable::select_copy(int copy) {
+  KILN_CHECK(copy >= 0 && copy < kept_.copies(), "activation copy ", copy, " of ", kept_.copies());
+  kept_.select(copy);
 }
 
 nn::BlockScratch ActivationTable::place_backward_scratch(ops::Backend& be, const TensorView& host, std::size_t borrow) {

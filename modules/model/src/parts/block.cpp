@@ -87,7 +87,7 @@ void TransformerBlock::declare(ActivationTable& table) {
              ": distributed saved inputs need sequence parallelism off");
   if (distribute_) ctx_.tp.require({ctx_.N, cat("block ", index_, "'s saved input"), "token rows"});
   auto rows = table.block(recomputed_);
-  if (distribute_) rows.own(input_part_, ctx_.act(), {ctx_.N / ctx_.tp.size(), ctx_.cfg.n_embd});
+  if (distribute_) rows.kept(input_part_, ctx_.act(), {ctx_.N / ctx_.tp.size(), ctx_.cfg.n_embd});
   attention_.declare(rows);
   rows.saved(mid_, "block.mid", ctx_.act(), {ctx_.Nl, ctx_.cfg.n_embd}, kAttentionOut);
   mlp_.declare(rows);
@@ -97,10 +97,14 @@ void TransformerBlock::run(StageSet stages, const TensorView& x, const TensorVie
                            rng::RngStatesTracker* tracker) {
   // The dropout draws, always all of them, so that a recompute replaying the tracker's states gets
   // the original masks.
-  attention_.draw(tracker, p);
-  mlp_.draw(tracker, p);
+  draw(tracker, p);
   attention_.forward(stages, x, mid_, p);
   mlp_.forward(stages, mid_, out, p);
+}
+
+void TransformerBlock::draw(rng::RngStatesTracker* tracker, float p) {
+  attention_.draw(tracker, p);
+  mlp_.draw(tracker, p);
 }
 
 void TransformerBlock::forward(const TensorView& x, const TensorView& out, float p, rng::RngStatesTracker* tracker,

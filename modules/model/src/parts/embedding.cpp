@@ -10,6 +10,12 @@ Embedding::Embedding(LayerBuilder b, bool learned_positions)
     wpe_ = b.param("wpe", {ctx_.cfg.max_seq_len, ctx_.cfg.n_embd}, TensorShard{}, ParamInit::normal(std), true);
 }
 
+Entity Embedding::table_copy(LayerBuilder& b) {
+  ModelContext& ctx = b.ctx();
+  const parallel::VocabParallelEmbedding layer(ctx.tp, ctx.cfg.padded_vocab(), ctx.cfg.n_embd);
+  return b.param("wte", {layer.vocab(), ctx.cfg.n_embd}, layer.weight_shard(), ParamInit::normal(ctx.cfg.init_std), true);
+}
+
 void Embedding::forward(const TensorView& tokens, const TensorView& out_local) const {
   // Every rank looks up all rows and keeps its own (sequence parallelism), or its vocabulary rows'
   // part of all of them, summed over TP (vocabulary parallelism).

@@ -106,7 +106,7 @@ void MoeMlp::declare(ActivationTable::Rows& rows, const std::string& key, StageS
   else if (act_output_ != ActOutput::on_load)
     rows.scratch(act_, "moe.act", act, {Rx, hidden_local()});
   // The experts' outputs back in grouped order: written by stage `out`, which no recompute runs.
-  rows.own(y_, act, {R, C});
+  rows.kept(y_, act, {R, C});  // the experts' outputs: the combine's backward reads them
   if (moves) rows.scratch(y_out_, "moe.y_expert", act, {Rx, C});
   rows.scratch(loss_terms_, "moe.loss_terms", f32, {2});
   if (!bias_.empty()) rows.own(bias_dev_, f32, {E});

@@ -48,6 +48,11 @@ void install(World& w, const FsdpConfig& cfg) {
   auto& comms = w.resource<Communicators>();
   auto& be = w.resource<ops::ActiveBackend>().get();
   const int dp = par.dp_size(), d = par.dp_rank();
+  if (par.pp_size() > 1)
+    throw config_error(w, "parallel.pp",
+                       cat("is ", par.pp_size(), ", but fsdp does not shard pipeline stages yet (its gathers follow one "
+                           "pass over the whole model); set parallel.pp = 1, or leave fsdp out (each stage then "
+                           "keeps its parameters whole)"));
   if (cfg.strategy != FsdpStrategy::hybrid_shard && cfg.shard_size != 0)
     throw config_error(w, "fsdp.shard_size",
                        "only hybrid_shard takes a shard size (the other strategies shard over all data-parallel ranks)");

@@ -22,12 +22,25 @@ class Arena {
     for (auto& r : requests_) *r.slot = buffer_.view(r.dtype, r.shape, r.offset);
     requests_.clear();
   }
+  // Instead of allocate(): `copies` copies of every view, the slots pointing into copy 0 until
+  // select() points them elsewhere (the slots must stay valid as long as the arena).
+  void allocate_copies(ops::Backend& backend, int copies) {
+    stride_ = align_up(bytes_);
+    copies_ = copies;
+    buffer_ = backend.alloc(stride_ * static_cast<std::size_t>(copies));
+    select(0);
+  }
+  void select(int copy) {
+    for (auto& r : requests_) *r.slot = buffer_.view(r.dtype, r.shape, static_cast<std::size_t>(copy) * stride_ + r.offset);
+  }
+  int copies() const { return copies_; }
   // Instead of allocate(): the views in memory someone else owns (bytes() of it from `base`, which
   // is kAlign-aligned and outlives the views).
   void place(void* base, Device device) {
     for (auto& r : requests_) *r.slot = TensorView(static_cast<char*>(base) + r.offset, r.shape, r.dtype, device);
     requests_.clear();
   }
+  // Bytes of one copy.
   std::size_t bytes() const { return bytes_; }
 
  private:
@@ -38,7 +51,8 @@ class Arena {
     std::size_t offset;
   };
   std::vector<Request> requests_;
-  std::size_t bytes_ = 0;
+  std::size_t bytes_ = 0, stride_ = 0;
+  int copies_ = 1;
   Buffer buffer_;
 };
 

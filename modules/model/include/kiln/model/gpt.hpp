@@ -4,9 +4,17 @@
 // stack's order, the layer events (LayerForwardBegin/End, LayerBackwardBegin/End for every unit),
 // the token upload, the loss slots and the activation table its parts declare their tensors in;
 // everything else is a part's. Every tensor op goes through the backend and every split over ranks
-// through kiln::tensor_parallel's layers (the model calls no collective).
+// through kiln::parallel's groups and tensor-parallel layers (the model calls no collective).
+//
+// Split into pipeline stages (PipelinePlan), a rank holds only its chunks of blocks, the embedding
+// on the first stage and the head on the last, and runs one chunk per pass (forward_pass,
+// backward_pass) in its schedule's order, trading the residual stream with the neighbouring stages
+// around the passes. Its activations then exist once per micro-batch in flight. Whatever the split,
+// every parameter starts from the draws one rank would give it and every block draws the dropout
+// masks one rank would (each stage knows every other stage's number of draws).
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -18,8 +26,10 @@
 #include "kiln/model/parts/context.hpp"
 #include "kiln/model/parts/embedding.hpp"
 #include "kiln/model/parts/output_head.hpp"
+#include "kiln/model/pipeline_plan.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/parallel/data_parallel.hpp"
+#include "kiln/parallel/pipeline_parallel.hpp"
 #include "kiln/rng/tracker.hpp"
 #include "kiln/train/train.hpp"
 
@@ -30,6 +40,8 @@ class GptModel {
   // Creates the ParamStore resource and the parameter, layer and linear entities in `world`, for
   // micro-batches of B sequences of T tokens, with room for `micro_batches` loss slots.
   GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro_batches);
+  // This rank's stage of a model split by `plan`.
+  GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro_batches, PipelinePlan plan);
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
 
@@ -42,8 +54,9 @@ class GptModel {
   nn::BlockScratch block_scratch() const { return lent_; }
   std::size_t activation_bytes() const { return table_.bytes(); }
   const ActivationTable& activation_table() const { return table_; }
-  // Block 0's input: the residual stream each block keeps (its norm's backward reads it).
-  const TensorView& residual_stream() const { return residuals_.front(); }
+  // The first block's input here: the residual stream each block keeps (its norm's backward reads it).
+  const TensorView& residual_stream() const { return residuals_.at(static_cast<std::size_t>(plan_.begin(0))); }
+  const PipelinePlan& pipeline() const { return plan_; }
 
   // One micro-batch forward; the per-token losses go to loss slot `slot`. With `training`, draws
   // dropout masks from the tracker and prepares the backward. Dropout masks are functions of the
@@ -55,21 +68,32 @@ class GptModel {
   // The same in two parts: load() checks the batch's tokens, uploads inputs and targets and sets the
   // tracker to the states the step's first micro-batch started from; forward_loaded() is the device
   // work of the forward alone (what a captured CUDA graph of it replays, StepGraph).
+  // (A pipeline stage keeps the inputs of every micro-batch of the step: `slot` is the micro-batch.)
   void load(const train::Batch& batch, int slot, bool training, rng::RngStatesTracker* tracker);
   void forward_loaded(int slot, bool training, rng::RngStatesTracker* tracker);
   // Backward of the last training forward; accumulates into the gradient buffer.
   void backward(const train::Batch& batch);
+  // One pass of a step: micro-batch m's training forward or backward on chunk `chunk`, after the
+  // transfers the pipeline schedule puts before it (and after the step's last pass, those after it).
+  // Without pipeline stages, the whole model's forward_loaded(m) or backward.
+  void forward_pass(int m, int chunk, rng::RngStatesTracker* tracker);
+  void backward_pass(int m, int chunk);
 
   // Fills the master weights this rank holds from the tracker's default state (layout-invariant
-  // draws, by global element index) and refreshes the compute copy.
+  // draws, by global element index, and each parameter where one rank's draws would put it) and
+  // refreshes the compute copy; learns where each block's dropout draws start (collective over the
+  // pipeline stages).
   void initialise(rng::RngStatesTracker& tracker);
+  // The tied parameters' gradients summed with the other stage's copy (TiedAcrossStages), once the
+  // step's backward passes are done (collective over the two stages; nothing without stages).
+  void sum_tied_gradients();
   // Mean loss over the first `slots` loss slots, and over the data-parallel replicas (synchronises):
   // over the step's trained targets (train::Batch::step_targets) when the data has loss masks.
   double mean_loss(int slots);
   // Mean validation loss over the batches (forward only, no dropout; uses slot 0), over their
   // targets that are not -1 (loss masks).
   double evaluate(const std::vector<train::Batch>& batches);
-  // The whole model's parameters (every rank's parts together).
+  // The whole model's parameters (every rank's parts together; collective over the pipeline stages).
   std::int64_t parameter_count() const;
   // The parameters a token meets: all but a mixture of experts' unchosen experts.
   std::int64_t active_parameter_count() const;
@@ -90,24 +114,60 @@ class GptModel {
 
  private:
 
+  // A micro-batch's inputs, kept from its load to its last pass.
+  struct Inputs {
+    std::vector<std::int32_t> tokens;  // on the host (the embedding's backward reads them there)
+    std::int64_t seq_offset = 0;
+    bool documents = false;
+  };
+
   ModelContext ctx_;
   // This rank's losses of the first `slots` slots, summed on the host (synchronises).
   double loss_sum(int slots);
+  // Which of the kept inputs micro-batch m uses (all of them on a pipeline stage, else one).
+  int inputs_index(int m) const { return plan_.pipelined() ? m : 0; }
+  // Points the context and the activation table at micro-batch m.
+  void use(int m);
+  void forward_chunk(int chunk, int m, bool training, rng::RngStatesTracker* tracker);
+  void backward_chunk(int chunk, int m);
+  // The schedule's transfers before the next pass, and (after the step's last pass) after it.
+  void begin_pass(bool forward, int m, int chunk);
+  void end_pass();
+  void transfer(int call);
+  TensorView transfer_buffer(const parallel::PipelineMessage& msg, bool send);
+  // A forward-only pass of the whole model over the stages (validation), into loss slot 0.
+  void forward_stages(const train::Batch& batch);
+  // The tracker's states where block l's draws start, and where a whole forward leaves them.
+  rng::RngSnapshot states_before_block(int l) const;
+  void learn_dropout_draws(rng::RngStatesTracker& tracker);
+  std::int64_t sum_over_stages(std::int64_t local) const;
 
+  PipelinePlan plan_;
+  std::optional<parallel::PipelineParallel> pipe_;  // with pipeline stages
   parallel::DataParallel dp_;
   int slots_;
   std::int64_t step_targets_ = 0;  // of the last training batch loaded; 0: every target
-  Embedding embedding_;
-  std::vector<std::unique_ptr<TransformerBlock>> blocks_;
-  OutputHead head_;
+  std::unique_ptr<Embedding> embedding_;                   // on the first stage
+  std::vector<std::unique_ptr<TransformerBlock>> blocks_;  // by block index: this rank's, else null
+  std::unique_ptr<OutputHead> head_;                       // on the last stage
+  std::optional<Entity> tied_;  // the embedding table, where a stage holds it for the other (TiedAcrossStages)
   ActivationTable table_;
   std::vector<TensorView> residuals_;     // L + 1 residual streams [Nl, C]: residuals_[l] is block l's input
-  TensorView tokens_, targets_, losses_;  // [N] i32 on the device, twice; [slots, N] f32
-  TensorView doc_start_;                  // [B, T] i32: the current batch's document starts, if it has them
+  TensorView tokens_all_, targets_all_;   // [inputs, N] i32 on the device
+  TensorView doc_all_;                    // [inputs, B, T] i32: the batches' document starts, if they have them
+  TensorView losses_;                     // [slots, N] f32
   TensorView part_stats_;                 // every part's device numbers of the step (Mixer::device_stats)
+  TensorView grad_in_, grad_out_;         // [Nl, C]: the residual gradient received from / sent to a stage
+  TensorView lent_host_;                  // without the head: the blocks' borrowed scratch
+  std::vector<Inputs> inputs_;
+  Buffer tied_scratch_;  // the other stage's gradient of the tied table, on its way
   nn::BlockScratch lent_;
   rng::RngSnapshot step_rng_;  // the tracker's states at the step's first micro-batch
+  // Each block's draws from each of the tracker's states in a training forward (default first).
+  std::vector<std::vector<std::uint64_t>> block_draws_;
   float dloss_ = 1.0f;
+  int pass_ = 0;           // the next pass of the schedule
+  int head_forward_ = -1;  // the micro-batch whose dlogits the head holds
   bool allocated_ = false, have_forward_ = false;
 };
 

@@ -55,6 +55,12 @@ struct ModelSpec {
 // biases) or llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases).
 ModelSpec model_spec(const ModelConfig& cfg);
 
+// Model FLOPs per token of block `block` and of the head (as the parts count them: 6 per weight
+// element, 12 T C for a block's attention scores), from the configuration alone: what a pipeline's
+// balanced split weighs (parallel::balanced_split).
+double block_flops_estimate(const ModelConfig& cfg, int T, int block);
+double head_flops_estimate(const ModelConfig& cfg);
+
 // What the model splits over the tensor-parallel group, each dimension with the key that sets it:
 // the heads, the key/value heads, the MLP's hidden width, and (flags as parallel::ParallelState
 // resolves them) the tokens of a micro-batch under sequence parallelism and the padded vocabulary

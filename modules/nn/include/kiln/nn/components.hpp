@@ -54,6 +54,16 @@ struct ByteCompute {};
 // step's gradient zeroing leaves it out.
 struct GradWrittenFirst {};
 
+// On a Param held by two pipeline stages (the token embedding of the first, which the last stage's
+// tied LM head multiplies by, as Megatron-LM keeps it): `peer` is the other stage's pipeline rank.
+// Both copies start from the same draws and have their gradients summed each step (the parallel
+// module), so they take the same updates. On the last stage's copy `copy` is set: sums over all
+// parameters (the gradient's norm), parameter counts and checkpoints count the first stage's only.
+struct TiedAcrossStages {
+  int peer = 0;
+  bool copy = false;
+};
+
 enum class LayerKind { embedding, block, final_norm };
 
 // A layer: a unit of forward/backward and of parameter sharding.

@@ -10,6 +10,7 @@
 #include "kiln/parallel/data_parallel.hpp"
 #include "kiln/parallel/expert_parallel.hpp"
 #include "kiln/parallel/in_process.hpp"
+#include "kiln/parallel/pipeline_parallel.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
 #include "kiln/parallel/topology.hpp"
 
@@ -81,11 +82,14 @@ struct ParallelState {
   Coords coords;
   bool sequence_parallel = false;  // parallel.sequence_parallel as configured
   bool vocab_parallel = false;     // parallel.vocab_parallel as configured
+  int vpp = 1;                     // parallel.vpp
+  std::vector<int> pp_layers;      // parallel.pp_layers
   int tp_size() const { return topology.sizes().tp; }
   // Data parallelism spans the ep and dp axes (topology.hpp): its size and this rank's index in it.
   int dp_size() const { return topology.data_parallel_size(); }
   int dp_rank() const { return coords.ep + topology.sizes().ep * coords.dp; }
   int ep_size() const { return topology.sizes().ep; }
+  int pp_size() const { return topology.sizes().pp; }
   // Whether they apply: only with more than one tensor-parallel rank (the one place this is decided;
   // kiln::tensor_parallel's layers decide the same for their group).
   bool sequence_parallel_applies() const { return sequence_parallel && tp_size() > 1; }
@@ -122,6 +126,10 @@ struct Communicators {
   std::unique_ptr<Communicator> tp_ep;  // TP x EP: under expert parallelism, one copy of every parameter
   std::unique_ptr<Communicator> edp;  // the expert-data-parallel group: the ranks holding the same experts
   std::unique_ptr<Communicator> self;  // this rank alone
+  std::unique_ptr<Communicator> pp;    // the pipeline group: the ranks holding the other stages
+  // With pipeline stages, one copy of every parameter: TP x PP (and under expert parallelism TP x EP
+  // x PP); null with one stage (then tp and tp_ep are).
+  std::unique_ptr<Communicator> tp_pp, tp_ep_pp;
 };
 
 // World resource a module that shards the parameters over data-parallel ranks emplaces at install
@@ -161,6 +169,8 @@ std::unique_ptr<Communicator> make_group(World& w, const std::string& name, int 
 TensorParallel tensor_parallel(World& w, ops::Backend& backend);
 // This rank's data-parallel group.
 DataParallel data_parallel(World& w);
+// This rank's pipeline-parallel group (the ranks holding the model's other stages).
+PipelineParallel pipeline_parallel(World& w);
 // This rank's expert-parallel group, for mixture-of-experts layers of `n_experts` computing on `backend`.
 ExpertParallel expert_parallel(World& w, ops::Backend& backend, int n_experts);
 

@@ -15,8 +15,8 @@ struct RngConfig {
 KILN_CONFIG(RngConfig,
             (seed_policy, "how per-rank seeds derive from train.seed: collision_free or megatron"),
             (layout_invariant,
-             "draws are functions of the global element index, so TP/sharded runs draw what one rank would; "
-             "false: per-rank streams as Megatron"))
+             "draws are functions of the global element index, so TP, sharded and pipeline-parallel runs draw what "
+             "one rank would; false: per-rank streams as Megatron"))
 
 void register_module(ModuleRegistry& registry);
 

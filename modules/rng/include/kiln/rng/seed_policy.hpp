@@ -37,9 +37,9 @@ std::uint64_t stream_seed(SeedPolicy policy, std::uint64_t master_seed, StreamKi
 std::uint64_t mix64(std::uint64_t x);
 
 // A rank's tracker: the default state and the named states of kiln's parallel layout, seeded by
-// `policy` from the master seed. With `layout_invariant`, the streams used on tensor- and
-// expert-parallel shards are keyed as on TP rank 0 and EP rank 0 (the shards are decorrelated by
-// their global element indices instead, so every layout draws what one rank would).
+// `policy` from the master seed. With `layout_invariant`, every stream is keyed as on TP, EP and
+// pipeline rank 0 (shards are decorrelated by their global element indices instead, and a pipeline
+// stage draws where one rank's draws would be, so every layout draws what one rank would).
 RngStatesTracker make_tracker(SeedPolicy policy, bool layout_invariant, std::uint64_t master_seed,
                               const RankCoords& coords);
 

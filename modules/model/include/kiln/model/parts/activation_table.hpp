@@ -4,11 +4,16 @@
 //   saved             written by a block's forward, read by its backward: the block's own copy, or,
 //                     where the block's backward recomputes the stage that writes it (activation
 //                     checkpointing), one copy shared by every block that does.
+//   kept              written by the forward, read by the backward, never recomputed (the residual
+//                     streams, a block's saved input part): the block's or the model's own.
 //   scratch           used within one pass, or refilled by the backward pass before it is read: one
 //                     copy shared by every block (rows of the same key are one tensor).
 //   backward scratch  used only by the blocks' backward passes: one copy per key, placed at the end
 //                     of a tensor that is dead meanwhile (the logits) where it fits.
-//   own               the model's own tensors (residual streams, logits, ...).
+//   own               the model's own tensors (working tensors, logits, a part's state, ...).
+// A pipeline rank runs several micro-batches' forwards before their backwards (pipeline_schedule.hpp):
+// the saved and kept rows (those not shared) then exist once per micro-batch in flight, and
+// select_copy() points them at one micro-batch's copy before its pass.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -31,6 +36,7 @@ class ActivationTable {
     void saved(TensorView& slot, const std::string& key, DType dtype, Shape shape, StageSet stage);
     void scratch(TensorView& slot, const std::string& key, DType dtype, Shape shape);
     void backward_scratch(TensorView& slot, const std::string& key, DType dtype, Shape shape);
+    void kept(TensorView& slot, DType dtype, Shape shape);
     void own(TensorView& slot, DType dtype, Shape shape);
     // Whether the block's backward pass recomputes `stage` (its saved rows then live in the copy the
     // recomputing blocks share, written again just before the block's backward reads them).
@@ -60,15 +66,22 @@ class ActivationTable {
   };
   const std::vector<SavedRow>& saved_rows() const { return saved_rows_; }
 
-  // Allocates every row but the backward scratch (slots must stay where they are until then).
-  void allocate(ops::Backend& be);
+  // Allocates every row but the backward scratch (slots must stay where they are until then), the
+  // saved and kept rows `copies` times (copy 0 selected).
+  void allocate(ops::Backend& be, int copies = 1);
+  // Points the saved and kept rows at copy `copy`.
+  void select_copy(int copy);
+  int copies() const { return kept_.copies(); }
   // Places the backward scratch at the end of `host` (allocated by this table, and dead while the
   // blocks run their backward passes) when it fits there beside `borrow` bytes that the blocks'
   // linears may use as scratch of their own, else allocates it apart. Returns the memory lent to the
   // blocks: what `host` holds before the backward scratch (nn::BlockScratch).
   nn::BlockScratch place_backward_scratch(ops::Backend& be, const TensorView& host, std::size_t borrow);
   // Bytes of activation memory: the table's buffer, and the backward scratch where it has its own.
-  std::size_t bytes() const { return arena_.bytes() + (backward_apart_ ? backward_.bytes() : 0); }
+  std::size_t bytes() const {
+    return arena_.bytes() + kept_.bytes() * static_cast<std::size_t>(kept_.copies()) +
+           (backward_apart_ ? backward_.bytes() : 0);
+  }
 
  private:
   struct Slot {
@@ -86,7 +99,7 @@ class ActivationTable {
   static void request(Arena& arena, std::map<std::string, Shared>& rows);
   static void point(std::map<std::string, Shared>& rows);
 
-  Arena arena_, backward_;
+  Arena arena_, kept_, backward_;
   std::map<std::string, Shared> recomputed_, scratch_, backward_rows_;
   std::vector<SavedRow> saved_rows_;
   int blocks_ = 0;

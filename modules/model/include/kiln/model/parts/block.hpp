@@ -63,6 +63,8 @@ class TransformerBlock {
   // Whether the block keeps only this TP rank's rows of its input (the input's full rows are then
   // scratch the model shares between blocks).
   bool distributes_input() const { return distribute_; }
+  // Its dropout masks' draws from the tracker (p > 0; else none), as its forward makes them.
+  void draw(rng::RngStatesTracker* tracker, float p);
   // x [Nl, C] -> out [Nl, C]; draws its dropout masks from the tracker (training with dropout).
   void forward(const TensorView& x, const TensorView& out, float p, rng::RngStatesTracker* tracker, bool training);
   // The residual stream's gradient (ctx.stream.dres) through the block, whose input was x; first

@@ -15,6 +15,9 @@ class Embedding {
   Embedding(LayerBuilder b, bool learned_positions);
 
   Entity token_table() const { return wte_; }  // the tied LM head's weight
+  // The token table as a parameter of another stage's unit (pipeline parallelism: the last stage's
+  // tied LM head), named, shaped, split and drawn as the embedding's own.
+  static Entity table_copy(LayerBuilder& b);
   // out_local [Nl, C] = the tokens' rows (+ positions).
   void forward(const TensorView& tokens, const TensorView& out_local) const;
   // The tables' gradients from this rank's rows of the output's gradient.
