@@ -55,11 +55,12 @@ for chunk in (out / "pipeline-logs.txt").read_text().split("===== "):
     for line in chunk.splitlines():
         if "peak device memory" in line:
             mem[name] = line.split("memory ")[1].split(" GiB")[0]
-m = 8
 print(f"{'run':<15} {'tok/s':>9} {'per GPU':>9} {'ms/step':>8} {'GiB':>6} {'vs (1-b) x 1 GPU':>17} {'max dloss/loss':>15}")
-for n, ref, gpus, vpp in [("124m-one", None, 1, 1), ("124m-pp2", "124m-one", 2, 1), ("124m-pp2-vpp2", "124m-one", 2, 2),
-                          ("1.3b-one", None, 1, 1), ("1.3b-pp2", "1.3b-one", 2, 1), ("1.3b-pp2-vpp2", "1.3b-one", 2, 2),
-                          ("llama-one", None, 1, 1), ("llama-pp2", "llama-one", 2, 1), ("llama-pp2-vpp2", "llama-one", 2, 2)]:
+for n, ref, gpus, vpp, m in [("124m-one", None, 1, 1, 4), ("124m-pp2", "124m-one", 2, 1, 4),
+                             ("124m-pp2-vpp2", "124m-one", 2, 2, 4), ("1.3b-one", None, 1, 1, 8),
+                             ("1.3b-pp2", "1.3b-one", 2, 1, 8), ("1.3b-pp2-vpp2", "1.3b-one", 2, 2, 8),
+                             ("llama-one", None, 1, 1, 8), ("llama-pp2", "llama-one", 2, 1, 8),
+                             ("llama-pp2-vpp2", "llama-one", 2, 2, 8)]:
     r = load(n)
     if not r:
         print(f"{n:<15} (no metrics)"); continue
