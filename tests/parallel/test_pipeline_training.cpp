@@ -3,12 +3,16 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <filesystem>
 #include <map>
 #include <mutex>
 
 #include "../model/parallel_fixture.hpp"
+#include "kiln/log/timeline.hpp"
 #include "kiln/model/gpt.hpp"
+#include "kiln/nn/events.hpp"
 
 using namespace kiln;
 
@@ -241,4 +245,54 @@ TEST_CASE("a stage that dies mid-schedule stops the others, naming the peer and 
   // Its neighbours were waiting for what it would have sent them.
   CHECK(failures.find("receiving from rank 2") != std::string::npos);
   CHECK(failures.find("of micro-batch") != std::string::npos);
+}
+
+namespace {
+// Passes whose time is known: every block's forward sleeps 20 ms and its backward 40 ms (the tiny
+// model's own compute is well under a millisecond a block).
+struct SleepConfig {
+  int forward_ms = 10;
+};
+KILN_CONFIG(SleepConfig, (forward_ms, "each block's forward sleeps this long, its backward twice as long"))
+struct SleepHooks {
+  Subscription f, b;
+};
+void register_sleep(ModuleRegistry& r) {
+  r.add(make_module<SleepConfig>("test_sleep", "", {"model"}, [](World& w, const SleepConfig& cfg) {
+    const int L = w.resource<model::ModelConfig>().n_layer;
+    auto& h = w.emplace_resource<SleepHooks>();
+    h.f = w.events().subscribe<nn::LayerForwardEnd>([cfg, L](const nn::LayerForwardEnd& e) {
+      if (e.unit >= 1 && e.unit <= L) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.forward_ms));
+    });
+    h.b = w.events().subscribe<nn::LayerBackwardEnd>([cfg, L](const nn::LayerBackwardEnd& e) {
+      if (e.unit >= 1 && e.unit <= L) std::this_thread::sleep_for(std::chrono::milliseconds(2 * cfg.forward_ms));
+    });
+  }));
+}
+}  // namespace
+
+TEST_CASE("the measured bubble of a timed step equals (pp - 1) / (vpp m + pp - 1): 1F1B and interleaved") {
+  struct Case {
+    int nproc;
+    test::Sets sets;
+  };
+  for (const auto& c : std::vector<Case>{{2, {"parallel.pp=2"}},
+                                         {4, {"parallel.pp=4"}},
+                                         {2, {"parallel.pp=2", "parallel.vpp=2"}}}) {
+    TempDir d;
+    const std::string path = d.path + "/timeline";
+    test::run_ranks(kTiny, c.nproc,
+                    c.sets + test::Sets{"train.steps=2", "log.timeline=\"" + path + "\"", "log.timeline_step=2",
+                                        "test_sleep.forward_ms=20"},
+                    register_sleep);
+    std::vector<std::string> files;
+    for (int r = 0; r < c.nproc; ++r) files.push_back(path + ".rank" + std::to_string(r));
+    const auto passes = log::read_timeline(files);
+    const auto s = log::summarize_timeline(passes);
+    CAPTURE(c.sets.back());
+    CHECK(s.micro_batches == 4);
+    CHECK(passes.size() == static_cast<std::size_t>(c.nproc) * 2 * 4 * s.vpp);
+    MESSAGE(c.sets.back(), ": measured bubble ", s.bubble, ", formula ", s.formula, ", step ", s.makespan_s * 1e3, " ms");
+    CHECK(std::fabs(s.bubble - s.formula) < 0.05);
+  }
 }

@@ -8,6 +8,7 @@
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/log/log.hpp"
+#include "kiln/train/layout.hpp"
 #include "kiln/train/state.hpp"
 #include "kiln/train/train.hpp"
 
@@ -96,6 +97,35 @@ void install(World& w, const LogConfig& cfg) {
                      }
                    },
                    {"train.step_end"}});
+  if (cfg.timeline) {
+    // Every rank writes its own file of the step's passes.
+    const std::string path = cat(*cfg.timeline, ".rank", w.resource<RankInfo>().rank);
+    if (!std::ofstream(path, std::ios::app)) KILN_THROW("log.timeline: cannot open '", path, "' for writing");
+    w.emplace_resource<train::PassTimeline>();
+    w.systems().add({"log.timeline_begin", Phase::step_begin, [cfg](World& world) {
+                       auto& tl = world.resource<train::PassTimeline>();
+                       tl.record = world.resource<RunControl>().step == cfg.timeline_step;
+                       tl.passes.clear();
+                     }});
+    w.systems().add({"log.timeline", Phase::step_end,
+                     [path](World& world) {
+                       auto& tl = world.resource<train::PassTimeline>();
+                       if (!tl.record) return;
+                       tl.record = false;
+                       const auto* layout = world.try_resource<train::ParallelLayout>();
+                       std::ofstream out(path, std::ios::trunc);
+                       for (const auto& p : tl.passes) {
+                         const nlohmann::ordered_json j = {
+                             {"rank", world.resource<RankInfo>().rank}, {"pp_rank", layout ? layout->pp_rank : 0},
+                             {"step", world.resource<RunControl>().step}, {"pass", p.forward ? "F" : "B"},
+                             {"micro_batch", p.micro_batch}, {"chunk", p.chunk}, {"start_s", p.start_s},
+                             {"end_s", p.end_s}};
+                         out << j.dump() << "\n";
+                       }
+                       if (!out) KILN_THROW("log.timeline: cannot write '", path, "'");
+                     },
+                     {"train.step_end"}});
+  }
   w.systems().add({"log.summary", Phase::shutdown, [rank0](World& world) {
                      if (!rank0) return;
                      const auto& ts = world.resource<train::TrainState>();

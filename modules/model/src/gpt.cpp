@@ -2,6 +2,7 @@
 #include "kiln/model/gpt.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "kiln/engine/engine_module.hpp"
@@ -329,21 +330,43 @@ void GptModel::end_pass() {
 }
 
 void GptModel::forward_pass(int m, int chunk, rng::RngStatesTracker* tracker) {
-  if (!plan_.pipelined()) return forward_loaded(m, true, tracker);
   begin_pass(true, m, chunk);
-  forward_chunk(chunk, m, true, tracker);
+  const double start = pass_clock();
+  if (plan_.pipelined())
+    forward_chunk(chunk, m, true, tracker);
+  else
+    forward_loaded(m, true, tracker);
+  record_pass(true, m, chunk, start);
   end_pass();
 }
 
 void GptModel::backward_pass(int m, int chunk) {
-  if (!plan_.pipelined()) {
+  begin_pass(false, m, chunk);
+  const double start = pass_clock();
+  if (plan_.pipelined()) {
+    backward_chunk(chunk, m);
+  } else {
     KILN_CHECK(have_forward_, "backward without a training forward");
     have_forward_ = false;
-    return backward_chunk(0, m);
+    backward_chunk(0, m);
   }
-  begin_pass(false, m, chunk);
-  backward_chunk(chunk, m);
+  record_pass(false, m, chunk, start);
   end_pass();
+}
+
+// With log.timeline, a timed step's passes: the device synchronised when a pass's inputs have
+// arrived and at its end (steady-clock seconds; -1: not timed).
+double GptModel::pass_clock() {
+  const auto* tl = ctx_.world.try_resource<train::PassTimeline>();
+  if (!tl || !tl->record) return -1;
+  ctx_.be.synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void GptModel::record_pass(bool forward, int m, int chunk, double start) {
+  if (start < 0) return;
+  const double end = pass_clock();
+  ctx_.world.resource<train::PassTimeline>().passes.push_back({forward, m, chunk, start, end});
 }
 
 void GptModel::learn_dropout_draws(rng::RngStatesTracker& tracker) {

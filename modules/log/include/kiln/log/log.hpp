@@ -17,7 +17,10 @@ struct LogConfig {
   std::int64_t sample_every = 0;
   int sample_tokens = 64;
   std::string sample_prompt = "The ";
+  std::optional<std::string> timeline;
+  std::int64_t timeline_step = 3;
   void validate(config::Checks& c) const {
+    c.expect(timeline_step > 0, "timeline_step", "must be positive");
     c.expect(every > 0, "every", "must be positive");
     c.expect(val_every >= 0, "val_every", "must be >= 0 (0 = never)");
     c.expect(sample_every >= 0, "sample_every", "must be >= 0 (0 = never)");
@@ -32,7 +35,12 @@ KILN_CONFIG(LogConfig,
              "print text the model generates every this many steps (and at the last), as llm.c does; needs the "
              "whole model on rank 0 (parallel.tp = 1, no fsdp sharding); 0 = never"),
             (sample_tokens, "tokens each sample generates"),
-            (sample_prompt, "the text samples start from"))
+            (sample_prompt, "the text samples start from"),
+            (timeline,
+             "time each forward and backward pass of step log.timeline_step on every rank (the device synchronised "
+             "around each, which slows that step) and write them to this path + \".rank<N>\" (JSONL); `kiln plot "
+             "--timeline FILES` draws them and measures the pipeline bubble"),
+            (timeline_step, "the step log.timeline times"))
 
 // The step line, e.g. "step   12/200 | loss 3.4512 | ...".
 std::string format_step_line(std::int64_t step, std::int64_t steps, double loss, double lr, double grad_norm,

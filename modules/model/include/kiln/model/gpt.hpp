@@ -134,6 +134,8 @@ class GptModel {
   void begin_pass(bool forward, int m, int chunk);
   void end_pass();
   void transfer(int call);
+  double pass_clock();
+  void record_pass(bool forward, int m, int chunk, double start);
   TensorView transfer_buffer(const parallel::PipelineMessage& msg, bool send);
   // A forward-only pass of the whole model over the stages (validation), into loss slot 0.
   void forward_stages(const train::Batch& batch);

@@ -107,6 +107,22 @@ struct TrainState {
   std::optional<std::chrono::steady_clock::time_point> run_start;
 };
 
+// One pass of a step as it ran on this rank (log.timeline): its compute, from when its inputs had
+// arrived to its end, the device synchronised at both ends; steady-clock seconds (one clock for all
+// the ranks of a host).
+struct PassTime {
+  bool forward = true;
+  int micro_batch = 0, chunk = 0;
+  double start_s = 0, end_s = 0;
+};
+
+// World resource (the log module's, with log.timeline): whether this step's passes are timed, and
+// those timed so far. The model records its passes here.
+struct PassTimeline {
+  bool record = false;
+  std::vector<PassTime> passes;
+};
+
 void register_module(ModuleRegistry& registry);
 
 }  // namespace kiln::train
