@@ -49,7 +49,13 @@ void ParamStore::lay_out(World& w) {
     units_[u].begin = at;
     unit_held_[u] = held;
     auto it = by_unit.find(u);
+    // A parameter two pipeline stages hold (TiedAcrossStages) comes first, in groups of its own, so
+    // that both stages hold the same part of it (their gradients are summed part by part).
+    bool has_tied = false;
+    if (it != by_unit.end())
+      for (auto [e, p] : it->second) has_tied = has_tied || w.has<TiedAcrossStages>(e);
     // Dense before expert; in a sharded domain the one-byte compute copies are gathered apart, first.
+    for (int tied_pass = has_tied ? 0 : 1; tied_pass < 2; ++tied_pass)
     for (ShardDomain domain : {ShardDomain::dense, ShardDomain::expert})
       for (bool bytes : {true, false}) {
         const int S = shards_[static_cast<int>(domain)];
@@ -58,6 +64,7 @@ void ParamStore::lay_out(World& w) {
           for (auto [e, p] : it->second) {
             const bool is_bytes = S > 1 && w.has<ByteCompute>(e);
             if (domain_of(*p) != domain || is_bytes != bytes) continue;
+            if (has_tied && w.has<TiedAcrossStages>(e) != (tied_pass == 0)) continue;
             p->offset = at;
             at += align(p->numel, kParamAlign);
           }

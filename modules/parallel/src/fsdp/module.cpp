@@ -48,11 +48,6 @@ void install(World& w, const FsdpConfig& cfg) {
   auto& comms = w.resource<Communicators>();
   auto& be = w.resource<ops::ActiveBackend>().get();
   const int dp = par.dp_size(), d = par.dp_rank();
-  if (par.pp_size() > 1)
-    throw config_error(w, "parallel.pp",
-                       cat("is ", par.pp_size(), ", but fsdp does not shard pipeline stages yet (its gathers follow one "
-                           "pass over the whole model); set parallel.pp = 1, or leave fsdp out (each stage then "
-                           "keeps its parameters whole)"));
   if (cfg.strategy != FsdpStrategy::hybrid_shard && cfg.shard_size != 0)
     throw config_error(w, "fsdp.shard_size",
                        "only hybrid_shard takes a shard size (the other strategies shard over all data-parallel ranks)");
@@ -89,18 +84,26 @@ void install(World& w, const FsdpConfig& cfg) {
   for (int j = 0; j < dp / S; ++j) replica_dps.push_back(j * S + i);
   Communicator* shard = comms.dp.get();
   Communicator* replica = nullptr;
-  Communicator* param_shards = comms.tp_dp.get();  // TP x the shard group
-  if (S < dp) {
-    const auto shard_members = dp_members(par, shard_dps), replica_members = dp_members(par, replica_dps);
-    st.own_shard = make_group(w, "fsdp_shard", shard_members.front(), shard_members);
-    st.own_replica = make_group(w, "fsdp_replica", replica_members.front(), replica_members);
+  // One copy of the parameters: TP x the shard group (x the pipeline stages).
+  Communicator* param_shards = comms.tp_dp.get();
+  if (S < dp || par.pp_size() > 1) {
+    if (S < dp) {
+      const auto shard_members = dp_members(par, shard_dps), replica_members = dp_members(par, replica_dps);
+      st.own_shard = make_group(w, "fsdp_shard", shard_members.front(), shard_members);
+      st.own_replica = make_group(w, "fsdp_replica", replica_members.front(), replica_members);
+      shard = st.own_shard.get();
+      replica = st.own_replica.get();
+    }
     std::vector<int> tp_shard;
-    for (int t = 0; t < par.tp_size(); ++t)
-      for (int j : shard_dps) tp_shard.push_back(par.topology.rank(at_dp_rank(par, j, t)));
+    for (int p = 0; p < par.pp_size(); ++p)
+      for (int t = 0; t < par.tp_size(); ++t)
+        for (int j : shard_dps) {
+          Coords c = at_dp_rank(par, j, t);
+          c.pp = p;
+          tp_shard.push_back(par.topology.rank(c));
+        }
     std::sort(tp_shard.begin(), tp_shard.end());
     st.own_param_shards = make_group(w, "fsdp_tp_shard", tp_shard.front(), tp_shard);
-    shard = st.own_shard.get();
-    replica = st.own_replica.get();
     param_shards = st.own_param_shards.get();
   }
   // The gradients are reduce-scattered here instead of all-reduced: the parallel module stands
