@@ -338,3 +338,56 @@ TEST_CASE("pipeline stages with FSDP inside each stage match the single-rank run
     for (std::size_t i = 0; i < n.size(); ++i) CHECK(n[i] == doctest::Approx(one[i]).epsilon(1e-5));
   }
 }
+namespace {
+const test::Sets kMoe = {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.tie_embeddings=false",
+                         "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=32"};
+
+// Rank 0's metrics of the last step, by name.
+std::map<std::string, double> last_metrics(int nproc, const test::Sets& sets) {
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+  config::apply_overrides(doc, sets + test::Sets{"train.steps=3"});
+  std::map<std::string, double> out;
+  auto outcomes = parallel::run_thread_ranks(nproc, config::resolve(doc, "tiny.toml", reg), reg, {}, [&](World& w) {
+    if (w.resource<RankInfo>().rank != 0) return;
+    for (const auto& [name, v] : w.resource<train::TrainState>().metrics) out[name] = v;
+  });
+  for (auto& o : outcomes) REQUIRE(o.ok);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("a mixture of experts on pipeline stages: one rank's training, routing state per micro-batch, metrics of every stage") {
+  // The experts' routing of a micro-batch (host offsets, expert-parallel plans) lives from its
+  // forward to its backward: pp = 2 trains bit-identically (untied Llama).
+  const Trace single = run(1, kMoe);
+  compare(run(2, test::Sets{"parallel.pp=2"} + kMoe), single, "moe pp=2");
+  compare(run(2, test::Sets{"parallel.pp=2", "parallel.vpp=2"} + kMoe), single, "moe pp=2 x vpp=2");
+  compare(run(4, test::Sets{"parallel.pp=2", "parallel.ep=2", "train.micro_batch_size=1"} + kMoe),
+          run(1, test::Sets{"train.micro_batch_size=1"} + kMoe), "moe pp=2 x ep=2, 4 micro-batches");
+  const test::Sets fp8 = {"fp8.enabled=true", "fp8.recipe=\"current\""};
+  compare(run(2, test::Sets{"parallel.pp=2"} + kMoe + fp8), run(1, kMoe + fp8), "moe pp=2, fp8 current (grouped too)");
+  // Every stage's layers in the metrics, the totals over the layers summed.
+  const auto one = last_metrics(1, kMoe), two = last_metrics(2, test::Sets{"parallel.pp=2"} + kMoe);
+  REQUIRE(one.size() == two.size());
+  CHECK(one.count("blocks.3.mlp.tokens_cv") == 1);
+  for (const auto& [name, v] : one) {
+    CAPTURE(name);
+    REQUIRE(two.count(name) == 1);
+    CHECK(two.at(name) == doctest::Approx(v).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("a mixture of experts' balancing biases are saved from every stage and loaded at another pp") {
+  const test::Sets sigmoid = kMoe + test::Sets{"model.moe.router=\"sigmoid\"", "model.moe.bias_update_rate=0.01"};
+  const test::Sets pp2 = test::Sets{"parallel.pp=2"} + sigmoid;
+  const Trace ref = run(2, pp2);
+  const Trace resumed = stop_and_resume(2, pp2, 2, pp2, 8);
+  for (std::size_t s = 9; s <= ref.loss.size(); ++s) CHECK(resumed.loss[s - 1] == ref.loss[s - 1]);
+  CHECK(resumed.weights == ref.weights);
+  const Trace single = run(1, sigmoid);
+  const Trace other = stop_and_resume(2, pp2, 1, sigmoid, 8);
+  for (std::size_t s = 9; s <= single.loss.size(); ++s)
+    CHECK(std::fabs(other.loss[s - 1] - single.loss[s - 1]) / single.loss[s - 1] < 1e-5);
+}

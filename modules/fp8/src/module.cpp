@@ -207,47 +207,48 @@ std::set<nn::LinearRole> roles_kept_in_fp8(World& w, const std::vector<Entity>& 
 // forward to the start of its backward. (A unit's linears' slots are consecutive: the linears are
 // made unit by unit.)
 void keep_scales_per_micro_batch(World& w, Fp8State& st) {
-  std::map<int, std::pair<int, int>> slots;  // unit -> [first, last) slot
-  for (std::size_t i = 0; i < st.entities.size(); ++i) {
-    const int unit = w.get<nn::Linear>(st.entities[i]).unit, first = static_cast<int>(i) * kRolesPerLinear;
-    auto [it, fresh] = slots.try_emplace(unit, first, first + kRolesPerLinear);
-    if (!fresh) {
-      KILN_CHECK(it->second.second == first, "fp8: unit ", unit, "'s linear layers are not consecutive");
-      it->second.second = first + kRolesPerLinear;
-    }
-  }
+  // unit -> its slot ranges [first, last): its linears', then its grouped linears' (each consecutive).
+  std::map<int, std::vector<std::pair<int, int>>> slots;
+  auto add = [&slots](int unit, int first) {
+    auto& ranges = slots[unit];
+    if (!ranges.empty() && ranges.back().second == first)
+      ranges.back().second = first + kRolesPerLinear;
+    else
+      ranges.push_back({first, first + kRolesPerLinear});
+  };
+  for (std::size_t i = 0; i < st.entities.size(); ++i)
+    add(w.get<nn::Linear>(st.entities[i]).unit, static_cast<int>(i) * kRolesPerLinear);
+  for (std::size_t i = 0; i < st.grouped_entities.size(); ++i)
+    add(w.get<nn::GroupedLinear>(st.grouped_entities[i]).unit,
+        static_cast<int>(st.entities.size() + i) * kRolesPerLinear);
   const int n = st.meta->size(), m = w.resource<train::TrainState>().micro_batches;
   constexpr int S = Fp8MetaStore::kScaleInvStride;
   auto& be = w.resource<ops::ActiveBackend>().get();
   auto stash = std::make_shared<Buffer>(be.alloc(static_cast<std::size_t>(m) * n * (1 + S) * sizeof(float)));
-  // Micro-batch k's copies: scales [n], then inverses [n, S].
-  auto views = [stash, n](int k, int first, int last) {
-    const Shape one{last - first}, inv{last - first, S};
+  // Micro-batch k's copies: scales [n], then inverses [n, S]; `save`: live -> copy, else back.
+  auto move = [&w, &st, stash, n](int k, const std::vector<std::pair<int, int>>& ranges, bool save) {
+    auto& be = w.resource<ops::ActiveBackend>().get();
     const std::size_t at = static_cast<std::size_t>(k) * n * (1 + S) * sizeof(float);
-    return std::pair{stash->view(DType::f32, one, at + static_cast<std::size_t>(first) * sizeof(float)),
-                     stash->view(DType::f32, inv, at + (static_cast<std::size_t>(n) + static_cast<std::size_t>(first) * S) * sizeof(float))};
+    for (const auto& [first, last] : ranges) {
+      const TensorView scale = stash->view(DType::f32, {last - first}, at + static_cast<std::size_t>(first) * sizeof(float));
+      const TensorView inv = stash->view(DType::f32, {last - first, S},
+                                         at + (static_cast<std::size_t>(n) + static_cast<std::size_t>(first) * S) * sizeof(float));
+      const TensorView now = st.meta->scales().flat_slice(first, last - first);
+      const TensorView now_inv = st.meta->scale_invs().rows(first, last - first);
+      if (save) {
+        be.copy(scale, now);
+        be.copy(inv, now_inv);
+      } else {
+        be.copy(now, scale);
+        be.copy(now_inv, inv);
+      }
+    }
   };
-  auto live = [&st](int first, int last) {
-    return std::pair{st.meta->scales().flat_slice(first, last - first),
-                     st.meta->scale_invs().rows(first, last - first)};
-  };
-  st.subscriptions.push_back(w.events().subscribe<nn::LayerForwardEnd>([&w, slots, views, live](const nn::LayerForwardEnd& e) {
-    const auto it = slots.find(e.unit);
-    if (it == slots.end()) return;
-    auto& be = w.resource<ops::ActiveBackend>().get();
-    const auto [scale, inv] = views(w.resource<RunControl>().micro_batch, it->second.first, it->second.second);
-    const auto [now, now_inv] = live(it->second.first, it->second.second);
-    be.copy(scale, now);
-    be.copy(inv, now_inv);
+  st.subscriptions.push_back(w.events().subscribe<nn::LayerForwardEnd>([&w, slots, move](const nn::LayerForwardEnd& e) {
+    if (const auto it = slots.find(e.unit); it != slots.end()) move(w.resource<RunControl>().micro_batch, it->second, true);
   }));
-  st.subscriptions.push_back(w.events().subscribe<nn::LayerBackwardBegin>([&w, slots, views, live](const nn::LayerBackwardBegin& e) {
-    const auto it = slots.find(e.unit);
-    if (it == slots.end()) return;
-    auto& be = w.resource<ops::ActiveBackend>().get();
-    const auto [scale, inv] = views(w.resource<RunControl>().micro_batch, it->second.first, it->second.second);
-    const auto [now, now_inv] = live(it->second.first, it->second.second);
-    be.copy(now, scale);
-    be.copy(now_inv, inv);
+  st.subscriptions.push_back(w.events().subscribe<nn::LayerBackwardBegin>([&w, slots, move](const nn::LayerBackwardBegin& e) {
+    if (const auto it = slots.find(e.unit); it != slots.end()) move(w.resource<RunControl>().micro_batch, it->second, false);
   }));
 }
 

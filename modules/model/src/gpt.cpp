@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/model/spec.hpp"
@@ -83,6 +84,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
   // A table tied over two stages: the first stage's is the original, the last's its copy.
   if (tied_)
     ctx_.world.emplace<nn::TiedAcrossStages>(*tied_, nn::TiedAcrossStages{embedding_ ? plan_.shape.pp - 1 : 0, !embedding_});
+  learn_part_state_layout();
 }
 
 void GptModel::allocate_activations() {
@@ -199,6 +201,7 @@ void GptModel::use(int m) {
   ctx_.seq_offset = in.seq_offset;
   ctx_.doc_start = in.documents ? doc_all_.rows(inputs_index(m), 1).reshape({ctx_.B, ctx_.T}) : TensorView{};
   table_.select_copy(plan_.copy_of(m));
+  ctx_.copy = plan_.copy_of(m);
 }
 
 rng::RngSnapshot GptModel::states_before_block(int l) const {
@@ -561,44 +564,140 @@ std::vector<std::pair<std::string, double>> GptModel::step_metrics() {
   std::size_t read = 0;
   for (auto& block : blocks_)
     if (block)
-    for (auto& [name, mixer] : block->mixers()) {
-      const auto n = static_cast<std::size_t>(mixer->device_stats());
-      mixer->collect_stats(std::span<const float>(device).subspan(read, n), sums);
-      read += n;
-    }
+      for (auto& [name, mixer] : block->mixers()) {
+        const auto n = static_cast<std::size_t>(mixer->device_stats());
+        mixer->collect_stats(std::span<const float>(device).subspan(read, n), sums);
+        read += n;
+      }
   std::vector<std::pair<std::string, double>> out;
-  if (sums.empty()) return out;
-  dp_.sum(sums);
-  std::size_t at = 0;
-  for (auto& block : blocks_)
-    if (block)
-      for (auto& [name, mixer] : block->mixers()) at = mixer->end_step(sums, at, name, out);
+  if (!sums.empty()) {
+    dp_.sum(sums);
+    std::size_t at = 0;
+    for (auto& block : blocks_)
+      if (block)
+        for (auto& [name, mixer] : block->mixers()) at = mixer->end_step(sums, at, name, out);
+  }
+  return pipe_ ? merge_over_stages(out) : out;
+}
+
+std::vector<std::pair<std::string, double>> GptModel::merge_over_stages(
+    const std::vector<std::pair<std::string, double>>& mine) const {
+  // Each stage's numbers as words (a name's bytes, a zero, the value's bits), gathered; a name that
+  // several stages report (the totals over the layers) is summed, in stage order.
+  std::string bytes;
+  for (const auto& [name, value] : mine) {
+    bytes += name;
+    bytes.push_back('\0');
+    bytes.append(reinterpret_cast<const char*>(&value), sizeof value);
+  }
+  std::int64_t longest = 0;
+  for (const auto& v : pipe_->gather({static_cast<std::int64_t>(bytes.size())})) longest = std::max(longest, v.front());
+  std::vector<std::int64_t> words(static_cast<std::size_t>((longest + 7) / 8) + 1, 0);
+  words[0] = static_cast<std::int64_t>(bytes.size());
+  std::memcpy(words.data() + 1, bytes.data(), bytes.size());
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& theirs : pipe_->gather(words)) {
+    const char* at = reinterpret_cast<const char*>(theirs.data() + 1);
+    const char* end = at + theirs[0];
+    while (at < end) {
+      const std::string name(at);
+      at += name.size() + 1;
+      double value = 0;
+      std::memcpy(&value, at, sizeof value);
+      at += sizeof value;
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& m) { return m.first == name; });
+      if (it == out.end())
+        out.push_back({name, value});
+      else
+        it->second += value;
+    }
+  }
   return out;
 }
 
 std::vector<float> GptModel::part_state() const {
-  std::vector<float> all;
+  // Every block's state, in block order (a stage gathers the other stages' blocks').
+  std::vector<std::int64_t> mine;
   for (const auto& block : blocks_)
     if (block)
-    for (const auto& [name, mixer] : block->mixers()) {
-      const std::vector<float> s = mixer->state();
-      all.insert(all.end(), s.begin(), s.end());
+      for (const auto& [name, mixer] : block->mixers())
+        for (float v : mixer->state()) {
+          std::int32_t bits = 0;
+          std::memcpy(&bits, &v, sizeof v);
+          mine.push_back(bits);
+        }
+  std::vector<float> all;
+  auto append = [&all](const std::vector<std::int64_t>& words, std::size_t from, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto bits = static_cast<std::int32_t>(words[from + i]);
+      float v = 0;
+      std::memcpy(&v, &bits, sizeof v);
+      all.push_back(v);
     }
+  };
+  if (!pipe_) {
+    append(mine, 0, mine.size());
+    return all;
+  }
+  // Each stage's values padded to the longest; then laid out by block.
+  std::size_t longest = 0;
+  for (const auto& n : block_state_sizes_by_stage_) longest = std::max(longest, n);
+  mine.resize(longest, 0);
+  const auto theirs = pipe_->gather(mine);
+  std::vector<std::size_t> read(theirs.size(), 0);
+  for (int l = 0; l < ctx_.cfg.n_layer; ++l) {
+    const auto owner = static_cast<std::size_t>(block_state_owner_[static_cast<std::size_t>(l)]);
+    const std::size_t n = block_state_sizes_[static_cast<std::size_t>(l)];
+    append(theirs[owner], read[owner], n);
+    read[owner] += n;
+  }
   return all;
 }
 
-void GptModel::set_part_state(std::span<const float> values) {
-  std::size_t at = 0;
-  for (auto& block : blocks_)
-    if (block)
-    for (auto& [name, mixer] : block->mixers()) {
-      const std::size_t n = mixer->state().size();
-      KILN_CHECK(at + n <= values.size(), "the model's saved part state holds ", values.size(), " values, fewer than ",
-                 name, " needs");
-      mixer->set_state(values.subspan(at, n));
-      at += n;
+std::size_t GptModel::part_state_size() const {
+  std::size_t n = 0;
+  for (std::size_t s : block_state_sizes_) n += s;
+  return n;
+}
+
+void GptModel::learn_part_state_layout() {
+  // Each block's state size and the pipeline rank holding it (collective over the stages).
+  const int L = ctx_.cfg.n_layer;
+  std::vector<std::int64_t> mine(static_cast<std::size_t>(L), -1);
+  for (int l = 0; l < L; ++l)
+    if (const auto& block = blocks_[static_cast<std::size_t>(l)]) {
+      std::size_t n = 0;
+      for (const auto& [name, mixer] : block->mixers()) n += mixer->state().size();
+      mine[static_cast<std::size_t>(l)] = static_cast<std::int64_t>(n);
     }
-  KILN_CHECK(at == values.size(), "the model's saved part state holds ", values.size(), " values, this model ", at);
+  const auto all = pipe_ ? pipe_->gather(mine) : std::vector<std::vector<std::int64_t>>{mine};
+  block_state_sizes_.assign(static_cast<std::size_t>(L), 0);
+  block_state_owner_.assign(static_cast<std::size_t>(L), 0);
+  block_state_sizes_by_stage_.assign(all.size(), 0);
+  for (std::size_t r = 0; r < all.size(); ++r)
+    for (int l = 0; l < L; ++l)
+      if (all[r][static_cast<std::size_t>(l)] >= 0) {
+        block_state_sizes_[static_cast<std::size_t>(l)] = static_cast<std::size_t>(all[r][static_cast<std::size_t>(l)]);
+        block_state_owner_[static_cast<std::size_t>(l)] = static_cast<int>(r);
+        block_state_sizes_by_stage_[r] += static_cast<std::size_t>(all[r][static_cast<std::size_t>(l)]);
+      }
+}
+
+void GptModel::set_part_state(std::span<const float> values) {
+  // The whole model's state, in block order: this rank's blocks take theirs.
+  KILN_CHECK(values.size() == part_state_size(), "the model's saved part state holds ", values.size(),
+             " values, this model ", part_state_size());
+  std::size_t at = 0;
+  for (int l = 0; l < ctx_.cfg.n_layer; ++l) {
+    if (auto& block = blocks_[static_cast<std::size_t>(l)])
+      for (auto& [name, mixer] : block->mixers()) {
+        const std::size_t n = mixer->state().size();
+        mixer->set_state(values.subspan(at, n));
+        at += n;
+      }
+    else
+      at += block_state_sizes_[static_cast<std::size_t>(l)];
+  }
 }
 
 std::int64_t GptModel::active_parameter_count() const {

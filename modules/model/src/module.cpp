@@ -90,10 +90,6 @@ PipelinePlan pipeline_plan(World& w, const ModelConfig& cfg, int micro_batches, 
     if (const std::string problem = parallel::split_problem(par.pp_layers, L, S); !problem.empty())
       throw config_error(w, "parallel.pp_layers", problem);
   if (pp == 1) return PipelinePlan::single(L, micro_batches);
-  if (cfg.moe.enabled())
-    throw config_error(w, "parallel.pp",
-                       cat("is ", pp, ", but pipeline stages of a mixture of experts do not run yet (model.moe.n_experts "
-                           "= ", cfg.moe.n_experts, "); set parallel.pp = 1"));
   if (L < S)
     throw config_error(w, "parallel.pp",
                        cat("splits the blocks into ", S, " pipeline chunks (parallel.pp = ", pp,
@@ -132,7 +128,7 @@ void check_init_from(World& w, const ModelConfig& cfg) {
 // The parts' state that is neither parameter nor activation (routers' balancing biases) in
 // training-state checkpoints: the same on every rank, so any rank's copy restores it.
 void save_part_state(World& w, GptModel& model) {
-  if (model.part_state().empty()) return;
+  if (model.part_state_size() == 0) return;
   w.resource<train::TrainingState>().blobs.push_back(
       {"model.parts",
        [&model] {
@@ -140,7 +136,7 @@ void save_part_state(World& w, GptModel& model) {
          return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
        },
        [&model](const train::SavedBlobs& saved) -> std::function<void()> {
-         const std::size_t want = model.part_state().size();
+         const std::size_t want = model.part_state_size();
          if (saved.all.empty())
            KILN_FILE_ERROR("checkpoint ", saved.checkpoint, " holds no 'model.parts' state (the routers' balancing "
                            "biases) for this model's ", want, " values");

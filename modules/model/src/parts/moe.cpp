@@ -148,7 +148,7 @@ TensorView MoeMlp::weight(Entity e, bool grad) const {
 }
 
 ops::MoeDropout MoeMlp::dropout_args(const TensorView& t) const {
-  const std::int64_t used = ep_.size() > 1 ? plan_.received() : offsets_host_.back();
+  const std::int64_t used = ep_.size() > 1 ? routing().plan.received() : routing().offsets_host.back();
   return {.x = t,
           .ids = ep_.size() > 1 ? ids_in_ : source_,
           .rows = used,
@@ -181,7 +181,7 @@ ops::MoeRoute MoeMlp::route_args() {
 }
 
 void MoeMlp::activate() {
-  const std::int64_t used = ep_.size() > 1 ? plan_.received() : offsets_host_.back();
+  const std::int64_t used = ep_.size() > 1 ? routing().plan.received() : routing().offsets_host.back();
   const TensorView act = act_.rows(0, used), pre = pre_.rows(0, used);
   if (gelu())
     ctx_.be.gelu_forward({act, pre});
@@ -214,7 +214,7 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
   be.moe_route(route_args());
   // The group sizes reach the host (for the grouped linears and the dispatch: a synchronisation)
   // while the rows are gathered.
-  offsets_host_.resize(static_cast<std::size_t>(o_.n_experts + 1));
+  routing().offsets_host.resize(static_cast<std::size_t>(o_.n_experts + 1));
   be.moe_permute({.offsets = offsets_,
                   .row_of = row_of_,
                   .source = source_,
@@ -225,15 +225,15 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
                   .seq_len = ctx_.T,
                   .capacity = capacity_,
                   .token_offset = ctx_.seq_offset * ctx_.T,
-                  .offsets_host = offsets_host_.data()});
-  const std::int32_t* local = offsets_host_.data();
+                  .offsets_host = routing().offsets_host.data()});
+  const std::int32_t* local = routing().offsets_host.data();
   if (moves) {
-    plan_ = ep_.plan(offsets_host_.data());
-    KILN_CHECK(plan_.received() <= x_in_.shape[0], "mixture of experts: ", plan_.received(),
+    routing().plan = ep_.plan(routing().offsets_host.data());
+    KILN_CHECK(routing().plan.received() <= x_in_.shape[0], "mixture of experts: ", routing().plan.received(),
                " rows for this rank's experts exceed the ", x_in_.shape[0], " reserved");
-    ep_.dispatch(x_in_, x_perm_, plan_);
-    if (ids_in_) ep_.dispatch(ids_in_, source_, plan_);
-    local = plan_.local_offsets.data();
+    ep_.dispatch(x_in_, x_perm_, routing().plan);
+    if (ids_in_) ep_.dispatch(ids_in_, source_, routing().plan);
+    local = routing().plan.local_offsets.data();
   }
   impl(fc_linear_).forward({pre_, x_in_, weight(fc_, false), local});
   if (act_output_ != ActOutput::on_load) activate();
@@ -242,13 +242,13 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
 void MoeMlp::forward_out(const TensorView& out_local) {
   ops::Backend& be = ctx_.be;
   const bool moves = ep_.size() > 1;
-  const std::int32_t* local = moves ? plan_.local_offsets.data() : offsets_host_.data();
+  const std::int32_t* local = moves ? routing().plan.local_offsets.data() : routing().offsets_host.data();
   if (shared_) {
     shared_->forward_out(out_local);
     be.copy(shared_out_, out_local);
   }
   impl(proj_linear_).forward({moves ? y_out_ : y_, fc2_input(), weight(proj_, false), local, /*weight_in_out=*/true});
-  if (moves) ep_.combine(y_, y_out_, plan_);
+  if (moves) ep_.combine(y_, y_out_, routing().plan);
   // Each token's experts' outputs, weighted: this rank's part of the experts' hidden features, a
   // partial sum over TP like a row-parallel output, summed over the group into this rank's rows.
   const TensorView full = ctx_.tp.sequence_parallel() ? ctx_.stream.row_out : out_local;
@@ -262,15 +262,15 @@ void MoeMlp::forward_out(const TensorView& out_local) {
     be.copy(terms_sum_, loss_terms_);
   else
     be.add(terms_sum_, loss_terms_);
-  for (int e = 0; e < o_.n_experts; ++e) tokens_[static_cast<std::size_t>(e)] += offsets_host_[e + 1] - offsets_host_[e];
-  dropped_ += static_cast<double>(rows() - offsets_host_.back());
+  for (int e = 0; e < o_.n_experts; ++e) tokens_[static_cast<std::size_t>(e)] += routing().offsets_host[e + 1] - routing().offsets_host[e];
+  dropped_ += static_cast<double>(rows() - routing().offsets_host.back());
 }
 
 TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput& x, const TensorView& dx_local,
                             float p) {
   ops::Backend& be = ctx_.be;
   const bool moves = ep_.size() > 1, sp = ctx_.tp.sequence_parallel();
-  const std::int32_t* local = moves ? plan_.local_offsets.data() : offsets_host_.data();
+  const std::int32_t* local = moves ? routing().plan.local_offsets.data() : routing().offsets_host.data();
   if (act_output_ == ActOutput::refilled) activate();
   if (shared_) be.copy(shared_out_, shared_->backward(dout_local, x, dx_local, p));
   // Every row of the output's gradient.
@@ -282,7 +282,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   const TensorView dy_grouped = moves ? dy_out_ : dy_;
   be.moe_combine_backward({dy_grouped, dgates_, dout, y_, gates_, row_of_});
   ctx_.tp.all_reduce(dgates_);  // the outputs were this rank's partial sums
-  if (moves) ep_.dispatch(dy_, dy_out_, plan_);
+  if (moves) ep_.dispatch(dy_, dy_out_, routing().plan);
   // FC2, then the activation's backward (in FC1's load of its output gradient where FC1 takes that;
   // else with GELU and no dropout in FC2's data gradient; else on its own), then FC1.
   const bool fuse_gelu = gelu() && !dropout_on() && !dact_on_load_;
@@ -314,7 +314,7 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
                               .offsets_host = local,
                               .dweight_overwrite = first_micro_batch()});
   const TensorView dx_grouped = moves ? dy_out_ : dx_in_;  // dy_out_ is free again
-  if (moves) ep_.combine(dx_grouped, dx_in_, plan_);
+  if (moves) ep_.combine(dx_grouped, dx_in_, routing().plan);
   const TensorView col_dx = ctx_.stream.col_dx;
   be.moe_permute_backward({col_dx, dx_grouped, row_of_});
   const LossCoeffs c = loss_coeffs();

@@ -106,7 +106,10 @@ class GptModel {
   std::vector<std::pair<std::string, double>> step_metrics();
   // The parts' state that is neither parameter nor activation (routers' balancing biases), for
   // checkpoints: the same on every rank; empty where no part has any.
+  // (With pipeline stages the whole model's, every stage's blocks in block order: part_state is
+  // collective over the stages.)
   std::vector<float> part_state() const;
+  std::size_t part_state_size() const;
   void set_part_state(std::span<const float> values);
   // The dloss every token's loss gets: 1 / tokens in the global batch (a training batch with
   // step_targets, loss masks, sets 1 / step_targets for its step instead).
@@ -143,6 +146,10 @@ class GptModel {
   rng::RngSnapshot states_before_block(int l) const;
   void learn_dropout_draws(rng::RngStatesTracker& tracker);
   std::int64_t sum_over_stages(std::int64_t local) const;
+  // The step's numbers of every stage, a name several report summed (collective over the stages).
+  std::vector<std::pair<std::string, double>> merge_over_stages(
+      const std::vector<std::pair<std::string, double>>& mine) const;
+  void learn_part_state_layout();
 
   PipelinePlan plan_;
   std::optional<parallel::PipelineParallel> pipe_;  // with pipeline stages
@@ -167,6 +174,9 @@ class GptModel {
   rng::RngSnapshot step_rng_;  // the tracker's states at the step's first micro-batch
   // Each block's draws from each of the tracker's states in a training forward (default first).
   std::vector<std::vector<std::uint64_t>> block_draws_;
+  // Each block's part state: its size, the pipeline rank holding it; each stage's total.
+  std::vector<std::size_t> block_state_sizes_, block_state_sizes_by_stage_;
+  std::vector<int> block_state_owner_;
   float dloss_ = 1.0f;
   int pass_ = 0;           // the next pass of the schedule
   int head_forward_ = -1;  // the micro-batch whose dlogits the head holds

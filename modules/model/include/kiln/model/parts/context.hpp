@@ -43,6 +43,7 @@ struct ModelContext {
   std::int64_t seq_offset = 0;   // the global index of the current micro-batch's first sequence
   TensorView doc_start;          // [B, T] i32 of the current micro-batch (packed documents), or empty
   bool training = false;         // the current forward is a training one (not an evaluation)
+  int copy = 0;                  // the activation copy of the current micro-batch (ActivationTable::select_copy)
   ops::LinearImpl backend_linear;  // the backend's linear ops, for linears no module replaced
   ops::GroupedLinearImpl backend_grouped_linear;  // and its grouped ones
   StreamTensors stream;

@@ -130,8 +130,19 @@ class MoeMlp final : public Mixer {
   // Backward scratch.
   TensorView dlogits_, dgates_, dy_, dact_, dpre_, dx_in_, drouter_;
   TensorView dy_out_;          // with expert parallelism: the output gradient rows before dispatch
-  std::vector<std::int32_t> offsets_host_;  // this forward's grouping, by global expert
-  parallel::ExpertParallel::Plan plan_;     // and where its rows went
+  // A forward's grouping on the host, by global expert, and where its rows went (expert
+  // parallelism): read again by its backward, so kept per activation copy (ModelContext::copy: a
+  // pipeline schedule runs other micro-batches' forwards in between).
+  struct Routing {
+    std::vector<std::int32_t> offsets_host;
+    parallel::ExpertParallel::Plan plan;
+  };
+  mutable std::vector<Routing> routing_;
+  Routing& routing() const {
+    const auto c = static_cast<std::size_t>(ctx_.copy);
+    if (routing_.size() <= c) routing_.resize(c + 1);
+    return routing_[c];
+  }
   rng::PhiloxArgs dropout_rng_;
   std::vector<float> bias_;                 // the balancing bias on the host (the same on every rank)
   bool bias_dirty_ = true;                  // changed since it was copied to the device
