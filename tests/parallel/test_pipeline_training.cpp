@@ -368,6 +368,11 @@ TEST_CASE("a mixture of experts on pipeline stages: one rank's training, routing
           run(1, test::Sets{"train.micro_batch_size=1"} + kMoe), "moe pp=2 x ep=2, 4 micro-batches");
   const test::Sets fp8 = {"fp8.enabled=true", "fp8.recipe=\"current\""};
   compare(run(2, test::Sets{"parallel.pp=2"} + kMoe + fp8), run(1, kMoe + fp8), "moe pp=2, fp8 current (grouped too)");
+  // Expert dropout draws from the expert-parallel state: each stage's blocks start where one rank's
+  // earlier blocks (the other stage's included) left it.
+  const test::Sets drop = {"model.dropout=0.1", "model.moe.expert_dropout=0.1"};
+  compare(run(2, test::Sets{"parallel.pp=2", "parallel.vpp=2"} + kMoe + drop), run(1, kMoe + drop),
+          "moe pp=2 x vpp=2, dropout and expert dropout");
   // Every stage's layers in the metrics, the totals over the layers summed.
   const auto one = last_metrics(1, kMoe), two = last_metrics(2, test::Sets{"parallel.pp=2"} + kMoe);
   REQUIRE(one.size() == two.size());

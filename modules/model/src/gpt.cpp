@@ -378,6 +378,8 @@ void GptModel::learn_dropout_draws(rng::RngStatesTracker& tracker) {
   const int K = tracker.num_states(), L = ctx_.cfg.n_layer;
   std::vector<std::int64_t> mine(static_cast<std::size_t>(L * K), 0);
   const rng::RngSnapshot start = tracker.get_states();
+  const bool was_training = ctx_.training;
+  ctx_.training = true;  // as in a training forward (a mixture of experts draws its expert dropout then)
   for (int l = 0; l < L; ++l) {
     if (!blocks_[static_cast<std::size_t>(l)]) continue;
     blocks_[static_cast<std::size_t>(l)]->draw(&tracker, ctx_.cfg.dropout);
@@ -389,6 +391,7 @@ void GptModel::learn_dropout_draws(rng::RngStatesTracker& tracker) {
                                     start.states[static_cast<std::size_t>(k - 1)].second.offset);
     tracker.set_states(start);
   }
+  ctx_.training = was_training;
   std::vector<std::int64_t> all = mine;
   if (pipe_)
     for (const auto& theirs : pipe_->gather(mine))
