@@ -5,10 +5,10 @@
 
 #include "commands.hpp"
 #include "kiln/model/config.hpp"
-#include "kiln/model/spec.hpp"
+#include "kiln/model/pipeline_plan.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/parallel/pipeline_schedule.hpp"
-#include "kiln/parallel/pipeline_split.hpp"
+#include "kiln/parallel/pipeline_split.hpp"  // split_starts
 #include "kiln/train/train.hpp"
 
 namespace po = boost::program_options;
@@ -29,20 +29,9 @@ void print_schedule(const config::PipelineConfig& p, const parallel::ParallelCon
     throw ConfigError(cat(file, ": train.batch_size ", train.batch_size, " does not split into micro-batches of ", mbs,
                           " over ", dp, " data-parallel ranks"));
   const parallel::PipelineShape shape{pp, vpp, static_cast<int>(per_rank / mbs)};
-  if (const std::string problem = parallel::pipeline_shape_problem(shape); !problem.empty())
-    throw ConfigError(cat(file, ": train.micro_batch_size: ", problem));
-  std::vector<int> layers = par.pp_layers;
-  if (layers.empty()) {
-    if (model.n_layer < S)
-      throw ConfigError(cat(file, ": parallel.pp: ", S, " pipeline chunks, but the model has ", model.n_layer,
-                            " blocks (model.n_layer)"));
-    std::vector<double> costs;
-    for (int l = 0; l < model.n_layer; ++l)
-      costs.push_back(model::block_flops_estimate(model, static_cast<int>(train.seq_len), l));
-    layers = parallel::balanced_split(costs, 0.0, model::head_flops_estimate(model), S);
-  } else if (const std::string problem = parallel::split_problem(layers, model.n_layer, S); !problem.empty()) {
-    throw ConfigError(cat(file, ": parallel.pp_layers ", problem));
-  }
+  const model::PipelineLayers split = model::pipeline_layers(model, static_cast<int>(train.seq_len), shape, par.pp_layers);
+  if (!split.problem.empty()) throw ConfigError(cat(file, ": ", split.key, ": ", split.problem));
+  const std::vector<int> layers = pp == 1 ? std::vector<int>{model.n_layer} : split.layers;
   const auto starts = parallel::split_starts(layers);
   std::cout << "pipeline: pp " << pp << (vpp > 1 ? cat(" x vpp ", vpp, " (interleaved 1F1B)") : " (1F1B)") << ", "
             << shape.micro_batches << " micro-batches a step (train.batch_size " << train.batch_size << " / (dp " << dp

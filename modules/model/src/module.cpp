@@ -85,28 +85,11 @@ void check_moe_layout(World& w, const ModelConfig& cfg) {
 // the whole model, one chunk.
 PipelinePlan pipeline_plan(World& w, const ModelConfig& cfg, int micro_batches, int T) {
   const auto& par = w.resource<parallel::ParallelState>();
-  const int pp = par.pp_size(), vpp = par.vpp, L = cfg.n_layer, S = pp * vpp;
-  if (!par.pp_layers.empty())
-    if (const std::string problem = parallel::split_problem(par.pp_layers, L, S); !problem.empty())
-      throw config_error(w, "parallel.pp_layers", problem);
-  if (pp == 1) return PipelinePlan::single(L, micro_batches);
-  if (L < S)
-    throw config_error(w, "parallel.pp",
-                       cat("splits the blocks into ", S, " pipeline chunks (parallel.pp = ", pp,
-                           vpp > 1 ? cat(" x parallel.vpp = ", vpp) : std::string(), "), but the model has ", L,
-                           " (model.n_layer): each chunk needs at least one block"));
-  const parallel::PipelineShape shape{pp, vpp, micro_batches};
-  if (const std::string problem = parallel::pipeline_shape_problem(shape); !problem.empty())
-    throw config_error(w, "train.micro_batch_size",
-                       cat(problem, " (micro-batches per step: train.batch_size / (data-parallel ranks x "
-                                    "train.micro_batch_size))"));
-  std::vector<int> layers = par.pp_layers;
-  if (layers.empty()) {
-    std::vector<double> costs;
-    for (int l = 0; l < L; ++l) costs.push_back(block_flops_estimate(cfg, T, l));
-    layers = parallel::balanced_split(costs, 0.0, head_flops_estimate(cfg), S);
-  }
-  return PipelinePlan::make(shape, par.coords.pp, layers);
+  const parallel::PipelineShape shape{par.pp_size(), par.vpp, micro_batches};
+  PipelineLayers split = pipeline_layers(cfg, T, shape, par.pp_layers);
+  if (!split.problem.empty()) throw config_error(w, split.key, split.problem);
+  if (shape.pp == 1) return PipelinePlan::single(cfg.n_layer, micro_batches);
+  return PipelinePlan::make(shape, par.coords.pp, split.layers);
 }
 
 // model.init_from names weights of this architecture (a Llama's come in a Hugging Face directory).

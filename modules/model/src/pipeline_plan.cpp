@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kiln/core/error.hpp"
+#include "kiln/model/spec.hpp"
 #include "kiln/parallel/pipeline_split.hpp"
 
 namespace kiln::model {
@@ -39,6 +40,30 @@ int PipelinePlan::chunk_of(int block) const {
   for (int c = 0; c < chunks(); ++c)
     if (block >= begin(c) && block < end(c)) return c;
   return -1;
+}
+
+PipelineLayers pipeline_layers(const ModelConfig& cfg, int T, const parallel::PipelineShape& shape,
+                               const std::vector<int>& pp_layers) {
+  const int pp = shape.pp, vpp = shape.vpp, L = cfg.n_layer, S = shape.virtual_stages();
+  if (!pp_layers.empty())
+    if (std::string problem = parallel::split_problem(pp_layers, L, S); !problem.empty())
+      return {{}, "parallel.pp_layers", std::move(problem)};
+  if (pp == 1) return {};
+  if (L < S)
+    return {{},
+            "parallel.pp",
+            cat("splits the blocks into ", S, " pipeline chunks (parallel.pp = ", pp,
+                vpp > 1 ? cat(" x parallel.vpp = ", vpp) : std::string(), "), but the model has ", L,
+                " (model.n_layer): each chunk needs at least one block")};
+  if (const std::string problem = parallel::pipeline_shape_problem(shape); !problem.empty())
+    return {{},
+            "train.micro_batch_size",
+            cat(problem, " (micro-batches per step: train.batch_size / (data-parallel ranks x "
+                         "train.micro_batch_size))")};
+  if (!pp_layers.empty()) return {pp_layers, {}, {}};
+  std::vector<double> costs;
+  for (int l = 0; l < L; ++l) costs.push_back(block_flops_estimate(cfg, T, l));
+  return {parallel::balanced_split(costs, 0.0, head_flops_estimate(cfg), S), {}, {}};
 }
 
 }  // namespace kiln::model

@@ -2,8 +2,10 @@
 // This rank's part of a model split into pipeline stages (parallel.pp > 1; pipeline_schedule.hpp):
 // which chunks of blocks it runs, the order of its passes and the transfers between them. One stage
 // (pp = 1) is the whole model as one chunk, run in the engine's default order.
+#include <string>
 #include <vector>
 
+#include "kiln/model/config.hpp"
 #include "kiln/parallel/pipeline_schedule.hpp"
 
 namespace kiln::model {
@@ -37,5 +39,17 @@ struct PipelinePlan {
   // The activation copy micro-batch m uses on every chunk.
   int copy_of(int micro_batch) const { return micro_batch % copies; }
 };
+
+// The blocks of each virtual stage of `shape` (pp x vpp chunks): `pp_layers` when given (the key
+// parallel.pp_layers), else balanced by the blocks' FLOPs at sequence length T with the head's counted
+// on the last. A split that cannot be made gives the problem and the key to name instead (one stage:
+// no layers and no problem, unless pp_layers is wrong). `kiln run` and `kiln topology --schedule`
+// both split this way.
+struct PipelineLayers {
+  std::vector<int> layers;
+  std::string key, problem;  // problem empty: the split is good
+};
+PipelineLayers pipeline_layers(const ModelConfig& cfg, int T, const parallel::PipelineShape& shape,
+                               const std::vector<int>& pp_layers);
 
 }  // namespace kiln::model
