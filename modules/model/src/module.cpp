@@ -241,11 +241,6 @@ void install(World& w, const ModelConfig& cfg) {
                      const auto& ctl = world.resource<RunControl>();
                      world.resource<GptModel>().backward_pass(ctl.micro_batch, ctl.chunk);
                    }});
-  // A table tied over two pipeline stages: its gradients summed, after the data-parallel sums and
-  // before anything reads them (the sums commute). Nothing to do on one stage.
-  w.systems().add({"model.tied_grad_sync", Phase::grad_sync,
-                     [](World& world) { world.resource<GptModel>().sum_tied_gradients(); },
-                     {"parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
   // The loss is read (and checked) right after the backward pass, before the optimizer touches
   // the weights, so a non-finite loss is reported as such rather than as non-finite gradients.
   w.systems().add({"model.loss", Phase::grad_sync, [](World& world) {

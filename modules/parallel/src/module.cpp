@@ -6,6 +6,7 @@
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/events.hpp"
 #include "kiln/nn/param_store.hpp"
+#include "kiln/ops/module.hpp"
 #include "kiln/parallel/grad_buckets.hpp"
 #include "kiln/train/layout.hpp"
 
@@ -26,6 +27,31 @@ void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
                        cat("is ", cfg.cp, ", but context parallelism does not run yet (every rank would train the "
                            "whole sequence); set it to 1 (`kiln topology FILE --world N` still shows the groups of "
                            "such a layout)"));
+}
+
+// The other stage's gradient of a tied parameter, on its way (parallel.tied_grad_sync).
+struct TiedGradScratch {
+  Buffer buf;
+};
+
+void sum_tied_gradients(World& w) {
+  const auto* store = w.try_resource<nn::ParamStore>();
+  auto* scratch = w.try_resource<TiedGradScratch>();
+  if (!store || !scratch) return;
+  const PipelineParallel pipe = pipeline_parallel(w);
+  ops::Backend& be = w.resource<ops::ActiveBackend>().get();
+  for (Entity e : store->order()) {
+    const auto* tied = w.try_get<nn::TiedAcrossStages>(e);
+    if (!tied) continue;
+    const auto& p = w.get<nn::Param>(e);
+    store->for_each_held(p, [&](const nn::HeldPart& part) {
+      const TensorView grad = nn::ParamStore::held_view(store->grads_flat(), part);
+      if (scratch->buf.bytes() < grad.bytes()) scratch->buf = be.alloc(grad.bytes());
+      const TensorView other(scratch->buf.data(), grad.shape, grad.dtype, grad.device);
+      pipe.sum_with(tied->peer, grad, other, store->stream(), cat("sum of '", p.name, "''s gradient over its stages"),
+                    [&be](const TensorView& into, const TensorView& from) { be.add(into, from); });
+    });
+  }
 }
 
 // The data-parallel gradient buckets, planned at their first use (the parameters are laid out in
@@ -127,6 +153,14 @@ void install(World& w, const ParallelConfig& cfg) {
                      }
                    },
                    {"parallel.dp_grad_sync"}});
+
+  // A parameter two pipeline stages hold (nn::TiedAcrossStages: the first stage's token table and the
+  // last stage's copy its tied head multiplies by) has its two gradients summed, the same sum on both,
+  // as Megatron-LM all-reduces its embedding group's: after the data-parallel and tensor-parallel sums
+  // (they commute), before anything reads the gradients. Nothing to do on one stage.
+  if (n.pp > 1) w.emplace_resource<TiedGradScratch>();
+  w.systems().add({"parallel.tied_grad_sync", Phase::grad_sync, sum_tied_gradients,
+                   {"parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
 
   // Data parallelism: every DP rank computed the gradients of its slice of the global batch, with
   // the loss scaled by 1 / (tokens in the global batch), so summing them gives the batch gradient.
