@@ -295,6 +295,7 @@ void GptModel::backward_chunk(int chunk, int m) {
                          inputs_[static_cast<std::size_t>(inputs_index(m))].tokens.data(), ctx_.stream.dres);
     bus.publish(nn::LayerBackwardEnd{0});
   } else {
+    grad_sent_.wait(ctx_.be.stream());  // the previous gradient sent from grad_out_ has left
     ctx_.be.copy(grad_out_, ctx_.stream.dres);  // for the previous stage
   }
 }
@@ -308,7 +309,11 @@ void GptModel::begin_pass(bool forward, int m, int chunk) {
   KILN_CHECK(expected, "pipeline rank ", plan_.rank, "'s pass ", pass_, " is ",
              parallel::format_actions({a}), ", but the step runs ", forward ? "F" : "B", m,
              chunk > 0 ? cat(".", chunk) : std::string());
-  transfer(pass_);
+  // A pass that receives its input (the activation from the previous virtual stage, the gradient
+  // from the next) waits for the call: it runs in order on the compute stream. A pass that receives
+  // nothing starts while the call goes on.
+  const bool receives = forward ? !plan_.first(chunk) : !plan_.last(chunk);
+  transfer(pass_, !receives);
 }
 
 TensorView GptModel::transfer_buffer(const parallel::PipelineMessage& msg, bool send) {
@@ -319,16 +324,29 @@ TensorView GptModel::transfer_buffer(const parallel::PipelineMessage& msg, bool 
   return residuals_[static_cast<std::size_t>(send ? plan_.end(chunk) : plan_.begin(chunk))];
 }
 
-void GptModel::transfer(int call) {
-  pipe_->transfer(plan_.transfers[static_cast<std::size_t>(call)],
-                  [this](const parallel::PipelineMessage& msg, bool send) { return transfer_buffer(msg, send); },
-                  ctx_.be.stream());
+// With `overlap` the call is posted on the pipeline's stream and the compute stream goes on. What
+// is sent stays untouched until it has left: an activation is sent from its micro-batch's copy,
+// rewritten only by that micro-batch's backward (after the gradient coming back, received after it
+// left) or by a later micro-batch's forward; the gradient for the previous stage has one buffer,
+// which a backward rewrites only after grad_sent_. Without, the call runs on the compute stream after
+// every posted one (the calls keep their order).
+void GptModel::transfer(int call, bool overlap) {
+  const parallel::PipelineTransfers& t = plan_.transfers[static_cast<std::size_t>(call)];
+  const auto buffers = [this](const parallel::PipelineMessage& msg, bool send) { return transfer_buffer(msg, send); };
+  if (!overlap) {
+    pipe_->wait_posted(ctx_.be.stream());
+    pipe_->transfer(t, buffers, ctx_.be.stream());
+    return;
+  }
+  pipe_->post(t, buffers, ctx_.be.stream());
+  for (const auto& msg : t.sends)
+    if (!msg.activation) pipe_->mark_posted(grad_sent_);
 }
 
 void GptModel::end_pass() {
   if (!plan_.pipelined()) return;
   if (++pass_ < static_cast<int>(plan_.passes.size())) return;
-  transfer(pass_);  // what the step's last pass produced
+  transfer(pass_, false);  // what the step's last pass produced: the step ends with every transfer done
   pass_ = 0;
 }
 
@@ -456,20 +474,6 @@ void GptModel::initialise(rng::RngStatesTracker& tracker) {
   tracker.default_state().offset = end;  // where one rank's draws of every parameter end
   if (store.holds_act_copy()) ctx_.be.convert(store.compute_flat(), store.master_flat());
   learn_dropout_draws(tracker);
-}
-
-void GptModel::sum_tied_gradients() {
-  if (!tied_) return;
-  const auto& store = ctx_.world.resource<nn::ParamStore>();
-  const auto& p = ctx_.world.get<nn::Param>(*tied_);
-  const auto& t = ctx_.world.get<nn::TiedAcrossStages>(*tied_);
-  store.for_each_held(p, [&](const nn::HeldPart& part) {
-    const TensorView grad = nn::ParamStore::held_view(store.grads_flat(), part);
-    if (tied_scratch_.bytes() < grad.bytes()) tied_scratch_ = ctx_.be.alloc(grad.bytes());
-    const TensorView other(tied_scratch_.data(), grad.shape, grad.dtype, grad.device);
-    pipe_->sum_with(t.peer, grad, other, store.stream(), cat("sum of '", p.name, "''s gradient over its stages"),
-                    [this](const TensorView& into, const TensorView& from) { ctx_.be.add(into, from); });
-  });
 }
 
 std::int64_t GptModel::sum_over_stages(std::int64_t local) const {

@@ -27,6 +27,22 @@ void PipelineParallel::transfer(const PipelineTransfers& call, const Buffers& bu
   comm_.p2p(sends, recvs, stream, what);
 }
 
+void PipelineParallel::post(const PipelineTransfers& call, const Buffers& buffers, void* compute) {
+  if (!compute) return transfer(call, buffers, nullptr);
+  if (call.sends.empty() && call.recvs.empty()) return;
+  if (!side_) side_ = SideStream::create(compute);
+  side_->wait_for_compute();
+  transfer(call, buffers, side_->stream());
+}
+
+void PipelineParallel::wait_posted(void* compute) const {
+  if (compute && side_) side_->compute_waits();
+}
+
+void PipelineParallel::mark_posted(StreamEvent& done) const {
+  if (side_) done.record(side_->stream());
+}
+
 void PipelineParallel::receive_activation(int v, const TensorView& into, void* stream) const {
   comm_.p2p({}, {{rank_of(v - 1), into}}, stream, cat("receive of the activation entering stage ", v));
 }

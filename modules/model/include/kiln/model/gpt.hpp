@@ -84,9 +84,6 @@ class GptModel {
   // refreshes the compute copy; learns where each block's dropout draws start (collective over the
   // pipeline stages).
   void initialise(rng::RngStatesTracker& tracker);
-  // The tied parameters' gradients summed with the other stage's copy (TiedAcrossStages), once the
-  // step's backward passes are done (collective over the two stages; nothing without stages).
-  void sum_tied_gradients();
   // Mean loss over the first `slots` loss slots, and over the data-parallel replicas (synchronises):
   // over the step's trained targets (train::Batch::step_targets) when the data has loss masks.
   double mean_loss(int slots);
@@ -136,7 +133,7 @@ class GptModel {
   // The schedule's transfers before the next pass, and (after the step's last pass) after it.
   void begin_pass(bool forward, int m, int chunk);
   void end_pass();
-  void transfer(int call);
+  void transfer(int call, bool overlap);
   double pass_clock();
   void record_pass(bool forward, int m, int chunk, double start);
   TensorView transfer_buffer(const parallel::PipelineMessage& msg, bool send);
@@ -167,9 +164,9 @@ class GptModel {
   TensorView losses_;                     // [slots, N] f32
   TensorView part_stats_;                 // every part's device numbers of the step (Mixer::device_stats)
   TensorView grad_in_, grad_out_;         // [Nl, C]: the residual gradient received from / sent to a stage
+  parallel::StreamEvent grad_sent_;       // the last call sending grad_out_ (pipeline stream)
   TensorView lent_host_;                  // without the head: the blocks' borrowed scratch
   std::vector<Inputs> inputs_;
-  Buffer tied_scratch_;  // the other stage's gradient of the tied table, on its way
   nn::BlockScratch lent_;
   rng::RngSnapshot step_rng_;  // the tracker's states at the step's first micro-batch
   // Each block's draws from each of the tracker's states in a training forward (default first).

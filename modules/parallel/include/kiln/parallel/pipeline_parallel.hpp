@@ -4,11 +4,14 @@
 // agrees on what only one stage computes (the loss, on the last).
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "kiln/parallel/communicator.hpp"
+#include "kiln/parallel/grad_buckets.hpp"
 #include "kiln/parallel/pipeline_schedule.hpp"
+#include "kiln/parallel/stream_event.hpp"
 
 namespace kiln::parallel {
 
@@ -25,6 +28,18 @@ class PipelineParallel {
   using Buffers = std::function<TensorView(const PipelineMessage& m, bool send)>;
   // One grouped call of a schedule (pipeline_transfers) on `stream`, with the buffers `buffers` names.
   void transfer(const PipelineTransfers& call, const Buffers& buffers, void* stream) const;
+
+  // Transfers overlapped with compute. On a device the calls run on the pipeline's own stream, each
+  // after the work queued on `compute` so far, and the compute stream goes on without them: a pass
+  // waits only for what it receives (wait_posted), a buffer being sent is rewritten only after
+  // mark_posted's event. Without a device stream (host buffers) a call runs at once, as transfer.
+  // Since the calls keep their order and each only loses the compute stream's wait, no call can
+  // deadlock that transfer's order did not (check_pipeline_transfers).
+  void post(const PipelineTransfers& call, const Buffers& buffers, void* compute);
+  // Work queued on `compute` from now on runs after every call posted so far.
+  void wait_posted(void* compute) const;
+  // Marks the calls posted so far in `done` (for the compute stream to wait on later).
+  void mark_posted(StreamEvent& done) const;
   // Forward only (evaluation): the activation entering virtual stage v from the rank of v - 1, and
   // the one leaving it for the rank of v + 1.
   void receive_activation(int v, const TensorView& into, void* stream) const;
@@ -42,6 +57,7 @@ class PipelineParallel {
  private:
   int rank_of(int virtual_stage) const { return virtual_stage % size(); }
   Communicator& comm_;
+  std::unique_ptr<SideStream> side_;  // the posted calls' stream (made at the first post on a device)
 };
 
 }  // namespace kiln::parallel
