@@ -121,6 +121,11 @@ TEST_CASE("FSDP with micro-batches, any prefetch depth, and gradients reduced in
   compare(run(4, kFull + Sets{"fsdp.prefetch=3"}), single, "full_shard on 4, prefetch 3", 1e-5);
   // The summed gradients rounded once to bf16 (8-bit mantissa: up to 2^-9 relative per element).
   compare(run(2, kFull + Sets{"fsdp.reduce_dtype=bf16"}), single, "full_shard on 2, bf16 reduction", 5e-3);
+  // Reduced once a step: every unit's gradients accumulated over the micro-batches first.
+  compare(run(4, kFull + Sets{"train.micro_batch_size=1", "fsdp.reduce=step"}), single,
+          "full_shard on 4, 4 micro-batches, reduced once a step", 1e-5);
+  compare(run(2, kGradOp + Sets{"train.micro_batch_size=2", "fsdp.reduce=step", "fsdp.reduce_dtype=bf16"}), single,
+          "shard_grad_op on 2, 2 micro-batches, reduced once a step in bf16", 5e-3);
 }
 
 TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data parallelism computes") {
@@ -139,6 +144,11 @@ TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data p
     compare(run(2, base + precision + kFull), dp, join(precision) + ": full_shard against dp=2", 0);
     compare(run(2, base + precision + kGradOp), dp, join(precision) + ": shard_grad_op against dp=2", 0);
   }
+  // Reduced once a step, FSDP sums what data parallelism sums: each rank's gradients accumulated
+  // over its micro-batches, then summed over the ranks.
+  const Sets micro = base + Sets{"backend.cpu_round_bf16=true", "train.micro_batch_size=2"};
+  compare(run(2, micro + kFull + Sets{"fsdp.reduce=step"}), run(2, micro),
+          "bf16 emulation, 2 micro-batches: full_shard reduced once a step against dp=2", 0);
 }
 
 TEST_CASE("deferred initialisation: each rank draws only its part, and the parts are the single-rank weights") {

@@ -52,11 +52,12 @@ TEST_CASE("CUDA: FSDP on two thread ranks sharing a GPU computes what data paral
     const test::Trace dp = test::run_ranks(kModel, 2, precision);
     for (const Sets& fsdp : {Sets{"fsdp.strategy=full_shard"}, Sets{"fsdp.strategy=full_shard", "fsdp.prefetch=2",
                                                                      "train.micro_batch_size=2"},
-                             Sets{"fsdp.strategy=shard_grad_op"}}) {
+                             Sets{"fsdp.strategy=shard_grad_op"},
+                             Sets{"fsdp.strategy=full_shard", "fsdp.reduce=step", "train.micro_batch_size=2"}}) {
       std::string what;
       for (const auto& s : precision + fsdp) what += s + " ";
       const test::Trace f = test::run_ranks(kModel, 2, precision + fsdp);
-      // Micro-batches add each one's reduced part (FSDP) rather than reduce the sum (DP): another
+      // Micro-batches reduced one by one add each one's reduced part rather than reduce the sum (DP): another
       // order, fp32 rounding, which bf16 weights and FP8 scales turn into gradient differences of
       // 1e-3 to 1e-1 within 8 steps; the losses stay within 1e-4. Otherwise the same bits.
       const bool micro = std::find(fsdp.begin(), fsdp.end(), "train.micro_batch_size=2") != fsdp.end();
@@ -65,6 +66,18 @@ TEST_CASE("CUDA: FSDP on two thread ranks sharing a GPU computes what data paral
         continue;
       }
       const test::Trace ref = test::run_ranks(kModel, 2, precision + Sets{"train.micro_batch_size=2"});
+      // Reduced once a step, FSDP sums what DP sums: the micro-batches' gradients, then the ranks'.
+      // Bit for bit in bf16 and FP8 current scaling. Under delayed scaling with the fused weight
+      // update and micro-batches, FSDP and DP part from the fourth step on the GPU (not on the CPU,
+      // where they match bit for bit): with fp8.amax_history_len = 1, amax_compute_algo =
+      // most_recent, or fuse_weight_update = false they match bit for bit there too, so an older row
+      // of the amax history differs between the two (bench/fsdp_fp8_probe.sh, 2026-11-28); not
+      // found yet.
+      const bool delayed = precision == Sets{"fp8.enabled=true"};
+      if (std::find(fsdp.begin(), fsdp.end(), "fsdp.reduce=step") != fsdp.end() && !delayed) {
+        test::compare_traces(f, ref, what, 0);
+        continue;
+      }
       REQUIRE(f.loss.size() == ref.loss.size());
       for (std::size_t s = 0; s < ref.loss.size(); ++s)
         CHECK_MESSAGE(std::fabs(f.loss[s] - ref.loss[s]) <= 1e-4 * std::fabs(ref.loss[s]), what, "step ", s + 1);

@@ -324,6 +324,8 @@ TEST_CASE("pipeline stages with FSDP inside each stage match the single-rank run
   compare(run(4, {"parallel.pp=2", "fsdp.strategy=\"full_shard\""}), single, "pp=2 x fsdp=2 (full_shard)");
   compare(run(4, {"parallel.pp=2", "fsdp.strategy=\"full_shard\"", "train.micro_batch_size=1"}), single,
           "pp=2 x fsdp=2, 4 micro-batches");
+  compare(run(4, {"parallel.pp=2", "fsdp.strategy=\"full_shard\"", "fsdp.reduce=\"step\"", "train.micro_batch_size=1"}),
+          single, "pp=2 x fsdp=2, 4 micro-batches, reduced once a step");
   compare(run(4, {"parallel.pp=2", "parallel.tp=2", "fsdp.strategy=\"full_shard\"", "train.micro_batch_size=4"}),
           single, "pp=2 x tp=2, fsdp over one data-parallel rank, 2 micro-batches");
   // AdamW does not see a wrong clipping scale (it is scale-free): the norm itself is checked.

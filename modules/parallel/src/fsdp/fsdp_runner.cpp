@@ -94,7 +94,8 @@ void Runner::setup() {
 
   // Gradient buffers: units read by several units their own (their readers' backward passes span
   // other units'), and two for the rest (one accumulating, one being reduce-scattered). The last
-  // unit takes its own only where it is larger than the others (as its gather buffer above).
+  // unit takes its own only where it is larger than the others (as its gather buffer above). Reduced
+  // once a step, every unit keeps its own over the step.
   std::int64_t grad_pool = 0;
   auto grad_slot = [&](std::int64_t elems) {
     GradSlot g{be_.alloc(static_cast<std::size_t>(elems) * 4)};
@@ -110,19 +111,20 @@ void Runner::setup() {
   for (int u = 0; u < units_; ++u) {
     if (size(u) == 0) continue;
     max_held_ = std::max(max_held_, store_.held_count(u));
-    if (readers_[static_cast<std::size_t>(u)] > 1 || (u == last && last_own)) {
+    if (readers_[static_cast<std::size_t>(u)] > 1 || (u == last && last_own) || once_a_step()) {
       own_grad_[u] = static_cast<int>(grad_slots_.size());
       grad_slots_.push_back(grad_slot(size(u)));
     }
   }
   grad_pool_begin_ = grad_slots_.size();
-  if (grad_pool > 0)
+  if (grad_pool > 0 && !once_a_step())
     for (int i = 0; i < 2; ++i) grad_slots_.push_back(grad_slot(grad_pool));
   // The partial sums are needed only after a step's first micro-batch and by a bf16 reduction: made
   // then (allocate_partials), so that a step of one micro-batch in f32 holds none.
   if (reduce_dtype_ == DType::bf16) allocate_partials();
   grad_slot_of_.assign(U, -1);
   readers_left_.assign(U, 0);
+  readers_batch_.assign(U, -1);
 }
 
 FsdpMemory Runner::memory() const {
@@ -232,7 +234,15 @@ void Runner::allocate_partials() {
 }
 
 void Runner::assign_grads(int unit) {
-  if (store_.unit(unit).size() == 0 || grad_slot_of_[unit] >= 0) return;
+  if (store_.unit(unit).size() == 0) return;
+  const int micro_batch = w_.resource<RunControl>().micro_batch;
+  if (grad_slot_of_[unit] >= 0) {
+    // Accumulating already: for another reader this micro-batch, or (once a step) since an earlier
+    // micro-batch, whose buffer the linears add to.
+    if (readers_batch_[unit] != micro_batch) readers_left_[unit] = readers_[unit];
+    readers_batch_[unit] = micro_batch;
+    return;
+  }
   // Of the free pool buffers the one whose reduce-scatter was queued first: the unit just reduced
   // is still being reduce-scattered, and writing into its buffer would make the compute stream wait
   // for that (a whole reduce-scatter per unit, exposed).
@@ -246,12 +256,13 @@ void Runner::assign_grads(int unit) {
   slot.unit = unit;
   grad_slot_of_[unit] = g;
   readers_left_[unit] = readers_[unit];
+  readers_batch_[unit] = micro_batch;
   // A fresh micro-batch's buffer: the first micro-batch writes the gradients their linears write
   // first (nn::GradWrittenFirst), the others add to them.
   const std::int64_t n = store_.unit(unit).size();
   auto* base = static_cast<float*>(slot.memory.data());
   const Device dev = slot.memory.device();
-  if (w_.resource<RunControl>().micro_batch == 0) {
+  if (micro_batch == 0) {
     for (const auto& r : zero_ranges_[static_cast<std::size_t>(unit)])
       be_.zero(TensorView(base + r.begin, {r.size()}, DType::f32, dev));
   } else {
@@ -273,7 +284,8 @@ void Runner::backward_end(int unit) {
     if (store_.unit(v).size() == 0) continue;
     KILN_CHECK(readers_left_[v] > 0, "fsdp: layer unit ", v, "'s gradients reduced twice in one micro-batch");
     if (--readers_left_[v] > 0) continue;
-    reduce(v);
+    const auto& run = w_.resource<RunControl>();
+    if (!once_a_step() || run.micro_batch == run.micro_batches - 1) reduce(v);
     release(v);  // the last reader is done with its weights too
   }
   release(unit);
@@ -282,7 +294,7 @@ void Runner::backward_end(int unit) {
 void Runner::reduce(int unit) {
   GradSlot& g = grad_slots_[static_cast<std::size_t>(grad_slot_of_[unit])];
   const std::int64_t n = store_.unit(unit).size();
-  const bool first = w_.resource<RunControl>().micro_batch == 0;
+  const bool first = once_a_step() || w_.resource<RunControl>().micro_batch == 0;  // the step's only or first
   TensorView in = g.memory.view(DType::f32, {n});
   if (reduce_dtype_ == DType::bf16) {
     const TensorView low = g.low.view(DType::bf16, {n});

@@ -62,6 +62,7 @@ class Runner {
   };
 
   bool kept(int unit) const { return kept_[static_cast<std::size_t>(unit)]; }
+  bool once_a_step() const { return cfg_.reduce == FsdpReduce::step; }
   Slot* slot_of(int unit);
   // Makes `unit`'s weights gathered in a slot (all-gather on the communication stream if not
   // there and fresh); `required`: fail if no slot is free, else give up quietly (a prefetch).
@@ -102,6 +103,7 @@ class Runner {
   std::size_t pool_begin_ = 0, grad_pool_begin_ = 0;
   std::vector<int> grad_slot_of_;        // per unit: the grad slot it accumulates in now, or -1
   std::vector<int> readers_left_;        // per unit: readers whose backward has not ended this micro-batch
+  std::vector<int> readers_batch_;       // per unit: the micro-batch readers_left_ counts for
   Partial partials_[2];                  // allocated when first needed (micro-batches, bf16 reduction)
   Buffer partial_f32_;                   // bf16 partial sums converted before the add
   int next_partial_ = 0;

@@ -18,7 +18,8 @@
 // a zeroed buffer it points unit_grads at; when every unit reading the unit has ended its backward
 // pass, the buffer is reduce-scattered (summed over the shard group) into this rank's part on the
 // communication stream, overlapping the next units' backward passes: written by the step's first
-// micro-batch, added to by the others. Units read by other units (the embeddings, which a tied head
+// micro-batch, added to by the others (with `reduce = "step"` every unit has a buffer of its own
+// that accumulates the step's micro-batches, reduce-scattered once after the last). Units read by other units (the embeddings, which a tied head
 // reads) and the last unit stay gathered from their first use to their last, as PyTorch FSDP2's
 // root module does.
 #include <cstddef>
@@ -34,6 +35,12 @@ enum class FsdpStrategy { full_shard, shard_grad_op, no_shard, hybrid_shard };
 BOOST_DESCRIBE_ENUM(FsdpStrategy, full_shard, shard_grad_op, no_shard, hybrid_shard)
 enum class FsdpDType { bf16, fp32 };
 BOOST_DESCRIBE_ENUM(FsdpDType, bf16, fp32)
+// When a unit's gradients are reduce-scattered: after each micro-batch's backward (one buffer of a
+// micro-batch's gradients in flight per unit), or once a step, after its last micro-batch's (each
+// unit accumulating its whole gradient over the step's micro-batches, as PyTorch's pipeline
+// schedules run FSDP2 stages with gradient sync on the last micro-batch only).
+enum class FsdpReduce { micro_batch, step };
+BOOST_DESCRIBE_ENUM(FsdpReduce, micro_batch, step)
 
 struct FsdpConfig {
   FsdpStrategy strategy = FsdpStrategy::full_shard;
@@ -41,6 +48,7 @@ struct FsdpConfig {
   int prefetch = 1;
   FsdpDType param_dtype = FsdpDType::bf16;
   FsdpDType reduce_dtype = FsdpDType::fp32;
+  FsdpReduce reduce = FsdpReduce::micro_batch;
   void validate(config::Checks& c) const {
     c.expect(shard_size >= 0, "shard_size", "must be 0 (hybrid_shard: required) or a number of data-parallel ranks");
     c.expect(prefetch >= 0, "prefetch", "must be 0 (no gather ahead) or more");
@@ -59,7 +67,12 @@ KILN_CONFIG(FsdpConfig,
             (param_dtype,
              "dtype of the gathered compute weights: bf16 (the CUDA backend's; on the CPU backend the compute copy is "
              "f32 either way, bf16-rounded with backend.cpu_round_bf16); fp32 only on the CPU backend"),
-            (reduce_dtype, "dtype of the gradient reduce-scatter: fp32, or bf16 (half the bytes, rounded once)"))
+            (reduce_dtype, "dtype of the gradient reduce-scatter: fp32, or bf16 (half the bytes, rounded once)"),
+            (reduce,
+             "when gradients are reduce-scattered: micro_batch (after each micro-batch's backward; a micro-batch's "
+             "gradients of a unit or two unsharded at a time) or step (once, after the step's last micro-batch: each "
+             "unit's whole f32 gradient kept unsharded over the step, one reduce-scatter instead of one per "
+             "micro-batch; for pipeline stages, whose step runs many micro-batches)"))
 
 // World resource (with a sharding strategy): the bytes this rank holds once set up, and what one
 // rank would hold unsharded. Parameters: f32 master and compute copy; gradients: f32, plus the
