@@ -69,6 +69,10 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
                  plan_.starts.back() == cfg.n_layer,
              "a pipeline plan of ", plan_.starts.size() - 1, " chunks ending at block ", plan_.starts.back(), " for ",
              cfg.n_layer, " blocks");
+  if (pipe_)
+    stage_.emplace(
+        plan_, *pipe_, [this](const parallel::PipelineMessage& msg, bool send) { return transfer_buffer(msg, send); },
+        ctx_.be.stream());
   if (plan_.holds_embedding())
     embedding_ = std::make_unique<Embedding>(LayerBuilder(ctx_, 0, nn::LayerKind::embedding, -1, "embeddings"),
                                              spec.positions == Positions::learned);
@@ -295,25 +299,9 @@ void GptModel::backward_chunk(int chunk, int m) {
                          inputs_[static_cast<std::size_t>(inputs_index(m))].tokens.data(), ctx_.stream.dres);
     bus.publish(nn::LayerBackwardEnd{0});
   } else {
-    grad_sent_.wait(ctx_.be.stream());  // the previous gradient sent from grad_out_ has left
+    stage_->gradient_buffer_free();  // the previous gradient sent from grad_out_ has left
     ctx_.be.copy(grad_out_, ctx_.stream.dres);  // for the previous stage
   }
-}
-
-void GptModel::begin_pass(bool forward, int m, int chunk) {
-  if (!plan_.pipelined()) return;
-  KILN_CHECK(pass_ < static_cast<int>(plan_.passes.size()), "pass ", pass_, " of a schedule of ", plan_.passes.size());
-  const parallel::PipelineAction& a = plan_.passes[static_cast<std::size_t>(pass_)];
-  const bool expected = (a.kind == parallel::PipelineAction::Kind::forward) == forward && a.micro_batch == m &&
-                        a.chunk == chunk;
-  KILN_CHECK(expected, "pipeline rank ", plan_.rank, "'s pass ", pass_, " is ",
-             parallel::format_actions({a}), ", but the step runs ", forward ? "F" : "B", m,
-             chunk > 0 ? cat(".", chunk) : std::string());
-  // A pass that receives its input (the activation from the previous virtual stage, the gradient
-  // from the next) waits for the call: it runs in order on the compute stream. A pass that receives
-  // nothing starts while the call goes on.
-  const bool receives = forward ? !plan_.first(chunk) : !plan_.last(chunk);
-  transfer(pass_, !receives);
 }
 
 TensorView GptModel::transfer_buffer(const parallel::PipelineMessage& msg, bool send) {
@@ -324,45 +312,19 @@ TensorView GptModel::transfer_buffer(const parallel::PipelineMessage& msg, bool 
   return residuals_[static_cast<std::size_t>(send ? plan_.end(chunk) : plan_.begin(chunk))];
 }
 
-// With `overlap` the call is posted on the pipeline's stream and the compute stream goes on. What
-// is sent stays untouched until it has left: an activation is sent from its micro-batch's copy,
-// rewritten only by that micro-batch's backward (after the gradient coming back, received after it
-// left) or by a later micro-batch's forward; the gradient for the previous stage has one buffer,
-// which a backward rewrites only after grad_sent_. Without, the call runs on the compute stream after
-// every posted one (the calls keep their order).
-void GptModel::transfer(int call, bool overlap) {
-  const parallel::PipelineTransfers& t = plan_.transfers[static_cast<std::size_t>(call)];
-  const auto buffers = [this](const parallel::PipelineMessage& msg, bool send) { return transfer_buffer(msg, send); };
-  if (!overlap) {
-    pipe_->wait_posted(ctx_.be.stream());
-    pipe_->transfer(t, buffers, ctx_.be.stream());
-    return;
-  }
-  pipe_->post(t, buffers, ctx_.be.stream());
-  for (const auto& msg : t.sends)
-    if (!msg.activation) pipe_->mark_posted(grad_sent_);
-}
-
-void GptModel::end_pass() {
-  if (!plan_.pipelined()) return;
-  if (++pass_ < static_cast<int>(plan_.passes.size())) return;
-  transfer(pass_, false);  // what the step's last pass produced: the step ends with every transfer done
-  pass_ = 0;
-}
-
 void GptModel::forward_pass(int m, int chunk, rng::RngStatesTracker* tracker) {
-  begin_pass(true, m, chunk);
+  if (stage_) stage_->begin(true, m, chunk);
   const double start = pass_clock();
   if (plan_.pipelined())
     forward_chunk(chunk, m, true, tracker);
   else
     forward_loaded(m, true, tracker);
   record_pass(true, m, chunk, start);
-  end_pass();
+  if (stage_) stage_->end();
 }
 
 void GptModel::backward_pass(int m, int chunk) {
-  begin_pass(false, m, chunk);
+  if (stage_) stage_->begin(false, m, chunk);
   const double start = pass_clock();
   if (plan_.pipelined()) {
     backward_chunk(chunk, m);
@@ -372,7 +334,7 @@ void GptModel::backward_pass(int m, int chunk) {
     backward_chunk(0, m);
   }
   record_pass(false, m, chunk, start);
-  end_pass();
+  if (stage_) stage_->end();
 }
 
 // With log.timeline, a timed step's passes: the device synchronised when a pass's inputs have

@@ -27,6 +27,7 @@
 #include "kiln/model/parts/embedding.hpp"
 #include "kiln/model/parts/output_head.hpp"
 #include "kiln/model/pipeline_plan.hpp"
+#include "kiln/model/stage_passes.hpp"
 #include "kiln/nn/components.hpp"
 #include "kiln/parallel/data_parallel.hpp"
 #include "kiln/parallel/pipeline_parallel.hpp"
@@ -130,12 +131,10 @@ class GptModel {
   void use(int m);
   void forward_chunk(int chunk, int m, bool training, rng::RngStatesTracker* tracker);
   void backward_chunk(int chunk, int m);
-  // The schedule's transfers before the next pass, and (after the step's last pass) after it.
-  void begin_pass(bool forward, int m, int chunk);
-  void end_pass();
-  void transfer(int call, bool overlap);
   double pass_clock();
   void record_pass(bool forward, int m, int chunk, double start);
+  // Where a message of the stage's transfers lives (StagePasses): an activation in its micro-batch's
+  // copy of the chunk's first or last residual stream, a gradient in grad_in_ / grad_out_.
   TensorView transfer_buffer(const parallel::PipelineMessage& msg, bool send);
   // A forward-only pass of the whole model over the stages (validation), into loss slot 0.
   void forward_stages(const train::Batch& batch);
@@ -150,6 +149,7 @@ class GptModel {
 
   PipelinePlan plan_;
   std::optional<parallel::PipelineParallel> pipe_;  // with pipeline stages
+  std::optional<StagePasses> stage_;               // with pipeline stages: the schedule's passes and transfers
   parallel::DataParallel dp_;
   int slots_;
   std::int64_t step_targets_ = 0;  // of the last training batch loaded; 0: every target
@@ -164,7 +164,6 @@ class GptModel {
   TensorView losses_;                     // [slots, N] f32
   TensorView part_stats_;                 // every part's device numbers of the step (Mixer::device_stats)
   TensorView grad_in_, grad_out_;         // [Nl, C]: the residual gradient received from / sent to a stage
-  parallel::StreamEvent grad_sent_;       // the last call sending grad_out_ (pipeline stream)
   TensorView lent_host_;                  // without the head: the blocks' borrowed scratch
   std::vector<Inputs> inputs_;
   nn::BlockScratch lent_;
@@ -175,7 +174,6 @@ class GptModel {
   std::vector<std::size_t> block_state_sizes_, block_state_sizes_by_stage_;
   std::vector<int> block_state_owner_;
   float dloss_ = 1.0f;
-  int pass_ = 0;           // the next pass of the schedule
   int head_forward_ = -1;  // the micro-batch whose dlogits the head holds
   bool allocated_ = false, have_forward_ = false;
 };
