@@ -39,6 +39,8 @@ F=(--set fsdp.strategy=full_shard --set fsdp.reduce=step)
 D=(--set fp8.enabled=true)
 run dp "${D[@]}"
 run fsdp "${D[@]}" "${F[@]}"
+run dp-again "${D[@]}"
+run fsdp-again "${D[@]}" "${F[@]}"
 run fsdp-gradop "${D[@]}" --set fsdp.strategy=shard_grad_op --set fsdp.reduce=step
 run dp-nobuckets "${D[@]}" --set parallel.dp_bucket_mb=0
 run dp-h1 "${D[@]}" --set fp8.amax_history_len=1
@@ -55,7 +57,7 @@ o = pathlib.Path(sys.argv[1])
 def L(n):
     p = o / f"{n}.jsonl"
     return [json.loads(l)["loss"] for l in p.read_text().splitlines()] if p.exists() else []
-for a, b in [("dp", "fsdp"), ("dp", "fsdp-gradop"), ("dp", "dp-nobuckets"), ("dp-h1", "fsdp-h1"),
+for a, b in [("dp", "fsdp"), ("dp", "dp-again"), ("fsdp", "fsdp-again"), ("dp", "fsdp-gradop"), ("dp", "dp-nobuckets"), ("dp-h1", "fsdp-h1"),
              ("dp-recent", "fsdp-recent"), ("dp-tp", "fsdp-tp"), ("dp-nofast", "fsdp-nofast")]:
     x, y = L(a), L(b)
     diff = [i + 1 for i, (p, q) in enumerate(zip(x, y)) if p != q]
