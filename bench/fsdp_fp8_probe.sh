@@ -2,9 +2,11 @@
 # Probe (2026-11-28): FSDP (reduced once a step) against plain data parallelism on two GPUs under FP8
 # delayed scaling with two micro-batches, the test model of tests/parallel/test_gpu_fsdp.cpp, with
 # the delayed recipe's settings varied one at a time; prints each pair's first differing step.
-# Found: they part at step 4 with the defaults (shard_grad_op too), and match bit for bit with
-# amax_history_len = 1, amax_compute_algo = most_recent, or fuse_weight_update = false (an earlier
-# run), and with one micro-batch. usage: bash bench/fsdp_fp8_probe.sh BUILD_DIR  (under $OUT)
+# Found: they parted at step 4 with the defaults (shard_grad_op too) and matched with
+# amax_history_len = 1, amax_compute_algo = most_recent, fuse_weight_update = false or one
+# micro-batch: the fused AdamW update's FMA contraction differed between the whole-weight and the
+# parts kernels (fixed in ops::adamw_update; since then every pair matches but amax_group = tp, which
+# FSDP now refuses). usage: bash bench/fsdp_fp8_probe.sh BUILD_DIR  (under $OUT)
 B=${1:-.devbuild}
 export LD_LIBRARY_PATH=$PWD/$B/lib:$PWD/$B/syslib NCCL_NVLS_ENABLE=0
 K=$B/bin/kiln

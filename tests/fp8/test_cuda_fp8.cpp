@@ -528,6 +528,62 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
     }
 }
 
+TEST_CASE("a weight's fused AdamW step gives the same bits whole (tiled, both copies) and in parts (elementwise)") {
+  // Plain data parallelism updates each whole weight with its two FP8 copies (the tiled kernel);
+  // FSDP updates each rank's flat part of it with its rowwise codes (the elementwise kernel). The
+  // same parameters must come out of both, bit for bit, or the two layouts drift apart.
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{384, 128}, {80, 48}, {1536, 512}}) {
+    INFO("[" << R << "," << C << "]");
+    const std::size_t n = static_cast<std::size_t>(R * C);
+    auto p = test::normal_values(n, 41, 0.05f);
+    const auto g = test::normal_values(n, 42, 0.01f);
+    auto m = test::normal_values(n, 43, 1e-3f);
+    auto v = test::normal_values(n, 44, 1e-5f);
+    for (auto& x : v) x = std::fabs(x) + 1e-8f;
+    const std::vector<float> meta = {2000.0f, 0.0f};
+    struct Side {
+      Buffer p, g, m, v, meta, row, col;
+    };
+    auto make = [&] {
+      return Side{upload(p), upload(g), upload(m), upload(v), upload(meta), Buffer(Device::cuda, n), Buffer(Device::cuda, n)};
+    };
+    Side whole = make(), parts = make();
+    auto step = [&](Side& s, std::int64_t first, std::int64_t count, bool tiled) {
+      auto at = [&](Buffer& b, std::size_t bytes) { return static_cast<char*>(b.data()) + first * static_cast<std::int64_t>(bytes); };
+      const Shape shape = tiled ? Shape{R, C} : Shape{1, count};
+      AdamWQuantizeArgs a;
+      a.param = TensorView(at(s.p, 4), shape, DType::f32, Device::cuda);
+      a.grad = TensorView(at(s.g, 4), shape, DType::f32, Device::cuda);
+      a.m = TensorView(at(s.m, 4), shape, DType::f32, Device::cuda);
+      a.v = TensorView(at(s.v, 4), shape, DType::f32, Device::cuda);
+      a.out.rowwise = TensorView(at(s.row, 1), shape, DType::e4m3, Device::cuda);
+      if (tiled) a.out.colwise = TensorView(s.col.data(), {C, R}, DType::e4m3, Device::cuda);
+      a.out.format = Format::e4m3;
+      a.out.scale = static_cast<float*>(s.meta.data());
+      a.amax = static_cast<float*>(s.meta.data()) + 1;
+      a.lr = 3e-3f;
+      a.beta1 = 0.9f;
+      a.beta2 = 0.95f;
+      a.eps = 1e-8f;
+      a.weight_decay = 0.1f;
+      a.grad_scale = 0.8f;
+      a.step = 7;
+      gpu->adamw_quantize(a);
+    };
+    step(whole, 0, R * C, true);
+    const std::int64_t half = (R * C / 2) / 16 * 16;  // FSDP's parts: flat ranges, 16-element aligned
+    step(parts, 0, half, false);
+    step(parts, half, R * C - half, false);
+    CHECK(download<float>(whole.p.data(), n) == download<float>(parts.p.data(), n));
+    CHECK(download<float>(whole.m.data(), n) == download<float>(parts.m.data(), n));
+    CHECK(download<float>(whole.v.data(), n) == download<float>(parts.v.data(), n));
+    CHECK(download<std::uint8_t>(whole.row.data(), n) == download<std::uint8_t>(parts.row.data(), n));
+    CHECK(download<float>(whole.meta.data(), 2)[1] == download<float>(parts.meta.data(), 2)[1]);
+  }
+}
+
 TEST_CASE("the amax kernel and the current-scaling scale match the CPU, aligned or not") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);

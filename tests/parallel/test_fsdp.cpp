@@ -151,6 +151,17 @@ TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data p
           "bf16 emulation, 2 micro-batches: full_shard reduced once a step against dp=2", 0);
 }
 
+TEST_CASE("FP8 delayed scaling with FSDP refuses amax_group = tp: each rank would scale its part by its own amax") {
+  std::string failures;
+  test::run_ranks(kTiny, 2, kFull + Sets{"fp8.enabled=true", "fp8.amax_group=tp", "train.steps=1"}, nullptr,
+                  &failures);
+  CHECK(failures.find("fp8.amax_group = \"tp\" with FSDP under delayed scaling") != std::string::npos);
+  // tp_dp (the default) holds every part's amax.
+  failures.clear();
+  test::run_ranks(kTiny, 2, kFull + Sets{"fp8.enabled=true", "train.steps=1"}, nullptr, &failures);
+  CHECK(failures.empty());
+}
+
 TEST_CASE("deferred initialisation: each rank draws only its part, and the parts are the single-rank weights") {
   const Sets init = {"train.steps=0"};
   const Trace single = run(1, init);

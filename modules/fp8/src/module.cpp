@@ -533,10 +533,18 @@ void install(World& w, const Fp8Config& cfg) {
   // nn::UpdatedBy here, before the first step, where their update is fused.
   const bool grouped_in_compute = cfg.weights_in_compute_copy,
              grouped_fused = cfg.weights_in_compute_copy && cfg.fuse_weight_update && cfg.recipe == RecipeKind::delayed;
+  const bool parts_need_dp = cfg.recipe == RecipeKind::delayed && cfg.amax_group == AmaxGroup::tp;
   w.systems().add({"fp8.weights", Phase::setup,
-                   [grouped_in_compute, grouped_fused](World& world) {
+                   [grouped_in_compute, grouped_fused, parts_need_dp](World& world) {
                      auto& s = world.resource<Fp8State>();
                      const auto& store = world.resource<nn::ParamStore>();
+                     // Each rank records the amax of its part of a weight: the scale that quantises
+                     // every part (and reads the gathered codes) needs their maximum.
+                     if (store.sharded() && store.shards() > 1 && parts_need_dp && !s.in_compute_copy.empty())
+                       throw ConfigError(cat(world.resource<RankInfo>().pipeline_file,
+                                             ": fp8.amax_group = \"tp\" with FSDP under delayed scaling: each rank "
+                                             "holds a part of every weight and would scale it by that part's amax "
+                                             "alone; use \"tp_dp\" or \"world\""));
                      if (store.sharded()) {
                        s.gathered = std::move(s.in_compute_copy);
                        s.in_compute_copy.clear();

@@ -117,14 +117,25 @@ inline void layernorm_row_stats(const float* x, std::int64_t C, float eps, float
 }
 
 // One AdamW step for one element, PyTorch's formulation (decoupled weight decay applied first).
-// bc1 = 1 - beta1^step, bc2 = 1 - beta2^step.
+// bc1 = 1 - beta1^step, bc2 = 1 - beta2^step. On the device every operation is rounded on its own
+// (no multiply-add contracted into an FMA), so every kernel that inlines it computes the same bits:
+// the compiler contracted differently in the fused update's tiled and elementwise kernels, and a
+// whole weight (plain data parallelism) and its FSDP parts then took different updates.
 KILN_HD void adamw_update(float& p, float& m, float& v, float g, float lr, float beta1, float beta2, float eps,
                           float wd, float bc1, float bc2) {
+#ifdef __CUDA_ARCH__
+  m = __fadd_rn(__fmul_rn(beta1, m), __fmul_rn(1.0f - beta1, g));
+  v = __fadd_rn(__fmul_rn(beta2, v), __fmul_rn(__fmul_rn(1.0f - beta2, g), g));
+  p = __fmul_rn(p, __fsub_rn(1.0f, __fmul_rn(lr, wd)));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), __fsqrt_rn(bc2)), eps);
+  p = __fsub_rn(p, __fmul_rn(__fdiv_rn(lr, bc1), __fdiv_rn(m, denom)));
+#else
   m = beta1 * m + (1.0f - beta1) * g;
   v = beta2 * v + (1.0f - beta2) * g * g;
   p = p * (1.0f - lr * wd);
   float denom = sqrtf(v) / sqrtf(bc2) + eps;
   p = p - (lr / bc1) * (m / denom);
+#endif
 }
 
 // The bias corrections of adamw_update for `step` (counted from 1), as every implementation
