@@ -444,6 +444,19 @@ TEST_CASE("the LayerNorm statistics of an FP8 layer are the backend LayerNorm's,
   }
 }
 
+namespace {
+// The AdamW step the fused-update tests take (step 7, weight decay, a gradient scale).
+void set_test_hyperparameters(AdamWQuantizeArgs& a) {
+  a.lr = 3e-3f;
+  a.beta1 = 0.9f;
+  a.beta2 = 0.95f;
+  a.eps = 1e-8f;
+  a.weight_decay = 0.1f;
+  a.grad_scale = 0.8f;
+  a.step = 7;
+}
+}  // namespace
+
 TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and elementwise, with one, two or no "
           "copies, stacked matrices each transposed)") {
   KILN_REQUIRE_CUDA();
@@ -484,13 +497,7 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
           a.out.scale = meta;
         }
         if (mode >= 2) a.amax = meta + 1;
-        a.lr = 3e-3f;
-        a.beta1 = 0.9f;
-        a.beta2 = 0.95f;
-        a.eps = 1e-8f;
-        a.weight_decay = 0.1f;
-        a.grad_scale = 0.8f;
-        a.step = 7;
+        set_test_hyperparameters(a);
         return a;
       };
       cpu->adamw_quantize(args(Device::cpu, p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
@@ -563,13 +570,7 @@ TEST_CASE("a weight's fused AdamW step gives the same bits whole (tiled, both co
       a.out.format = Format::e4m3;
       a.out.scale = static_cast<float*>(s.meta.data());
       a.amax = static_cast<float*>(s.meta.data()) + 1;
-      a.lr = 3e-3f;
-      a.beta1 = 0.9f;
-      a.beta2 = 0.95f;
-      a.eps = 1e-8f;
-      a.weight_decay = 0.1f;
-      a.grad_scale = 0.8f;
-      a.step = 7;
+      set_test_hyperparameters(a);
       gpu->adamw_quantize(a);
     };
     step(whole, 0, R * C, true);

@@ -33,10 +33,13 @@ void PipelineParallel::post(const PipelineTransfers& call, const Buffers& buffer
   if (!side_) side_ = SideStream::create(compute);
   side_->wait_for_compute();
   transfer(call, buffers, side_->stream());
+  unwaited_ = true;
 }
 
-void PipelineParallel::wait_posted(void* compute) const {
-  if (compute && side_) side_->compute_waits();
+void PipelineParallel::wait_posted(void* compute) {
+  if (!compute || !unwaited_) return;  // the compute stream waits for every call posted already
+  side_->compute_waits();
+  unwaited_ = false;
 }
 
 void PipelineParallel::mark_posted(StreamEvent& done) const {

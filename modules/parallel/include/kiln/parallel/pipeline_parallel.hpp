@@ -37,7 +37,7 @@ class PipelineParallel {
   // deadlock that transfer's order did not (check_pipeline_transfers).
   void post(const PipelineTransfers& call, const Buffers& buffers, void* compute);
   // Work queued on `compute` from now on runs after every call posted so far.
-  void wait_posted(void* compute) const;
+  void wait_posted(void* compute);
   // Marks the calls posted so far in `done` (for the compute stream to wait on later).
   void mark_posted(StreamEvent& done) const;
   // Forward only (evaluation): the activation entering virtual stage v from the rank of v - 1, and
@@ -58,6 +58,7 @@ class PipelineParallel {
   int rank_of(int virtual_stage) const { return virtual_stage % size(); }
   Communicator& comm_;
   std::unique_ptr<SideStream> side_;  // the posted calls' stream (made at the first post on a device)
+  bool unwaited_ = false;             // calls posted since the compute stream last waited for them
 };
 
 }  // namespace kiln::parallel
