@@ -1,6 +1,8 @@
 // Collective bandwidth, nccl-tests style: all-reduce and reduce-scatter of 1 MiB .. 1 GiB (bf16),
 // through kiln's Communicator and through raw NCCL calls on a communicator of its own, on N GPUs.
 // bus bandwidth = bytes / time x 2(n-1)/n for all-reduce, x (n-1)/n for reduce-scatter.
+// Then an all-reduce beside a GEMM (tensor parallelism's overlap): each alone, then the all-reduce on a
+// second stream while the GEMM runs, with the GEMM's SM count target and the stream's priority varied.
 // usage: bench_collectives --nproc N      (starts N ranks itself; rank 0 prints the table)
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -11,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/parallel/launch.hpp"
 #include "kiln/parallel/nccl.hpp"
 #include "kiln/parallel/rendezvous.hpp"
@@ -25,6 +28,72 @@ namespace {
 template <class F>
 double median_ms(cudaStream_t s, F&& f, int iters) {
   return bench::EventTimer(s, false, 3, iters).median_ms(f);
+}
+
+// An all-reduce of a [8192, 2048] bf16 activation beside a [8192, 2048] x [2048, 4096]^T GEMM.
+void overlap_table(const parallel::LaunchEnv& env, parallel::Communicator& comm, cudaStream_t s) {
+  cublasLtHandle_t lt;
+  cublasLtCreate(&lt);
+  const std::size_t ws_bytes = 64u << 20;
+  Buffer ws(Device::cuda, ws_bytes);
+  cuda::GemmRunner gemm(lt, ws.data(), ws_bytes);
+  const int M = 8192, N = 2048, K = 4096;
+  Buffer a(Device::cuda, std::size_t(M) * K * 2), b(Device::cuda, std::size_t(N) * K * 2),
+      d(Device::cuda, std::size_t(M) * N * 2), x(Device::cuda, std::size_t(M) * N * 2);
+  KILN_CUDA_CHECK(cudaMemset(a.data(), 0x3c, a.bytes()));
+  KILN_CUDA_CHECK(cudaMemset(b.data(), 0x3c, b.bytes()));
+  KILN_CUDA_CHECK(cudaMemset(x.data(), 0x3c, x.bytes()));
+  int sms = 0, least = 0, greatest = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, env.local_rank);
+  cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  cudaStream_t side_lo, side_hi;
+  KILN_CUDA_CHECK(cudaStreamCreateWithPriority(&side_lo, cudaStreamNonBlocking, least));
+  KILN_CUDA_CHECK(cudaStreamCreateWithPriority(&side_hi, cudaStreamNonBlocking, greatest));
+  cudaEvent_t go, done;
+  KILN_CUDA_CHECK(cudaEventCreateWithFlags(&go, cudaEventDisableTiming));
+  KILN_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  const TensorView act(x.data(), {std::int64_t(M) * N}, DType::bf16, Device::cuda);
+  auto run_gemm = [&](int sm_count) {
+    cuda::GemmDesc g;
+    g.M = M;
+    g.N = N;
+    g.K = K;
+    g.A = static_cast<const cuda::bf16*>(a.data());
+    g.B = static_cast<const cuda::bf16*>(b.data());
+    g.trans_b = true;
+    g.D = d.data();
+    g.sm_count = sm_count;
+    gemm.run(g, s);
+  };
+  if (env.rank == 0)
+    std::printf("\nall-reduce of %d x %d bf16 beside a GEMM %d x %d x %d (ms, median of 20; %d SMs)\n", M, N, M, N,
+                K, sms);
+  if (env.rank == 0)
+    std::printf("%10s %9s | %8s %8s %8s %8s %8s\n", "GEMM SMs", "priority", "GEMM", "AR", "both", "sum", "hidden");
+  const double ar = median_ms(s, [&] { comm.all_reduce(act, parallel::ReduceOp::sum, s); }, 20);
+  for (int margin : {0, 8, 16, 32})
+    for (bool high : {false, true}) {
+      const int target = margin ? sms - margin : 0;
+      cudaStream_t side = high ? side_hi : side_lo;
+      const double g = median_ms(s, [&] { run_gemm(target); }, 20);
+      const double both = median_ms(s, [&] {
+        KILN_CUDA_CHECK(cudaEventRecord(go, s));
+        KILN_CUDA_CHECK(cudaStreamWaitEvent(side, go, 0));
+        comm.all_reduce(act, parallel::ReduceOp::sum, side);
+        run_gemm(target);
+        KILN_CUDA_CHECK(cudaEventRecord(done, side));
+        KILN_CUDA_CHECK(cudaStreamWaitEvent(s, done, 0));
+      }, 20);
+      if (env.rank == 0)
+        std::printf("%10d %9s | %8.3f %8.3f %8.3f %8.3f %7.0f%%\n", target ? target : sms, high ? "high" : "normal", g,
+                    ar, both, g + ar, 100.0 * (g + ar - both) / std::min(g, ar));
+    }
+  KILN_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaStreamDestroy(side_lo);
+  cudaStreamDestroy(side_hi);
+  cudaEventDestroy(go);
+  cudaEventDestroy(done);
+  cublasLtDestroy(lt);
 }
 
 int rank_main(const parallel::LaunchEnv& env) {
@@ -79,6 +148,7 @@ int rank_main(const parallel::LaunchEnv& env) {
                   bus(rs_raw, (n - 1) / n));
   }
   KILN_CUDA_CHECK(cudaStreamSynchronize(s));
+  overlap_table(env, *nonblocking, s);
   ncclCommDestroy(raw);
   comm.reset();
   nonblocking.reset();

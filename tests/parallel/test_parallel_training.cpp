@@ -63,6 +63,26 @@ TEST_CASE("tensor and data parallel runs on CPU threads match the single-rank ru
           "tp=2 x dp=2, sequence parallel, 2 micro-batches");
 }
 
+TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit for bit as without") {
+  // The same steps in pieces (parallel.tp_comm_overlap): exactly the plain run's losses, with
+  // sequence parallelism, dropout and full recompute; FP8 layers run without overlap.
+  using test::operator+;
+  const test::Sets lapped = {"parallel.tp_comm_overlap=true", "parallel.tp_comm_chunks=3"};
+  const test::Sets cases[] = {
+      {"parallel.tp=2"},
+      {"parallel.tp=4", "parallel.sequence_parallel=true", "model.dropout=0.1"},
+      {"parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1", "activation_checkpoint.mode=full",
+       "train.micro_batch_size=2", "model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64"},
+      {"parallel.tp=2", "parallel.sequence_parallel=true", "fp8.enabled=true"},
+  };
+  for (const auto& sets : cases) {
+    std::string what = "overlapped:";
+    for (const auto& s : sets) what += " " + s;
+    const int nproc = sets.front() == "parallel.tp=4" ? 4 : 2;
+    test::compare_traces(run(nproc, sets + lapped), run(nproc, sets), what.c_str(), 0);
+  }
+}
+
 TEST_CASE("data-parallel gradients reduced in buckets during the backward pass equal one reduction after it") {
   // 0.01 MB buckets: every layer unit of the tiny model is a bucket of its own.
   const Trace whole = run(2, {"parallel.dp_bucket_mb=0"});

@@ -5,6 +5,7 @@
 // equal to fp32 rounding.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -14,6 +15,7 @@
 
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/linear_impl.hpp"
+#include "kiln/parallel/comm_overlap.hpp"
 #include "kiln/parallel/in_process.hpp"
 #include "kiln/parallel/parallel_linear.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
@@ -316,4 +318,97 @@ TEST_CASE("dimensions that do not split over the group are refused, naming the k
     CHECK(qkv.weight_shard().ranges.size() == 3);
     CHECK(qkv.weight_shard().extent() == 6);
   });
+}
+
+// ---- parallel.tp_comm_overlap: the same schedule in pieces, bit for bit ----
+
+TEST_CASE("row pieces cover each rank's share in near-equal consecutive pieces, every rank's k-th piece before the k+1-th") {
+  const auto p = row_pieces(20, 4, 3);  // shares of 5 rows: pieces of 1, 2, 2
+  REQUIRE(p.size() == 12);
+  CHECK(p[0].begin == 0);
+  CHECK(p[0].rows == 1);
+  CHECK(p[1].owner == 1);
+  CHECK(p[1].begin == 5);
+  CHECK(p[4].begin == 1);
+  CHECK(p[4].rows == 2);
+  std::vector<int> seen(20, 0);
+  for (const RowPiece& r : p) {
+    CHECK(r.rows > 0);
+    CHECK(r.begin / 5 == r.owner);
+    for (std::int64_t i = r.begin; i < r.begin + r.rows; ++i) ++seen[static_cast<std::size_t>(i)];
+  }
+  CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+  CHECK(row_pieces(6, 2, 8).size() == 6);  // a share of 3 rows: 3 pieces of one row
+  CHECK_THROWS(row_pieces(7, 2, 1));
+}
+
+namespace {
+
+// Every tensor a rank's column- and row-parallel layers produce, forward and backward, per rank.
+struct LayerRun {
+  std::vector<Vec> col, row;  // per rank: the outputs concatenated
+};
+
+LayerRun run_layers(const Layout& L, bool overlap, int chunks) {
+  const std::int64_t N = 20, in = 8, hid = 12;
+  const Vec x = random_vec(N * in, 41), w1 = random_vec(hid * in, 42), b1 = random_vec(hid, 43),
+            w2 = random_vec(in * hid, 44), b2 = random_vec(in, 45), dy = random_vec(N * in, 46),
+            pre = random_vec(N * hid, 47);
+  LayerRun out{std::vector<Vec>(static_cast<std::size_t>(L.tp)), std::vector<Vec>(static_cast<std::size_t>(L.tp))};
+  run_group(L.tp, {L.sp, false, overlap, chunks}, [&](const TensorParallel& tp) {
+    CHECK((tp.comm_overlap() != nullptr) == overlap);
+    const auto impl = ops::backend_linear_impl(tp.backend());
+    const std::int64_t Nl = tp.local_rows(N), r0 = tp.first_local_row(N);
+    auto keep = [](Vec& into, std::initializer_list<const Vec*> vs) {
+      for (const Vec* v : vs) into.insert(into.end(), v->begin(), v->end());
+    };
+    // fc1: column-parallel with a GELU epilogue
+    const ColumnParallelLinear fc1(tp, in, hid);
+    const std::int64_t lh = fc1.local_out();
+    Vec w1l = take(w1, {hid, in}, fc1.weight_shard()), b1l = take(b1, {hid}, fc1.weight_shard());
+    Vec x_full(N * in, 0.0f), x_local = rows_of(x, in, r0, Nl), h(N * lh), hpre(N * lh);
+    fc1.forward(impl, {view(h, {N, lh}), view(hpre, {N, lh}), view(x_full, {N, in}), view(w1l, {lh, in}), view(b1l, {lh})},
+                view(x_local, {Nl, in}));
+    Vec dh = shard_columns(random_vec(N * hid, 48), N, hid, fc1.weight_shard());
+    Vec& x_used = L.sp ? x_full : x_local;
+    Vec dx(N * in, 0.0f), dx_local(Nl * in, 0.0f), dw1(lh * in, 0.5f), db1(lh, 0.25f);
+    const TensorView got = fc1.backward(impl,
+                                        {view(dx, {N, in}), view(dw1, {lh, in}), view(db1, {lh}), view(dh, {N, lh}),
+                                         view(x_used, {N, in}), view(w1l, {lh, in})},
+                                        view(dx_local, {Nl, in}));
+    const Vec mine(got.as<float>(), got.as<float>() + got.numel());
+    keep(out.col[static_cast<std::size_t>(tp.rank())], {&h, &hpre, &x_used, &mine, &dw1, &db1});
+
+    // fc2: row-parallel, its input gradient through gelu'(pre)
+    const RowParallelLinear fc2(tp, hid, in);
+    Vec w2l = take(w2, {in, hid}, fc2.weight_shard()), b2s = b2;
+    Vec hl = shard_columns(random_vec(N * hid, 49), N, hid, fc1.weight_shard());
+    Vec prel = shard_columns(pre, N, hid, fc1.weight_shard());
+    Vec y_full(N * in, 0.0f), y_local(Nl * in, 0.0f);
+    fc2.forward(impl, {view(y_full, {N, in}), {}, view(hl, {N, lh}), view(w2l, {in, lh}), view(b2s, {in})},
+                view(y_local, {Nl, in}));
+    Vec dy_full(N * in, 0.0f), dy_local = rows_of(dy, in, r0, Nl);
+    Vec dhl(N * lh, 0.0f), dw2(in * lh, -0.5f), db2(in, 0.0f);
+    ops::LinearBackward b{view(dhl, {N, lh}), view(dw2, {in, lh}), view(db2, {in}), view(dy_full, {N, in}),
+                          view(hl, {N, lh}), view(w2l, {in, lh}), view(prel, {N, lh})};
+    fc2.backward(impl, b, view(dy_local, {Nl, in}));
+    keep(out.row[static_cast<std::size_t>(tp.rank())], {&y_local, &dy_full, &dhl, &dw2, &db2});
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("with the communication overlapped, the column- and row-parallel layers give the same bits as without") {
+  for (const Layout& L : kLayouts) {
+    const LayerRun plain = run_layers(L, false, 1);
+    for (int chunks : {1, 2, 3}) {
+      INFO(L.str(), ", ", chunks, " pieces per rank");
+      const LayerRun lapped = run_layers(L, true, chunks);
+      for (int r = 0; r < L.tp; ++r) {
+        CHECK(lapped.col[static_cast<std::size_t>(r)] == plain.col[static_cast<std::size_t>(r)]);
+        CHECK(lapped.row[static_cast<std::size_t>(r)] == plain.row[static_cast<std::size_t>(r)]);
+      }
+    }
+  }
 }

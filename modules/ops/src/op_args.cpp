@@ -144,9 +144,11 @@ LinearDims check_args(const LinearBackward& a, const ArgTarget& on) {
   c.tensor("x", x, Act, {N, IC});
   c.tensor("weight", a.weight, Act, {OC, IC});
   c.tensor("dout", dout, Act, {N, OC});
-  c.tensor("dweight", a.dweight, f32, {OC, IC});
+  c.optional("dweight", a.dweight, f32, {OC, IC});
   c.optional("dbias", a.dbias, f32, {OC});
   c.optional("dx", a.dx, Act, {N, IC});
+  c.check(a.dweight || a.dx, "asks for nothing: neither dx nor dweight");
+  c.check(a.dweight || !a.dbias, "dbias comes with dweight (a call without dweight computes dx alone)");
   c.optional("dx_gelu_pre", a.dx_gelu_pre, Act, {N, IC});
   return {c[N], c[IC], c[OC], x, dout};
 }

@@ -103,7 +103,8 @@ void install(World& w, const ParallelConfig& cfg) {
   }();
   const Coords at = topo.coords(r.rank);
   w.emplace_resource<ParallelState>(
-      ParallelState{topo, r.rank, at, cfg.sequence_parallel, cfg.vocab_parallel, cfg.vpp, cfg.pp_layers});
+      ParallelState{topo, r.rank, at, cfg.sequence_parallel, cfg.vocab_parallel, cfg.vpp, cfg.pp_layers,
+                    cfg.tp_comm_overlap, cfg.tp_comm_chunks, cfg.tp_comm_sms});
   const Sizes n = topo.sizes();
   const auto& state = w.resource<ParallelState>();
   w.emplace_resource<train::ParallelLayout>(train::ParallelLayout{n.world(), n.tp, n.cp, n.ep, state.dp_size(), n.pp,
@@ -231,7 +232,9 @@ Communicator& held_parts(World& w) {
 
 TensorParallel tensor_parallel(World& w, ops::Backend& backend) {
   const auto& par = w.resource<ParallelState>();
-  return TensorParallel(*w.resource<Communicators>().tp, backend, {par.sequence_parallel, par.vocab_parallel});
+  return TensorParallel(*w.resource<Communicators>().tp, backend,
+                        {par.sequence_parallel, par.vocab_parallel, par.tp_comm_overlap, par.tp_comm_chunks,
+                         par.tp_comm_sms});
 }
 
 DataParallel data_parallel(World& w) { return DataParallel(*w.resource<Communicators>().dp); }

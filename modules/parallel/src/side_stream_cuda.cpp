@@ -9,8 +9,10 @@ namespace kiln::parallel {
 namespace {
 class CudaSideStream final : public SideStream {
  public:
-  explicit CudaSideStream(cudaStream_t compute) : compute_(compute) {
-    KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  CudaSideStream(cudaStream_t compute, bool high_priority) : compute_(compute) {
+    int least = 0, greatest = 0;
+    if (high_priority) KILN_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    KILN_CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, high_priority ? greatest : least));
     KILN_CUDA_CHECK(cudaEventCreateWithFlags(&computed_, cudaEventDisableTiming));
     KILN_CUDA_CHECK(cudaEventCreateWithFlags(&reduced_, cudaEventDisableTiming));
   }
@@ -37,9 +39,9 @@ class CudaSideStream final : public SideStream {
 };
 }  // namespace
 
-std::unique_ptr<SideStream> SideStream::create(void* compute_stream) {
+std::unique_ptr<SideStream> SideStream::create(void* compute_stream, bool high_priority) {
   if (!compute_stream) return nullptr;
-  return std::make_unique<CudaSideStream>(static_cast<cudaStream_t>(compute_stream));
+  return std::make_unique<CudaSideStream>(static_cast<cudaStream_t>(compute_stream), high_priority);
 }
 
 }  // namespace kiln::parallel

@@ -3,7 +3,7 @@
 
 namespace kiln::parallel {
 
-std::unique_ptr<SideStream> SideStream::create(void*) { return nullptr; }
+std::unique_ptr<SideStream> SideStream::create(void*, bool) { return nullptr; }
 
 }  // namespace kiln::parallel
 

@@ -49,6 +49,7 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
         dx[n * IC + i] = store(pre ? acc[i] * gelu_grad(pre[n * IC + i]) : acc[i]);
     }
   }
+  if (!a.dweight) return;  // dx alone
   float* dw = a.dweight.as<float>();
   float* db = a.dbias ? a.dbias.as<float>() : nullptr;
 #pragma omp parallel for num_threads(threads_) schedule(static)

@@ -64,6 +64,7 @@ CudaBackend::CudaBackend(int device, const CudaOptions& options)
   cudaDeviceProp prop{};
   KILN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   name_ = cat("cuda:", device, " ", prop.name);
+  sm_count_ = prop.multiProcessorCount;
   std::string n = prop.name;
   // Dense bf16 tensor-core peak from the data sheets (SXM parts); used for MFU.
   if (n.find("H100") != std::string::npos || n.find("H200") != std::string::npos || n.find("GH200") != std::string::npos)
@@ -339,6 +340,7 @@ void CudaBackend::linear_forward(const LinearForward& a) {
   g.B = dptr<bf16>(a.weight);
   g.trans_b = true;  // out = x @ W^T
   g.D = a.out.data;
+  g.sm_count = gemm_sms();
   if (a.pre_gelu) {
     g.epilogue = Epilogue::gelu;  // without a bias, cuBLASLt's GELU_AUX
     g.aux = dptr<bf16>(a.pre_gelu);
@@ -362,12 +364,14 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
     g.A = dptr<bf16>(d.dout);
     g.B = dptr<bf16>(a.weight);
     g.D = a.dx.data;
+    g.sm_count = gemm_sms();
     if (a.dx_gelu_pre) {
       g.epilogue = Epilogue::dgelu;
       g.aux = dptr<bf16>(a.dx_gelu_pre);
     }
     gemm_->run(g, stream_);
   }
+  if (!a.dweight) return;  // dx alone
   cuda::GemmDesc w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC] (or =)
   w.M = OC;
   w.N = IC;
@@ -378,6 +382,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   w.D = a.dweight.data;
   w.d_f32 = true;
   w.accumulate = !a.dweight_overwrite;
+  w.sm_count = gemm_sms();
   gemm_->run(w, stream_);
   if (a.dbias) {
     float* scratch = scratch_floats(cuda::bias_grad_scratch(N, OC));

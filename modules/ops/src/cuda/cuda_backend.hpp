@@ -83,6 +83,7 @@ class CudaBackend final : public Backend {
   std::vector<OpTime> op_times() override;
   void reset_op_times() override;
   void* stream() const override { return stream_; }
+  void set_gemm_sm_margin(int sms) override { sm_margin_ = sms; }
   std::size_t device_memory_in_use() const override;
   bool can_capture() const override { return !profiling_; }  // profiling records events per op
   void begin_capture() override;
@@ -114,6 +115,9 @@ class CudaBackend final : public Backend {
   cuda::GroupedGemm& grouped_gemm();
 
   int device_;
+  int sm_count_ = 0, sm_margin_ = 0;
+  // The SMs the linear ops' GEMMs target: 0 (all) without a margin.
+  int gemm_sms() const { return sm_margin_ > 0 && sm_margin_ < sm_count_ ? sm_count_ - sm_margin_ : 0; }
   std::size_t free_at_start_ = 0;  // cudaMemGetInfo's free bytes when the backend was made
   std::string name_;
   double peak_flops_ = 0;

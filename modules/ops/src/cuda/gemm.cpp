@@ -57,7 +57,7 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g, cudaStream_t stream) {
   const int align = std::min({alignment_of(g.A), alignment_of(g.B), alignment_of(g.D), alignment_of(g.bias),
                         alignment_of(g.aux)});
   // Key: the epilogue, whether there is a bias, and the alignment class (16 or less).
-  const int code = static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0) | (align << 8);
+  const int code = static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0) | (align << 8) | (g.sm_count << 16);
   const Key key{g.M, g.N, g.K, g.trans_a, g.trans_b, g.d_f32, g.accumulate, code};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
 
@@ -76,6 +76,7 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g, cudaStream_t stream) {
   set_attr(p->op, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
   const cublasLtEpilogue_t epilogue = lt_epilogue(g.epilogue, g.bias != nullptr);
   set_attr(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+  if (g.sm_count > 0) set_attr(p->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, static_cast<std::int32_t>(g.sm_count));
   // The heuristic reads the bias/aux pointers only for their alignment, so it is shown a
   // placeholder of exactly the class alignment: the algorithm then suits every pointer of the class.
   void* placeholder = reinterpret_cast<void*>(static_cast<std::uintptr_t>(align) * 4096 + align);

@@ -1,6 +1,7 @@
 #include "kiln/parallel/parallel_linear.hpp"
 
 #include "kiln/core/error.hpp"
+#include "kiln/parallel/comm_overlap.hpp"
 
 namespace kiln::parallel {
 
@@ -36,6 +37,10 @@ void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::Linea
     KILN_CHECK(full && x_local, "a column-parallel linear under sequence parallelism gathers its input: it needs "
                                 "this rank's rows and the tensor to gather them into (LinearForward::x), not a ",
                ops::name_of(ops::prologue_of(a.x)), " prologue");
+    if (CommOverlap* o = tp_.comm_overlap(); o && CommOverlap::applies(impl, f)) {
+      o->gather_forward(impl, f, full, x_local);
+      return;
+    }
     tp_.enter(full, x_local);
   } else if (x_local) {
     f.x = x_local;
@@ -45,10 +50,14 @@ void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::Linea
 
 TensorView ColumnParallelLinear::backward(const ops::LinearImpl& impl, const ops::LinearBackward& a,
                                           const TensorView& dx_local) const {
+  const TensorView local = tp_.sequence_parallel() ? dx_local : a.dx;
+  if (CommOverlap* o = tp_.comm_overlap(); o && a.dx && split_ && CommOverlap::applies(impl, a)) {
+    o->backward_sum(impl, a, local);
+    return local;
+  }
   impl.backward(a);
   if (!a.dx) return {};
   if (!split_) return tp_.local_part(a.dx);  // every rank has the whole input gradient
-  const TensorView local = tp_.sequence_parallel() ? dx_local : a.dx;
   tp_.enter_backward(local, a.dx);
   return local;
 }
@@ -67,6 +76,10 @@ void RowParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearFo
   ops::LinearForward f = a;
   if (!tp_.sequence_parallel()) f.out = out_local;
   if (tp_.rank() != 0) f.bias = {};  // the replicated bias is added once before the sum
+  if (CommOverlap* o = tp_.comm_overlap(); o && CommOverlap::applies(impl, f)) {
+    o->forward_sum(impl, f, out_local);
+    return;
+  }
   impl.forward(f);
   tp_.exit(out_local, f.out);
 }
@@ -78,6 +91,10 @@ void RowParallelLinear::backward(const ops::LinearImpl& impl, const ops::LinearB
     const TensorView full = ops::plain_tensor(a.dout);
     KILN_CHECK(full, "a row-parallel linear under sequence parallelism gathers its output gradient into "
                      "LinearBackward::dout: a tensor, not a prologue");
+    if (CommOverlap* o = tp_.comm_overlap(); o && CommOverlap::applies(impl, b)) {
+      o->gather_backward(impl, b, dout_local);
+      return;
+    }
     tp_.exit_backward(full, dout_local);
   } else {
     b.dout = dout_local;

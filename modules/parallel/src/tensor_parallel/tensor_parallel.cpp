@@ -1,6 +1,7 @@
 #include "kiln/parallel/tensor_parallel.hpp"
 
 #include "kiln/core/error.hpp"
+#include "kiln/parallel/comm_overlap.hpp"
 
 namespace kiln::parallel {
 
@@ -10,7 +11,11 @@ TensorParallel::TensorParallel(Communicator& comm, ops::Backend& backend, Tensor
       size_(comm.size()),
       rank_(comm.rank()),
       sequence_parallel_(options.sequence_parallel && comm.size() > 1),
-      vocab_parallel_(options.vocab_parallel && comm.size() > 1) {}
+      vocab_parallel_(options.vocab_parallel && comm.size() > 1) {
+  if (options.comm_overlap && comm.size() > 1)
+    overlap_ = std::make_shared<CommOverlap>(comm, backend, sequence_parallel_, options.comm_chunks,
+                                             options.comm_sms);
+}
 
 std::vector<SplitProblem> check_splits(int tp_size, const std::vector<SplitDim>& dims) {
   std::vector<SplitProblem> out;

@@ -98,8 +98,11 @@ struct LinearForward {
 };
 struct LinearBackward {
   TensorView dx;       // [N, IC] act = dout @ weight; optional (skipped when empty)
-  TensorView dweight;  // [OC, IC] f32, accumulated: += dout^T @ x (written: = with dweight_overwrite)
-  TensorView dbias;    // [OC] f32, accumulated: += column sums of dout; optional
+  // [OC, IC] f32, accumulated: += dout^T @ x (written: = with dweight_overwrite). Optional: without it
+  // (and without dbias) the call computes dx alone, and may be given any consecutive rows of dout, x
+  // and dx (tensor-parallel communication overlapped with the GEMMs: parallel/comm_overlap).
+  TensorView dweight;
+  TensorView dbias;  // [OC] f32, accumulated: += column sums of dout; optional (only with dweight)
   // [N, OC] act; or, for a LinearImpl that takes it, DgeluOnLoad (prologue.hpp).
   OutputGrad dout;
   // The forward's input, as it was given to the forward (an implementation that keeps its own copy
@@ -407,6 +410,10 @@ class Backend {
   virtual void reset_op_times() = 0;
   // The CUDA stream of the compute work (cudaStream_t), or nullptr on CPU.
   virtual void* stream() const = 0;
+  // The linear ops' GEMMs from now on leave `sms` streaming multiprocessors to kernels of other
+  // streams (communication overlapped with them: parallel/comm_overlap); 0, all of them again. A
+  // hint: backends without such a knob ignore it.
+  virtual void set_gemm_sm_margin(int sms) { (void)sms; }
   // Capture: the device work queued between begin_capture and end_capture is recorded instead of run
   // (a CUDA graph) and runs on each CapturedWork::launch, in stream order with the work around it.
   // Nothing captured may wait for the device or allocate. Backends that cannot capture say so.

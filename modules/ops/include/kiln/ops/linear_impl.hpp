@@ -20,12 +20,21 @@ struct LinearImpl {
   // backward never reads LinearBackward::x: the forward kept what the backward needs (an FP8 copy
   // of the input, say), so the model need not store or recompute x for this layer.
   bool keeps_input = false;
+  // The calls may be split by token rows: a forward on consecutive rows of x and out (and pre_gelu)
+  // gives those rows of the whole call's output (bit for bit where a product does not depend on the
+  // row count, as on the CPU backend; cuBLASLt may choose another algorithm); a backward without dweight (dx alone)
+  // on consecutive rows of dout, x and dx gives those rows of dx; a backward without dx computes the
+  // weight and bias gradients alone. Tensor-parallel layers then overlap their communication with
+  // the GEMMs (parallel.tp_comm_overlap); an implementation that cannot (it keeps per-call state, or
+  // scales by the whole input's amax) runs the layers without overlap.
+  bool splits_rows = false;
 };
 
 // The backend's own linear ops as a LinearImpl (plain operands only), for layers that take one.
 inline LinearImpl backend_linear_impl(Backend& be) {
-  return {[&be](const LinearForward& a) { be.linear_forward(a); },
-          [&be](const LinearBackward& a) { be.linear_backward(a); }};
+  return {.forward = [&be](const LinearForward& a) { be.linear_forward(a); },
+          .backward = [&be](const LinearBackward& a) { be.linear_backward(a); },
+          .splits_rows = true};
 }
 
 }  // namespace kiln::ops

@@ -38,8 +38,10 @@ std::vector<GradBucket> plan_buckets(std::vector<UnitSpan> spans, std::int64_t b
 // A second device stream with the two waits the overlap needs. Null where there is no device.
 class SideStream {
  public:
-  // nullptr when `compute_stream` is null (host buffers) or kiln was built without CUDA.
-  static std::unique_ptr<SideStream> create(void* compute_stream);
+  // nullptr when `compute_stream` is null (host buffers) or kiln was built without CUDA. With
+  // `high_priority` the stream has the device's greatest priority: its kernels' blocks are
+  // dispatched before the compute stream's waiting ones (a collective beside a many-block GEMM).
+  static std::unique_ptr<SideStream> create(void* compute_stream, bool high_priority = false);
   virtual ~SideStream() = default;
   virtual void* stream() const = 0;
   virtual void wait_for_compute() = 0;  // work queued on stream() from now on runs after the compute stream's

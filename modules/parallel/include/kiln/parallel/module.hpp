@@ -30,12 +30,17 @@ struct ParallelConfig {
   int dp = 0;
   bool sequence_parallel = false;
   bool vocab_parallel = false;
+  bool tp_comm_overlap = false;
+  int tp_comm_chunks = 1;
+  int tp_comm_sms = 0;
   double timeout_s = 300;
   double dp_bucket_mb = 25;
   void validate(config::Checks& c) const {
     c.expect(dp_bucket_mb >= 0, "dp_bucket_mb", "must be 0 (one all-reduce after the backward pass) or positive");
     c.expect(timeout_s > 0, "timeout_s", "must be positive");
     c.expect(tp > 0, "tp", "must be positive");
+    c.expect(tp_comm_chunks > 0, "tp_comm_chunks", "must be positive");
+    c.expect(tp_comm_sms >= 0, "tp_comm_sms", "must be 0 or positive");
     c.expect(pp > 0, "pp", "must be positive");
     c.expect(vpp > 0, "vpp", "must be positive");
     c.expect(vpp == 1 || pp > 1, "vpp", "interleaves the chunks of a pipeline: needs parallel.pp > 1");
@@ -68,6 +73,16 @@ KILN_CONFIG(ParallelConfig,
             (vocab_parallel,
              "split the embedding table and the LM head's logits by vocabulary rows over the TP group "
              "(vocabulary-parallel embedding and cross-entropy: the [tokens, vocabulary] logits are 1/tp per rank)"),
+            (tp_comm_overlap,
+             "tensor parallelism: each linear layer's collectives run on a communication stream beside its GEMMs "
+             "(the GEMM split by token rows: a row-parallel output's sum starts piece by piece, a gathered input "
+             "is used piece by piece as it arrives, an input gradient is summed while the weight gradient is "
+             "computed); for linear layers whose implementation splits by rows (bf16; FP8 layers run without). "
+             "NCCL's kernels beside the GEMMs: on two H200s over NVLink it does not pay yet (docs/PERF.md)"),
+            (tp_comm_chunks, "with tp_comm_overlap: pieces per rank's share of a micro-batch's token rows"),
+            (tp_comm_sms,
+             "with tp_comm_overlap: streaming multiprocessors the overlapped GEMMs leave free for the collectives "
+             "beside them (cuBLASLt's SM count target; 0: the GEMMs take all)"),
             (timeout_s, "a collective waiting longer than this for another rank stops the run, naming it"),
             (dp_bucket_mb,
              "data parallelism: gradients are summed in buckets of about this many MB (f32), each started on a "
@@ -84,6 +99,9 @@ struct ParallelState {
   bool vocab_parallel = false;     // parallel.vocab_parallel as configured
   int vpp = 1;                     // parallel.vpp
   std::vector<int> pp_layers;      // parallel.pp_layers
+  bool tp_comm_overlap = false;    // parallel.tp_comm_overlap
+  int tp_comm_chunks = 1;          // parallel.tp_comm_chunks
+  int tp_comm_sms = 0;             // parallel.tp_comm_sms
   int tp_size() const { return topology.sizes().tp; }
   // Data parallelism spans the ep and dp axes (topology.hpp): its size and this rank's index in it.
   int dp_size() const { return topology.data_parallel_size(); }

@@ -10,6 +10,7 @@
 // N. The region's entry gathers the rows (all-gather, or nothing without SP); its exit sums the
 // ranks' partial results (reduce-scatter to this rank's rows, or an all-reduce).
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,9 @@ namespace kiln::parallel {
 struct TensorParallelOptions {
   bool sequence_parallel = false;  // outside the TP regions each rank keeps 1/tp of the token rows
   bool vocab_parallel = false;     // the embedding table and the LM head's logits split by vocabulary rows
+  bool comm_overlap = false;       // the linear layers' collectives overlapped with their GEMMs (comm_overlap.hpp)
+  int comm_chunks = 1;             // pieces per rank's share of the token rows, with comm_overlap
+  int comm_sms = 0;                // SMs the overlapped GEMMs leave to the collectives
 };
 
 // A dimension a model splits over the TP group, with the config key that sets it (for messages).
@@ -42,6 +46,8 @@ struct SplitProblem {
 // key. Modules check theirs at install, as config errors (before any rank allocates anything).
 std::vector<SplitProblem> check_splits(int tp_size, const std::vector<SplitDim>& dims);
 
+class CommOverlap;
+
 class TensorParallel {
  public:
   // `comm` is the TP group (a group of one rank: no communication). Both must outlive this object.
@@ -53,6 +59,9 @@ class TensorParallel {
   bool sequence_parallel() const { return sequence_parallel_; }
   bool vocab_parallel() const { return vocab_parallel_; }
   ops::Backend& backend() const { return be_; }
+  // The collectives' overlap with the GEMMs (with comm_overlap and more than one rank; else null).
+  // Copies of this object share it.
+  CommOverlap* comm_overlap() const { return overlap_.get(); }
 
   // The layers' constructors (and a model's) require their dimensions to split (check_splits).
   void require(const SplitDim& dim) const;  // throws kiln::Error with the problem
@@ -94,6 +103,7 @@ class TensorParallel {
   ops::Backend& be_;
   int size_ = 1, rank_ = 0;
   bool sequence_parallel_ = false, vocab_parallel_ = false;
+  std::shared_ptr<CommOverlap> overlap_;
 };
 
 // The shard of a weight whose rows are `parts` equal blocks (q, k, v of a fused QKV: 3), of each of

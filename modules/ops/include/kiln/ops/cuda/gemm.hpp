@@ -31,6 +31,7 @@ struct GemmDesc {
   const bf16* bias = nullptr;
   bf16* aux = nullptr;
   float alpha = 1.0f;
+  int sm_count = 0;  // > 0: cuBLASLt's CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET (leaves the other SMs free)
 };
 
 class GemmRunner {

@@ -1,0 +1,206 @@
+#include "kiln/parallel/comm_overlap.hpp"
+
+#include <algorithm>
+
+#include "kiln/core/error.hpp"
+#include "kiln/parallel/grad_buckets.hpp"
+
+namespace kiln::parallel {
+
+namespace {
+
+TensorView rows_of(const TensorView& t, const RowPiece& p) { return t ? t.rows(p.begin, p.rows) : t; }
+
+// The GEMMs of an overlapped call leave SMs to the collectives beside them.
+class SmMargin {
+ public:
+  SmMargin(ops::Backend& be, int sms) : be_(be) { be_.set_gemm_sm_margin(sms); }
+  ~SmMargin() { be_.set_gemm_sm_margin(0); }
+  SmMargin(const SmMargin&) = delete;
+  SmMargin& operator=(const SmMargin&) = delete;
+
+ private:
+  ops::Backend& be_;
+};
+
+}  // namespace
+
+std::vector<RowPiece> row_pieces(std::int64_t N, int size, int chunks) {
+  KILN_CHECK(size > 0 && chunks > 0 && N > 0 && N % size == 0, N, " token rows do not split over ", size,
+             " ranks (in ", chunks, " pieces each)");
+  const std::int64_t share = N / size, k = std::min<std::int64_t>(chunks, share);
+  std::vector<RowPiece> out;
+  for (std::int64_t c = 0; c < k; ++c)
+    for (int r = 0; r < size; ++r) {
+      const std::int64_t b = c * share / k, e = (c + 1) * share / k;  // near-equal, never empty
+      out.push_back({r * share + b, e - b, r});
+    }
+  return out;
+}
+
+CommOverlap::CommOverlap(Communicator& comm, ops::Backend& backend, bool sequence_parallel, int chunks, int comm_sms)
+    : comm_(comm),
+      be_(backend),
+      sp_(sequence_parallel),
+      chunks_(chunks),
+      comm_sms_(comm_sms),
+      side_(SideStream::create(backend.stream(), true)) {
+  KILN_CHECK(chunks > 0 && comm_sms >= 0, "tensor-parallel communication overlap: ", chunks,
+             " pieces per rank's rows, ", comm_sms, " SMs left to the collectives");
+}
+
+CommOverlap::~CommOverlap() = default;
+
+bool CommOverlap::applies(const ops::LinearImpl& impl, const ops::LinearForward& f) {
+  return impl.splits_rows && ops::plain_tensor(f.x);
+}
+
+bool CommOverlap::applies(const ops::LinearImpl& impl, const ops::LinearBackward& b) {
+  return impl.splits_rows && ops::plain_tensor(b.x) && ops::plain_tensor(b.dout);
+}
+
+void* CommOverlap::comm_stream() const { return side_ ? side_->stream() : nullptr; }
+
+void CommOverlap::comm_waits_compute() {
+  if (side_) side_->wait_for_compute();
+}
+
+void CommOverlap::compute_waits_comm() {
+  if (side_) side_->compute_waits();
+}
+
+void CommOverlap::pieces_for(std::int64_t N) {
+  if (N == pieces_n_) return;
+  pieces_ = row_pieces(N, comm_.size(), chunks_);
+  pieces_n_ = N;
+  if (arrived_.size() < pieces_.size()) arrived_.resize(pieces_.size());
+}
+
+void CommOverlap::forward_sum(const ops::LinearImpl& impl, const ops::LinearForward& f, const TensorView& out_local) {
+  KILN_CHECK(!f.pre_gelu, "a row-parallel output is a partial sum: no GELU epilogue before the sum");
+  const SmMargin margin(be_, comm_sms_);
+  const TensorView x = ops::plain_tensor(f.x);
+  pieces_for(x.size(0));
+  const int size = comm_.size();
+  if (!sp_) {
+    for (const RowPiece& p : pieces_) {
+      ops::LinearForward piece = f;
+      piece.x = rows_of(x, p);
+      piece.out = rows_of(f.out, p);
+      impl.forward(piece);
+      comm_waits_compute();
+      comm_.all_reduce(piece.out, ReduceOp::sum, comm_stream());
+    }
+    compute_waits_comm();
+    return;
+  }
+  // Block k (every rank's k-th piece, each of r rows at b within its share) is written to f.out's rows
+  // [size b, size (b + r)) in rank order, as reduce-scatter takes it: this rank receives the sum of
+  // its own k-th piece. (f.out holds partial sums nobody reads in row order.)
+  for (std::size_t k = 0; k < pieces_.size(); k += static_cast<std::size_t>(size)) {
+    const std::int64_t b = pieces_[k].begin, r = pieces_[k].rows;
+    for (int j = 0; j < size; ++j) {
+      const RowPiece& p = pieces_[k + static_cast<std::size_t>(j)];
+      ops::LinearForward piece = f;
+      piece.x = rows_of(x, p);
+      piece.out = f.out.rows(size * b + j * r, r);
+      impl.forward(piece);
+    }
+    comm_waits_compute();
+    comm_.reduce_scatter(out_local.rows(b, r), f.out.rows(size * b, size * r), ReduceOp::sum, comm_stream());
+  }
+  compute_waits_comm();
+}
+
+void CommOverlap::start_gather(const TensorView& full, const TensorView& local) {
+  pieces_for(full.size(0));
+  const int size = comm_.size(), me = comm_.rank();
+  const std::int64_t share = full.size(0) / size;
+  const TensorView own = full.rows(static_cast<std::int64_t>(me) * share, share);
+  if (own.data != local.data) be_.copy(own, local);
+  comm_waits_compute();  // this rank's rows are in place before they are sent
+  // Block k: this rank's k-th piece to every other rank, theirs from them, both ways at once.
+  for (std::size_t k = 0; k < pieces_.size(); k += static_cast<std::size_t>(size)) {
+    std::vector<Communicator::Transfer> sends, recvs;
+    for (int j = 0; j < size; ++j)
+      if (j != me) {
+        sends.push_back({j, rows_of(full, pieces_[k + static_cast<std::size_t>(me)])});
+        recvs.push_back({j, rows_of(full, pieces_[k + static_cast<std::size_t>(j)])});
+      }
+    comm_.send_recv(sends, recvs, comm_stream());
+    arrived_[k].record(comm_stream());
+  }
+}
+
+template <class F>
+void CommOverlap::on_gathered(F&& compute) {
+  const int me = comm_.rank();
+  const auto size = static_cast<std::size_t>(comm_.size());
+  for (const RowPiece& p : pieces_)
+    if (p.owner == me) compute(p);
+  for (std::size_t k = 0; k < pieces_.size(); k += size) {
+    arrived_[k].wait(be_.stream());
+    for (std::size_t j = 0; j < size; ++j)
+      if (pieces_[k + j].owner != me) compute(pieces_[k + j]);
+  }
+  compute_waits_comm();  // this rank's own sends have left before its rows may change
+}
+
+void CommOverlap::gather_forward(const ops::LinearImpl& impl, const ops::LinearForward& f, const TensorView& full,
+                                 const TensorView& local) {
+  const SmMargin margin(be_, comm_sms_);
+  start_gather(full, local);
+  on_gathered([&](const RowPiece& p) {
+    ops::LinearForward piece = f;
+    piece.x = rows_of(full, p);
+    piece.out = rows_of(f.out, p);
+    piece.pre_gelu = rows_of(f.pre_gelu, p);
+    impl.forward(piece);
+  });
+}
+
+void CommOverlap::backward_sum(const ops::LinearImpl& impl, const ops::LinearBackward& b, const TensorView& dx_local) {
+  const SmMargin margin(be_, comm_sms_);
+  ops::LinearBackward dgrad = b;
+  dgrad.dweight = {};
+  dgrad.dbias = {};
+  dgrad.dweight_overwrite = false;
+  impl.backward(dgrad);
+  comm_waits_compute();
+  if (sp_)
+    comm_.reduce_scatter(dx_local, b.dx, ReduceOp::sum, comm_stream());
+  else
+    comm_.all_reduce(b.dx, ReduceOp::sum, comm_stream());
+  ops::LinearBackward wgrad = b;
+  wgrad.dx = {};
+  wgrad.dx_gelu_pre = {};
+  impl.backward(wgrad);
+  compute_waits_comm();
+}
+
+void CommOverlap::gather_backward(const ops::LinearImpl& impl, const ops::LinearBackward& b,
+                                  const TensorView& dout_local) {
+  const SmMargin margin(be_, comm_sms_);
+  const TensorView dout = ops::plain_tensor(b.dout), x = ops::plain_tensor(b.x);
+  start_gather(dout, dout_local);
+  if (b.dx)
+    on_gathered([&](const RowPiece& p) {
+      ops::LinearBackward piece = b;
+      piece.dweight = {};
+      piece.dbias = {};
+      piece.dweight_overwrite = false;
+      piece.dout = rows_of(dout, p);
+      piece.x = rows_of(x, p);
+      piece.dx = rows_of(b.dx, p);
+      piece.dx_gelu_pre = rows_of(b.dx_gelu_pre, p);
+      impl.backward(piece);
+    });
+  else
+    on_gathered([](const RowPiece&) {});
+  ops::LinearBackward wgrad = b;
+  wgrad.dx = {};
+  wgrad.dx_gelu_pre = {};
+  impl.backward(wgrad);
+}
+
+}  // namespace kiln::parallel
