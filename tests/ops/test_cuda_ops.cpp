@@ -145,6 +145,40 @@ TEST_CASE("cuda linear_backward matches the CPU: dx, dx with dgelu, dweight and 
   }
 }
 
+TEST_CASE("cuda linear_backward split as tensor parallelism's overlap calls it: dx alone by row ranges, then dweight and dbias alone") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333, OC = 216, IC = 72, cut = 150;
+  auto x = act(p, {N, IC}, 31);
+  auto w = act(p, {OC, IC}, 32, 0.1f);
+  auto dout = act(p, {N, OC}, 33);
+  auto pre = act(p, {N, IC}, 34, 2.0f);
+  auto dx = poisoned(p, Kind::act, {N, IC});
+  auto dw = f32(p, {OC, IC}, 35);
+  auto db = f32(p, {OC}, 36, 3.0f);
+  on_both(p, [&](const Side& s) {
+    for (const auto& [r0, rows] : {std::pair{0, cut}, std::pair{cut, N - cut}}) {
+      ops::LinearBackward a;  // dx alone, these rows
+      a.dx = s(dx).rows(r0, rows);
+      a.dout = s(dout).rows(r0, rows);
+      a.x = s(x).rows(r0, rows);
+      a.weight = s(w);
+      a.dx_gelu_pre = s(pre).rows(r0, rows);
+      s.b().linear_backward(a);
+    }
+    ops::LinearBackward g;  // the weight and bias gradients alone
+    g.dweight = s(dw);
+    g.dbias = s(db);
+    g.dout = s(dout);
+    g.x = s(x);
+    g.weight = s(w);
+    s.b().linear_backward(g);
+  });
+  KILN_CHECK_CLOSE(dx, 1e-2);
+  KILN_CHECK_CLOSE(dw, 1e-3);
+  KILN_CHECK_CLOSE(db, 1e-3);
+}
+
 TEST_CASE("cuda gelu_forward matches the CPU (also in place)") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);

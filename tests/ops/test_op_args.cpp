@@ -64,6 +64,9 @@ const std::vector<std::string> kOptional = {"linear_forward pre_gelu", "linear_f
                                             "linear_backward dbias",   "linear_backward dx_gelu_pre", "adamw params_act",
                                             "embedding_backward dwpe"};  // a model without a position table (Llama)
 
+// Optional only with or without another (tested on their own below).
+const std::vector<std::string> kConditional = {"linear_backward dweight"};  // with dbias, without dx
+
 constexpr std::int64_t N = 4, T = 2, C = 8, OC = 6, V = 10, P = 16;
 constexpr std::int64_t B = 1, AT = 3, H = 2, D = 4;  // attention
 
@@ -258,6 +261,7 @@ TEST_CASE("every op refuses a missing required argument, naming it") {
   for (OpCase& c : all_ops(st)) {
     for (auto& [arg, view] : c.args) {
       if (std::find(kOptional.begin(), kOptional.end(), c.op + " " + arg) != kOptional.end()) continue;
+      if (std::find(kConditional.begin(), kConditional.end(), c.op + " " + arg) != kConditional.end()) continue;
       const TensorView good = *view;
       *view = TensorView();
       const std::string msg = error_of([&] { c.run(*backend); });
@@ -282,6 +286,18 @@ TEST_CASE("a linear layer's prologues are for a LinearImpl that takes them: the 
   ops::LinearBackward g{st.f32({N, C}), st.f32({OC, C}), {}, st.f32({N, OC}), st.f32({N, C}), st.f32({OC, C})};
   g.dout = ops::DgeluOnLoad{st.f32({N, OC}), st.f32({N, OC})};
   CHECK(contains(error_of([&] { b->linear_backward(g); }), "linear_backward: dout: the backend takes the tensor itself, got a dgelu-on-load prologue"));
+}
+
+TEST_CASE("linear_backward without dweight computes dx alone; it refuses dbias without dweight, and a call asking for nothing") {
+  auto b = ops::make_cpu_backend({.threads = 1});
+  Storage st;
+  ops::LinearBackward g{st.f32({N, C}), {}, {}, st.f32({N, OC}), st.f32({N, C}), st.f32({OC, C})};
+  CHECK_NOTHROW(b->linear_backward(g));
+  g.dbias = st.f32({OC});
+  CHECK(contains(error_of([&] { b->linear_backward(g); }), "linear_backward: dbias comes with dweight"));
+  g.dbias = {};
+  g.dx = {};
+  CHECK(contains(error_of([&] { b->linear_backward(g); }), "linear_backward: asks for nothing"));
 }
 
 TEST_CASE("adamw's segments must tile the parameters exactly") {
