@@ -3,8 +3,8 @@
 # (parallel.tp_comm_overlap), on two GPUs (kind nvidia-h200-x2), building nothing: the one-GPU run,
 # then TP=2 with and without sequence parallelism, each plain and overlapped, in one call; then a
 # CUPTI trace of rank 0 of an overlapped run: how much of the NCCL kernels' time runs beside other
-# kernels. Variants: pieces per rank (tp_comm_chunks), SMs left to the collectives (tp_comm_sms),
-# NCCL's CTAs (NCCL_MAX_CTAS).
+# kernels. Variants: pieces per rank (tp_comm_chunks, default 1), SMs the GEMMs leave to the
+# collectives (tp_comm_sms, default 0).
 # usage: bash bench/gpu_tp_overlap.sh BUILD_DIR [MODEL]   (MODEL: 1.3b (default) or 124m; logs under $OUT)
 set -uo pipefail
 B=${1:-.devbuild}
@@ -38,14 +38,12 @@ lap=(--set parallel.tp_comm_overlap=true)
 run one
 run tp2 "${tp[@]}"
 run tp2-lap "${tp[@]}" "${lap[@]}"
-run tp2-lap1 "${tp[@]}" "${lap[@]}" --set parallel.tp_comm_chunks=1
-run tp2-lap-sm0 "${tp[@]}" "${lap[@]}" --set parallel.tp_comm_sms=0
+run tp2-lap2 "${tp[@]}" "${lap[@]}" --set parallel.tp_comm_chunks=2
+run tp2-lap-sm16 "${tp[@]}" "${lap[@]}" --set parallel.tp_comm_sms=16
 run tp2-sp "${tp[@]}" "${sp[@]}"
 run tp2-sp-lap "${tp[@]}" "${sp[@]}" "${lap[@]}"
-run tp2-sp-lap1 "${tp[@]}" "${sp[@]}" "${lap[@]}" --set parallel.tp_comm_chunks=1
-run tp2-sp-lap4 "${tp[@]}" "${sp[@]}" "${lap[@]}" --set parallel.tp_comm_chunks=4
-run tp2-sp-lap-sm0 "${tp[@]}" "${sp[@]}" "${lap[@]}" --set parallel.tp_comm_sms=0
-CUDA_DEVICE_MAX_CONNECTIONS=1 run tp2-sp-lap-conn1 "${tp[@]}" "${sp[@]}" "${lap[@]}"
+run tp2-sp-lap2 "${tp[@]}" "${sp[@]}" "${lap[@]}" --set parallel.tp_comm_chunks=2
+run tp2-sp-lap-sm16 "${tp[@]}" "${sp[@]}" "${lap[@]}" --set parallel.tp_comm_sms=16
 
 if [ -f "$B/lib/libkiln_trace.so" ]; then
   for v in plain lap; do
