@@ -288,7 +288,7 @@ TEST_CASE("a linear layer's prologues are for a LinearImpl that takes them: the 
   CHECK(contains(error_of([&] { b->linear_backward(g); }), "linear_backward: dout: the backend takes the tensor itself, got a dgelu-on-load prologue"));
 }
 
-TEST_CASE("linear_backward without dweight computes dx alone; it refuses dbias without dweight, and a call asking for nothing") {
+TEST_CASE("linear_backward without dweight computes dx alone, and refuses dbias without dweight or a call asking for nothing") {
   auto b = ops::make_cpu_backend({.threads = 1});
   Storage st;
   ops::LinearBackward g{st.f32({N, C}), {}, {}, st.f32({N, OC}), st.f32({N, C}), st.f32({OC, C})};
