@@ -349,8 +349,8 @@ struct LayerRun {
   std::vector<Vec> col, row;  // per rank: the outputs concatenated
 };
 
-LayerRun run_layers(const Layout& L, bool overlap, int chunks) {
-  const std::int64_t N = 20, in = 8, hid = 12;
+LayerRun run_layers(const Layout& L, bool overlap, int chunks, std::int64_t N = 20) {
+  const std::int64_t in = 8, hid = 12;
   const Vec x = random_vec(N * in, 41), w1 = random_vec(hid * in, 42), b1 = random_vec(hid, 43),
             w2 = random_vec(in * hid, 44), b2 = random_vec(in, 45), dy = random_vec(N * in, 46),
             pre = random_vec(N * hid, 47);
@@ -409,6 +409,14 @@ TEST_CASE("with the communication overlapped, the column- and row-parallel layer
         CHECK(lapped.col[static_cast<std::size_t>(r)] == plain.col[static_cast<std::size_t>(r)]);
         CHECK(lapped.row[static_cast<std::size_t>(r)] == plain.row[static_cast<std::size_t>(r)]);
       }
+    }
+  }
+  // Without sequence parallelism the token rows need not split over the ranks.
+  for (const Layout& L : {Layout{4, false}}) {
+    const LayerRun plain = run_layers(L, false, 1, 22), lapped = run_layers(L, true, 2, 22);
+    for (int r = 0; r < L.tp; ++r) {
+      CHECK(lapped.col[static_cast<std::size_t>(r)] == plain.col[static_cast<std::size_t>(r)]);
+      CHECK(lapped.row[static_cast<std::size_t>(r)] == plain.row[static_cast<std::size_t>(r)]);
     }
   }
 }

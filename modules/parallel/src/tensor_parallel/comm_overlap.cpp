@@ -71,7 +71,9 @@ void CommOverlap::compute_waits_comm() {
 
 void CommOverlap::pieces_for(std::int64_t N) {
   if (N == pieces_n_) return;
-  pieces_ = row_pieces(N, comm_.size(), chunks_);
+  // Without sequence parallelism the rows have no owners (and need not split over the ranks): the
+  // same number of near-equal pieces over all N.
+  pieces_ = sp_ ? row_pieces(N, comm_.size(), chunks_) : row_pieces(N, 1, comm_.size() * chunks_);
   pieces_n_ = N;
   if (arrived_.size() < pieces_.size()) arrived_.resize(pieces_.size());
 }

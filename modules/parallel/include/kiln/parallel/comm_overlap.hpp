@@ -3,8 +3,9 @@
 // Megatron-LM's tp_comm_overlap, TransformerEngine's userbuffers, done here with NCCL collectives on
 // a second stream and GEMMs split by token rows).
 //
-// The token rows of a micro-batch are cut into pieces: each rank's share (its N/tp rows, whether or
-// not sequence parallelism keeps them apart) in `chunks` consecutive pieces. Then
+// The token rows of a micro-batch are cut into pieces: under sequence parallelism each rank's share
+// (its N/tp rows) in `chunks` consecutive pieces; without it all N rows in tp x chunks near-equal
+// pieces. Then
 // - a row-parallel forward computes its output piece by piece, and each piece's sum over the group
 //   starts on the communication stream as soon as it is computed (an all-reduce in place), while
 //   the next piece is computed; under sequence parallelism every rank's k-th piece together, written
