@@ -11,6 +11,32 @@ namespace {
 
 TensorView rows_of(const TensorView& t, const RowPiece& p) { return t ? t.rows(p.begin, p.rows) : t; }
 
+// f on the rows of piece p of x, written to `out` (p's rows of f.out, or where reduce-scatter takes them).
+ops::LinearForward forward_rows(const ops::LinearForward& f, const TensorView& x, const RowPiece& p,
+                                const TensorView& out) {
+  ops::LinearForward piece = f;
+  piece.x = rows_of(x, p);
+  piece.out = out;
+  piece.pre_gelu = rows_of(f.pre_gelu, p);
+  return piece;
+}
+
+// The two halves of a backward call (ops::LinearImpl::splits_rows): dx alone, and the weight and bias
+// gradients alone.
+ops::LinearBackward dx_alone(const ops::LinearBackward& b) {
+  ops::LinearBackward d = b;
+  d.dweight = {};
+  d.dbias = {};
+  d.dweight_overwrite = false;
+  return d;
+}
+ops::LinearBackward weights_alone(const ops::LinearBackward& b) {
+  ops::LinearBackward w = b;
+  w.dx = {};
+  w.dx_gelu_pre = {};
+  return w;
+}
+
 // The GEMMs of an overlapped call leave SMs to the collectives beside them.
 class SmMargin {
  public:
@@ -86,12 +112,9 @@ void CommOverlap::forward_sum(const ops::LinearImpl& impl, const ops::LinearForw
   const int size = comm_.size();
   if (!sp_) {
     for (const RowPiece& p : pieces_) {
-      ops::LinearForward piece = f;
-      piece.x = rows_of(x, p);
-      piece.out = rows_of(f.out, p);
-      impl.forward(piece);
+      impl.forward(forward_rows(f, x, p, rows_of(f.out, p)));
       comm_waits_compute();
-      comm_.all_reduce(piece.out, ReduceOp::sum, comm_stream());
+      comm_.all_reduce(rows_of(f.out, p), ReduceOp::sum, comm_stream());
     }
     compute_waits_comm();
     return;
@@ -101,13 +124,8 @@ void CommOverlap::forward_sum(const ops::LinearImpl& impl, const ops::LinearForw
   // its own k-th piece. (f.out holds partial sums nobody reads in row order.)
   for (std::size_t k = 0; k < pieces_.size(); k += static_cast<std::size_t>(size)) {
     const std::int64_t b = pieces_[k].begin, r = pieces_[k].rows;
-    for (int j = 0; j < size; ++j) {
-      const RowPiece& p = pieces_[k + static_cast<std::size_t>(j)];
-      ops::LinearForward piece = f;
-      piece.x = rows_of(x, p);
-      piece.out = f.out.rows(size * b + j * r, r);
-      impl.forward(piece);
-    }
+    for (int j = 0; j < size; ++j)
+      impl.forward(forward_rows(f, x, pieces_[k + static_cast<std::size_t>(j)], f.out.rows(size * b + j * r, r)));
     comm_waits_compute();
     comm_.reduce_scatter(out_local.rows(b, r), f.out.rows(size * b, size * r), ReduceOp::sum, comm_stream());
   }
@@ -152,31 +170,18 @@ void CommOverlap::gather_forward(const ops::LinearImpl& impl, const ops::LinearF
                                  const TensorView& local) {
   const SmMargin margin(be_, comm_sms_);
   start_gather(full, local);
-  on_gathered([&](const RowPiece& p) {
-    ops::LinearForward piece = f;
-    piece.x = rows_of(full, p);
-    piece.out = rows_of(f.out, p);
-    piece.pre_gelu = rows_of(f.pre_gelu, p);
-    impl.forward(piece);
-  });
+  on_gathered([&](const RowPiece& p) { impl.forward(forward_rows(f, full, p, rows_of(f.out, p))); });
 }
 
 void CommOverlap::backward_sum(const ops::LinearImpl& impl, const ops::LinearBackward& b, const TensorView& dx_local) {
   const SmMargin margin(be_, comm_sms_);
-  ops::LinearBackward dgrad = b;
-  dgrad.dweight = {};
-  dgrad.dbias = {};
-  dgrad.dweight_overwrite = false;
-  impl.backward(dgrad);
+  impl.backward(dx_alone(b));
   comm_waits_compute();
   if (sp_)
     comm_.reduce_scatter(dx_local, b.dx, ReduceOp::sum, comm_stream());
   else
     comm_.all_reduce(b.dx, ReduceOp::sum, comm_stream());
-  ops::LinearBackward wgrad = b;
-  wgrad.dx = {};
-  wgrad.dx_gelu_pre = {};
-  impl.backward(wgrad);
+  impl.backward(weights_alone(b));
   compute_waits_comm();
 }
 
@@ -185,24 +190,16 @@ void CommOverlap::gather_backward(const ops::LinearImpl& impl, const ops::Linear
   const SmMargin margin(be_, comm_sms_);
   const TensorView dout = ops::plain_tensor(b.dout), x = ops::plain_tensor(b.x);
   start_gather(dout, dout_local);
-  if (b.dx)
-    on_gathered([&](const RowPiece& p) {
-      ops::LinearBackward piece = b;
-      piece.dweight = {};
-      piece.dbias = {};
-      piece.dweight_overwrite = false;
-      piece.dout = rows_of(dout, p);
-      piece.x = rows_of(x, p);
-      piece.dx = rows_of(b.dx, p);
-      piece.dx_gelu_pre = rows_of(b.dx_gelu_pre, p);
-      impl.backward(piece);
-    });
-  else
-    on_gathered([](const RowPiece&) {});
-  ops::LinearBackward wgrad = b;
-  wgrad.dx = {};
-  wgrad.dx_gelu_pre = {};
-  impl.backward(wgrad);
+  on_gathered([&](const RowPiece& p) {  // every piece has arrived afterwards, with or without dx
+    if (!b.dx) return;
+    ops::LinearBackward piece = dx_alone(b);
+    piece.dout = rows_of(dout, p);
+    piece.x = rows_of(x, p);
+    piece.dx = rows_of(b.dx, p);
+    piece.dx_gelu_pre = rows_of(b.dx_gelu_pre, p);
+    impl.backward(piece);
+  });
+  impl.backward(weights_alone(b));
 }
 
 }  // namespace kiln::parallel

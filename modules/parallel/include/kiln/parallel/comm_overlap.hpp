@@ -55,7 +55,6 @@ class CommOverlap {
   CommOverlap(const CommOverlap&) = delete;
   CommOverlap& operator=(const CommOverlap&) = delete;
 
-  int chunks() const { return chunks_; }
   // Whether `impl` takes the split calls with these operands (plain tensors, not prologues).
   static bool applies(const ops::LinearImpl& impl, const ops::LinearForward& f);
   static bool applies(const ops::LinearImpl& impl, const ops::LinearBackward& b);
