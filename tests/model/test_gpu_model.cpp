@@ -118,7 +118,7 @@ TEST_CASE("the experts' tuned GEMM algorithms change no number: losses and gradi
 
 // backend.cuda_graph: the captured and replayed steps compute exactly what eager steps do (losses and
 // the final weights bit for bit over 6 steps, 4 of them replays), with dropout (so every replay drew
-// fresh masks, as the eager steps did), two micro-batches (a graph each), recompute and FP8.
+// fresh masks, as the eager steps did), two micro-batches (a graph each), recompute, FP8 and FSDP.
 TEST_CASE("a captured CUDA graph of the forward and backward replays eager steps bit for bit") {
   if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
   const std::vector<std::vector<std::string>> cases = {
@@ -128,6 +128,10 @@ TEST_CASE("a captured CUDA graph of the forward and backward replays eager steps
       {"fp8.enabled=true", "train.micro_batch_size=2"},
       {"fp8.enabled=true", "fp8.recipe=current", "model.dropout=0.1"},
       {"model.arch=llama", "model.n_kv_head=2", "fp8.enabled=true", "activation_checkpoint.mode=selective"},
+      // An [fsdp] section on one rank (whole units, nothing gathered) no longer keeps the steps
+      // eager; two ranks' FSDP is tests/parallel/gpu_graph_ranks_test.sh's.
+      {"fsdp.strategy=full_shard", "model.dropout=0.1", "train.micro_batch_size=2"},
+      {"fsdp.strategy=shard_grad_op", "fp8.enabled=true", "fsdp.reduce=step", "train.micro_batch_size=2"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {

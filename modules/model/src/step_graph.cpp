@@ -6,7 +6,8 @@
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/model/config.hpp"
 #include "kiln/ops/module.hpp"
-#include "kiln/parallel/fsdp.hpp"
+#include "kiln/nn/events.hpp"
+#include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
 
 namespace kiln::model {
@@ -15,9 +16,13 @@ std::string StepGraph::refusal(World& w) {
   ops::Backend& be = w.resource<ops::ActiveBackend>().get();
   if (be.device() != Device::cuda) return "the CPU backend runs every op as it comes";
   if (!be.can_capture()) return "backend.profile times every op with events";
-  if (w.resource<RankInfo>().world_size > 1)
-    return "more than one rank (collectives and their bookkeeping are not captured yet)";
-  if (w.try_resource<parallel::FsdpConfig>()) return "FSDP gathers and frees on the layer events";
+  if (w.resource<RankInfo>().world_size > 1) {
+    const auto* launch = w.try_resource<parallel::LaunchContext>();
+    if (!launch || !launch->nccl)
+      return "ranks that are threads of one process exchange through host memory, which a graph cannot hold";
+    if (w.resource<parallel::ParallelState>().pp_size() > 1)
+      return "pipeline stages send and receive on a schedule the host runs";
+  }
   if (w.resource<ModelConfig>().moe.enabled()) return "a mixture of experts' group sizes reach the host every step";
   if (w.resource<train::TrainState>().loss_mask)
     return "the data's loss masks change the loss's divisor every step (a kernel argument)";
@@ -58,7 +63,7 @@ bool StepGraph::before(World& w, Phase p) {
   by_micro_batch_.resize(static_cast<std::size_t>(ctl.micro_batches));
   Captured& c = by_micro_batch_[static_cast<std::size_t>(ctl.micro_batch)];
   if (c.work) {
-    replay(w, c);
+    replay(w, c, ctl.micro_batch);
     replayed_ = true;
     return true;
   }
@@ -66,6 +71,7 @@ bool StepGraph::before(World& w, Phase p) {
   auto& tracker = w.resource<rng::RngStatesTracker>();
   c.bases = be.alloc(static_cast<std::size_t>(tracker.num_states()) * sizeof(std::uint64_t));
   tracker.begin_graph_capture(static_cast<std::uint64_t*>(c.bases.data()));
+  w.events().publish(nn::PassesGraphBegin{ctl.micro_batch});
   be.begin_capture();
   capturing_ = ctl.micro_batch;
   return false;  // the systems run, their device work recorded
@@ -73,20 +79,28 @@ bool StepGraph::before(World& w, Phase p) {
 
 void StepGraph::after(World& w, Phase p) {
   if (p != Phase::backward || capturing_ < 0) return;
-  Captured& c = by_micro_batch_[static_cast<std::size_t>(capturing_)];
+  const int micro_batch = capturing_;
+  Captured& c = by_micro_batch_[static_cast<std::size_t>(micro_batch)];
+  w.events().publish(nn::PassesCaptureEnd{micro_batch});
   capturing_ = -1;
   c.work = w.resource<ops::ActiveBackend>().get().end_capture();
   c.rng = w.resource<rng::RngStatesTracker>().end_graph_capture();
-  replay(w, c);  // the captured step itself runs now
+  launch(w, c, micro_batch);  // the captured step itself runs now
 }
 
-void StepGraph::replay(World& w, Captured& c) {
+void StepGraph::replay(World& w, Captured& c, int micro_batch) {
+  w.events().publish(nn::PassesGraphBegin{micro_batch});
+  launch(w, c, micro_batch);
+}
+
+void StepGraph::launch(World& w, Captured& c, int micro_batch) {
   ops::Backend& be = w.resource<ops::ActiveBackend>().get();
   std::vector<std::uint64_t> bases = w.resource<rng::RngStatesTracker>().next_replay(c.rng);
   const auto bytes = static_cast<std::int64_t>(bases.size() * sizeof(std::uint64_t));
   be.copy(TensorView(c.bases.data(), {bytes}, DType::u8, Device::cuda),
           TensorView(bases.data(), {bytes}, DType::u8, Device::cpu));
   c.work->launch();
+  w.events().publish(nn::PassesReplayed{micro_batch});
 }
 
 }  // namespace kiln::model

@@ -86,6 +86,17 @@ void DpGradSync::launch(std::size_t b) {
     comm_.all_reduce(grads_.flat_slice(begin, end - begin), ReduceOp::sum, side_ ? side_->stream() : compute_stream_);
 }
 
+void DpGradSync::capture_end() {
+  if (side_ && side_->capturing()) side_->compute_waits();
+  captured_ = launched_;
+}
+
+void DpGradSync::replayed() {
+  KILN_CHECK(captured_.size() == launched_.size(), "gradient buckets replayed without a capture");
+  launched_ = captured_;
+  launched_now_ = static_cast<int>(std::count(captured_.begin(), captured_.end(), true));
+}
+
 void DpGradSync::finish() {
   for (std::size_t b = 0; b < buckets_.size(); ++b)
     if (!launched_[b]) launch(b);

@@ -29,6 +29,11 @@ void refuse_parallelisms_that_do_not_run(World& w, const ParallelConfig& cfg) {
                            "such a layout)"));
 }
 
+// World resource with NCCL: the watchdog's timing of replayed passes' collectives.
+struct ReplayWatch {
+  Subscription on_replayed;
+};
+
 // The other stage's gradient of a tied parameter, on its way (parallel.tied_grad_sync).
 struct TiedGradScratch {
   Buffer buf;
@@ -130,9 +135,16 @@ void install(World& w, const ParallelConfig& cfg) {
   }
 #ifdef KILN_WITH_CUDA
   // A job aborted between collectives (a rank died) stops at the end of the step at the latest.
-  if (auto* launch = w.try_resource<LaunchContext>(); launch && launch->nccl)
+  if (auto* launch = w.try_resource<LaunchContext>(); launch && launch->nccl) {
     w.systems().add({"parallel.check", Phase::step_end,
                      [nccl = launch->nccl](World&) { nccl->check(); }});
+    // Collectives inside captured passes (backend.cuda_graph) are timed per replay, as one.
+    w.emplace_resource<ReplayWatch>().on_replayed = w.events().subscribe<nn::PassesReplayed>(
+        [&w, nccl = launch->nccl](const nn::PassesReplayed& e) {
+          nccl->track(w.resource<ops::ActiveBackend>().get().stream(),
+                      cat("the collectives of micro-batch ", e.micro_batch, "'s replayed forward and backward"));
+        });
+  }
 #endif
 
   // Sequence parallelism: parameters replicated over TP but fed by this rank's tokens only have
@@ -169,7 +181,7 @@ void install(World& w, const ParallelConfig& cfg) {
   // whatever the DP size, so other systems can order themselves after it.
   auto& dp_state = w.emplace_resource<DpGradState>();
   dp_state.bucket_mb = cfg.dp_bucket_mb;
-  if (cfg.dp_bucket_mb > 0 && comms.dp->size() > 1)
+  if (cfg.dp_bucket_mb > 0 && comms.dp->size() > 1) {
     dp_state.on_backward = w.events().subscribe<nn::LayerBackwardEnd>([&w](const nn::LayerBackwardEnd& e) {
       const auto& rc = w.resource<RunControl>();
       auto* sync = dp_buckets(w);
@@ -177,6 +189,20 @@ void install(World& w, const ParallelConfig& cfg) {
       sync->unit_ready(e.unit);
       if (auto& experts = w.resource<DpGradState>().expert_sync) experts->unit_ready(e.unit);
     });
+    // Captured passes (backend.cuda_graph): the buckets the last micro-batch's backward started are
+    // part of its graph, joined into the compute stream before the capture ends; a replay started them.
+    auto on_graph = [&w](int micro_batch, void (DpGradSync::*what)()) {
+      const auto& rc = w.resource<RunControl>();
+      if (micro_batch != rc.micro_batches - 1) return;
+      auto& st = w.resource<DpGradState>();
+      for (auto* sync : {st.sync.get(), st.expert_sync.get()})
+        if (sync) (sync->*what)();
+    };
+    dp_state.on_capture_end = w.events().subscribe<nn::PassesCaptureEnd>(
+        [on_graph](const nn::PassesCaptureEnd& e) { on_graph(e.micro_batch, &DpGradSync::capture_end); });
+    dp_state.on_replayed = w.events().subscribe<nn::PassesReplayed>(
+        [on_graph](const nn::PassesReplayed& e) { on_graph(e.micro_batch, &DpGradSync::replayed); });
+  }
   w.systems().add({"parallel.dp_grad_sync", Phase::grad_sync, [](World& world) {
                      auto& c = world.resource<Communicators>();
                      const auto* store = world.try_resource<nn::ParamStore>();

@@ -255,7 +255,9 @@ class NcclCommunicator final : public Communicator {
     auto s = static_cast<cudaStream_t>(stream);
     call(s);
     w_->settle(comm_, what);
-    w_->track(s, what);
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    KILN_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+    if (capturing == cudaStreamCaptureStatusNone) w_->track(s, what);  // a captured one: at each launch
   }
 
   // Device buffers go straight to NCCL; host buffers (scalars: losses, norms; the checkpoint's
@@ -371,6 +373,7 @@ std::unique_ptr<Communicator> NcclWorld::group(const std::string& name, int colo
 }
 
 void NcclWorld::check() const { impl_->check(""); }
+void NcclWorld::track(void* stream, const std::string& what) { impl_->track(static_cast<cudaStream_t>(stream), what); }
 int NcclWorld::rank() const { return impl_->rank; }
 
 }  // namespace kiln::parallel

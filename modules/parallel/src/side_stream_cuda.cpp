@@ -32,6 +32,11 @@ class CudaSideStream final : public SideStream {
     KILN_CUDA_CHECK(cudaEventRecord(reduced_, side_));
     KILN_CUDA_CHECK(cudaStreamWaitEvent(compute_, reduced_, 0));
   }
+  bool capturing() const override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    KILN_CUDA_CHECK(cudaStreamIsCapturing(side_, &status));
+    return status == cudaStreamCaptureStatusActive;
+  }
 
  private:
   cudaStream_t compute_, side_ = nullptr;
@@ -76,6 +81,11 @@ void StreamEvent::record(void* stream) {
 void StreamEvent::wait(void* stream) const {
   if (!stream || !event_) return;
   KILN_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0));
+}
+
+void StreamEvent::forget() {
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  event_ = nullptr;
 }
 
 void StreamEvent::synchronize() const {

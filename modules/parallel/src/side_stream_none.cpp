@@ -19,6 +19,7 @@ StreamEvent& StreamEvent::operator=(StreamEvent&& o) noexcept {
 }
 void StreamEvent::record(void*) {}
 void StreamEvent::wait(void*) const {}
+void StreamEvent::forget() {}
 void StreamEvent::synchronize() const {}
 
 }  // namespace kiln::parallel

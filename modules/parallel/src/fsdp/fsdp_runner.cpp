@@ -364,4 +364,74 @@ void Runner::finish_gradients() {
   if (replica_ && replica_->size() > 1) replica_->all_reduce(store_.grads_flat(), ReduceOp::sum, compute_);
 }
 
+void Runner::graph_begin(int) {
+  comm_mark_.record(comm_);
+  comm_mark_.wait(compute_);
+  for (Slot& sl : slots_) sl.gathered.forget();
+  for (GradSlot& g : grad_slots_) g.reduced.forget();
+  for (Partial& p : partials_) p.ready.forget();
+}
+
+void Runner::capture_end(int micro_batch) {
+  if (side_ && side_->capturing()) {
+    comm_mark_.record(comm_);
+    comm_mark_.wait(compute_);
+  }
+  if (after_passes_.size() <= static_cast<std::size_t>(micro_batch))
+    after_passes_.resize(static_cast<std::size_t>(micro_batch) + 1);
+  AfterPasses& a = after_passes_[static_cast<std::size_t>(micro_batch)];
+  a.slots.clear();
+  for (const Slot& sl : slots_) a.slots.push_back({sl.unit, sl.version == version_, sl.in_use});
+  a.grads.clear();
+  for (const GradSlot& g : grad_slots_) a.grads.push_back({g.unit, g.freed});
+  for (int i = 0; i < 2; ++i) {
+    a.partial_unit[i] = partials_[i].unit;
+    a.partial_overwrite[i] = partials_[i].overwrite;
+  }
+  a.next_partial = next_partial_;
+  a.reduces = reduces_;
+  a.grad_slot_of = grad_slot_of_;
+  a.readers_left = readers_left_;
+  a.readers_batch = readers_batch_;
+  a.unit_compute.clear();
+  a.unit_grads.clear();
+  for (int u = 0; u < units_; ++u) {
+    a.unit_compute.push_back(store_.unit_compute(u));
+    a.unit_grads.push_back(store_.unit_grads(u));
+  }
+}
+
+void Runner::replayed(int micro_batch) {
+  KILN_CHECK(static_cast<std::size_t>(micro_batch) < after_passes_.size() &&
+                 after_passes_[static_cast<std::size_t>(micro_batch)].slots.size() == slots_.size(),
+             "fsdp: micro-batch ", micro_batch, "'s passes replayed without a capture");
+  const AfterPasses& a = after_passes_[static_cast<std::size_t>(micro_batch)];
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    Slot& sl = slots_[i];
+    sl.unit = a.slots[i].unit;
+    sl.version = a.slots[i].fresh ? version_ : -1;
+    sl.in_use = a.slots[i].in_use;
+    sl.gathered.record(compute_);
+  }
+  for (std::size_t i = 0; i < grad_slots_.size(); ++i) {
+    grad_slots_[i].unit = a.grads[i].unit;
+    grad_slots_[i].freed = a.grads[i].freed;
+    grad_slots_[i].reduced.record(compute_);
+  }
+  for (int i = 0; i < 2; ++i) {
+    partials_[i].unit = a.partial_unit[i];
+    partials_[i].overwrite = a.partial_overwrite[i];
+    partials_[i].ready.record(compute_);
+  }
+  next_partial_ = a.next_partial;
+  reduces_ = a.reduces;
+  grad_slot_of_ = a.grad_slot_of;
+  readers_left_ = a.readers_left;
+  readers_batch_ = a.readers_batch;
+  for (int u = 0; u < units_; ++u) {
+    store_.place_unit_compute(u, a.unit_compute[static_cast<std::size_t>(u)]);
+    store_.place_unit_grads(u, a.unit_grads[static_cast<std::size_t>(u)]);
+  }
+}
+
 }  // namespace kiln::parallel::fsdp

@@ -38,6 +38,18 @@ class Runner {
   void finish_gradients();
   // The held weights changed (the optimizer stepped): gathered copies are stale.
   void weights_changed() { ++version_; }
+  // backend.cuda_graph: a graph of micro-batch `micro_batch`'s passes is about to be captured or
+  // launched. The compute stream waits for the communication stream's eager work (the graph's
+  // branches are not ordered after it), and the events recorded outside the graph are forgotten.
+  void graph_begin(int micro_batch);
+  // The capture of micro-batch `micro_batch`'s passes ends. The communication
+  // stream's gathers and reduce-scatters join the compute stream inside the graph, and the host state
+  // the passes left (which unit is in which buffer, what is pending) is kept.
+  void capture_end(int micro_batch);
+  // Those passes were replayed instead of run: the host state is set as they left it (gathered
+  // buffers fresh if they were then), and every event the graph recorded is recorded again after
+  // it (an event last recorded inside a capture cannot be waited for outside it).
+  void replayed(int micro_batch);
 
  private:
   struct Slot {  // a buffer of one unit's gathered compute weights
@@ -78,6 +90,21 @@ class Runner {
     return g.domain == nn::ShardDomain::expert && expert_shard_ ? *expert_shard_ : shard_;
   }
   TensorView held_grads(int unit) const;  // the unit's part of the held gradients
+
+  // The host state a micro-batch's passes leave (capture_end, replayed).
+  struct AfterPasses {
+    struct SlotState { int unit; bool fresh, in_use; };
+    struct GradState { int unit; std::uint64_t freed; };
+    std::vector<SlotState> slots;
+    std::vector<GradState> grads;
+    int partial_unit[2] = {-1, -1};
+    bool partial_overwrite[2] = {false, false};
+    int next_partial = 0;
+    std::uint64_t reduces = 0;
+    std::vector<int> grad_slot_of, readers_left, readers_batch;
+    std::vector<void*> unit_compute, unit_grads;  // the store's placements
+  };
+  std::vector<AfterPasses> after_passes_;  // by micro-batch
 
   World& w_;
   FsdpConfig cfg_;

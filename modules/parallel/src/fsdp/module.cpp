@@ -146,6 +146,9 @@ void install(World& w, const FsdpConfig& cfg) {
   st.subscriptions.push_back(bus.subscribe<nn::LayerBackwardEnd>([run](const auto& e) { run->backward_end(e.unit); }));
   st.subscriptions.push_back(bus.subscribe<nn::AdamWStep>([run](const auto&) { run->weights_changed(); }));
   st.subscriptions.push_back(bus.subscribe<nn::ParamsLoaded>([run](const auto&) { run->weights_changed(); }));
+  st.subscriptions.push_back(bus.subscribe<nn::PassesGraphBegin>([run](const auto& e) { run->graph_begin(e.micro_batch); }));
+  st.subscriptions.push_back(bus.subscribe<nn::PassesCaptureEnd>([run](const auto& e) { run->capture_end(e.micro_batch); }));
+  st.subscriptions.push_back(bus.subscribe<nn::PassesReplayed>([run](const auto& e) { run->replayed(e.micro_batch); }));
   // The step's gradients complete before the TP sums of sequence-parallel partial gradients and
   // everything after them (FP8 amax reduction, the optimizer).
   w.systems().add({"fsdp.grad_sync", Phase::grad_sync, [run](World&) { run->finish_gradients(); },

@@ -11,10 +11,20 @@
 // It runs the phases through the engine's PhaseHook: on a replaying step the forward and backward
 // phases' systems do not run at all, so whatever they would do on the host must be the same every
 // step. What breaks that is refused at start (eager steps, said once): the CPU backend, op profiling,
-// more than one rank (their collectives and bookkeeping run on the layer events), FSDP, mixtures of
-// experts (the experts' group sizes reach the host every step), and any other system in the forward
-// or backward phase. A module acting on the layer events (LayerForwardBegin, ...) sees them in the
-// eager steps and the captured one only.
+// ranks that are threads of one process (their exchanges go through host memory), pipeline stages
+// (their transfers follow the host's schedule), mixtures of experts (the experts' group sizes reach
+// the host every step), and any other system in the forward or backward phase. A module acting
+// on the layer events (LayerForwardBegin, ...) sees them in the eager steps and the captured one only;
+// one that keeps host bookkeeping on them, or streams of its own, hears nn::PassesGraphBegin,
+// nn::PassesCaptureEnd and nn::PassesReplayed.
+//
+// With more than one rank (processes, NCCL) the passes' collectives are captured with them: tensor
+// parallelism's all-reduces, gathers and reduce-scatters (and their side stream under
+// parallel.tp_comm_overlap), the data-parallel gradient buckets the last micro-batch's backward
+// starts, and FSDP's gathers and reduce-scatters on its communication stream (which buffer each unit
+// takes is decided once, in the capture, and the fsdp module's host state set as the capture left it
+// after each launch). Every rank captures at the same step and replays the same sequence, so the
+// collectives still meet; the NCCL watchdog times each launch as one collective.
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,7 +53,8 @@ class StepGraph {
     rng::GraphCapture rng;
     Buffer bases;  // the RNG states' base offsets the graph's kernels read
   };
-  void replay(World& w, Captured& c);
+  void replay(World& w, Captured& c, int micro_batch);  // a later step's launch
+  void launch(World& w, Captured& c, int micro_batch);
 
   std::vector<Captured> by_micro_batch_;
   int steps_ = 0;          // steps begun

@@ -18,6 +18,21 @@ struct LayerRecomputeBegin { int unit; };
 struct LayerRecomputeEnd { int unit; };
 struct ForwardEnd { int micro_batch; };
 struct BackwardEnd { int micro_batch; };
+// backend.cuda_graph (model::StepGraph) captures a micro-batch's forward and backward passes once and
+// launches the graph in every later step instead of running them.
+// - PassesGraphBegin: before the capture begins and before each later launch. A module with a stream
+//   of its own makes the compute stream wait for what it queued there eagerly (the graph's branches
+//   are not ordered after it) and forgets events recorded outside the graph (a capture cannot wait
+//   for them).
+// - PassesCaptureEnd: the passes' systems ran under capture and the capture is about to end: such a
+//   module joins its stream's captured work into the compute stream (a capture must end joined).
+// - PassesReplayed: after each launch (the capture's own included); no layer event of the micro-batch
+//   was published for it, so a module keeping host bookkeeping on those events sets it as the
+//   captured passes left it, and records again any event the graph recorded that eager work after it
+//   waits for.
+struct PassesGraphBegin { int micro_batch; };
+struct PassesCaptureEnd { int micro_batch; };
+struct PassesReplayed { int micro_batch; };
 
 // Published by the optimizer once per step, after it queued its own AdamW update on the compute
 // stream, for the parameters marked UpdatedBy: each handler applies exactly that update

@@ -118,8 +118,9 @@ class ParamStore {
   DType act() const { return act_; }
   void* stream() const { return stream_; }
   Device device() const { return master_.device(); }
-  // Where unit u's gradient accumulation is now (null: not on this rank now).
+  // Where unit u's gradient accumulation (its compute image) is now (null: not on this rank now).
   void* unit_grads(int u) const { return unit_grads_.at(static_cast<std::size_t>(u)); }
+  void* unit_compute(int u) const { return unit_compute_.at(static_cast<std::size_t>(u)); }
   // Unit u's part held here: held_count elements from held_offset of the held buffers (its groups'
   // parts, one after the other).
   std::int64_t held_count(int u) const;

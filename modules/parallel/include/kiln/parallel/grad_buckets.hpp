@@ -46,6 +46,7 @@ class SideStream {
   virtual void* stream() const = 0;
   virtual void wait_for_compute() = 0;  // work queued on stream() from now on runs after the compute stream's
   virtual void compute_waits() = 0;     // compute work queued from now on runs after stream()'s
+  virtual bool capturing() const = 0;   // stream() is part of a CUDA graph being captured
 };
 
 class DpGradSync {
@@ -59,6 +60,12 @@ class DpGradSync {
   // Starts what is not started yet and makes the compute stream wait for every reduction; the
   // next step starts from no bucket launched.
   void finish();
+  // backend.cuda_graph: the capture of the passes that called unit_ready ends. The reductions they
+  // started join the compute stream inside the graph; which buckets they were is kept.
+  void capture_end();
+  // The captured passes were replayed: the graph started (and joined) those buckets' reductions,
+  // so finish() starts only the others, as after the captured passes.
+  void replayed();
 
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   int launched_early() const { return launched_early_; }  // buckets of the last step started before finish()
@@ -71,6 +78,7 @@ class DpGradSync {
   std::vector<int> bucket_of_unit_;  // unit -> bucket (-1: none)
   std::vector<int> pending_;         // per bucket: units not ready yet
   std::vector<bool> launched_;
+  std::vector<bool> captured_;       // per bucket: started inside the captured passes
   std::vector<bool> unit_done_;      // per unit: ready this step
   std::unique_ptr<SideStream> side_;
   void* compute_stream_;

@@ -134,7 +134,7 @@ struct DpGradState {
   // Under expert parallelism: the experts' gradients, summed over the expert-data-parallel group
   // (the dense ones over every data-parallel rank).
   std::shared_ptr<DpGradSync> expert_sync;
-  Subscription on_backward;
+  Subscription on_backward, on_capture_end, on_replayed;
 };
 
 // World resource: this rank's communicators, one per kind of group.

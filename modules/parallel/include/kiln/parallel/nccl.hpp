@@ -38,6 +38,10 @@ class NcclWorld {
                                       bool blocking = false);
   // Throws kiln::Error if the job was aborted.
   void check() const;
+  // The watchdog times the work queued on `stream` so far as one collective named `what`. Every
+  // collective is tracked as it is queued, except while its stream is being captured into a CUDA
+  // graph: whoever launches the graph tracks each launch with this.
+  void track(void* stream, const std::string& what);
   int rank() const;
 
   struct Impl;

@@ -19,6 +19,10 @@ class StreamEvent {
   void wait(void* stream) const;
   // The host waits for the marked work.
   void synchronize() const;
+  // Marks nothing again, as before the first record (waits return at once): for work the waiting
+  // streams are known to follow already, such as before a CUDA graph that cannot wait for events
+  // recorded outside it.
+  void forget();
 
  private:
   void* event_ = nullptr;  // cudaEvent_t, made at the first record on a device stream
