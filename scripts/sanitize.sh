@@ -42,10 +42,14 @@ export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 #    instrumented kiln has saved anything (it runs in the normal build; the doctest checkpoint
 #    suites, resumption and damaged files included, run here);
 #  - test_mpi_bootstrap: run next, without leak detection (Open MPI's own allocations are never
-#    freed, from components it has unloaded, so no suppression can name them).
+#    freed, from components it has unloaded, so no suppression can name them);
+#  - the four FP8 convergence tests (FP8 "within N% of" bf16 / fp32 after 200 steps): numerics, not
+#    memory safety. Instrumented they took 466 s of the stage's 780 s of tests (2026-11-28); their
+#    code paths run here in the shorter FP8 tests (pipeline stages in three recipes, FSDP in FP8,
+#    the experts' FP8 weights, FP8 inputs kept), and they run in the normal build.
 # GPU tests are not built (CUDA is off).
 status=0
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" \
-  -E '^install: |^test_mpi_bootstrap|SIGKILL while saving' "$@" || status=1
+  -E '^install: |^test_mpi_bootstrap|SIGKILL while saving| within [0-9]+% of .*(fp32|bf16)' "$@" || status=1
 ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0" ctest --test-dir "$BUILD" --output-on-failure -R '^test_mpi_bootstrap' "$@" || status=1
 exit $status
