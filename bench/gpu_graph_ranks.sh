@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # backend.cuda_graph with two ranks (kind nvidia-h200-x2), building nothing; a table last.
-#   test    test_gpu_model (one GPU), then tests/parallel/gpu_graph_ranks_test.sh: captured steps equal eager ones bit for bit (TP + SP +
-#           recompute, TP overlap, Llama with vocabulary parallelism, DP buckets with FP8 and micro-batches)
+#   test    test_gpu_model (one GPU), then tests/parallel/gpu_graph_ranks_test.sh: captured steps equal
+#           eager ones bit for bit (TP + SP + recompute, TP overlap, Llama with vocabulary parallelism, DP
+#           buckets with FP8 and micro-batches, FSDP full_shard and shard_grad_op)
 #   bench   GPT-2 124M, eager against captured, alternating (ROUNDS rounds, default 1): data parallelism
 #           and FSDP full_shard (16 sequences a GPU) and tensor parallelism (TP = 2, 16 sequences), bf16
 #           and FP8 delayed

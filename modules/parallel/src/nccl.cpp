@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "kiln/core/error.hpp"
+#include "kiln/parallel/stream_event.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
@@ -255,9 +256,7 @@ class NcclCommunicator final : public Communicator {
     auto s = static_cast<cudaStream_t>(stream);
     call(s);
     w_->settle(comm_, what);
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    KILN_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-    if (capturing == cudaStreamCaptureStatusNone) w_->track(s, what);  // a captured one: at each launch
+    if (!capturing(s)) w_->track(s, what);  // a captured one is tracked at each launch
   }
 
   // Device buffers go straight to NCCL; host buffers (scalars: losses, norms; the checkpoint's

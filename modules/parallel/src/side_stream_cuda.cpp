@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kiln/parallel/grad_buckets.hpp"
+#include "kiln/parallel/stream_event.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::parallel {
@@ -32,11 +33,7 @@ class CudaSideStream final : public SideStream {
     KILN_CUDA_CHECK(cudaEventRecord(reduced_, side_));
     KILN_CUDA_CHECK(cudaStreamWaitEvent(compute_, reduced_, 0));
   }
-  bool capturing() const override {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    KILN_CUDA_CHECK(cudaStreamIsCapturing(side_, &status));
-    return status == cudaStreamCaptureStatusActive;
-  }
+  bool capturing() const override { return parallel::capturing(side_); }
 
  private:
   cudaStream_t compute_, side_ = nullptr;
@@ -49,11 +46,6 @@ std::unique_ptr<SideStream> SideStream::create(void* compute_stream, bool high_p
   return std::make_unique<CudaSideStream>(static_cast<cudaStream_t>(compute_stream), high_priority);
 }
 
-}  // namespace kiln::parallel
-
-#include "kiln/parallel/stream_event.hpp"
-
-namespace kiln::parallel {
 
 StreamEvent::~StreamEvent() {
   if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
@@ -86,6 +78,13 @@ void StreamEvent::wait(void* stream) const {
 void StreamEvent::forget() {
   if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
   event_ = nullptr;
+}
+
+bool capturing(void* stream) {
+  if (!stream) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  KILN_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 void StreamEvent::synchronize() const {

@@ -28,4 +28,8 @@ class StreamEvent {
   void* event_ = nullptr;  // cudaEvent_t, made at the first record on a device stream
 };
 
+// Whether work queued on `stream` (a cudaStream_t; null: the host, never) is being captured into a
+// CUDA graph instead of run.
+bool capturing(void* stream);
+
 }  // namespace kiln::parallel
