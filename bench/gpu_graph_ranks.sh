@@ -22,6 +22,7 @@ export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0
 K="$B/bin/kiln"
 want() { [[ $PARTS == *" $1 "* ]]; }
+source "$(dirname "$0")/kiln_rows.sh"
 : > "$OUT/rows.txt"
 
 if want test; then
@@ -33,27 +34,10 @@ if want test; then
   head -60 "$OUT/test.log"
 fi
 
-run() {  # name steps args... : one two-rank kiln command; its row (median ms/step, tokens/s per GPU, peak) to rows.txt
+run() {  # name steps args... : one kiln command on NPROC (default 2) ranks; its row to rows.txt
   local name=$1 steps=$2
   shift 2
-  timeout 300 "$K" run --nproc "${NPROC:-2}" --set data.synthetic_vocab=50257 --set 'data.val_files=""' --set log.val_every=0 \
-    --set log.every=1000 --set train.steps="$steps" --set parallel.timeout_s=300 --set checkpoint.every=0 \
-    --set checkpoint.at_end=false --set checkpoint.resume=never --set log.metrics="$OUT/$name.jsonl" "$@" \
-    > "$OUT/$name.log" 2>&1
-  echo "$name rc=$?"
-  python3 - "$OUT/$name.jsonl" "$OUT/$name.log" "$name" "${NPROC:-2}" >> "$OUT/rows.txt" <<'PY'
-import json, re, statistics, sys
-try:
-    r = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-    r = [x for x in r if "step_ms" in x]
-    st = r[len(r) // 4:] or r
-    ms = statistics.median(x["step_ms"] for x in st)
-    tps = statistics.median(x["tokens_per_s"] for x in st) / int(sys.argv[4])
-    peaks = [float(g) for g in re.findall(r"peak device memory ([0-9.]+)", open(sys.argv[2]).read())]
-    print(f"{sys.argv[3]:<28} {ms:>9.2f} {tps:>12,.0f} {max(peaks) if peaks else float('nan'):>9.2f} {r[-1]['loss']:>10.6f}")
-except Exception as e:
-    print(f"{sys.argv[3]:<28} (no figures: {e})")
-PY
+  KILN_ROW_TIMEOUT=300 kiln_row "$name" "${NPROC:-2}" "$steps" "$@"
 }
 
 if want bench; then
@@ -91,6 +75,4 @@ if want ctas; then
   fi
 fi
 
-echo
-printf "%-28s %9s %12s %9s %10s\n" run "ms/step" "tok/s/GPU" "peak GiB" "last loss"
-cat "$OUT/rows.txt"
+kiln_rows_table

@@ -104,6 +104,13 @@ TEST_CASE("--set fp8.enabled=true turns the block linears into FP8 GEMMs, the LM
     test::Pipeline p(kTiny);  // no [fp8] section: the module is not even installed
     CHECK(fp8_roles(*p.world).empty());
   }
+  {  // An FP8 head cannot be called on chunks of rows (model.head_chunk_rows): refused at setup.
+    test::Pipeline p(kTiny, {"fp8.enabled=true", "fp8.lm_head=true", "model.head_chunk_rows=8"});
+    CHECK_THROWS_WITH_AS(p.world->systems().run(Phase::setup, *p.world), doctest::Contains("model.head_chunk_rows"),
+                         ConfigError);
+    test::Pipeline blocks_only(kTiny, {"fp8.enabled=true", "model.head_chunk_rows=8"});
+    blocks_only.world->systems().run(Phase::setup, *blocks_only.world);
+  }
   CHECK_THROWS_WITH_AS(test::Pipeline(kTiny, {"fp8.enabled=true", "fp8.recipe=sometimes"}),
                        doctest::Contains("sometimes"), ConfigError);
   CHECK_THROWS_WITH_AS(test::Pipeline(kTiny, {"fp8.amax_history_len=0"}), doctest::Contains("amax_history_len"),

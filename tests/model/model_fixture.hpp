@@ -174,6 +174,7 @@ inline void check_finite_differences(const std::string& toml, const std::vector<
     tracker.set_states(snapshot);  // the same dropout masks every time
     be.convert(store.compute_flat(), store.master_flat());
     model.forward(batch, 0, true, &tracker);
+    if (model.losses_after_backward()) model.backward(batch);  // the gradients, already read, are not used
     return model.mean_loss(1) + (extra_loss ? extra_loss(w) : 0.0);
   };
   for (Entity e : store.order()) {

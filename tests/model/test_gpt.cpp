@@ -52,6 +52,52 @@ TEST_CASE("whole-model gradients match finite differences on a tiny model, with 
   for (float dropout : {0.0f, 0.2f}) test::check_finite_differences(kTiny, {"model.dropout=" + std::to_string(dropout)});
 }
 
+TEST_CASE("the LM head a chunk of rows at a time: the same losses, gradients and evaluations, and finite differences") {
+  // kTiny's micro-batch is 16 tokens: one chunk of 16 is the whole-logits head's arithmetic, bit for
+  // bit; chunks of 5 (the last of 1) sum the weight gradient in four parts.
+  test::Pipeline whole(kTiny, {"model.dropout=0.1"}), one(kTiny, {"model.dropout=0.1", "model.head_chunk_rows=16"}),
+      five(kTiny, {"model.dropout=0.1", "model.head_chunk_rows=5"});
+  std::vector<std::vector<float>> grads;
+  std::vector<double> losses, evals;
+  for (auto* p : {&whole, &one, &five}) {
+    World& w = *p->world;
+    w.systems().run(Phase::setup, w);
+    test::forward_backward_step(w);
+    auto& model = w.resource<model::GptModel>();
+    grads.push_back(to_host(w.resource<ops::ActiveBackend>().get(), w.resource<nn::ParamStore>().grads_flat()));
+    losses.push_back(model.mean_loss(1));
+    evals.push_back(model.evaluate({w.resource<train::Batch>()}));
+  }
+  CHECK(whole.world->resource<model::GptModel>().losses_after_backward() == false);
+  CHECK(five.world->resource<model::GptModel>().losses_after_backward());
+  CHECK(grads[1] == grads[0]);
+  CHECK(losses[1] == losses[0]);
+  CHECK(evals[1] == evals[0]);
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < grads[0].size(); ++i) {
+    num += double(grads[2][i] - grads[0][i]) * (grads[2][i] - grads[0][i]);
+    den += double(grads[0][i]) * grads[0][i];
+  }
+  CHECK(std::sqrt(num / den) < 1e-6);
+  CHECK(losses[2] == doctest::Approx(losses[0]).epsilon(1e-6));
+  CHECK(evals[2] == doctest::Approx(evals[0]).epsilon(1e-6));
+  CHECK(evals[0] != losses[0]);  // the evaluation has no dropout
+
+  // A training forward's losses come with its backward: reading them before is an error.
+  World& w = *five.world;
+  auto& model = w.resource<model::GptModel>();
+  model.forward(w.resource<train::Batch>(), 0, true, &w.resource<rng::RngStatesTracker>());
+  CHECK_THROWS_WITH_AS(model.mean_loss(1), doctest::Contains("read them after backward()"), Error);
+  model.backward(w.resource<train::Batch>());
+  CHECK(std::isfinite(model.mean_loss(1)));
+
+  test::check_finite_differences(kTiny, {"model.dropout=0.2", "model.head_chunk_rows=5"});
+  test::check_finite_differences(
+      kTiny, {"model.arch=llama", "model.tie_embeddings=false", "model.n_kv_head=1", "model.head_chunk_rows=6"});
+  CHECK_THROWS_WITH_AS(test::Pipeline(kTiny, {"model.head_chunk_rows=-1"}), doctest::Contains("head_chunk_rows"),
+                       ConfigError);
+}
+
 TEST_CASE("gradient accumulation over micro-batches equals one batch") {
   test::Pipeline one(kTiny, {"train.batch_size=4", "train.micro_batch_size=4"});
   test::Pipeline four(kTiny, {"train.batch_size=4", "train.micro_batch_size=1"});

@@ -24,7 +24,10 @@ TEST_CASE("a CUDA training step matches the CPU reference step (GPT-2, Llama wit
   const std::vector<std::vector<std::string>> archs = {
       {},
       {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=320", "model.tie_embeddings=false"},
-      {"model.arch=llama", "model.n_kv_head=4", "model.rope_theta=500000"}};
+      {"model.arch=llama", "model.n_kv_head=4", "model.rope_theta=500000"},
+      // The LM head 100 of the 384 rows at a time (the last chunk 84), tied and untied.
+      {"model.head_chunk_rows=100"},
+      {"model.arch=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.head_chunk_rows=100"}};
   for (const auto& arch : archs)
   for (const char* dropout : {"0.0", "0.1"}) {
     auto sets = [&](std::vector<std::string> s) {
@@ -132,6 +135,7 @@ TEST_CASE("a captured CUDA graph of the forward and backward replays eager steps
       // eager; two ranks' FSDP is tests/parallel/gpu_graph_ranks_test.sh's.
       {"fsdp.strategy=full_shard", "model.dropout=0.1", "train.micro_batch_size=2"},
       {"fsdp.strategy=shard_grad_op", "fp8.enabled=true", "fsdp.reduce=step", "train.micro_batch_size=2"},
+      {"model.head_chunk_rows=100", "fp8.enabled=true", "model.dropout=0.1", "train.micro_batch_size=2"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {

@@ -63,6 +63,21 @@ TEST_CASE("tensor and data parallel runs on CPU threads match the single-rank ru
           "tp=2 x dp=2, sequence parallel, 2 micro-batches");
 }
 
+TEST_CASE("the LM head in chunks of rows matches the single-rank run: TP, SP, vocabulary parallel, DP, FSDP") {
+  using test::operator+;
+  const test::Sets c = {"model.head_chunk_rows=24"}, drop = {"model.dropout=0.1", "activation_checkpoint.mode=full"};
+  const Trace single = run(1, {}), single_drop = run(1, drop);
+  compare(run(1, c), single, "chunks of 24 rows");
+  compare(run(2, c + test::Sets{"parallel.tp=2"}), single, "tp=2 (the head whole on each rank), chunks of 24");
+  compare(run(2, c + test::Sets{"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.vocab_parallel=true"}),
+          single, "tp=2, sequence and vocabulary parallel, chunks of 24");
+  compare(run(2, c + test::Sets{"train.micro_batch_size=2"}), single, "dp=2, 2 micro-batches, chunks of 24");
+  compare(run(2, c + drop + test::Sets{"fsdp.strategy=full_shard", "train.micro_batch_size=2"}), single_drop,
+          "full_shard on 2, 2 micro-batches, dropout, full recompute, chunks of 24");
+  compare(run(4, c + drop + test::Sets{"fsdp.strategy=full_shard", "parallel.tp=2", "parallel.vocab_parallel=true"}),
+          single_drop, "tp=2 (vocabulary parallel) x full_shard on 2, dropout, full recompute, chunks of 24");
+}
+
 TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit for bit as without") {
   // The same steps in pieces (parallel.tp_comm_overlap): exactly the plain run's losses, with
   // sequence parallelism, dropout and full recompute; FP8 layers run without overlap.

@@ -92,6 +92,8 @@ TEST_CASE("pipeline stages with dropout and activation recompute draw one rank's
                             "activation_checkpoint.selective=attention"} +
                      llama),
           single, "llama pp=2 x tp=2, dropout, attention recompute");
+  compare(run(2, test::Sets{"parallel.pp=2", "parallel.vpp=2", "model.head_chunk_rows=24"} + llama), single,
+          "llama pp=2 x vpp=2, dropout, the LM head in chunks of 24 rows");
   // GPT-2's tied table with dropout too.
   compare(run(4, {"parallel.pp=4", "model.dropout=0.1"}), run(1, {"model.dropout=0.1"}), "gpt2 pp=4, dropout");
 }

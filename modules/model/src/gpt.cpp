@@ -81,7 +81,7 @@ GptModel::GptModel(World& world, const ModelConfig& cfg, int B, int T, int micro
     LayerBuilder b = head_layer(ctx_, spec);
     std::optional<Entity> tied;
     if (spec.tie_embeddings) tied = embedding_ ? embedding_->token_table() : Embedding::table_copy(b);
-    head_ = std::make_unique<OutputHead>(std::move(b), spec, tied);
+    head_ = spec.make_head(b, tied);
     if (tied && !embedding_) tied_ = tied;
   }
   if (spec.tie_embeddings && plan_.pipelined() && embedding_) tied_ = embedding_->token_table();
@@ -122,7 +122,6 @@ void GptModel::allocate_activations() {
       else
         rows.kept(residuals_[i], act, {Nl, C});
     }
-  if (head_) head_->declare(table_);
   StreamTensors& s = ctx_.stream;
   rows.own(s.row_out, act, {N, C});
   rows.own(s.dres, act, {Nl, C});
@@ -137,10 +136,12 @@ void GptModel::allocate_activations() {
     rows.own(grad_out_, act, {Nl, C});
   }
   // The blocks' backward scratch at the end of the logits, beside what the blocks' linears may
-  // borrow; without the head, in memory of its own.
+  // borrow (the logits hold at least both: a head of chunks has few); without the head, in memory of
+  // its own.
   std::size_t borrow = 0;
   for (const auto& block : blocks_)
     if (block) borrow = std::max(borrow, block->scratch_bytes());
+  if (head_) head_->declare(table_, borrow + table_.backward_scratch_bytes());
   if (!head_) rows.own(lent_host_, DType::u8, {static_cast<std::int64_t>(std::max<std::size_t>(borrow, 1))});
   table_.allocate(ctx_.be, plan_.copies);
   std::int64_t at = 0;
@@ -455,6 +456,9 @@ std::int64_t GptModel::parameter_count() const {
 }
 
 double GptModel::loss_sum(int slots) {
+  KILN_CHECK(!head_ || !head_->losses_pending(),
+             "the LM head computes a training forward's losses in its backward pass (model.head_chunk_rows > 0): "
+             "read them after backward()");
   KILN_CHECK(slots > 0 && slots <= slots_, "mean over ", slots, " loss slots of ", slots_);
   const std::int64_t n = slots * ctx_.N;
   std::vector<float> host(static_cast<std::size_t>(n));

@@ -15,6 +15,7 @@ ModelSpec model_spec(const ModelConfig& cfg) {
                  .init_std = cfg.init_std, .proj_init_std = proj_std};
   s.mlp_options = {.hidden = cfg.mlp_hidden(), .bias = true, .init_std = cfg.init_std, .proj_init_std = proj_std};
   s.tie_embeddings = cfg.tie_embeddings;
+  s.head_chunk_rows = cfg.head_chunk_rows;
   if (cfg.moe.enabled()) {
     s.moe = MoeOptions{.n_experts = cfg.moe.n_experts,
                        .top_k = cfg.moe.top_k,
@@ -54,6 +55,11 @@ ModelSpec model_spec(const ModelConfig& cfg) {
 std::unique_ptr<Norm> ModelSpec::make_norm(LayerBuilder& b, const std::string& name, Norm::Output output) const {
   if (norm == NormKind::rmsnorm) return std::make_unique<RmsNorm>(b, name, output);
   return std::make_unique<LayerNorm>(b, name, output);
+}
+
+std::unique_ptr<OutputHead> ModelSpec::make_head(LayerBuilder& b, std::optional<Entity> tied) const {
+  if (head_chunk_rows > 0) return std::make_unique<ChunkedLossHead>(b, *this, tied, head_chunk_rows);
+  return std::make_unique<LogitsHead>(b, *this, tied);
 }
 
 std::unique_ptr<Mixer> ModelSpec::make_attention(LayerBuilder& b) const {

@@ -56,6 +56,12 @@ void ActivationTable::select_copy(int copy) {
   kept_.select(copy);
 }
 
+std::size_t ActivationTable::backward_scratch_bytes() const {
+  std::size_t n = 0;  // as request() lays the rows out, then place_backward_scratch's alignment
+  for (const auto& [key, shared] : backward_rows_) n = Arena::align_up(n) + shared.bytes;
+  return Arena::align_up(n) + Arena::kAlign;
+}
+
 nn::BlockScratch ActivationTable::place_backward_scratch(ops::Backend& be, const TensorView& host, std::size_t borrow) {
   const std::size_t bytes = host.bytes(), rows = Arena::align_up(backward_.bytes());
   nn::BlockScratch lent{host.data, bytes};

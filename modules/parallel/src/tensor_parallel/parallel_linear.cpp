@@ -50,15 +50,28 @@ void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::Linea
 
 TensorView ColumnParallelLinear::backward(const ops::LinearImpl& impl, const ops::LinearBackward& a,
                                           const TensorView& dx_local) const {
-  const TensorView local = tp_.sequence_parallel() ? dx_local : a.dx;
   if (CommOverlap* o = tp_.comm_overlap(); o && a.dx && split_ && CommOverlap::applies(impl, a)) {
+    const TensorView local = tp_.sequence_parallel() ? dx_local : a.dx;
     o->backward_sum(impl, a, local);
     return local;
   }
   impl.backward(a);
   if (!a.dx) return {};
-  if (!split_) return tp_.local_part(a.dx);  // every rank has the whole input gradient
-  tp_.enter_backward(local, a.dx);
+  return sum_input_grad(a.dx, dx_local);
+}
+
+TensorView ColumnParallelLinear::gather_input(const TensorView& full, const TensorView& x_local) const {
+  if (!tp_.sequence_parallel()) return x_local ? x_local : full;
+  KILN_CHECK(full && x_local, "a column-parallel linear under sequence parallelism gathers its input into a tensor "
+                              "of every rank's rows");
+  tp_.enter(full, x_local);
+  return full;
+}
+
+TensorView ColumnParallelLinear::sum_input_grad(const TensorView& dx, const TensorView& dx_local) const {
+  if (!split_) return tp_.local_part(dx);  // every rank has the whole input gradient
+  const TensorView local = tp_.sequence_parallel() ? dx_local : dx;
+  tp_.enter_backward(local, dx);
   return local;
 }
 

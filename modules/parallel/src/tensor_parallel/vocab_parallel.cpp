@@ -50,7 +50,6 @@ VocabParallelCrossEntropy::VocabParallelCrossEntropy(const TensorParallel& tp, s
   stats_ = be.alloc(static_cast<std::size_t>(rows) * 3 * sizeof(float));
   all_stats_ = be.alloc(static_cast<std::size_t>(tp.size()) * rows * 3 * sizeof(float));
   stats_view_ = stats_.view(DType::f32, {rows, 3});
-  all_stats_view_ = all_stats_.view(DType::f32, {tp.size(), rows, 3});
 }
 
 void VocabParallelCrossEntropy::forward(const TensorView& losses, const TensorView& logits, const TensorView& targets,
@@ -60,11 +59,14 @@ void VocabParallelCrossEntropy::forward(const TensorView& losses, const TensorVi
     be.cross_entropy({losses, logits, targets, vocab_real_, dloss});
     return;
   }
-  KILN_CHECK(logits.size(0) == stats_view_.size(0), "cross-entropy built for ", stats_view_.size(0), " rows, got ",
+  const std::int64_t n = logits.size(0);
+  KILN_CHECK(n > 0 && n <= stats_view_.size(0), "cross-entropy built for up to ", stats_view_.size(0), " rows, got ",
              logits.str());
-  be.cross_entropy_stats({stats_view_, logits, targets, vocab_begin_, vocab_real_});
-  tp_.all_gather(all_stats_view_.reshape({all_stats_view_.numel()}), stats_view_.reshape({stats_view_.numel()}));
-  be.cross_entropy_finish({losses, logits, targets, all_stats_view_, vocab_begin_, vocab_real_, dloss});
+  const TensorView stats = stats_view_.rows(0, n);
+  const TensorView all_stats = all_stats_.view(DType::f32, {tp_.size(), n, 3});
+  be.cross_entropy_stats({stats, logits, targets, vocab_begin_, vocab_real_});
+  tp_.all_gather(all_stats.reshape({all_stats.numel()}), stats.reshape({stats.numel()}));
+  be.cross_entropy_finish({losses, logits, targets, all_stats, vocab_begin_, vocab_real_, dloss});
 }
 
 }  // namespace kiln::parallel

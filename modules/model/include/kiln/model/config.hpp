@@ -37,6 +37,7 @@ struct ModelConfig {
   bool recompute_norm = true;
   bool recompute_gelu = true;
   bool report_activations = false;
+  int head_chunk_rows = 0;
   std::string init_from;
   MoeConfig moe;
   void validate(config::Checks& c) const {
@@ -54,6 +55,7 @@ struct ModelConfig {
              "must divide n_head (each key/value head serves n_head / n_kv_head query heads)");
     c.expect(n_kv_head == 0 || n_kv_head == n_head || arch == Arch::llama, "n_kv_head",
              "grouped-query attention needs arch = \"llama\" (GPT-2 is multi-head: leave it 0)");
+    c.expect(head_chunk_rows >= 0, "head_chunk_rows", "must be 0 (the whole micro-batch's logits at once) or positive");
     c.expect(ffn_hidden >= 0, "ffn_hidden", "must be 0 (the architecture's default) or positive");
     c.expect(rope_theta > 0, "rope_theta", "must be positive");
     c.expect(!rope_scaling.enabled() || arch == Arch::llama, "rope_scaling.type",
@@ -108,6 +110,10 @@ KILN_CONFIG(ModelConfig,
              "keeping them (gpt2: 4 of 16 saved values per token and layer)"),
             (report_activations,
              "print at start what a block keeps for its backward pass: each saved tensor's type, shape and bytes"),
+            (head_chunk_rows,
+             "0: the LM head computes a micro-batch's logits [tokens, vocabulary] in the forward pass and keeps them "
+             "(as dlogits) for the backward; N > 0: N tokens' logits at a time, logits, loss and gradients together "
+             "in the backward pass, so the logits take N / tokens of the memory (the loss is reported as before)"),
             (init_from,
              "start from these weights instead of random ones: a Hugging Face model directory (Llama or GPT-2: "
              "config.json, whose shape fills this section's architecture keys, and model.safetensors or its "

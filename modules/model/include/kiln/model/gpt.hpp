@@ -88,6 +88,9 @@ class GptModel {
   // Mean loss over the first `slots` loss slots, and over the data-parallel replicas (synchronises):
   // over the step's trained targets (train::Batch::step_targets) when the data has loss masks.
   double mean_loss(int slots);
+  // A training forward's losses are written by its backward (the LM head in chunks of rows,
+  // model.head_chunk_rows > 0: ChunkedLossHead); an evaluation's by the forward, as always.
+  bool losses_after_backward() const { return ctx_.cfg.head_chunk_rows > 0; }
   // Mean validation loss over the batches (forward only, no dropout; uses slot 0), over their
   // targets that are not -1 (loss masks).
   double evaluate(const std::vector<train::Batch>& batches);

@@ -16,6 +16,7 @@
 #include "kiln/model/parts/mlp.hpp"
 #include "kiln/model/parts/moe.hpp"
 #include "kiln/model/parts/norm.hpp"
+#include "kiln/model/parts/output_head.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
 
 namespace kiln::model {
@@ -37,12 +38,16 @@ struct ModelSpec {
   int moe_every = 1;
   int shared_experts = 0;
   bool tie_embeddings = true;
+  // The LM head's rows a chunk (ChunkedLossHead), or 0: the whole micro-batch (LogitsHead).
+  std::int64_t head_chunk_rows = 0;
 
   // The parts, registering their parameters through `b` (in the order they are made).
   std::unique_ptr<Norm> make_norm(LayerBuilder& b, const std::string& name, Norm::Output output) const;
   std::unique_ptr<Mixer> make_attention(LayerBuilder& b) const;
   // Block `block`'s MLP: a mixture of experts where the spec has one for that block, else dense.
   std::unique_ptr<Mixer> make_mlp(LayerBuilder& b, int block) const;
+  // The final norm, LM head and loss (`tied`: the token embedding's table, the head's weight).
+  std::unique_ptr<OutputHead> make_head(LayerBuilder& b, std::optional<Entity> tied) const;
   // The dense MLP of this spec's kind with options `o`.
   std::unique_ptr<Mlp> make_dense_mlp(LayerBuilder& b, const MlpOptions& o) const;
   // The norms' parameter names: "<stem><name>.weight" ("ln_1.weight", "norm_f.weight", ...).

@@ -45,6 +45,15 @@ class ColumnParallelLinear {
   // whole input the forward multiplied (under sequence parallelism the gathered one).
   TensorView backward(const ops::LinearImpl& impl, const ops::LinearBackward& a, const TensorView& dx_local) const;
 
+  // The two communication steps of forward and backward, for a caller that runs the GEMMs itself
+  // (on chunks of rows, say: the LM head of model.head_chunk_rows). gather_input: the whole input
+  // on this rank, as forward multiplies it (every rank's `x_local` rows gathered into `full` under
+  // sequence parallelism; else `x_local`, or `full` where `x_local` is empty). sum_input_grad: the
+  // input gradient's sum over the group from this rank's partial `dx` [N, in], as backward returns
+  // it (this rank's rows; `dx_local` receives them under sequence parallelism).
+  TensorView gather_input(const TensorView& full, const TensorView& x_local) const;
+  TensorView sum_input_grad(const TensorView& dx, const TensorView& dx_local) const;
+
  private:
   const TensorParallel& tp_;
   std::int64_t in_, out_, local_out_;

@@ -40,7 +40,7 @@ class VocabParallelEmbedding {
 class VocabParallelCrossEntropy {
  public:
   // Logits of `vocab` (padded) columns, of which the first `vocab_real` count, split over the group
-  // with tp.vocab_parallel(), for micro-batches of `rows` tokens (the statistics' buffers).
+  // with tp.vocab_parallel(), for calls of at most `rows` tokens (the statistics' buffers).
   VocabParallelCrossEntropy(const TensorParallel& tp, std::int64_t vocab, int vocab_real, std::int64_t rows);
 
   // losses [rows] (identical on every rank) and the logits [rows, local vocab] overwritten with
@@ -53,7 +53,7 @@ class VocabParallelCrossEntropy {
   std::int64_t vocab_begin_ = 0;
   int vocab_real_;
   Buffer stats_, all_stats_;  // [rows, 3] and [tp, rows, 3] f32, with vocabulary parallelism
-  TensorView stats_view_, all_stats_view_;
+  TensorView stats_view_;
 };
 
 }  // namespace kiln::parallel

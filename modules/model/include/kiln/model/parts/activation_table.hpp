@@ -77,6 +77,8 @@ class ActivationTable {
   // linears may use as scratch of their own, else allocates it apart. Returns the memory lent to the
   // blocks: what `host` holds before the backward scratch (nn::BlockScratch).
   nn::BlockScratch place_backward_scratch(ops::Backend& be, const TensorView& host, std::size_t borrow);
+  // Bytes a `host` needs beyond `borrow` to hold the backward scratch declared so far.
+  std::size_t backward_scratch_bytes() const;
   // Bytes of activation memory: the table's buffer, and the backward scratch where it has its own.
   std::size_t bytes() const {
     return arena_.bytes() + kept_.bytes() * static_cast<std::size_t>(kept_.copies()) +

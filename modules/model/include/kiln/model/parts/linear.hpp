@@ -55,10 +55,15 @@ class ModelLinear {
     return layer_.backward(impl(), with_weights(a), local);
   }
   // The GEMMs alone, on an input whole on this rank already (a layer whose weight is whole on every
-  // rank, fed by rows another part gathered): no tensor-parallel communication, the input gradient
-  // whole too.
+  // rank, fed by rows another part gathered; or a chunk of rows whose communication the caller does
+  // itself): no tensor-parallel communication, the input gradient this rank's partial sum.
+  // `accumulate`: the weight gradient is added to, never written (a later chunk of rows).
   void forward_whole(ops::LinearForward a) const { impl().forward(with_weights(a)); }
-  void backward_whole(ops::LinearBackward a) const { impl().backward(with_weights(a)); }
+  void backward_whole(ops::LinearBackward a, bool accumulate = false) const {
+    ops::LinearBackward b = with_weights(a);
+    if (accumulate) b.dweight_overwrite = false;
+    impl().backward(b);
+  }
 
  private:
   TensorShard bias_shard() const;

@@ -1,0 +1,34 @@
+# Sourced by the GPU benchmark scripts: one timed kiln run and its row of figures.
+#   kiln_row NAME NPROC STEPS ARGS...  runs "$K run --nproc NPROC" with ARGS on synthetic tokens (no
+#   validation, no checkpoints), logs to $OUT/NAME.log and .jsonl, and appends to $OUT/rows.txt the
+#   median ms/step and tokens/s per GPU over the last three quarters of the steps, the peak device
+#   memory and the last loss. Needs K (the kiln binary) and OUT.
+kiln_row() {
+  local name=$1 nproc=$2 steps=$3
+  shift 3
+  timeout "${KILN_ROW_TIMEOUT:-400}" "$K" run --nproc "$nproc" --set data.synthetic_vocab=50257 --set 'data.val_files=""' \
+    --set log.val_every=0 --set log.every=1000 --set train.steps="$steps" --set parallel.timeout_s=300 \
+    --set checkpoint.every=0 --set checkpoint.at_end=false --set checkpoint.resume=never \
+    --set log.metrics="$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"
+  python3 - "$OUT/$name.jsonl" "$OUT/$name.log" "$name" "$nproc" >> "$OUT/rows.txt" <<'PY'
+import json, re, statistics, sys
+try:
+    r = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+    r = [x for x in r if "step_ms" in x]
+    st = r[len(r) // 4:] or r
+    ms = statistics.median(x["step_ms"] for x in st)
+    tps = statistics.median(x["tokens_per_s"] for x in st) / int(sys.argv[4])
+    peaks = [float(g) for g in re.findall(r"peak device memory ([0-9.]+)", open(sys.argv[2]).read())]
+    print(f"{sys.argv[3]:<30} {ms:>9.2f} {tps:>12,.0f} {max(peaks) if peaks else float('nan'):>9.2f} {r[-1]['loss']:>10.6f}")
+except Exception as e:
+    print(f"{sys.argv[3]:<30} (no figures: {e})")
+PY
+}
+
+# The table of $OUT/rows.txt, with its header.
+kiln_rows_table() {
+  echo
+  printf "%-30s %9s %12s %9s %10s\n" run "ms/step" "tok/s/GPU" "peak GiB" "last loss"
+  cat "$OUT/rows.txt"
+}
