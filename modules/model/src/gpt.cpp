@@ -136,8 +136,8 @@ void GptModel::allocate_activations() {
     rows.own(grad_out_, act, {Nl, C});
   }
   // The blocks' backward scratch at the end of the logits, beside what the blocks' linears may
-  // borrow (the logits hold at least both: a head of chunks has few); without the head, in memory of
-  // its own.
+  // borrow (the head makes its logits' memory large enough for both, which a head of a few rows'
+  // chunks needs); without the head, in memory of its own.
   std::size_t borrow = 0;
   for (const auto& block : blocks_)
     if (block) borrow = std::max(borrow, block->scratch_bytes());

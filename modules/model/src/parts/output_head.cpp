@@ -59,7 +59,7 @@ void LogitsHead::backward(const TensorView& x) {
 ChunkedLossHead::ChunkedLossHead(LayerBuilder b, const ModelSpec& spec, std::optional<Entity> tied,
                                  std::int64_t chunk_rows)
     : OutputHead(b, spec, tied, std::clamp<std::int64_t>(chunk_rows, 1, b.ctx().N)),
-      chunk_(std::clamp<std::int64_t>(chunk_rows, 1, b.ctx().N)) {
+      chunk_(std::clamp<std::int64_t>(chunk_rows, 1, b.ctx().N)) {  // at most the micro-batch's rows
   KILN_CHECK(chunk_rows > 0, "an LM head of ", chunk_rows, " rows a chunk");
 }
 

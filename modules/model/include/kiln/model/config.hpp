@@ -113,7 +113,8 @@ KILN_CONFIG(ModelConfig,
             (head_chunk_rows,
              "0: the LM head computes a micro-batch's logits [tokens, vocabulary] in the forward pass and keeps them "
              "(as dlogits) for the backward; N > 0: N tokens' logits at a time, logits, loss and gradients together "
-             "in the backward pass, so the logits take N / tokens of the memory (the loss is reported as before)"),
+             "in the backward pass, so the logits take N / tokens of the memory (or what the blocks' backward scratch, which "
+             "lives there, needs); the loss is reported as before"),
             (init_from,
              "start from these weights instead of random ones: a Hugging Face model directory (Llama or GPT-2: "
              "config.json, whose shape fills this section's architecture keys, and model.safetensors or its "
