@@ -32,8 +32,8 @@ ColumnParallelLinear::ColumnParallelLinear(const TensorParallel& tp, std::int64_
 void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearForward& a,
                                    const TensorView& x_local) const {
   ops::LinearForward f = a;
+  const TensorView full = ops::plain_tensor(a.x);
   if (tp_.sequence_parallel()) {
-    const TensorView full = ops::plain_tensor(a.x);
     KILN_CHECK(full && x_local, "a column-parallel linear under sequence parallelism gathers its input: it needs "
                                 "this rank's rows and the tensor to gather them into (LinearForward::x), not a ",
                ops::name_of(ops::prologue_of(a.x)), " prologue");
@@ -41,10 +41,8 @@ void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::Linea
       o->gather_forward(impl, f, full, x_local);
       return;
     }
-    tp_.enter(full, x_local);
-  } else if (x_local) {
-    f.x = x_local;
   }
+  if (x_local) f.x = gather_input(full, x_local);  // without this rank's rows, a.x is the input (a prologue)
   impl.forward(f);
 }
 
