@@ -1,5 +1,6 @@
 // Collective bandwidth, nccl-tests style: all-reduce and reduce-scatter of 1 MiB .. 1 GiB (bf16),
-// through kiln's Communicator and through raw NCCL calls on a communicator of its own, on N GPUs.
+// through kiln's Communicator (NCCL, and parallel.copy_engine's copy engines) and through raw NCCL calls on a
+// communicator of its own, on N GPUs.
 // bus bandwidth = bytes / time x 2(n-1)/n for all-reduce, x (n-1)/n for reduce-scatter.
 // Then an all-reduce beside a GEMM (tensor parallelism's overlap): each alone, then the all-reduce on a
 // second stream while the GEMM runs, with the GEMM's SM count target and the stream's priority varied.
@@ -8,12 +9,14 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "kiln/ops/cuda/gemm.hpp"
+#include "kiln/parallel/copy_engine.hpp"
 #include "kiln/parallel/launch.hpp"
 #include "kiln/parallel/nccl.hpp"
 #include "kiln/parallel/rendezvous.hpp"
@@ -31,7 +34,7 @@ double median_ms(cudaStream_t s, F&& f, int iters) {
 }
 
 // An all-reduce of a [8192, 2048] bf16 activation beside a [8192, 2048] x [2048, 4096]^T GEMM.
-void overlap_table(const parallel::LaunchEnv& env, parallel::Communicator& comm, cudaStream_t s) {
+void overlap_table(const parallel::LaunchEnv& env, parallel::Communicator& comm, cudaStream_t s, const char* label) {
   cublasLtHandle_t lt;
   cublasLtCreate(&lt);
   const std::size_t ws_bytes = 64u << 20;
@@ -66,8 +69,8 @@ void overlap_table(const parallel::LaunchEnv& env, parallel::Communicator& comm,
     gemm.run(g, s);
   };
   if (env.rank == 0)
-    std::printf("\nall-reduce of %d x %d bf16 beside a GEMM %d x %d x %d (ms, median of 20; %d SMs)\n", M, N, M, N,
-                K, sms);
+    std::printf("\nall-reduce (%s) of %d x %d bf16 beside a GEMM %d x %d x %d (ms, median of 20; %d SMs)\n", label, M,
+                N, M, N, K, sms);
   if (env.rank == 0)
     std::printf("%10s %9s | %8s %8s %8s %8s %8s\n", "GEMM SMs", "priority", "GEMM", "AR", "both", "sum", "hidden");
   const double ar = median_ms(s, [&] { comm.all_reduce(act, parallel::ReduceOp::sum, s); }, 20);
@@ -107,6 +110,7 @@ int rank_main(const parallel::LaunchEnv& env) {
   for (int i = 0; i < env.world; ++i) all[i] = i;
   auto comm = world->group("world-b", 0, all, true);  // blocking (see NcclWorld::group)
   auto nonblocking = world->group("world", 0, all);   // kiln's default
+  auto copy_engine = parallel::make_copy_engine_communicator(world->group("world-ce", 0, all), world);
 
   // A raw NCCL communicator of the same ranks, from a second id handed out through kiln's broadcast.
   ncclUniqueId id;
@@ -127,10 +131,11 @@ int rank_main(const parallel::LaunchEnv& env) {
   const double n = env.world;
   if (env.rank == 0) {
     std::printf("%d x %s, bf16, busbw in GB/s (median of 20)\n", env.world, "GPU");
-    std::printf("%10s | %12s %12s %12s | %12s %12s\n", "size", "AR blocking", "AR kiln", "AR raw NCCL",
-                "reduce_scat", "raw NCCL");
+    std::printf("%10s | %12s %12s %12s %12s | %12s %12s %12s | %14s %14s\n", "size", "AR blocking", "AR kiln",
+                "AR raw NCCL", "AR copy eng", "reduce_scat", "raw NCCL", "RS copy eng", "host us kiln", "host us c.e.");
   }
-  for (std::size_t bytes = 1u << 20; bytes <= max_bytes; bytes *= 4) {
+  for (std::size_t mib : {1, 4, 16, 32, 64, 256, 1024}) {
+    const std::size_t bytes = mib << 20;
     const std::int64_t count = static_cast<std::int64_t>(bytes / 2);
     TensorView buf(in.data(), {count}, DType::bf16, Device::cuda);
     TensorView rs_out(out.data(), {count / env.world}, DType::bf16, Device::cuda);
@@ -138,20 +143,36 @@ int rank_main(const parallel::LaunchEnv& env) {
     double ar = median_ms(s, [&] { comm->all_reduce(buf, parallel::ReduceOp::sum, s); }, iters);
     double ar_nb = median_ms(s, [&] { nonblocking->all_reduce(buf, parallel::ReduceOp::sum, s); }, iters);
     double ar_raw = median_ms(s, [&] { ncclAllReduce(in.data(), in.data(), count, ncclBfloat16, ncclSum, raw, s); }, iters);
+    // The host's time to queue one call (kiln's NCCL communicator, the copy engines' one).
+    double host_nb = 0, host_ce = 0;
+    int calls_nb = 0, calls_ce = 0;
+    auto host_timed = [](double& total, int& calls, auto&& call) {
+      const auto t0 = std::chrono::steady_clock::now();
+      call();
+      total += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      ++calls;
+    };
+    median_ms(s, [&] { host_timed(host_nb, calls_nb, [&] { nonblocking->all_reduce(buf, parallel::ReduceOp::sum, s); }); }, iters);
+    double ar_ce = median_ms(
+        s, [&] { host_timed(host_ce, calls_ce, [&] { copy_engine->all_reduce(buf, parallel::ReduceOp::sum, s); }); }, iters);
     double rs = median_ms(s, [&] { comm->reduce_scatter(rs_out, buf, parallel::ReduceOp::sum, s); }, iters);
+    double rs_ce = median_ms(s, [&] { copy_engine->reduce_scatter(rs_out, buf, parallel::ReduceOp::sum, s); }, iters);
     double rs_raw = median_ms(
         s, [&] { ncclReduceScatter(in.data(), out.data(), count / env.world, ncclBfloat16, ncclSum, raw, s); }, iters);
     auto bus = [&](double ms, double factor) { return bytes / (ms * 1e-3) / 1e9 * factor; };
     if (env.rank == 0)
-      std::printf("%7zu MiB | %12.1f %12.1f %12.1f | %12.1f %12.1f\n", bytes >> 20, bus(ar, 2 * (n - 1) / n),
-                  bus(ar_nb, 2 * (n - 1) / n), bus(ar_raw, 2 * (n - 1) / n), bus(rs, (n - 1) / n),
-                  bus(rs_raw, (n - 1) / n));
+      std::printf("%7zu MiB | %12.1f %12.1f %12.1f %12.1f | %12.1f %12.1f %12.1f | %14.1f %14.1f\n", bytes >> 20,
+                  bus(ar, 2 * (n - 1) / n), bus(ar_nb, 2 * (n - 1) / n), bus(ar_raw, 2 * (n - 1) / n),
+                  bus(ar_ce, 2 * (n - 1) / n), bus(rs, (n - 1) / n), bus(rs_raw, (n - 1) / n), bus(rs_ce, (n - 1) / n),
+                  host_nb / std::max(calls_nb, 1), host_ce / std::max(calls_ce, 1));
   }
   KILN_CUDA_CHECK(cudaStreamSynchronize(s));
-  overlap_table(env, *nonblocking, s);
+  overlap_table(env, *nonblocking, s, "NCCL");
+  overlap_table(env, *copy_engine, s, "copy engines");
   ncclCommDestroy(raw);
   comm.reset();
   nonblocking.reset();
+  copy_engine.reset();
   world.reset();
   rdv->finish();
   return 0;

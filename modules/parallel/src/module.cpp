@@ -11,6 +11,7 @@
 #include "kiln/train/layout.hpp"
 
 #ifdef KILN_WITH_CUDA
+#include "kiln/parallel/copy_engine.hpp"
 #include "kiln/parallel/nccl.hpp"
 #endif
 
@@ -127,6 +128,15 @@ void install(World& w, const ParallelConfig& cfg) {
   comms.ep = make("ep", {Axis::ep});
   comms.tp_ep = make("tp_ep", {Axis::tp, Axis::ep});
   comms.edp = make("expert_dp", {Axis::dp});
+#ifdef KILN_WITH_CUDA
+  if (auto* launch = w.try_resource<LaunchContext>(); cfg.copy_engine && launch && launch->nccl) {
+    // Collective over each group, in the same order on every rank.
+    CopyEngineOptions o;
+    o.timeout_s = cfg.timeout_s + 10;  // the watchdog names a stuck call first
+    for (auto* c : {&comms.tp, &comms.ep, &comms.dp, &comms.edp})
+      if ((*c)->size() > 1) *c = make_copy_engine_communicator(std::move(*c), launch->nccl, o);
+  }
+#endif
   comms.self = make_self_communicator("self", r.rank);
   comms.pp = make("pp", {Axis::pp});
   if (n.pp > 1) {

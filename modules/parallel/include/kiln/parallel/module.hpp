@@ -33,6 +33,7 @@ struct ParallelConfig {
   bool tp_comm_overlap = false;
   int tp_comm_chunks = 1;
   int tp_comm_sms = 0;
+  bool copy_engine = false;
   double timeout_s = 300;
   double dp_bucket_mb = 25;
   void validate(config::Checks& c) const {
@@ -83,6 +84,13 @@ KILN_CONFIG(ParallelConfig,
             (tp_comm_sms,
              "with tp_comm_overlap: streaming multiprocessors the overlapped GEMMs leave free for the collectives "
              "beside them (cuBLASLt's SM count target; 0: the GEMMs take all)"),
+            (copy_engine,
+             "GPUs under NCCL: the tensor-, expert- and data-parallel groups (FSDP's shard group too) move "
+             "activations and gradients with the GPUs' copy engines over NVLink (CUDA IPC peer memory, flags "
+             "between the GPUs; sums by a small kernel on each part's owner) instead of NCCL's kernels, so the SMs "
+             "stay with the GEMMs beside them; host buffers, messages under 256 KiB and broadcasts stay on NCCL; "
+             "needs the group's GPUs on one host with peer access; CPU ranks ignore it (docs/PERF.md: on two H200s "
+             "it pays with FSDP, tp_comm_overlap and expert parallelism, not for plain TP)"),
             (timeout_s, "a collective waiting longer than this for another rank stops the run, naming it"),
             (dp_bucket_mb,
              "data parallelism: gradients are summed in buckets of about this many MB (f32), each started on a "
