@@ -1,24 +1,27 @@
 #pragma once
 // A communicator whose large device-buffer collectives move data with the GPUs' copy engines over
-// NVLink instead of NCCL's kernels (parallel.copy_engine; the idea of TransformerEngine's userbuffers
-// and NCCL's own copy-engine collectives).
+// NVLink instead of NCCL's kernels (parallel.copy_engine; the idea of TransformerEngine's
+// userbuffers).
 //
 // Every rank of the group maps every other rank's staging memory into its address space (CUDA IPC)
 // once. A transfer is a cudaMemcpyAsync from the sender's buffer into a slot of the receiver's
-// staging memory, ordered on the caller's stream, followed by a 32-bit flag the sender writes into
-// the receiver's memory (cuStreamWriteValue32, with the fence that orders it after the copy); on the
-// receiver's stream a one-thread kernel waits for the flag, then the slot is read and given back with
-// a flag in the sender's memory. (Not cuStreamWaitValue32: a stream blocked on another GPU can hold
-// back the other streams that share its hardware queue, and two data-parallel ranks hung that way.) No streaming multiprocessor runs while data moves, so a GEMM
-// beside it keeps every SM: only the sums (all-reduce, reduce-scatter) run a small kernel, on the
-// rank that owns each part of the result, in rank order, so every rank gets the same bits.
+// staging memory, followed by a 32-bit flag the sender writes into the receiver's memory
+// (cuStreamWriteValue32, with the fence that orders it after the copy); on the receiver's stream a
+// one-thread kernel waits for the flag, then the slot is read and given back with a flag in the
+// sender's memory. (Not cuStreamWaitValue32: a stream blocked on another GPU can hold back the other
+// streams that share its hardware queue, and two data-parallel ranks hung that way.) No streaming
+// multiprocessor runs while data moves, so a GEMM beside it keeps every SM: only the sums
+// (all-reduce, reduce-scatter) run a small kernel, on the rank that owns each part of the result, in
+// rank order, so every rank gets the same bits.
 //
 // The flags say "full" and "free", never a count, so the same queued work can be replayed from a CUDA
 // graph. Messages are cut into pieces of at most `slot_bytes`; the copies run on a stream of the
 // communicator's own, forked from the caller's and joined back within each call, so the receiver's
-// sums and copies of one piece overlap the next piece's transfer. Every rank issues the same calls in
-// the same order, as with NCCL. Host buffers, messages under `min_bytes` and broadcasts stay on the wrapped
-// communicator; the wrapped NCCL world's watchdog times each call as one collective.
+// sums and copies of one piece overlap the next piece's transfer; a call's sends and receives are
+// queued a window of `slots` pieces at a time (commands of streams that share a hardware queue run
+// in the order queued). Every rank issues the same calls in the same order, as with NCCL. Host
+// buffers, messages under `min_bytes` and broadcasts stay on the wrapped communicator; the wrapped
+// NCCL world's watchdog times each call as one collective.
 #include <cstddef>
 #include <memory>
 
