@@ -11,6 +11,7 @@
 #include "kiln/core/error.hpp"
 #include "kiln/parallel/nccl.hpp"
 #include "kiln/parallel/stream_event.hpp"
+#include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::parallel {
@@ -47,7 +48,6 @@ class CopyEngineCommunicator final : public Communicator {
                "copy-engine slots of ", opt_.slot_bytes, " bytes, ", opt_.slots, " per peer");
     write_ = driver_function<StreamValueFn>("cuStreamWriteValue32");
     timeout_ns_ = static_cast<unsigned long long>(opt_.timeout_s * 1e9);
-    KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
     KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&push_, cudaStreamNonBlocking));
     KILN_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     KILN_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -56,18 +56,17 @@ class CopyEngineCommunicator final : public Communicator {
     const std::size_t flag_count = 2 * static_cast<std::size_t>(n_) * opt_.slots;
     flags_bytes_ = (flag_count * 4 + 4095) / 4096 * 4096;
     const std::size_t bytes = flags_bytes_ + static_cast<std::size_t>(n_ - 1) * opt_.slots * opt_.slot_bytes;
-    KILN_CUDA_CHECK(cudaMalloc(&mine_, bytes));
+    mine_ = Buffer(Device::cuda, bytes);
     std::vector<unsigned> init(flag_count, 0);  // full[p][k] = 0, free[p][k] = 1
     std::fill(init.begin() + static_cast<std::ptrdiff_t>(flag_count / 2), init.end(), 1u);
-    KILN_CUDA_CHECK(cudaMemcpy(mine_, init.data(), flag_count * 4, cudaMemcpyHostToDevice));
+    KILN_CUDA_CHECK(cudaMemcpy(mine_.data(), init.data(), flag_count * 4, cudaMemcpyHostToDevice));
 
     int device = 0;
     KILN_CUDA_CHECK(cudaGetDevice(&device));
     Card card{};
-    KILN_CUDA_CHECK(cudaIpcGetMemHandle(&card.memory, mine_));
+    KILN_CUDA_CHECK(cudaIpcGetMemHandle(&card.memory, mine_.data()));
     KILN_CUDA_CHECK(cudaDeviceGetPCIBusId(card.pci_bus, sizeof card.pci_bus, device));
-    std::vector<Card> cards(n_);
-    exchange(card, cards);
+    const std::vector<Card> cards = exchange(card);
 
     peers_.assign(n_, nullptr);
     for (int p = 0; p < n_; ++p) {
@@ -106,12 +105,10 @@ class CopyEngineCommunicator final : public Communicator {
     }
     for (void* p : peers_)
       if (p) cudaIpcCloseMemHandle(p);
-    if (mine_) cudaFree(mine_);
     for (auto ev : marks_) cudaEventDestroy(ev);
     if (fork_) cudaEventDestroy(fork_);
     if (join_) cudaEventDestroy(join_);
     if (push_) cudaStreamDestroy(push_);
-    if (setup_stream_) cudaStreamDestroy(setup_stream_);
   }
 
   int rank() const override { return inner_->rank(); }
@@ -329,11 +326,9 @@ class CopyEngineCommunicator final : public Communicator {
     return base + flags_bytes_ + (static_cast<std::size_t>(area(to, from)) * opt_.slots + k) * opt_.slot_bytes;
   }
   // full[from][k] in the receiver's memory; free[to][k] in the sender's.
-  CUdeviceptr full_flag(void* base, int from, int k) const {
-    return reinterpret_cast<CUdeviceptr>(static_cast<unsigned*>(base) + from * opt_.slots + k);
-  }
-  CUdeviceptr free_flag(void* base, int to, int k) const {
-    return reinterpret_cast<CUdeviceptr>(static_cast<unsigned*>(base) + (n_ + to) * opt_.slots + k);
+  unsigned* full_flag(void* base, int from, int k) const { return static_cast<unsigned*>(base) + from * opt_.slots + k; }
+  unsigned* free_flag(void* base, int to, int k) const {
+    return static_cast<unsigned*>(base) + (n_ + to) * opt_.slots + k;
   }
 
   void check_driver(CUresult r, const char* what) const {
@@ -341,19 +336,17 @@ class CopyEngineCommunicator final : public Communicator {
       KILN_THROW("copy-engine ", what, " over ", name(), " failed: CUDA driver error ", static_cast<int>(r));
   }
   // Waits until the flag at `at` (in this rank's memory) is 1, then sets it to 0.
-  void take(cudaStream_t s, CUdeviceptr at, const char*) {
-    detail::take_flag(reinterpret_cast<unsigned*>(at), timeout_ns_, s);
-  }
+  void take(cudaStream_t s, unsigned* at) { detail::take_flag(at, timeout_ns_, s); }
   // Sets the flag at `at` (here or in a peer's memory) to 1 once the stream's earlier work is done;
   // the write is fenced after it.
-  void give(cudaStream_t s, CUdeviceptr at, const char* what) {
-    check_driver(write_(reinterpret_cast<CUstream>(s), at, 1, 0), what);
+  void give(cudaStream_t s, unsigned* at, const char* what) {
+    check_driver(write_(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(at), 1, 0), what);
   }
 
   // Sends `bytes` (<= a slot) to peer p: once p has given the slot back, copy, then mark it full.
   void send(cudaStream_t s, int p, const void* src, std::size_t bytes) {
     const int k = static_cast<int>(send_seq_[p]++ % opt_.slots);
-    take(s, free_flag(mine_, p, k), "wait for a free slot");
+    take(s, free_flag(mine_.data(), p, k));
     KILN_CUDA_CHECK(
         cudaMemcpyAsync(slot_ptr(static_cast<char*>(peers_[p]), p, me_, k), src, bytes, cudaMemcpyDefault, s));
     give(s, full_flag(peers_[p], me_, k), "slot hand-over");
@@ -361,8 +354,8 @@ class CopyEngineCommunicator final : public Communicator {
   // Waits for peer p's next slot to be full; the caller reads it, then releases it.
   Slot arrive(cudaStream_t s, int p) {
     const int k = static_cast<int>(recv_seq_[p]++ % opt_.slots);
-    take(s, full_flag(mine_, p, k), "wait for data");
-    return {slot_ptr(static_cast<char*>(mine_), me_, p, k), k};
+    take(s, full_flag(mine_.data(), p, k));
+    return {slot_ptr(static_cast<char*>(mine_.data()), me_, p, k), k};
   }
   void release(cudaStream_t s, int p, const Slot& slot) { give(s, free_flag(peers_[p], me_, slot.index), "slot release"); }
 
@@ -428,23 +421,16 @@ class CopyEngineCommunicator final : public Communicator {
         });
   }
 
-  // Every rank's card to every rank, through the wrapped communicator.
-  void exchange(const Card& mine, std::vector<Card>& all) {
-    std::vector<int> words(kCardInts, 0);
-    std::memcpy(words.data(), &mine, sizeof mine);
-    void* dev = nullptr;
-    KILN_CUDA_CHECK(cudaMalloc(&dev, sizeof(int) * kCardInts * (n_ + 1)));
-    int* in = static_cast<int*>(dev);
-    int* out = in + kCardInts;
-    KILN_CUDA_CHECK(cudaMemcpy(in, words.data(), sizeof(int) * kCardInts, cudaMemcpyHostToDevice));
-    inner_->all_gather(TensorView(out, {static_cast<std::int64_t>(kCardInts) * n_}, DType::i32, Device::cuda),
-                       TensorView(in, {kCardInts}, DType::i32, Device::cuda), setup_stream_);
-    KILN_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
-    world_->check();
-    std::vector<int> got(static_cast<std::size_t>(kCardInts) * n_);
-    KILN_CUDA_CHECK(cudaMemcpy(got.data(), out, sizeof(int) * got.size(), cudaMemcpyDeviceToHost));
-    cudaFree(dev);
-    for (int p = 0; p < n_; ++p) std::memcpy(&all[p], got.data() + static_cast<std::size_t>(p) * kCardInts, sizeof(Card));
+  // Every rank's card to every rank, through the wrapped communicator (host buffers: it stages them
+  // and returns once they have arrived).
+  std::vector<Card> exchange(const Card& mine) {
+    std::vector<int> in(kCardInts, 0), out(static_cast<std::size_t>(kCardInts) * n_);
+    std::memcpy(in.data(), &mine, sizeof mine);
+    inner_->all_gather(TensorView(out.data(), {static_cast<std::int64_t>(out.size())}, DType::i32, Device::cpu),
+                       TensorView(in.data(), {kCardInts}, DType::i32, Device::cpu), nullptr);
+    std::vector<Card> all(n_);
+    for (int p = 0; p < n_; ++p) std::memcpy(&all[p], out.data() + static_cast<std::size_t>(p) * kCardInts, sizeof(Card));
+    return all;
   }
 
   std::shared_ptr<NcclWorld> world_;     // outlives inner_ (destroyed after it)
@@ -453,11 +439,10 @@ class CopyEngineCommunicator final : public Communicator {
   int me_, n_;
   StreamValueFn write_ = nullptr;
   unsigned long long timeout_ns_ = 0;
-  cudaStream_t setup_stream_ = nullptr;
   cudaStream_t push_ = nullptr;          // the transfers' stream
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   std::vector<cudaEvent_t> marks_;       // points within a call (mark / await)
-  void* mine_ = nullptr;
+  Buffer mine_;                          // the flags, then the staging slots (mapped by every peer)
   std::size_t flags_bytes_ = 0;
   std::vector<void*> peers_;
   std::vector<std::uint64_t> send_seq_, recv_seq_;  // slots used per peer, in call order
