@@ -21,6 +21,7 @@
 
 #include "kiln/fp8/cuda/gemm.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/cublaslt.hpp"
 #include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/tensor/buffer.hpp"
@@ -365,6 +366,126 @@ void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, st
                     (2.0 + (copies == 3 ? 2.0 : 1.0)) * R * C / (ms * 1e-3) / 1e9);
       }
     }
+    // Computing on load (both copies): dGELU with the bias gradient (two bf16 tensors read), GELU.
+    Buffer pre = bf16_buffer(R * C, 1.0f, s), part(Device::cuda, static_cast<std::size_t>(fp8::cuda::block_partials(R, C)) * 4),
+           db(Device::cuda, static_cast<std::size_t>(C) * 4);
+    const fp8::BlockLayout l{fp8::ScalingMode::block_1x128, R, C}, tl{fp8::ScalingMode::block_1x128, C, R};
+    Buffer sc(Device::cuda, static_cast<std::size_t>(l.count()) * 4 + 256), sct(Device::cuda, static_cast<std::size_t>(tl.count()) * 4 + 256);
+    fp8::cuda::BlockCast k{x.data(), DType::bf16, R, C, fp8::ScalingMode::block_1x128};
+    k.rowwise = static_cast<std::uint8_t*>(q.data());
+    k.row_scale_inv = static_cast<float*>(sc.data());
+    k.colwise = static_cast<std::uint8_t*>(qt.data());
+    k.col_scale_inv = static_cast<float*>(sct.data());
+    k.source = ops::Prologue::dgelu;
+    k.aux = pre.data();
+    k.dbias = static_cast<float*>(db.data());
+    k.partial = static_cast<float*>(part.data());
+    double ms = timer.median_ms([&] { fp8::cuda::quantize_blocks(k, s); });
+    std::printf("%-40s %-14s %9.4f %9.1f\n", "1x128 dgelu + dbias -> both", dims(R, C).c_str(), ms, 6.0 * R * C / (ms * 1e-3) / 1e9);
+    k.source = ops::Prologue::gelu;
+    k.dbias = k.partial = nullptr;
+    ms = timer.median_ms([&] { fp8::cuda::quantize_blocks(k, s); });
+    std::printf("%-40s %-14s %9.4f %9.1f\n", "1x128 gelu -> both", dims(R, C).c_str(), ms, 4.0 * R * C / (ms * 1e-3) / 1e9);
+    // The optimizer's step of an f32 master weight with its 128x128 codes (30 bytes an element), the
+    // step alone (28), and the codes from the updated f32 master (6).
+    Buffer pm(Device::cuda, static_cast<std::size_t>(R * C) * 4), g(Device::cuda, static_cast<std::size_t>(R * C) * 4),
+        mm(Device::cuda, static_cast<std::size_t>(R * C) * 4), vv(Device::cuda, static_cast<std::size_t>(R * C) * 4);
+    for (Buffer* b : {&pm, &g, &mm, &vv}) KILN_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), s));
+    fp8::cuda::AdamWQuantizeDev u;
+    u.param = static_cast<float*>(pm.data());
+    u.grad = static_cast<const float*>(g.data());
+    u.m = static_cast<float*>(mm.data());
+    u.v = static_cast<float*>(vv.data());
+    u.rows = R;
+    u.cols = C;
+    u.lr = 1e-4f, u.beta1 = 0.9f, u.beta2 = 0.95f, u.eps = 1e-8f;
+    const fp8::BlockLayout wl{fp8::ScalingMode::block_128x128, R, C}, wtl{fp8::ScalingMode::block_128x128, C, R};
+    fp8::cuda::BlockCast w{nullptr, DType::f32, R, C, fp8::ScalingMode::block_128x128};
+    w.rowwise = static_cast<std::uint8_t*>(q.data());
+    w.row_scale_inv = static_cast<float*>(sc.data());
+    w.colwise = static_cast<std::uint8_t*>(qt.data());
+    w.col_scale_inv = static_cast<float*>(sct.data());
+    (void)wl, (void)wtl;
+    ms = timer.median_ms([&] { fp8::cuda::quantize_blocks_adamw(w, u, s); });
+    std::printf("%-40s %-14s %9.4f %9.1f\n", "adamw + 128x128 -> both (fused)", dims(R, C).c_str(), ms, 30.0 * R * C / (ms * 1e-3) / 1e9);
+    ms = timer.median_ms([&] { fp8::cuda::adamw_quantize(u, s); });
+    std::printf("%-40s %-14s %9.4f %9.1f\n", "adamw alone", dims(R, C).c_str(), ms, 28.0 * R * C / (ms * 1e-3) / 1e9);
+    w.x = pm.data();
+    ms = timer.median_ms([&] { fp8::cuda::quantize_blocks(w, s); });
+    std::printf("%-40s %-14s %9.4f %9.1f\n", "128x128 from f32 -> both", dims(R, C).c_str(), ms, 6.0 * R * C / (ms * 1e-3) / 1e9);
+  }
+}
+
+// What cuBLASLt's heuristic leaves on the table for block-scaled products (`bench_fp8 block-algos`):
+// each candidate it returns (up to 32) for block_table's shapes, timed alone.
+void block_algos(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes) {
+  std::printf("\n%-20s %-22s %3s %5s %5s %6s %6s %7s %7s %9s\n", "block GEMM candidates", "shape", "#", "algo", "tile",
+              "stages", "splitK", "swizzle", "cluster", "TFLOP/s");
+  struct Shape3 {
+    std::string what;
+    std::int64_t M, N, K;
+    bool wgrad;
+  };
+  const std::vector<Shape3> shapes = {{"1.3B qkv fwd", 8192, 6144, 2048, false},
+                                      {"1.3B fc1 fwd", 8192, 8192, 2048, false},
+                                      {"1.3B fc2 fwd", 8192, 2048, 8192, false},
+                                      {"1.3B fc1 wgrad", 8192, 2048, 8192, true},
+                                      {"1.3B qkv wgrad", 6144, 2048, 8192, true},
+                                      {"llama1B fc1 fwd", 8192, 16384, 2048, false},
+                                      {"llama1B fc1 wgrad", 16384, 2048, 8192, true}};
+  auto attr = [](const cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttributes_t at) {
+    int v = 0;
+    std::size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&a, at, &v, sizeof(v), &written);
+    return v;
+  };
+  for (const auto& sh : shapes) {
+    const std::int64_t M = sh.M, N = sh.N, K = sh.K;
+    Buffer xq(Device::cuda, static_cast<std::size_t>(M * K)), yq(Device::cuda, static_cast<std::size_t>(N * K));
+    KILN_CUDA_CHECK(cudaMemsetAsync(xq.data(), 0x31, xq.bytes(), s));
+    KILN_CUDA_CHECK(cudaMemsetAsync(yq.data(), 0x29, yq.bytes(), s));
+    Buffer d(Device::cuda, static_cast<std::size_t>(M * N) * 4);
+    KILN_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.bytes(), s));
+    const fp8::ScalingMode ym = sh.wgrad ? fp8::ScalingMode::block_1x128 : fp8::ScalingMode::block_128x128;
+    const fp8::BlockLayout lx{fp8::ScalingMode::block_1x128, M, K}, ly{ym, N, K};
+    std::vector<float> ones(static_cast<std::size_t>(std::max(lx.count(), ly.count())), 1.0f);
+    Buffer sb(Device::cuda, ones.size() * 4);
+    KILN_CUDA_CHECK(cudaMemcpy(sb.data(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    cublasLtMatmulDesc_t op;
+    KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cuda::set_attr(op, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<std::int32_t>(CUBLAS_OP_T));
+    cuda::set_attr(op, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<std::int32_t>(CUBLAS_OP_N));
+    cuda::set_attr(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(sb.data()));
+    cuda::set_attr(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(sb.data()));
+    cuda::set_attr(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                   static_cast<std::int32_t>(sh.wgrad ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                                      : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F));
+    cuda::set_attr(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, static_cast<std::int32_t>(CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F));
+    const auto dt = sh.wgrad ? CUDA_R_32F : CUDA_R_16BF;
+    cuda::LtLayout a(CUDA_R_8F_E4M3, K, N, K), b(CUDA_R_8F_E4M3, K, M, K), c(dt, N, M, N);
+    cuda::LtPreference pref;
+    pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(ws_bytes));
+    std::vector<cublasLtMatmulHeuristicResult_t> results(32);
+    int found = 0;
+    KILN_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, op, a.l, b.l, c.l, c.l, pref.p, 32, results.data(), &found));
+    const float alpha = 1.0f, beta = sh.wgrad ? 1.0f : 0.0f;
+    const double flops = 2.0 * M * N * K;
+    for (int i = 0; i < found; ++i) {
+      const auto& r = results[static_cast<std::size_t>(i)];
+      if (r.state != CUBLAS_STATUS_SUCCESS) continue;
+      bool ok = true;
+      const double ms = timer.median_ms([&] {
+        if (cublasLtMatmul(lt, op, &alpha, yq.data(), a.l, xq.data(), b.l, &beta, d.data(), c.l, d.data(), c.l, &r.algo, ws,
+                           ws_bytes, s) != CUBLAS_STATUS_SUCCESS)
+          ok = false;
+      });
+      std::printf("%-20s %-22s %3d %5d %5d %6d %6d %7d %7d %9.1f%s\n", sh.what.c_str(), mnk(M, N, K).c_str(), i,
+                  attr(r.algo, CUBLASLT_ALGO_CONFIG_ID), attr(r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                  attr(r.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID), attr(r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                  attr(r.algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING), attr(r.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+                  flops / (ms * 1e-3) / 1e12, ok ? "" : " (failed)");
+    }
+    cublasLtMatmulDescDestroy(op);
   }
 }
 
@@ -448,6 +569,14 @@ int main(int argc, char** argv) {
     const std::string only = argc > 1 ? argv[1] : "";
     if (only == "grouped") {  // the experts' grouped casts alone
       bench::grouped_table(timer, s, scales);
+      return 0;
+    }
+    if (only == "block-algos") {  // cuBLASLt's candidates for block-scaled products
+      cublasLtHandle_t lt;
+      KILN_CUBLAS_CHECK(cublasLtCreate(&lt));
+      Buffer ws(Device::cuda, 32u << 20);
+      bench::block_algos(timer, s, lt, ws.data(), 32u << 20);
+      cublasLtDestroy(lt);
       return 0;
     }
     if (only == "block") {  // block scaling alone

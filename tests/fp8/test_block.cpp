@@ -10,6 +10,7 @@
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/block_linear.hpp"
 #include "kiln/fp8/ops.hpp"
+#include "kiln/ops/formulas.hpp"
 
 using namespace kiln;
 using namespace kiln::fp8;
@@ -245,4 +246,81 @@ TEST_CASE("a block-scaled FP8 linear layer computes out, dx, dweight and dbias a
   CHECK(e_dx < 0.05);
   CHECK(e_dw < 0.05);
   CHECK(e_db < 1e-6);
+}
+
+TEST_CASE("a block-scaled FP8 linear layer given its operands through prologues equals the layer given their values") {
+  auto cpu = make_cpu_ops({.threads = 2});
+  const std::int64_t N = 136, IC = 200, OC = 144;
+  auto view = [](std::vector<float>& v, std::int64_t r, std::int64_t c) {
+    return TensorView(v.data(), {r, c}, DType::f32, Device::cpu);
+  };
+  auto w = test::normal_values(static_cast<std::size_t>(OC * IC), 2, 0.05f), b = test::normal_values(static_cast<std::size_t>(OC), 3);
+  struct Result {
+    std::vector<float> out, dx, dw, db, mean, rstd;
+  };
+  // One forward and backward of a fresh layer with the input and output gradient given as they are.
+  auto run = [&](const ops::LinearInput& x, const ops::OutputGrad& dout) {
+    fp8::Fp8Workspace ws(*cpu);
+    fp8::Fp8BlockLinear lin(*cpu, ws, {}, "test");
+    Result r{std::vector<float>(static_cast<std::size_t>(N * OC)), std::vector<float>(static_cast<std::size_t>(N * IC)),
+             std::vector<float>(static_cast<std::size_t>(OC * IC), 0.5f), std::vector<float>(static_cast<std::size_t>(OC), 0.25f)};
+    lin.forward({view(r.out, N, OC), {}, x, view(w, OC, IC), TensorView(b.data(), {OC}, DType::f32, Device::cpu)}, 1);
+    lin.backward({view(r.dx, N, IC), view(r.dw, OC, IC), TensorView(r.db.data(), {OC}, DType::f32, Device::cpu), dout, x,
+                  view(w, OC, IC)});
+    return r;
+  };
+  auto same = [](const Result& a, const Result& b) {
+    CHECK(test::same_bits(a.out, b.out));
+    CHECK(test::same_bits(a.dx, b.dx));
+    CHECK(test::same_bits(a.dw, b.dw));
+    CHECK(test::same_bits(a.db, b.db));
+  };
+  auto dout = test::normal_values(static_cast<std::size_t>(N * OC), 4, 1e-2f);
+
+  SUBCASE("the input as a LayerNorm's output, computed from the statistics the forward writes") {
+    auto x = test::normal_values(static_cast<std::size_t>(N * IC), 5, 2.0f);
+    auto lw = test::normal_values(static_cast<std::size_t>(IC), 6), lb = test::normal_values(static_cast<std::size_t>(IC), 7);
+    std::vector<float> mean(static_cast<std::size_t>(N), -9.0f), rstd(static_cast<std::size_t>(N), -9.0f), y(x.size());
+    for (std::int64_t n = 0; n < N; ++n) {
+      float m = 0, s = 0;
+      ops::layernorm_row_stats(x.data() + n * IC, IC, 1e-5f, m, s);
+      for (std::int64_t c = 0; c < IC; ++c)
+        y[static_cast<std::size_t>(n * IC + c)] = ops::layernorm_apply(x[static_cast<std::size_t>(n * IC + c)], m, s,
+                                                                        lw[static_cast<std::size_t>(c)], lb[static_cast<std::size_t>(c)]);
+    }
+    const ops::LayerNormOnLoad ln{view(x, N, IC), TensorView(lw.data(), {IC}, DType::f32, Device::cpu),
+                                  TensorView(lb.data(), {IC}, DType::f32, Device::cpu),
+                                  TensorView(mean.data(), {N}, DType::f32, Device::cpu),
+                                  TensorView(rstd.data(), {N}, DType::f32, Device::cpu)};
+    same(run(ln, view(dout, N, OC)), run(view(y, N, IC), view(dout, N, OC)));
+    CHECK(mean[0] != -9.0f);  // the forward wrote the statistics
+  }
+  SUBCASE("GELU on load, and the output gradient through the next GELU's backward") {
+    auto pre = test::normal_values(static_cast<std::size_t>(N * IC), 8, 2.0f), opre = test::normal_values(static_cast<std::size_t>(N * OC), 9, 2.0f);
+    std::vector<float> x(pre.size()), g(dout.size());
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = ops::gelu(pre[i]);
+    for (std::size_t i = 0; i < g.size(); ++i) g[i] = dout[i] * ops::gelu_grad(opre[i]);
+    same(run(ops::GeluOnLoad{view(pre, N, IC)}, ops::DgeluOnLoad{view(dout, N, OC), view(opre, N, OC)}),
+         run(view(x, N, IC), view(g, N, OC)));
+  }
+  SUBCASE("SwiGLU on load, and the output gradient through the next SwiGLU's backward") {
+    auto gate_up = test::normal_values(static_cast<std::size_t>(N * 2 * IC), 10, 1.5f),
+         ogu = test::normal_values(static_cast<std::size_t>(N * OC), 11, 1.5f),
+         dsw = test::normal_values(static_cast<std::size_t>(N * OC / 2), 12, 1e-2f);
+    std::vector<float> x(static_cast<std::size_t>(N * IC)), g(static_cast<std::size_t>(N * OC));
+    const std::int64_t F = OC / 2;
+    for (std::int64_t n = 0; n < N; ++n) {
+      for (std::int64_t c = 0; c < IC; ++c)
+        x[static_cast<std::size_t>(n * IC + c)] =
+            ops::swiglu(gate_up[static_cast<std::size_t>(n * 2 * IC + c)], gate_up[static_cast<std::size_t>(n * 2 * IC + IC + c)]);
+      for (std::int64_t f = 0; f < F; ++f) {
+        const float gt = ogu[static_cast<std::size_t>(n * OC + f)], up = ogu[static_cast<std::size_t>(n * OC + F + f)],
+                    go = dsw[static_cast<std::size_t>(n * F + f)];
+        g[static_cast<std::size_t>(n * OC + f)] = ops::dswiglu_gate(go, gt, up);
+        g[static_cast<std::size_t>(n * OC + F + f)] = ops::dswiglu_up(go, gt);
+      }
+    }
+    same(run(ops::SwigluOnLoad{view(gate_up, N, 2 * IC)}, ops::DswigluOnLoad{view(dsw, N, F), view(ogu, N, OC)}),
+         run(view(x, N, IC), view(g, N, OC)));
+  }
 }

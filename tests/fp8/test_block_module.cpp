@@ -66,9 +66,13 @@ TEST_CASE("fp8.recipe=block gives the block linears block-scaled FP8 layers, wit
 // 200 steps of the tiny model: FP8 ends below the bf16 run here (FP8's rounding noise helps this small
 // model on this corpus), and where a 200-step run ends depends on the build's floating point (the
 // sanitizer build's bf16 run ends 0.4% from the release build's, per-tensor current scaling 5% from
-// its own). Block scaling ended 3.7% below bf16 and 1.8% below fp32 in the release build, the
-// power-of-two scales 4.0% and 2.0%, when written; the bounds leave room for that spread.
-TEST_CASE("block-scaled FP8 training on the CPU ends within 3% of fp32 and 5% of bf16 after 200 steps") {
+// its own) and on small changes of the rounding: block scaling ended 3.7% below bf16 and 1.8% below
+// fp32 in the release build with the weights' codes made from their bf16 copies, 5.2% and 3.3% below
+// with the codes made from the f32 masters (fp8.weights_in_compute_copy, the default since), the
+// power-of-two scales 4.6% and 2.7%. The bounds leave room for that spread on the side FP8 lands on,
+// and hold it to 2% on the other (no worse than bf16 by more than the issue's 2%).
+TEST_CASE("block-scaled FP8 training on the CPU ends within 5% of fp32 and 7% of bf16 after 200 steps, no worse than "
+          "bf16 by 2%") {
   test::TempDir dir("fp8-block-train");
   const std::string shards = test::pattern_corpus(dir);
   const std::string bf16 = "backend.cpu_round_bf16=true";
@@ -83,8 +87,9 @@ TEST_CASE("block-scaled FP8 training on the CPU ends within 3% of fp32 and 5% of
                                                                   << ", with power-of-two scales " << p);
   CHECK(ref.back() < ref.front() - 2.0);
   for (double v : {b, p}) {
-    CHECK(std::fabs(v - f) / f < 0.03);
-    CHECK(std::fabs(v - r) / r < 0.05);
+    CHECK(std::fabs(v - f) / f < 0.05);
+    CHECK(std::fabs(v - r) / r < 0.07);
+    CHECK((v - r) / r < 0.02);
   }
   CHECK(block != ref);  // FP8 does change the numbers
   CHECK(block != pow2);
@@ -132,4 +137,33 @@ TEST_CASE("fp8.recipe=block refuses a tensor-parallel split that cuts 128-wide b
   const auto wide = run({"model.n_embd=256", "model.n_head=4", "train.steps=1"});
   INFO(parallel::describe_failures(wide));
   for (const auto& o : wide) CHECK(o.ok);
+}
+
+TEST_CASE("block-scaled FP8 layers computing their operands on load, writing their weights' codes into the compute "
+          "copies and from the optimizer's step train bit for bit as without") {
+  // The layers take the LayerNorm and GELU (SwiGLU) outputs and the dGELU (dSwiGLU) as prologues (the
+  // model then stores or recomputes none of them), sum the bias gradient while quantising the output
+  // gradient, and run the optimizer's step of their weights fused with the weights' quantisation: on
+  // the CPU every value is the one the unfused path computes, so the losses are the same bits.
+  test::TempDir dir("fp8-block-fused");
+  const std::string shards = test::pattern_corpus(dir);
+  for (const char* arch : {"gpt2", "llama"}) {
+    INFO(arch);
+    auto with = [&](std::vector<std::string> sets) {
+      sets.insert(sets.end(), {"fp8.enabled=true", "fp8.recipe=block", "backend.cpu_round_bf16=true",
+                               std::string("model.arch=") + arch});
+      return test::train_losses(shards, 12, sets);
+    };
+    const auto base = with({});
+    REQUIRE(base.size() == 12);
+    CHECK(base == with({"model.recompute_norm=false", "model.recompute_gelu=false"}));
+    CHECK(base == with({"fp8.fuse_weight_update=false"}));
+    CHECK(base == with({"activation_checkpoint.mode=full"}));
+  }
+  // The codes made from the f32 master in the compute copy's memory, or from the compute copy in
+  // buffers of their own: the same values where the compute copy is the master (no bf16 rounding).
+  const std::vector<std::string> block = {"fp8.enabled=true", "fp8.recipe=block"};
+  auto more = block;
+  more.push_back("fp8.weights_in_compute_copy=false");
+  CHECK(test::train_losses(shards, 12, block) == test::train_losses(shards, 12, more));
 }

@@ -1,6 +1,9 @@
 // FP8 block scaling on the GPU against the CPU (kiln/fp8/block.hpp); every case skips without a GPU.
 //  - the block quantisation kernels (1x128 and 128x128, bf16 and f32 inputs, power-of-two scales,
 //    partial blocks): codes and scales bit for bit;
+//  - the same kernels computing their values on load (LayerNorm, GELU, SwiGLU, dGELU, dSwiGLU) and
+//    summing the bias gradient: bit for bit against quantising the unfused ops' outputs on the
+//    device, near the CPU's;
 //  - cuBLASLt's block-scaled GEMMs (1x128 x 128x128 as the forward and data gradient take them,
 //    1x128 x 1x128 as the weight gradient does; bf16 and f32 results, accumulated) against the CPU
 //    emulation. Where a product does not match, the case says which other arrangement of the same
@@ -10,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -17,6 +21,7 @@
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/cuda/launchers.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "kiln_test.hpp"
 
@@ -117,6 +122,183 @@ TEST_CASE("CUDA block quantisation (1x128, 128x128, and of the transpose) matche
             }
           }
         }
+}
+
+TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwiGLU) with the bias gradient equals "
+          "quantising the unfused ops' outputs") {
+  KILN_REQUIRE_CUDA_BLOCK();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops({.round_bf16 = true, .threads = 2});
+  using P = ops::Prologue;
+  auto bf16_of = [](std::vector<float>& v) {  // v rounded to bf16 in place; its bits
+    std::vector<std::uint16_t> b(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      b[i] = float_to_bf16_bits(v[i]);
+      v[i] = bf16_bits_to_float(b[i]);
+    }
+    return b;
+  };
+  std::uint64_t seed = 900;
+  // Output shapes: 16-column loads with partial tiles both ways (300 x 384, 257 x 160: dSwiGLU's
+  // halves of 80 columns), one element at a time (130 x 200: 200 not a multiple of 16; dSwiGLU 100).
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {257, 160}, {130, 200}})
+    for (P src : {P::layernorm, P::gelu, P::swiglu, P::dgelu, P::dswiglu}) {
+      INFO(R << " x " << C << " " << ops::name_of(src));
+      const std::int64_t in_cols = src == P::swiglu ? 2 * C : C, grad_cols = src == P::dswiglu ? C / 2 : C;
+      auto in_f = test::normal_values(static_cast<std::size_t>(R * in_cols), ++seed, 2.5f);
+      for (std::size_t i = 0; i < in_f.size(); i += 97) in_f[i] *= 20.0f;
+      auto grad_f = test::normal_values(static_cast<std::size_t>(R * grad_cols), ++seed, 0.5f);
+      auto w_f = test::normal_values(static_cast<std::size_t>(C), ++seed, 1.0f);
+      auto b_f = test::normal_values(static_cast<std::size_t>(C), ++seed, 0.3f);
+      Buffer d_in = to_device(bf16_of(in_f)), d_grad = to_device(bf16_of(grad_f)), d_w = to_device(bf16_of(w_f)),
+             d_b = to_device(bf16_of(b_f));
+      Buffer d_vals(Device::cuda, static_cast<std::size_t>(R * C) * 2 + 256), d_mean(Device::cuda, R * 4 + 256),
+          d_rstd(Device::cuda, R * 4 + 256);
+      auto* vals = static_cast<kiln::cuda::bf16*>(d_vals.data());
+      const auto* in = static_cast<const kiln::cuda::bf16*>(d_in.data());
+      const auto* g = static_cast<const kiln::cuda::bf16*>(d_grad.data());
+      const TensorView din(d_in.data(), {R, in_cols}, DType::bf16, Device::cuda),
+          dgrad(d_grad.data(), {R, grad_cols}, DType::bf16, Device::cuda),
+          hin(in_f.data(), {R, in_cols}, DType::f32, Device::cpu), hgrad(grad_f.data(), {R, grad_cols}, DType::f32, Device::cpu);
+      std::vector<float> mean, rstd;
+      QuantizeSource ds, hs;
+      switch (src) {  // the unfused op's output on the device, and the two sources
+        case P::layernorm: {
+          kiln::cuda::layernorm_forward(vals, static_cast<float*>(d_mean.data()), static_cast<float*>(d_rstd.data()), in,
+                                        static_cast<const kiln::cuda::bf16*>(d_w.data()),
+                                        static_cast<const kiln::cuda::bf16*>(d_b.data()), static_cast<int>(R),
+                                        static_cast<int>(C), 1e-5f, nullptr);
+          mean = to_host<float>(d_mean.data(), static_cast<std::size_t>(R));
+          rstd = to_host<float>(d_rstd.data(), static_cast<std::size_t>(R));
+          ds = ops::LayerNormOnLoad{din, TensorView(d_w.data(), {C}, DType::bf16, Device::cuda),
+                                    TensorView(d_b.data(), {C}, DType::bf16, Device::cuda),
+                                    TensorView(d_mean.data(), {R}, DType::f32, Device::cuda),
+                                    TensorView(d_rstd.data(), {R}, DType::f32, Device::cuda)};
+          hs = ops::LayerNormOnLoad{hin, TensorView(w_f.data(), {C}, DType::f32, Device::cpu),
+                                    TensorView(b_f.data(), {C}, DType::f32, Device::cpu),
+                                    TensorView(mean.data(), {R}, DType::f32, Device::cpu),
+                                    TensorView(rstd.data(), {R}, DType::f32, Device::cpu)};
+          break;
+        }
+        case P::gelu:
+          kiln::cuda::gelu_forward(vals, in, R * C, nullptr);
+          ds = ops::GeluOnLoad{din}, hs = ops::GeluOnLoad{hin};
+          break;
+        case P::swiglu:
+          kiln::cuda::swiglu_forward(vals, in, R, static_cast<int>(C), nullptr);
+          ds = ops::SwigluOnLoad{din}, hs = ops::SwigluOnLoad{hin};
+          break;
+        case P::dgelu:
+          kiln::cuda::gelu_backward(vals, g, in, R * C, nullptr);
+          ds = ops::DgeluOnLoad{dgrad, din}, hs = ops::DgeluOnLoad{hgrad, hin};
+          break;
+        default:
+          kiln::cuda::swiglu_backward(vals, g, in, R, static_cast<int>(C / 2), nullptr);
+          ds = ops::DswigluOnLoad{dgrad, din}, hs = ops::DswigluOnLoad{hgrad, hin};
+          break;
+      }
+      const BlockLayout l{ScalingMode::block_1x128, R, C}, tl{ScalingMode::block_1x128, C, R};
+      const auto n = static_cast<std::size_t>(R * C);
+      struct Out {
+        Buffer row, col, rs, cs, db;
+      };
+      auto quantize_on_gpu = [&](const QuantizeSource& x) {
+        Out o{Buffer(Device::cuda, n + 256), Buffer(Device::cuda, n + 256),
+              to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
+              to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f)),
+              to_device(std::vector<float>(static_cast<std::size_t>(C), 0.5f))};
+        BlockQuantizeArgs a{x, ScalingMode::block_1x128, false,
+                            TensorView(o.row.data(), {R, C}, DType::e4m3, Device::cuda), static_cast<float*>(o.rs.data()),
+                            TensorView(o.col.data(), {C, R}, DType::e4m3, Device::cuda), static_cast<float*>(o.cs.data())};
+        a.dbias = TensorView(o.db.data(), {C}, DType::f32, Device::cuda);
+        gpu->quantize_blocks(a);
+        return o;
+      };
+      const Out fused = quantize_on_gpu(ds), unfused = quantize_on_gpu(TensorView(d_vals.data(), {R, C}, DType::bf16, Device::cuda));
+      CHECK(to_host<std::uint8_t>(fused.row.data(), n) == to_host<std::uint8_t>(unfused.row.data(), n));
+      CHECK(to_host<std::uint8_t>(fused.col.data(), n) == to_host<std::uint8_t>(unfused.col.data(), n));
+      CHECK(test::same_bits(to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
+                            to_host<float>(unfused.rs.data(), static_cast<std::size_t>(l.count()))));
+      CHECK(test::same_bits(to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
+                            to_host<float>(unfused.cs.data(), static_cast<std::size_t>(tl.count()))));
+      const auto dbias = to_host<float>(fused.db.data(), static_cast<std::size_t>(C));
+      CHECK(test::same_bits(dbias, to_host<float>(unfused.db.data(), static_cast<std::size_t>(C))));
+      // The bias gradient: the column sums of the unfused values (added to 0.5), within f32 rounding.
+      const auto vb = to_host<std::uint16_t>(d_vals.data(), n);
+      for (std::int64_t c = 0; c < C; ++c) {
+        double sum = 0.5, mag = 0.5;
+        for (std::int64_t r = 0; r < R; ++r) {
+          const double v = bf16_bits_to_float(vb[static_cast<std::size_t>(r * C + c)]);
+          sum += v;
+          mag += std::fabs(v);
+        }
+        CHECK(std::fabs(dbias[static_cast<std::size_t>(c)] - sum) <= 1e-5 * mag);
+      }
+      // Near the CPU's codes (the device's exp and division differ from the host's in the last bits,
+      // moving a few values across a rounding boundary).
+      std::vector<std::uint8_t> hrow(n), hcol(n);
+      std::vector<float> hrs(static_cast<std::size_t>(l.count())), hcs(static_cast<std::size_t>(tl.count()));
+      cpu->quantize_blocks({hs, ScalingMode::block_1x128, false, TensorView(hrow.data(), {R, C}, DType::e4m3, Device::cpu),
+                            hrs.data(), TensorView(hcol.data(), {C, R}, DType::e4m3, Device::cpu), hcs.data()});
+      const auto grow = to_host<std::uint8_t>(fused.row.data(), n);
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < n; ++i) differ += grow[i] != hrow[i];
+      CHECK(differ <= n / 200 + 2);
+    }
+}
+
+TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated weight equals the step, then the "
+          "quantisation") {
+  KILN_REQUIRE_CUDA_BLOCK();
+  auto gpu = make_cuda_ops(nullptr);
+  std::uint64_t seed = 1300;
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {130, 200}, {256, 128}})
+    for (bool pow2 : {false, true}) {
+      INFO(R << " x " << C << (pow2 ? " pow2" : ""));
+      const auto n = static_cast<std::size_t>(R * C);
+      auto p = test::normal_values(n, ++seed, 0.05f), g = test::normal_values(n, ++seed, 1e-2f),
+           m = test::normal_values(n, ++seed, 1e-3f), v = test::normal_values(n, ++seed, 1e-3f);
+      for (auto& x : v) x = x * x;  // second moments are not negative
+      for (std::size_t i = 0; i < n; i += 113) p[i] *= 50.0f;
+      const BlockLayout l{ScalingMode::block_128x128, R, C}, tl{ScalingMode::block_128x128, C, R};
+      struct Run {
+        Buffer p, g, m, v, row, col, rs, cs;
+      };
+      auto make = [&] {
+        return Run{to_device(p), to_device(g), to_device(m), to_device(v), Buffer(Device::cuda, n + 256),
+                   Buffer(Device::cuda, n + 256), to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
+                   to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f))};
+      };
+      auto args = [&](Run& r) {
+        AdamWQuantizeArgs u;
+        u.param = TensorView(r.p.data(), {R, C}, DType::f32, Device::cuda);
+        u.grad = TensorView(r.g.data(), {R, C}, DType::f32, Device::cuda);
+        u.m = TensorView(r.m.data(), {R, C}, DType::f32, Device::cuda);
+        u.v = TensorView(r.v.data(), {R, C}, DType::f32, Device::cuda);
+        u.lr = 1e-3f, u.weight_decay = 0.1f, u.grad_scale = 0.5f, u.step = 7;
+        return u;
+      };
+      auto out = [&](Run& r) {
+        return BlockQuantizeArgs{TensorView{}, ScalingMode::block_128x128, pow2,
+                                 TensorView(r.row.data(), {R, C}, DType::e4m3, Device::cuda), static_cast<float*>(r.rs.data()),
+                                 TensorView(r.col.data(), {C, R}, DType::e4m3, Device::cuda), static_cast<float*>(r.cs.data())};
+      };
+      Run fused = make(), apart = make();
+      gpu->adamw_quantize_blocks(args(fused), out(fused));
+      gpu->adamw_quantize(args(apart));
+      BlockQuantizeArgs q = out(apart);
+      q.x = TensorView(apart.p.data(), {R, C}, DType::f32, Device::cuda);
+      gpu->quantize_blocks(q);
+      for (auto [a, b] : {std::pair{&fused.p, &apart.p}, {&fused.m, &apart.m}, {&fused.v, &apart.v}})
+        CHECK(test::same_bits(to_host<float>(a->data(), n), to_host<float>(b->data(), n)));
+      CHECK(to_host<float>(fused.p.data(), n) != p);  // the step changed the weight
+      CHECK(to_host<std::uint8_t>(fused.row.data(), n) == to_host<std::uint8_t>(apart.row.data(), n));
+      CHECK(to_host<std::uint8_t>(fused.col.data(), n) == to_host<std::uint8_t>(apart.col.data(), n));
+      CHECK(test::same_bits(to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
+                            to_host<float>(apart.rs.data(), static_cast<std::size_t>(l.count()))));
+      CHECK(test::same_bits(to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
+                            to_host<float>(apart.cs.data(), static_cast<std::size_t>(tl.count()))));
+    }
 }
 
 TEST_CASE("cuBLASLt block-scaled FP8 GEMMs match the CPU emulation (1x128 x 128x128 and 1x128 x 1x128)") {

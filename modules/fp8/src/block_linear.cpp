@@ -63,42 +63,101 @@ Fp8BlockLinear::Fp8BlockLinear(Fp8Ops& ops, Fp8Workspace& workspace, const Block
              ": the forward GEMM needs E4M3 input and weight (E5M2 x E5M2 products do not exist)");
 }
 
-void Fp8BlockLinear::ensure_weight(const TensorView& w, std::int64_t version) {
-  const std::int64_t OC = w.size(0), IC = w.size(1);
-  if (cache_.valid && cache_.version == version && cache_.source == w.data && cache_.rows == OC && cache_.cols == IC)
-    return;
+void Fp8BlockLinear::use_master_weight(const TensorView& master, const TensorView& compute) {
+  KILN_CHECK(master.dtype == DType::f32 && master.ndim() == 2 && master.contiguous() && compute.shape == master.shape &&
+                 compute.contiguous() && size_of(compute.dtype) >= 2,
+             name_, ": use_master_weight needs an f32 master and a compute copy of at least two bytes per element of "
+                    "the same shape, got ", master.str(), " and ", compute.str());
+  master_ = master;
+  compute_ = compute;
+  cache_.valid = false;
+}
+
+void Fp8BlockLinear::place_codes(std::int64_t OC, std::int64_t IC, bool in_compute) {
   const BlockLayout rl{ScalingMode::block_128x128, OC, IC}, cl{ScalingMode::block_128x128, IC, OC};
-  if (cache_.rows != OC || cache_.cols != IC || !cache_.rowwise.data()) {
-    cache_.rowwise = ops_.alloc(static_cast<std::size_t>(OC * IC));
-    cache_.colwise = ops_.alloc(static_cast<std::size_t>(OC * IC));
+  const auto n = static_cast<std::size_t>(OC * IC);
+  if (cache_.rows != OC || cache_.cols != IC || !cache_.row_scales.data()) {
     cache_.row_scales = ops_.alloc(static_cast<std::size_t>(rl.count()) * 4);
     cache_.col_scales = ops_.alloc(static_cast<std::size_t>(cl.count()) * 4);
+    ops_.synchronize();  // the old codes may still be read
+    cache_.own_rowwise = Buffer();
+    cache_.own_colwise = Buffer();
   }
-  const Device dev = ops_.device();
-  const DType wt = dtype_of(recipe_.weight);
-  ops_.quantize_blocks({w, ScalingMode::block_128x128, recipe_.pow2, TensorView(cache_.rowwise.data(), {OC, IC}, wt, dev),
-                        static_cast<float*>(cache_.row_scales.data()), TensorView(cache_.colwise.data(), {IC, OC}, wt, dev),
-                        static_cast<float*>(cache_.col_scales.data())});
-  cache_.valid = true;
-  cache_.version = version;
-  cache_.source = w.data;
+  if (in_compute) {
+    cache_.rowwise = compute_.data;
+    cache_.colwise = static_cast<std::uint8_t*>(compute_.data) + n;
+  } else {
+    if (!cache_.own_rowwise.data()) {
+      cache_.own_rowwise = ops_.alloc(n);
+      cache_.own_colwise = ops_.alloc(n);
+    }
+    cache_.rowwise = cache_.own_rowwise.data();
+    cache_.colwise = cache_.own_colwise.data();
+  }
   cache_.rows = OC;
   cache_.cols = IC;
 }
 
+// Both copies of the weight's codes (cache_'s shape and places) and their scales, as the quantisation's output.
+BlockQuantizeArgs Fp8BlockLinear::weight_codes() const {
+  const Device dev = ops_.device();
+  const DType wt = dtype_of(recipe_.weight);
+  return {TensorView{},
+          ScalingMode::block_128x128,
+          recipe_.pow2,
+          TensorView(cache_.rowwise, {cache_.rows, cache_.cols}, wt, dev),
+          static_cast<float*>(cache_.row_scales.data()),
+          TensorView(cache_.colwise, {cache_.cols, cache_.rows}, wt, dev),
+          static_cast<float*>(cache_.col_scales.data())};
+}
+
+void Fp8BlockLinear::ensure_weight(const TensorView& w, std::int64_t version) {
+  const std::int64_t OC = w.size(0), IC = w.size(1);
+  if (cache_.valid && cache_.version == version && cache_.source == w.data && cache_.rows == OC && cache_.cols == IC)
+    return;
+  // The compute copy's memory holds both copies (2 bytes per element), made from the master.
+  const bool in_compute = master_ && w.data == compute_.data && w.shape == compute_.shape;
+  place_codes(OC, IC, in_compute);
+  BlockQuantizeArgs q = weight_codes();
+  q.x = in_compute ? master_ : w;
+  ops_.quantize_blocks(q);
+  cache_.valid = true;
+  cache_.version = version;
+  cache_.source = w.data;
+}
+
+void Fp8BlockLinear::update_weight(AdamWQuantizeArgs u, std::int64_t version) {
+  KILN_CHECK(master_, name_, ": update_weight needs use_master_weight");
+  u.param = master_;
+  place_codes(master_.size(0), master_.size(1), true);
+  ops_.adamw_quantize_blocks(u, weight_codes());
+  cache_.valid = true;
+  cache_.version = version;
+  cache_.source = compute_.data;
+}
+
+// The values a forward's or backward's input is quantised from (a prologue's tensors or the input).
+QuantizeSource Fp8BlockLinear::source_of(const ops::LinearInput& x) {
+  return std::visit([](const auto& v) { return QuantizeSource(v); }, x);
+}
+QuantizeSource Fp8BlockLinear::source_of(const ops::OutputGrad& dout) {
+  return std::visit([](const auto& v) { return QuantizeSource(v); }, dout);
+}
+
 void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_version) {
   const DType act = ops_.act_dtype();
-  const auto* xp = std::get_if<TensorView>(&a.x);
-  KILN_CHECK(xp, name_, ": block-scaled FP8 layers take their input as a tensor (no prologue), not ",
-             ops::name_of(ops::prologue_of(a.x)));
-  const TensorView& x = *xp;
-  KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " forward: x ", x.str(), ", weight ", a.weight.str());
-  const std::int64_t N = x.size(0), IC = x.size(1), OC = a.weight.size(0);
-  expect_matrix(x, act, N, IC, name_ + " forward x");
+  const QuantizeSource x = source_of(a.x);
+  const Shape xs = source_shape(x, (name_ + " forward input").c_str());
+  KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
+  const std::int64_t N = xs[0], IC = xs[1], OC = a.weight.size(0);
+  if (const auto* t = std::get_if<TensorView>(&a.x)) expect_matrix(*t, act, N, IC, name_ + " forward x");
   expect_matrix(a.weight, act, OC, IC, name_ + " forward weight");
   expect_matrix(a.out, act, N, OC, name_ + " forward out");
   if (a.pre_gelu) expect_matrix(a.pre_gelu, act, N, OC, name_ + " forward pre_gelu");
   ensure_weight(a.weight, weight_version);
+  // A LayerNorm's output is computed on load from its statistics, which the forward computes (and
+  // leaves for the backward pass, as layernorm_forward would).
+  if (const auto* ln = std::get_if<ops::LayerNormOnLoad>(&a.x)) ops_.layernorm_stats(*ln, nullptr);
 
   const BlockLayout xl{ScalingMode::block_1x128, N, IC};
   Carver c(ws_.get(Carver::bytes({xl})), ops_.device());
@@ -106,7 +165,7 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
   ops_.quantize_blocks({x, ScalingMode::block_1x128, recipe_.pow2, xq.codes, xq.scale_inv});
 
   GemmArgs g = block_product(xq.codes, xq.scale_inv, ScalingMode::block_1x128,
-                             TensorView(cache_.rowwise.data(), {OC, IC}, dtype_of(recipe_.weight), ops_.device()),
+                             TensorView(cache_.rowwise, {OC, IC}, dtype_of(recipe_.weight), ops_.device()),
                              static_cast<const float*>(cache_.row_scales.data()), ScalingMode::block_128x128, a.out,
                              "fp8_block_gemm_fwd");
   g.bias = a.bias;
@@ -121,15 +180,16 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
 
 void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   const DType act = ops_.act_dtype();
-  const auto* xp = std::get_if<TensorView>(&a.x);
-  const auto* dp = std::get_if<TensorView>(&a.dout);
-  KILN_CHECK(xp && dp, name_, ": block-scaled FP8 layers take their input and output gradient as tensors (no prologue)");
-  const TensorView &x = *xp, &dout = *dp;
-  KILN_CHECK(x.ndim() == 2 && a.weight.ndim() == 2, name_, " backward: x ", x.str(), ", weight ", a.weight.str());
-  const std::int64_t N = x.size(0), IC = x.size(1), OC = a.weight.size(0);
-  expect_matrix(x, act, N, IC, name_ + " backward x");
+  const QuantizeSource x = source_of(a.x), dout = source_of(a.dout);
+  const Shape xs = source_shape(x, (name_ + " backward input").c_str()),
+              gs = source_shape(dout, (name_ + " backward output gradient").c_str());
+  KILN_CHECK(a.weight.ndim() == 2, name_, " backward: weight ", a.weight.str());
+  const std::int64_t N = xs[0], IC = xs[1], OC = a.weight.size(0);
+  KILN_CHECK(gs == Shape({N, OC}), name_, " backward: the output gradient ", gs.str(), " for the input ", xs.str(),
+             " and weight ", a.weight.str());
+  if (const auto* t = std::get_if<TensorView>(&a.x)) expect_matrix(*t, act, N, IC, name_ + " backward x");
+  if (const auto* t = std::get_if<TensorView>(&a.dout)) expect_matrix(*t, act, N, OC, name_ + " backward dout");
   expect_matrix(a.weight, act, OC, IC, name_ + " backward weight");
-  expect_matrix(dout, act, N, OC, name_ + " backward dout");
   expect_matrix(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
   if (a.dx) expect_matrix(a.dx, act, N, IC, name_ + " backward dx");
   if (a.dx_gelu_pre) expect_matrix(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
@@ -137,15 +197,17 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   // The forward made the weight's copies; another tensor (a library caller) is quantised again.
   if (!cache_.valid || cache_.source != a.weight.data) ensure_weight(a.weight, cache_.version);
 
-  if (a.dbias) ops_.bias_grad(a.dbias, dout);
   // The output gradient along OC (data gradient) and along N (weight gradient), the input along N.
   const BlockLayout gr{ScalingMode::block_1x128, N, OC}, gc{ScalingMode::block_1x128, OC, N},
       xc{ScalingMode::block_1x128, IC, N};
   Carver c(ws_.get(Carver::bytes({gr, gc, xc})), ops_.device());
   const auto g_row = c.take(gr, recipe_.grad), g_col = c.take(gc, recipe_.grad), x_col = c.take(xc, recipe_.input);
-  // The output gradient's two copies in one pass (the rowwise one only for the data gradient).
-  ops_.quantize_blocks({dout, ScalingMode::block_1x128, recipe_.pow2, a.dx ? g_row.codes : TensorView{},
-                        a.dx ? g_row.scale_inv : nullptr, g_col.codes, g_col.scale_inv});
+  // The output gradient's two copies and the bias gradient in one pass (the rowwise copy only for
+  // the data gradient); a prologue's values (dGELU, dSwiGLU) computed as they are loaded.
+  BlockQuantizeArgs gq{dout, ScalingMode::block_1x128, recipe_.pow2, a.dx ? g_row.codes : TensorView{},
+                       a.dx ? g_row.scale_inv : nullptr, g_col.codes, g_col.scale_inv};
+  gq.dbias = a.dbias;
+  ops_.quantize_blocks(gq);
   ops_.quantize_blocks({x, ScalingMode::block_1x128, recipe_.pow2, {}, nullptr, x_col.codes, x_col.scale_inv});
 
   // wgrad: dW[OC, IC] (+)= dout^T @ x, both 1x128 along the tokens.
@@ -158,7 +220,7 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   if (!a.dx) return;
   // dgrad: dx[N, IC] = dout @ W = dout[N, OC] @ (W^T)[IC, OC]^T, the weight's transposed tiles.
   GemmArgs d = block_product(g_row.codes, g_row.scale_inv, ScalingMode::block_1x128,
-                             TensorView(cache_.colwise.data(), {IC, OC}, dtype_of(recipe_.weight), ops_.device()),
+                             TensorView(cache_.colwise, {IC, OC}, dtype_of(recipe_.weight), ops_.device()),
                              static_cast<const float*>(cache_.col_scales.data()), ScalingMode::block_128x128, a.dx,
                              "fp8_block_gemm_dgrad");
   if (a.dx_gelu_pre) {

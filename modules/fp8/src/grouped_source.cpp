@@ -1,4 +1,4 @@
-// The shape of a grouped quantisation's source (GroupedQuantizeArgs::x), checked.
+// The shapes of quantisation sources (QuantizeSource, GroupedQuantizeArgs::x), checked.
 #include <variant>
 
 #include "kiln/core/error.hpp"
@@ -12,13 +12,27 @@ namespace {
 void expect_2d(const TensorView& t, const char* what, const char* arg) {
   KILN_CHECK(t && t.ndim() == 2, what, ": ", arg, " must be a 2-D tensor, got ", t.str());
 }
+
 }  // namespace
 
-Shape grouped_source_shape(const GroupedSource& x, const char* what) {
+QuantizeSource to_source(const GroupedSource& x) {
+  return std::visit([](const auto& v) { return QuantizeSource(v); }, x);
+}
+
+Shape source_shape(const QuantizeSource& x, const char* what) {
   return std::visit(
       Overloaded{[&](const TensorView& t) {
                    expect_2d(t, what, "x");
                    return t.shape;
+                 },
+                 [&](const ops::LayerNormOnLoad& ln) {
+                   expect_2d(ln.x, what, "the LayerNorm's input");
+                   const std::int64_t R = ln.x.size(0), C = ln.x.size(1);
+                   KILN_CHECK(ln.weight.numel() == C && ln.bias.numel() == C && ln.mean.numel() == R &&
+                                  ln.rstd.numel() == R && ln.mean.dtype == DType::f32 && ln.rstd.dtype == DType::f32,
+                              what, ": the LayerNorm's weight ", ln.weight.str(), ", bias ", ln.bias.str(), ", mean ",
+                              ln.mean.str(), " and rstd ", ln.rstd.str(), " for its input ", ln.x.str());
+                   return ln.x.shape;
                  },
                  [&](const ops::GeluOnLoad& g) {
                    expect_2d(g.pre, what, "the GELU's pre-activation");
@@ -46,5 +60,7 @@ Shape grouped_source_shape(const GroupedSource& x, const char* what) {
                  }},
       x);
 }
+
+Shape grouped_source_shape(const GroupedSource& x, const char* what) { return source_shape(to_source(x), what); }
 
 }  // namespace kiln::fp8

@@ -297,12 +297,50 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
     Fp8BlockLinear* lin = st.block_linears.back().get();
     w.emplace<ops::LinearImpl>(
         e, ops::LinearImpl{.forward = [lin, state](const ops::LinearForward& a) { lin->forward(a, state->weights_version); },
-                           .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); }});
+                           .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
+                           .prologues = Fp8BlockLinear::kPrologues});
   }
-  st.subscriptions.push_back(
-      w.events().subscribe<nn::ParamsLoaded>([&st](const nn::ParamsLoaded&) { st.invalidate_weights(); }));
-  w.systems().add({"fp8.weights_changed", Phase::optimizer,
-                   [](World& world) { world.resource<Fp8State>().invalidate_weights(); }});
+  // The weights' codes in the memory of their compute copies, made from their f32 masters, where the
+  // masters are whole (not sharded: FSDP gathers the compute copies in act precision and the layers
+  // quantise them); with fp8.fuse_weight_update the optimizer's step writes them (one pass over the
+  // master, its moments and the codes: Fp8Ops::adamw_quantize_blocks), and the optimizer leaves
+  // those weights to us (nn::UpdatedBy, marked here before the first step).
+  if (cfg.weights_in_compute_copy)
+    w.systems().add({"fp8.weights", Phase::setup,
+                     [fuse = cfg.fuse_weight_update](World& world) {
+                       auto& s = world.resource<Fp8State>();
+                       const auto& store = world.resource<nn::ParamStore>();
+                       if (store.sharded()) return;
+                       for (std::size_t i = 0; i < s.entities.size(); ++i) {
+                         const auto& linear = world.get<nn::Linear>(s.entities[i]);
+                         if (linear.role == nn::LinearRole::lm_head) continue;  // (may be tied to the embedding)
+                         const auto& wp = world.get<nn::Param>(linear.weight);
+                         s.block_linears[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));
+                         if (fuse && !world.try_get<nn::UpdatedBy>(linear.weight)) {
+                           world.emplace<nn::UpdatedBy>(linear.weight, nn::UpdatedBy{"fp8"});
+                           s.fused.push_back(i);
+                         }
+                       }
+                     },
+                     {"params.allocate", "model.init"}});
+  st.subscriptions.push_back(w.events().subscribe<nn::AdamWStep>([&w, &st](const nn::AdamWStep& e) {
+    if (st.fused.empty()) return;
+    const auto& store = w.resource<nn::ParamStore>();
+    st.invalidate_weights();
+    st.fused_update_step = w.resource<RunControl>().step;
+    for (std::size_t i : st.fused)
+      st.block_linears[i]->update_weight(
+          whole_weight_args(e, w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight), store), st.weights_version);
+  }));
+  st.subscriptions.push_back(w.events().subscribe<nn::ParamsLoaded>([&st](const nn::ParamsLoaded&) {
+    st.invalidate_weights();
+    st.fused_update_step = -1;
+  }));
+  // Unless the optimizer's update wrote the codes this step (then they are current).
+  w.systems().add({"fp8.weights_changed", Phase::optimizer, [](World& world) {
+                     auto& s = world.resource<Fp8State>();
+                     if (s.fused_update_step != world.resource<RunControl>().step) s.invalidate_weights();
+                   }});
   if (!cfg.lm_head) lend_block_scratch(w);
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size(),
                     g_all = w.view<nn::GroupedLinear>().size();

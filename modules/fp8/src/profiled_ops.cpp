@@ -1,5 +1,10 @@
 #include "profiled_ops.hpp"
 
+#include <map>
+#include <string>
+
+#include "kiln/core/error.hpp"
+
 namespace kiln::fp8 {
 
 namespace {
@@ -45,13 +50,20 @@ class ProfiledOps final : public Fp8Ops {
     in_->quantize_grouped(a);
   }
   void quantize_blocks(const BlockQuantizeArgs& a) override {
-    // fp8_quantize_blocks_<mode>_<copies>
-    static constexpr const char* kNames[2][3] = {
-        {"fp8_quantize_blocks_1x128_both", "fp8_quantize_blocks_1x128_rowwise", "fp8_quantize_blocks_1x128_colwise"},
-        {"fp8_quantize_blocks_128x128_both", "fp8_quantize_blocks_128x128_rowwise",
-         "fp8_quantize_blocks_128x128_colwise"}};
-    Scope s(be_, kNames[a.mode == ScalingMode::block_1x128 ? 0 : 1][a.rowwise && a.colwise ? 0 : a.rowwise ? 1 : 2]);
+    // fp8_quantize_blocks_<mode>[_<prologue>]_<copies>[_dbias], e.g. fp8_quantize_blocks_1x128_dgelu_both_dbias
+    static constexpr const char* kSource[] = {"", "_layernorm", "_gelu", "_swiglu", "_dgelu", "_dswiglu"};
+    const int copies = a.rowwise && a.colwise ? 0 : a.rowwise ? 1 : 2, row = a.mode == ScalingMode::block_1x128 ? 0 : 1;
+    const int key = ((row * 6 + static_cast<int>(a.x.index())) * 3 + copies) * 2 + (a.dbias ? 1 : 0);
+    auto [it, made] = names_.try_emplace(key);
+    if (made)  // the profiler keeps the name's pointer: it lives as long as this object
+      it->second = cat("fp8_quantize_blocks_", row == 0 ? "1x128" : "128x128", kSource[a.x.index()],
+                       copies == 0 ? "_both" : copies == 1 ? "_rowwise" : "_colwise", a.dbias ? "_dbias" : "");
+    Scope s(be_, it->second.c_str());
     in_->quantize_blocks(a);
+  }
+  void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out) override {
+    Scope s(be_, "fp8_adamw_quantize_blocks");
+    in_->adamw_quantize_blocks(u, out);
   }
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
     Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_gelu_both" : out.rowwise ? "fp8_quantize_gelu_rowwise"
@@ -130,6 +142,7 @@ class ProfiledOps final : public Fp8Ops {
   };
   std::unique_ptr<Fp8Ops> in_;
   ops::Backend& be_;
+  std::map<int, std::string> names_;  // quantize_blocks' op names by their variant
 };
 
 }  // namespace

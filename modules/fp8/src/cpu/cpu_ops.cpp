@@ -97,7 +97,7 @@ class CpuOps final : public Fp8Ops {
     const std::int64_t used = off[E], padded = segment_row(off, a.experts);
     // The values of the rows used: the rows themselves, or computed from the prologue's tensors.
     std::vector<float> computed;
-    const TensorView x = source_values(a.x, used, C, computed);
+    const TensorView x = source_values(to_source(a.x), used, C, computed);
     if (a.out.rowwise)
       KILN_CHECK(a.out.rowwise.dtype == dtype_of(a.out.format) && a.out.rowwise.shape == Shape({used, C}),
                  "fp8 quantize_grouped: rowwise ", a.out.rowwise.str(), " for [", used, ",", C, "]");
@@ -190,26 +190,29 @@ class CpuOps final : public Fp8Ops {
   }
 
   void quantize_blocks(const BlockQuantizeArgs& a) override {
-    expect_input(a.x, "fp8 quantize_blocks x");
-    KILN_CHECK(a.x.ndim() == 2, "fp8 quantize_blocks: x ", a.x.str(), " must be [rows, cols]");
-    const std::int64_t R = a.x.size(0), C = a.x.size(1);
-    std::vector<float> xf(static_cast<std::size_t>(a.x.numel()));
-    for (std::int64_t i = 0; i < a.x.numel(); ++i) xf[static_cast<std::size_t>(i)] = load(a.x, i);
+    const Shape shape = source_shape(a.x, "fp8 quantize_blocks");
+    const std::int64_t R = shape[0], C = shape[1];
+    const std::string xs = shape.str();
+    std::vector<float> computed;
+    const TensorView x = source_values(a.x, R, C, computed);
+    std::vector<float> xf(static_cast<std::size_t>(R * C));
+    for (std::int64_t i = 0; i < R * C; ++i) xf[static_cast<std::size_t>(i)] = load(x, i);
     if (a.rowwise) {
-      KILN_CHECK(a.rowwise.shape == a.x.shape && a.rowwise.contiguous() && a.row_scale_inv,
-                 "fp8 quantize_blocks: rowwise ", a.rowwise.str(), " (and its scales) for x ", a.x.str());
+      KILN_CHECK(a.rowwise.shape == shape && a.rowwise.contiguous() && a.row_scale_inv,
+                 "fp8 quantize_blocks: rowwise ", a.rowwise.str(), " (and its scales) for x ", xs);
       quantize_blocks_reference(xf.data(), {a.mode, R, C}, format_of(a.rowwise, "fp8 quantize_blocks rowwise"), a.pow2,
                                 a.rowwise.as<std::uint8_t>(), a.row_scale_inv);
     }
     if (a.colwise) {
       KILN_CHECK(a.colwise.shape == Shape({C, R}) && a.colwise.contiguous() && a.col_scale_inv,
-                 "fp8 quantize_blocks: colwise ", a.colwise.str(), " (and its scales) for the transpose of x ", a.x.str());
+                 "fp8 quantize_blocks: colwise ", a.colwise.str(), " (and its scales) for the transpose of x ", xs);
       std::vector<float> xt(xf.size());
       for (std::int64_t r = 0; r < R; ++r)
         for (std::int64_t c = 0; c < C; ++c) xt[static_cast<std::size_t>(c * R + r)] = xf[static_cast<std::size_t>(r * C + c)];
       quantize_blocks_reference(xt.data(), {a.mode, C, R}, format_of(a.colwise, "fp8 quantize_blocks colwise"), a.pow2,
                                 a.colwise.as<std::uint8_t>(), a.col_scale_inv);
     }
+    if (a.dbias) bias_grad(a.dbias, TensorView(xf.data(), {R, C}, DType::f32, Device::cpu));
   }
 
   // A product's formats and M, N, K, its arguments checked (either scaling).
@@ -413,15 +416,23 @@ class CpuOps final : public Fp8Ops {
 
   // The first `rows` rows of a grouped quantisation's source [R, C]: the tensor itself, or its values
   // computed into `into` (f32), each rounded as the activation op that stores it rounds it.
-  TensorView source_values(const GroupedSource& src, std::int64_t rows, std::int64_t C, std::vector<float>& into) const {
+  TensorView source_values(const QuantizeSource& src, std::int64_t rows, std::int64_t C, std::vector<float>& into) const {
     if (const auto* t = std::get_if<TensorView>(&src)) {
-      expect_input(*t, "fp8 quantize_grouped x");
+      expect_input(*t, "fp8 quantize x");
       return *t;
     }
     into.resize(static_cast<std::size_t>(rows * C));
     float* v = into.data();
     const std::int64_t n = rows * C;
-    if (const auto* g = std::get_if<ops::GeluOnLoad>(&src)) {
+    if (const auto* ln = std::get_if<ops::LayerNormOnLoad>(&src)) {
+      expect_input(ln->x, "fp8 quantize LayerNorm input");
+      const float *mean = ln->mean.as<float>(), *rstd = ln->rstd.as<float>();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t c = 0; c < C; ++c)
+          v[r * C + c] = store(ops::layernorm_apply(load(ln->x, r * C + c), mean[r], rstd[r], load(ln->weight, c),
+                                                    load(ln->bias, c)));
+    } else if (const auto* g = std::get_if<ops::GeluOnLoad>(&src)) {
       expect_input(g->pre, "fp8 quantize_grouped pre");
 #pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
       for (std::int64_t i = 0; i < n; ++i) v[i] = store(ops::gelu(load(g->pre, i)));

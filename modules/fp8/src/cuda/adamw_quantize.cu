@@ -12,29 +12,12 @@
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "adamw.cuh"
 #include "tiles.cuh"
 
 namespace kiln::fp8::cuda {
 
 namespace {
-
-struct Hyper {
-  float lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2;
-  const float* scalars;  // lr, grad_scale, bc1, bc2 from device memory instead (ops::AdamW::scalars)
-};
-
-// Takes the step's numbers from device memory where given; false where the step is skipped (a NaN
-// gradient scale: the gradient was not finite). The same for every thread.
-__device__ __forceinline__ bool step_numbers(Hyper& h) {
-  ops::AdamWNumbers n{h.lr, h.grad_scale, h.bc1, h.bc2};
-  if (!ops::adamw_numbers(h.scalars, n)) return false;
-  h.lr = n.lr, h.grad_scale = n.grad_scale, h.bc1 = n.bc1, h.bc2 = n.bc2;
-  return true;
-}
-
-__device__ __forceinline__ void update(float& p, float& m, float& v, float g, const Hyper& h) {
-  ops::adamw_update(p, m, v, g * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.bc1, h.bc2);
-}
 
 // The f32 arrays are read and written coalesced: in pass k = 0..3 thread t handles float4 column
 // t % 16 of tile row 16 k + t / 16 (a warp covers two whole 256-byte rows) and leaves its 4 codes in
@@ -176,9 +159,7 @@ void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s) {
   KILN_CHECK((a.rowwise || !a.colwise) && (!a.rowwise || a.scale), "fp8 adamw_quantize: the rowwise copy (and the "
              "colwise one) with a scale, or neither");
   if (a.rows == 0 || a.cols == 0) return;
-  float bc1 = 0, bc2 = 0;
-  ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
-  const Hyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, bc1, bc2, a.scalars};
+  const Hyper h = hyper_of(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, a.step, a.scalars);
   if (a.format == Format::e4m3)
     with_flags<Format::e4m3>(a, h, s);
   else

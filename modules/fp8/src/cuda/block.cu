@@ -1,30 +1,56 @@
 // Block quantisation (kiln/fp8/block.hpp) on the device, bit for bit as quantize_blocks_reference:
-// one CTA of 256 threads per 128 x 128 tile of x, staged once in shared memory (as f32), then
+// one CTA of 256 threads per 128 x 128 tile of x, staged once in shared memory (bf16 or f32), then
 //  - 1x128: each row of the tile is a block of the rowwise codes and each column one of the
 //    transpose's (colwise) codes: row and column amaxes over the staged tile;
 //  - 128x128: the tile is one block of both: one amax;
 // two threads per row (and per column), 64 values each: their amax, one shuffle, the codes as four
-// 16-byte stores (a row of the codes, or of the transpose's).
+// 16-byte stores (a row of the codes, or of the transpose's). The staged values are x's or what a
+// prologue computes from its tensors as it loads them (loads.cuh: the values the unfused op would
+// store); with dbias the same two threads per column also sum it, one partial sum per 128-row tile.
 #include <cuda_bf16.h>
 
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/tensor/alignment.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "adamw.cuh"
+#include "loads.cuh"
 #include "tiles.cuh"
 
 namespace kiln::fp8::cuda {
 
 namespace {
 
-// The staged tile's rows: 132 floats (16-byte aligned rows for vector access; a column's 32
-// consecutive rows fall on 8 banks 4 apart, two threads' halves 64 rows apart on the same: 2-way).
-constexpr int kCtaThreads = 256, kWarps = kCtaThreads / 32, kRow = kBlock + 4;
-constexpr std::size_t kSmemBytes = sizeof(float) * kBlock * kRow;
-
+constexpr int kCtaThreads = 256, kWarps = kCtaThreads / 32;
+// The staged tile holds the values as the source gives them: bf16 where every value is a bf16 (a
+// bf16 tensor, or a prologue's values, which are rounded to bf16 as the unfused op stores them), f32
+// otherwise (an f32 tensor, the optimizer's updated master). Its rows: 132 floats or 136 bf16 (16-byte
+// aligned rows for vector access; a column's 32 consecutive rows fall on banks 4 or 2 apart, two
+// threads' halves 64 rows apart on the same: 2-way). bf16 halves the shared memory (34 KB a CTA
+// instead of 66 KB): twice the CTAs on an SM.
 template <typename T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (sizeof(T) == 2) return __bfloat162float(v);
-  else return v;
+constexpr int kRowOf = sizeof(T) == 4 ? kBlock + 4 : kBlock + 8;
+template <typename T>
+constexpr std::size_t kSmemOf = sizeof(T) * kBlock * kRowOf<T>;
+
+__device__ __forceinline__ float tile_get(const float* p) { return *p; }
+__device__ __forceinline__ float tile_get(const bf16* p) { return __bfloat162float(*p); }
+// Four consecutive values (16-byte aligned for f32, 8-byte for bf16).
+__device__ __forceinline__ float4 tile_get4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 tile_get4(const bf16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
+// Stores values the tile's type holds exactly (a bf16 value's f32 bits end in 16 zeros).
+__device__ __forceinline__ void tile_put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void tile_put(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void tile_put4(float* p, float a, float b, float c, float d) {
+  *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+__device__ __forceinline__ void tile_put4(bf16* p, float a, float b, float c, float d) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(__float_as_uint(a) >> 16 | (__float_as_uint(b) & 0xffff0000u),
+                                            __float_as_uint(c) >> 16 | (__float_as_uint(d) & 0xffff0000u));
 }
 
 // |x| as bits, max-reduced over a warp (non-negative floats order as their bits; NaN above all).
@@ -42,42 +68,151 @@ struct Args {
   float* row_scale_inv;
   std::uint8_t* colwise;
   float* col_scale_inv;
+  float* partial;  // [row tiles, C] column sums, or null
 };
 
-// Stages the tile (rows r0.., cols c0..) as f32, zeros outside x: 16-byte loads where `vec`.
+// The sources of the staged values: load(v, r, c) gives kVec consecutive columns c.. of row r (c a
+// multiple of kVec and c + kVec <= C: the vector path, each thread's kVec values 16 or 32 bytes of
+// every tensor it reads, a warp's loads whole rows of the tile), at(r, c) one value.
 template <typename T>
-__device__ void stage(float* tile, const T* __restrict__ x, const Args& a, std::int64_t r0, std::int64_t c0, bool vec) {
-  constexpr int kVec = 16 / sizeof(T);  // elements of a 16-byte load
-  if (vec) {
-    for (int i = threadIdx.x; i < kBlock * kBlock / kVec; i += kCtaThreads) {
-      const int rr = i / (kBlock / kVec), cc = i % (kBlock / kVec) * kVec;
-      const std::int64_t r = r0 + rr, c = c0 + cc;
-      float* dst = tile + rr * kRow + cc;
-      if (r < a.R && c + kVec <= a.C) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(x + r * a.C + c);
-        const T* v = reinterpret_cast<const T*>(&raw);
+struct PlainSource {
+  using Tile = T;
+  static constexpr int kVec = 16 / sizeof(T);  // one 16-byte load
+  const T* x;
+  long long C;
+  __device__ void load(float (&v)[kVec], long long r, long long c) const {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + r * C + c);
+    if constexpr (sizeof(T) == 2) {
+      const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-        for (int k = 0; k < kVec; k += 4)
-          *reinterpret_cast<float4*>(dst + k) = make_float4(to_float(v[k]), to_float(v[k + 1]), to_float(v[k + 2]),
-                                                            to_float(v[k + 3]));
+      for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);  // bf16 -> f32 is exact
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+    } else {
+      v[0] = __uint_as_float(raw.x), v[1] = __uint_as_float(raw.y), v[2] = __uint_as_float(raw.z),
+      v[3] = __uint_as_float(raw.w);
+    }
+  }
+  __device__ float at(long long r, long long c) const { return load1(x, r * C + c); }
+};
+// x's values through an elementwise load of loads.cuh (GELU, LayerNorm), 16 at a time as those take them.
+template <class L>
+struct OnX {
+  using Tile = bf16;
+  static constexpr int kVec = 16;
+  const bf16* x;
+  long long C;
+  L l;
+  __device__ void load(float (&v)[kVec], long long r, long long c) const {
+    cuda::load16(x + r * C + c, v);
+    l(v, static_cast<int>(r), static_cast<int>(c));
+  }
+  __device__ float at(long long r, long long c) const { return l(load1(x, r * C + c), r, c); }
+};
+// A load of loads.cuh that reads its own tensors (SwiGLU, dGELU).
+template <class L>
+struct Own {
+  using Tile = bf16;
+  static constexpr int kVec = 16;
+  L l;
+  __device__ void load(float (&v)[kVec], long long r, long long c) const { l.load(v, r, static_cast<int>(c)); }
+  __device__ float at(long long r, long long c) const { return l.at(r, c); }
+};
+// swiglu_backward's [rows, 2 F]: the gate's gradient columns, then the up's (the vector path needs F
+// to be a multiple of 16, so that 16 columns lie in one half).
+struct DswigluSource {
+  using Tile = bf16;
+  static constexpr int kVec = 16;
+  DswigluLoad l;
+  __device__ void load(float (&v)[kVec], long long r, long long c) const {
+    float w[2][16];
+    const bool up = c >= l.F;
+    l.load(w, r, static_cast<int>(up ? c - l.F : c));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = up ? w[1][i] : w[0][i];
+  }
+  __device__ float at(long long r, long long c) const { return l.at(r, c); }
+};
+
+// The optimizer's step of an f32 master weight, applied as its values are loaded (each element once):
+// param, m and v updated in place, the updated param staged (the param as it was where the step is
+// skipped). Its codes are then the block quantisation of the updated weight.
+struct AdamWSource {
+  using Tile = float;
+  static constexpr int kVec = 4;  // one float4 of each array
+  float* param;
+  const float* grad;
+  float* m;
+  float* v;
+  long long C;
+  Hyper h;
+  __device__ void load(float (&out)[kVec], long long r, long long c) const {
+    Hyper hh = h;
+    const long long at = r * C + c;
+    // All four loads issued before the step's numbers are known (a skipped step reads g, m, v for nothing).
+    float4 p4 = *reinterpret_cast<const float4*>(param + at);
+    const float4 g4 = *reinterpret_cast<const float4*>(grad + at);
+    float4 m4 = *reinterpret_cast<const float4*>(m + at), v4 = *reinterpret_cast<const float4*>(v + at);
+    if (step_numbers(hh)) {
+      update(p4.x, m4.x, v4.x, g4.x, hh);
+      update(p4.y, m4.y, v4.y, g4.y, hh);
+      update(p4.z, m4.z, v4.z, g4.z, hh);
+      update(p4.w, m4.w, v4.w, g4.w, hh);
+      *reinterpret_cast<float4*>(param + at) = p4;
+      *reinterpret_cast<float4*>(m + at) = m4;
+      *reinterpret_cast<float4*>(v + at) = v4;
+    }
+    out[0] = p4.x, out[1] = p4.y, out[2] = p4.z, out[3] = p4.w;
+  }
+  __device__ float at(long long r, long long c) const {
+    Hyper hh = h;
+    const long long i = r * C + c;
+    float p = param[i];
+    if (step_numbers(hh)) {
+      float mi = m[i], vi = v[i];
+      update(p, mi, vi, grad[i], hh);
+      param[i] = p;
+      m[i] = mi;
+      v[i] = vi;
+    }
+    return p;
+  }
+};
+
+// Stages the tile (rows r0.., cols c0..), zeros outside x: S::kVec values a load where `vec`.
+template <class S, typename T = typename S::Tile>
+__device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std::int64_t c0, bool vec) {
+  constexpr int V = S::kVec, kRow = kRowOf<T>;
+  if (vec) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < kBlock * kBlock / V; i += kCtaThreads) {
+      const int rr = i / (kBlock / V), cc = i % (kBlock / V) * V;
+      const std::int64_t r = r0 + rr, c = c0 + cc;
+      float v[V];
+      if (r < a.R && c < a.C) {
+        src.load(v, r, c);
       } else {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) dst[k] = r < a.R && c + k < a.C ? to_float(x[r * a.C + c + k]) : 0.0f;
+        for (int k = 0; k < V; ++k) v[k] = 0.0f;
       }
+      T* dst = tile + rr * kRow + cc;
+#pragma unroll
+      for (int k = 0; k < V; k += 4) tile_put4(dst + k, v[k], v[k + 1], v[k + 2], v[k + 3]);
     }
   } else {
     for (int i = threadIdx.x; i < kBlock * kBlock; i += kCtaThreads) {
       const int rr = i / kBlock, cc = i % kBlock;
       const std::int64_t r = r0 + rr, c = c0 + cc;
-      tile[rr * kRow + cc] = r < a.R && c < a.C ? to_float(x[r * a.C + c]) : 0.0f;
+      tile_put(tile + rr * kRow + cc, r < a.R && c < a.C ? src.at(r, c) : 0.0f);
     }
   }
 }
 
 // n codes of src[i * step] * s (i < n <= 64) into dst, converted by the hardware
 // (cvt.rn.satfinite, which encode() matches bit for bit): four 16-byte stores where `vec`.
-template <Format F>
-__device__ __forceinline__ void store_codes(std::uint8_t* dst, const float* src, int step, float s, int n, bool vec) {
+template <Format F, typename T>
+__device__ __forceinline__ void store_codes(std::uint8_t* dst, const T* src, int step, float s, int n, bool vec) {
   if (vec && n == 64) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -85,50 +220,62 @@ __device__ __forceinline__ void store_codes(std::uint8_t* dst, const float* src,
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int i = 16 * q + 4 * j;
-        const float4 v = step == 1 ? *reinterpret_cast<const float4*>(src + i)
-                                   : make_float4(src[i * step], src[(i + 1) * step], src[(i + 2) * step],
-                                                 src[(i + 3) * step]);
+        const float4 v = step == 1 ? tile_get4(src + i)
+                                   : make_float4(tile_get(src + i * step), tile_get(src + (i + 1) * step),
+                                                 tile_get(src + (i + 2) * step), tile_get(src + (i + 3) * step));
         w[j] = cvt2<F>(__fmul_rn(v.x, s), __fmul_rn(v.y, s)) | cvt2<F>(__fmul_rn(v.z, s), __fmul_rn(v.w, s)) << 16;
       }
       reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   } else {
-    for (int i = 0; i < n; ++i) dst[i] = cvt1<F>(__fmul_rn(src[i * step], s));
+    for (int i = 0; i < n; ++i) dst[i] = cvt1<F>(__fmul_rn(tile_get(src + i * step), s));
   }
 }
 
 // max |v| of 64 staged values src[i * step] (zeros outside x change nothing), as bits; a row's
 // (step 1, 16-byte aligned) four at a time.
-__device__ __forceinline__ std::uint32_t amax64(const float* src, int step) {
+template <typename T>
+__device__ __forceinline__ std::uint32_t amax64(const T* src, int step) {
   std::uint32_t m = 0;
   if (step == 1) {
 #pragma unroll
     for (int i = 0; i < 64; i += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src + i);
+      const float4 v = tile_get4(src + i);
       m = max(m, max(max(abs_bits(v.x), abs_bits(v.y)), max(abs_bits(v.z), abs_bits(v.w))));
     }
     return m;
   }
 #pragma unroll 16
-  for (int i = 0; i < 64; ++i) m = max(m, abs_bits(src[i * step]));
+  for (int i = 0; i < 64; ++i) m = max(m, abs_bits(tile_get(src + i * step)));
   return m;
 }
 
 // Each thread t takes half t % 2 (64 elements) of tile line t / 2: a row for the rowwise codes, a
 // column for the transpose's. Both threads of a line are neighbours in a warp.
-template <typename T, Format F>
-__global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(const T* __restrict__ x, Args a, bool vec_in,
-                                                                   bool vec_row, bool vec_col) {
-  extern __shared__ float tile[];
+template <class S, Format F>
+__global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Args a, bool vec_in, bool vec_row,
+                                                                   bool vec_col) {
+  using T = typename S::Tile;
+  constexpr int kRow = kRowOf<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* tile = reinterpret_cast<T*>(smem);
   __shared__ std::uint32_t warp_amax[kWarps];
   __shared__ float tile_scale;
   const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kBlock, c0 = static_cast<std::int64_t>(blockIdx.x) * kBlock;
-  stage(tile, x, a, r0, c0, vec_in);
+  stage(tile, src, a, r0, c0, vec_in);
   __syncthreads();
   const int line = threadIdx.x / 2, half = threadIdx.x % 2, first = 64 * half;
+  if (a.partial) {  // column `line`'s sum over the tile's rows: each half's 64 in order, then half 0 + half 1
+    const T* p = tile + first * kRow + line;
+    float sum = 0.0f;
+#pragma unroll 16
+    for (int i = 0; i < 64; ++i) sum += tile_get(p + i * kRow);
+    const float other = __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (half == 0 && c0 + line < a.C) a.partial[(r0 / kBlock) * a.C + c0 + line] = sum + other;
+  }
   const float fmax = max_value(a.f);
-  const float* row_src = tile + line * kRow + first;      // row `line`, columns first..
-  const float* col_src = tile + first * kRow + line;      // column `line`, rows first..
+  const T* row_src = tile + line * kRow + first;  // row `line`, columns first..
+  const T* col_src = tile + first * kRow + line;  // column `line`, rows first..
   const std::int64_t r = r0 + line, c = c0 + line;
   const std::int64_t row_left = a.C - (c0 + first), col_left = a.R - (r0 + first);  // values of x in the half
   const int row_n = row_left <= 0 ? 0 : row_left >= 64 ? 64 : static_cast<int>(row_left);
@@ -172,36 +319,84 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(const T* _
   if (a.colwise && c < a.C) store_codes<F>(a.colwise + c * a.R + r0 + first, col_src, kRow, s, col_n, vec_col);
 }
 
-template <typename T, Format F>
-void launch(const BlockCast& k, const Args& a, cudaStream_t s) {
+template <class S, Format F>
+void launch(const S& src, const Args& a, bool vec_in, cudaStream_t s) {
   const std::int64_t tiles_c = blocks_of(a.C), tiles_r = blocks_of(a.R);
   KILN_CHECK(tiles_c <= 0x7fffffff && tiles_r <= 65535, "fp8 quantize_blocks: [", a.R, ", ", a.C,
              "] is too large for one launch");
   // More than the default 48 KB of dynamic shared memory (set at each launch: a host-side call).
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(quantize_blocks_kernel<T, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kSmemBytes)));
-  const bool vec_in = a.C % (16 / sizeof(T)) == 0 && reinterpret_cast<std::uintptr_t>(k.x) % 16 == 0;
-  const bool vec_row = a.C % 16 == 0 && reinterpret_cast<std::uintptr_t>(a.rowwise) % 16 == 0;
-  const bool vec_col = a.R % 16 == 0 && reinterpret_cast<std::uintptr_t>(a.colwise) % 16 == 0;
-  quantize_blocks_kernel<T, F><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), kCtaThreads,
-                                  kSmemBytes, s>>>(static_cast<const T*>(k.x), a, vec_in, vec_row, vec_col);
+  constexpr std::size_t kSmem = kSmemOf<typename S::Tile>;
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(quantize_blocks_kernel<S, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kSmem)));
+  const bool vec_row = a.C % 16 == 0 && aligned16(a.rowwise);
+  const bool vec_col = a.R % 16 == 0 && aligned16(a.colwise);
+  quantize_blocks_kernel<S, F><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), kCtaThreads,
+                                  kSmem, s>>>(src, a, vec_in, vec_row, vec_col);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
+template <class S>
+void with_format(const S& src, const Args& a, bool vec_in, cudaStream_t s) {
+  if (a.f == Format::e4m3)
+    launch<S, Format::e4m3>(src, a, vec_in, s);
+  else
+    launch<S, Format::e5m2>(src, a, vec_in, s);
+}
+
 }  // namespace
+
+void quantize_blocks_adamw(const BlockCast& k, const AdamWQuantizeDev& u, cudaStream_t s) {
+  KILN_CHECK(k.mode == ScalingMode::block_1x128 || k.mode == ScalingMode::block_128x128,
+             "fp8 quantize_blocks_adamw: a block scaling mode is needed");
+  KILN_CHECK(!k.rowwise == !k.row_scale_inv && !k.colwise == !k.col_scale_inv && (k.rowwise || k.colwise),
+             "fp8 quantize_blocks_adamw: a copy with its scales");
+  KILN_CHECK(u.param && u.grad && u.m && u.v && u.batch == 1 && u.rows == k.rows && u.cols == k.cols,
+             "fp8 quantize_blocks_adamw: an f32 master [", u.rows, ",", u.cols, "] for codes [", k.rows, ",", k.cols, "]");
+  if (k.rows <= 0 || k.cols <= 0) return;
+  const Args a{k.rows, k.cols, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise, k.col_scale_inv, nullptr};
+  const AdamWSource src{u.param, u.grad, u.m, u.v, k.cols,
+                        hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
+  with_format(src, a, k.cols % AdamWSource::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(u.m) && aligned16(u.v), s);
+}
+
+std::int64_t block_partials(std::int64_t rows, std::int64_t cols) { return blocks_of(rows) * cols; }
 
 void quantize_blocks(const BlockCast& k, cudaStream_t s) {
   KILN_CHECK(k.mode == ScalingMode::block_1x128 || k.mode == ScalingMode::block_128x128,
              "fp8 quantize_blocks: a block scaling mode is needed");
   KILN_CHECK(!k.rowwise == !k.row_scale_inv && !k.colwise == !k.col_scale_inv,
              "fp8 quantize_blocks: codes without scales, or scales without codes");
-  if (k.rows <= 0 || k.cols <= 0 || (!k.rowwise && !k.colwise)) return;
-  const Args a{k.rows, k.cols, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise, k.col_scale_inv};
-  const bool e4 = k.format == Format::e4m3;
-  if (k.x_dtype == DType::bf16)
-    e4 ? launch<__nv_bfloat16, Format::e4m3>(k, a, s) : launch<__nv_bfloat16, Format::e5m2>(k, a, s);
-  else
-    e4 ? launch<float, Format::e4m3>(k, a, s) : launch<float, Format::e5m2>(k, a, s);
+  KILN_CHECK(!k.dbias || k.partial, "fp8 quantize_blocks: dbias without partial-sum scratch");
+  KILN_CHECK(k.source == ops::Prologue::plain || k.x_dtype == DType::bf16,
+             "fp8 quantize_blocks: a prologue's tensors are bf16");
+  if (k.rows <= 0 || k.cols <= 0 || (!k.rowwise && !k.colwise && !k.dbias)) return;
+  const Args a{k.rows, k.cols, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise, k.col_scale_inv,
+               k.dbias ? k.partial : nullptr};
+  const long long C = k.cols;
+  const bool cols16 = C % 16 == 0 && aligned16(k.x);
+  const auto* x = static_cast<const bf16*>(k.x);
+  const auto* aux = static_cast<const bf16*>(k.aux);
+  switch (k.source) {
+    case ops::Prologue::plain:
+      if (k.x_dtype == DType::bf16)
+        with_format(PlainSource<bf16>{x, C}, a, C % PlainSource<bf16>::kVec == 0 && aligned16(k.x), s);
+      else
+        with_format(PlainSource<float>{static_cast<const float*>(k.x), C}, a,
+                    C % PlainSource<float>::kVec == 0 && aligned16(k.x), s);
+      break;
+    case ops::Prologue::layernorm:
+      with_format(OnX<LayerNormLoad>{x, C, {k.mean, k.rstd, static_cast<const bf16*>(k.ln_weight),
+                                            static_cast<const bf16*>(k.ln_bias)}},
+                  a, cols16 && aligned16(k.ln_weight) && aligned16(k.ln_bias), s);
+      break;
+    case ops::Prologue::gelu: with_format(OnX<GeluLoad>{x, C, {}}, a, cols16, s); break;
+    case ops::Prologue::swiglu: with_format(Own<SwigluLoad>{{x, C}}, a, cols16, s); break;
+    case ops::Prologue::dgelu: with_format(Own<DgeluLoad>{{x, aux, C}}, a, cols16 && aligned16(aux), s); break;
+    case ops::Prologue::dswiglu:
+      with_format(DswigluSource{{x, aux, C / 2}}, a, C % 32 == 0 && aligned16(k.x) && aligned16(aux), s);
+      break;
+  }
+  if (k.dbias) bias_from_partials(k.dbias, k.partial, blocks_of(k.rows), k.cols, s);
 }
 
 }  // namespace kiln::fp8::cuda

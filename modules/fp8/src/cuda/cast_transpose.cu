@@ -321,6 +321,14 @@ void grad_with_flags(const CastTransposeGrad& a, cudaStream_t s) {
 }
 }  // namespace
 
+void bias_from_partials(float* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s) {
+  KILN_CHECK(row_tiles <= 0x7fffffff && cols <= 0x7fffffff, "fp8 bias_from_partials: [", row_tiles, ",", cols, "]");
+  if (row_tiles <= 0 || cols <= 0) return;
+  const int c = static_cast<int>(cols);
+  bias_partials_finish<<<(c + kFinishCols - 1) / kFinishCols, kThreads, 0, s>>>(dbias, partial, static_cast<int>(row_tiles), c);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
 bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
   KILN_CHECK(a.rows >= 0 && a.cols >= 0 && a.scale && a.rowwise && a.colwise, "fp8 cast_transpose_grad: [", a.rows,
              ",", a.cols, "]");
@@ -334,12 +342,7 @@ bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
     grad_with_flags<Format::e4m3>(a, s);
   else
     grad_with_flags<Format::e5m2>(a, s);
-  if (a.dbias) {
-    const int cols = static_cast<int>(a.cols);
-    bias_partials_finish<<<(cols + kFinishCols - 1) / kFinishCols, kThreads, 0, s>>>(
-        a.dbias, a.partial, static_cast<int>((a.rows + kTile - 1) / kTile), cols);
-    KILN_CUDA_LAUNCH_CHECK();
-  }
+  if (a.dbias) bias_from_partials(a.dbias, a.partial, (a.rows + kTile - 1) / kTile, a.cols, s);
   return true;
 }
 

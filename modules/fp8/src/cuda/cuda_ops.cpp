@@ -7,9 +7,11 @@
 #include <array>
 #include <variant>
 #include <span>
+#include <tuple>
 #include <vector>
 #include <cstring>
 
+#include "kiln/core/overloaded.hpp"
 #include "kiln/fp8/cuda/gemm.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/cuda/lanes.hpp"
@@ -177,15 +179,56 @@ class CudaOps final : public Fp8Ops {
   }
 
   void quantize_blocks(const BlockQuantizeArgs& a) override {
-    check_input(a.x, "fp8 quantize_blocks x");
-    KILN_CHECK(a.x.ndim() == 2, "fp8 quantize_blocks: x ", a.x.str(), " must be [rows, cols]");
-    const std::int64_t R = a.x.size(0), C = a.x.size(1);
-    cuda::BlockCast k{a.x.data, a.x.dtype, R, C, a.mode};
+    const Shape shape = source_shape(a.x, "fp8 quantize_blocks");
+    const std::int64_t R = shape[0], C = shape[1];
+    cuda::BlockCast k;
+    k.rows = R;
+    k.cols = C;
+    k.mode = a.mode;
     k.pow2 = a.pow2;
-    auto codes = [&](const TensorView& t, const Shape& shape, float* scales, const char* which) {
-      KILN_CHECK(t.shape == shape && t.contiguous() && t.device == Device::cuda &&
+    const auto bf16_input = [](const TensorView& t, const char* what) {
+      KILN_CHECK(t.device == Device::cuda && t.dtype == DType::bf16 && t.contiguous(), "fp8 quantize_blocks: ", what,
+                 " must be a contiguous bf16 CUDA tensor, got ", t.str());
+      return t.data;
+    };
+    std::visit(Overloaded{[&](const TensorView& t) {
+                            check_input(t, "fp8 quantize_blocks x");
+                            k.x = t.data;
+                            k.x_dtype = t.dtype;
+                          },
+                          [&](const ops::LayerNormOnLoad& ln) {
+                            k.source = ops::Prologue::layernorm;
+                            k.x = bf16_input(ln.x, "the LayerNorm's input");
+                            k.ln_weight = bf16_input(ln.weight, "the LayerNorm's weight");
+                            k.ln_bias = bf16_input(ln.bias, "the LayerNorm's bias");
+                            KILN_CHECK(ln.mean.device == Device::cuda && ln.rstd.device == Device::cuda,
+                                       "fp8 quantize_blocks: the LayerNorm's statistics must be CUDA tensors");
+                            k.mean = ln.mean.as<float>();
+                            k.rstd = ln.rstd.as<float>();
+                          },
+                          [&](const ops::GeluOnLoad& g) {
+                            k.source = ops::Prologue::gelu;
+                            k.x = bf16_input(g.pre, "the GELU's pre-activation");
+                          },
+                          [&](const ops::SwigluOnLoad& g) {
+                            k.source = ops::Prologue::swiglu;
+                            k.x = bf16_input(g.gate_up, "the SwiGLU's input");
+                          },
+                          [&](const ops::DgeluOnLoad& g) {
+                            k.source = ops::Prologue::dgelu;
+                            k.x = bf16_input(g.dgelu, "the GELU output's gradient");
+                            k.aux = bf16_input(g.pre, "the GELU's pre-activation");
+                          },
+                          [&](const ops::DswigluOnLoad& g) {
+                            k.source = ops::Prologue::dswiglu;
+                            k.x = bf16_input(g.dswiglu, "the SwiGLU output's gradient");
+                            k.aux = bf16_input(g.gate_up, "the SwiGLU's input");
+                          }},
+               a.x);
+    auto codes = [&](const TensorView& t, const Shape& want, float* scales, const char* which) {
+      KILN_CHECK(t.shape == want && t.contiguous() && t.device == Device::cuda &&
                      (t.dtype == DType::e4m3 || t.dtype == DType::e5m2) && scales,
-                 "fp8 quantize_blocks: ", which, " ", t.str(), " (and its scales) for x ", a.x.str());
+                 "fp8 quantize_blocks: ", which, " ", t.str(), " (and its scales) for x ", shape.str());
       KILN_CHECK(!k.rowwise || t.dtype == a.rowwise.dtype, "fp8 quantize_blocks: both copies in one format");
       k.format = t.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2;
       return t.as<std::uint8_t>();
@@ -197,6 +240,12 @@ class CudaOps final : public Fp8Ops {
     if (a.colwise) {
       k.colwise = codes(a.colwise, {C, R}, a.col_scale_inv, "colwise");
       k.col_scale_inv = a.col_scale_inv;
+    }
+    if (a.dbias) {
+      KILN_CHECK(a.dbias.device == Device::cuda && a.dbias.dtype == DType::f32 && a.dbias.numel() == C,
+                 "fp8 quantize_blocks: dbias ", a.dbias.str(), " for x ", shape.str());
+      k.dbias = a.dbias.as<float>();
+      k.partial = scratch(cuda::block_partials(R, C));
     }
     cuda::quantize_blocks(k, stream_);
   }
@@ -371,6 +420,48 @@ class CudaOps final : public Fp8Ops {
     k.step = a.step;
     k.scalars = a.scalars;
     cuda::adamw_quantize(k, stream_);
+  }
+
+  void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out) override {
+    check_adamw_quantize_args(u, Device::cuda);
+    KILN_CHECK(u.param.ndim() == 2 && !out.dbias, "fp8 adamw_quantize_blocks: a whole weight [rows, cols], got ",
+               u.param.str());
+    const std::int64_t R = u.param.size(0), C = u.param.size(1);
+    cuda::BlockCast k;
+    k.rows = R;
+    k.cols = C;
+    k.mode = out.mode;
+    k.pow2 = out.pow2;
+    for (const auto& [t, shape, scales] : {std::tuple{&out.rowwise, Shape{R, C}, out.row_scale_inv},
+                                           std::tuple{&out.colwise, Shape{C, R}, out.col_scale_inv}}) {
+      if (!*t) continue;
+      KILN_CHECK(t->shape == shape && t->contiguous() && t->device == Device::cuda &&
+                     (t->dtype == DType::e4m3 || t->dtype == DType::e5m2) && scales,
+                 "fp8 adamw_quantize_blocks: codes ", t->str(), " (and their scales) for the weight ", u.param.str());
+      k.format = t->dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2;
+    }
+    KILN_CHECK(!out.rowwise || !out.colwise || out.rowwise.dtype == out.colwise.dtype,
+               "fp8 adamw_quantize_blocks: both copies in one format");
+    k.rowwise = out.rowwise ? out.rowwise.as<std::uint8_t>() : nullptr;
+    k.row_scale_inv = out.rowwise ? out.row_scale_inv : nullptr;
+    k.colwise = out.colwise ? out.colwise.as<std::uint8_t>() : nullptr;
+    k.col_scale_inv = out.colwise ? out.col_scale_inv : nullptr;
+    cuda::AdamWQuantizeDev d;
+    d.param = u.param.as<float>();
+    d.grad = u.grad.as<float>();
+    d.m = u.m.as<float>();
+    d.v = u.v.as<float>();
+    d.rows = R;
+    d.cols = C;
+    d.lr = u.lr;
+    d.beta1 = u.beta1;
+    d.beta2 = u.beta2;
+    d.eps = u.eps;
+    d.weight_decay = u.weight_decay;
+    d.grad_scale = u.grad_scale;
+    d.step = u.step;
+    d.scalars = u.scalars;
+    cuda::quantize_blocks_adamw(k, d, stream_);
   }
 
  private:

@@ -14,8 +14,12 @@
 // copies: nothing goes into checkpoints, and a replayed forward (activation recompute) computes
 // exactly what the first did. Scales are fp8_max / amax of each block, optionally powers of two.
 //
-// Plain operands only so far (no prologues: the model stores or recomputes GELU, SwiGLU and
-// LayerNorm outputs for it); the epilogues run after the block-scaled GEMM (cuBLASLt fuses none).
+// It takes every prologue of ops/prologue.hpp, as Fp8Linear does: the input as LayerNormOnLoad (the
+// forward computes the statistics, then the values while quantising; the backward recomputes them
+// from those statistics while quantising the transpose), GeluOnLoad or SwigluOnLoad, and the output
+// gradient as DgeluOnLoad or DswigluOnLoad (never written back); the bias gradient is summed in the
+// output gradient's quantisation. The epilogues run after the block-scaled GEMM (cuBLASLt fuses
+// none).
 #include <cstdint>
 #include <string>
 
@@ -34,12 +38,25 @@ struct BlockRecipe {
 class Fp8BlockLinear {
  public:
   Fp8BlockLinear(Fp8Ops& ops, Fp8Workspace& workspace, const BlockRecipe& recipe, std::string name = "linear");
+  // What it takes through prologues (ops::LinearImpl::prologues).
+  static constexpr ops::PrologueSet kPrologues = ops::PrologueSet::all();
 
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor).
   void forward(const ops::LinearForward& a, std::int64_t weight_version);
   void backward(const ops::LinearBackward& a);
   void invalidate_weight() { cache_.valid = false; }
+
+  // Makes the weight's codes from `master` (its f32 master copy) into the memory of `compute` (its
+  // act-precision compute copy: rowwise codes in the first OC x IC bytes, the transpose's in the
+  // next; the scales in the layer's own memory) for forwards whose weight is that compute copy, as
+  // Fp8Linear::use_master_weight: nothing else may read the compute copy between the first forward
+  // after a weight update and the next update.
+  void use_master_weight(const TensorView& master, const TensorView& compute);
+  // The optimizer's step of the master weight (use_master_weight) and its codes in one pass
+  // (Fp8Ops::adamw_quantize_blocks; `u` names the master's grad, m and v, and the hyperparameters):
+  // the codes are then those of `version`, which the next forward reuses.
+  void update_weight(AdamWQuantizeArgs u, std::int64_t version);
   const std::string& name() const { return name_; }
 
  private:
@@ -49,13 +66,21 @@ class Fp8BlockLinear {
     float* scale_inv = nullptr;
   };
   void ensure_weight(const TensorView& w, std::int64_t version);
+  static QuantizeSource source_of(const ops::LinearInput& x);
+  static QuantizeSource source_of(const ops::OutputGrad& dout);
 
   Fp8Ops& ops_;
   Fp8Workspace& ws_;
   BlockRecipe recipe_;
   std::string name_;
+  TensorView master_, compute_;  // use_master_weight
+  // Where the weight's codes go, [OC, IC] and [IC, OC]: the compute copy's memory or their own.
+  void place_codes(std::int64_t OC, std::int64_t IC, bool in_compute);
+  BlockQuantizeArgs weight_codes() const;
   struct WeightCache {
-    Buffer rowwise, colwise, row_scales, col_scales;
+    Buffer own_rowwise, own_colwise, row_scales, col_scales;
+    void* rowwise = nullptr;
+    void* colwise = nullptr;
     bool valid = false;
     std::int64_t version = 0;
     const void* source = nullptr;

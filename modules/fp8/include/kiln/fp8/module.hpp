@@ -17,8 +17,10 @@
 // sharded, marked in Phase::setup once that is known.
 // Anything else that changes the weights (a checkpoint load) calls Fp8State::invalidate_weights().
 // fp8.recipe = block attaches Fp8BlockLinear layers instead (no meta, no amax systems, nothing in
-// checkpoints; the weights' copies are made from the compute copy once per version; a mixture of
-// experts' grouped linears stay bf16 under it so far).
+// checkpoints; the weights' codes are made once per version, from the f32 master into the compute
+// copy's memory where the masters are whole, else from the gathered compute copy; with
+// fuse_weight_update the optimizer's step writes them; a mixture of experts' grouped linears stay
+// bf16 under it so far).
 #include <memory>
 #include <vector>
 
@@ -72,8 +74,9 @@ KILN_CONFIG(Fp8Config,
              "an FP8 layer's weight copies are made from the f32 master weight into the memory of its bf16 compute "
              "copy, which nothing else reads (false: extra buffers, made from the compute copy)"),
             (fuse_weight_update,
-             "with delayed scaling and weights_in_compute_copy: the optimizer's AdamW step of an FP8 layer's weight "
-             "writes its FP8 copies in the same pass (false: the next forward quantises the updated master again)"),
+             "with delayed scaling (or the block recipe) and weights_in_compute_copy: the optimizer's AdamW step of an "
+             "FP8 layer's weight writes its FP8 copies in the same pass (false: the next forward quantises the updated "
+             "master again)"),
             (block_pow2_scales, "block recipe: round each block's scale down to a power of two (TransformerEngine's option)"))
 
 // World resource: this rank's FP8 machinery.

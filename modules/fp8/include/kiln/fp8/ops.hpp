@@ -135,20 +135,32 @@ constexpr std::int64_t segment_row(const std::int32_t* offsets, int e) {
   return r;
 }
 
-// Block quantisation (kiln/fp8/block.hpp) of x [rows, cols] (act or f32): the codes of x (rowwise
-// [rows, cols], scales in BlockLayout{mode, rows, cols}) and/or of its transpose (colwise [cols,
-// rows], scales in BlockLayout{mode, cols, rows}: the operand of a weight or data gradient; the
-// transpose's 128x128 tiles are x's transposed, so their scales are the same values), each block's
-// scale from its own amax (rounded down to a power of two with pow2). The codes' dtype (e4m3 or
-// e5m2, the same for both) is the format.
+// The values a block quantisation reads: GroupedSource's forms and a LayerNorm's output, computed on
+// load from its forward's statistics (ops::LayerNormOnLoad with mean and rstd filled in, e.g. by
+// Fp8Ops::layernorm_stats), each rounded to act as the op that would store it rounds it.
+using QuantizeSource = std::variant<TensorView, ops::LayerNormOnLoad, ops::GeluOnLoad, ops::SwigluOnLoad,
+                                    ops::DgeluOnLoad, ops::DswigluOnLoad>;
+QuantizeSource to_source(const GroupedSource& x);
+// A source's [R, cols]; throws where its tensors do not fit together (naming `what`).
+Shape source_shape(const QuantizeSource& x, const char* what);
+
+// Block quantisation (kiln/fp8/block.hpp) of x [rows, cols] (act or f32, or computed on load): the
+// codes of x (rowwise [rows, cols], scales in BlockLayout{mode, rows, cols}) and/or of its transpose
+// (colwise [cols, rows], scales in BlockLayout{mode, cols, rows}: the operand of a weight or data
+// gradient; the transpose's 128x128 tiles are x's transposed, so their scales are the same values),
+// each block's scale from its own amax (rounded down to a power of two with pow2). The codes' dtype
+// (e4m3 or e5m2, the same for both) is the format. With dbias (f32 [cols]): dbias[c] += the sum over
+// the rows of x[r, c] (a bias gradient, in the same read; a fixed order on every device, not
+// necessarily the backends' bias_grad order).
 struct BlockQuantizeArgs {
-  TensorView x;
+  QuantizeSource x;
   ScalingMode mode = ScalingMode::block_1x128;
   bool pow2 = false;
   TensorView rowwise;
   float* row_scale_inv = nullptr;
   TensorView colwise;
   float* col_scale_inv = nullptr;
+  TensorView dbias;
 };
 
 class Fp8Ops {
@@ -206,6 +218,11 @@ class Fp8Ops {
   virtual void bias_grad(const TensorView& dbias, const TensorView& dy) = 0;
   virtual void update_delayed(const DelayedUpdateArgs& a) = 0;
   virtual void adamw_quantize(const AdamWQuantizeArgs& a) = 0;
+  // The AdamW step of u (a whole weight: param [rows, cols] f32; u.out and u.amax unused) and the block
+  // quantisation of the updated weight into `out` (out.x unused; no dbias): exactly
+  // adamw_quantize(u) then quantize_blocks(out with x = u.param), which is what this default does;
+  // CUDA runs both in one pass.
+  virtual void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out);
 };
 
 struct CpuOpsOptions {

@@ -24,6 +24,16 @@ void cast_transpose(const void* x, DType x_dtype, std::uint8_t* rowwise, std::ui
 // Block quantisation (kiln/fp8/block.hpp) in one read of x [rows, cols] (bf16 or f32): the codes of
 // x and their scales (rowwise, BlockLayout{mode, rows, cols}) and/or those of its transpose
 // (colwise [cols, rows], BlockLayout{mode, cols, rows}), bit for bit as quantize_blocks_reference.
+// The values may be computed as they are loaded (`source`, from bf16 tensors, each rounded to bf16
+// as the op that would store it rounds it):
+//   layernorm  LayerNorm(x) from mean, rstd [rows] (f32) and weight, bias [cols]
+//   gelu       gelu(x)
+//   swiglu     swiglu of x [rows, 2 cols] (gate columns, then up columns)
+//   dgelu      x * gelu'(aux), both [rows, cols]
+//   dswiglu    swiglu_backward's values [rows, cols] from x = the output's gradient [rows, cols / 2]
+//              and aux = the SwiGLU's input [rows, cols]
+// With dbias: dbias[c] += the column sums of the values, through `partial` (f32 scratch of
+// block_partials(rows, cols) floats): each 128-row tile's sums, then the tiles in a fixed order.
 struct BlockCast {
   const void* x = nullptr;
   DType x_dtype = DType::bf16;
@@ -35,8 +45,19 @@ struct BlockCast {
   float* row_scale_inv = nullptr;
   std::uint8_t* colwise = nullptr;
   float* col_scale_inv = nullptr;
+  ops::Prologue source = ops::Prologue::plain;
+  const void* aux = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  const void* ln_weight = nullptr;
+  const void* ln_bias = nullptr;
+  float* dbias = nullptr;
+  float* partial = nullptr;
 };
 void quantize_blocks(const BlockCast& k, cudaStream_t s);
+std::int64_t block_partials(std::int64_t rows, std::int64_t cols);
+// dbias[c] += sum over t < row_tiles of partial[t * cols + c], in a fixed order.
+void bias_from_partials(float* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s);
 
 // cast_transpose of act(gelu(pre)) (bf16 pre), the GELU computed on load; with neither copy, the
 // amax alone (scale must still point to a float).
@@ -169,6 +190,10 @@ struct AdamWQuantizeDev {
   const float* scalars = nullptr;  // ops::AdamW::scalars (device), in place of lr, grad_scale and step
 };
 void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s);
+// The step of u (its param [rows, cols] f32, batch 1; its copies, scale and amax unused) and the block
+// quantisation of the updated param into k's copies (k.x and the prologue unused) in one pass: the
+// codes and scales quantize_blocks of the updated param writes.
+void quantize_blocks_adamw(const BlockCast& k, const AdamWQuantizeDev& u, cudaStream_t s);
 
 // The elementwise part of an epilogue cuBLASLt does not fuse with FP8 inputs, after a plain GEMM, on
 // a row-major bf16 d [M, N] (aux bf16 [M, N]):
