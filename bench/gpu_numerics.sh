@@ -6,7 +6,8 @@
 # another; SUITE=1 puts `bench/gpu_suite.sh BUILD fp8` on GPU 3 instead (logs under $OUT/suite). Plot locally: kiln plot $OUT/numerics-bf16.jsonl=bf16 ... -o docs/fp8-loss.svg
 # usage: bash bench/gpu_numerics.sh BUILD_DIR [STEPS]
 # RUNS="bf16 fp8-block ..." picks the runs (one after another on fewer than four GPUs; default the
-# three above; fp8-block is issue 29's block scaling); MODEL=llama1b runs pipelines/llama-1b.toml on
+# three above; fp8-block is issue 29's block scaling, fp8-block-2d with the weight gradient's input in
+# 128x128 blocks); MODEL=llama1b runs pipelines/llama-1b.toml on
 # the Brown GPT-2 BPE tokens (data/brown-gpt2, carried) instead, metrics to $OUT/numerics-llama1b-*.jsonl.
 set -uo pipefail
 B=${1:-.devbuild}
@@ -40,6 +41,7 @@ args_of() {
     fp8-delayed) echo --set fp8.enabled=true ;;
     fp8-current) echo --set fp8.enabled=true --set fp8.recipe=current ;;
     fp8-block) echo --set fp8.enabled=true --set fp8.recipe=block ;;
+    fp8-block-2d) echo --set fp8.enabled=true --set fp8.recipe=block --set fp8.block_2d_wgrad_input=true ;;
     fp8-block-e4m3) echo --set fp8.enabled=true --set fp8.recipe=block --set fp8.format=e4m3 ;;
     *) echo "unknown run $1" >&2; exit 2 ;;
   esac

@@ -89,12 +89,14 @@ if [ "$MODE" != "tests" ]; then
     # Without the operands on load and the weights' codes from the optimizer (the outputs stored, the
     # codes in their own buffers, made from the bf16 copy after each step): the path before them.
     train gpt-1.3b-block-stored pipelines/gpt-1.3b.toml 30 "${F[@]}" --set fp8.recipe=block "${STORED[@]}"
+    train gpt-1.3b-block-2d pipelines/gpt-1.3b.toml 30 "${F[@]}" --set fp8.recipe=block --set fp8.block_2d_wgrad_input=true
     train gpt-1.3b-block-profile pipelines/gpt-1.3b.toml 8 "${F[@]}" --set fp8.recipe=block --set backend.profile=true
     train gpt-1.3b-current-profile pipelines/gpt-1.3b.toml 8 "${F[@]}" --set fp8.recipe=current --set backend.profile=true
     train llama-1b-bf16 pipelines/llama-1b.toml 30
     train llama-1b-current pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=current
     train llama-1b-block pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=block
     train llama-1b-block-stored pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=block "${STORED[@]}"
+    train llama-1b-block-2d pipelines/llama-1b.toml 30 "${F[@]}" --set fp8.recipe=block --set fp8.block_2d_wgrad_input=true
     train llama-1b-block-profile pipelines/llama-1b.toml 8 "${F[@]}" --set fp8.recipe=block --set backend.profile=true
     # The same machine's PyTorch bf16 reference (torch.compile'd Llama 1B, bench/torch_llama.py).
     timeout 300 python3 bench/torch_llama.py --batch 4 --steps 30 --out "$OUT/torch-llama.json" > "$OUT/torch-llama.log" 2>&1

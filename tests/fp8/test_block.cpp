@@ -214,38 +214,43 @@ TEST_CASE("an outlier costs its own block: block scaling keeps small values that
 
 TEST_CASE("a block-scaled FP8 linear layer computes out, dx, dweight and dbias as the exact products within FP8's error") {
   auto cpu = make_cpu_ops({.threads = 2});
-  fp8::Fp8Workspace ws(*cpu);
-  fp8::Fp8BlockLinear lin(*cpu, ws, {}, "test");
-  const int N = 200, IC = 300, OC = 136;
-  auto x = test::normal_values(static_cast<std::size_t>(N * IC), 1), w = test::normal_values(static_cast<std::size_t>(OC * IC), 2, 0.05f),
-       b = test::normal_values(static_cast<std::size_t>(OC), 3), dout = test::normal_values(static_cast<std::size_t>(N * OC), 4, 1e-3f);
-  std::vector<float> out(static_cast<std::size_t>(N * OC)), dx(static_cast<std::size_t>(N * IC)),
-      dw(static_cast<std::size_t>(OC * IC), 0.5f), db(static_cast<std::size_t>(OC), 0.25f);
-  auto view = [](std::vector<float>& v, std::int64_t r, std::int64_t c) { return TensorView(v.data(), {r, c}, DType::f32, Device::cpu); };
-  ops::LinearForward f{view(out, N, OC), {}, view(x, N, IC), view(w, OC, IC), TensorView(b.data(), {OC}, DType::f32, Device::cpu)};
-  lin.forward(f, 1);
-  ops::LinearBackward bw{view(dx, N, IC), view(dw, OC, IC), TensorView(db.data(), {OC}, DType::f32, Device::cpu),
-                         view(dout, N, OC), view(x, N, IC), view(w, OC, IC)};
-  lin.backward(bw);
-  // References in double: out = x W^T + b, dx = dout W, dW = 0.5 + dout^T x, db = 0.25 + column sums of dout.
-  auto want_out = test::matmul_nt(x, w, N, OC, IC);
-  for (int n = 0; n < N; ++n)
-    for (int o = 0; o < OC; ++o) want_out[static_cast<std::size_t>(n * OC + o)] += b[static_cast<std::size_t>(o)];
-  const auto want_dx = test::matmul_nt(dout, test::transpose(w, OC, IC), N, IC, OC);
-  auto want_dw = test::matmul_nt(test::transpose(dout, N, OC), test::transpose(x, N, IC), OC, IC, N);
-  for (auto& v : want_dw) v += 0.5f;
-  std::vector<float> want_db(static_cast<std::size_t>(OC), 0.25f);
-  for (int n = 0; n < N; ++n)
-    for (int o = 0; o < OC; ++o) want_db[static_cast<std::size_t>(o)] += dout[static_cast<std::size_t>(n * OC + o)];
-  auto minus = [](std::vector<float> v, float c) { for (auto& e : v) e -= c; return v; };
-  const double e_out = test::rel_error(out, want_out), e_dx = test::rel_error(dx, want_dx),
-               e_dw = test::rel_error(minus(dw, 0.5f), minus(want_dw, 0.5f)), e_db = test::rel_error(db, want_db);
-  MESSAGE("relative errors: out " << e_out << ", dx " << e_dx << ", dweight " << e_dw << ", dbias " << e_db);
-  // E4M3 keeps 3 mantissa bits: each operand ~2.5% relative rounding, products of K terms average it down.
-  CHECK(e_out < 0.05);
-  CHECK(e_dx < 0.05);
-  CHECK(e_dw < 0.05);
-  CHECK(e_db < 1e-6);
+  for (const bool two_d : {false, true}) {  // the weight gradient's input in 1x128 or 128x128 blocks
+    CAPTURE(two_d);
+    fp8::Fp8Workspace ws(*cpu);
+    fp8::BlockRecipe recipe;
+    recipe.wgrad_input_2d = two_d;
+    fp8::Fp8BlockLinear lin(*cpu, ws, recipe, "test");
+    const int N = 200, IC = 300, OC = 136;
+    auto x = test::normal_values(static_cast<std::size_t>(N * IC), 1), w = test::normal_values(static_cast<std::size_t>(OC * IC), 2, 0.05f),
+         b = test::normal_values(static_cast<std::size_t>(OC), 3), dout = test::normal_values(static_cast<std::size_t>(N * OC), 4, 1e-3f);
+    std::vector<float> out(static_cast<std::size_t>(N * OC)), dx(static_cast<std::size_t>(N * IC)),
+        dw(static_cast<std::size_t>(OC * IC), 0.5f), db(static_cast<std::size_t>(OC), 0.25f);
+    auto view = [](std::vector<float>& v, std::int64_t r, std::int64_t c) { return TensorView(v.data(), {r, c}, DType::f32, Device::cpu); };
+    ops::LinearForward f{view(out, N, OC), {}, view(x, N, IC), view(w, OC, IC), TensorView(b.data(), {OC}, DType::f32, Device::cpu)};
+    lin.forward(f, 1);
+    ops::LinearBackward bw{view(dx, N, IC), view(dw, OC, IC), TensorView(db.data(), {OC}, DType::f32, Device::cpu),
+                           view(dout, N, OC), view(x, N, IC), view(w, OC, IC)};
+    lin.backward(bw);
+    // References in double: out = x W^T + b, dx = dout W, dW = 0.5 + dout^T x, db = 0.25 + column sums of dout.
+    auto want_out = test::matmul_nt(x, w, N, OC, IC);
+    for (int n = 0; n < N; ++n)
+      for (int o = 0; o < OC; ++o) want_out[static_cast<std::size_t>(n * OC + o)] += b[static_cast<std::size_t>(o)];
+    const auto want_dx = test::matmul_nt(dout, test::transpose(w, OC, IC), N, IC, OC);
+    auto want_dw = test::matmul_nt(test::transpose(dout, N, OC), test::transpose(x, N, IC), OC, IC, N);
+    for (auto& v : want_dw) v += 0.5f;
+    std::vector<float> want_db(static_cast<std::size_t>(OC), 0.25f);
+    for (int n = 0; n < N; ++n)
+      for (int o = 0; o < OC; ++o) want_db[static_cast<std::size_t>(o)] += dout[static_cast<std::size_t>(n * OC + o)];
+    auto minus = [](std::vector<float> v, float c) { for (auto& e : v) e -= c; return v; };
+    const double e_out = test::rel_error(out, want_out), e_dx = test::rel_error(dx, want_dx),
+                 e_dw = test::rel_error(minus(dw, 0.5f), minus(want_dw, 0.5f)), e_db = test::rel_error(db, want_db);
+    MESSAGE("relative errors: out " << e_out << ", dx " << e_dx << ", dweight " << e_dw << ", dbias " << e_db);
+    // E4M3 keeps 3 mantissa bits: each operand ~2.5% relative rounding, products of K terms average it down.
+    CHECK(e_out < 0.05);
+    CHECK(e_dx < 0.05);
+    CHECK(e_dw < 0.05);
+    CHECK(e_db < 1e-6);
+  }
 }
 
 TEST_CASE("a block-scaled FP8 linear layer given its operands through prologues equals the layer given their values") {

@@ -81,12 +81,18 @@ TEST_CASE("block-scaled FP8 training on the CPU ends within 5% of fp32 and 7% of
   const auto block = test::train_losses(shards, 200, {bf16, "fp8.enabled=true", "fp8.recipe=block"});
   const auto pow2 =
       test::train_losses(shards, 200, {bf16, "fp8.enabled=true", "fp8.recipe=block", "fp8.block_pow2_scales=true"});
+  const auto two_d =
+      test::train_losses(shards, 200, {bf16, "fp8.enabled=true", "fp8.recipe=block", "fp8.block_2d_wgrad_input=true"});
   REQUIRE(ref.size() == 200);
-  const double r = tail_mean(ref, 10), f = tail_mean(f32, 10), b = tail_mean(block, 10), p = tail_mean(pow2, 10);
+  const double r = tail_mean(ref, 10), f = tail_mean(f32, 10), b = tail_mean(block, 10), p = tail_mean(pow2, 10),
+               d = tail_mean(two_d, 10);
   MESSAGE("final loss (mean of the last 10 of 200 steps): bf16 " << r << ", fp32 " << f << ", fp8 block " << b
-                                                                  << ", with power-of-two scales " << p);
+                                                                  << ", with power-of-two scales " << p
+                                                                  << ", with the weight gradient's input in 128x128 blocks "
+                                                                  << d);
   CHECK(ref.back() < ref.front() - 2.0);
-  for (double v : {b, p}) {
+  CHECK(two_d != block);
+  for (double v : {b, p, d}) {
     CHECK(std::fabs(v - f) / f < 0.05);
     CHECK(std::fabs(v - r) / r < 0.07);
     CHECK((v - r) / r < 0.02);

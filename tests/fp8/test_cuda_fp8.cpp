@@ -850,13 +850,16 @@ TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is d
   KILN_REQUIRE_CUDA();
   // GPT-2 (GELU and LayerNorm computed while quantising) and Llama (SwiGLU computed while quantising
   // FC2's input, its backward while quantising FC1's output gradient, grouped-query attention);
-  // block scaling (Fp8BlockLinear: plain operands, the epilogues after its GEMMs) in both.
+  // block scaling (Fp8BlockLinear: the same operands on load, the epilogues after its GEMMs; and with
+  // the weight gradient's input in 128x128 blocks) in both.
   for (const bool llama : {false, true})
-  for (const char* recipe : {"delayed", "current", "block"}) {
+  for (const std::string recipe : {"delayed", "current", "block", "block-2d"}) {
     INFO((llama ? "llama " : "gpt2 ") << recipe);
-    const std::string fp8 = "fp8.enabled=true", r = std::string("fp8.recipe=") + recipe;
+    const bool two_d = recipe == "block-2d";
+    const std::string fp8 = "fp8.enabled=true", r = "fp8.recipe=" + (two_d ? std::string("block") : recipe);
     auto sets = [&](const char* device) {
       std::vector<std::string> v{std::string("engine.device=") + device, fp8, r};
+      if (two_d) v.push_back("fp8.block_2d_wgrad_input=true");
       if (llama) v.insert(v.end(), {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=320"});
       return v;
     };

@@ -198,8 +198,8 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   if (!cache_.valid || cache_.source != a.weight.data) ensure_weight(a.weight, cache_.version);
 
   // The output gradient along OC (data gradient) and along N (weight gradient), the input along N.
-  const BlockLayout gr{ScalingMode::block_1x128, N, OC}, gc{ScalingMode::block_1x128, OC, N},
-      xc{ScalingMode::block_1x128, IC, N};
+  const ScalingMode xc_mode = recipe_.wgrad_input_2d ? ScalingMode::block_128x128 : ScalingMode::block_1x128;
+  const BlockLayout gr{ScalingMode::block_1x128, N, OC}, gc{ScalingMode::block_1x128, OC, N}, xc{xc_mode, IC, N};
   Carver c(ws_.get(Carver::bytes({gr, gc, xc})), ops_.device());
   const auto g_row = c.take(gr, recipe_.grad), g_col = c.take(gc, recipe_.grad), x_col = c.take(xc, recipe_.input);
   // The output gradient's two copies and the bias gradient in one pass (the rowwise copy only for
@@ -208,11 +208,11 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
                        a.dx ? g_row.scale_inv : nullptr, g_col.codes, g_col.scale_inv};
   gq.dbias = a.dbias;
   ops_.quantize_blocks(gq);
-  ops_.quantize_blocks({x, ScalingMode::block_1x128, recipe_.pow2, {}, nullptr, x_col.codes, x_col.scale_inv});
+  ops_.quantize_blocks({x, xc_mode, recipe_.pow2, {}, nullptr, x_col.codes, x_col.scale_inv});
 
-  // wgrad: dW[OC, IC] (+)= dout^T @ x, both 1x128 along the tokens.
+  // wgrad: dW[OC, IC] (+)= dout^T @ x, both 1x128 along the tokens (x^T 128x128 with wgrad_input_2d).
   GemmArgs w = block_product(g_col.codes, g_col.scale_inv, ScalingMode::block_1x128, x_col.codes, x_col.scale_inv,
-                             ScalingMode::block_1x128, a.dweight, "fp8_block_gemm_wgrad");
+                             xc_mode, a.dweight, "fp8_block_gemm_wgrad");
   w.f32_result = true;
   w.accumulate = !a.dweight_overwrite;
   ops_.gemm(w);

@@ -272,7 +272,7 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
   // a scale per 128 values leaves E5M2's range nothing to do, and E4M3's extra mantissa bit shows in
   // the loss (gpt2-124m, 2,000 steps: validation +0.45% against bf16 with E5M2 gradients, -0.68%
   // with E4M3; docs/PERF.md).
-  const BlockRecipe recipe{Format::e4m3, Format::e4m3, Format::e4m3, cfg.block_pow2_scales};
+  const BlockRecipe recipe{Format::e4m3, Format::e4m3, Format::e4m3, cfg.block_pow2_scales, cfg.block_2d_wgrad_input};
   // Tensor parallelism splits the column-parallel layers' outputs (their weights' 128x128 tiles
   // along OC) and the row-parallel layers' inputs (every 1x128 block along IC): each part must hold
   // whole blocks, or the ranks would scale blocks that the unsplit layer does not have.
@@ -349,7 +349,8 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
                      std::cout << "fp8: " << n_fp8 << " of " << n_all
                                << " linear layers in FP8 (block scaling: 1x128 activations and gradients, 128x128 "
                                   "weights, E4M3"
-                               << (recipe.pow2 ? ", power-of-two scales" : "") << ")\n";
+                               << (recipe.pow2 ? ", power-of-two scales" : "")
+                               << (recipe.wgrad_input_2d ? ", the weight gradient's input in 128x128 blocks" : "") << ")\n";
                      if (g_all > 0)
                        std::cout << "fp8: the " << g_all
                                  << " grouped (expert) linears stay bf16 (block scaling does not cover them yet)\n";

@@ -6,6 +6,7 @@
 //   forward  out[N, OC]  = x[N, IC] @ W[OC, IC]^T      X = x, 1x128 along IC      Y = W, 128x128
 //   dgrad    dx[N, IC]   = dout[N, OC] @ W[OC, IC]      X = dout, 1x128 along OC   Y = W^T, 128x128
 //   wgrad    dW[OC, IC] (+)= dout^T[OC, N] @ x[N, IC]   X = dout^T, 1x128 along N  Y = x^T, 1x128 along N
+//                                                                              (or 128x128: wgrad_input_2d)
 //
 // The weight's two copies (rowwise and its transpose, the same 128x128 tiles, so the same scales
 // transposed) are made once per weight version and reused by every micro-batch and the backward
@@ -33,6 +34,11 @@ namespace kiln::fp8 {
 struct BlockRecipe {
   Format input = Format::e4m3, weight = Format::e4m3, grad = Format::e4m3;
   bool pow2 = false;  // power-of-two scales (TransformerEngine's option)
+  // The weight gradient's input operand (x^T, [IC, N]) in 128x128 blocks instead of 1x128 along the
+  // tokens: one scale per 128 tokens x 128 features (TransformerEngine's 2D scaling of activations,
+  // here for the weight gradient alone). cuBLASLt's 1x128 x 128x128 products run ~40% faster than its
+  // 1x128 x 1x128 ones on Hopper (docs/PERF.md), at coarser scales for the input.
+  bool wgrad_input_2d = false;
 };
 
 class Fp8BlockLinear {

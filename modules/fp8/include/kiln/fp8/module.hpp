@@ -53,6 +53,7 @@ struct Fp8Config {
   bool weights_in_compute_copy = true;
   bool fuse_weight_update = true;
   bool block_pow2_scales = false;
+  bool block_2d_wgrad_input = false;
   void validate(config::Checks& c) const {
     c.expect(amax_history_len >= 1, "amax_history_len", "must be at least 1");
     c.expect(margin >= 0 && margin <= 100, "margin", "must be in 0..100");
@@ -77,7 +78,11 @@ KILN_CONFIG(Fp8Config,
              "with delayed scaling (or the block recipe) and weights_in_compute_copy: the optimizer's AdamW step of an "
              "FP8 layer's weight writes its FP8 copies in the same pass (false: the next forward quantises the updated "
              "master again)"),
-            (block_pow2_scales, "block recipe: round each block's scale down to a power of two (TransformerEngine's option)"))
+            (block_pow2_scales, "block recipe: round each block's scale down to a power of two (TransformerEngine's option)"),
+            (block_2d_wgrad_input,
+             "block recipe: the weight gradient's input (the layer's input, transposed) in 128x128 blocks instead of "
+             "1x128 along the tokens (TransformerEngine's 2D activation scaling, for the weight gradient alone: "
+             "cuBLASLt's 1x128 x 128x128 products are faster than its 1x128 x 1x128 ones on Hopper)"))
 
 // World resource: this rank's FP8 machinery.
 struct Fp8State {
