@@ -329,3 +329,34 @@ TEST_CASE("a block-scaled FP8 linear layer given its operands through prologues 
          run(view(x, N, IC), view(g, N, OC)));
   }
 }
+
+TEST_CASE("a 128x128-scaled weight quantised in parts with the tiles' agreed amaxes equals the whole weight quantised") {
+  // FSDP's shards of a weight: flat ranges that start and end mid-row and mid-tile. Each part's tile
+  // amaxes max-accumulated into one array (the ranks' all-reduce), the scales from it, each part's
+  // codes: the whole weight's codes and scales, and its transpose's scales.
+  auto cpu = make_cpu_ops({.threads = 1});
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 200}, {256, 384}, {130, 129}})
+    for (bool pow2 : {false, true}) {
+      INFO(R << " x " << C << (pow2 ? " pow2" : ""));
+      auto x = test::normal_values(static_cast<std::size_t>(R * C), 11, 0.05f);
+      for (std::size_t i = 0; i < x.size(); i += 131) x[i] *= 40.0f;
+      const BlockLayout l{ScalingMode::block_128x128, R, C}, tl{ScalingMode::block_128x128, C, R};
+      std::vector<std::uint8_t> want(x.size()), want_t(x.size()), got(x.size(), 0xaa);
+      std::vector<float> want_s(static_cast<std::size_t>(l.count()), -1.0f), want_ts(static_cast<std::size_t>(tl.count()), -1.0f);
+      cpu->quantize_blocks({TensorView(x.data(), {R, C}, DType::f32, Device::cpu), ScalingMode::block_128x128, pow2,
+                            TensorView(want.data(), {R, C}, DType::e4m3, Device::cpu), want_s.data(),
+                            TensorView(want_t.data(), {C, R}, DType::e4m3, Device::cpu), want_ts.data()});
+      std::vector<float> amax(static_cast<std::size_t>(l.count()), 0.0f), scale(amax.size()),
+          row_si(amax.size(), -1.0f), col_si(static_cast<std::size_t>(tl.count()), -1.0f);
+      const std::int64_t n = R * C, cuts[] = {0, n / 3 + 7, 2 * n / 3 - 5, n};
+      for (int k = 0; k < 3; ++k)
+        cpu->block_part_amax({x.data() + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C}, amax.data());
+      cpu->block_scales(amax.data(), R, C, Format::e4m3, pow2, scale.data(), row_si.data(), col_si.data());
+      for (int k = 0; k < 3; ++k)
+        cpu->quantize_block_part({x.data() + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C}, scale.data(), Format::e4m3,
+                                 got.data() + cuts[k]);
+      CHECK(got == want);
+      CHECK(test::same_bits(row_si, want_s));
+      CHECK(test::same_bits(col_si, want_ts));
+    }
+}

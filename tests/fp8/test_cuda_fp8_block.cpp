@@ -301,6 +301,45 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
     }
 }
 
+TEST_CASE("CUDA's quantisation of a 128x128-scaled weight's parts (FSDP shards) matches the CPU bit for bit") {
+  KILN_REQUIRE_CUDA_BLOCK();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops({.threads = 1});
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 200}, {512, 384}, {130, 129}})
+    for (bool pow2 : {false, true}) {
+      INFO(R << " x " << C << (pow2 ? " pow2" : ""));
+      auto x = test::normal_values(static_cast<std::size_t>(R * C), 21, 0.05f);
+      for (std::size_t i = 0; i < x.size(); i += 131) x[i] *= 40.0f;
+      const BlockLayout l{ScalingMode::block_128x128, R, C}, tl{ScalingMode::block_128x128, C, R};
+      const std::int64_t n = R * C, cuts[] = {0, n / 3 + 7, 2 * n / 3 - 5, n};
+      const auto nt = static_cast<std::size_t>(l.count()), ntt = static_cast<std::size_t>(tl.count());
+      std::vector<float> amax(nt, 0.0f), scale(nt), row_si(nt, -1.0f), col_si(ntt, -1.0f);
+      std::vector<std::uint8_t> codes(x.size(), 0xaa);
+      Buffer dx = to_device(x), damax = to_device(amax), dscale = to_device(scale), drow = to_device(row_si),
+             dcol = to_device(col_si), dcodes = to_device(codes);
+      for (int k = 0; k < 3; ++k) {
+        cpu->block_part_amax({x.data() + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C}, amax.data());
+        gpu->block_part_amax({static_cast<const float*>(dx.data()) + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C},
+                             static_cast<float*>(damax.data()));
+      }
+      CHECK(test::same_bits(to_host<float>(damax.data(), nt), amax));
+      cpu->block_scales(amax.data(), R, C, Format::e4m3, pow2, scale.data(), row_si.data(), col_si.data());
+      gpu->block_scales(static_cast<float*>(damax.data()), R, C, Format::e4m3, pow2, static_cast<float*>(dscale.data()),
+                        static_cast<float*>(drow.data()), static_cast<float*>(dcol.data()));
+      CHECK(test::same_bits(to_host<float>(dscale.data(), nt), scale));
+      CHECK(test::same_bits(to_host<float>(drow.data(), nt), row_si));
+      CHECK(test::same_bits(to_host<float>(dcol.data(), ntt), col_si));
+      for (int k = 0; k < 3; ++k) {
+        cpu->quantize_block_part({x.data() + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C}, scale.data(), Format::e4m3,
+                                 codes.data() + cuts[k]);
+        gpu->quantize_block_part({static_cast<const float*>(dx.data()) + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C},
+                                 static_cast<float*>(dscale.data()), Format::e4m3,
+                                 static_cast<std::uint8_t*>(dcodes.data()) + cuts[k]);
+      }
+      CHECK(to_host<std::uint8_t>(dcodes.data(), codes.size()) == codes);
+    }
+}
+
 TEST_CASE("cuBLASLt block-scaled FP8 GEMMs match the CPU emulation (1x128 x 128x128 and 1x128 x 1x128)") {
   KILN_REQUIRE_CUDA_BLOCK();
   auto gpu = make_cuda_ops(nullptr);

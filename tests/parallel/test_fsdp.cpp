@@ -139,7 +139,8 @@ TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data p
   const Sets base = {"optim.grad_clip=0"};
   for (const Sets& precision : {Sets{"backend.cpu_round_bf16=true"}, Sets{"fp8.enabled=true"},
                                 Sets{"fp8.enabled=true", "fp8.fuse_weight_update=false"},
-                                Sets{"fp8.enabled=true", "fp8.recipe=current"}}) {
+                                Sets{"fp8.enabled=true", "fp8.recipe=current"},
+                                Sets{"fp8.enabled=true", "fp8.recipe=block", "backend.cpu_round_bf16=true"}}) {
     const Trace dp = run(2, base + precision);
     compare(run(2, base + precision + kFull), dp, join(precision) + ": full_shard against dp=2", 0);
     compare(run(2, base + precision + kGradOp), dp, join(precision) + ": shard_grad_op against dp=2", 0);
@@ -227,7 +228,7 @@ TEST_CASE("each rank holds 1/N of the parameters, gradients and optimizer state,
   }
 }
 
-TEST_CASE("with FP8 the block weights are gathered as one-byte codes") {
+TEST_CASE("with FP8 (per-tensor and block scaling) the block weights are gathered as one-byte codes") {
   ModuleRegistry reg;
   register_builtin_modules(reg);
   auto gathered = [&](const Sets& sets) {
@@ -245,6 +246,8 @@ TEST_CASE("with FP8 the block weights are gathered as one-byte codes") {
   // Two pool buffers (prefetch 1) of a block's image: its four weight matrices (12 C^2 elements,
   // C = 32) take one byte each instead of the CPU backend's four.
   CHECK(gathered({}) - gathered({"fp8.enabled=true"}) == 2 * 12 * 32 * 32 * 3);
+  // Block scaling too: the codes gathered, their 128x128 tiles' scales made alike on every rank.
+  CHECK(gathered({}) - gathered({"fp8.enabled=true", "fp8.recipe=block"}) == 2 * 12 * 32 * 32 * 3);
 }
 
 TEST_CASE("a rank that fails in the backward pass stops the others waiting in FSDP's collectives, naming it") {

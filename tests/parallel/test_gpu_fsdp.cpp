@@ -47,8 +47,10 @@ timeout_s = 120
 TEST_CASE("CUDA: FSDP on two thread ranks sharing a GPU computes what data parallelism does, bf16 and FP8") {
   if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
   // FP8: plain DP quantises each whole weight from its f32 master (fused into the AdamW step under
-  // delayed scaling); FSDP quantises each rank's part with the agreed scale and gathers the codes.
-  for (const Sets& precision : {Sets{}, Sets{"fp8.enabled=true"}, Sets{"fp8.enabled=true", "fp8.recipe=current"}}) {
+  // delayed and block scaling); FSDP quantises each rank's part with the agreed scale (block: the
+  // agreed scales of its 128x128 tiles) and gathers the codes.
+  for (const Sets& precision : {Sets{}, Sets{"fp8.enabled=true"}, Sets{"fp8.enabled=true", "fp8.recipe=current"},
+                                Sets{"fp8.enabled=true", "fp8.recipe=block"}}) {
     const test::Trace dp = test::run_ranks(kModel, 2, precision);
     for (const Sets& fsdp : {Sets{"fsdp.strategy=full_shard"}, Sets{"fsdp.strategy=full_shard", "fsdp.prefetch=2",
                                                                      "train.micro_batch_size=2"},

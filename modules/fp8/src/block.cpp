@@ -30,6 +30,36 @@ void quantize_blocks_reference(const float* x, const BlockLayout& l, Format f, b
     }
 }
 
+void block_part_amax_reference(const BlockPart& p, float* tile_amax) {
+  const BlockLayout l{ScalingMode::block_128x128, p.rows, p.cols};
+  for (std::int64_t i = 0; i < p.n; ++i) {
+    const std::int64_t at = p.first + i, t = l.index(at / p.cols, at % p.cols);
+    tile_amax[t] = amax_max(tile_amax[t], bits_float(abs_bits(p.values[i])));
+  }
+}
+
+void block_scales_reference(const float* tile_amax, std::int64_t rows, std::int64_t cols, Format f, bool pow2,
+                            float* scale, float* row_scale_inv, float* col_scale_inv) {
+  const BlockLayout l{ScalingMode::block_128x128, rows, cols}, t{ScalingMode::block_128x128, cols, rows};
+  const float fmax = max_value(f);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += kBlock)
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+      const std::int64_t i = l.index(r0, c0);
+      const float s = block_scale(fmax, tile_amax[i], pow2);
+      scale[i] = s;
+      row_scale_inv[i] = reciprocal(s);
+      col_scale_inv[t.index(c0, r0)] = reciprocal(s);
+    }
+}
+
+void quantize_block_part_reference(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes) {
+  const BlockLayout l{ScalingMode::block_128x128, p.rows, p.cols};
+  for (std::int64_t i = 0; i < p.n; ++i) {
+    const std::int64_t at = p.first + i;
+    codes[i] = quantize(p.values[i], scale[l.index(at / p.cols, at % p.cols)], f);
+  }
+}
+
 void block_gemm_reference(const std::uint8_t* x, Format fx, const float* x_scale_inv, ScalingMode x_mode,
                           const std::uint8_t* y, Format fy, const float* y_scale_inv, ScalingMode y_mode, std::int64_t M,
                           std::int64_t N, std::int64_t K, float* d, int threads) {

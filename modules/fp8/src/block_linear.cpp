@@ -126,6 +126,11 @@ void Fp8BlockLinear::ensure_weight(const TensorView& w, std::int64_t version) {
   cache_.source = w.data;
 }
 
+void Fp8BlockLinear::check_gathered(std::int64_t OC, std::int64_t IC) const {
+  KILN_CHECK(gathered_.tile_amax && gathered_.rows == OC && gathered_.cols == IC, name_,
+             ": a u8 weight [", OC, ", ", IC, "] is read as gathered codes, which need use_gathered_codes for that shape");
+}
+
 void Fp8BlockLinear::update_weight(AdamWQuantizeArgs u, std::int64_t version) {
   KILN_CHECK(master_, name_, ": update_weight needs use_master_weight");
   u.param = master_;
@@ -134,6 +139,41 @@ void Fp8BlockLinear::update_weight(AdamWQuantizeArgs u, std::int64_t version) {
   cache_.valid = true;
   cache_.version = version;
   cache_.source = compute_.data;
+}
+
+void Fp8BlockLinear::use_gathered_codes(std::int64_t rows, std::int64_t cols, float* tile_amax) {
+  const BlockLayout rl{ScalingMode::block_128x128, rows, cols}, cl{ScalingMode::block_128x128, cols, rows};
+  gathered_.rows = rows;
+  gathered_.cols = cols;
+  gathered_.tile_amax = tile_amax;
+  gathered_.scale = ops_.alloc(static_cast<std::size_t>(rl.count()) * 4);
+  cache_.row_scales = ops_.alloc(static_cast<std::size_t>(rl.count()) * 4);
+  cache_.col_scales = ops_.alloc(static_cast<std::size_t>(cl.count()) * 4);
+  cache_.valid = false;
+}
+
+BlockPart Fp8BlockLinear::part_of(const TensorView& part, std::int64_t first) const {
+  KILN_CHECK(gathered_.tile_amax, name_, ": a weight part needs use_gathered_codes");
+  KILN_CHECK(part.dtype == DType::f32 && part.contiguous() && first >= 0 &&
+                 first + part.numel() <= gathered_.rows * gathered_.cols,
+             name_, ": a part ", part.str(), " from element ", first, " of a [", gathered_.rows, ", ", gathered_.cols,
+             "] weight");
+  return BlockPart{part.as<float>(), part.numel(), first, gathered_.rows, gathered_.cols};
+}
+
+void Fp8BlockLinear::weight_part_amax(const TensorView& part, std::int64_t first) {
+  ops_.block_part_amax(part_of(part, first), gathered_.tile_amax);
+}
+
+void Fp8BlockLinear::scales_from_amax() {
+  ops_.block_scales(gathered_.tile_amax, gathered_.rows, gathered_.cols, recipe_.weight, recipe_.pow2,
+                    static_cast<float*>(gathered_.scale.data()), static_cast<float*>(cache_.row_scales.data()),
+                    static_cast<float*>(cache_.col_scales.data()));
+}
+
+void Fp8BlockLinear::quantize_weight_part(const TensorView& part, std::int64_t first, void* codes) {
+  ops_.quantize_block_part(part_of(part, first), static_cast<const float*>(gathered_.scale.data()), recipe_.weight,
+                           static_cast<std::uint8_t*>(codes));
 }
 
 // The values a forward's or backward's input is quantised from (a prologue's tensors or the input).
@@ -150,11 +190,16 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
   const Shape xs = source_shape(x, (name_ + " forward input").c_str());
   KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
   const std::int64_t N = xs[0], IC = xs[1], OC = a.weight.size(0);
+  const bool gathered = a.weight.dtype == DType::u8;  // the weight's gathered codes (use_gathered_codes)
   if (const auto* t = std::get_if<TensorView>(&a.x)) expect_matrix(*t, act, N, IC, name_ + " forward x");
-  expect_matrix(a.weight, act, OC, IC, name_ + " forward weight");
+  expect_matrix(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " forward weight");
   expect_matrix(a.out, act, N, OC, name_ + " forward out");
   if (a.pre_gelu) expect_matrix(a.pre_gelu, act, N, OC, name_ + " forward pre_gelu");
-  ensure_weight(a.weight, weight_version);
+  if (gathered)
+    check_gathered(OC, IC);
+  else
+    ensure_weight(a.weight, weight_version);
+  const void* w_rowwise = gathered ? a.weight.data : cache_.rowwise;
   // A LayerNorm's output is computed on load from its statistics, which the forward computes (and
   // leaves for the backward pass, as layernorm_forward would).
   if (const auto* ln = std::get_if<ops::LayerNormOnLoad>(&a.x)) ops_.layernorm_stats(*ln, nullptr);
@@ -165,7 +210,7 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
   ops_.quantize_blocks({x, ScalingMode::block_1x128, recipe_.pow2, xq.codes, xq.scale_inv});
 
   GemmArgs g = block_product(xq.codes, xq.scale_inv, ScalingMode::block_1x128,
-                             TensorView(cache_.rowwise, {OC, IC}, dtype_of(recipe_.weight), ops_.device()),
+                             TensorView(const_cast<void*>(w_rowwise), {OC, IC}, dtype_of(recipe_.weight), ops_.device()),
                              static_cast<const float*>(cache_.row_scales.data()), ScalingMode::block_128x128, a.out,
                              "fp8_block_gemm_fwd");
   g.bias = a.bias;
@@ -189,19 +234,31 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
              " and weight ", a.weight.str());
   if (const auto* t = std::get_if<TensorView>(&a.x)) expect_matrix(*t, act, N, IC, name_ + " backward x");
   if (const auto* t = std::get_if<TensorView>(&a.dout)) expect_matrix(*t, act, N, OC, name_ + " backward dout");
-  expect_matrix(a.weight, act, OC, IC, name_ + " backward weight");
+  const bool gathered = a.weight.dtype == DType::u8;
+  expect_matrix(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
   expect_matrix(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
   if (a.dx) expect_matrix(a.dx, act, N, IC, name_ + " backward dx");
   if (a.dx_gelu_pre) expect_matrix(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
   if (a.dbias) KILN_CHECK(a.dbias.dtype == DType::f32 && a.dbias.numel() == OC, name_, " backward dbias ", a.dbias.str());
   // The forward made the weight's copies; another tensor (a library caller) is quantised again.
-  if (!cache_.valid || cache_.source != a.weight.data) ensure_weight(a.weight, cache_.version);
+  if (gathered)
+    check_gathered(OC, IC);
+  else if (!cache_.valid || cache_.source != a.weight.data)
+    ensure_weight(a.weight, cache_.version);
 
-  // The output gradient along OC (data gradient) and along N (weight gradient), the input along N.
+  // The output gradient along OC (data gradient) and along N (weight gradient), the input along N;
+  // gathered codes' transpose (its scales are cache_.col_scales).
   const ScalingMode xc_mode = recipe_.wgrad_input_2d ? ScalingMode::block_128x128 : ScalingMode::block_1x128;
-  const BlockLayout gr{ScalingMode::block_1x128, N, OC}, gc{ScalingMode::block_1x128, OC, N}, xc{xc_mode, IC, N};
-  Carver c(ws_.get(Carver::bytes({gr, gc, xc})), ops_.device());
+  const BlockLayout gr{ScalingMode::block_1x128, N, OC}, gc{ScalingMode::block_1x128, OC, N}, xc{xc_mode, IC, N},
+      wt{ScalingMode::block_128x128, IC, OC};
+  Carver c(ws_.get(Carver::bytes({gr, gc, xc}) + (gathered && a.dx ? Carver::bytes({wt}) : 0)), ops_.device());
   const auto g_row = c.take(gr, recipe_.grad), g_col = c.take(gc, recipe_.grad), x_col = c.take(xc, recipe_.input);
+  const void* w_colwise = cache_.colwise;
+  if (gathered && a.dx) {
+    const auto t = c.take(wt, recipe_.weight);
+    ops_.transpose(TensorView(t.codes.data, {IC, OC}, DType::u8, ops_.device()), a.weight);
+    w_colwise = t.codes.data;
+  }
   // The output gradient's two copies and the bias gradient in one pass (the rowwise copy only for
   // the data gradient); a prologue's values (dGELU, dSwiGLU) computed as they are loaded.
   BlockQuantizeArgs gq{dout, ScalingMode::block_1x128, recipe_.pow2, a.dx ? g_row.codes : TensorView{},
@@ -220,7 +277,7 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   if (!a.dx) return;
   // dgrad: dx[N, IC] = dout @ W = dout[N, OC] @ (W^T)[IC, OC]^T, the weight's transposed tiles.
   GemmArgs d = block_product(g_row.codes, g_row.scale_inv, ScalingMode::block_1x128,
-                             TensorView(cache_.colwise, {IC, OC}, dtype_of(recipe_.weight), ops_.device()),
+                             TensorView(const_cast<void*>(w_colwise), {IC, OC}, dtype_of(recipe_.weight), ops_.device()),
                              static_cast<const float*>(cache_.col_scales.data()), ScalingMode::block_128x128, a.dx,
                              "fp8_block_gemm_dgrad");
   if (a.dx_gelu_pre) {

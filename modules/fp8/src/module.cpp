@@ -263,6 +263,33 @@ void lend_block_scratch(World& w) {
                    {"model.init"}});
 }
 
+// Block recipe, sharded masters: every rank's parts of the gathered weights quantised into its held
+// codes with the tiles' scales the ranks agree on (each tile's amax the maximum of every part's).
+void quantize_block_weight_parts(World& w) {
+  auto& st = w.resource<Fp8State>();
+  const auto& store = w.resource<nn::ParamStore>();
+  st.ops->zero(st.block_tile_amax.data(), st.block_tile_amax.bytes());
+  auto each_part = [&](auto&& f) {
+    for (std::size_t i : st.gathered) {
+      const auto& p = w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight);
+      store.for_each_held(p, [&](const nn::HeldPart& h) { f(*st.block_linears[i], p, h); });
+    }
+  };
+  each_part([&](Fp8BlockLinear& lin, const nn::Param&, const nn::HeldPart& h) {
+    lin.weight_part_amax(nn::ParamStore::held_view(store.master_flat(), h), h.first);
+  });
+  auto& ranks = parallel::held_parts(w);
+  const auto n = static_cast<std::int64_t>(st.block_tile_amax.bytes() / 4);
+  const TensorView amaxes(st.block_tile_amax.data(), {n}, DType::f32, st.ops->device());
+  if (ranks.size() > 1)
+    ranks.all_reduce(amaxes, parallel::ReduceOp::max,
+                     amaxes.device == Device::cpu ? nullptr : w.resource<ops::ActiveBackend>().get().stream());
+  for (std::size_t i : st.gathered) st.block_linears[i]->scales_from_amax();
+  each_part([&](Fp8BlockLinear& lin, const nn::Param& p, const nn::HeldPart& h) {
+    lin.quantize_weight_part(nn::ParamStore::held_view(store.master_flat(), h), h.first, store.held_codes(p, h));
+  });
+}
+
 // fp8.recipe = block: each selected linear (st.entities) gets an Fp8BlockLinear. No meta and no
 // amax systems; the weights' FP8 copies are made from their compute copies once per weight version
 // (every optimizer step, or a checkpoint load, makes a new one).
@@ -300,30 +327,50 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
                            .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
                            .prologues = Fp8BlockLinear::kPrologues});
   }
-  // The weights' codes in the memory of their compute copies, made from their f32 masters, where the
-  // masters are whole (not sharded: FSDP gathers the compute copies in act precision and the layers
-  // quantise them); with fp8.fuse_weight_update the optimizer's step writes them (one pass over the
-  // master, its moments and the codes: Fp8Ops::adamw_quantize_blocks), and the optimizer leaves
-  // those weights to us (nn::UpdatedBy, marked here before the first step).
-  if (cfg.weights_in_compute_copy)
+  // The weights' codes in the memory of their compute copies, made from their f32 masters. Where the
+  // masters are whole, the layers make them (with fp8.fuse_weight_update the optimizer's step writes
+  // them: one pass over the master, its moments and the codes, Fp8Ops::adamw_quantize_blocks; the
+  // optimizer leaves those weights to us, nn::UpdatedBy, marked here before the first step). Where
+  // they are sharded (FSDP), the compute copies are one-byte codes (nn::ByteCompute): every rank
+  // quantises its parts with the tiles' scales the ranks agree on, after each optimizer step, and
+  // FSDP gathers the codes (quantize_block_weight_parts).
+  if (cfg.weights_in_compute_copy) {
+    for (Entity e : st.entities)
+      if (w.get<nn::Linear>(e).role != nn::LinearRole::lm_head) w.emplace<nn::ByteCompute>(w.get<nn::Linear>(e).weight);
     w.systems().add({"fp8.weights", Phase::setup,
                      [fuse = cfg.fuse_weight_update](World& world) {
                        auto& s = world.resource<Fp8State>();
                        const auto& store = world.resource<nn::ParamStore>();
-                       if (store.sharded()) return;
+                       std::int64_t tiles = 0;
                        for (std::size_t i = 0; i < s.entities.size(); ++i) {
                          const auto& linear = world.get<nn::Linear>(s.entities[i]);
                          if (linear.role == nn::LinearRole::lm_head) continue;  // (may be tied to the embedding)
                          const auto& wp = world.get<nn::Param>(linear.weight);
+                         if (store.sharded()) {
+                           s.gathered.push_back(i);
+                           tiles += Fp8BlockLinear::tile_count(wp.shape[0], wp.shape[1]);
+                           continue;
+                         }
                          s.block_linears[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));
                          if (fuse && !world.try_get<nn::UpdatedBy>(linear.weight)) {
                            world.emplace<nn::UpdatedBy>(linear.weight, nn::UpdatedBy{"fp8"});
                            s.fused.push_back(i);
                          }
                        }
+                       if (s.gathered.empty()) return;
+                       s.block_tile_amax = s.ops->alloc(static_cast<std::size_t>(tiles) * 4);
+                       auto* at = static_cast<float*>(s.block_tile_amax.data());
+                       for (std::size_t i : s.gathered) {
+                         const auto& wp = world.get<nn::Param>(world.get<nn::Linear>(s.entities[i]).weight);
+                         s.block_linears[i]->use_gathered_codes(wp.shape[0], wp.shape[1], at);
+                         at += Fp8BlockLinear::tile_count(wp.shape[0], wp.shape[1]);
+                       }
+                       quantize_block_weight_parts(world);
                      },
                      {"params.allocate", "model.init"}});
+  }
   st.subscriptions.push_back(w.events().subscribe<nn::AdamWStep>([&w, &st](const nn::AdamWStep& e) {
+    if (!st.gathered.empty()) quantize_block_weight_parts(w);
     if (st.fused.empty()) return;
     const auto& store = w.resource<nn::ParamStore>();
     st.invalidate_weights();
@@ -332,7 +379,8 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
       st.block_linears[i]->update_weight(
           whole_weight_args(e, w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight), store), st.weights_version);
   }));
-  st.subscriptions.push_back(w.events().subscribe<nn::ParamsLoaded>([&st](const nn::ParamsLoaded&) {
+  st.subscriptions.push_back(w.events().subscribe<nn::ParamsLoaded>([&w, &st](const nn::ParamsLoaded&) {
+    if (!st.gathered.empty()) quantize_block_weight_parts(w);
     st.invalidate_weights();
     st.fused_update_step = -1;
   }));

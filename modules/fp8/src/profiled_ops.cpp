@@ -61,6 +61,19 @@ class ProfiledOps final : public Fp8Ops {
     Scope s(be_, it->second.c_str());
     in_->quantize_blocks(a);
   }
+  void block_part_amax(const BlockPart& p, float* tile_amax) override {
+    Scope s(be_, "fp8_block_part_amax");
+    in_->block_part_amax(p, tile_amax);
+  }
+  void block_scales(const float* tile_amax, std::int64_t rows, std::int64_t cols, Format f, bool pow2, float* scale,
+                    float* row_scale_inv, float* col_scale_inv) override {
+    Scope s(be_, "fp8_block_scales");
+    in_->block_scales(tile_amax, rows, cols, f, pow2, scale, row_scale_inv, col_scale_inv);
+  }
+  void quantize_block_part(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes) override {
+    Scope s(be_, "fp8_quantize_block_part");
+    in_->quantize_block_part(p, scale, f, codes);
+  }
   void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out) override {
     Scope s(be_, "fp8_adamw_quantize_blocks");
     in_->adamw_quantize_blocks(u, out);

@@ -215,6 +215,15 @@ class CpuOps final : public Fp8Ops {
     if (a.dbias) bias_grad(a.dbias, TensorView(xf.data(), {R, C}, DType::f32, Device::cpu));
   }
 
+  void block_part_amax(const BlockPart& p, float* tile_amax) override { block_part_amax_reference(p, tile_amax); }
+  void block_scales(const float* tile_amax, std::int64_t rows, std::int64_t cols, Format f, bool pow2, float* scale,
+                    float* row_scale_inv, float* col_scale_inv) override {
+    block_scales_reference(tile_amax, rows, cols, f, pow2, scale, row_scale_inv, col_scale_inv);
+  }
+  void quantize_block_part(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes) override {
+    quantize_block_part_reference(p, scale, f, codes);
+  }
+
   // A product's formats and M, N, K, its arguments checked (either scaling).
   struct GemmShape {
     Format fx, fy;

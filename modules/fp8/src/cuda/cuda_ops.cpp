@@ -422,6 +422,14 @@ class CudaOps final : public Fp8Ops {
     cuda::adamw_quantize(k, stream_);
   }
 
+  void block_part_amax(const BlockPart& p, float* tile_amax) override { cuda::block_part_amax(p, tile_amax, stream_); }
+  void block_scales(const float* tile_amax, std::int64_t rows, std::int64_t cols, Format f, bool pow2, float* scale,
+                    float* row_scale_inv, float* col_scale_inv) override {
+    cuda::block_scales(tile_amax, rows, cols, f, pow2, scale, row_scale_inv, col_scale_inv, stream_);
+  }
+  void quantize_block_part(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes) override {
+    cuda::quantize_block_part(p, scale, f, codes, stream_);
+  }
   void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out) override {
     check_adamw_quantize_args(u, Device::cuda);
     KILN_CHECK(u.param.ndim() == 2 && !out.dbias, "fp8 adamw_quantize_blocks: a whole weight [rows, cols], got ",

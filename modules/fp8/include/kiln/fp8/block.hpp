@@ -65,6 +65,23 @@ KILN_HD float block_scale(float fp8_max, float amax, bool pow2) {
 void quantize_blocks_reference(const float* x, const BlockLayout& layout, Format f, bool pow2, std::uint8_t* codes,
                                float* scale_inv);
 
+// A part of a 128x128-scaled weight [rows, cols]: its flat elements first..first + n (an FSDP shard of
+// the f32 master), whose codes are gathered. The ranks agree on each tile's amax (the maximum of
+// their parts'), so every part is quantised exactly as quantize_blocks_reference quantises the
+// whole weight. The CPU references (shared by the CPU emulation and the tests):
+//   tile_amax[BlockLayout{128x128, rows, cols}.index(r, c)] max= |w[r, c]| over the part;
+//   per tile: scale = block_scale(fp8_max, amax, pow2), row_scale_inv (the weight's layout) and
+//     col_scale_inv (its transpose's, BlockLayout{128x128, cols, rows}) = 1 / scale;
+//   codes[i - first] = quantize(w[i], scale of i's tile) over the part.
+struct BlockPart {
+  const float* values = nullptr;  // the part's n values
+  std::int64_t n = 0, first = 0, rows = 0, cols = 0;
+};
+void block_part_amax_reference(const BlockPart& p, float* tile_amax);
+void block_scales_reference(const float* tile_amax, std::int64_t rows, std::int64_t cols, Format f, bool pow2,
+                            float* scale, float* row_scale_inv, float* col_scale_inv);
+void quantize_block_part_reference(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes);
+
 // The CPU reference of a block-scaled product: d[M, N] (f32) = sum over the K blocks kb of
 // (sum over k in kb of decode(x[m, k]) * decode(y[n, k])) * x_scale_inv(m, kb) * y_scale_inv(n, kb),
 // each block's partial sum in f32 and promoted into an f32 accumulator as Hopper's block-scaled

@@ -63,6 +63,20 @@ class Fp8BlockLinear {
   // (Fp8Ops::adamw_quantize_blocks; `u` names the master's grad, m and v, and the hyperparameters):
   // the codes are then those of `version`, which the next forward reuses.
   void update_weight(AdamWQuantizeArgs u, std::int64_t version);
+
+  // ---- a weight whose f32 master is sharded over ranks (FSDP), gathered as 128x128-block codes ----
+  // The weight [rows, cols] is gathered as its rowwise codes (a u8 weight in forward and backward),
+  // whose scales the ranks make alike: each rank max-accumulates its part's tile amaxes into
+  // `tile_amax` (tile_count(rows, cols) floats the caller zeroes and all-reduces), then
+  // scales_from_amax() and quantize_weight_part() per part. The backward transposes the gathered
+  // codes for the data gradient (the same tiles, so the same scales transposed).
+  static std::int64_t tile_count(std::int64_t rows, std::int64_t cols) {
+    return BlockLayout{ScalingMode::block_128x128, rows, cols}.count();
+  }
+  void use_gathered_codes(std::int64_t rows, std::int64_t cols, float* tile_amax);
+  void weight_part_amax(const TensorView& part, std::int64_t first);
+  void scales_from_amax();
+  void quantize_weight_part(const TensorView& part, std::int64_t first, void* codes);
   const std::string& name() const { return name_; }
 
  private:
@@ -83,6 +97,13 @@ class Fp8BlockLinear {
   // Where the weight's codes go, [OC, IC] and [IC, OC]: the compute copy's memory or their own.
   void place_codes(std::int64_t OC, std::int64_t IC, bool in_compute);
   BlockQuantizeArgs weight_codes() const;
+  struct Gathered {  // use_gathered_codes
+    std::int64_t rows = 0, cols = 0;
+    float* tile_amax = nullptr;
+    Buffer scale;  // the tiles' scales (the rowwise layout), then the scale_inv of both copies in cache_
+  } gathered_;
+  BlockPart part_of(const TensorView& part, std::int64_t first) const;
+  void check_gathered(std::int64_t OC, std::int64_t IC) const;
   struct WeightCache {
     Buffer own_rowwise, own_colwise, row_scales, col_scales;
     void* rowwise = nullptr;

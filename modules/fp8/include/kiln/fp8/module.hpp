@@ -18,9 +18,9 @@
 // Anything else that changes the weights (a checkpoint load) calls Fp8State::invalidate_weights().
 // fp8.recipe = block attaches Fp8BlockLinear layers instead (no meta, no amax systems, nothing in
 // checkpoints; the weights' codes are made once per version, from the f32 master into the compute
-// copy's memory where the masters are whole, else from the gathered compute copy; with
-// fuse_weight_update the optimizer's step writes them; a mixture of experts' grouped linears stay
-// bf16 under it so far).
+// copy's memory where the masters are whole (with fuse_weight_update the optimizer's step writes
+// them), else each rank quantises its parts with the tiles' scales the ranks agree on and FSDP
+// gathers the codes; a mixture of experts' grouped linears stay bf16 under it so far).
 #include <memory>
 #include <vector>
 
@@ -101,6 +101,7 @@ struct Fp8State {
   std::int64_t weights_version = 0;                  // the cached FP8 weights are of this version
   std::vector<std::size_t> in_compute_copy;          // linears whose FP8 weights live in the compute copy
   std::vector<std::size_t> gathered;                 // sharded masters: linears reading gathered FP8 codes
+  Buffer block_tile_amax;  // block recipe, sharded masters: every gathered weight's tile amaxes (one all-reduce)
   std::unique_ptr<Fp8Workspace> transposed;          // their weights' colwise copies, one layer at a time
   std::vector<std::size_t> fused;                    // linears whose weight update is fused (fuse_weight_update)
   std::int64_t fused_update_step = -1;               // the step whose optimizer update ran fused

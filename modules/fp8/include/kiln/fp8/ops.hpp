@@ -218,6 +218,14 @@ class Fp8Ops {
   virtual void bias_grad(const TensorView& dbias, const TensorView& dy) = 0;
   virtual void update_delayed(const DelayedUpdateArgs& a) = 0;
   virtual void adamw_quantize(const AdamWQuantizeArgs& a) = 0;
+  // A part of a 128x128-scaled weight (kiln/fp8/block.hpp's BlockPart, on this device; the tile
+  // arrays in BlockLayout{128x128, rows, cols}, the transposed scales in {128x128, cols, rows}), bit
+  // for bit as its references: the part's tile amaxes max-accumulated, the scales from the ranks'
+  // agreed amaxes, and the part's codes.
+  virtual void block_part_amax(const BlockPart& p, float* tile_amax) = 0;
+  virtual void block_scales(const float* tile_amax, std::int64_t rows, std::int64_t cols, Format f, bool pow2,
+                            float* scale, float* row_scale_inv, float* col_scale_inv) = 0;
+  virtual void quantize_block_part(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes) = 0;
   // The AdamW step of u (a whole weight: param [rows, cols] f32; u.out and u.amax unused) and the block
   // quantisation of the updated weight into `out` (out.x unused; no dbias): exactly
   // adamw_quantize(u) then quantize_blocks(out with x = u.param), which is what this default does;

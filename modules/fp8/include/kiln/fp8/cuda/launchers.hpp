@@ -56,6 +56,12 @@ struct BlockCast {
 };
 void quantize_blocks(const BlockCast& k, cudaStream_t s);
 std::int64_t block_partials(std::int64_t rows, std::int64_t cols);
+// kiln/fp8/block.hpp's BlockPart functions on device pointers, bit for bit as their references: one CTA
+// per 128 x 128 tile of the weight that the part touches.
+void block_part_amax(const BlockPart& p, float* tile_amax, cudaStream_t s);
+void block_scales(const float* tile_amax, std::int64_t rows, std::int64_t cols, Format f, bool pow2, float* scale,
+                  float* row_scale_inv, float* col_scale_inv, cudaStream_t s);
+void quantize_block_part(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes, cudaStream_t s);
 // dbias[c] += sum over t < row_tiles of partial[t * cols + c], in a fixed order.
 void bias_from_partials(float* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s);
 
