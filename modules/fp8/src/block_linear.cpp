@@ -77,9 +77,9 @@ void Fp8BlockLinear::place_codes(std::int64_t OC, std::int64_t IC, bool in_compu
   const BlockLayout rl{ScalingMode::block_128x128, OC, IC}, cl{ScalingMode::block_128x128, IC, OC};
   const auto n = static_cast<std::size_t>(OC * IC);
   if (cache_.rows != OC || cache_.cols != IC || !cache_.row_scales.data()) {
+    if (cache_.row_scales.data()) ops_.synchronize();  // another shape: the old codes and scales may still be read
     cache_.row_scales = ops_.alloc(static_cast<std::size_t>(rl.count()) * 4);
     cache_.col_scales = ops_.alloc(static_cast<std::size_t>(cl.count()) * 4);
-    ops_.synchronize();  // the old codes may still be read
     cache_.own_rowwise = Buffer();
     cache_.own_colwise = Buffer();
   }
