@@ -7,7 +7,6 @@
 #include <array>
 #include <variant>
 #include <span>
-#include <tuple>
 #include <vector>
 #include <cstring>
 
@@ -225,22 +224,7 @@ class CudaOps final : public Fp8Ops {
                             k.aux = bf16_input(g.gate_up, "the SwiGLU's input");
                           }},
                a.x);
-    auto codes = [&](const TensorView& t, const Shape& want, float* scales, const char* which) {
-      KILN_CHECK(t.shape == want && t.contiguous() && t.device == Device::cuda &&
-                     (t.dtype == DType::e4m3 || t.dtype == DType::e5m2) && scales,
-                 "fp8 quantize_blocks: ", which, " ", t.str(), " (and its scales) for x ", shape.str());
-      KILN_CHECK(!k.rowwise || t.dtype == a.rowwise.dtype, "fp8 quantize_blocks: both copies in one format");
-      k.format = t.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2;
-      return t.as<std::uint8_t>();
-    };
-    if (a.rowwise) {
-      k.rowwise = codes(a.rowwise, {R, C}, a.row_scale_inv, "rowwise");
-      k.row_scale_inv = a.row_scale_inv;
-    }
-    if (a.colwise) {
-      k.colwise = codes(a.colwise, {C, R}, a.col_scale_inv, "colwise");
-      k.col_scale_inv = a.col_scale_inv;
-    }
+    block_outputs(k, a, "fp8 quantize_blocks");
     if (a.dbias) {
       KILN_CHECK(a.dbias.device == Device::cuda && a.dbias.dtype == DType::f32 && a.dbias.numel() == C,
                  "fp8 quantize_blocks: dbias ", a.dbias.str(), " for x ", shape.str());
@@ -398,11 +382,7 @@ class CudaOps final : public Fp8Ops {
     } else if (a.out.rowwise) {
       check_outputs(a.param, a.out, "fp8 adamw_quantize");
     }
-    cuda::AdamWQuantizeDev k;
-    k.param = a.param.as<float>();
-    k.grad = a.grad.as<float>();
-    k.m = a.m.as<float>();
-    k.v = a.v.as<float>();
+    cuda::AdamWQuantizeDev k = step_of(a);
     k.rowwise = a.out.rowwise.as<std::uint8_t>();
     k.colwise = a.out.colwise.as<std::uint8_t>();
     k.format = a.out.format;
@@ -411,14 +391,6 @@ class CudaOps final : public Fp8Ops {
     k.rows = B * R;
     k.cols = a.param.size(-1);
     k.batch = B;
-    k.lr = a.lr;
-    k.beta1 = a.beta1;
-    k.beta2 = a.beta2;
-    k.eps = a.eps;
-    k.weight_decay = a.weight_decay;
-    k.grad_scale = a.grad_scale;
-    k.step = a.step;
-    k.scalars = a.scalars;
     cuda::adamw_quantize(k, stream_);
   }
 
@@ -440,39 +412,53 @@ class CudaOps final : public Fp8Ops {
     k.cols = C;
     k.mode = out.mode;
     k.pow2 = out.pow2;
-    for (const auto& [t, shape, scales] : {std::tuple{&out.rowwise, Shape{R, C}, out.row_scale_inv},
-                                           std::tuple{&out.colwise, Shape{C, R}, out.col_scale_inv}}) {
-      if (!*t) continue;
-      KILN_CHECK(t->shape == shape && t->contiguous() && t->device == Device::cuda &&
-                     (t->dtype == DType::e4m3 || t->dtype == DType::e5m2) && scales,
-                 "fp8 adamw_quantize_blocks: codes ", t->str(), " (and their scales) for the weight ", u.param.str());
-      k.format = t->dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2;
-    }
-    KILN_CHECK(!out.rowwise || !out.colwise || out.rowwise.dtype == out.colwise.dtype,
-               "fp8 adamw_quantize_blocks: both copies in one format");
-    k.rowwise = out.rowwise ? out.rowwise.as<std::uint8_t>() : nullptr;
-    k.row_scale_inv = out.rowwise ? out.row_scale_inv : nullptr;
-    k.colwise = out.colwise ? out.colwise.as<std::uint8_t>() : nullptr;
-    k.col_scale_inv = out.colwise ? out.col_scale_inv : nullptr;
-    cuda::AdamWQuantizeDev d;
-    d.param = u.param.as<float>();
-    d.grad = u.grad.as<float>();
-    d.m = u.m.as<float>();
-    d.v = u.v.as<float>();
+    block_outputs(k, out, "fp8 adamw_quantize_blocks");
+    cuda::AdamWQuantizeDev d = step_of(u);
     d.rows = R;
     d.cols = C;
-    d.lr = u.lr;
-    d.beta1 = u.beta1;
-    d.beta2 = u.beta2;
-    d.eps = u.eps;
-    d.weight_decay = u.weight_decay;
-    d.grad_scale = u.grad_scale;
-    d.step = u.step;
-    d.scalars = u.scalars;
     cuda::quantize_blocks_adamw(k, d, stream_);
   }
 
  private:
+  // A block quantisation's copies and their scales (codes [rows, cols] and the transpose's [cols,
+  // rows], one format) into k, checked against k's shape.
+  static void block_outputs(cuda::BlockCast& k, const BlockQuantizeArgs& out, const char* what) {
+    const Shape shapes[2] = {{k.rows, k.cols}, {k.cols, k.rows}};
+    const TensorView* copies[2] = {&out.rowwise, &out.colwise};
+    float* scales[2] = {out.row_scale_inv, out.col_scale_inv};
+    for (int i = 0; i < 2; ++i) {
+      const TensorView& t = *copies[i];
+      if (!t) continue;
+      KILN_CHECK(t.shape == shapes[i] && t.contiguous() && t.device == Device::cuda &&
+                     (t.dtype == DType::e4m3 || t.dtype == DType::e5m2) && scales[i],
+                 what, ": ", i == 0 ? "rowwise" : "colwise", " codes ", t.str(), " (and their scales) for [", k.rows,
+                 ", ", k.cols, "]");
+      k.format = t.dtype == DType::e4m3 ? Format::e4m3 : Format::e5m2;
+    }
+    KILN_CHECK(!out.rowwise || !out.colwise || out.rowwise.dtype == out.colwise.dtype, what,
+               ": both copies in one format");
+    k.rowwise = out.rowwise ? out.rowwise.as<std::uint8_t>() : nullptr;
+    k.row_scale_inv = out.rowwise ? out.row_scale_inv : nullptr;
+    k.colwise = out.colwise ? out.colwise.as<std::uint8_t>() : nullptr;
+    k.col_scale_inv = out.colwise ? out.col_scale_inv : nullptr;
+  }
+  // The optimizer step's tensors and numbers of an AdamWQuantizeArgs (its copies left to the caller).
+  static cuda::AdamWQuantizeDev step_of(const AdamWQuantizeArgs& a) {
+    cuda::AdamWQuantizeDev k;
+    k.param = a.param.as<float>();
+    k.grad = a.grad.as<float>();
+    k.m = a.m.as<float>();
+    k.v = a.v.as<float>();
+    k.lr = a.lr;
+    k.beta1 = a.beta1;
+    k.beta2 = a.beta2;
+    k.eps = a.eps;
+    k.weight_decay = a.weight_decay;
+    k.grad_scale = a.grad_scale;
+    k.step = a.step;
+    k.scalars = a.scalars;
+    return k;
+  }
   static void check_swiglu_input(const TensorView& pre, const char* what) {
     KILN_CHECK(pre.device == Device::cuda && pre.dtype == DType::bf16 && pre.ndim() == 2 && pre.size(1) % 2 == 0 &&
                    pre.contiguous(),
