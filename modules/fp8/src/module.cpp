@@ -291,8 +291,9 @@ void quantize_block_weight_parts(World& w) {
 }
 
 // fp8.recipe = block: each selected linear (st.entities) gets an Fp8BlockLinear. No meta and no
-// amax systems; the weights' FP8 copies are made from their compute copies once per weight version
-// (every optimizer step, or a checkpoint load, makes a new one).
+// amax systems; the weights' codes are made once per weight version (every optimizer step, or a
+// checkpoint load, makes a new one): by the layers or the fused optimizer step where the masters are
+// whole, by every rank for its parts where they are sharded (see fp8.weights below).
 void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string>& skipped) {
   auto& st = w.resource<Fp8State>();
   // E4M3 throughout, fp8.format notwithstanding (as DeepSeek-V3 and TransformerEngine's block recipe):
