@@ -283,20 +283,17 @@ void gemm_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std
   }
 }
 
-// Block scaling (`bench_fp8 block`, issue 29): cuBLASLt's block-scaled GEMMs (1x128 x 128x128 for
-// the forward and data gradient, 1x128 x 1x128 for the weight gradient) against the per-tensor FP8
-// GEMM at 1.3B's and Llama 1B's linear-layer shapes, and the block quantisation kernels' GB/s.
-void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes,
-                 const Buffer& scales) {
-  fp8::cuda::Fp8GemmRunner f8(lt, ws, ws_bytes);
-  std::printf("\n%-30s %-22s %11s %11s %11s %8s\n", "block GEMM (D = X Y^T)", "shape", "tensor TF/s", "fast TF/s",
-              "block TF/s", "block/t");
-  struct Shape3 {
-    std::string what;
-    std::int64_t M, N, K;
-    bool wgrad;
-  };
-  std::vector<Shape3> shapes;
+// The block-scaled products of 1.3B's and Llama 1B's linear layers (forward and data gradient:
+// 1x128 x 128x128; weight gradient: 1x128 x 1x128), and one product's operands: codes of modest
+// values, D zeroed, every block scale 1.
+struct BlockShape {
+  std::string what;
+  std::int64_t M, N, K;
+  bool wgrad;
+  fp8::ScalingMode y_mode() const { return wgrad ? fp8::ScalingMode::block_1x128 : fp8::ScalingMode::block_128x128; }
+};
+std::vector<BlockShape> block_shapes() {
+  std::vector<BlockShape> shapes;
   for (auto [model, N, C, F] : {std::tuple<const char*, std::int64_t, std::int64_t, std::int64_t>{"1.3B", 8192, 2048, 8192},
                                 {"llama1B", 8192, 2048, 2 * 8192}}) {
     const std::string m = model;
@@ -306,19 +303,38 @@ void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, st
     shapes.push_back({m + " fc1 dgrad", N, C, F, false});
     shapes.push_back({m + " fc1 wgrad", F, C, N, true});
   }
-  const float* one = static_cast<const float*>(scales.data());
-  for (const auto& sh : shapes) {
-    const std::int64_t M = sh.M, N = sh.N, K = sh.K;
-    Buffer xq(Device::cuda, static_cast<std::size_t>(M * K)), yq(Device::cuda, static_cast<std::size_t>(N * K));
+  return shapes;
+}
+struct BlockOperands {
+  Buffer xq, yq, d, scales;
+  BlockOperands(const BlockShape& sh, cudaStream_t s)
+      : xq(Device::cuda, static_cast<std::size_t>(sh.M * sh.K)),
+        yq(Device::cuda, static_cast<std::size_t>(sh.N * sh.K)),
+        d(Device::cuda, static_cast<std::size_t>(sh.M * sh.N) * 4) {
     KILN_CUDA_CHECK(cudaMemsetAsync(xq.data(), 0x31, xq.bytes(), s));
     KILN_CUDA_CHECK(cudaMemsetAsync(yq.data(), 0x29, yq.bytes(), s));
-    Buffer d(Device::cuda, static_cast<std::size_t>(M * N) * 4);
     KILN_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.bytes(), s));
-    const fp8::ScalingMode ym = sh.wgrad ? fp8::ScalingMode::block_1x128 : fp8::ScalingMode::block_128x128;
-    const fp8::BlockLayout lx{fp8::ScalingMode::block_1x128, M, K}, ly{ym, N, K};
+    const fp8::BlockLayout lx{fp8::ScalingMode::block_1x128, sh.M, sh.K}, ly{sh.y_mode(), sh.N, sh.K};
     std::vector<float> ones(static_cast<std::size_t>(std::max(lx.count(), ly.count())), 1.0f);
-    Buffer sb(Device::cuda, ones.size() * 4);
-    KILN_CUDA_CHECK(cudaMemcpy(sb.data(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    scales = Buffer(Device::cuda, ones.size() * 4);
+    KILN_CUDA_CHECK(cudaMemcpy(scales.data(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  }
+};
+
+// Block scaling (`bench_fp8 block`, issue 29): cuBLASLt's block-scaled GEMMs (1x128 x 128x128 for
+// the forward and data gradient, 1x128 x 1x128 for the weight gradient) against the per-tensor FP8
+// GEMM at 1.3B's and Llama 1B's linear-layer shapes, and the block quantisation kernels' GB/s.
+void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes,
+                 const Buffer& scales) {
+  fp8::cuda::Fp8GemmRunner f8(lt, ws, ws_bytes);
+  std::printf("\n%-30s %-22s %11s %11s %11s %8s\n", "block GEMM (D = X Y^T)", "shape", "tensor TF/s", "fast TF/s",
+              "block TF/s", "block/t");
+  const float* one = static_cast<const float*>(scales.data());
+  for (const auto& sh : block_shapes()) {
+    const std::int64_t M = sh.M, N = sh.N, K = sh.K;
+    const fp8::ScalingMode ym = sh.y_mode();
+    BlockOperands operands(sh, s);
+    Buffer &xq = operands.xq, &yq = operands.yq, &d = operands.d, &sb = operands.scales;
     fp8::GemmArgs a;
     a.x = TensorView(xq.data(), {M, K}, sh.wgrad ? DType::e5m2 : DType::e4m3, Device::cuda);
     a.y = TensorView(yq.data(), {N, K}, DType::e4m3, Device::cuda);
@@ -417,40 +433,20 @@ void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, st
 }
 
 // What cuBLASLt's heuristic leaves on the table for block-scaled products (`bench_fp8 block-algos`):
-// each candidate it returns (up to 32) for block_table's shapes, timed alone.
+// each candidate it returns (up to 32) for block_shapes(), timed alone.
 void block_algos(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes) {
   std::printf("\n%-20s %-22s %3s %5s %5s %6s %6s %7s %7s %9s\n", "block GEMM candidates", "shape", "#", "algo", "tile",
               "stages", "splitK", "swizzle", "cluster", "TFLOP/s");
-  struct Shape3 {
-    std::string what;
-    std::int64_t M, N, K;
-    bool wgrad;
-  };
-  const std::vector<Shape3> shapes = {{"1.3B qkv fwd", 8192, 6144, 2048, false},
-                                      {"1.3B fc1 fwd", 8192, 8192, 2048, false},
-                                      {"1.3B fc2 fwd", 8192, 2048, 8192, false},
-                                      {"1.3B fc1 wgrad", 8192, 2048, 8192, true},
-                                      {"1.3B qkv wgrad", 6144, 2048, 8192, true},
-                                      {"llama1B fc1 fwd", 8192, 16384, 2048, false},
-                                      {"llama1B fc1 wgrad", 16384, 2048, 8192, true}};
   auto attr = [](const cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttributes_t at) {
     int v = 0;
     std::size_t written = 0;
     cublasLtMatmulAlgoConfigGetAttribute(&a, at, &v, sizeof(v), &written);
     return v;
   };
-  for (const auto& sh : shapes) {
+  for (const auto& sh : block_shapes()) {
     const std::int64_t M = sh.M, N = sh.N, K = sh.K;
-    Buffer xq(Device::cuda, static_cast<std::size_t>(M * K)), yq(Device::cuda, static_cast<std::size_t>(N * K));
-    KILN_CUDA_CHECK(cudaMemsetAsync(xq.data(), 0x31, xq.bytes(), s));
-    KILN_CUDA_CHECK(cudaMemsetAsync(yq.data(), 0x29, yq.bytes(), s));
-    Buffer d(Device::cuda, static_cast<std::size_t>(M * N) * 4);
-    KILN_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.bytes(), s));
-    const fp8::ScalingMode ym = sh.wgrad ? fp8::ScalingMode::block_1x128 : fp8::ScalingMode::block_128x128;
-    const fp8::BlockLayout lx{fp8::ScalingMode::block_1x128, M, K}, ly{ym, N, K};
-    std::vector<float> ones(static_cast<std::size_t>(std::max(lx.count(), ly.count())), 1.0f);
-    Buffer sb(Device::cuda, ones.size() * 4);
-    KILN_CUDA_CHECK(cudaMemcpy(sb.data(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    BlockOperands operands(sh, s);
+    Buffer &xq = operands.xq, &yq = operands.yq, &d = operands.d, &sb = operands.scales;
     cublasLtMatmulDesc_t op;
     KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cuda::set_attr(op, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<std::int32_t>(CUBLAS_OP_T));

@@ -192,20 +192,19 @@ class CpuOps final : public Fp8Ops {
   void quantize_blocks(const BlockQuantizeArgs& a) override {
     const Shape shape = source_shape(a.x, "fp8 quantize_blocks");
     const std::int64_t R = shape[0], C = shape[1];
-    const std::string xs = shape.str();
     std::vector<float> computed;
     const TensorView x = source_values(a.x, R, C, computed);
     std::vector<float> xf(static_cast<std::size_t>(R * C));
     for (std::int64_t i = 0; i < R * C; ++i) xf[static_cast<std::size_t>(i)] = load(x, i);
     if (a.rowwise) {
       KILN_CHECK(a.rowwise.shape == shape && a.rowwise.contiguous() && a.row_scale_inv,
-                 "fp8 quantize_blocks: rowwise ", a.rowwise.str(), " (and its scales) for x ", xs);
+                 "fp8 quantize_blocks: rowwise ", a.rowwise.str(), " (and its scales) for x ", shape.str());
       quantize_blocks_reference(xf.data(), {a.mode, R, C}, format_of(a.rowwise, "fp8 quantize_blocks rowwise"), a.pow2,
                                 a.rowwise.as<std::uint8_t>(), a.row_scale_inv);
     }
     if (a.colwise) {
       KILN_CHECK(a.colwise.shape == Shape({C, R}) && a.colwise.contiguous() && a.col_scale_inv,
-                 "fp8 quantize_blocks: colwise ", a.colwise.str(), " (and its scales) for the transpose of x ", xs);
+                 "fp8 quantize_blocks: colwise ", a.colwise.str(), " (and its scales) for the transpose of x ", shape.str());
       std::vector<float> xt(xf.size());
       for (std::int64_t r = 0; r < R; ++r)
         for (std::int64_t c = 0; c < C; ++c) xt[static_cast<std::size_t>(c * R + r)] = xf[static_cast<std::size_t>(r * C + c)];
