@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prints the training and validation losses of a matrix of tiny CPU runs, every step, to the last
 # bit (JSON's 17 significant digits): GPT-2 and Llama blocks under tensor, sequence, vocabulary and
-# data parallelism, FSDP, recompute, dropout, micro-batches, FP8 (delayed and current), bf16
+# data parallelism, FSDP, recompute, dropout, micro-batches, FP8 (delayed, current and block), bf16
 # emulation and a resumed checkpoint. Run it before and after a change that must not change the
 # numbers (a refactor) and diff the two outputs:
 #   bash scripts/loss-fingerprint.sh build/bin/kiln > before.txt
@@ -78,6 +78,8 @@ for arch in gpt2 llama; do
   run "$arch.fp8_full" $p 1 fp8.enabled=true activation_checkpoint.mode=full model.dropout=0.1 train.micro_batch_size=4
   run "$arch.fp8_tp2_sp" $p 2 fp8.enabled=true parallel.tp=2 parallel.sequence_parallel=true backend.cpu_round_bf16=true
   run "$arch.fp8_nofuse" $p 1 fp8.enabled=true fp8.fuse_weight_update=false fp8.weights_in_compute_copy=false
+  run "$arch.fp8_block" $p 1 fp8.enabled=true fp8.recipe=block model.dropout=0.1
+  run "$arch.fsdp2_fp8_block" $p 2 fsdp.strategy=full_shard fp8.enabled=true fp8.recipe=block
   run "$arch.ckpt_save" $p 1 train.steps=3 checkpoint.dir=ckpt-$arch checkpoint.every=3 model.dropout=0.1 fp8.enabled=true
   run "$arch.ckpt_resume" $p 1 checkpoint.dir=ckpt-$arch checkpoint.every=100 model.dropout=0.1 fp8.enabled=true
 done
