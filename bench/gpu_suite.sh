@@ -2,10 +2,11 @@
 # Everything one GPU session needs, in one call, building nothing: GPU op tests, kernel benchmarks,
 # and end-to-end training throughput of gpt2-124m and gpt-1.3b with a per-op breakdown.
 # usage (on the GPU machine, from the repository root):
-#   bash bench/gpu_suite.sh BUILD_DIR [full|train|tests|fp8|attn|block]
+#   bash bench/gpu_suite.sh BUILD_DIR [full|train|tests|fp8|attn|block|moe-block]
 # attn: the GPU tests, bench_attention, and bf16 / FP8 runs of both models with cuDNN's attention
 # (deterministic and atomic-dQ) beside kiln's kernels. block: issue 29's block scaling (test_cuda_fp8,
 # bench_fp8 block, 1.3B and Llama 1B with block scaling beside per-tensor current scaling and bf16).
+# moe-block: test_cuda_fp8 and moe-1b with its experts block-scaled beside per-tensor FP8 and bf16.
 # Logs go to $OUT (or ./gpu-logs); a summary table is printed last.
 set -uo pipefail
 B=${1:-.devbuild}
@@ -27,7 +28,7 @@ run_tests() {
   local rc=$?
   note "$exe: rc=$rc $(grep -E '^\[doctest\] test cases' "$OUT/$exe.log" | tail -1)"
 }
-if [ "$MODE" = "block" ]; then
+if [ "$MODE" = "block" ] || [ "$MODE" = "moe-block" ]; then
   run_tests test_cuda_fp8
 elif [ "$MODE" = "fp8" ] || [ "$MODE" = "attn" ]; then
   run_tests test_cuda_fp8
@@ -47,7 +48,7 @@ elif [ "$MODE" = "fp8" ]; then
   timeout 100 "$B/bin/bench_fp8" > "$OUT/bench_fp8.log" 2>&1; note "bench_fp8 rc=$?"
 elif [ "$MODE" = "attn" ]; then
   timeout 100 "$B/bin/bench_attention" > "$OUT/bench_attention.log" 2>&1; note "bench_attention rc=$?"
-elif [ "$MODE" = "train" ]; then
+elif [ "$MODE" = "train" ] || [ "$MODE" = "moe-block" ]; then
   :
 elif [ "$MODE" != "tests" ]; then
   timeout 100 "$B/bin/bench_fp8" > "$OUT/bench_fp8.log" 2>&1; note "bench_fp8 rc=$?"
@@ -101,6 +102,17 @@ if [ "$MODE" != "tests" ]; then
     # The same machine's PyTorch bf16 reference (torch.compile'd Llama 1B, bench/torch_llama.py).
     timeout 300 python3 bench/torch_llama.py --batch 4 --steps 30 --out "$OUT/torch-llama.json" > "$OUT/torch-llama.log" 2>&1
     note "torch llama-1b bf16 rc=$? $(cat "$OUT/torch-llama.json" 2>/dev/null)"
+  elif [ "$MODE" = "moe-block" ]; then  # issue 29: the experts block-scaled (moe-1b), beside per-tensor and bf16
+    F=(--set fp8.enabled=true)
+    train moe-1b-bf16 pipelines/moe-1b.toml 30
+    train moe-1b-delayed pipelines/moe-1b.toml 30 "${F[@]}"
+    train moe-1b-current pipelines/moe-1b.toml 30 "${F[@]}" --set fp8.recipe=current
+    train moe-1b-block pipelines/moe-1b.toml 30 "${F[@]}" --set fp8.recipe=block
+    train moe-1b-block-profile pipelines/moe-1b.toml 8 "${F[@]}" --set fp8.recipe=block --set backend.profile=true
+    train moe-1b-current-profile pipelines/moe-1b.toml 8 "${F[@]}" --set fp8.recipe=current --set backend.profile=true
+    # The same machine's PyTorch bf16 reference (torchtitan-style MoE, bench/torch_moe.py).
+    timeout 300 python3 bench/torch_moe.py --batch 8 --steps 30 --out "$OUT/torch-moe.json" > "$OUT/torch-moe.log" 2>&1
+    note "torch moe-1b bf16 rc=$? $(cat "$OUT/torch-moe.json" 2>/dev/null)"
   elif [ "$MODE" = "fp8" ]; then
     train gpt2-124m pipelines/gpt2-124m.toml 60 --set fp8.enabled=true
     train gpt2-124m-current pipelines/gpt2-124m.toml 60 --set fp8.enabled=true --set fp8.recipe=current

@@ -10,6 +10,7 @@
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/fp8/module.hpp"
 #include "kiln/nn/components.hpp"
+#include "kiln/ops/grouped_linear_impl.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/parallel/thread_ranks.hpp"
 #include "kiln_test.hpp"
@@ -143,6 +144,28 @@ TEST_CASE("fp8.recipe=block refuses a tensor-parallel split that cuts 128-wide b
   const auto wide = run({"model.n_embd=256", "model.n_head=4", "train.steps=1"});
   INFO(parallel::describe_failures(wide));
   for (const auto& o : wide) CHECK(o.ok);
+  // A mixture of experts of width 64 split over two ranks: parts of 32.
+  const auto experts = run({"model.n_embd=256", "model.n_head=4", "model.moe.n_experts=4", "model.moe.top_k=2",
+                            "model.moe.hidden=64"});
+  REQUIRE(experts.size() == 2);
+  CHECK(experts[0].config_error);
+  CHECK(experts[0].error.find("model.moe.hidden") != std::string::npos);
+  CHECK(experts[0].error.find("multiple of 128") != std::string::npos);
+}
+
+TEST_CASE("fp8.recipe=block gives a mixture of experts' grouped linears block-scaled FP8 layers") {
+  test::Pipeline p(kTiny, {"fp8.enabled=true", "fp8.recipe=block", "model.arch=llama", "model.n_kv_head=1",
+                           "model.tie_embeddings=false", "model.moe.n_experts=4", "model.moe.top_k=2",
+                           "model.moe.hidden=24"});
+  World& w = *p.world;
+  p.run();
+  CHECK(std::isfinite(w.resource<train::TrainState>().loss));
+  auto& st = w.resource<fp8::Fp8State>();
+  CHECK(st.block_grouped.size() == 4);  // FC1 and FC2 of each block's experts
+  CHECK(st.grouped.empty());
+  int attached = 0;
+  for (Entity e : w.view<nn::GroupedLinear>()) attached += w.has<ops::GroupedLinearImpl>(e) ? 1 : 0;
+  CHECK(attached == 4);
 }
 
 TEST_CASE("block-scaled FP8 layers computing their operands on load, writing their weights' codes into the compute "

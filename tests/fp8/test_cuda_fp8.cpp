@@ -1332,15 +1332,17 @@ TEST_CASE("an FP8 grouped (expert) linear on CUDA matches the CPU emulation (bot
 
 TEST_CASE("a whole mixture-of-experts FP8 training step on CUDA matches the CPU emulation, and is deterministic") {
   KILN_REQUIRE_CUDA();
-  // GELU experts (GPT-2) and SwiGLU experts (Llama), every block's experts' linears in FP8.
+  // GELU experts (GPT-2) and SwiGLU experts (Llama), every block's experts' linears in FP8: per-tensor
+  // (delayed, current) and block scaling (Fp8BlockGroupedLinear).
   const std::vector<std::vector<std::string>> configs = {
       {"model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=256"},
       {"model.arch=llama", "model.n_kv_head=2", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=256"}};
   for (const auto& config : configs)
-    for (const char* recipe : {"delayed", "current"}) {
+    for (const char* recipe : {"delayed", "current", "block"}) {
       std::string what;
       for (const auto& s : config) what += s + " ";
       what += std::string("fp8.recipe=") + recipe;
+      const bool block = std::string(recipe) == "block";
       INFO(what);
       auto sets = [&](const char* device) {
         std::vector<std::string> v{std::string("engine.device=") + device, "fp8.enabled=true",
@@ -1359,8 +1361,9 @@ TEST_CASE("a whole mixture-of-experts FP8 training step on CUDA matches the CPU 
         runs[i++] = test::run_recording(*p);
         // Every block's grouped (expert) linears run in FP8, on either device.
         const auto& st = p->world->resource<fp8::Fp8State>();
-        CHECK(!st.grouped.empty());
-        CHECK(st.grouped.size() == p->world->view<nn::GroupedLinear>().size());
+        const std::size_t layers = block ? st.block_grouped.size() : st.grouped.size();
+        CHECK(layers > 0);
+        CHECK(layers == p->world->view<nn::GroupedLinear>().size());
       }
       const auto &c = runs[0], &g = runs[1];
       const double gerr = test::rel_error(g.step1_grads, c.step1_grads);

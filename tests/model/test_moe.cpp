@@ -326,7 +326,7 @@ TEST_CASE("moe: a rank that fails stops the others inside the expert-parallel di
   CHECK(outcomes[0].error.find("rank 1 failed") != std::string::npos);
 }
 
-TEST_CASE("moe: FP8 experts (delayed and current scaling) learn, within 2% of bf16 over 200 steps") {
+TEST_CASE("moe: FP8 experts (delayed, current and block scaling) learn, within 2% of bf16 over 200 steps") {
   test::TempDir dir("moe-fp8");
   const std::string shards = test::pattern_corpus(dir);
   const test::Sets moe = {"model.arch=llama", "model.n_head=4", "model.n_kv_head=2", "model.tie_embeddings=false",
@@ -337,34 +337,42 @@ TEST_CASE("moe: FP8 experts (delayed and current scaling) learn, within 2% of bf
   CHECK(ref.back() < ref.front() - 2.0);  // it learned
   const auto delayed = test::train_losses(shards, 200, moe + test::Sets{"fp8.enabled=true"});
   const auto current = test::train_losses(shards, 200, moe + test::Sets{"fp8.enabled=true", "fp8.recipe=current"});
+  const auto block = test::train_losses(shards, 200, moe + test::Sets{"fp8.enabled=true", "fp8.recipe=block"});
   auto mean_of_last = [](const std::vector<double>& v, int n) {
     return std::accumulate(v.end() - n, v.end(), 0.0) / n;
   };
   // Over the run: the mean loss of the 200 steps within 2%. At its end the loss (~0.4, the corpus
   // nearly memorised) moves with any rounding: two builds of the bf16 run itself (g++ -O3, and -O1
   // under the sanitizers) end 4.4% apart over the last 50 steps, so the end is held to 5%.
-  const double r = mean_of_last(ref, 200), d = mean_of_last(delayed, 200), c = mean_of_last(current, 200);
-  const double r_end = mean_of_last(ref, 50), d_end = mean_of_last(delayed, 50), c_end = mean_of_last(current, 50);
+  const double r = mean_of_last(ref, 200), d = mean_of_last(delayed, 200), c = mean_of_last(current, 200),
+               b = mean_of_last(block, 200);
+  const double r_end = mean_of_last(ref, 50), d_end = mean_of_last(delayed, 50), c_end = mean_of_last(current, 50),
+               b_end = mean_of_last(block, 50);
   MESSAGE("moe mean loss over 200 steps: bf16 " << r << ", fp8 delayed " << d << ", fp8 current " << c
-                                                 << "; over the last 50: " << r_end << ", " << d_end << ", " << c_end);
+                                                 << ", fp8 block " << b << "; over the last 50: " << r_end << ", "
+                                                 << d_end << ", " << c_end << ", " << b_end);
   CHECK(std::fabs(d - r) / r < 0.02);
   CHECK(std::fabs(c - r) / r < 0.02);
+  CHECK(std::fabs(b - r) / r < 0.02);
   CHECK(std::fabs(d_end - r_end) / r_end < 0.05);
   CHECK(std::fabs(c_end - r_end) / r_end < 0.05);
+  CHECK(std::fabs(b_end - r_end) / r_end < 0.05);
   CHECK(delayed != ref);
+  CHECK(block != ref);
 }
 
 TEST_CASE("moe: FP8 experts' weights made from the master into the compute copy and written by the optimizer's "
           "step: the same losses as the layers quantising them") {
   // The experts' FP8 copies live in the memory of their compute copy, made from the f32 master; with
   // delayed scaling the optimizer's AdamW step writes them (one pass per expert). On the CPU the
-  // compute copy equals the master, so neither changes a loss; with expert parallelism and recompute.
+  // compute copy equals the master, so neither changes a loss; with recompute. Block scaling's
+  // experts (Fp8BlockGroupedLinear) make their codes from the master in the compute copy too.
   test::TempDir dir("moe-fp8-weights");
   const std::string shards = test::pattern_corpus(dir);
   const test::Sets moe = {"model.arch=llama",       "model.n_head=4",      "model.n_kv_head=2",
                           "model.moe.n_experts=4",  "model.moe.top_k=2",   "model.moe.hidden=64",
                           "fp8.enabled=true"};
-  for (const char* recipe : {"delayed", "current"}) {
+  for (const char* recipe : {"delayed", "current", "block"}) {
     INFO("recipe " << recipe);
     const test::Sets sets = moe + test::Sets{std::string("fp8.recipe=") + recipe};
     const auto base = test::train_losses(shards, 12, sets);

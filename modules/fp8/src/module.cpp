@@ -316,8 +316,42 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
                               part, ", not a multiple of 128 (a block would straddle two ranks); use a model whose ",
                               "split dimensions are multiples of 128 x parallel.tp, or another fp8.recipe"));
     }
+  // A mixture of experts' grouped linears (every block's; dimensions multiples of 16, as the GEMMs
+  // need them on CUDA). Tensor parallelism splits the experts' hidden features: FC1's outputs and
+  // FC2's inputs, whole blocks each, as above.
+  const bool cuda = w.resource<ops::ActiveBackend>().get().device() == Device::cuda;
+  std::vector<std::string> skipped_grouped;
+  for (Entity e : w.view<nn::GroupedLinear>()) {
+    const auto& g = w.get<nn::GroupedLinear>(e);
+    if (!nn::in_block(g.role)) continue;
+    if (cuda && (g.in % 16 != 0 || g.out % 16 != 0)) {
+      skipped_grouped.push_back(w.describe(e) + " (dimensions not multiples of 16)");
+      continue;
+    }
+    const bool row = g.role == nn::LinearRole::mlp_out;
+    const int part = row ? g.in : g.out;
+    if (tp > 1 && part % kBlock != 0)
+      throw ConfigError(cat(w.resource<RankInfo>().pipeline_file, ": fp8.recipe = \"block\" with parallel.tp = ", tp,
+                            ": ", w.describe(e), " splits the experts' ", row ? "input" : "output",
+                            " features into parts of ", part,
+                            ", not a multiple of 128 (a block would straddle two ranks); use a model.moe.hidden that "
+                            "is a multiple of 128 x parallel.tp, or another fp8.recipe"));
+    st.grouped_entities.push_back(e);
+  }
   st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
   Fp8State* state = &st;
+  for (Entity e : st.grouped_entities) {
+    const auto* name = w.try_get<Name>(e);
+    st.block_grouped.push_back(
+        std::make_unique<Fp8BlockGroupedLinear>(*st.ops, *st.workspace, recipe, name ? name->value : w.describe(e)));
+    Fp8BlockGroupedLinear* lin = st.block_grouped.back().get();
+    w.emplace<ops::GroupedLinearImpl>(
+        e, ops::GroupedLinearImpl{.forward = [lin, state](const ops::GroupedLinearForward& a) {
+                                    lin->forward(a, state->grouped_version);
+                                  },
+                                  .backward = [lin](const ops::GroupedLinearBackward& a) { lin->backward(a); },
+                                  .prologues = Fp8BlockGroupedLinear::kPrologues});
+  }
   for (Entity e : st.entities) {
     const auto* name = w.try_get<Name>(e);
     st.block_linears.push_back(
@@ -358,6 +392,19 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
                            s.fused.push_back(i);
                          }
                        }
+                       // The experts' weights' codes in their compute copies too where the masters are
+                       // whole, written by the optimizer's step with fuse_weight_update (sharded, their
+                       // compute copies are gathered in act precision and the layers quantise them).
+                       if (!store.sharded())
+                         for (std::size_t i = 0; i < s.block_grouped.size(); ++i) {
+                           const Entity we = world.get<nn::GroupedLinear>(s.grouped_entities[i]).weight;
+                           const auto& wp = world.get<nn::Param>(we);
+                           s.block_grouped[i]->use_master_weight(store.master_view(wp), store.compute_view(wp));
+                           if (fuse && !world.try_get<nn::UpdatedBy>(we)) {
+                             world.emplace<nn::UpdatedBy>(we, nn::UpdatedBy{"fp8"});
+                             s.grouped_fused.push_back(i);
+                           }
+                         }
                        if (s.gathered.empty()) return;
                        s.block_tile_amax = s.ops->alloc(static_cast<std::size_t>(tiles) * 4);
                        auto* at = static_cast<float*>(s.block_tile_amax.data());
@@ -372,38 +419,50 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
   }
   st.subscriptions.push_back(w.events().subscribe<nn::AdamWStep>([&w, &st](const nn::AdamWStep& e) {
     if (!st.gathered.empty()) quantize_block_weight_parts(w);
-    if (st.fused.empty()) return;
     const auto& store = w.resource<nn::ParamStore>();
-    st.invalidate_weights();
-    st.fused_update_step = w.resource<RunControl>().step;
-    for (std::size_t i : st.fused)
-      st.block_linears[i]->update_weight(
-          whole_weight_args(e, w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight), store), st.weights_version);
+    if (!st.fused.empty()) {
+      st.invalidate_weights();
+      st.fused_update_step = w.resource<RunControl>().step;
+      for (std::size_t i : st.fused)
+        st.block_linears[i]->update_weight(
+            whole_weight_args(e, w.get<nn::Param>(w.get<nn::Linear>(st.entities[i]).weight), store),
+            st.weights_version);
+    }
+    if (st.grouped_fused.empty()) return;  // the experts' weights
+    ++st.grouped_version;
+    st.grouped_update_step = w.resource<RunControl>().step;
+    for (std::size_t i : st.grouped_fused)
+      st.block_grouped[i]->update_weight(
+          whole_weight_args(e, w.get<nn::Param>(w.get<nn::GroupedLinear>(st.grouped_entities[i]).weight), store),
+          st.grouped_version);
   }));
   st.subscriptions.push_back(w.events().subscribe<nn::ParamsLoaded>([&w, &st](const nn::ParamsLoaded&) {
     if (!st.gathered.empty()) quantize_block_weight_parts(w);
     st.invalidate_weights();
+    ++st.grouped_version;
     st.fused_update_step = -1;
+    st.grouped_update_step = -1;
   }));
   // Unless the optimizer's update wrote the codes this step (then they are current).
   w.systems().add({"fp8.weights_changed", Phase::optimizer, [](World& world) {
                      auto& s = world.resource<Fp8State>();
-                     if (s.fused_update_step != world.resource<RunControl>().step) s.invalidate_weights();
+                     const std::int64_t step = world.resource<RunControl>().step;
+                     if (s.fused_update_step != step) s.invalidate_weights();
+                     if (s.grouped_update_step != step) ++s.grouped_version;
                    }});
   if (!cfg.lm_head) lend_block_scratch(w);
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size(),
-                    g_all = w.view<nn::GroupedLinear>().size();
-  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_all, recipe, skipped](World& world) {
+                    g_fp8 = st.grouped_entities.size(), g_all = w.view<nn::GroupedLinear>().size();
+  std::vector<std::string> all_skipped = skipped;
+  all_skipped.insert(all_skipped.end(), skipped_grouped.begin(), skipped_grouped.end());
+  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, recipe, all_skipped](World& world) {
                      if (world.resource<RankInfo>().rank != 0) return;
-                     std::cout << "fp8: " << n_fp8 << " of " << n_all
-                               << " linear layers in FP8 (block scaling: 1x128 activations and gradients, 128x128 "
-                                  "weights, E4M3"
+                     std::cout << "fp8: " << n_fp8 << " of " << n_all << " linear layers"
+                               << (g_all > 0 ? cat(" and ", g_fp8, " of ", g_all, " grouped (expert) linears") : "")
+                               << " in FP8 (block scaling: 1x128 activations and gradients, 128x128 weights, E4M3"
                                << (recipe.pow2 ? ", power-of-two scales" : "")
                                << (recipe.wgrad_input_2d ? ", the weight gradient's input in 128x128 blocks" : "") << ")\n";
-                     if (g_all > 0)
-                       std::cout << "fp8: the " << g_all
-                                 << " grouped (expert) linears stay bf16 (block scaling does not cover them yet)\n";
-                     for (auto& s : skipped) std::cout << "fp8: " << s << " stays bf16\n";
+                     for (auto& s : all_skipped) std::cout << "fp8: " << s << " stays bf16\n";
                    }});
 }
 

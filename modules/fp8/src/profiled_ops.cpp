@@ -16,6 +16,7 @@ class ProfiledOps final : public Fp8Ops {
   DType act_dtype() const override { return in_->act_dtype(); }
   Buffer alloc(std::size_t bytes) override { return in_->alloc(bytes); }
   void copy(void* dst, const void* src, std::size_t bytes) override { in_->copy(dst, src, bytes); }
+  void copy_on_device(void* dst, const void* src, std::size_t bytes) override { in_->copy_on_device(dst, src, bytes); }
   void zero(void* dst, std::size_t bytes) override { in_->zero(dst, bytes); }
   void synchronize() override { in_->synchronize(); }
 

@@ -3,6 +3,7 @@
 // are parallel over independent outputs only, so results do not depend on the thread count.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <span>
@@ -194,21 +195,27 @@ class CpuOps final : public Fp8Ops {
     const std::int64_t R = shape[0], C = shape[1];
     std::vector<float> computed;
     const TensorView x = source_values(a.x, R, C, computed);
-    std::vector<float> xf(static_cast<std::size_t>(R * C));
+    // The outputs' rows (padded with zero rows where they have more than x).
+    const std::int64_t Rr = a.rowwise ? a.rowwise.size(0) : R, Rc = a.colwise ? a.colwise.size(1) : R;
+    KILN_CHECK(a.rowwise.ndim() <= 2 && a.colwise.ndim() <= 2 && Rr >= R && Rc >= R && (!a.dbias || (Rr == R && Rc == R)),
+               "fp8 quantize_blocks: rowwise ", a.rowwise.str(), " and colwise ", a.colwise.str(), " for x ",
+               shape.str(), a.dbias ? " with dbias (padded outputs take none)" : "");
+    const std::int64_t Rp = std::max(Rr, Rc);
+    std::vector<float> xf(static_cast<std::size_t>(Rp * C), 0.0f);
     for (std::int64_t i = 0; i < R * C; ++i) xf[static_cast<std::size_t>(i)] = load(x, i);
     if (a.rowwise) {
-      KILN_CHECK(a.rowwise.shape == shape && a.rowwise.contiguous() && a.row_scale_inv,
+      KILN_CHECK(a.rowwise.shape == Shape({Rr, C}) && a.rowwise.contiguous() && a.row_scale_inv,
                  "fp8 quantize_blocks: rowwise ", a.rowwise.str(), " (and its scales) for x ", shape.str());
-      quantize_blocks_reference(xf.data(), {a.mode, R, C}, format_of(a.rowwise, "fp8 quantize_blocks rowwise"), a.pow2,
+      quantize_blocks_reference(xf.data(), {a.mode, Rr, C}, format_of(a.rowwise, "fp8 quantize_blocks rowwise"), a.pow2,
                                 a.rowwise.as<std::uint8_t>(), a.row_scale_inv);
     }
     if (a.colwise) {
-      KILN_CHECK(a.colwise.shape == Shape({C, R}) && a.colwise.contiguous() && a.col_scale_inv,
+      KILN_CHECK(a.colwise.shape == Shape({C, Rc}) && a.colwise.contiguous() && a.col_scale_inv,
                  "fp8 quantize_blocks: colwise ", a.colwise.str(), " (and its scales) for the transpose of x ", shape.str());
-      std::vector<float> xt(xf.size());
-      for (std::int64_t r = 0; r < R; ++r)
-        for (std::int64_t c = 0; c < C; ++c) xt[static_cast<std::size_t>(c * R + r)] = xf[static_cast<std::size_t>(r * C + c)];
-      quantize_blocks_reference(xt.data(), {a.mode, C, R}, format_of(a.colwise, "fp8 quantize_blocks colwise"), a.pow2,
+      std::vector<float> xt(static_cast<std::size_t>(C * Rc));
+      for (std::int64_t r = 0; r < Rc; ++r)
+        for (std::int64_t c = 0; c < C; ++c) xt[static_cast<std::size_t>(c * Rc + r)] = xf[static_cast<std::size_t>(r * C + c)];
+      quantize_blocks_reference(xt.data(), {a.mode, C, Rc}, format_of(a.colwise, "fp8 quantize_blocks colwise"), a.pow2,
                                 a.colwise.as<std::uint8_t>(), a.col_scale_inv);
     }
     if (a.dbias) bias_grad(a.dbias, TensorView(xf.data(), {R, C}, DType::f32, Device::cpu));

@@ -9,6 +9,8 @@
 // store); with dbias the same two threads per column also sum it, one partial sum per 128-row tile.
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/tensor/alignment.hpp"
@@ -60,7 +62,8 @@ __device__ __forceinline__ std::uint32_t warp_max(std::uint32_t v) {
 }
 
 struct Args {
-  std::int64_t R, C;
+  std::int64_t R, C;  // x's
+  std::int64_t Rr, Rc;  // the rowwise codes' rows and the colwise codes' columns (>= R: zero rows appended)
   ScalingMode mode;
   Format f;
   bool pow2;
@@ -277,7 +280,7 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Arg
   const T* row_src = tile + line * kRow + first;  // row `line`, columns first..
   const T* col_src = tile + first * kRow + line;  // column `line`, rows first..
   const std::int64_t r = r0 + line, c = c0 + line;
-  const std::int64_t row_left = a.C - (c0 + first), col_left = a.R - (r0 + first);  // values of x in the half
+  const std::int64_t row_left = a.C - (c0 + first), col_left = a.Rc - (r0 + first);  // values of the codes in the half
   const int row_n = row_left <= 0 ? 0 : row_left >= 64 ? 64 : static_cast<int>(row_left);
   const int col_n = col_left <= 0 ? 0 : col_left >= 64 ? 64 : static_cast<int>(col_left);
   if (a.mode == ScalingMode::block_1x128) {
@@ -285,8 +288,8 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Arg
       std::uint32_t m = amax64(row_src, 1);
       m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
       const float s = block_scale(fmax, bits_float(m), a.pow2);
-      if (r < a.R) {
-        if (half == 0) a.row_scale_inv[BlockLayout{a.mode, a.R, a.C}.index(r, c0)] = reciprocal(s);
+      if (r < a.Rr) {
+        if (half == 0) a.row_scale_inv[BlockLayout{a.mode, a.Rr, a.C}.index(r, c0)] = reciprocal(s);
         store_codes<F>(a.rowwise + r * a.C + c0 + first, row_src, 1, s, row_n, vec_row);
       }
     }
@@ -295,8 +298,8 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Arg
       m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
       const float s = block_scale(fmax, bits_float(m), a.pow2);
       if (c < a.C) {
-        if (half == 0) a.col_scale_inv[BlockLayout{a.mode, a.C, a.R}.index(c, r0)] = reciprocal(s);
-        store_codes<F>(a.colwise + c * a.R + r0 + first, col_src, kRow, s, col_n, vec_col);
+        if (half == 0) a.col_scale_inv[BlockLayout{a.mode, a.C, a.Rc}.index(c, r0)] = reciprocal(s);
+        store_codes<F>(a.colwise + c * a.Rc + r0 + first, col_src, kRow, s, col_n, vec_col);
       }
     }
     return;
@@ -310,18 +313,18 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Arg
     for (int w = 0; w < kWarps; ++w) t = max(t, warp_amax[w]);
     const float s = block_scale(fmax, bits_float(t), a.pow2);
     tile_scale = s;
-    if (a.rowwise) a.row_scale_inv[BlockLayout{a.mode, a.R, a.C}.index(r0, c0)] = reciprocal(s);
-    if (a.colwise) a.col_scale_inv[BlockLayout{a.mode, a.C, a.R}.index(c0, r0)] = reciprocal(s);
+    if (a.rowwise && r0 < a.Rr) a.row_scale_inv[BlockLayout{a.mode, a.Rr, a.C}.index(r0, c0)] = reciprocal(s);
+    if (a.colwise && r0 < a.Rc) a.col_scale_inv[BlockLayout{a.mode, a.C, a.Rc}.index(c0, r0)] = reciprocal(s);
   }
   __syncthreads();
   const float s = tile_scale;
-  if (a.rowwise && r < a.R) store_codes<F>(a.rowwise + r * a.C + c0 + first, row_src, 1, s, row_n, vec_row);
-  if (a.colwise && c < a.C) store_codes<F>(a.colwise + c * a.R + r0 + first, col_src, kRow, s, col_n, vec_col);
+  if (a.rowwise && r < a.Rr) store_codes<F>(a.rowwise + r * a.C + c0 + first, row_src, 1, s, row_n, vec_row);
+  if (a.colwise && c < a.C) store_codes<F>(a.colwise + c * a.Rc + r0 + first, col_src, kRow, s, col_n, vec_col);
 }
 
 template <class S, Format F>
 void launch(const S& src, const Args& a, bool vec_in, cudaStream_t s) {
-  const std::int64_t tiles_c = blocks_of(a.C), tiles_r = blocks_of(a.R);
+  const std::int64_t tiles_c = blocks_of(a.C), tiles_r = blocks_of(std::max(a.R, std::max(a.Rr, a.Rc)));
   KILN_CHECK(tiles_c <= 0x7fffffff && tiles_r <= 65535, "fp8 quantize_blocks: [", a.R, ", ", a.C,
              "] is too large for one launch");
   // More than the default 48 KB of dynamic shared memory (set at each launch: a host-side call).
@@ -329,7 +332,7 @@ void launch(const S& src, const Args& a, bool vec_in, cudaStream_t s) {
   KILN_CUDA_CHECK(cudaFuncSetAttribute(quantize_blocks_kernel<S, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kSmem)));
   const bool vec_row = a.C % 16 == 0 && aligned16(a.rowwise);
-  const bool vec_col = a.R % 16 == 0 && aligned16(a.colwise);
+  const bool vec_col = a.Rc % 16 == 0 && aligned16(a.colwise);
   quantize_blocks_kernel<S, F><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), kCtaThreads,
                                   kSmem, s>>>(src, a, vec_in, vec_row, vec_col);
   KILN_CUDA_LAUNCH_CHECK();
@@ -353,7 +356,10 @@ void quantize_blocks_adamw(const BlockCast& k, const AdamWQuantizeDev& u, cudaSt
   KILN_CHECK(u.param && u.grad && u.m && u.v && u.batch == 1 && u.rows == k.rows && u.cols == k.cols,
              "fp8 quantize_blocks_adamw: an f32 master [", u.rows, ",", u.cols, "] for codes [", k.rows, ",", k.cols, "]");
   if (k.rows <= 0 || k.cols <= 0) return;
-  const Args a{k.rows, k.cols, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise, k.col_scale_inv, nullptr};
+  KILN_CHECK((k.row_rows == 0 || k.row_rows == k.rows) && (k.col_cols == 0 || k.col_cols == k.rows),
+             "fp8 quantize_blocks_adamw: no padded copies");
+  const Args a{k.rows, k.cols, k.rows, k.rows, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise,
+               k.col_scale_inv, nullptr};
   const AdamWSource src{u.param, u.grad, u.m, u.v, k.cols,
                         hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
   with_format(src, a, k.cols % AdamWSource::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(u.m) && aligned16(u.v), s);
@@ -369,9 +375,13 @@ void quantize_blocks(const BlockCast& k, cudaStream_t s) {
   KILN_CHECK(!k.dbias || k.partial, "fp8 quantize_blocks: dbias without partial-sum scratch");
   KILN_CHECK(k.source == ops::Prologue::plain || k.x_dtype == DType::bf16,
              "fp8 quantize_blocks: a prologue's tensors are bf16");
-  if (k.rows <= 0 || k.cols <= 0 || (!k.rowwise && !k.colwise && !k.dbias)) return;
-  const Args a{k.rows, k.cols, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise, k.col_scale_inv,
-               k.dbias ? k.partial : nullptr};
+  const std::int64_t Rr = k.row_rows ? k.row_rows : k.rows, Rc = k.col_cols ? k.col_cols : k.rows;
+  if (std::max(k.rows, std::max(Rr, Rc)) <= 0 || k.cols <= 0 || (!k.rowwise && !k.colwise && !k.dbias)) return;
+  KILN_CHECK(Rr >= k.rows && Rc >= k.rows && (!k.dbias || (Rr == k.rows && Rc == k.rows)),
+             "fp8 quantize_blocks: padded copies of ", Rr, " rows and ", Rc, " columns for ", k.rows, " rows",
+             k.dbias ? " with dbias" : "");
+  const Args a{k.rows, k.cols, Rr, Rc, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv,
+               k.colwise, k.col_scale_inv, k.dbias ? k.partial : nullptr};
   const long long C = k.cols;
   const bool cols16 = C % 16 == 0 && aligned16(k.x);
   const auto* x = static_cast<const bf16*>(k.x);

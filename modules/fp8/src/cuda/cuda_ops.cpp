@@ -137,6 +137,9 @@ class CudaOps final : public Fp8Ops {
     KILN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // host memory on either side stays valid until now
   }
+  void copy_on_device(void* dst, const void* src, std::size_t bytes) override {
+    KILN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
   void zero(void* dst, std::size_t bytes) override { KILN_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_)); }
   void synchronize() override { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
@@ -224,7 +227,7 @@ class CudaOps final : public Fp8Ops {
                             k.aux = bf16_input(g.gate_up, "the SwiGLU's input");
                           }},
                a.x);
-    block_outputs(k, a, "fp8 quantize_blocks");
+    block_outputs(k, a, "fp8 quantize_blocks", true);
     if (a.dbias) {
       KILN_CHECK(a.dbias.device == Device::cuda && a.dbias.dtype == DType::f32 && a.dbias.numel() == C,
                  "fp8 quantize_blocks: dbias ", a.dbias.str(), " for x ", shape.str());
@@ -412,7 +415,7 @@ class CudaOps final : public Fp8Ops {
     k.cols = C;
     k.mode = out.mode;
     k.pow2 = out.pow2;
-    block_outputs(k, out, "fp8 adamw_quantize_blocks");
+    block_outputs(k, out, "fp8 adamw_quantize_blocks", false);
     cuda::AdamWQuantizeDev d = step_of(u);
     d.rows = R;
     d.cols = C;
@@ -421,9 +424,13 @@ class CudaOps final : public Fp8Ops {
 
  private:
   // A block quantisation's copies and their scales (codes [rows, cols] and the transpose's [cols,
-  // rows], one format) into k, checked against k's shape.
-  static void block_outputs(cuda::BlockCast& k, const BlockQuantizeArgs& out, const char* what) {
-    const Shape shapes[2] = {{k.rows, k.cols}, {k.cols, k.rows}};
+  // rows], one format; with `padded`, [Rr >= rows, cols] and [cols, Rc >= rows]) into k, checked
+  // against k's shape.
+  static void block_outputs(cuda::BlockCast& k, const BlockQuantizeArgs& out, const char* what, bool padded) {
+    // Padded copies (more rows, or columns of the transpose, than x has rows) where `padded`.
+    k.row_rows = padded && out.rowwise.ndim() == 2 ? std::max(k.rows, out.rowwise.size(0)) : k.rows;
+    k.col_cols = padded && out.colwise.ndim() == 2 ? std::max(k.rows, out.colwise.size(1)) : k.rows;
+    const Shape shapes[2] = {{k.row_rows, k.cols}, {k.cols, k.col_cols}};
     const TensorView* copies[2] = {&out.rowwise, &out.colwise};
     float* scales[2] = {out.row_scale_inv, out.col_scale_inv};
     for (int i = 0; i < 2; ++i) {

@@ -174,7 +174,7 @@ void Fp8GemmRunner::validate(const GemmArgs& g) {
                g.aux.str());
 }
 
-void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
+void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream, void* workspace) {
   GemmArgs g = desc;
   if (g.epilogue == Epilogue::bias && !g.bias) g.epilogue = Epilogue::none;
   if (g.epilogue != Epilogue::bias && g.epilogue != Epilogue::gelu) g.bias = {};
@@ -192,16 +192,16 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
     if (g.epilogue == Epilogue::bias) {
       plain.epilogue = Epilogue::none;
       plain.bias = {};
-      run(plain, stream);
+      run(plain, stream, workspace);
       gemm_epilogue(d, nullptr, static_cast<const __nv_bfloat16*>(g.bias.data), M, N, Epilogue::bias, stream);
     } else if (g.epilogue == Epilogue::gelu) {
       plain.epilogue = g.bias ? Epilogue::bias : Epilogue::none;
       plain.d = g.aux;  // the pre-activation, then D = gelu(aux)
-      run(plain, stream);
+      run(plain, stream, workspace);
       gemm_epilogue(d, aux, nullptr, M, N, Epilogue::gelu, stream);
     } else {
       plain.epilogue = Epilogue::none;
-      run(plain, stream);
+      run(plain, stream, workspace);
       gemm_epilogue(d, aux, nullptr, M, N, Epilogue::dgelu, stream);
     }
     return;
@@ -212,14 +212,15 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream) {
   if (g.aux) set_attr(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux.data);
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(handle_, p.op, &alpha, g.y.data, p.a, g.x.data, p.b, &beta, g.d.data, p.d,
-                                           g.d.data, p.d, &p.algo, workspace_, workspace_bytes_, stream);
+                                           g.d.data, p.d, &p.algo, workspace ? workspace : workspace_,
+                                           workspace_bytes_, stream);
   if (st != CUBLAS_STATUS_SUCCESS) {
     // A fused epilogue the heuristic offered but the matmul refuses (validated on the host, before
     // any launch): from now on this plan runs unfused.
     if (g.epilogue != Epilogue::none && !p.verified) {
       p.release();
       p.fused = false;
-      run(desc, stream);
+      run(desc, stream, workspace);
       return;
     }
     KILN_THROW("cublasLtMatmul failed for ", describe(g), ": ", cublasLtGetStatusName(st));
@@ -235,7 +236,6 @@ void Fp8GemmRunner::run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLane
   for (const GemmArgs& g : gs) {
     validate(g);
     KILN_CHECK(g.epilogue == Epilogue::none && !g.bias, describe(g), ": a grouped FP8 GEMM takes no epilogue");
-    KILN_CHECK(g.x_mode == ScalingMode::per_tensor, describe(g), ": grouped FP8 GEMMs are per-tensor scaled");
     jobs += g.x.size(0) > 0 && g.y.size(0) > 0 ? 1 : 0;
   }
   const int n = kiln::cuda::LtLanes::lanes_for(jobs);
@@ -243,7 +243,10 @@ void Fp8GemmRunner::run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLane
   int lane = 0;
   for (const GemmArgs& g : gs) {
     if (g.x.size(0) == 0 || g.y.size(0) == 0) continue;
-    run_ragged(g, lanes.stream(lane), lanes.workspace(lane));
+    if (g.x_mode != ScalingMode::per_tensor)
+      run(g, lanes.stream(lane), lanes.workspace(lane));
+    else
+      run_ragged(g, lanes.stream(lane), lanes.workspace(lane));
     lane = (lane + 1) % n;
   }
   lanes.join(n);

@@ -26,6 +26,7 @@
 
 #include "kiln/engine/config/reflect.hpp"
 #include "kiln/engine/module.hpp"
+#include "kiln/fp8/block_grouped_linear.hpp"
 #include "kiln/fp8/block_linear.hpp"
 #include "kiln/fp8/grouped_linear.hpp"
 #include "kiln/fp8/linear.hpp"
@@ -95,6 +96,7 @@ struct Fp8State {
   std::vector<Entity> grouped_entities;              // the FP8 GroupedLinear entities (a mixture of experts')
   std::vector<std::unique_ptr<Fp8GroupedLinear>> grouped;  // their layers, same order
   std::vector<std::unique_ptr<Fp8BlockLinear>> block_linears;  // fp8.recipe = block: the layers (entities' order)
+  std::vector<std::unique_ptr<Fp8BlockGroupedLinear>> block_grouped;  // ... and the grouped ones (grouped_entities')
   std::int64_t grouped_version = 0;                  // their weights' version: every optimizer step bumps it once
   std::vector<std::size_t> grouped_fused;            // grouped linears whose weight update is fused
   std::int64_t grouped_update_step = -1;             // the step whose optimizer update of them ran fused

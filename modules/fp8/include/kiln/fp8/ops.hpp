@@ -152,6 +152,11 @@ Shape source_shape(const QuantizeSource& x, const char* what);
 // (e4m3 or e5m2, the same for both) is the format. With dbias (f32 [cols]): dbias[c] += the sum over
 // the rows of x[r, c] (a bias gradient, in the same read; a fixed order on every device, not
 // necessarily the backends' bias_grad order).
+// Padded outputs: rowwise may have more rows than x ([Rr, cols], Rr >= rows) and colwise more columns
+// ([cols, Rc], Rc >= rows): they are the codes of x with zero rows appended (zero codes, the zero
+// blocks' scale_inv 1, the other blocks' scales unchanged; scales in BlockLayout{mode, Rr, cols} and
+// {mode, cols, Rc}), the operands of products whose rows or K must be multiples of 4 or 16 (a mixture
+// of experts' groups). Not with dbias.
 struct BlockQuantizeArgs {
   QuantizeSource x;
   ScalingMode mode = ScalingMode::block_1x128;
@@ -171,6 +176,9 @@ class Fp8Ops {
   virtual Buffer alloc(std::size_t bytes) = 0;
   // Copies bytes between any two devices (synchronises when the destination is host memory).
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
+  // Copies bytes within this device's memory, in order with the other work and without waiting for
+  // it (copy() where the device has no queue, which is this default).
+  virtual void copy_on_device(void* dst, const void* src, std::size_t bytes) { copy(dst, src, bytes); }
   virtual void zero(void* dst, std::size_t bytes) = 0;
   virtual void synchronize() = 0;
 
@@ -208,11 +216,12 @@ class Fp8Ops {
   // as they are (the colwise copy of a weight whose rowwise copy was gathered).
   virtual void transpose(const TensorView& out, const TensorView& in) = 0;
   virtual void gemm(const GemmArgs& g) = 0;
-  // Independent products, each as gemm() takes it but 2-D without epilogue, no two writing the same
-  // D and none reading another's: a mixture of experts' experts, whose rows (M, or K for a weight
-  // gradient) change from call to call. CUDA runs them concurrently over several streams (see
-  // kiln/fp8/cuda/gemm.hpp), each with the algorithm cached for its rounded shape: the same product
-  // as gemm(), deterministic, though not necessarily gemm()'s kernel.
+  // Independent products, each as gemm() takes it (per-tensor or block scaling) but 2-D without
+  // epilogue, no two writing the same D and none reading another's: a mixture of experts' experts,
+  // whose rows (M, or K for a weight gradient) change from call to call. CUDA runs them concurrently
+  // over several streams (see kiln/fp8/cuda/gemm.hpp), per-tensor ones with the algorithm cached for
+  // their rounded shape (the same product as gemm(), deterministic, though not necessarily gemm()'s
+  // kernel), block-scaled ones as gemm() plans them.
   virtual void gemm_grouped(std::span<const GemmArgs> gs) = 0;
   // dbias[n] += sum over m of dy[m, n] (dy act, dbias f32).
   virtual void bias_grad(const TensorView& dbias, const TensorView& dy) = 0;

@@ -20,6 +20,9 @@
 // M (the rows of X and D) may be any count; N and K must be multiples of 16 (Hopper's FP8 kernels
 // want 16-byte aligned columns of both operands).
 //
+// Block-scaled grouped products run as run() plans them (per exact shape: cuBLASLt's block-scaled
+// algorithms are chosen for the shape they run), each on its lane with the lane's workspace.
+//
 // Block-scaled products (GemmArgs::x_mode / y_mode, kiln/fp8/block.hpp) set cuBLASLt's
 // A_SCALE_MODE (Y's) and B_SCALE_MODE (X's) to VEC128_32F (1x128) or BLK128x128_32F (128x128), the
 // scale pointers to the block scales; no fast accumulation; epilogues fused where cuBLASLt has an
@@ -44,7 +47,8 @@ class Fp8GemmRunner {
   ~Fp8GemmRunner();
   Fp8GemmRunner(const Fp8GemmRunner&) = delete;
   Fp8GemmRunner& operator=(const Fp8GemmRunner&) = delete;
-  void run(const GemmArgs& g, cudaStream_t stream);
+  // workspace: workspace_bytes of device memory to use in place of the runner's (null: the runner's).
+  void run(const GemmArgs& g, cudaStream_t stream, void* workspace = nullptr);
   void run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLanes& lanes);
   // Grouped products' algorithms per bucket of rows: the fastest of the candidates with the
   // heuristic's first's bits (kiln::cuda::lt_fastest_same_bits; not for accumulating products).

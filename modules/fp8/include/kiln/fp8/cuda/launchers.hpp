@@ -53,6 +53,8 @@ struct BlockCast {
   const void* ln_bias = nullptr;
   float* dbias = nullptr;
   float* partial = nullptr;
+  // Padded copies: the rowwise codes' rows and the colwise codes' columns, >= rows (0: rows).
+  std::int64_t row_rows = 0, col_cols = 0;
 };
 void quantize_blocks(const BlockCast& k, cudaStream_t s);
 std::int64_t block_partials(std::int64_t rows, std::int64_t cols);
