@@ -123,17 +123,17 @@ struct Own {
   __device__ float at(long long r, long long c) const { return l.at(r, c); }
 };
 // swiglu_backward's [rows, 2 F]: the gate's gradient columns, then the up's (the vector path needs F
-// to be a multiple of 16, so that 16 columns lie in one half).
+// to be a multiple of 16, so that 16 columns lie in one half), each half computed alone (the up's
+// reads neither the up values nor computes the gate's gradient).
 struct DswigluSource {
   using Tile = bf16;
   static constexpr int kVec = 16;
   DswigluLoad l;
   __device__ void load(float (&v)[kVec], long long r, long long c) const {
-    float w[2][16];
-    const bool up = c >= l.F;
-    l.load(w, r, static_cast<int>(up ? c - l.F : c));
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = up ? w[1][i] : w[0][i];
+    if (c >= l.F)
+      l.load_up(v, r, static_cast<int>(c - l.F));
+    else
+      l.load_gate(v, r, static_cast<int>(c));
   }
   __device__ float at(long long r, long long c) const { return l.at(r, c); }
 };

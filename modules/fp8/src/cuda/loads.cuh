@@ -144,6 +144,32 @@ struct DswigluLoad {
       act_round2(v[1][i], v[1][i + 1]);
     }
   }
+  // One half alone, for a consumer that takes 16 columns of one: the gate's gradient columns c..
+  // (c < F; reads gate, up and the output's gradient) or the up's, F + c.. (reads gate and the
+  // output's gradient), the same values as load()'s.
+  __device__ void load_gate(float (&v)[16], long long r, int c) const {
+    float g[16], u[16], go[16];
+    load16(gate_up + r * 2 * F + c, g);
+    load16(gate_up + r * 2 * F + F + c, u);
+    load16(dswiglu + r * F + c, go);
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      v[i] = ops::dswiglu_gate(go[i], g[i], u[i]);
+      v[i + 1] = ops::dswiglu_gate(go[i + 1], g[i + 1], u[i + 1]);
+      act_round2(v[i], v[i + 1]);
+    }
+  }
+  __device__ void load_up(float (&v)[16], long long r, int c) const {
+    float g[16], go[16];
+    load16(gate_up + r * 2 * F + c, g);
+    load16(dswiglu + r * F + c, go);
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      v[i] = ops::dswiglu_up(go[i], g[i]);
+      v[i + 1] = ops::dswiglu_up(go[i + 1], g[i + 1]);
+      act_round2(v[i], v[i + 1]);
+    }
+  }
   // Column c of the 2 F.
   __device__ float at(long long r, long long c) const {
     const long long f = c < F ? c : c - F;
