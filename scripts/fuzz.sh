@@ -52,7 +52,7 @@ else
         $sudo apt-get update -q
         DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
       fi
-      cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DKILN_ENABLE_CUDA=OFF -DKILN_FUZZ=ON \
+      cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DKILN_ENABLE_CUDA=OFF -DKILN_FUZZ=ON -DKILN_UNITY_BUILD=ON \
         -DKILN_BUILD_TESTS=OFF -DKILN_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 >/dev/null
     fi

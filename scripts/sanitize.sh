@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds kiln's CPU code with AddressSanitizer + UndefinedBehaviorSanitizer (GCC, CUDA off, every
 # undefined behaviour fatal, libstdc++ bounds assertions on) into build-asan/ and runs the CPU tests
-# under it. docs/RELIABILITY.md says which tests run here and why. (The fuzz targets are built with
-# clang into their own tree: scripts/fuzz.sh.)
+# under it, the fuzz harnesses among them (each its seeds and 10 s of random mutations, driven by
+# fuzz/replay_main.cpp). docs/RELIABILITY.md says which tests run here and why. (libFuzzer's
+# coverage-guided runs of the same harnesses are built with clang into their own tree:
+# scripts/fuzz.sh.)
 #
 # usage: scripts/sanitize.sh [--build-only] [extra ctest arguments...]
 #   KILN_SAN_BUILD  build folder (default build-asan)
@@ -21,7 +23,7 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   # -O1: what the sanitizers' authors advise (reports stay close to the source, the build is
   # quicker); no NDEBUG, so assert()s stay on.
   cmake -S . -B "$BUILD" -G Ninja -DKILN_ENABLE_CUDA=OFF -DKILN_SANITIZE=ON -DKILN_BUILD_BENCH=OFF \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1
+    -DKILN_UNITY_BUILD=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1
 fi
 cmake --build "$BUILD" -j "$JOBS"
 [ "$build_only" = 1 ] && exit 0

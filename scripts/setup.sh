@@ -19,5 +19,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 jobs=$(nproc)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DKILN_UNITY_BUILD=ON "$@"
 cmake --build build -j "$jobs"

@@ -6,19 +6,20 @@
 #include <functional>
 #include <utility>
 
+#include "align.hpp"
 #include "kiln/core/error.hpp"
+#include "stacked.hpp"
 
 namespace kiln::fp8 {
 
 namespace {
 
-constexpr std::size_t round256(std::size_t n) { return (n + 255) / 256 * 256; }
 constexpr std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
 
 // One block-scaled operand of every expert with rows, one after another: expert e's codes at byte
-// code_at[e] of the codes, its scales at float scale_at[e] of the scales (each a multiple of 16
-// bytes: a BlockLayout's leading dimension is a multiple of 4 floats, and every code count here a
-// multiple of 16).
+// code_at[e] of the codes, its scales at float scale_at[e] of the scales (16-byte aligned, as
+// cuBLASLt wants them: a BlockLayout's leading dimension is a multiple of 4 floats, and every code
+// count here a multiple of 16 where the GEMMs' K and N are, which CUDA requires).
 struct Grouped {
   std::vector<BlockLayout> layout;  // per expert (rows 0: an expert without rows)
   std::vector<std::int64_t> code_at, scale_at;
@@ -69,13 +70,6 @@ QuantizeSource whole(const ops::LinearInput& x) {
 }
 QuantizeSource whole(const ops::OutputGrad& d) {
   return std::visit([](const auto& v) { return QuantizeSource(v); }, d);
-}
-
-// Matrix e of a stacked [E, A, B] tensor as [A, B].
-TensorView expert_matrix(const TensorView& t, std::int64_t e) {
-  const std::int64_t A = t.size(1), B = t.size(2);
-  return TensorView(static_cast<char*>(t.data) + static_cast<std::size_t>(e * A * B) * size_of(t.dtype), {A, B},
-                    t.dtype, t.device);
 }
 
 // Bytes a workspace request asks for: the rows' grouping moves from step to step, and a workspace
@@ -151,11 +145,7 @@ void Fp8BlockGroupedLinear::update_weight(AdamWQuantizeArgs u, std::int64_t vers
                " elements, got ", t->str());
   const std::int64_t E = cache_.E, A = cache_.A, B = cache_.B;
   if (E == 0 || E * A * B != n) {  // no forward yet: the step alone
-    u.param = master_.reshape({1, n});
-    for (TensorView* t : {&u.grad, &u.m, &u.v}) *t = t->reshape({1, n});
-    u.out = {};
-    u.amax = nullptr;
-    ops_.adamw_quantize(u);
+    adamw_step_alone(ops_, u, master_);
     cache_.valid = false;
     return;
   }

@@ -3,6 +3,7 @@
 
 #include <utility>
 
+#include "align.hpp"
 #include "kiln/core/error.hpp"
 #include "ops_checks.hpp"
 
@@ -10,7 +11,6 @@ namespace kiln::fp8 {
 
 namespace {
 
-constexpr std::size_t round256(std::size_t n) { return (n + 255) / 256 * 256; }
 
 // Carves [rows, cols] codes and their block scales out of a scratch area, each 256-byte aligned.
 class Carver {

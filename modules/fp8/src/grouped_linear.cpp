@@ -7,6 +7,7 @@
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/alignment.hpp"
 #include "scaling.hpp"
+#include "stacked.hpp"
 
 namespace kiln::fp8 {
 
@@ -97,12 +98,7 @@ void Fp8GroupedLinear::update_weight(AdamWQuantizeArgs u, std::int64_t version) 
   // update alone.
   const bool quantise = recipe_.kind == RecipeKind::delayed && meta_.ready(s.index) && master_shape_.ndim == 3;
   if (!quantise) {
-    const std::int64_t n = master_.numel();
-    u.param = master_.reshape({1, n});
-    for (TensorView* t : {&u.grad, &u.m, &u.v}) *t = t->reshape({1, n});
-    u.out = {};
-    u.amax = nullptr;
-    ops_.adamw_quantize(u);
+    adamw_step_alone(ops_, u, master_);
     cache_.valid = false;
     return;
   }
@@ -139,12 +135,6 @@ void* Fp8GroupedLinear::kept_input(const std::int32_t* off, int experts, std::in
 }
 
 namespace {
-// Matrix e of a stacked [E, A, B] tensor as [A, B].
-TensorView expert_matrix(const TensorView& t, std::int64_t e) {
-  const std::int64_t A = t.size(1), B = t.size(2);
-  return TensorView(static_cast<char*>(t.data) + static_cast<std::size_t>(e * A * B) * size_of(t.dtype), {A, B},
-                    t.dtype, t.device);
-}
 
 // A grouped linear's input or output gradient as the source of a grouped quantisation.
 GroupedSource input_source(const ops::LinearInput& x, const std::string& name) {

@@ -15,6 +15,7 @@
 #include "kiln/checkpoint/files.hpp"
 #include "kiln/core/error.hpp"
 #include "kiln/tensor/bf16.hpp"
+#include "hf_common.hpp"
 
 namespace kiln::interop {
 
@@ -23,6 +24,7 @@ using checkpoint::MappedFile;
 using checkpoint::OutputFile;
 using checkpoint::rename_path;
 using checkpoint::sync_directory;
+using detail::shape_str;
 
 // The format is little-endian; the reader hands out the bytes as they are.
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
@@ -39,12 +41,6 @@ int dtype_bits(std::string_view d) {
       {"U64", 64}, {"F64", 64}, {"C64", 64},  {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}};
   auto it = bits.find(d);
   return it == bits.end() ? 0 : it->second;
-}
-
-std::string shape_str(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 // Bytes a tensor of this shape and dtype needs; false on overflow or a fraction of a byte.

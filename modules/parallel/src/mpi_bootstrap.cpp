@@ -18,7 +18,7 @@ constexpr const char* kPlugin = "libkiln_mpi_bootstrap.so";
 
 // A TCP port nobody listens on now (the kernel's choice; another process could take it before the
 // rendezvous binds it, which the rendezvous then reports).
-int free_port() {
+int any_free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   KILN_CHECK(fd >= 0, "socket: ", std::strerror(errno));
   sockaddr_in a{};
@@ -92,7 +92,7 @@ std::shared_ptr<Rendezvous> mpi_rendezvous(const LaunchEnv& env, const std::stri
                              : env.local_world >= env.world ? "127.0.0.1"
                                                             : host_name();
     const char* port_env = std::getenv("MASTER_PORT");
-    const std::int32_t port = port_env && *port_env ? std::atoi(port_env) : free_port();
+    const std::int32_t port = port_env && *port_env ? std::atoi(port_env) : any_free_port();
     const auto size = static_cast<std::int32_t>(root_payload.size());
     std::size_t at = 0;
     put(msg, at, &size, 4);

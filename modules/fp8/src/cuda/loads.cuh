@@ -134,15 +134,8 @@ struct DswigluLoad {
     load16(gate_up + r * 2 * F + c, g);
     load16(gate_up + r * 2 * F + F + c, u);
     load16(dswiglu + r * F + c, go);
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      v[0][i] = ops::dswiglu_gate(go[i], g[i], u[i]);
-      v[0][i + 1] = ops::dswiglu_gate(go[i + 1], g[i + 1], u[i + 1]);
-      v[1][i] = ops::dswiglu_up(go[i], g[i]);
-      v[1][i + 1] = ops::dswiglu_up(go[i + 1], g[i + 1]);
-      act_round2(v[0][i], v[0][i + 1]);
-      act_round2(v[1][i], v[1][i + 1]);
-    }
+    gate16(v[0], go, g, u);
+    up16(v[1], go, g);
   }
   // One half alone, for a consumer that takes 16 columns of one: the gate's gradient columns c..
   // (c < F; reads gate, up and the output's gradient) or the up's, F + c.. (reads gate and the
@@ -152,6 +145,16 @@ struct DswigluLoad {
     load16(gate_up + r * 2 * F + c, g);
     load16(gate_up + r * 2 * F + F + c, u);
     load16(dswiglu + r * F + c, go);
+    gate16(v, go, g, u);
+  }
+  __device__ void load_up(float (&v)[16], long long r, int c) const {
+    float g[16], go[16];
+    load16(gate_up + r * 2 * F + c, g);
+    load16(dswiglu + r * F + c, go);
+    up16(v, go, g);
+  }
+  // The 16 gradients of the gate and of the up from the loaded values, rounded to act.
+  __device__ static void gate16(float (&v)[16], const float (&go)[16], const float (&g)[16], const float (&u)[16]) {
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
       v[i] = ops::dswiglu_gate(go[i], g[i], u[i]);
@@ -159,10 +162,7 @@ struct DswigluLoad {
       act_round2(v[i], v[i + 1]);
     }
   }
-  __device__ void load_up(float (&v)[16], long long r, int c) const {
-    float g[16], go[16];
-    load16(gate_up + r * 2 * F + c, g);
-    load16(dswiglu + r * F + c, go);
+  __device__ static void up16(float (&v)[16], const float (&go)[16], const float (&g)[16]) {
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
       v[i] = ops::dswiglu_up(go[i], g[i]);
