@@ -37,12 +37,6 @@ void check_dev(const TensorView& t, DType dtype, const char* what) {
   if (t.device != Device::cuda || t.dtype != dtype || !t.contiguous())
     KILN_THROW(what, ": expected a contiguous ", name_of(dtype), " CUDA tensor, got ", t.str());
 }
-template <class T>
-T* dptr(const TensorView& t) {
-  return static_cast<T*>(t.data);
-}
-// A dimension as the kernels take it: the op descriptions checked that it fits (kTarget.int32_dims).
-int i32(std::int64_t v) { return static_cast<int>(v); }
 
 // The shape cuDNN's attention sees; kv_heads 0 is multi-head attention.
 template <class Args>

@@ -20,6 +20,14 @@
 
 namespace kiln::ops::cuda_impl {
 
+// A tensor's data as the kernels take it.
+template <class T>
+T* dptr(const TensorView& t) {
+  return static_cast<T*>(t.data);
+}
+// A dimension as the kernels take it: the op descriptions checked that it fits (kTarget.int32_dims).
+inline int i32(std::int64_t v) { return static_cast<int>(v); }
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, const CudaOptions& options);

@@ -12,15 +12,9 @@ using cuda::bf16;
 
 namespace {
 template <class T>
-T* dptr(const TensorView& t) {
-  return static_cast<T*>(t.data);
-}
-template <class T>
 T* dptr_or_null(const TensorView& t) {
   return t ? static_cast<T*>(t.data) : nullptr;
 }
-// A dimension as the kernels take it: the op descriptions checked that it fits (kTarget.int32_dims).
-int i32(std::int64_t v) { return static_cast<int>(v); }
 }  // namespace
 
 cuda::GroupedGemm& CudaBackend::grouped_gemm() {
