@@ -2,7 +2,7 @@
 # kiln's libFuzzer targets (fuzz/): build them if needed and run them.
 #
 # usage: scripts/fuzz.sh TARGET SECONDS   run one target (fuzz_pipeline, fuzz_token_shard, ...)
-#        scripts/fuzz.sh all SECONDS      every target for SECONDS each, one after the other (CI)
+#        scripts/fuzz.sh all SECONDS      every target for SECONDS each, one after the other
 #        scripts/fuzz.sh list             the targets
 #        scripts/fuzz.sh dist DIR         a self-contained copy for another Linux x86-64 machine:
 #                                         DIR/fuzz.sh, the binaries, the shared libraries they load
