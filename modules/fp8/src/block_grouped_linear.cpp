@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "align.hpp"
+#include "block_product.hpp"
 #include "kiln/core/error.hpp"
 #include "stacked.hpp"
 
@@ -51,26 +52,6 @@ struct Grouped {
   }
   float* scales_of(int e) const { return scale_base + scale_at[static_cast<std::size_t>(e)]; }
 };
-
-// Rows [r0, r0 + n) of a grouped linear's input or output gradient, as a quantisation's source.
-QuantizeSource rows_of(const ops::LinearInput& x, std::int64_t r0, std::int64_t n, const std::string& name) {
-  if (const auto* t = std::get_if<TensorView>(&x)) return t->rows(r0, n);
-  if (const auto* g = std::get_if<ops::GeluOnLoad>(&x)) return ops::GeluOnLoad{g->pre.rows(r0, n)};
-  if (const auto* g = std::get_if<ops::SwigluOnLoad>(&x)) return ops::SwigluOnLoad{g->gate_up.rows(r0, n)};
-  KILN_THROW(name, ": a grouped linear takes no ", ops::name_of(ops::prologue_of(x)), " prologue");
-}
-QuantizeSource rows_of(const ops::OutputGrad& d, std::int64_t r0, std::int64_t n) {
-  if (const auto* t = std::get_if<TensorView>(&d)) return t->rows(r0, n);
-  if (const auto* g = std::get_if<ops::DgeluOnLoad>(&d)) return ops::DgeluOnLoad{g->dgelu.rows(r0, n), g->pre.rows(r0, n)};
-  const auto& g = std::get<ops::DswigluOnLoad>(d);
-  return ops::DswigluOnLoad{g.dswiglu.rows(r0, n), g.gate_up.rows(r0, n)};
-}
-QuantizeSource whole(const ops::LinearInput& x) {
-  return std::visit([](const auto& v) { return QuantizeSource(v); }, x);
-}
-QuantizeSource whole(const ops::OutputGrad& d) {
-  return std::visit([](const auto& v) { return QuantizeSource(v); }, d);
-}
 
 // Bytes a workspace request asks for: the rows' grouping moves from step to step, and a workspace
 // that grows waits for the device; an eighth more than this grouping needs, so that it rarely grows.
@@ -128,9 +109,9 @@ void Fp8BlockGroupedLinear::ensure_weight(const TensorView& w, std::int64_t vers
   place_codes(E, A, B, in_compute);
   const TensorView src = in_compute ? master_.reshape(w.shape) : w;
   for (std::int64_t e = 0; e < E; ++e) {
-    const WeightOperand s = stored(e), t = transposed(e);
-    ops_.quantize_blocks({expert_matrix(src, e), ScalingMode::block_128x128, recipe_.pow2, s.codes,
-                          const_cast<float*>(s.scale_inv), t.codes, const_cast<float*>(t.scale_inv)});
+    BlockQuantizeArgs q = weight_codes(e);
+    q.x = expert_matrix(src, e);
+    ops_.quantize_blocks(q);
   }
   cache_.valid = true;
   cache_.version = version;
@@ -158,27 +139,30 @@ void Fp8BlockGroupedLinear::update_weight(AdamWQuantizeArgs u, std::int64_t vers
     ue.grad = expert_matrix(grad, e);
     ue.m = expert_matrix(m, e);
     ue.v = expert_matrix(v, e);
-    const WeightOperand s = stored(e), t = transposed(e);
-    ops_.adamw_quantize_blocks(ue, {TensorView{}, ScalingMode::block_128x128, recipe_.pow2, s.codes,
-                                    const_cast<float*>(s.scale_inv), t.codes, const_cast<float*>(t.scale_inv)});
+    ops_.adamw_quantize_blocks(ue, weight_codes(e));
   }
   cache_.valid = true;
   cache_.version = version;
   cache_.source = compute_.data;
 }
 
+BlockQuantizeArgs Fp8BlockGroupedLinear::weight_codes(std::int64_t e) const {
+  const WeightOperand s = stored(e), t = transposed(e);
+  return {TensorView{}, ScalingMode::block_128x128, recipe_.pow2, s.codes, s.scale_inv, t.codes, t.scale_inv};
+}
+
 Fp8BlockGroupedLinear::WeightOperand Fp8BlockGroupedLinear::stored(std::int64_t e) const {
   const std::int64_t A = cache_.A, B = cache_.B;
   const BlockLayout sl{ScalingMode::block_128x128, A, B};
   return {TensorView(cache_.stored + e * A * B, {A, B}, dtype_of(recipe_.weight), ops_.device()),
-          static_cast<const float*>(cache_.scales.data()) + e * sl.count()};
+          static_cast<float*>(cache_.scales.data()) + e * sl.count()};
 }
 
 Fp8BlockGroupedLinear::WeightOperand Fp8BlockGroupedLinear::transposed(std::int64_t e) const {
   const std::int64_t A = cache_.A, B = cache_.B;
   const BlockLayout sl{ScalingMode::block_128x128, A, B}, tl{ScalingMode::block_128x128, B, A};
   return {TensorView(cache_.transposed + e * A * B, {B, A}, dtype_of(recipe_.weight), ops_.device()),
-          static_cast<const float*>(cache_.scales.data()) + cache_.E * sl.count() + e * tl.count()};
+          static_cast<float*>(cache_.scales.data()) + cache_.E * sl.count() + e * tl.count()};
 }
 
 namespace {
@@ -202,15 +186,8 @@ class ExpertProducts {
   void set_scratch(std::uint8_t* p) { scratch_ = p; }
   void add(const TensorView& x, const float* x_scale_inv, const TensorView& y, const float* y_scale_inv,
            const TensorView& d) {
-    GemmArgs g;
-    g.x = x;
-    g.x_scale_inv = x_scale_inv;
-    g.x_mode = ScalingMode::block_1x128;
-    g.y = y;
-    g.y_scale_inv = y_scale_inv;
-    g.y_mode = ScalingMode::block_128x128;
-    g.what = what_;
-    g.d = d;
+    GemmArgs g = block_product(x, x_scale_inv, ScalingMode::block_1x128, y, y_scale_inv, ScalingMode::block_128x128,
+                               d, what_);
     if (x.size(0) != d.size(0)) {  // padded rows: into scratch, copied out after
       g.d = TensorView(scratch_, {x.size(0), d.size(1)}, d.dtype, d.device);
       scratch_ += round256(g.d.bytes());
@@ -234,7 +211,8 @@ class ExpertProducts {
 }  // namespace
 
 void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int64_t weight_version) {
-  const Shape xs = source_shape(whole(a.x), (name_ + " forward input").c_str());
+  const QuantizeSource x = to_source(a.x);
+  const Shape xs = source_shape(x, (name_ + " forward input").c_str());
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && xs[0] == a.out.size(0) && a.out.ndim() == 2, name_,
              " forward: weight ", a.weight.str(), ", x ", xs.str(), ", out ", a.out.str());
   const std::int64_t R = xs[0], IC = xs[1], OC = a.out.size(1);
@@ -257,7 +235,7 @@ void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int
     const std::int64_t n = off[e + 1] - off[e];
     if (n == 0) continue;
     const TensorView codes = xq.codes_of(e, recipe_.input, dev);
-    ops_.quantize_blocks({rows_of(a.x, off[e], n, name_), ScalingMode::block_1x128, recipe_.pow2, codes, xq.scales_of(e)});
+    ops_.quantize_blocks({source_rows(x, off[e], n), ScalingMode::block_1x128, recipe_.pow2, codes, xq.scales_of(e)});
     const WeightOperand w = a.weight_in_out ? transposed(e) : stored(e);
     products.add(codes, xq.scales_of(e), w.codes, w.scale_inv, a.out.rows(off[e], n));
   }
@@ -265,8 +243,9 @@ void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int
 }
 
 void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
-  const Shape ds = source_shape(whole(a.dout), (name_ + " backward output gradient").c_str()),
-              xs = source_shape(whole(a.x), (name_ + " backward input").c_str());
+  const QuantizeSource x = to_source(a.x), dout = to_source(a.dout);
+  const Shape ds = source_shape(dout, (name_ + " backward output gradient").c_str()),
+              xs = source_shape(x, (name_ + " backward input").c_str());
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && ds[0] == xs[0], name_, " backward: weight ", a.weight.str(),
              ", dout ", ds.str(), ", x ", xs.str());
   const std::int64_t R = ds[0], OC = ds[1], IC = xs[1];
@@ -308,19 +287,15 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
     }
     const TensorView g_row = dx ? gr.codes_of(e, recipe_.grad, dev) : TensorView{};
     const TensorView g_col = gc.codes_of(e, recipe_.grad, dev), x_col = xc.codes_of(e, recipe_.input, dev);
-    ops_.quantize_blocks({rows_of(a.dout, off[e], n), ScalingMode::block_1x128, recipe_.pow2, g_row,
+    ops_.quantize_blocks({source_rows(dout, off[e], n), ScalingMode::block_1x128, recipe_.pow2, g_row,
                           dx ? gr.scales_of(e) : nullptr, g_col, gc.scales_of(e)});
-    ops_.quantize_blocks({rows_of(a.x, off[e], n, name_), xc_mode, recipe_.pow2, {}, nullptr, x_col, xc.scales_of(e)});
+    ops_.quantize_blocks({source_rows(x, off[e], n), xc_mode, recipe_.pow2, {}, nullptr, x_col, xc.scales_of(e)});
     // wgrad: dW[e] [OC, IC] (+)= dout^T @ x (an FC2's [IC, OC] = x^T @ dout), K the padded rows.
-    GemmArgs w;
-    w.what = "fp8_block_grouped_gemm_wgrad";
-    w.x = a.weight_in_out ? x_col : g_col;
-    w.x_scale_inv = a.weight_in_out ? xc.scales_of(e) : gc.scales_of(e);
-    w.x_mode = ScalingMode::block_1x128;
-    w.y = a.weight_in_out ? g_col : x_col;
-    w.y_scale_inv = a.weight_in_out ? gc.scales_of(e) : xc.scales_of(e);
-    w.y_mode = a.weight_in_out ? ScalingMode::block_1x128 : xc_mode;
-    w.d = dw;
+    GemmArgs w = a.weight_in_out ? block_product(x_col, xc.scales_of(e), ScalingMode::block_1x128, g_col,
+                                                 gc.scales_of(e), ScalingMode::block_1x128, dw,
+                                                 "fp8_block_grouped_gemm_wgrad")
+                                 : block_product(g_col, gc.scales_of(e), ScalingMode::block_1x128, x_col,
+                                                 xc.scales_of(e), xc_mode, dw, "fp8_block_grouped_gemm_wgrad");
     w.f32_result = true;
     w.accumulate = !a.dweight_overwrite;
     wgrad.push_back(w);

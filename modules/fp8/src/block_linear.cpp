@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "align.hpp"
+#include "block_product.hpp"
 #include "kiln/core/error.hpp"
 #include "ops_checks.hpp"
 
@@ -39,21 +40,6 @@ class Carver {
   std::uint8_t* p_;
   Device dev_;
 };
-
-// D = X @ Y^T of block-scaled operands (no epilogue yet).
-GemmArgs block_product(const TensorView& x, const float* x_scale_inv, ScalingMode x_mode, const TensorView& y,
-                       const float* y_scale_inv, ScalingMode y_mode, const TensorView& d, const char* what) {
-  GemmArgs g;
-  g.x = x;
-  g.x_scale_inv = x_scale_inv;
-  g.x_mode = x_mode;
-  g.y = y;
-  g.y_scale_inv = y_scale_inv;
-  g.y_mode = y_mode;
-  g.d = d;
-  g.what = what;
-  return g;
-}
 
 }  // namespace
 
@@ -176,17 +162,9 @@ void Fp8BlockLinear::quantize_weight_part(const TensorView& part, std::int64_t f
                            static_cast<std::uint8_t*>(codes));
 }
 
-// The values a forward's or backward's input is quantised from (a prologue's tensors or the input).
-QuantizeSource Fp8BlockLinear::source_of(const ops::LinearInput& x) {
-  return std::visit([](const auto& v) { return QuantizeSource(v); }, x);
-}
-QuantizeSource Fp8BlockLinear::source_of(const ops::OutputGrad& dout) {
-  return std::visit([](const auto& v) { return QuantizeSource(v); }, dout);
-}
-
 void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_version) {
   const DType act = ops_.act_dtype();
-  const QuantizeSource x = source_of(a.x);
+  const QuantizeSource x = to_source(a.x);
   const Shape xs = source_shape(x, (name_ + " forward input").c_str());
   KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
   const std::int64_t N = xs[0], IC = xs[1], OC = a.weight.size(0);
@@ -225,7 +203,7 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
 
 void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   const DType act = ops_.act_dtype();
-  const QuantizeSource x = source_of(a.x), dout = source_of(a.dout);
+  const QuantizeSource x = to_source(a.x), dout = to_source(a.dout);
   const Shape xs = source_shape(x, (name_ + " backward input").c_str()),
               gs = source_shape(dout, (name_ + " backward output gradient").c_str());
   KILN_CHECK(a.weight.ndim() == 2, name_, " backward: weight ", a.weight.str());

@@ -18,6 +18,34 @@ void expect_2d(const TensorView& t, const char* what, const char* arg) {
 QuantizeSource to_source(const GroupedSource& x) {
   return std::visit([](const auto& v) { return QuantizeSource(v); }, x);
 }
+QuantizeSource to_source(const ops::LinearInput& x) {
+  return std::visit([](const auto& v) { return QuantizeSource(v); }, x);
+}
+QuantizeSource to_source(const ops::OutputGrad& dout) {
+  return std::visit([](const auto& v) { return QuantizeSource(v); }, dout);
+}
+
+QuantizeSource source_rows(const QuantizeSource& x, std::int64_t r0, std::int64_t n) {
+  return std::visit(Overloaded{[&](const TensorView& t) { return QuantizeSource(t.rows(r0, n)); },
+                              [&](const ops::LayerNormOnLoad& ln) {
+                                ops::LayerNormOnLoad s = ln;
+                                s.x = ln.x.rows(r0, n);
+                                s.mean = ln.mean.rows(r0, n);
+                                s.rstd = ln.rstd.rows(r0, n);
+                                return QuantizeSource(s);
+                              },
+                              [&](const ops::GeluOnLoad& g) { return QuantizeSource(ops::GeluOnLoad{g.pre.rows(r0, n)}); },
+                              [&](const ops::SwigluOnLoad& g) {
+                                return QuantizeSource(ops::SwigluOnLoad{g.gate_up.rows(r0, n)});
+                              },
+                              [&](const ops::DgeluOnLoad& g) {
+                                return QuantizeSource(ops::DgeluOnLoad{g.dgelu.rows(r0, n), g.pre.rows(r0, n)});
+                              },
+                              [&](const ops::DswigluOnLoad& g) {
+                                return QuantizeSource(ops::DswigluOnLoad{g.dswiglu.rows(r0, n), g.gate_up.rows(r0, n)});
+                              }},
+                    x);
+}
 
 Shape source_shape(const QuantizeSource& x, const char* what) {
   return std::visit(

@@ -290,6 +290,12 @@ void quantize_block_weight_parts(World& w) {
   });
 }
 
+// The report's line for a layer left in bf16 (its description; one without a reason of its own was
+// left for its dimensions).
+std::string skip_line(const std::string& s) {
+  return s + (s.find(')') == std::string::npos ? " stays bf16 (dimensions not multiples of 16)" : " stays bf16");
+}
+
 // fp8.recipe = block: each selected linear (st.entities) gets an Fp8BlockLinear. No meta and no
 // amax systems; the weights' codes are made once per weight version (every optimizer step, or a
 // checkpoint load, makes a new one): by the layers or the fused optimizer step where the masters are
@@ -316,28 +322,20 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
                               part, ", not a multiple of 128 (a block would straddle two ranks); use a model whose ",
                               "split dimensions are multiples of 128 x parallel.tp, or another fp8.recipe"));
     }
-  // A mixture of experts' grouped linears (every block's; dimensions multiples of 16, as the GEMMs
-  // need them on CUDA). Tensor parallelism splits the experts' hidden features: FC1's outputs and
-  // FC2's inputs, whole blocks each, as above.
-  const bool cuda = w.resource<ops::ActiveBackend>().get().device() == Device::cuda;
-  std::vector<std::string> skipped_grouped;
-  for (Entity e : w.view<nn::GroupedLinear>()) {
-    const auto& g = w.get<nn::GroupedLinear>(e);
-    if (!nn::in_block(g.role)) continue;
-    if (cuda && (g.in % 16 != 0 || g.out % 16 != 0)) {
-      skipped_grouped.push_back(w.describe(e) + " (dimensions not multiples of 16)");
-      continue;
+  // Tensor parallelism splits a mixture of experts' hidden features: FC1's outputs and FC2's inputs,
+  // whole blocks each, as above.
+  if (tp > 1)
+    for (Entity e : st.grouped_entities) {
+      const auto& g = w.get<nn::GroupedLinear>(e);
+      const bool row = g.role == nn::LinearRole::mlp_out;
+      const int part = row ? g.in : g.out;
+      if (part % kBlock != 0)
+        throw ConfigError(cat(w.resource<RankInfo>().pipeline_file, ": fp8.recipe = \"block\" with parallel.tp = ", tp,
+                              ": ", w.describe(e), " splits the experts' ", row ? "input" : "output",
+                              " features into parts of ", part,
+                              ", not a multiple of 128 (a block would straddle two ranks); use a model.moe.hidden that "
+                              "is a multiple of 128 x parallel.tp, or another fp8.recipe"));
     }
-    const bool row = g.role == nn::LinearRole::mlp_out;
-    const int part = row ? g.in : g.out;
-    if (tp > 1 && part % kBlock != 0)
-      throw ConfigError(cat(w.resource<RankInfo>().pipeline_file, ": fp8.recipe = \"block\" with parallel.tp = ", tp,
-                            ": ", w.describe(e), " splits the experts' ", row ? "input" : "output",
-                            " features into parts of ", part,
-                            ", not a multiple of 128 (a block would straddle two ranks); use a model.moe.hidden that "
-                            "is a multiple of 128 x parallel.tp, or another fp8.recipe"));
-    st.grouped_entities.push_back(e);
-  }
   st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
   Fp8State* state = &st;
   for (Entity e : st.grouped_entities) {
@@ -453,16 +451,14 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
   if (!cfg.lm_head) lend_block_scratch(w);
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size(),
                     g_fp8 = st.grouped_entities.size(), g_all = w.view<nn::GroupedLinear>().size();
-  std::vector<std::string> all_skipped = skipped;
-  all_skipped.insert(all_skipped.end(), skipped_grouped.begin(), skipped_grouped.end());
-  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, recipe, all_skipped](World& world) {
+  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, recipe, skipped](World& world) {
                      if (world.resource<RankInfo>().rank != 0) return;
                      std::cout << "fp8: " << n_fp8 << " of " << n_all << " linear layers"
                                << (g_all > 0 ? cat(" and ", g_fp8, " of ", g_all, " grouped (expert) linears") : "")
                                << " in FP8 (block scaling: 1x128 activations and gradients, 128x128 weights, E4M3"
                                << (recipe.pow2 ? ", power-of-two scales" : "")
                                << (recipe.wgrad_input_2d ? ", the weight gradient's input in 128x128 blocks" : "") << ")\n";
-                     for (auto& s : all_skipped) std::cout << "fp8: " << s << " stays bf16\n";
+                     for (auto& s : skipped) std::cout << "fp8: " << skip_line(s) << "\n";
                    }});
 }
 
@@ -512,8 +508,7 @@ void install(World& w, const Fp8Config& cfg) {
     for (auto r : {TensorRole::input, TensorRole::weight, TensorRole::grad_output})
       formats.push_back(format_for(cfg.format, r));
   }
-  if (cfg.recipe == RecipeKind::block) return install_block(w, cfg, skipped);  // (tokens % 16 == 0 covers its GEMMs' rows)
-  // A mixture of experts' grouped linears (every block's): three slots each, after the linears'.
+  // A mixture of experts' grouped linears (every block's).
   for (Entity e : w.view<nn::GroupedLinear>()) {
     const auto& g = w.get<nn::GroupedLinear>(e);
     if (!nn::in_block(g.role)) continue;
@@ -523,6 +518,8 @@ void install(World& w, const Fp8Config& cfg) {
     }
     st.grouped_entities.push_back(e);
   }
+  if (cfg.recipe == RecipeKind::block) return install_block(w, cfg, skipped);  // (tokens % 16 == 0 covers its GEMMs' rows)
+  // The grouped linears' meta: three slots each, after the linears'.
   // Which FP8 layers keep their input in FP8 for the backward pass.
   const std::set<nn::LinearRole> keep_roles = roles_kept_in_fp8<nn::Linear>(w, st.entities);
   struct Kept {
@@ -661,11 +658,7 @@ void install(World& w, const Fp8Config& cfg) {
                                  << "pass (e4m3 [" << k.in << ", " << tokens << "]: "
                                  << static_cast<double>(k.bytes) / (1 << 20) << " MiB a layer, " << k.layers
                                  << " layers), not in bf16\n";
-                     for (auto& s : skipped)
-                       std::cout << "fp8: " << s
-                                 << (s.find(')') == std::string::npos ? " stays bf16 (dimensions not multiples of 16)"
-                                                                       : " stays bf16")
-                                 << "\n";
+                     for (auto& s : skipped) std::cout << "fp8: " << skip_line(s) << "\n";
                    }});
   // The FP8 weight copies in the memory of the weights' compute copies, from their f32 masters.
   // Where the masters are sharded over ranks (nn::ParamStore::sharded), those weights' compute

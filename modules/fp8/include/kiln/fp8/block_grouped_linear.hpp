@@ -69,10 +69,12 @@ class Fp8BlockGroupedLinear {
   // Expert e's codes and scales as the forward ([OC, IC]) or the data gradient ([IC, OC]) reads them.
   struct WeightOperand {
     TensorView codes;
-    const float* scale_inv;
+    float* scale_inv;
   };
   WeightOperand stored(std::int64_t e) const;
   WeightOperand transposed(std::int64_t e) const;
+  // Both copies of expert e's codes and their scales, as a quantisation's output (x left empty).
+  BlockQuantizeArgs weight_codes(std::int64_t e) const;
 
   Fp8Ops& ops_;
   Fp8Workspace& ws_;

@@ -86,8 +86,6 @@ class Fp8BlockLinear {
     float* scale_inv = nullptr;
   };
   void ensure_weight(const TensorView& w, std::int64_t version);
-  static QuantizeSource source_of(const ops::LinearInput& x);
-  static QuantizeSource source_of(const ops::OutputGrad& dout);
 
   Fp8Ops& ops_;
   Fp8Workspace& ws_;

@@ -141,6 +141,11 @@ constexpr std::int64_t segment_row(const std::int32_t* offsets, int e) {
 using QuantizeSource = std::variant<TensorView, ops::LayerNormOnLoad, ops::GeluOnLoad, ops::SwigluOnLoad,
                                     ops::DgeluOnLoad, ops::DswigluOnLoad>;
 QuantizeSource to_source(const GroupedSource& x);
+// A linear layer's input or output gradient (the tensor, or the prologue it is computed through).
+QuantizeSource to_source(const ops::LinearInput& x);
+QuantizeSource to_source(const ops::OutputGrad& dout);
+// Rows [r0, r0 + n) of a source: each of its row-indexed tensors (and statistics) sliced.
+QuantizeSource source_rows(const QuantizeSource& x, std::int64_t r0, std::int64_t n);
 // A source's [R, cols]; throws where its tensors do not fit together (naming `what`).
 Shape source_shape(const QuantizeSource& x, const char* what);
 
