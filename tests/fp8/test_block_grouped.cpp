@@ -75,63 +75,70 @@ TEST_CASE("Fp8BlockGroupedLinear equals Fp8BlockLinear on each expert's rows: fo
   const std::vector<std::int32_t> off = {0, 5, 135, 135, 152};
   const int E = 4, R = 160, IC = 200, OC = 136;
   for (const bool in_out : {false, true})
-    for (const bool two_d : {false, true}) {
-      CAPTURE(in_out);
-      CAPTURE(two_d);
-      BlockRecipe recipe;
-      recipe.wgrad_input_2d = two_d;
-      Fp8Workspace ws(*cpu);
-      Fp8BlockGroupedLinear lin(*cpu, ws, recipe, "test.experts");
-      auto x = test::normal_values(R * IC, 61, 2.0f), w = test::normal_values(E * OC * IC, 62, 0.05f),
-           dout = test::normal_values(R * OC, 63, 1e-3f);
-      for (std::size_t i = 0; i < x.size(); i += 97) x[i] *= 50.0f;  // outliers: the blocks matter
-      const Shape wshape = in_out ? Shape{E, IC, OC} : Shape{E, OC, IC};
-      std::vector<float> out(R * OC, 7.0f), dx(R * IC, 3.0f), dw(E * OC * IC, 0.5f);
-      lin.forward({host(out, {R, OC}), host(x, {R, IC}), host(w, wshape), off.data(), in_out}, 1);
-      lin.backward({.dx = host(dx, {R, IC}),
-                    .dweight = host(dw, wshape),
-                    .dout = host(dout, {R, OC}),
-                    .x = host(x, {R, IC}),
-                    .weight = host(w, wshape),
-                    .offsets_host = off.data(),
-                    .weight_in_out = in_out});
-      for (int r = off[E]; r < R; ++r) {  // rows past the experts': out left alone, dx zero
-        CHECK(out[r * OC] == 7.0f);
-        CHECK(dx[r * IC] == 0.0f);
-      }
-      for (int e = 0; e < E; ++e) {
-        CAPTURE(e);
-        const std::int64_t n = off[e + 1] - off[e];
-        // Expert e's weight as [OC, IC].
-        std::vector<float> we(static_cast<std::size_t>(OC * IC));
-        std::memcpy(we.data(), w.data() + e * OC * IC, we.size() * 4);
-        if (in_out) we = test::transpose(we, IC, OC);
-        std::vector<float> dwe(static_cast<std::size_t>(OC * IC));
-        std::memcpy(dwe.data(), dw.data() + e * OC * IC, dwe.size() * 4);
-        if (in_out) dwe = test::transpose(dwe, IC, OC);
-        if (n == 0) {  // no rows: nothing added
-          CHECK(dwe == std::vector<float>(dwe.size(), 0.5f));
-          continue;
+    for (const bool two_d : {false, true})
+      for (const bool keep : {false, true}) {
+        CAPTURE(in_out);
+        CAPTURE(two_d);
+        CAPTURE(keep);
+        BlockRecipe recipe;
+        recipe.wgrad_input_2d = two_d;
+        Fp8Workspace ws(*cpu);
+        // keep: the input's transposes kept from the forward; the backward is given no input (and
+        // the forward's input is overwritten in between).
+        Fp8BlockGroupedLinear lin(*cpu, ws, recipe, "test.experts", keep);
+        auto x = test::normal_values(R * IC, 61, 2.0f), w = test::normal_values(E * OC * IC, 62, 0.05f),
+             dout = test::normal_values(R * OC, 63, 1e-3f);
+        for (std::size_t i = 0; i < x.size(); i += 97) x[i] *= 50.0f;  // outliers: the blocks matter
+        const Shape wshape = in_out ? Shape{E, IC, OC} : Shape{E, OC, IC};
+        std::vector<float> out(R * OC, 7.0f), dx(R * IC, 3.0f), dw(E * OC * IC, 0.5f);
+        std::vector<float> x_in = x;
+        lin.forward({host(out, {R, OC}), host(x_in, {R, IC}), host(w, wshape), off.data(), in_out}, 1);
+        if (keep) std::fill(x_in.begin(), x_in.end(), 1e6f);
+        lin.backward({.dx = host(dx, {R, IC}),
+                      .dweight = host(dw, wshape),
+                      .dout = host(dout, {R, OC}),
+                      .x = keep ? TensorView{} : host(x_in, {R, IC}),
+                      .weight = host(w, wshape),
+                      .offsets_host = off.data(),
+                      .weight_in_out = in_out});
+        for (int r = off[E]; r < R; ++r) {  // rows past the experts': out left alone, dx zero
+          CHECK(out[r * OC] == 7.0f);
+          CHECK(dx[r * IC] == 0.0f);
         }
-        // The FC2's weight gradient takes x's transpose as its first operand: 1x128 there always.
-        BlockRecipe one = recipe;
-        one.wgrad_input_2d = two_d && !in_out;
-        Fp8Workspace ws1(*cpu);
-        Fp8BlockLinear ref(*cpu, ws1, one, "test.expert");
-        auto xe = rows(x, off[e], n, IC), ge = rows(dout, off[e], n, OC);
-        std::vector<float> oe(static_cast<std::size_t>(n * OC)), dxe(static_cast<std::size_t>(n * IC)),
-            dwr(static_cast<std::size_t>(OC * IC), 0.5f);
-        ref.forward({host(oe, {n, OC}), {}, host(xe, {n, IC}), host(we, {OC, IC}), {}}, 1);
-        ref.backward({host(dxe, {n, IC}), host(dwr, {OC, IC}), {}, host(ge, {n, OC}), host(xe, {n, IC}), host(we, {OC, IC})});
-        CHECK(rows(out, off[e], n, OC) == oe);
-        CHECK(rows(dx, off[e], n, IC) == dxe);
-        // The weight gradient: the same blocks and sums, the zero padding adding nothing; an FC2's
-        // operands swapped, so its scales are applied in the other order (f32 rounding).
-        if (in_out)
-          CHECK(test::rel_error(dwe, dwr) < 1e-6);
-        else
-          CHECK(dwe == dwr);
-        CHECK(dwe != std::vector<float>(dwe.size(), 0.5f));
+        for (int e = 0; e < E; ++e) {
+          CAPTURE(e);
+          const std::int64_t n = off[e + 1] - off[e];
+          // Expert e's weight as [OC, IC].
+          std::vector<float> we(static_cast<std::size_t>(OC * IC));
+          std::memcpy(we.data(), w.data() + e * OC * IC, we.size() * 4);
+          if (in_out) we = test::transpose(we, IC, OC);
+          std::vector<float> dwe(static_cast<std::size_t>(OC * IC));
+          std::memcpy(dwe.data(), dw.data() + e * OC * IC, dwe.size() * 4);
+          if (in_out) dwe = test::transpose(dwe, IC, OC);
+          if (n == 0) {  // no rows: nothing added
+            CHECK(dwe == std::vector<float>(dwe.size(), 0.5f));
+            continue;
+          }
+          // The FC2's weight gradient takes x's transpose as its first operand: 1x128 there always.
+          BlockRecipe one = recipe;
+          one.wgrad_input_2d = two_d && !in_out;
+          Fp8Workspace ws1(*cpu);
+          Fp8BlockLinear ref(*cpu, ws1, one, "test.expert");
+          auto xe = rows(x, off[e], n, IC), ge = rows(dout, off[e], n, OC);
+          std::vector<float> oe(static_cast<std::size_t>(n * OC)), dxe(static_cast<std::size_t>(n * IC)),
+              dwr(static_cast<std::size_t>(OC * IC), 0.5f);
+          ref.forward({host(oe, {n, OC}), {}, host(xe, {n, IC}), host(we, {OC, IC}), {}}, 1);
+          ref.backward(
+              {host(dxe, {n, IC}), host(dwr, {OC, IC}), {}, host(ge, {n, OC}), host(xe, {n, IC}), host(we, {OC, IC})});
+          CHECK(rows(out, off[e], n, OC) == oe);
+          CHECK(rows(dx, off[e], n, IC) == dxe);
+          // The weight gradient: the same blocks and sums, the zero padding adding nothing; an FC2's
+          // operands swapped, so its scales are applied in the other order (f32 rounding).
+          if (in_out)
+            CHECK(test::rel_error(dwe, dwr) < 1e-6);
+          else
+            CHECK(dwe == dwr);
+          CHECK(dwe != std::vector<float>(dwe.size(), 0.5f));
+        }
       }
-    }
 }

@@ -254,7 +254,8 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
   KILN_REQUIRE_CUDA_BLOCK();
   auto gpu = make_cuda_ops(nullptr);
   std::uint64_t seed = 1300;
-  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {130, 200}, {256, 128}})
+  // 130 x 200: 4-float loads, byte stores; 70 x 130: one element at a time.
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {130, 200}, {256, 128}, {70, 130}})
     for (bool pow2 : {false, true}) {
       INFO(R << " x " << C << (pow2 ? " pow2" : ""));
       const auto n = static_cast<std::size_t>(R * C);
@@ -477,6 +478,158 @@ TEST_CASE("CUDA block quantisation into padded outputs (zero rows appended) matc
       CHECK(to_host<std::uint8_t>(dcc.data(), cc.size()) == cc);
       CHECK(test::same_bits(to_host<float>(drs.data(), rs.size()), rs));
       CHECK(test::same_bits(to_host<float>(dcs.data(), cs.size()), cs));
+    }
+}
+
+TEST_CASE("CUDA's grouped block quantisation (one launch over a mixture of experts' groups) equals each group's "
+          "quantisation alone, bit for bit") {
+  KILN_REQUIRE_CUDA_BLOCK();
+  auto gpu = make_cuda_ops(nullptr);
+  using P = ops::Prologue;
+  std::uint64_t seed = 1700;
+  const std::int64_t C = 288;  // dSwiGLU's halves of 144 columns: partial tiles along the columns
+  // Groups of awkward rows (none, fewer than a tile, partial tiles), and 70 groups (two launches).
+  std::vector<std::vector<std::int64_t>> groupings = {{5, 130, 0, 17, 300}, {128}, std::vector<std::int64_t>(70, 3)};
+  for (const auto& rows : groupings)
+    for (P src : {P::plain, P::gelu, P::swiglu, P::dgelu, P::dswiglu})
+      for (auto mode : {ScalingMode::block_1x128, ScalingMode::block_128x128})
+        for (int copies : {1, 2, 3}) {
+          std::int64_t R = 0;
+          for (std::int64_t n : rows) R += n;
+          R += 7;  // rows past the groups'
+          INFO(rows.size() << " groups of " << R << " rows, " << ops::name_of(src) << ", mode " << static_cast<int>(mode)
+                           << ", copies " << copies);
+          const std::int64_t in_cols = src == P::swiglu ? 2 * C : C, grad_cols = src == P::dswiglu ? C / 2 : C;
+          auto bits = [&](std::int64_t n, float sd) {
+            auto v = test::normal_values(static_cast<std::size_t>(n), ++seed, sd);
+            for (std::size_t i = 0; i < v.size(); i += 89) v[i] *= 40.0f;
+            std::vector<std::uint16_t> b(v.size());
+            for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16_bits(v[i]);
+            return b;
+          };
+          Buffer d_in = to_device(bits(R * in_cols, 2.0f)), d_grad = to_device(bits(R * grad_cols, 0.5f));
+          const TensorView in(d_in.data(), {R, in_cols}, DType::bf16, Device::cuda),
+              grad(d_grad.data(), {R, grad_cols}, DType::bf16, Device::cuda);
+          QuantizeSource x;
+          switch (src) {
+            case P::gelu: x = ops::GeluOnLoad{in}; break;
+            case P::swiglu: x = ops::SwigluOnLoad{in}; break;
+            case P::dgelu: x = ops::DgeluOnLoad{grad, in}; break;
+            case P::dswiglu: x = ops::DswigluOnLoad{grad, in}; break;
+            default: x = in;
+          }
+          // Each group's copies padded as the experts' are (rows to 4, the transpose's columns to 16),
+          // in one arena per run, filled with a pattern the kernels must overwrite.
+          struct Out {
+            std::int64_t code_at, scale_at, Rr, Rc;
+          };
+          std::vector<Out> outs;
+          std::int64_t codes = 0, scales = 0;
+          for (std::int64_t n : rows) {
+            const std::int64_t Rr = (n + 3) / 4 * 4, Rc = (n + 15) / 16 * 16;
+            outs.push_back({codes, scales, Rr, Rc});
+            codes += (Rr + Rc) * C + 256;
+            scales += BlockLayout{mode, Rr, C}.count() + BlockLayout{mode, C, Rc}.count() + 64;
+          }
+          auto run = [&](bool grouped) {
+            Buffer cb(Device::cuda, static_cast<std::size_t>(codes)), sb(Device::cuda, static_cast<std::size_t>(scales) * 4);
+            KILN_CUDA_CHECK(cudaMemset(cb.data(), 0x7f, static_cast<std::size_t>(codes)));
+            KILN_CUDA_CHECK(cudaMemset(sb.data(), 0xff, static_cast<std::size_t>(scales) * 4));
+            std::vector<BlockGroup> groups;
+            std::int64_t first = 0;
+            for (std::size_t g = 0; g < rows.size(); ++g) {
+              const Out& o = outs[g];
+              auto* c = static_cast<std::uint8_t*>(cb.data()) + o.code_at;
+              float* sc = static_cast<float*>(sb.data()) + o.scale_at;
+              BlockGroup bg{first, rows[g]};
+              if (copies & 1) {
+                bg.rowwise = TensorView(c, {o.Rr, C}, DType::e4m3, Device::cuda);
+                bg.row_scale_inv = sc;
+              }
+              if (copies & 2) {
+                bg.colwise = TensorView(c + o.Rr * C, {C, o.Rc}, DType::e4m3, Device::cuda);
+                bg.col_scale_inv = sc + BlockLayout{mode, o.Rr, C}.count();
+              }
+              groups.push_back(bg);
+              first += rows[g];
+            }
+            if (grouped) {
+              gpu->quantize_blocks_grouped({x, mode, false, groups});
+            } else {
+              for (const BlockGroup& g : groups)
+                if (g.rows > 0)
+                  gpu->quantize_blocks({source_rows(x, g.first, g.rows), mode, false, g.rowwise, g.row_scale_inv,
+                                        g.colwise, g.col_scale_inv});
+            }
+            return std::pair{to_host<std::uint8_t>(cb.data(), static_cast<std::size_t>(codes)),
+                             to_host<float>(sb.data(), static_cast<std::size_t>(scales))};
+          };
+          const auto [gc, gs] = run(true);
+          const auto [ac, as] = run(false);
+          CHECK(gc == ac);
+          CHECK(test::same_bits(gs, as));
+        }
+}
+
+TEST_CASE("CUDA's AdamW step of stacked experts' weights with their grouped 128x128 codes equals each expert's fused "
+          "step, bit for bit") {
+  KILN_REQUIRE_CUDA_BLOCK();
+  auto gpu = make_cuda_ops(nullptr);
+  std::uint64_t seed = 1900;
+  for (auto [E, A, B] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{3, 200, 136}, {4, 256, 128}, {70, 16, 32},
+                                                                                     {2, 130, 66}})
+    for (bool pow2 : {false, true}) {
+      INFO(E << " experts of " << A << " x " << B << (pow2 ? " pow2" : ""));
+      const auto n = static_cast<std::size_t>(E * A * B);
+      auto p = test::normal_values(n, ++seed, 0.05f), g = test::normal_values(n, ++seed, 1e-2f),
+           m = test::normal_values(n, ++seed, 1e-3f), v = test::normal_values(n, ++seed, 1e-3f);
+      for (auto& x : v) x = x * x;
+      for (std::size_t i = 0; i < n; i += 113) p[i] *= 50.0f;
+      const BlockLayout l{ScalingMode::block_128x128, A, B}, tl{ScalingMode::block_128x128, B, A};
+      const auto scales = static_cast<std::size_t>(E * (l.count() + tl.count()));
+      struct Run {
+        Buffer p, g, m, v, codes, scales;
+      };
+      auto make = [&] {
+        Run r{to_device(p), to_device(g), to_device(m), to_device(v), Buffer(Device::cuda, 2 * n + 256),
+              to_device(std::vector<float>(scales, -1.0f))};
+        KILN_CUDA_CHECK(cudaMemset(r.codes.data(), 0x7f, 2 * n));
+        return r;
+      };
+      auto step = [&](Run& r, std::int64_t first, std::int64_t rows) {
+        AdamWQuantizeArgs u;
+        u.param = TensorView(static_cast<float*>(r.p.data()) + first * B, {rows, B}, DType::f32, Device::cuda);
+        u.grad = TensorView(static_cast<float*>(r.g.data()) + first * B, {rows, B}, DType::f32, Device::cuda);
+        u.m = TensorView(static_cast<float*>(r.m.data()) + first * B, {rows, B}, DType::f32, Device::cuda);
+        u.v = TensorView(static_cast<float*>(r.v.data()) + first * B, {rows, B}, DType::f32, Device::cuda);
+        u.lr = 1e-3f, u.weight_decay = 0.1f, u.grad_scale = 0.5f, u.step = 9;
+        return u;
+      };
+      auto groups_of = [&](Run& r) {
+        std::vector<BlockGroup> gs;
+        auto* c = static_cast<std::uint8_t*>(r.codes.data());
+        auto* s = static_cast<float*>(r.scales.data());
+        for (std::int64_t e = 0; e < E; ++e)
+          gs.push_back({e * A, A, TensorView(c + e * A * B, {A, B}, DType::e4m3, Device::cuda), s + e * l.count(),
+                        TensorView(c + n + e * A * B, {B, A}, DType::e4m3, Device::cuda),
+                        s + E * l.count() + e * tl.count()});
+        return gs;
+      };
+      Run grouped = make(), apart = make();
+      const std::vector<BlockGroup> gg = groups_of(grouped), ga = groups_of(apart);
+      AdamWQuantizeArgs u = step(grouped, 0, E * A);
+      for (TensorView* t : {&u.param, &u.grad, &u.m, &u.v}) *t = t->reshape({E, A, B});  // stacked, as the layer holds it
+      gpu->adamw_quantize_blocks_grouped(u, {TensorView{}, ScalingMode::block_128x128, pow2, gg});
+      for (std::int64_t e = 0; e < E; ++e) {
+        const BlockGroup& ge = ga[static_cast<std::size_t>(e)];
+        gpu->adamw_quantize_blocks(step(apart, e * A, A), {TensorView{}, ScalingMode::block_128x128, pow2, ge.rowwise,
+                                                          ge.row_scale_inv, ge.colwise, ge.col_scale_inv});
+      }
+      for (auto [a, b] : {std::pair{&grouped.p, &apart.p}, {&grouped.m, &apart.m}, {&grouped.v, &apart.v}})
+        CHECK(test::same_bits(to_host<float>(a->data(), n), to_host<float>(b->data(), n)));
+      CHECK(to_host<float>(grouped.p.data(), n) != p);
+      CHECK(to_host<std::uint8_t>(grouped.codes.data(), 2 * n) == to_host<std::uint8_t>(apart.codes.data(), 2 * n));
+      CHECK(test::same_bits(to_host<float>(grouped.scales.data(), scales), to_host<float>(apart.scales.data(), scales)));
     }
 }
 

@@ -60,8 +60,8 @@ std::size_t with_room(std::size_t bytes) { return bytes + bytes / 8; }
 }  // namespace
 
 Fp8BlockGroupedLinear::Fp8BlockGroupedLinear(Fp8Ops& ops, Fp8Workspace& workspace, const BlockRecipe& recipe,
-                                             std::string name)
-    : ops_(ops), ws_(workspace), recipe_(recipe), name_(std::move(name)) {
+                                             std::string name, bool keep_input)
+    : ops_(ops), ws_(workspace), recipe_(recipe), name_(std::move(name)), keep_input_(keep_input) {
   KILN_CHECK(recipe.input == Format::e4m3 && recipe.weight == Format::e4m3, name_,
              ": the forward GEMM needs E4M3 input and weight (E5M2 x E5M2 products do not exist)");
 }
@@ -107,12 +107,9 @@ void Fp8BlockGroupedLinear::ensure_weight(const TensorView& w, std::int64_t vers
   // The compute copy's memory holds both copies (2 bytes per element), made from the master.
   const bool in_compute = master_ && w.data == compute_.data && w.numel() == compute_.numel();
   place_codes(E, A, B, in_compute);
-  const TensorView src = in_compute ? master_.reshape(w.shape) : w;
-  for (std::int64_t e = 0; e < E; ++e) {
-    BlockQuantizeArgs q = weight_codes(e);
-    q.x = expert_matrix(src, e);
-    ops_.quantize_blocks(q);
-  }
+  const TensorView src = (in_compute ? master_ : w).reshape({E * A, B});
+  const std::vector<BlockGroup> groups = weight_groups();
+  ops_.quantize_blocks_grouped({src, ScalingMode::block_128x128, recipe_.pow2, groups});
   cache_.valid = true;
   cache_.version = version;
   cache_.source = w.data;
@@ -131,24 +128,24 @@ void Fp8BlockGroupedLinear::update_weight(AdamWQuantizeArgs u, std::int64_t vers
     return;
   }
   place_codes(E, A, B, true);
-  const TensorView param = master_.reshape({E, A, B}), grad = u.grad.reshape({E, A, B}), m = u.m.reshape({E, A, B}),
-                   v = u.v.reshape({E, A, B});
-  for (std::int64_t e = 0; e < E; ++e) {
-    AdamWQuantizeArgs ue = u;
-    ue.param = expert_matrix(param, e);
-    ue.grad = expert_matrix(grad, e);
-    ue.m = expert_matrix(m, e);
-    ue.v = expert_matrix(v, e);
-    ops_.adamw_quantize_blocks(ue, weight_codes(e));
-  }
+  u.param = master_.reshape({E * A, B});
+  u.grad = u.grad.reshape({E * A, B});
+  u.m = u.m.reshape({E * A, B});
+  u.v = u.v.reshape({E * A, B});
+  const std::vector<BlockGroup> groups = weight_groups();
+  ops_.adamw_quantize_blocks_grouped(u, {TensorView{}, ScalingMode::block_128x128, recipe_.pow2, groups});
   cache_.valid = true;
   cache_.version = version;
   cache_.source = compute_.data;
 }
 
-BlockQuantizeArgs Fp8BlockGroupedLinear::weight_codes(std::int64_t e) const {
-  const WeightOperand s = stored(e), t = transposed(e);
-  return {TensorView{}, ScalingMode::block_128x128, recipe_.pow2, s.codes, s.scale_inv, t.codes, t.scale_inv};
+std::vector<BlockGroup> Fp8BlockGroupedLinear::weight_groups() const {
+  std::vector<BlockGroup> groups;
+  for (std::int64_t e = 0; e < cache_.E; ++e) {
+    const WeightOperand s = stored(e), t = transposed(e);
+    groups.push_back({e * cache_.A, cache_.A, s.codes, s.scale_inv, t.codes, t.scale_inv});
+  }
+  return groups;
 }
 
 Fp8BlockGroupedLinear::WeightOperand Fp8BlockGroupedLinear::stored(std::int64_t e) const {
@@ -163,6 +160,18 @@ Fp8BlockGroupedLinear::WeightOperand Fp8BlockGroupedLinear::transposed(std::int6
   const BlockLayout sl{ScalingMode::block_128x128, A, B}, tl{ScalingMode::block_128x128, B, A};
   return {TensorView(cache_.transposed + e * A * B, {B, A}, dtype_of(recipe_.weight), ops_.device()),
           static_cast<float*>(cache_.scales.data()) + cache_.E * sl.count() + e * tl.count()};
+}
+
+std::uint8_t* Fp8BlockGroupedLinear::kept_input(const std::int32_t* off, int E, std::int64_t cols,
+                                                std::size_t bytes) {
+  if (kept_.bytes() < bytes) {  // the old buffer may still be read by the device
+    if (kept_.data()) ops_.synchronize();
+    kept_ = Buffer();
+    kept_ = ops_.alloc(with_room(bytes));
+  }
+  kept_off_.assign(off, off + E + 1);
+  kept_cols_ = cols;
+  return static_cast<std::uint8_t*>(kept_.data());
 }
 
 namespace {
@@ -223,38 +232,56 @@ void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int
   ensure_weight(a.weight, weight_version);
   const std::int32_t* off = a.offsets_host;
   KILN_CHECK(off[0] == 0 && off[E] <= R, name_, " forward: offsets 0..", off[E], " for ", R, " rows");
-  if (off[E] == 0) return;
-  // Each expert's rows, 1x128 along IC, padded to 4 rows.
+  // Each expert's rows, 1x128 along IC, padded to 4 rows; with keep_input, the transposes the
+  // backward's weight gradient reads (padded to 16 columns), made from the same read where they are
+  // 1x128 too.
   Grouped xq(off, E, [&](std::int64_t n) { return BlockLayout{ScalingMode::block_1x128, round_up(n, 4), IC}; });
+  const ScalingMode col_mode = input_col_mode(a.weight_in_out);
+  Grouped xc(off, E, [&](std::int64_t n) { return BlockLayout{col_mode, IC, round_up(n, 16)}; });
+  if (keep_input_) xc.place(kept_input(off, E, IC, xc.bytes()));
+  if (off[E] == 0) return;
   ExpertProducts products(ops_, "fp8_block_grouped_gemm_fwd");
   std::uint8_t* scratch =
       ws_.get(with_room(xq.bytes() + ExpertProducts::scratch_bytes(off, E, OC, a.out.dtype)));
   products.set_scratch(xq.place(scratch));
   const Device dev = ops_.device();
+  const bool one_read = keep_input_ && col_mode == ScalingMode::block_1x128;
+  std::vector<BlockGroup> groups, col_groups;
   for (int e = 0; e < E; ++e) {
     const std::int64_t n = off[e + 1] - off[e];
     if (n == 0) continue;
     const TensorView codes = xq.codes_of(e, recipe_.input, dev);
-    ops_.quantize_blocks({source_rows(x, off[e], n), ScalingMode::block_1x128, recipe_.pow2, codes, xq.scales_of(e)});
+    BlockGroup g{off[e], n, codes, xq.scales_of(e)};
+    if (keep_input_) {
+      BlockGroup& kept = one_read ? g : col_groups.emplace_back(BlockGroup{off[e], n});
+      kept.colwise = xc.codes_of(e, recipe_.input, dev);
+      kept.col_scale_inv = xc.scales_of(e);
+    }
+    groups.push_back(g);
     const WeightOperand w = a.weight_in_out ? transposed(e) : stored(e);
     products.add(codes, xq.scales_of(e), w.codes, w.scale_inv, a.out.rows(off[e], n));
   }
+  ops_.quantize_blocks_grouped({x, ScalingMode::block_1x128, recipe_.pow2, groups});
+  if (!col_groups.empty()) ops_.quantize_blocks_grouped({x, col_mode, recipe_.pow2, col_groups});
   products.run();
 }
 
 void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
-  const QuantizeSource x = to_source(a.x), dout = to_source(a.dout);
-  const Shape ds = source_shape(dout, (name_ + " backward output gradient").c_str()),
-              xs = source_shape(x, (name_ + " backward input").c_str());
-  KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && ds[0] == xs[0], name_, " backward: weight ", a.weight.str(),
-             ", dout ", ds.str(), ", x ", xs.str());
-  const std::int64_t R = ds[0], OC = ds[1], IC = xs[1];
+  const QuantizeSource dout = to_source(a.dout);
+  const Shape ds = source_shape(dout, (name_ + " backward output gradient").c_str());
+  KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host, name_, " backward: weight ", a.weight.str(), ", dout ", ds.str());
+  const std::int64_t R = ds[0], OC = ds[1], IC = a.weight_in_out ? a.weight.size(1) : a.weight.size(2);
   const int E = static_cast<int>(a.weight.size(0));
-  KILN_CHECK((a.weight_in_out ? a.weight.size(1) == IC && a.weight.size(2) == OC
-                              : a.weight.size(1) == OC && a.weight.size(2) == IC) &&
-                 a.dweight.dtype == DType::f32 && a.dweight.shape == a.weight.shape,
-             name_, " backward: weight ", a.weight.str(), " and dweight ", a.dweight.str(), " for dout ", ds.str(),
-             " and x ", xs.str());
+  // The input (not read where kept from the forward).
+  const QuantizeSource x = keep_input_ ? QuantizeSource{} : to_source(a.x);
+  if (!keep_input_) {
+    const Shape xs = source_shape(x, (name_ + " backward input").c_str());
+    KILN_CHECK(xs[0] == R && xs[1] == IC, name_, " backward: x ", xs.str(), " for dout ", ds.str(), " and weight ",
+               a.weight.str());
+  }
+  KILN_CHECK((a.weight_in_out ? a.weight.size(2) == OC : a.weight.size(1) == OC) && a.dweight.dtype == DType::f32 &&
+                 a.dweight.shape == a.weight.shape,
+             name_, " backward: weight ", a.weight.str(), " and dweight ", a.dweight.str(), " for dout ", ds.str());
   if (!cache_.valid || cache_.source != a.weight.data) ensure_weight(a.weight, cache_.version);
   const std::int32_t* off = a.offsets_host;
   KILN_CHECK(off[0] == 0 && off[E] <= R, name_, " backward: offsets 0..", off[E], " for ", R, " rows");
@@ -264,19 +291,27 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
     ops_.zero(rest.data, rest.bytes());
   }
   // The output gradient: rowwise (the data gradient's, rows padded to 4) and its transpose (the
-  // weight gradient's, the rows padded to 16); the input's transpose (padded to 16). The 128x128
-  // option for the input where it is the weight gradient's second operand (an FC1).
-  const ScalingMode xc_mode =
-      recipe_.wgrad_input_2d && !a.weight_in_out ? ScalingMode::block_128x128 : ScalingMode::block_1x128;
+  // weight gradient's, the rows padded to 16); the input's transpose (padded to 16; kept from the
+  // forward with keep_input). The 128x128 option for the input where it is the weight gradient's
+  // second operand (an FC1).
+  const ScalingMode xc_mode = input_col_mode(a.weight_in_out);
   const bool dx = static_cast<bool>(a.dx);
   Grouped gr(off, E, [&](std::int64_t n) { return BlockLayout{ScalingMode::block_1x128, dx ? round_up(n, 4) : 0, OC}; });
   Grouped gc(off, E, [&](std::int64_t n) { return BlockLayout{ScalingMode::block_1x128, OC, round_up(n, 16)}; });
   Grouped xc(off, E, [&](std::int64_t n) { return BlockLayout{xc_mode, IC, round_up(n, 16)}; });
-  std::uint8_t* scratch = ws_.get(with_room(gr.bytes() + gc.bytes() + xc.bytes() +
+  if (keep_input_) {
+    KILN_CHECK(kept_cols_ == IC && kept_off_ == std::vector<std::int32_t>(off, off + E + 1) && kept_.bytes() >= xc.bytes(),
+               name_, ": backward without its forward's kept input (another grouping or width)");
+    xc.place(static_cast<std::uint8_t*>(kept_.data()));
+  }
+  std::uint8_t* scratch = ws_.get(with_room(gr.bytes() + gc.bytes() + (keep_input_ ? 0 : xc.bytes()) +
                                             (dx ? ExpertProducts::scratch_bytes(off, E, IC, a.dx.dtype) : 0)));
+  std::uint8_t* next = gc.place(gr.place(scratch));
+  if (!keep_input_) next = xc.place(next);
   ExpertProducts dgrad(ops_, "fp8_block_grouped_gemm_dgrad");
-  dgrad.set_scratch(xc.place(gc.place(gr.place(scratch))));
+  dgrad.set_scratch(next);
   std::vector<GemmArgs> wgrad;
+  std::vector<BlockGroup> dout_groups, x_groups;
   const Device dev = ops_.device();
   for (int e = 0; e < E; ++e) {
     const std::int64_t n = off[e + 1] - off[e];
@@ -287,9 +322,8 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
     }
     const TensorView g_row = dx ? gr.codes_of(e, recipe_.grad, dev) : TensorView{};
     const TensorView g_col = gc.codes_of(e, recipe_.grad, dev), x_col = xc.codes_of(e, recipe_.input, dev);
-    ops_.quantize_blocks({source_rows(dout, off[e], n), ScalingMode::block_1x128, recipe_.pow2, g_row,
-                          dx ? gr.scales_of(e) : nullptr, g_col, gc.scales_of(e)});
-    ops_.quantize_blocks({source_rows(x, off[e], n), xc_mode, recipe_.pow2, {}, nullptr, x_col, xc.scales_of(e)});
+    dout_groups.push_back({off[e], n, g_row, dx ? gr.scales_of(e) : nullptr, g_col, gc.scales_of(e)});
+    if (!keep_input_) x_groups.push_back({off[e], n, {}, nullptr, x_col, xc.scales_of(e)});
     // wgrad: dW[e] [OC, IC] (+)= dout^T @ x (an FC2's [IC, OC] = x^T @ dout), K the padded rows.
     GemmArgs w = a.weight_in_out ? block_product(x_col, xc.scales_of(e), ScalingMode::block_1x128, g_col,
                                                  gc.scales_of(e), ScalingMode::block_1x128, dw,
@@ -304,6 +338,8 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
     const WeightOperand wt = a.weight_in_out ? stored(e) : transposed(e);
     dgrad.add(g_row, gr.scales_of(e), wt.codes, wt.scale_inv, a.dx.rows(off[e], n));
   }
+  ops_.quantize_blocks_grouped({dout, ScalingMode::block_1x128, recipe_.pow2, dout_groups});
+  if (!keep_input_) ops_.quantize_blocks_grouped({x, xc_mode, recipe_.pow2, x_groups});
   ops_.gemm_grouped(wgrad);
   if (dx) dgrad.run();
   if (dx && a.dx_gelu_pre && used > 0) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));

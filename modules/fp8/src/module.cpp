@@ -300,7 +300,7 @@ std::string skip_line(const std::string& s) {
 // amax systems; the weights' codes are made once per weight version (every optimizer step, or a
 // checkpoint load, makes a new one): by the layers or the fused optimizer step where the masters are
 // whole, by every rank for its parts where they are sharded (see fp8.weights below).
-void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string>& skipped) {
+void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string>& skipped, bool pipelined) {
   auto& st = w.resource<Fp8State>();
   // E4M3 throughout, fp8.format notwithstanding (as DeepSeek-V3 and TransformerEngine's block recipe):
   // a scale per 128 values leaves E5M2's range nothing to do, and E4M3's extra mantissa bit shows in
@@ -338,17 +338,24 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
     }
   st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
   Fp8State* state = &st;
+  // The experts' linears keep their inputs' transposes (the weight gradient's operand) in FP8 from the
+  // forward where the model would store the input for them, as under per-tensor scaling (not on a
+  // pipeline stage: other micro-batches' forwards run between a forward and its backward).
+  const std::set<nn::LinearRole> keep_grouped_roles = roles_kept_in_fp8<nn::GroupedLinear>(w, st.grouped_entities);
   for (Entity e : st.grouped_entities) {
     const auto* name = w.try_get<Name>(e);
-    st.block_grouped.push_back(
-        std::make_unique<Fp8BlockGroupedLinear>(*st.ops, *st.workspace, recipe, name ? name->value : w.describe(e)));
+    const auto& grouped = w.get<nn::GroupedLinear>(e);
+    const bool keep = !pipelined && grouped.input_stored_for_backward && keep_grouped_roles.count(grouped.role) > 0;
+    st.block_grouped.push_back(std::make_unique<Fp8BlockGroupedLinear>(*st.ops, *st.workspace, recipe,
+                                                                       name ? name->value : w.describe(e), keep));
     Fp8BlockGroupedLinear* lin = st.block_grouped.back().get();
     w.emplace<ops::GroupedLinearImpl>(
         e, ops::GroupedLinearImpl{.forward = [lin, state](const ops::GroupedLinearForward& a) {
                                     lin->forward(a, state->grouped_version);
                                   },
                                   .backward = [lin](const ops::GroupedLinearBackward& a) { lin->backward(a); },
-                                  .prologues = Fp8BlockGroupedLinear::kPrologues});
+                                  .prologues = Fp8BlockGroupedLinear::kPrologues,
+                                  .keeps_input = keep});
   }
   for (Entity e : st.entities) {
     const auto* name = w.try_get<Name>(e);
@@ -518,7 +525,7 @@ void install(World& w, const Fp8Config& cfg) {
     }
     st.grouped_entities.push_back(e);
   }
-  if (cfg.recipe == RecipeKind::block) return install_block(w, cfg, skipped);  // (tokens % 16 == 0 covers its GEMMs' rows)
+  if (cfg.recipe == RecipeKind::block) return install_block(w, cfg, skipped, pipelined);  // (tokens % 16 == 0 covers its GEMMs' rows)
   // The grouped linears' meta: three slots each, after the linears'.
   // Which FP8 layers keep their input in FP8 for the backward pass.
   const std::set<nn::LinearRole> keep_roles = roles_kept_in_fp8<nn::Linear>(w, st.entities);

@@ -1,4 +1,5 @@
-// Fp8Ops' default of the fused optimizer step with block quantisation: the two calls it fuses.
+// Fp8Ops' defaults of the fused optimizer step with block quantisation (the two calls it fuses) and of
+// the grouped block quantisations (one call per group).
 #include "kiln/core/error.hpp"
 #include "kiln/fp8/ops.hpp"
 
@@ -13,6 +14,46 @@ void Fp8Ops::adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuanti
   BlockQuantizeArgs q = out;
   q.x = u.param;
   quantize_blocks(q);
+}
+
+namespace {
+
+BlockQuantizeArgs group_args(const GroupedBlockQuantizeArgs& a, const BlockGroup& g) {
+  return {{}, a.mode, a.pow2, g.rowwise, g.row_scale_inv, g.colwise, g.col_scale_inv};
+}
+
+// param seen as [R, cols] (a 2-D or stacked 3-D master weight).
+TensorView as_rows(const TensorView& t, const char* what) {
+  KILN_CHECK((t.ndim() == 2 || t.ndim() == 3) && t.contiguous(), "fp8 adamw_quantize_blocks_grouped: ", what,
+             " must be a contiguous [rows, cols] or [batch, rows, cols] tensor, got ", t.str());
+  return t.ndim() == 2 ? t : t.reshape({t.size(0) * t.size(1), t.size(2)});
+}
+
+}  // namespace
+
+void Fp8Ops::quantize_blocks_grouped(const GroupedBlockQuantizeArgs& a) {
+  for (const BlockGroup& g : a.groups) {
+    if (g.rows == 0) continue;
+    BlockQuantizeArgs q = group_args(a, g);
+    q.x = source_rows(a.x, g.first, g.rows);
+    quantize_blocks(q);
+  }
+}
+
+void Fp8Ops::adamw_quantize_blocks_grouped(const AdamWQuantizeArgs& u, const GroupedBlockQuantizeArgs& out) {
+  const TensorView param = as_rows(u.param, "param"), grad = as_rows(u.grad, "grad"), m = as_rows(u.m, "m"),
+                   v = as_rows(u.v, "v");
+  for (const BlockGroup& g : out.groups) {
+    if (g.rows == 0) continue;
+    KILN_CHECK(g.first >= 0 && g.first + g.rows <= param.size(0), "fp8 adamw_quantize_blocks_grouped: rows ", g.first,
+               "..", g.first + g.rows, " of ", param.str());
+    AdamWQuantizeArgs ug = u;
+    ug.param = param.rows(g.first, g.rows);
+    ug.grad = grad.rows(g.first, g.rows);
+    ug.m = m.rows(g.first, g.rows);
+    ug.v = v.rows(g.first, g.rows);
+    adamw_quantize_blocks(ug, group_args(out, g));
+  }
 }
 
 }  // namespace kiln::fp8

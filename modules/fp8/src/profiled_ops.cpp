@@ -1,5 +1,6 @@
 #include "profiled_ops.hpp"
 
+#include <algorithm>
 #include <map>
 #include <string>
 
@@ -51,16 +52,14 @@ class ProfiledOps final : public Fp8Ops {
     in_->quantize_grouped(a);
   }
   void quantize_blocks(const BlockQuantizeArgs& a) override {
-    // fp8_quantize_blocks_<mode>[_<prologue>]_<copies>[_dbias], e.g. fp8_quantize_blocks_1x128_dgelu_both_dbias
-    static constexpr const char* kSource[] = {"", "_layernorm", "_gelu", "_swiglu", "_dgelu", "_dswiglu"};
-    const int copies = a.rowwise && a.colwise ? 0 : a.rowwise ? 1 : 2, row = a.mode == ScalingMode::block_1x128 ? 0 : 1;
-    const int key = ((row * 6 + static_cast<int>(a.x.index())) * 3 + copies) * 2 + (a.dbias ? 1 : 0);
-    auto [it, made] = names_.try_emplace(key);
-    if (made)  // the profiler keeps the name's pointer: it lives as long as this object
-      it->second = cat("fp8_quantize_blocks_", row == 0 ? "1x128" : "128x128", kSource[a.x.index()],
-                       copies == 0 ? "_both" : copies == 1 ? "_rowwise" : "_colwise", a.dbias ? "_dbias" : "");
-    Scope s(be_, it->second.c_str());
+    Scope s(be_, block_name(a.x, a.mode, !a.rowwise.empty(), !a.colwise.empty(), !a.dbias.empty(), false));
     in_->quantize_blocks(a);
+  }
+  void quantize_blocks_grouped(const GroupedBlockQuantizeArgs& a) override {
+    const auto with_rows = std::find_if(a.groups.begin(), a.groups.end(), [](const BlockGroup& g) { return g.rows > 0; });
+    const bool row = with_rows != a.groups.end() && with_rows->rowwise, col = with_rows != a.groups.end() && with_rows->colwise;
+    Scope s(be_, block_name(a.x, a.mode, row, col, false, true));
+    in_->quantize_blocks_grouped(a);
   }
   void block_part_amax(const BlockPart& p, float* tile_amax) override {
     Scope s(be_, "fp8_block_part_amax");
@@ -78,6 +77,10 @@ class ProfiledOps final : public Fp8Ops {
   void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out) override {
     Scope s(be_, "fp8_adamw_quantize_blocks");
     in_->adamw_quantize_blocks(u, out);
+  }
+  void adamw_quantize_blocks_grouped(const AdamWQuantizeArgs& u, const GroupedBlockQuantizeArgs& out) override {
+    Scope s(be_, "fp8_adamw_quantize_blocks_grouped");
+    in_->adamw_quantize_blocks_grouped(u, out);
   }
   void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) override {
     Scope s(be_, out.rowwise && out.colwise ? "fp8_quantize_gelu_both" : out.rowwise ? "fp8_quantize_gelu_rowwise"
@@ -156,6 +159,21 @@ class ProfiledOps final : public Fp8Ops {
   };
   std::unique_ptr<Fp8Ops> in_;
   ops::Backend& be_;
+  // fp8_quantize_blocks[_grouped]_<mode>[_<prologue>]_<copies>[_dbias], e.g.
+  // fp8_quantize_blocks_1x128_dgelu_both_dbias (the profiler keeps the name's pointer: it lives as
+  // long as this object).
+  const char* block_name(const QuantizeSource& x, ScalingMode mode, bool rowwise, bool colwise, bool dbias,
+                         bool grouped) {
+    static constexpr const char* kSource[] = {"", "_layernorm", "_gelu", "_swiglu", "_dgelu", "_dswiglu"};
+    const int copies = rowwise && colwise ? 0 : rowwise ? 1 : 2, row = mode == ScalingMode::block_1x128 ? 0 : 1;
+    const int key = (((row * 6 + static_cast<int>(x.index())) * 3 + copies) * 2 + (dbias ? 1 : 0)) * 2 + (grouped ? 1 : 0);
+    auto [it, made] = names_.try_emplace(key);
+    if (made)
+      it->second = cat("fp8_quantize_blocks_", grouped ? "grouped_" : "", row == 0 ? "1x128" : "128x128",
+                       kSource[x.index()], copies == 0 ? "_both" : copies == 1 ? "_rowwise" : "_colwise",
+                       dbias ? "_dbias" : "");
+    return it->second.c_str();
+  }
   std::map<int, std::string> names_;  // quantize_blocks' op names by their variant
 };
 

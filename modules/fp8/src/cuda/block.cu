@@ -7,9 +7,13 @@
 // 16-byte stores (a row of the codes, or of the transpose's). The staged values are x's or what a
 // prologue computes from its tensors as it loads them (loads.cuh: the values the unfused op would
 // store); with dbias the same two threads per column also sum it, one partial sum per 128-row tile.
+// A grouped quantisation (a mixture of experts' rows, one group per expert) is one launch: each row
+// tile belongs to one group, found in the plan the kernel takes in its parameters.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <span>
+#include <vector>
 
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
@@ -62,7 +66,7 @@ __device__ __forceinline__ std::uint32_t warp_max(std::uint32_t v) {
 }
 
 struct Args {
-  std::int64_t R, C;  // x's
+  std::int64_t R, C;  // x's (its rows from `base` of the source's on)
   std::int64_t Rr, Rc;  // the rowwise codes' rows and the colwise codes' columns (>= R: zero rows appended)
   ScalingMode mode;
   Format f;
@@ -72,6 +76,8 @@ struct Args {
   std::uint8_t* colwise;
   float* col_scale_inv;
   float* partial;  // [row tiles, C] column sums, or null
+  std::int64_t base = 0;  // the source's row of x's first (a group of a grouped quantisation)
+  bool vec_row = false, vec_col = false;  // 16-byte stores of the rowwise and colwise codes
 };
 
 // The sources of the staged values: load(v, r, c) gives kVec consecutive columns c.. of row r (c a
@@ -194,7 +200,7 @@ __device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std
       const std::int64_t r = r0 + rr, c = c0 + cc;
       float v[V];
       if (r < a.R && c < a.C) {
-        src.load(v, r, c);
+        src.load(v, a.base + r, c);
       } else {
 #pragma unroll
         for (int k = 0; k < V; ++k) v[k] = 0.0f;
@@ -207,7 +213,7 @@ __device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std
     for (int i = threadIdx.x; i < kBlock * kBlock; i += kCtaThreads) {
       const int rr = i / kBlock, cc = i % kBlock;
       const std::int64_t r = r0 + rr, c = c0 + cc;
-      tile_put(tile + rr * kRow + cc, r < a.R && c < a.C ? src.at(r, c) : 0.0f);
+      tile_put(tile + rr * kRow + cc, r < a.R && c < a.C ? src.at(a.base + r, c) : 0.0f);
     }
   }
 }
@@ -253,18 +259,19 @@ __device__ __forceinline__ std::uint32_t amax64(const T* src, int step) {
   return m;
 }
 
-// Each thread t takes half t % 2 (64 elements) of tile line t / 2: a row for the rowwise codes, a
-// column for the transpose's. Both threads of a line are neighbours in a warp.
+// The tile of x at rows r0.., columns c0..: each thread t takes half t % 2 (64 elements) of tile line
+// t / 2, a row for the rowwise codes, a column for the transpose's. Both threads of a line are
+// neighbours in a warp.
 template <class S, Format F>
-__global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Args a, bool vec_in, bool vec_row,
-                                                                   bool vec_col) {
+__device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::int64_t r0, std::int64_t c0,
+                                              bool vec_in) {
   using T = typename S::Tile;
   constexpr int kRow = kRowOf<T>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* tile = reinterpret_cast<T*>(smem);
   __shared__ std::uint32_t warp_amax[kWarps];
   __shared__ float tile_scale;
-  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kBlock, c0 = static_cast<std::int64_t>(blockIdx.x) * kBlock;
+  const bool vec_row = a.vec_row, vec_col = a.vec_col;
   stage(tile, src, a, r0, c0, vec_in);
   __syncthreads();
   const int line = threadIdx.x / 2, half = threadIdx.x % 2, first = 64 * half;
@@ -323,34 +330,189 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Arg
 }
 
 template <class S, Format F>
-void launch(const S& src, const Args& a, bool vec_in, cudaStream_t s) {
-  const std::int64_t tiles_c = blocks_of(a.C), tiles_r = blocks_of(std::max(a.R, std::max(a.Rr, a.Rc)));
-  KILN_CHECK(tiles_c <= 0x7fffffff && tiles_r <= 65535, "fp8 quantize_blocks: [", a.R, ", ", a.C,
-             "] is too large for one launch");
-  // More than the default 48 KB of dynamic shared memory (set at each launch: a host-side call).
+__global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Args a, bool vec_in) {
+  quantize_tile<S, F>(src, a, static_cast<std::int64_t>(blockIdx.y) * kBlock,
+                      static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
+}
+
+// A grouped quantisation's groups (up to kPlanGroups a launch), in the kernel's parameters: group g's
+// row tiles are blockIdx.y in [tile[g], tile[g + 1]), its Args are the launch's with part[g]'s rows,
+// copies and scales.
+constexpr int kPlanGroups = 64;
+struct GroupPart {
+  std::int64_t base, R, Rr, Rc;
+  std::uint8_t* rowwise;
+  float* row_scale_inv;
+  std::uint8_t* colwise;
+  float* col_scale_inv;
+  bool vec_row, vec_col;
+};
+struct GroupPlan {
+  int n = 0;
+  int tile[kPlanGroups + 1] = {};
+  GroupPart part[kPlanGroups] = {};
+};
+
+// The group of row tile t (blockIdx.y of a grouped launch): its rows, copies and scales into a; the
+// first row of the tile within the group.
+__device__ __forceinline__ std::int64_t select_group(Args& a, const GroupPlan& plan, int t) {
+  int g = 0;
+  while (g + 1 < plan.n && plan.tile[g + 1] <= t) ++g;
+  const GroupPart& p = plan.part[g];
+  a.base = p.base;
+  a.R = p.R;
+  a.Rr = p.Rr;
+  a.Rc = p.Rc;
+  a.rowwise = p.rowwise;
+  a.row_scale_inv = p.row_scale_inv;
+  a.colwise = p.colwise;
+  a.col_scale_inv = p.col_scale_inv;
+  a.vec_row = p.vec_row;
+  a.vec_col = p.vec_col;
+  return static_cast<std::int64_t>(t - plan.tile[g]) * kBlock;
+}
+
+template <class S, Format F>
+__global__ void __launch_bounds__(kCtaThreads) quantize_blocks_grouped_kernel(S src, Args a,
+                                                                           const __grid_constant__ GroupPlan plan,
+                                                                           bool vec_in) {
+  const std::int64_t r0 = select_group(a, plan, static_cast<int>(blockIdx.y));
+  quantize_tile<S, F>(src, a, r0, static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
+}
+
+// 16-byte stores where the rows of the codes are multiples of 16 bytes and they are aligned.
+void set_vec(Args& a) {
+  a.vec_row = a.C % 16 == 0 && aligned16(a.rowwise);
+  a.vec_col = a.Rc % 16 == 0 && aligned16(a.colwise);
+}
+
+std::int64_t row_tiles(const Args& a) { return blocks_of(std::max(a.R, std::max(a.Rr, a.Rc))); }
+
+// More than the default 48 KB of dynamic shared memory (set at each launch: a host-side call).
+template <class K>
+std::size_t allow_smem(K kernel, std::size_t bytes) {
+  KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  return bytes;
+}
+
+// One launch over x (no groups), or over the groups' tiles.
+template <class S, Format F>
+void launch(const S& src, Args a, std::span<const GroupPart> groups, bool vec_in, cudaStream_t s) {
+  const std::int64_t tiles_c = blocks_of(a.C);
   constexpr std::size_t kSmem = kSmemOf<typename S::Tile>;
-  KILN_CUDA_CHECK(cudaFuncSetAttribute(quantize_blocks_kernel<S, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kSmem)));
-  const bool vec_row = a.C % 16 == 0 && aligned16(a.rowwise);
-  const bool vec_col = a.Rc % 16 == 0 && aligned16(a.colwise);
-  quantize_blocks_kernel<S, F><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), kCtaThreads,
-                                  kSmem, s>>>(src, a, vec_in, vec_row, vec_col);
-  KILN_CUDA_LAUNCH_CHECK();
+  if (groups.empty()) {
+    const std::int64_t tiles_r = row_tiles(a);
+    KILN_CHECK(tiles_c <= 0x7fffffff && tiles_r <= 65535, "fp8 quantize_blocks: [", a.R, ", ", a.C,
+               "] is too large for one launch");
+    set_vec(a);
+    quantize_blocks_kernel<S, F><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), kCtaThreads,
+                                    allow_smem(quantize_blocks_kernel<S, F>, kSmem), s>>>(src, a, vec_in);
+    KILN_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  for (std::size_t at = 0; at < groups.size(); at += kPlanGroups) {
+    GroupPlan plan;
+    for (std::size_t i = at; i < groups.size() && plan.n < kPlanGroups; ++i) {
+      const GroupPart& p = groups[i];
+      const std::int64_t tiles = blocks_of(std::max(p.R, std::max(p.Rr, p.Rc)));
+      KILN_CHECK(plan.tile[plan.n] + tiles <= 65535 && tiles_c <= 0x7fffffff,
+                 "fp8 quantize_blocks_grouped: too many tiles for one launch");
+      plan.part[plan.n] = p;
+      plan.tile[plan.n + 1] = plan.tile[plan.n] + static_cast<int>(tiles);
+      ++plan.n;
+    }
+    if (plan.tile[plan.n] == 0) continue;
+    quantize_blocks_grouped_kernel<S, F>
+        <<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(plan.tile[plan.n])), kCtaThreads,
+           allow_smem(quantize_blocks_grouped_kernel<S, F>, kSmem), s>>>(src, a, plan, vec_in);
+    KILN_CUDA_LAUNCH_CHECK();
+  }
 }
 
 template <class S>
-void with_format(const S& src, const Args& a, bool vec_in, cudaStream_t s) {
+void with_format(const S& src, const Args& a, std::span<const GroupPart> groups, bool vec_in, cudaStream_t s) {
   if (a.f == Format::e4m3)
-    launch<S, Format::e4m3>(src, a, vec_in, s);
+    launch<S, Format::e4m3>(src, a, groups, vec_in, s);
   else
-    launch<S, Format::e5m2>(src, a, vec_in, s);
+    launch<S, Format::e5m2>(src, a, groups, vec_in, s);
+}
+
+}  // namespace
+
+namespace {
+
+void check_cast(const BlockCast& k, const char* what) {
+  KILN_CHECK(k.mode == ScalingMode::block_1x128 || k.mode == ScalingMode::block_128x128, what,
+             ": a block scaling mode is needed");
+  KILN_CHECK(k.source == ops::Prologue::plain || k.x_dtype == DType::bf16, what, ": a prologue's tensors are bf16");
+}
+
+// The groups' parts, checked: padded copies at least the group's rows, every group the same copies.
+std::vector<GroupPart> parts_of(const BlockCast& k, std::span<const BlockCastGroup> groups, bool padded,
+                                const char* what) {
+  std::vector<GroupPart> parts;
+  int copies = -1;
+  for (const BlockCastGroup& g : groups) {
+    if (g.rows <= 0) continue;
+    const std::int64_t Rr = g.row_rows ? g.row_rows : g.rows, Rc = g.col_cols ? g.col_cols : g.rows;
+    KILN_CHECK(g.first >= 0 && g.first + g.rows <= k.rows, what, ": group rows ", g.first, "..", g.first + g.rows,
+               " of ", k.rows);
+    KILN_CHECK(Rr >= g.rows && Rc >= g.rows && (padded || (Rr == g.rows && Rc == g.rows)), what, ": copies of ", Rr,
+               " rows and ", Rc, " columns for a group of ", g.rows, " rows");
+    KILN_CHECK(!g.rowwise == !g.row_scale_inv && !g.colwise == !g.col_scale_inv && (g.rowwise || g.colwise), what,
+               ": each group's copies with their scales");
+    const int c = (g.rowwise ? 1 : 0) | (g.colwise ? 2 : 0);
+    KILN_CHECK(copies < 0 || copies == c, what, ": every group with the same copies");
+    copies = c;
+    GroupPart p{g.first, g.rows, Rr, Rc, g.rowwise, g.row_scale_inv, g.colwise, g.col_scale_inv, false, false};
+    p.vec_row = k.cols % 16 == 0 && aligned16(p.rowwise);
+    p.vec_col = Rc % 16 == 0 && aligned16(p.colwise);
+    parts.push_back(p);
+  }
+  return parts;
+}
+
+// The launch of k's source (its values on load) over x, or over the groups' parts.
+void dispatch(const BlockCast& k, const Args& a, std::span<const GroupPart> parts, cudaStream_t s) {
+  const long long C = k.cols;
+  const bool cols16 = C % 16 == 0 && aligned16(k.x);
+  const auto* x = static_cast<const bf16*>(k.x);
+  const auto* aux = static_cast<const bf16*>(k.aux);
+  switch (k.source) {
+    case ops::Prologue::plain:
+      if (k.x_dtype == DType::bf16)
+        with_format(PlainSource<bf16>{x, C}, a, parts, C % PlainSource<bf16>::kVec == 0 && aligned16(k.x), s);
+      else
+        with_format(PlainSource<float>{static_cast<const float*>(k.x), C}, a, parts,
+                    C % PlainSource<float>::kVec == 0 && aligned16(k.x), s);
+      break;
+    case ops::Prologue::layernorm:
+      with_format(OnX<LayerNormLoad>{x, C, {k.mean, k.rstd, static_cast<const bf16*>(k.ln_weight),
+                                            static_cast<const bf16*>(k.ln_bias)}},
+                  a, parts, cols16 && aligned16(k.ln_weight) && aligned16(k.ln_bias), s);
+      break;
+    case ops::Prologue::gelu: with_format(OnX<GeluLoad>{x, C, {}}, a, parts, cols16, s); break;
+    case ops::Prologue::swiglu: with_format(Own<SwigluLoad>{{x, C}}, a, parts, cols16, s); break;
+    case ops::Prologue::dgelu: with_format(Own<DgeluLoad>{{x, aux, C}}, a, parts, cols16 && aligned16(aux), s); break;
+    case ops::Prologue::dswiglu:
+      with_format(DswigluSource{{x, aux, C / 2}}, a, parts, C % 32 == 0 && aligned16(k.x) && aligned16(aux), s);
+      break;
+  }
+}
+
+void adamw_dispatch(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const GroupPart> parts,
+                    cudaStream_t s) {
+  const AdamWSource src{u.param, u.grad, u.m, u.v, k.cols,
+                        hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
+  const bool vec = k.cols % AdamWSource::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(u.m) &&
+                   aligned16(u.v);
+  with_format(src, a, parts, vec, s);
 }
 
 }  // namespace
 
 void quantize_blocks_adamw(const BlockCast& k, const AdamWQuantizeDev& u, cudaStream_t s) {
-  KILN_CHECK(k.mode == ScalingMode::block_1x128 || k.mode == ScalingMode::block_128x128,
-             "fp8 quantize_blocks_adamw: a block scaling mode is needed");
+  check_cast(k, "fp8 quantize_blocks_adamw");
   KILN_CHECK(!k.rowwise == !k.row_scale_inv && !k.colwise == !k.col_scale_inv && (k.rowwise || k.colwise),
              "fp8 quantize_blocks_adamw: a copy with its scales");
   KILN_CHECK(u.param && u.grad && u.m && u.v && u.batch == 1 && u.rows == k.rows && u.cols == k.cols,
@@ -360,21 +522,35 @@ void quantize_blocks_adamw(const BlockCast& k, const AdamWQuantizeDev& u, cudaSt
              "fp8 quantize_blocks_adamw: no padded copies");
   const Args a{k.rows, k.cols, k.rows, k.rows, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise,
                k.col_scale_inv, nullptr};
-  const AdamWSource src{u.param, u.grad, u.m, u.v, k.cols,
-                        hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
-  with_format(src, a, k.cols % AdamWSource::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(u.m) && aligned16(u.v), s);
+  adamw_dispatch(k, u, a, {}, s);
+}
+
+void quantize_blocks_adamw_grouped(const BlockCast& k, const AdamWQuantizeDev& u,
+                                   std::span<const BlockCastGroup> groups, cudaStream_t s) {
+  check_cast(k, "fp8 quantize_blocks_adamw_grouped");
+  KILN_CHECK(u.param && u.grad && u.m && u.v && u.batch == 1 && u.rows == k.rows && u.cols == k.cols,
+             "fp8 quantize_blocks_adamw_grouped: an f32 master [", u.rows, ",", u.cols, "] for [", k.rows, ",", k.cols,
+             "]");
+  if (k.rows <= 0 || k.cols <= 0) return;
+  const std::vector<GroupPart> parts = parts_of(k, groups, false, "fp8 quantize_blocks_adamw_grouped");
+  std::int64_t next = 0;
+  for (const GroupPart& p : parts) {
+    KILN_CHECK(p.base == next, "fp8 quantize_blocks_adamw_grouped: the groups must cover the weight's rows in order, "
+                               "group at row ", p.base, " after ", next);
+    next = p.base + p.R;
+  }
+  KILN_CHECK(next == k.rows, "fp8 quantize_blocks_adamw_grouped: groups of ", next, " rows for a weight of ", k.rows);
+  const Args a{k.rows, k.cols, k.rows, k.rows, k.mode, k.format, k.pow2, nullptr, nullptr, nullptr, nullptr, nullptr};
+  adamw_dispatch(k, u, a, parts, s);
 }
 
 std::int64_t block_partials(std::int64_t rows, std::int64_t cols) { return blocks_of(rows) * cols; }
 
 void quantize_blocks(const BlockCast& k, cudaStream_t s) {
-  KILN_CHECK(k.mode == ScalingMode::block_1x128 || k.mode == ScalingMode::block_128x128,
-             "fp8 quantize_blocks: a block scaling mode is needed");
+  check_cast(k, "fp8 quantize_blocks");
   KILN_CHECK(!k.rowwise == !k.row_scale_inv && !k.colwise == !k.col_scale_inv,
              "fp8 quantize_blocks: codes without scales, or scales without codes");
   KILN_CHECK(!k.dbias || k.partial, "fp8 quantize_blocks: dbias without partial-sum scratch");
-  KILN_CHECK(k.source == ops::Prologue::plain || k.x_dtype == DType::bf16,
-             "fp8 quantize_blocks: a prologue's tensors are bf16");
   const std::int64_t Rr = k.row_rows ? k.row_rows : k.rows, Rc = k.col_cols ? k.col_cols : k.rows;
   if (std::max(k.rows, std::max(Rr, Rc)) <= 0 || k.cols <= 0 || (!k.rowwise && !k.colwise && !k.dbias)) return;
   KILN_CHECK(Rr >= k.rows && Rc >= k.rows && (!k.dbias || (Rr == k.rows && Rc == k.rows)),
@@ -382,31 +558,18 @@ void quantize_blocks(const BlockCast& k, cudaStream_t s) {
              k.dbias ? " with dbias" : "");
   const Args a{k.rows, k.cols, Rr, Rc, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv,
                k.colwise, k.col_scale_inv, k.dbias ? k.partial : nullptr};
-  const long long C = k.cols;
-  const bool cols16 = C % 16 == 0 && aligned16(k.x);
-  const auto* x = static_cast<const bf16*>(k.x);
-  const auto* aux = static_cast<const bf16*>(k.aux);
-  switch (k.source) {
-    case ops::Prologue::plain:
-      if (k.x_dtype == DType::bf16)
-        with_format(PlainSource<bf16>{x, C}, a, C % PlainSource<bf16>::kVec == 0 && aligned16(k.x), s);
-      else
-        with_format(PlainSource<float>{static_cast<const float*>(k.x), C}, a,
-                    C % PlainSource<float>::kVec == 0 && aligned16(k.x), s);
-      break;
-    case ops::Prologue::layernorm:
-      with_format(OnX<LayerNormLoad>{x, C, {k.mean, k.rstd, static_cast<const bf16*>(k.ln_weight),
-                                            static_cast<const bf16*>(k.ln_bias)}},
-                  a, cols16 && aligned16(k.ln_weight) && aligned16(k.ln_bias), s);
-      break;
-    case ops::Prologue::gelu: with_format(OnX<GeluLoad>{x, C, {}}, a, cols16, s); break;
-    case ops::Prologue::swiglu: with_format(Own<SwigluLoad>{{x, C}}, a, cols16, s); break;
-    case ops::Prologue::dgelu: with_format(Own<DgeluLoad>{{x, aux, C}}, a, cols16 && aligned16(aux), s); break;
-    case ops::Prologue::dswiglu:
-      with_format(DswigluSource{{x, aux, C / 2}}, a, C % 32 == 0 && aligned16(k.x) && aligned16(aux), s);
-      break;
-  }
+  dispatch(k, a, {}, s);
   if (k.dbias) bias_from_partials(k.dbias, k.partial, blocks_of(k.rows), k.cols, s);
+}
+
+void quantize_blocks_grouped(const BlockCast& k, std::span<const BlockCastGroup> groups, cudaStream_t s) {
+  check_cast(k, "fp8 quantize_blocks_grouped");
+  KILN_CHECK(!k.dbias, "fp8 quantize_blocks_grouped: no bias gradient");
+  if (k.cols <= 0) return;
+  const std::vector<GroupPart> parts = parts_of(k, groups, true, "fp8 quantize_blocks_grouped");
+  if (parts.empty()) return;
+  const Args a{k.rows, k.cols, k.rows, k.rows, k.mode, k.format, k.pow2, nullptr, nullptr, nullptr, nullptr, nullptr};
+  dispatch(k, a, parts, s);
 }
 
 }  // namespace kiln::fp8::cuda

@@ -183,50 +183,7 @@ class CudaOps final : public Fp8Ops {
   void quantize_blocks(const BlockQuantizeArgs& a) override {
     const Shape shape = source_shape(a.x, "fp8 quantize_blocks");
     const std::int64_t R = shape[0], C = shape[1];
-    cuda::BlockCast k;
-    k.rows = R;
-    k.cols = C;
-    k.mode = a.mode;
-    k.pow2 = a.pow2;
-    const auto bf16_input = [](const TensorView& t, const char* what) {
-      KILN_CHECK(t.device == Device::cuda && t.dtype == DType::bf16 && t.contiguous(), "fp8 quantize_blocks: ", what,
-                 " must be a contiguous bf16 CUDA tensor, got ", t.str());
-      return t.data;
-    };
-    std::visit(Overloaded{[&](const TensorView& t) {
-                            check_input(t, "fp8 quantize_blocks x");
-                            k.x = t.data;
-                            k.x_dtype = t.dtype;
-                          },
-                          [&](const ops::LayerNormOnLoad& ln) {
-                            k.source = ops::Prologue::layernorm;
-                            k.x = bf16_input(ln.x, "the LayerNorm's input");
-                            k.ln_weight = bf16_input(ln.weight, "the LayerNorm's weight");
-                            k.ln_bias = bf16_input(ln.bias, "the LayerNorm's bias");
-                            KILN_CHECK(ln.mean.device == Device::cuda && ln.rstd.device == Device::cuda,
-                                       "fp8 quantize_blocks: the LayerNorm's statistics must be CUDA tensors");
-                            k.mean = ln.mean.as<float>();
-                            k.rstd = ln.rstd.as<float>();
-                          },
-                          [&](const ops::GeluOnLoad& g) {
-                            k.source = ops::Prologue::gelu;
-                            k.x = bf16_input(g.pre, "the GELU's pre-activation");
-                          },
-                          [&](const ops::SwigluOnLoad& g) {
-                            k.source = ops::Prologue::swiglu;
-                            k.x = bf16_input(g.gate_up, "the SwiGLU's input");
-                          },
-                          [&](const ops::DgeluOnLoad& g) {
-                            k.source = ops::Prologue::dgelu;
-                            k.x = bf16_input(g.dgelu, "the GELU output's gradient");
-                            k.aux = bf16_input(g.pre, "the GELU's pre-activation");
-                          },
-                          [&](const ops::DswigluOnLoad& g) {
-                            k.source = ops::Prologue::dswiglu;
-                            k.x = bf16_input(g.dswiglu, "the SwiGLU output's gradient");
-                            k.aux = bf16_input(g.gate_up, "the SwiGLU's input");
-                          }},
-               a.x);
+    cuda::BlockCast k = block_source(a.x, a.mode, a.pow2, shape, "fp8 quantize_blocks");
     block_outputs(k, a, "fp8 quantize_blocks", true);
     if (a.dbias) {
       KILN_CHECK(a.dbias.device == Device::cuda && a.dbias.dtype == DType::f32 && a.dbias.numel() == C,
@@ -235,6 +192,13 @@ class CudaOps final : public Fp8Ops {
       k.partial = scratch(cuda::block_partials(R, C));
     }
     cuda::quantize_blocks(k, stream_);
+  }
+
+  void quantize_blocks_grouped(const GroupedBlockQuantizeArgs& a) override {
+    const Shape shape = source_shape(a.x, "fp8 quantize_blocks_grouped");
+    cuda::BlockCast k = block_source(a.x, a.mode, a.pow2, shape, "fp8 quantize_blocks_grouped");
+    const std::vector<cuda::BlockCastGroup> groups = block_groups(k, a, true, "fp8 quantize_blocks_grouped");
+    cuda::quantize_blocks_grouped(k, groups, stream_);
   }
 
   void quantize(const TensorView& x, const Fp8TensorView& out, float* amax) override {
@@ -421,8 +385,93 @@ class CudaOps final : public Fp8Ops {
     d.cols = C;
     cuda::quantize_blocks_adamw(k, d, stream_);
   }
+  void adamw_quantize_blocks_grouped(const AdamWQuantizeArgs& u, const GroupedBlockQuantizeArgs& out) override {
+    check_adamw_quantize_args(u, Device::cuda);
+    KILN_CHECK(u.param.ndim() == 2 || u.param.ndim() == 3,
+               "fp8 adamw_quantize_blocks_grouped: a [rows, cols] or [batch, rows, cols] weight, got ", u.param.str());
+    const std::int64_t C = u.param.size(-1), R = u.param.numel() / std::max<std::int64_t>(C, 1);
+    cuda::BlockCast k;
+    k.rows = R;
+    k.cols = C;
+    k.mode = out.mode;
+    k.pow2 = out.pow2;
+    const std::vector<cuda::BlockCastGroup> groups = block_groups(k, out, false, "fp8 adamw_quantize_blocks_grouped");
+    cuda::AdamWQuantizeDev d = step_of(u);
+    d.rows = R;
+    d.cols = C;
+    cuda::quantize_blocks_adamw_grouped(k, d, groups, stream_);
+  }
 
  private:
+  // A block quantisation's source (x [shape] or the tensors its values are computed from on load).
+  static cuda::BlockCast block_source(const QuantizeSource& x, ScalingMode mode, bool pow2, const Shape& shape,
+                                      const char* what) {
+    cuda::BlockCast k;
+    k.rows = shape[0];
+    k.cols = shape[1];
+    k.mode = mode;
+    k.pow2 = pow2;
+    const auto bf16_input = [what](const TensorView& t, const char* name) {
+      KILN_CHECK(t.device == Device::cuda && t.dtype == DType::bf16 && t.contiguous(), what, ": ", name,
+                 " must be a contiguous bf16 CUDA tensor, got ", t.str());
+      return t.data;
+    };
+    std::visit(Overloaded{[&](const TensorView& t) {
+                            check_input(t, what);
+                            k.x = t.data;
+                            k.x_dtype = t.dtype;
+                          },
+                          [&](const ops::LayerNormOnLoad& ln) {
+                            k.source = ops::Prologue::layernorm;
+                            k.x = bf16_input(ln.x, "the LayerNorm's input");
+                            k.ln_weight = bf16_input(ln.weight, "the LayerNorm's weight");
+                            k.ln_bias = bf16_input(ln.bias, "the LayerNorm's bias");
+                            KILN_CHECK(ln.mean.device == Device::cuda && ln.rstd.device == Device::cuda,
+                                       what, ": the LayerNorm's statistics must be CUDA tensors");
+                            k.mean = ln.mean.as<float>();
+                            k.rstd = ln.rstd.as<float>();
+                          },
+                          [&](const ops::GeluOnLoad& g) {
+                            k.source = ops::Prologue::gelu;
+                            k.x = bf16_input(g.pre, "the GELU's pre-activation");
+                          },
+                          [&](const ops::SwigluOnLoad& g) {
+                            k.source = ops::Prologue::swiglu;
+                            k.x = bf16_input(g.gate_up, "the SwiGLU's input");
+                          },
+                          [&](const ops::DgeluOnLoad& g) {
+                            k.source = ops::Prologue::dgelu;
+                            k.x = bf16_input(g.dgelu, "the GELU output's gradient");
+                            k.aux = bf16_input(g.pre, "the GELU's pre-activation");
+                          },
+                          [&](const ops::DswigluOnLoad& g) {
+                            k.source = ops::Prologue::dswiglu;
+                            k.x = bf16_input(g.dswiglu, "the SwiGLU output's gradient");
+                            k.aux = bf16_input(g.gate_up, "the SwiGLU's input");
+                          }},
+               x);
+    return k;
+  }
+  // A grouped quantisation's groups on device pointers, each group's copies checked as
+  // block_outputs checks a whole quantisation's (k's format set from them).
+  static std::vector<cuda::BlockCastGroup> block_groups(cuda::BlockCast& k, const GroupedBlockQuantizeArgs& a,
+                                                        bool padded, const char* what) {
+    std::vector<cuda::BlockCastGroup> groups;
+    groups.reserve(a.groups.size());
+    for (const BlockGroup& g : a.groups) {
+      KILN_CHECK(g.first >= 0 && g.rows >= 0 && g.first + g.rows <= k.rows, what, ": a group of rows ", g.first, "..",
+                 g.first + g.rows, " of ", k.rows);
+      if (g.rows == 0) continue;
+      cuda::BlockCast kg = k;
+      kg.rows = g.rows;
+      block_outputs(kg, {{}, a.mode, a.pow2, g.rowwise, g.row_scale_inv, g.colwise, g.col_scale_inv}, what, padded);
+      KILN_CHECK(groups.empty() || kg.format == k.format, what, ": every group's codes in one format");
+      k.format = kg.format;
+      groups.push_back({g.first, g.rows, kg.row_rows, kg.col_cols, kg.rowwise, kg.row_scale_inv, kg.colwise,
+                        kg.col_scale_inv});
+    }
+    return groups;
+  }
   // A block quantisation's copies and their scales (codes [rows, cols] and the transpose's [cols,
   // rows], one format; with `padded`, [Rr >= rows, cols] and [cols, Rc >= rows]) into k, checked
   // against k's shape.

@@ -173,6 +173,24 @@ struct BlockQuantizeArgs {
   TensorView dbias;
 };
 
+// A grouped block quantisation (a mixture of experts' rows, one group per expert): group g is rows
+// [first, first + rows) of x, quantised exactly as quantize_blocks of source_rows(x, first, rows)
+// into its own copies (padded as BlockQuantizeArgs allows; no dbias). Every group with rows has the
+// same copies (rowwise, colwise or both) in one format.
+struct BlockGroup {
+  std::int64_t first = 0, rows = 0;
+  TensorView rowwise;
+  float* row_scale_inv = nullptr;
+  TensorView colwise;
+  float* col_scale_inv = nullptr;
+};
+struct GroupedBlockQuantizeArgs {
+  QuantizeSource x;  // [R, cols]
+  ScalingMode mode = ScalingMode::block_1x128;
+  bool pow2 = false;
+  std::span<const BlockGroup> groups;
+};
+
 class Fp8Ops {
  public:
   virtual ~Fp8Ops() = default;
@@ -199,6 +217,9 @@ class Fp8Ops {
   virtual void quantize_grouped(const GroupedQuantizeArgs& a) = 0;
   // Block quantisation (kiln/fp8/block.hpp) in one read of x (BlockQuantizeArgs).
   virtual void quantize_blocks(const BlockQuantizeArgs& a) = 0;
+  // Every group's quantize_blocks (GroupedBlockQuantizeArgs), which is what this default does; CUDA
+  // runs them in one launch.
+  virtual void quantize_blocks_grouped(const GroupedBlockQuantizeArgs& a);
   // quantize() and amax() of act(gelu(pre)) (the values gelu_forward would store), computed on load.
   virtual void quantize_gelu(const TensorView& pre, const Fp8TensorView& out, float* amax) = 0;
   virtual void amax_gelu(const TensorView& pre, float* amax) = 0;
@@ -245,6 +266,11 @@ class Fp8Ops {
   // adamw_quantize(u) then quantize_blocks(out with x = u.param), which is what this default does;
   // CUDA runs both in one pass.
   virtual void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out);
+  // The AdamW step of stacked weights (u.param [rows, cols] or [batch, rows, cols] f32, a mixture of
+  // experts' whole weights) and each group's block quantisation (out.x unused; group g is rows
+  // [first, first + rows) of the param seen as [R, cols], unpadded): exactly adamw_quantize_blocks of
+  // each group's rows with its outputs, which is what this default does; CUDA runs all in one pass.
+  virtual void adamw_quantize_blocks_grouped(const AdamWQuantizeArgs& u, const GroupedBlockQuantizeArgs& out);
 };
 
 struct CpuOpsOptions {

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "kiln/fp8/format.hpp"
@@ -57,6 +58,18 @@ struct BlockCast {
   std::int64_t row_rows = 0, col_cols = 0;
 };
 void quantize_blocks(const BlockCast& k, cudaStream_t s);
+// Groups of rows quantised on their own in one launch (GroupedBlockQuantizeArgs): group g is rows
+// [first, first + rows) of k's x (k.rows of them), written as quantize_blocks of those rows alone
+// writes them into the group's copies (rowwise [row_rows, cols], colwise [cols, col_cols]; 0: rows);
+// k's own copies, dbias and padding unused. Every group with rows has the same copies.
+struct BlockCastGroup {
+  std::int64_t first = 0, rows = 0, row_rows = 0, col_cols = 0;
+  std::uint8_t* rowwise = nullptr;
+  float* row_scale_inv = nullptr;
+  std::uint8_t* colwise = nullptr;
+  float* col_scale_inv = nullptr;
+};
+void quantize_blocks_grouped(const BlockCast& k, std::span<const BlockCastGroup> groups, cudaStream_t s);
 std::int64_t block_partials(std::int64_t rows, std::int64_t cols);
 // kiln/fp8/block.hpp's BlockPart functions on device pointers, bit for bit as their references: one CTA
 // per 128 x 128 tile of the weight that the part touches.
@@ -202,6 +215,11 @@ void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s);
 // quantisation of the updated param into k's copies (k.x and the prologue unused) in one pass: the
 // codes and scales quantize_blocks of the updated param writes.
 void quantize_blocks_adamw(const BlockCast& k, const AdamWQuantizeDev& u, cudaStream_t s);
+// quantize_blocks_adamw of stacked weights (u.param [rows, cols], batch 1) grouped: the step of every
+// row, each group's rows quantised on their own into its copies (unpadded), in one launch. Every row
+// of the param lies in exactly one group.
+void quantize_blocks_adamw_grouped(const BlockCast& k, const AdamWQuantizeDev& u,
+                                   std::span<const BlockCastGroup> groups, cudaStream_t s);
 
 // The elementwise part of an epilogue cuBLASLt does not fuse with FP8 inputs, after a plain GEMM, on
 // a row-major bf16 d [M, N] (aux bf16 [M, N]):
