@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <utility>
 
 #include "align.hpp"
@@ -237,8 +238,11 @@ void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int
   // 1x128 too.
   Grouped xq(off, E, [&](std::int64_t n) { return BlockLayout{ScalingMode::block_1x128, round_up(n, 4), IC}; });
   const ScalingMode col_mode = input_col_mode(a.weight_in_out);
-  Grouped xc(off, E, [&](std::int64_t n) { return BlockLayout{col_mode, IC, round_up(n, 16)}; });
-  if (keep_input_) xc.place(kept_input(off, E, IC, xc.bytes()));
+  std::optional<Grouped> xc;
+  if (keep_input_) {
+    xc.emplace(off, E, [&](std::int64_t n) { return BlockLayout{col_mode, IC, round_up(n, 16)}; });
+    xc->place(kept_input(off, E, IC, xc->bytes()));
+  }
   if (off[E] == 0) return;
   ExpertProducts products(ops_, "fp8_block_grouped_gemm_fwd");
   std::uint8_t* scratch =
@@ -254,8 +258,8 @@ void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int
     BlockGroup g{off[e], n, codes, xq.scales_of(e)};
     if (keep_input_) {
       BlockGroup& kept = one_read ? g : col_groups.emplace_back(BlockGroup{off[e], n});
-      kept.colwise = xc.codes_of(e, recipe_.input, dev);
-      kept.col_scale_inv = xc.scales_of(e);
+      kept.colwise = xc->codes_of(e, recipe_.input, dev);
+      kept.col_scale_inv = xc->scales_of(e);
     }
     groups.push_back(g);
     const WeightOperand w = a.weight_in_out ? transposed(e) : stored(e);

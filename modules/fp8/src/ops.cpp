@@ -43,10 +43,12 @@ void Fp8Ops::quantize_blocks_grouped(const GroupedBlockQuantizeArgs& a) {
 void Fp8Ops::adamw_quantize_blocks_grouped(const AdamWQuantizeArgs& u, const GroupedBlockQuantizeArgs& out) {
   const TensorView param = as_rows(u.param, "param"), grad = as_rows(u.grad, "grad"), m = as_rows(u.m, "m"),
                    v = as_rows(u.v, "v");
+  std::int64_t next = 0;  // the groups cover the weight's rows in order (every element takes its step)
   for (const BlockGroup& g : out.groups) {
     if (g.rows == 0) continue;
-    KILN_CHECK(g.first >= 0 && g.first + g.rows <= param.size(0), "fp8 adamw_quantize_blocks_grouped: rows ", g.first,
-               "..", g.first + g.rows, " of ", param.str());
+    KILN_CHECK(g.first == next && g.first + g.rows <= param.size(0), "fp8 adamw_quantize_blocks_grouped: rows ",
+               g.first, "..", g.first + g.rows, " after row ", next, " of ", param.str());
+    next = g.first + g.rows;
     AdamWQuantizeArgs ug = u;
     ug.param = param.rows(g.first, g.rows);
     ug.grad = grad.rows(g.first, g.rows);
@@ -54,6 +56,7 @@ void Fp8Ops::adamw_quantize_blocks_grouped(const AdamWQuantizeArgs& u, const Gro
     ug.v = v.rows(g.first, g.rows);
     adamw_quantize_blocks(ug, group_args(out, g));
   }
+  KILN_CHECK(next == param.size(0), "fp8 adamw_quantize_blocks_grouped: groups of ", next, " rows for ", param.str());
 }
 
 }  // namespace kiln::fp8

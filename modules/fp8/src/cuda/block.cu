@@ -65,19 +65,23 @@ __device__ __forceinline__ std::uint32_t warp_max(std::uint32_t v) {
   return v;
 }
 
-struct Args {
-  std::int64_t R, C;  // x's (its rows from `base` of the source's on)
-  std::int64_t Rr, Rc;  // the rowwise codes' rows and the colwise codes' columns (>= R: zero rows appended)
-  ScalingMode mode;
-  Format f;
-  bool pow2;
-  std::uint8_t* rowwise;
-  float* row_scale_inv;
-  std::uint8_t* colwise;
-  float* col_scale_inv;
-  float* partial;  // [row tiles, C] column sums, or null
-  std::int64_t base = 0;  // the source's row of x's first (a group of a grouped quantisation)
+// The rows a launch quantises (or one group of a grouped launch) and their copies.
+struct Rows {
+  std::int64_t base = 0;  // the source's row of x's first
+  std::int64_t R = 0;     // x's rows
+  std::int64_t Rr = 0, Rc = 0;  // the rowwise codes' rows and the colwise codes' columns (>= R: zero rows appended)
+  std::uint8_t* rowwise = nullptr;
+  float* row_scale_inv = nullptr;
+  std::uint8_t* colwise = nullptr;
+  float* col_scale_inv = nullptr;
   bool vec_row = false, vec_col = false;  // 16-byte stores of the rowwise and colwise codes
+};
+struct Args : Rows {
+  std::int64_t C = 0;  // x's columns
+  ScalingMode mode = ScalingMode::block_1x128;
+  Format f = Format::e4m3;
+  bool pow2 = false;
+  float* partial = nullptr;  // [row tiles, C] column sums, or null
 };
 
 // The sources of the staged values: load(v, r, c) gives kVec consecutive columns c.. of row r (c a
@@ -336,21 +340,12 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Arg
 }
 
 // A grouped quantisation's groups (up to kPlanGroups a launch), in the kernel's parameters: group g's
-// row tiles are blockIdx.y in [tile[g], tile[g + 1]), its Args are the launch's with part[g]'s rows,
-// copies and scales.
+// row tiles are blockIdx.y in [tile[g], tile[g + 1]), its Args are the launch's with part[g]'s Rows.
 constexpr int kPlanGroups = 64;
-struct GroupPart {
-  std::int64_t base, R, Rr, Rc;
-  std::uint8_t* rowwise;
-  float* row_scale_inv;
-  std::uint8_t* colwise;
-  float* col_scale_inv;
-  bool vec_row, vec_col;
-};
 struct GroupPlan {
   int n = 0;
   int tile[kPlanGroups + 1] = {};
-  GroupPart part[kPlanGroups] = {};
+  Rows part[kPlanGroups] = {};
 };
 
 // The group of row tile t (blockIdx.y of a grouped launch): its rows, copies and scales into a; the
@@ -358,17 +353,7 @@ struct GroupPlan {
 __device__ __forceinline__ std::int64_t select_group(Args& a, const GroupPlan& plan, int t) {
   int g = 0;
   while (g + 1 < plan.n && plan.tile[g + 1] <= t) ++g;
-  const GroupPart& p = plan.part[g];
-  a.base = p.base;
-  a.R = p.R;
-  a.Rr = p.Rr;
-  a.Rc = p.Rc;
-  a.rowwise = p.rowwise;
-  a.row_scale_inv = p.row_scale_inv;
-  a.colwise = p.colwise;
-  a.col_scale_inv = p.col_scale_inv;
-  a.vec_row = p.vec_row;
-  a.vec_col = p.vec_col;
+  static_cast<Rows&>(a) = plan.part[g];
   return static_cast<std::int64_t>(t - plan.tile[g]) * kBlock;
 }
 
@@ -380,13 +365,26 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_grouped_kernel(S 
   quantize_tile<S, F>(src, a, r0, static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
 }
 
-// 16-byte stores where the rows of the codes are multiples of 16 bytes and they are aligned.
-void set_vec(Args& a) {
-  a.vec_row = a.C % 16 == 0 && aligned16(a.rowwise);
-  a.vec_col = a.Rc % 16 == 0 && aligned16(a.colwise);
+// Rows [base, base + R) of x [.., C] into copies of Rr rows and Rc columns: 16-byte stores where the
+// rows of the codes are multiples of 16 bytes and they are aligned.
+Rows rows_of(std::int64_t base, std::int64_t R, std::int64_t Rr, std::int64_t Rc, std::uint8_t* rowwise,
+             float* row_scale_inv, std::uint8_t* colwise, float* col_scale_inv, std::int64_t C) {
+  return {base, R, Rr, Rc, rowwise, row_scale_inv, colwise, col_scale_inv,
+          C % 16 == 0 && aligned16(rowwise), Rc % 16 == 0 && aligned16(colwise)};
 }
 
-std::int64_t row_tiles(const Args& a) { return blocks_of(std::max(a.R, std::max(a.Rr, a.Rc))); }
+Args args_of(const BlockCast& k, const Rows& r, float* partial) {
+  Args a;
+  static_cast<Rows&>(a) = r;
+  a.C = k.cols;
+  a.mode = k.mode;
+  a.f = k.format;
+  a.pow2 = k.pow2;
+  a.partial = partial;
+  return a;
+}
+
+std::int64_t row_tiles(const Rows& r) { return blocks_of(std::max(r.R, std::max(r.Rr, r.Rc))); }
 
 // More than the default 48 KB of dynamic shared memory (set at each launch: a host-side call).
 template <class K>
@@ -397,14 +395,13 @@ std::size_t allow_smem(K kernel, std::size_t bytes) {
 
 // One launch over x (no groups), or over the groups' tiles.
 template <class S, Format F>
-void launch(const S& src, Args a, std::span<const GroupPart> groups, bool vec_in, cudaStream_t s) {
+void launch(const S& src, const Args& a, std::span<const Rows> groups, bool vec_in, cudaStream_t s) {
   const std::int64_t tiles_c = blocks_of(a.C);
   constexpr std::size_t kSmem = kSmemOf<typename S::Tile>;
   if (groups.empty()) {
     const std::int64_t tiles_r = row_tiles(a);
     KILN_CHECK(tiles_c <= 0x7fffffff && tiles_r <= 65535, "fp8 quantize_blocks: [", a.R, ", ", a.C,
                "] is too large for one launch");
-    set_vec(a);
     quantize_blocks_kernel<S, F><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), kCtaThreads,
                                     allow_smem(quantize_blocks_kernel<S, F>, kSmem), s>>>(src, a, vec_in);
     KILN_CUDA_LAUNCH_CHECK();
@@ -413,8 +410,8 @@ void launch(const S& src, Args a, std::span<const GroupPart> groups, bool vec_in
   for (std::size_t at = 0; at < groups.size(); at += kPlanGroups) {
     GroupPlan plan;
     for (std::size_t i = at; i < groups.size() && plan.n < kPlanGroups; ++i) {
-      const GroupPart& p = groups[i];
-      const std::int64_t tiles = blocks_of(std::max(p.R, std::max(p.Rr, p.Rc)));
+      const Rows& p = groups[i];
+      const std::int64_t tiles = row_tiles(p);
       KILN_CHECK(plan.tile[plan.n] + tiles <= 65535 && tiles_c <= 0x7fffffff,
                  "fp8 quantize_blocks_grouped: too many tiles for one launch");
       plan.part[plan.n] = p;
@@ -430,7 +427,7 @@ void launch(const S& src, Args a, std::span<const GroupPart> groups, bool vec_in
 }
 
 template <class S>
-void with_format(const S& src, const Args& a, std::span<const GroupPart> groups, bool vec_in, cudaStream_t s) {
+void with_format(const S& src, const Args& a, std::span<const Rows> groups, bool vec_in, cudaStream_t s) {
   if (a.f == Format::e4m3)
     launch<S, Format::e4m3>(src, a, groups, vec_in, s);
   else
@@ -448,9 +445,9 @@ void check_cast(const BlockCast& k, const char* what) {
 }
 
 // The groups' parts, checked: padded copies at least the group's rows, every group the same copies.
-std::vector<GroupPart> parts_of(const BlockCast& k, std::span<const BlockCastGroup> groups, bool padded,
+std::vector<Rows> parts_of(const BlockCast& k, std::span<const BlockCastGroup> groups, bool padded,
                                 const char* what) {
-  std::vector<GroupPart> parts;
+  std::vector<Rows> parts;
   int copies = -1;
   for (const BlockCastGroup& g : groups) {
     if (g.rows <= 0) continue;
@@ -464,16 +461,13 @@ std::vector<GroupPart> parts_of(const BlockCast& k, std::span<const BlockCastGro
     const int c = (g.rowwise ? 1 : 0) | (g.colwise ? 2 : 0);
     KILN_CHECK(copies < 0 || copies == c, what, ": every group with the same copies");
     copies = c;
-    GroupPart p{g.first, g.rows, Rr, Rc, g.rowwise, g.row_scale_inv, g.colwise, g.col_scale_inv, false, false};
-    p.vec_row = k.cols % 16 == 0 && aligned16(p.rowwise);
-    p.vec_col = Rc % 16 == 0 && aligned16(p.colwise);
-    parts.push_back(p);
+    parts.push_back(rows_of(g.first, g.rows, Rr, Rc, g.rowwise, g.row_scale_inv, g.colwise, g.col_scale_inv, k.cols));
   }
   return parts;
 }
 
 // The launch of k's source (its values on load) over x, or over the groups' parts.
-void dispatch(const BlockCast& k, const Args& a, std::span<const GroupPart> parts, cudaStream_t s) {
+void dispatch(const BlockCast& k, const Args& a, std::span<const Rows> parts, cudaStream_t s) {
   const long long C = k.cols;
   const bool cols16 = C % 16 == 0 && aligned16(k.x);
   const auto* x = static_cast<const bf16*>(k.x);
@@ -500,7 +494,7 @@ void dispatch(const BlockCast& k, const Args& a, std::span<const GroupPart> part
   }
 }
 
-void adamw_dispatch(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const GroupPart> parts,
+void adamw_dispatch(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const Rows> parts,
                     cudaStream_t s) {
   const AdamWSource src{u.param, u.grad, u.m, u.v, k.cols,
                         hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
@@ -520,8 +514,8 @@ void quantize_blocks_adamw(const BlockCast& k, const AdamWQuantizeDev& u, cudaSt
   if (k.rows <= 0 || k.cols <= 0) return;
   KILN_CHECK((k.row_rows == 0 || k.row_rows == k.rows) && (k.col_cols == 0 || k.col_cols == k.rows),
              "fp8 quantize_blocks_adamw: no padded copies");
-  const Args a{k.rows, k.cols, k.rows, k.rows, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv, k.colwise,
-               k.col_scale_inv, nullptr};
+  const Args a =
+      args_of(k, rows_of(0, k.rows, k.rows, k.rows, k.rowwise, k.row_scale_inv, k.colwise, k.col_scale_inv, k.cols), nullptr);
   adamw_dispatch(k, u, a, {}, s);
 }
 
@@ -532,16 +526,15 @@ void quantize_blocks_adamw_grouped(const BlockCast& k, const AdamWQuantizeDev& u
              "fp8 quantize_blocks_adamw_grouped: an f32 master [", u.rows, ",", u.cols, "] for [", k.rows, ",", k.cols,
              "]");
   if (k.rows <= 0 || k.cols <= 0) return;
-  const std::vector<GroupPart> parts = parts_of(k, groups, false, "fp8 quantize_blocks_adamw_grouped");
+  const std::vector<Rows> parts = parts_of(k, groups, false, "fp8 quantize_blocks_adamw_grouped");
   std::int64_t next = 0;
-  for (const GroupPart& p : parts) {
+  for (const Rows& p : parts) {
     KILN_CHECK(p.base == next, "fp8 quantize_blocks_adamw_grouped: the groups must cover the weight's rows in order, "
                                "group at row ", p.base, " after ", next);
     next = p.base + p.R;
   }
   KILN_CHECK(next == k.rows, "fp8 quantize_blocks_adamw_grouped: groups of ", next, " rows for a weight of ", k.rows);
-  const Args a{k.rows, k.cols, k.rows, k.rows, k.mode, k.format, k.pow2, nullptr, nullptr, nullptr, nullptr, nullptr};
-  adamw_dispatch(k, u, a, parts, s);
+  adamw_dispatch(k, u, args_of(k, {}, nullptr), parts, s);
 }
 
 std::int64_t block_partials(std::int64_t rows, std::int64_t cols) { return blocks_of(rows) * cols; }
@@ -556,8 +549,8 @@ void quantize_blocks(const BlockCast& k, cudaStream_t s) {
   KILN_CHECK(Rr >= k.rows && Rc >= k.rows && (!k.dbias || (Rr == k.rows && Rc == k.rows)),
              "fp8 quantize_blocks: padded copies of ", Rr, " rows and ", Rc, " columns for ", k.rows, " rows",
              k.dbias ? " with dbias" : "");
-  const Args a{k.rows, k.cols, Rr, Rc, k.mode, k.format, k.pow2, k.rowwise, k.row_scale_inv,
-               k.colwise, k.col_scale_inv, k.dbias ? k.partial : nullptr};
+  const Args a = args_of(k, rows_of(0, k.rows, Rr, Rc, k.rowwise, k.row_scale_inv, k.colwise, k.col_scale_inv, k.cols),
+                         k.dbias ? k.partial : nullptr);
   dispatch(k, a, {}, s);
   if (k.dbias) bias_from_partials(k.dbias, k.partial, blocks_of(k.rows), k.cols, s);
 }
@@ -566,10 +559,9 @@ void quantize_blocks_grouped(const BlockCast& k, std::span<const BlockCastGroup>
   check_cast(k, "fp8 quantize_blocks_grouped");
   KILN_CHECK(!k.dbias, "fp8 quantize_blocks_grouped: no bias gradient");
   if (k.cols <= 0) return;
-  const std::vector<GroupPart> parts = parts_of(k, groups, true, "fp8 quantize_blocks_grouped");
+  const std::vector<Rows> parts = parts_of(k, groups, true, "fp8 quantize_blocks_grouped");
   if (parts.empty()) return;
-  const Args a{k.rows, k.cols, k.rows, k.rows, k.mode, k.format, k.pow2, nullptr, nullptr, nullptr, nullptr, nullptr};
-  dispatch(k, a, parts, s);
+  dispatch(k, args_of(k, {}, nullptr), parts, s);
 }
 
 }  // namespace kiln::fp8::cuda

@@ -268,8 +268,9 @@ class Fp8Ops {
   virtual void adamw_quantize_blocks(const AdamWQuantizeArgs& u, const BlockQuantizeArgs& out);
   // The AdamW step of stacked weights (u.param [rows, cols] or [batch, rows, cols] f32, a mixture of
   // experts' whole weights) and each group's block quantisation (out.x unused; group g is rows
-  // [first, first + rows) of the param seen as [R, cols], unpadded): exactly adamw_quantize_blocks of
-  // each group's rows with its outputs, which is what this default does; CUDA runs all in one pass.
+  // [first, first + rows) of the param seen as [R, cols], unpadded; the groups cover the R rows in
+  // order): exactly adamw_quantize_blocks of each group's rows with its outputs, which is what this
+  // default does; CUDA runs all in one pass.
   virtual void adamw_quantize_blocks_grouped(const AdamWQuantizeArgs& u, const GroupedBlockQuantizeArgs& out);
 };
 
