@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# backend.cuda_graph on one GPU, building nothing: the GPU tests of the captured step (and the
-# embedding backward's device buckets), then each model eager and with the captured forward and
+# backend.cuda_graph on one GPU, building nothing: the GPU tests of the captured step (test_gpu_model),
+# the CUDA ops and recompute, then each model eager and with the captured forward and
 # backward in one call, alternating; a table last: median ms/step and tokens/s over the last three
 # quarters of the steps, and the peak memory.
 # usage: bash bench/gpu_graph.sh BUILD_DIR [steps] [models...]   (logs under $OUT; TESTS=0 skips tests)
@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 if [ "${TESTS:-1}" = 1 ]; then
-  for t in "test_gpu_model" "test_cuda_ops -tc=*mbedding*"; do
+  for t in "test_gpu_model" "test_cuda_ops" "test_gpu_recompute"; do
     set -- $t
     timeout 300 "$B/bin/$1" "${@:2}" > "$OUT/$1.log" 2>&1
     echo "$t rc=$? $(grep -E '^\[doctest\] test cases' "$OUT/$1.log" | tail -1)"

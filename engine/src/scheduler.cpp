@@ -155,4 +155,14 @@ std::vector<std::string> Scheduler::order(Phase phase) const {
   return names;
 }
 
+bool Scheduler::has(std::string_view name) const {
+  return std::any_of(systems_.begin(), systems_.end(), [&](const SystemDesc& s) { return s.name == name; });
+}
+
+std::optional<std::string> Scheduler::not_replayable(Phase phase) const {
+  for (auto i : order_[static_cast<std::size_t>(phase)])
+    if (!systems_[i].replayable) return systems_[i].name;
+  return std::nullopt;
+}
+
 }  // namespace kiln

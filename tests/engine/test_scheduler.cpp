@@ -84,6 +84,25 @@ TEST_CASE("a cycle is an error that names the systems in it") {
   }
 }
 
+TEST_CASE("a phase is replayable when all its systems are; the first that is not is named, in order") {
+  World w;
+  auto replayable = [](std::string name, Phase phase, std::vector<std::string> after = {}) {
+    SystemDesc d = sys(std::move(name), phase, std::move(after));
+    d.replayable = true;
+    return d;
+  };
+  w.systems().add(replayable("fwd", Phase::forward));
+  w.systems().add(replayable("clip", Phase::optimizer, {"host"}));
+  w.systems().add(sys("host", Phase::optimizer));
+  w.systems().add(sys("late", Phase::optimizer, {"clip"}));
+  w.systems().build();
+  CHECK(w.systems().not_replayable(Phase::forward) == std::nullopt);
+  CHECK(w.systems().not_replayable(Phase::backward) == std::nullopt);  // no systems
+  CHECK(w.systems().not_replayable(Phase::optimizer) == std::optional<std::string>("host"));
+  CHECK(w.systems().has("late"));
+  CHECK_FALSE(w.systems().has("model.loss"));
+}
+
 TEST_CASE("a duplicate system name is an error") {
   World w;
   w.systems().add(sys("a", Phase::forward));

@@ -120,10 +120,15 @@ struct RunRecord {
 inline RunRecord run_recording(Pipeline& p) {
   RunRecord r;
   auto& w = *p.world;
-  w.systems().add({"test.grads", Phase::grad_sync, [&r](World& world) {
+  // Reads only in step 1 (eager): nothing for a captured step (backend.cuda_graph, from step 3) to
+  // miss, so the graph may hold the gradient sync and optimizer.
+  w.systems().add({.name = "test.grads",
+                   .phase = Phase::grad_sync,
+                   .run = [&r](World& world) {
                      if (world.resource<RunControl>().step == 1) r.step1_grads = grads_of(world);
                    },
-                   {"model.loss"}});
+                   .after = {"parallel.dp_grad_sync", "parallel.tp_grad_sync"},
+                   .replayable = true});
   w.systems().add({"test.loss", Phase::step_end,
                    [&r](World& world) { r.losses.push_back(world.resource<train::TrainState>().loss); },
                    {"train.step_end"}});

@@ -80,10 +80,16 @@ inline Trace run_ranks(const std::string& toml, int nproc, std::vector<std::stri
                          trace.grads.resize(step);
                          trace.loss.resize(step);
                        }
-                       trace.loss[step - 1] = world.resource<train::TrainState>().loss;
                        write_held(world, store, store.grads_flat(), trace.grads[step - 1]);
                      },
-                     {"model.loss", "parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
+                     {"parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
+    w.systems().add({"test.loss", Phase::step_end,
+                     [&trace](World& world) {
+                       const auto step = static_cast<std::size_t>(world.resource<RunControl>().step);
+                       std::lock_guard lk(*trace.m);
+                       trace.loss[step - 1] = world.resource<train::TrainState>().loss;
+                     },
+                     {"model.loss"}});
     w.systems().add({"test.weights", Phase::shutdown, [&trace](World& world) {
                        const auto& store = world.resource<nn::ParamStore>();
                        std::lock_guard lk(*trace.m);

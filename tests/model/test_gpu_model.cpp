@@ -122,7 +122,10 @@ TEST_CASE("the experts' tuned GEMM algorithms change no number: losses and gradi
 // backend.cuda_graph: the captured and replayed steps compute exactly what eager steps do (losses and
 // the final weights bit for bit over 6 steps, 4 of them replays), with dropout (so every replay drew
 // fresh masks, as the eager steps did), two micro-batches (a graph each), recompute, FP8 and FSDP.
-TEST_CASE("a captured CUDA graph of the forward and backward replays eager steps bit for bit") {
+// On one rank the last micro-batch's graph holds the gradient clipping, the FP8 scale update and
+// the optimizer too (the learning rate moves every step: cosine over 6 steps), FSDP's one-rank
+// shard groups included (nothing to gather or reduce).
+TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for bit") {
   if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
   const std::vector<std::vector<std::string>> cases = {
       {"model.dropout=0.1"},
@@ -136,6 +139,8 @@ TEST_CASE("a captured CUDA graph of the forward and backward replays eager steps
       {"fsdp.strategy=full_shard", "model.dropout=0.1", "train.micro_batch_size=2"},
       {"fsdp.strategy=shard_grad_op", "fp8.enabled=true", "fsdp.reduce=step", "train.micro_batch_size=2"},
       {"model.head_chunk_rows=100", "fp8.enabled=true", "model.dropout=0.1", "train.micro_batch_size=2"},
+      {"fp8.enabled=true", "fp8.recipe=block", "model.dropout=0.1"},
+      {"fp8.enabled=true", "fp8.fuse_weight_update=false", "optim.warmup_steps=4"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {
@@ -152,6 +157,7 @@ TEST_CASE("a captured CUDA graph of the forward and backward replays eager steps
     const auto* steps = graphed.world->try_resource<model::StepGraph>();
     REQUIRE(steps);
     CHECK(steps->graphs() == graphed.world->resource<RunControl>().micro_batches);
+    CHECK(steps->through_optimizer());
     REQUIRE(g.losses.size() == 6);
     CHECK(g.losses == e.losses);
     CHECK(g.step1_grads == e.step1_grads);

@@ -244,11 +244,11 @@ TEST_CASE("FP8 recompute reuses the forward's scales: bit-identical gradients an
                          const auto v = world.resource<fp8::Fp8State>().meta->state();
                          out->emplace_back(v.as<float>(), v.as<float>() + v.numel());
                        }});
-      w.systems().add({"test.grads", Phase::grad_sync,
-                       [trace](World& world) {
-                         trace->loss.push_back(world.resource<train::TrainState>().loss);
+      w.systems().add({"test.grads", Phase::grad_sync, [trace](World& world) {
                          trace->grads.push_back({{"all", test::grads_of(world)}});
-                       },
+                       }});
+      w.systems().add({"test.loss", Phase::step_end,
+                       [trace](World& world) { trace->loss.push_back(world.resource<train::TrainState>().loss); },
                        {"model.loss"}});
       p.run();
       if (k) CHECK(w.resource<recompute::ActivationCheckpointState>().recomputes == 4 * 2 * 3);

@@ -39,11 +39,11 @@ synthetic_vocab = 300
 test::Trace trace(const std::vector<std::string>& sets) {
   test::Pipeline p(kModel, sets);
   test::Trace t;
-  p.world->systems().add({"test.grads", Phase::grad_sync,
-                          [&t](World& world) {
-                            t.loss.push_back(world.resource<train::TrainState>().loss);
+  p.world->systems().add({"test.grads", Phase::grad_sync, [&t](World& world) {
                             t.grads.push_back({{"all", test::grads_of(world)}});
-                          },
+                          }});
+  p.world->systems().add({"test.loss", Phase::step_end,
+                          [&t](World& world) { t.loss.push_back(world.resource<train::TrainState>().loss); },
                           {"model.loss"}});
   p.run();
   return t;

@@ -6,6 +6,7 @@
 #include <climits>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <set>
 #include <thread>
 
@@ -254,6 +255,46 @@ void keep_scales_per_micro_batch(World& w, Fp8State& st) {
 
 // The blocks' FP8 scratch in the model's block scratch (its logits buffer): for when the LM head,
 // which writes the logits, is not among the FP8 layers.
+// After an optimizer step the FP8 weight copies are stale, unless its update wrote them (fused: then
+// they are current). fp8.weights_changed is host bookkeeping alone, so a captured step replays it
+// (StepGraph): after each replay through the optimizer (nn::PassesReplayed) the host does what the
+// skipped systems would have done there: fp8.scale_update's count and event, the fused update's step
+// mark (the replay's update wrote the copies as the captured one did, their versions left as the
+// capture left them), and this.
+void weights_changed(Fp8State& s, std::int64_t step) {
+  if (s.fused_update_step != step) s.invalidate_weights();
+  if (s.grouped_update_step != step) ++s.grouped_version;
+}
+void track_weight_updates(World& w, Fp8State& st, bool delayed_scaling) {
+  w.systems().add({.name = "fp8.weights_changed",
+                   .phase = Phase::optimizer,
+                   .run = [](World& world) {
+                     weights_changed(world.resource<Fp8State>(), world.resource<RunControl>().step);
+                   },
+                   .replayable = true});
+  struct Captured {
+    bool fused = false, grouped_fused = false;  // the captured step's updates wrote the copies
+  };
+  auto captured = std::make_shared<Captured>();
+  st.subscriptions.push_back(w.events().subscribe<nn::PassesCaptureEnd>([&w, &st, captured](const nn::PassesCaptureEnd& e) {
+    if (!e.through_optimizer) return;
+    const std::int64_t step = w.resource<RunControl>().step;
+    *captured = {st.fused_update_step == step, st.grouped_update_step == step};
+  }));
+  st.subscriptions.push_back(w.events().subscribe<nn::PassesReplayed>(
+      [&w, &st, captured, delayed_scaling](const nn::PassesReplayed& e) {
+        if (!e.through_optimizer || e.captured_now) return;
+        const std::int64_t step = w.resource<RunControl>().step;
+        if (delayed_scaling) {
+          ++st.updates;
+          w.events().publish(AmaxReduced{step});
+        }
+        if (captured->fused) st.fused_update_step = step;
+        if (captured->grouped_fused) st.grouped_update_step = step;
+        weights_changed(st, step);
+      }));
+}
+
 void lend_block_scratch(World& w) {
   w.systems().add({"fp8.scratch", Phase::setup,
                    [](World& world) {
@@ -448,13 +489,7 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
     st.fused_update_step = -1;
     st.grouped_update_step = -1;
   }));
-  // Unless the optimizer's update wrote the codes this step (then they are current).
-  w.systems().add({"fp8.weights_changed", Phase::optimizer, [](World& world) {
-                     auto& s = world.resource<Fp8State>();
-                     const std::int64_t step = world.resource<RunControl>().step;
-                     if (s.fused_update_step != step) s.invalidate_weights();
-                     if (s.grouped_update_step != step) ++s.grouped_version;
-                   }});
+  track_weight_updates(w, st, false);
   if (!cfg.lm_head) lend_block_scratch(w);
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size(),
                     g_fp8 = st.grouped_entities.size(), g_all = w.view<nn::GroupedLinear>().size();
@@ -720,24 +755,26 @@ void install(World& w, const Fp8Config& cfg) {
   // The scales are updated once the step's gradients are complete and synchronised (as before the
   // optimizer ran, which may now write the weights' FP8 copies with them): after the parallel
   // module's gradient collectives, so every rank issues its collectives in the same order.
+  // Both replayable by a captured step (StepGraph) where no other rank takes part: the update is
+  // one kernel over the amax histories and scales on the device.
   if (cfg.recipe == RecipeKind::delayed) {
-    w.systems().add({"fp8.amax_reduce", Phase::grad_sync, reduce_amaxes, {"parallel.tp_grad_sync"}});
-    w.systems().add({"fp8.scale_update", Phase::grad_sync,
-                     [algo = cfg.amax_compute_algo, margin = cfg.margin](World& world) {
+    w.systems().add({.name = "fp8.amax_reduce",
+                     .phase = Phase::grad_sync,
+                     .run = reduce_amaxes,
+                     .after = {"parallel.tp_grad_sync"},
+                     .replayable = !st.amax_comm || st.amax_comm->size() == 1});
+    w.systems().add({.name = "fp8.scale_update",
+                     .phase = Phase::grad_sync,
+                     .run = [algo = cfg.amax_compute_algo, margin = cfg.margin](World& world) {
                        auto& s = world.resource<Fp8State>();
                        s.meta->update(*s.ops, algo, margin);
                        ++s.updates;
                        world.events().publish(AmaxReduced{world.resource<RunControl>().step});
                      },
-                     {"fp8.amax_reduce"}});
+                     .after = {"fp8.amax_reduce"},
+                     .replayable = true});
   }
-  // Unless the optimizer's update ran fused this step (then the copies are current).
-  w.systems().add({"fp8.weights_changed", Phase::optimizer, [](World& world) {
-                     auto& s = world.resource<Fp8State>();
-                     const std::int64_t step = world.resource<RunControl>().step;
-                     if (s.fused_update_step != step) s.invalidate_weights();
-                     if (s.grouped_update_step != step) ++s.grouped_version;
-                   }});
+  track_weight_updates(w, st, cfg.recipe == RecipeKind::delayed);
 }
 
 }  // namespace

@@ -232,24 +232,36 @@ void install(World& w, const ModelConfig& cfg) {
                                                      &world.resource<rng::RngStatesTracker>());
                    },
                    {kAllSystems}});
-  w.systems().add({"model.forward", Phase::forward, [](World& world) {
+  // Device work alone (what a captured step replays, StepGraph); what differs between steps reaches
+  // the device outside them (the tokens above, the RNG's base offsets).
+  w.systems().add({.name = "model.forward",
+                   .phase = Phase::forward,
+                   .run = [](World& world) {
                      const auto& ctl = world.resource<RunControl>();
                      world.resource<GptModel>().forward_pass(ctl.micro_batch, ctl.chunk,
                                                              &world.resource<rng::RngStatesTracker>());
-                   }});
-  w.systems().add({"model.backward", Phase::backward, [](World& world) {
+                   },
+                   .replayable = true});
+  w.systems().add({.name = "model.backward",
+                   .phase = Phase::backward,
+                   .run = [](World& world) {
                      const auto& ctl = world.resource<RunControl>();
                      world.resource<GptModel>().backward_pass(ctl.micro_batch, ctl.chunk);
-                   }});
-  // The loss is read (and checked) right after the backward pass, before the optimizer touches
-  // the weights, so a non-finite loss is reported as such rather than as non-finite gradients.
-  w.systems().add({"model.loss", Phase::grad_sync, [](World& world) {
+                   },
+                   .replayable = true});
+  // The loss is read (and checked) at the step's end, with its other reads (no wait for the device
+  // between the backward pass and the optimizer), before optim.check reads the gradient's norm: a
+  // non-finite loss is reported as such rather than as non-finite gradients, and its non-finite
+  // gradients made the optimizer write nothing (ops::AdamW::scalars).
+  w.systems().add({"model.loss", Phase::step_end, [](World& world) {
                      auto& ts = world.resource<train::TrainState>();
                      ts.loss = world.resource<GptModel>().mean_loss(ts.micro_batches);
                      if (!std::isfinite(ts.loss))
                        KILN_THROW("step ", world.resource<RunControl>().step, ": the loss is ", ts.loss,
                                   " (non-finite); stopping");
-                   }});
+                   },
+                   {"model.sync"},
+                   {"train.step_end"}});
   save_part_state(w, model);
   // The parts' numbers of the step (a mixture of experts' losses and loads) for the metrics; the
   // routers' balancing biases move by them.

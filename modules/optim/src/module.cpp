@@ -28,6 +28,11 @@ double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t tot
 
 namespace {
 
+float step_learning_rate(World& w, const OptimConfig& cfg) {
+  return static_cast<float>(
+      learning_rate(cfg, w.resource<RunControl>().step, w.resource<train::TrainConfig>().steps));
+}
+
 // The parameters' parts this rank holds, ordered by their place in the held buffers.
 struct HeldGradient {
   const nn::Param* param;
@@ -152,25 +157,36 @@ void install(World& w, const OptimConfig& cfg) {
                    },
                    {"params.allocate"}});
 
-  // The step on the stream, without waiting for the device: the learning rate and bias corrections
-  // go up first, the gradient's norm and clipping scale are made on the device (ops::GradClip; on the
-  // host, synchronising, where ranks share the gradient), and every AdamW kernel reads them from
-  // there when it runs (a non-finite norm makes the scale NaN: nothing is updated).
-  w.systems().add({"optim.step", Phase::optimizer, [cfg](World& world) {
+  // The step's numbers go up at its beginning (outside a captured step's graph, StepGraph, which
+  // replays the optimizer below): the learning rate and the bias corrections of step t, counted once
+  // the step before was known finite (optim.check).
+  w.systems().add({"optim.numbers", Phase::step_begin, [cfg](World& world) {
+                     auto& be = world.resource<ops::ActiveBackend>().get();
+                     auto& st = world.resource<OptimState>();
+                     const auto lr = step_learning_rate(world, cfg);
+                     float numbers[ops::kAdamWScalars] = {lr, 1.0f, 0.0f, 0.0f};
+                     ops::adamw_bias_corrections(cfg.beta1, cfg.beta2, st.steps_taken + 1, numbers[ops::kAdamWBc1],
+                                                 numbers[ops::kAdamWBc2]);
+                     be.copy(TensorView(st.scalars.data(), {ops::kAdamWScalars}, DType::f32, be.device()),
+                             TensorView(numbers, {ops::kAdamWScalars}, DType::f32, Device::cpu));
+                     world.resource<train::TrainState>().lr = lr;
+                   }});
+
+  // The step on the stream, without waiting for the device: the gradient's norm and clipping scale
+  // are made on the device (ops::GradClip; on the host, synchronising, where ranks share the
+  // gradient), and every AdamW kernel reads them and the step's numbers from there when it runs (a
+  // non-finite norm makes the scale NaN: nothing is updated). Replayable on one rank (the norm on
+  // the device); the host values below (the learning rate, t) are the CPU backend's, or unused.
+  const bool one_rank = w.resource<RankInfo>().world_size == 1;
+  w.systems().add({.name = "optim.step", .phase = Phase::optimizer, .run = [cfg](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      auto& store = world.resource<nn::ParamStore>();
                      auto& st = world.resource<OptimState>();
-                     auto& ts = world.resource<train::TrainState>();
-                     const auto step = world.resource<RunControl>().step;
                      const std::int64_t t = st.steps_taken + 1;  // counted once the step is known finite
-                     const auto lr = static_cast<float>(learning_rate(cfg, step, world.resource<train::TrainConfig>().steps));
-                     float numbers[ops::kAdamWScalars] = {lr, 1.0f, 0.0f, 0.0f};
-                     ops::adamw_bias_corrections(cfg.beta1, cfg.beta2, t, numbers[ops::kAdamWBc1], numbers[ops::kAdamWBc2]);
+                     const auto lr = step_learning_rate(world, cfg);
                      const Device dev = be.device();
                      auto* scalars = static_cast<float*>(st.scalars.data());
                      auto* norm = reinterpret_cast<double*>(static_cast<char*>(st.scalars.data()) + OptimState::kNormAt);
-                     be.copy(TensorView(scalars, {ops::kAdamWScalars}, DType::f32, dev),
-                             TensorView(numbers, {ops::kAdamWScalars}, DType::f32, Device::cpu));
                      if (norm_of_held_buffer(world)) {
                        be.grad_clip({store.grads_flat(), cfg.grad_clip, scalars, norm});
                      } else {
@@ -202,10 +218,12 @@ void install(World& w, const OptimConfig& cfg) {
                      // The parameters another module updates (nn::UpdatedBy), with the same step.
                      world.events().publish(
                          nn::AdamWStep{t, lr, a.beta1, a.beta2, a.eps, a.weight_decay, scalars, a.m, a.v});
-                     ts.lr = lr;
-                   }});
+                   }, .replayable = one_rank});
   // After the step (one read of the norm and scale, with the step's other reads): the norm for the
-  // log, and a non-finite gradient stops the run naming the tensors, the weights as they were.
+  // log, and a non-finite gradient stops the run naming the tensors, the weights as they were. After
+  // the model's loss check where there is one, which names a non-finite loss first.
+  std::vector<std::string> check_after;
+  if (w.systems().has("model.loss")) check_after.emplace_back("model.loss");
   w.systems().add({"optim.check", Phase::step_end,
                    [](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
@@ -223,7 +241,7 @@ void install(World& w, const OptimConfig& cfg) {
                                   non_finite_gradients(world, be), "; stopping");
                      ++st.steps_taken;
                    },
-                   {},
+                   check_after,
                    {"train.step_end"}});
 }
 

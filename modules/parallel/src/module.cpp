@@ -161,8 +161,10 @@ void install(World& w, const ParallelConfig& cfg) {
   // partial gradients; they are summed over the TP group once per step, after the DP sync (the sums
   // commute; the DP buckets may still be reducing these gradients on the communication stream until
   // parallel.dp_grad_sync has made the compute stream wait for them).
-  w.systems().add({"parallel.tp_grad_sync", Phase::grad_sync,
-                   [](World& world) {
+  // (Nothing to do, so replayable by a captured step, StepGraph, where each group has one rank.)
+  w.systems().add({.name = "parallel.tp_grad_sync",
+                   .phase = Phase::grad_sync,
+                   .run = [](World& world) {
                      auto& c = world.resource<Communicators>();
                      const auto* store = world.try_resource<nn::ParamStore>();
                      if (c.tp->size() == 1 || !store) return;  // no parameters: nothing to reduce
@@ -175,15 +177,19 @@ void install(World& w, const ParallelConfig& cfg) {
                        });
                      }
                    },
-                   {"parallel.dp_grad_sync"}});
+                   .after = {"parallel.dp_grad_sync"},
+                   .replayable = comms.tp->size() == 1});
 
   // A parameter two pipeline stages hold (nn::TiedAcrossStages: the first stage's token table and the
   // last stage's copy its tied head multiplies by) has its two gradients summed, the same sum on both,
   // as Megatron-LM all-reduces its embedding group's: after the data-parallel and tensor-parallel sums
   // (they commute), before anything reads the gradients. Nothing to do on one stage.
   if (n.pp > 1) w.emplace_resource<TiedGradScratch>();
-  w.systems().add({"parallel.tied_grad_sync", Phase::grad_sync, sum_tied_gradients,
-                   {"parallel.dp_grad_sync", "parallel.tp_grad_sync"}});
+  w.systems().add({.name = "parallel.tied_grad_sync",
+                   .phase = Phase::grad_sync,
+                   .run = sum_tied_gradients,
+                   .after = {"parallel.dp_grad_sync", "parallel.tp_grad_sync"},
+                   .replayable = n.pp == 1});
 
   // Data parallelism: every DP rank computed the gradients of its slice of the global batch, with
   // the loss scaled by 1 / (tokens in the global batch), so summing them gives the batch gradient.
@@ -213,7 +219,7 @@ void install(World& w, const ParallelConfig& cfg) {
     dp_state.on_replayed = w.events().subscribe<nn::PassesReplayed>(
         [on_graph](const nn::PassesReplayed& e) { on_graph(e.micro_batch, &DpGradSync::replayed); });
   }
-  w.systems().add({"parallel.dp_grad_sync", Phase::grad_sync, [](World& world) {
+  w.systems().add({.name = "parallel.dp_grad_sync", .phase = Phase::grad_sync, .run = [](World& world) {
                      auto& c = world.resource<Communicators>();
                      const auto* store = world.try_resource<nn::ParamStore>();
                      // One rank, no parameters, or a module that reduces them itself (fsdp).
@@ -224,7 +230,7 @@ void install(World& w, const ParallelConfig& cfg) {
                        return;
                      }
                      c.dp->all_reduce(store->grads_flat(), ReduceOp::sum, store->stream());
-                   }});
+                   }, .replayable = comms.dp->size() == 1});
 }
 
 }  // namespace

@@ -40,6 +40,11 @@ struct SystemDesc {
   std::function<void(World&)> run;
   std::vector<std::string> after;    // systems that must run before this one
   std::vector<std::string> before;   // systems that must run after this one
+  // Its work may be recorded once in a CUDA graph and replayed in later steps instead of running
+  // (backend.cuda_graph): device work on the compute stream only, the same every step, no wait for
+  // the device and no allocation; host bookkeeping a replay skips is restored by the module from
+  // nn::PassesReplayed. A phase is replayed only when all its systems are.
+  bool replayable = false;
 };
 
 class Scheduler {
@@ -53,6 +58,9 @@ class Scheduler {
   void run(Phase phase, World& world);
   // System names of one phase in execution order (after build()).
   std::vector<std::string> order(Phase phase) const;
+  bool has(std::string_view name) const;  // registered (built or not)
+  // The first system of `phase` (in order) that is not SystemDesc::replayable, if any.
+  std::optional<std::string> not_replayable(Phase phase) const;
   std::size_t size() const { return systems_.size(); }
   void clear();
 

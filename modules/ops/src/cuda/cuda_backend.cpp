@@ -70,15 +70,10 @@ CudaBackend::CudaBackend(int device, const CudaOptions& options)
   workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
   gemm_->set_autotune(options.gemm_autotune);
-  for (auto& s : staging_) KILN_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
 }
 
 CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_);
-  for (auto& s : staging_) {
-    if (s.host) cudaFreeHost(s.host);
-    if (s.done) cudaEventDestroy(s.done);
-  }
   for (auto& p : pending_) {
     cudaEventDestroy(p.start);
     cudaEventDestroy(p.end);
@@ -156,24 +151,6 @@ unsigned* CudaBackend::tickets(std::int64_t n) {
   return static_cast<unsigned*>(tickets_.data());
 }
 
-void* CudaBackend::upload(const void* host, std::size_t bytes, int slot) {
-  auto& s = staging_[slot];
-  if (s.bytes < bytes) {
-    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (s.host) KILN_CUDA_CHECK(cudaFreeHost(s.host));
-    std::size_t cap = bytes + bytes / 2 + 256;
-    KILN_CUDA_CHECK(cudaMallocHost(&s.host, cap));
-    s.device = Buffer(Device::cuda, cap);
-    s.bytes = cap;
-  } else {
-    KILN_CUDA_CHECK(cudaEventSynchronize(s.done));  // the previous upload from this slot has been read
-  }
-  std::memcpy(s.host, host, bytes);
-  KILN_CUDA_CHECK(cudaMemcpyAsync(s.device.data(), s.host, bytes, cudaMemcpyHostToDevice, stream_));
-  KILN_CUDA_CHECK(cudaEventRecord(s.done, stream_));
-  return s.device.data();
-}
-
 void CudaBackend::copy(const TensorView& dst, const TensorView& src) {
   KILN_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.contiguous() && src.contiguous(), "copy ",
              src.str(), " -> ", dst.str());
@@ -225,14 +202,7 @@ void CudaBackend::zero_many(std::span<const TensorView> ts) {
   }
   if (runs.empty()) return;
   Timer timer(*this, "zero_many");
-  if (runs != zero_runs_) {  // new pieces (the first call, in practice): the table goes up once
-    KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be read
-    zero_table_ = Buffer(Device::cuda, runs.size() * sizeof(cuda::ZeroRun));
-    KILN_CUDA_CHECK(cudaMemcpy(zero_table_.data(), runs.data(), zero_table_.bytes(), cudaMemcpyHostToDevice));
-    zero_runs_ = runs;
-  }
-  cuda::zero_many(static_cast<const cuda::ZeroRun*>(zero_table_.data()), static_cast<int>(runs.size()), work,
-                  stream_);
+  cuda::zero_many(device_table(zero_table_, runs), static_cast<int>(runs.size()), work, stream_);
 }
 
 void CudaBackend::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
@@ -546,7 +516,7 @@ void CudaBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
 void CudaBackend::adamw(const AdamW& a) {
   Timer t(*this, "adamw");
   // The kernel gets the segments it updates, end to end in its work space (each rounded up to a
-  // multiple of 4). The table is tiny: uploaded with every call (stream-ordered staging).
+  // multiple of 4): a table on the device, the same every step.
   const AdamWPlan plan = check_args(a, kTarget);
   std::vector<cuda::AdamWSegmentDev> table;
   std::int64_t work = 0;
@@ -556,7 +526,7 @@ void CudaBackend::adamw(const AdamW& a) {
     work += (s.count + 3) / 4 * 4;
   }
   if (table.empty()) return;
-  auto* segments = static_cast<const cuda::AdamWSegmentDev*>(upload(table.data(), table.size() * sizeof(table[0]), 1));
+  const cuda::AdamWSegmentDev* segments = device_table(adamw_table_, table);
   float bc1 = 0, bc2 = 0;
   adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
   cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, dptr<float>(a.grads),

@@ -3,6 +3,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <set>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "kiln/ops/backend.hpp"
+#include "kiln/tensor/cuda_check.hpp"
 #include "kiln/ops/cuda/gemm.hpp"
 #include "kiln/ops/cuda/launchers.hpp"
 #include "cudnn_attention.hpp"
@@ -117,8 +119,24 @@ class CudaBackend final : public Backend {
   float* scratch_floats(std::int64_t n);
   // Counters that kernels leave zero (e.g. bias_grad's tickets), zeroed once.
   unsigned* tickets(std::int64_t n);
-  // Pinned host staging + device copy of small per-call tables.
-  void* upload(const void* host, std::size_t bytes, int slot);
+  // A small table kernels read (zero_many's pieces, AdamW's segments), kept on the device while its
+  // contents stay the same: uploaded again only when they change (in practice once), so a captured
+  // step's graph reads the same memory and holds no copy.
+  template <class Row>
+  struct DeviceTable {
+    std::vector<Row> rows;
+    Buffer device;
+  };
+  template <class Row>
+  const Row* device_table(DeviceTable<Row>& t, const std::vector<Row>& rows) {
+    if (rows != t.rows) {
+      KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be read
+      t.device = Buffer(Device::cuda, std::max<std::size_t>(rows.size() * sizeof(Row), 1));
+      KILN_CUDA_CHECK(cudaMemcpy(t.device.data(), rows.data(), rows.size() * sizeof(Row), cudaMemcpyHostToDevice));
+      t.rows = rows;
+    }
+    return static_cast<const Row*>(t.device.data());
+  }
   // The experts' grouped linears (a cuBLAS handle on stream_ with workspace_), made at first use.
   cuda::GroupedGemm& grouped_gemm();
 
@@ -144,17 +162,9 @@ class CudaBackend final : public Backend {
   std::set<std::tuple<int, int, int, int, int>> cudnn_refused_;  // auto: shapes cuDNN builds no plan for
   Buffer tickets_;
   Buffer embed_buckets_;  // embedding_backward's buckets and their scratch
-  // zero_many's table of pieces (cuda::ZeroRun), on the device while the pieces stay the same.
-  std::vector<cuda::ZeroRun> zero_runs_;
-  Buffer zero_table_;
+  DeviceTable<cuda::ZeroRun> zero_table_;            // zero_many's pieces
+  DeviceTable<cuda::AdamWSegmentDev> adamw_table_;  // AdamW's segments
   cuda::HostReadback offsets_readback_;  // moe_permute's offsets for the host
-  struct Staging {
-    void* host = nullptr;
-    Buffer device;
-    std::size_t bytes = 0;
-    cudaEvent_t done = nullptr;
-  };
-  Staging staging_[2];
   bool profiling_ = false;
   struct Pending {
     const char* op;

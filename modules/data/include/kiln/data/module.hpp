@@ -43,8 +43,8 @@ struct DataState {
   std::uint64_t position = 0;
   std::unique_ptr<WindowIndex> train;
   std::unique_ptr<SampleOrder> order;
-  // The next step's first micro-batch of this rank, made while the optimizer step runs on the device
-  // (data.prefetch), and the global sample it starts at; data.next_batch takes it when it matches.
+  // The next step's first micro-batch of this rank, made while the step's end (its optimizer) runs on
+  // the device (data.prefetch), and the global sample it starts at; data.next_batch takes it when it matches.
   std::optional<std::uint64_t> prefetched_first;
   train::Batch prefetched;
   // The trained targets of the global batch at `counted_at` (loss masks), counted once per step.

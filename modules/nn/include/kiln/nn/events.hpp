@@ -19,7 +19,9 @@ struct LayerRecomputeEnd { int unit; };
 struct ForwardEnd { int micro_batch; };
 struct BackwardEnd { int micro_batch; };
 // backend.cuda_graph (model::StepGraph) captures a micro-batch's forward and backward passes once and
-// launches the graph in every later step instead of running them.
+// launches the graph in every later step instead of running them; where every system of the
+// grad_sync and optimizer phases is replayable (SystemDesc::replayable), the last micro-batch's graph
+// holds those phases too (`through_optimizer`): the whole step's device work is one launch.
 // - PassesGraphBegin: before the capture begins and before each later launch. A module with a stream
 //   of its own makes the compute stream wait for what it queued there eagerly (the graph's branches
 //   are not ordered after it) and forgets events recorded outside the graph (a capture cannot wait
@@ -30,9 +32,22 @@ struct BackwardEnd { int micro_batch; };
 //   was published for it, so a module keeping host bookkeeping on those events sets it as the
 //   captured passes left it, and records again any event the graph recorded that eager work after it
 //   waits for.
-struct PassesGraphBegin { int micro_batch; };
-struct PassesCaptureEnd { int micro_batch; };
-struct PassesReplayed { int micro_batch; };
+struct PassesGraphBegin {
+  int micro_batch;
+  bool through_optimizer = false;
+};
+struct PassesCaptureEnd {
+  int micro_batch;
+  bool through_optimizer = false;
+};
+// With `through_optimizer`, a module keeping host bookkeeping in the grad_sync or optimizer phase
+// (counters, a step's events) does there what those systems would have done on the host, except
+// after the capture's own launch (`captured_now`: those systems ran on the host as it was recorded).
+struct PassesReplayed {
+  int micro_batch;
+  bool through_optimizer = false;
+  bool captured_now = false;
+};
 
 // Published by the optimizer once per step, after it queued its own AdamW update on the compute
 // stream, for the parameters marked UpdatedBy: each handler applies exactly that update
