@@ -84,7 +84,7 @@ TEST_CASE("a cycle is an error that names the systems in it") {
   }
 }
 
-TEST_CASE("a phase is replayable when all its systems are; the first that is not is named, in order") {
+TEST_CASE("a phase is replayable when all its systems are, and the first that is not is named, in order") {
   World w;
   auto replayable = [](std::string name, Phase phase, std::vector<std::string> after = {}) {
     SystemDesc d = sys(std::move(name), phase, std::move(after));
