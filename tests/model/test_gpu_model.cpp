@@ -4,12 +4,17 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 
+#include "kiln/checkpoint/reader.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/model/gpt.hpp"
 #include "kiln/model/step_graph.hpp"
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
+#include "kiln/train/train.hpp"
 #include "kiln_test.hpp"
 #include "model_fixture.hpp"
 
@@ -171,3 +176,67 @@ TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for b
     CHECK(weights(*graphed.world) == weights(*eager.world));
   }
 }
+
+// The eager work a captured run does between replays: a validation pass every other step (the
+// model's evaluation forward on the eager stream, the FP8 layers reading the copies the replayed
+// optimizer wrote) and a training-state checkpoint at step 4 (the weights, moments and FP8 scaling
+// state read back after a replay). Training and validation losses and the final weights equal the
+// eager run's bit for bit; the checkpoint holds the same bytes.
+TEST_CASE("a captured whole step with validation and a checkpoint between replays equals eager steps") {
+  if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  test::TempDir dir("graph-eager-between");
+  const std::string train = test::pattern_corpus(dir);
+  const std::string val = (dir.path() / "shards/val_*.bin").string();
+  for (const char* fp8 : {"false", "true"}) {
+    INFO("fp8 " << fp8);
+    struct Run {
+      std::vector<double> losses, val_losses;
+      std::vector<float> weights;
+      std::string checkpoint;
+    };
+    auto run = [&](bool graph) {
+      const std::string ckpt = (dir.path() / (std::string("ckpt-") + fp8 + (graph ? "-graph" : "-eager"))).string();
+      test::Pipeline p(kModel, {"engine.device=cuda", std::string("backend.cuda_graph=") + (graph ? "true" : "false"),
+                                "data.synthetic_vocab=0", "data.train_files=" + train, "data.val_files=" + val,
+                                "model.vocab_size=256", "log.val_every=2", "model.dropout=0.1",
+                                std::string("fp8.enabled=") + fp8, "checkpoint.dir=" + ckpt, "checkpoint.every=4"});
+      Run r;
+      p.world->systems().add({"test.record", Phase::step_end,
+                              [&r](World& world) {
+                                const auto& ts = world.resource<train::TrainState>();
+                                r.losses.push_back(ts.loss);
+                                if (ts.val_loss) r.val_losses.push_back(*ts.val_loss);
+                              },
+                              {"train.step_end"}});
+      p.run();
+      if (graph) {
+        const auto* steps = p.world->try_resource<model::StepGraph>();
+        REQUIRE(steps);
+        CHECK(steps->graphs() == 1);
+        CHECK(steps->through_optimizer());
+      }
+      auto& be = p.world->resource<ops::ActiveBackend>().get();
+      const TensorView flat = p.world->resource<nn::ParamStore>().master_flat();
+      r.weights.resize(static_cast<std::size_t>(flat.numel()));
+      be.copy(TensorView(r.weights.data(), {flat.numel()}, DType::f32, Device::cpu), flat);
+      r.checkpoint = checkpoint::latest_checkpoint(ckpt);
+      return r;
+    };
+    const Run g = run(true), e = run(false);
+    REQUIRE(g.losses.size() == 6);
+    CHECK(g.losses == e.losses);
+    REQUIRE(g.val_losses.size() >= 3);
+    CHECK(g.val_losses == e.val_losses);
+    CHECK(g.weights == e.weights);
+    REQUIRE(!g.checkpoint.empty());
+    REQUIRE(!e.checkpoint.empty());
+    auto bytes = [](const std::filesystem::path& f) {
+      std::ifstream in(f, std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    };
+    const std::string shard = "rank_00000.bin";  // every tensor and blob the one rank saved
+    REQUIRE(std::filesystem::exists(std::filesystem::path(e.checkpoint) / shard));
+    CHECK(bytes(std::filesystem::path(g.checkpoint) / shard) == bytes(std::filesystem::path(e.checkpoint) / shard));
+  }
+}
+
