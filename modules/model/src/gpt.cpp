@@ -461,12 +461,33 @@ double GptModel::loss_sum(int slots) {
              "read them after backward()");
   KILN_CHECK(slots > 0 && slots <= slots_, "mean over ", slots, " loss slots of ", slots_);
   const std::int64_t n = slots * ctx_.N;
-  std::vector<float> host(static_cast<std::size_t>(n));
-  ctx_.be.copy(TensorView(host.data(), {n}, DType::f32, Device::cpu), losses_.rows(0, slots).reshape({n}));
-  ctx_.be.synchronize();
+  std::vector<float> copied;
+  const float* host = nullptr;
+  if (queued_loss_slots_ == slots) {  // queued behind the step's work: there once the stream is idle
+    ctx_.be.synchronize();
+    host = static_cast<const float*>(losses_host_.data());
+  } else {
+    copied.resize(static_cast<std::size_t>(n));
+    ctx_.be.copy(TensorView(copied.data(), {n}, DType::f32, Device::cpu), losses_.rows(0, slots).reshape({n}));
+    ctx_.be.synchronize();
+    host = copied.data();
+  }
+  queued_loss_slots_ = 0;
   double sum = 0;
-  for (float v : host) sum += v;
+  for (std::int64_t i = 0; i < n; ++i) sum += host[i];
   return sum;
+}
+
+void GptModel::queue_loss_read(int slots) {
+  queued_loss_slots_ = 0;
+  if (!head_ || head_->losses_pending()) return;  // another stage's, or not written yet: mean_loss copies
+  KILN_CHECK(slots > 0 && slots <= slots_, "loss read of ", slots, " slots of ", slots_);
+  const std::int64_t n = slots * ctx_.N;
+  const auto bytes = static_cast<std::size_t>(n) * sizeof(float);
+  if (losses_host_.bytes() < bytes) losses_host_ = ctx_.be.alloc_host(static_cast<std::size_t>(slots_ * ctx_.N) * sizeof(float));
+  ctx_.be.copy_to_host_async(TensorView(losses_host_.data(), {n}, DType::f32, Device::cpu),
+                             losses_.rows(0, slots).reshape({n}));
+  queued_loss_slots_ = slots;
 }
 
 double GptModel::mean_loss(int slots) {

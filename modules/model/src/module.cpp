@@ -253,6 +253,14 @@ void install(World& w, const ModelConfig& cfg) {
   // between the backward pass and the optimizer), before optim.check reads the gradient's norm: a
   // non-finite loss is reported as such rather than as non-finite gradients, and its non-finite
   // gradients made the optimizer write nothing (ops::AdamW::scalars).
+  // The losses' copy to the host is queued behind the step's device work before the step's one
+  // synchronisation (model.sync), so reading them costs no round trip of its own.
+  w.systems().add({"model.loss_read", Phase::step_end,
+                   [](World& world) {
+                     world.resource<GptModel>().queue_loss_read(world.resource<train::TrainState>().micro_batches);
+                   },
+                   {},
+                   {"model.sync"}});
   w.systems().add({"model.loss", Phase::step_end, [](World& world) {
                      auto& ts = world.resource<train::TrainState>();
                      ts.loss = world.resource<GptModel>().mean_loss(ts.micro_batches);

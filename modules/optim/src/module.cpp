@@ -224,14 +224,28 @@ void install(World& w, const OptimConfig& cfg) {
   // the model's loss check where there is one, which names a non-finite loss first.
   std::vector<std::string> check_after;
   if (w.systems().has("model.loss")) check_after.emplace_back("model.loss");
+  // The copy queued behind the step's work, before the step's synchronisation where the model has
+  // one (model.sync), so the read after it waits for nothing.
+  std::vector<std::string> read_before;
+  if (w.systems().has("model.sync")) read_before.emplace_back("model.sync");
+  w.systems().add({"optim.read", Phase::step_end,
+                   [](World& world) {
+                     auto& be = world.resource<ops::ActiveBackend>().get();
+                     auto& st = world.resource<OptimState>();
+                     const auto bytes = static_cast<std::int64_t>(st.scalars.bytes());
+                     if (!st.scalars_host.data()) st.scalars_host = be.alloc_host(st.scalars.bytes());
+                     be.copy_to_host_async(TensorView(st.scalars_host.data(), {bytes}, DType::u8, Device::cpu),
+                                           TensorView(st.scalars.data(), {bytes}, DType::u8, be.device()));
+                   },
+                   {},
+                   read_before});
+  check_after.emplace_back("optim.read");
   w.systems().add({"optim.check", Phase::step_end,
                    [](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      auto& st = world.resource<OptimState>();
-                     unsigned char host[OptimState::kNormAt + sizeof(double)];
-                     be.copy(TensorView(host, {static_cast<std::int64_t>(sizeof(host))}, DType::u8, Device::cpu),
-                             TensorView(st.scalars.data(), {static_cast<std::int64_t>(sizeof(host))}, DType::u8,
-                                        be.device()));
+                     be.synchronize();  // optim.read's copy (the stream is idle by now where model.sync ran)
+                     const auto* host = static_cast<const unsigned char*>(st.scalars_host.data());
                      double norm = 0;
                      std::memcpy(&st.grad_scale, host + ops::kAdamWGradScale * sizeof(float), sizeof(float));
                      std::memcpy(&norm, host + OptimState::kNormAt, sizeof(double));

@@ -159,6 +159,14 @@ void CudaBackend::copy(const TensorView& dst, const TensorView& src) {
   if (dst.device == Device::cpu) KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+void CudaBackend::copy_to_host_async(const TensorView& host_dst, const TensorView& src) {
+  KILN_CHECK(host_dst.dtype == src.dtype && host_dst.numel() == src.numel() && host_dst.contiguous() &&
+                 src.contiguous() && host_dst.device == Device::cpu,
+             "copy_to_host_async ", src.str(), " -> ", host_dst.str());
+  Timer t(*this, "copy");
+  KILN_CUDA_CHECK(cudaMemcpyAsync(host_dst.data, src.data, src.bytes(), cudaMemcpyDefault, stream_));
+}
+
 void CudaBackend::convert(const TensorView& dst, const TensorView& src) {
   if (src.dtype == dst.dtype) return copy(dst, src);  // between devices too
   Timer t(*this, "convert");

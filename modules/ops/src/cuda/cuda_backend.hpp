@@ -43,6 +43,7 @@ class CudaBackend final : public Backend {
   Buffer alloc(std::size_t bytes) override { return Buffer(Device::cuda, bytes); }
   Buffer alloc_host(std::size_t bytes) override { return Buffer::pinned(bytes); }
   void copy(const TensorView& dst, const TensorView& src) override;
+  void copy_to_host_async(const TensorView& host_dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;
   void convert_on(void* stream, const TensorView& dst, const TensorView& src) override;
   void zero(const TensorView& t) override;

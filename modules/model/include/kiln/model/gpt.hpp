@@ -88,6 +88,10 @@ class GptModel {
   // Mean loss over the first `slots` loss slots, and over the data-parallel replicas (synchronises):
   // over the step's trained targets (train::Batch::step_targets) when the data has loss masks.
   double mean_loss(int slots);
+  // Queues the copy of the first `slots` loss slots to the host behind the step's device work
+  // (Backend::copy_to_host_async): the next mean_loss of as many slots sums that copy after one
+  // synchronisation, with no copy of its own.
+  void queue_loss_read(int slots);
   // A training forward's losses are written by its backward (the LM head in chunks of rows,
   // model.head_chunk_rows > 0: ChunkedLossHead); an evaluation's by the forward, as always.
   bool losses_after_backward() const { return ctx_.cfg.head_chunk_rows > 0; }
@@ -165,6 +169,8 @@ class GptModel {
   TensorView tokens_all_, targets_all_;   // [inputs, N] i32 on the device
   TensorView doc_all_;                    // [inputs, B, T] i32: the batches' document starts, if they have them
   TensorView losses_;                     // [slots, N] f32
+  Buffer losses_host_;                    // queue_loss_read's copy (pinned), of queued_loss_slots_ slots
+  int queued_loss_slots_ = 0;
   TensorView part_stats_;                 // every part's device numbers of the step (Mixer::device_stats)
   TensorView grad_in_, grad_out_;         // [Nl, C]: the residual gradient received from / sent to a stage
   TensorView lent_host_;                  // without the head: the blocks' borrowed scratch

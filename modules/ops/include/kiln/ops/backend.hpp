@@ -330,6 +330,10 @@ class Backend {
   virtual Buffer alloc_host(std::size_t bytes) = 0;
   // Copies between any two devices; same dtype and element count.
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
+  // Queues a copy of `src` into host memory from alloc_host on the stream, without waiting: the
+  // values are there once synchronize() has returned (a step's reads queued behind its work, read
+  // after its one synchronisation). By default a copy.
+  virtual void copy_to_host_async(const TensorView& host_dst, const TensorView& src) { copy(host_dst, src); }
   // Converts between f32 and act, or f32 and bf16 (bf16 rounding is round-to-nearest-even); same
   // element count.
   virtual void convert(const TensorView& dst, const TensorView& src) = 0;

@@ -58,6 +58,7 @@ struct OptimState {
   // Device memory: the step's ops::AdamW::scalars (learning rate, gradient scale, bias corrections),
   // then at byte kNormAt the gradient's global norm (double), made on the device where it can be.
   Buffer scalars;
+  Buffer scalars_host;  // their copy on the host (pinned), queued at the step's end (optim.read)
   static constexpr std::size_t kNormAt = 16;
   float grad_scale = 1;  // the last step's gradient scale, read with the norm after the step
   std::int64_t steps_taken = 0;
