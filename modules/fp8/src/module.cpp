@@ -253,8 +253,6 @@ void keep_scales_per_micro_batch(World& w, Fp8State& st) {
   }));
 }
 
-// The blocks' FP8 scratch in the model's block scratch (its logits buffer): for when the LM head,
-// which writes the logits, is not among the FP8 layers.
 // After an optimizer step the FP8 weight copies are stale, unless its update wrote them (fused: then
 // they are current). fp8.weights_changed is host bookkeeping alone, so a captured step replays it
 // (StepGraph): after each replay through the optimizer (nn::PassesReplayed) the host does what the
@@ -295,6 +293,8 @@ void track_weight_updates(World& w, Fp8State& st, bool delayed_scaling) {
       }));
 }
 
+// The blocks' FP8 scratch in the model's block scratch (its logits buffer): for when the LM head,
+// which writes the logits, is not among the FP8 layers.
 void lend_block_scratch(World& w) {
   w.systems().add({"fp8.scratch", Phase::setup,
                    [](World& world) {
