@@ -455,7 +455,7 @@ std::int64_t GptModel::parameter_count() const {
   return sum_over_stages(n);
 }
 
-double GptModel::loss_sum(int slots) {
+double GptModel::loss_sum(int slots, bool use_queued) {
   KILN_CHECK(!head_ || !head_->losses_pending(),
              "the LM head computes a training forward's losses in its backward pass (model.head_chunk_rows > 0): "
              "read them after backward()");
@@ -463,7 +463,7 @@ double GptModel::loss_sum(int slots) {
   const std::int64_t n = slots * ctx_.N;
   std::vector<float> copied;
   const float* host = nullptr;
-  if (queued_loss_slots_ == slots) {  // queued behind the step's work: there once the stream is idle
+  if (use_queued && queued_loss_slots_ == slots) {  // queued behind the step's work: there once the stream is idle
     ctx_.be.synchronize();
     host = static_cast<const float*>(losses_host_.data());
   } else {
@@ -472,7 +472,6 @@ double GptModel::loss_sum(int slots) {
     ctx_.be.synchronize();
     host = copied.data();
   }
-  queued_loss_slots_ = 0;
   double sum = 0;
   for (std::int64_t i = 0; i < n; ++i) sum += host[i];
   return sum;
@@ -493,7 +492,10 @@ void GptModel::queue_loss_read(int slots) {
 double GptModel::mean_loss(int slots) {
   double mean = 0;
   if (head_) {  // the last stage's: the others hold no losses
-    const double sum = loss_sum(slots);
+    // The training losses' copy queue_loss_read made, if any (an evaluation since may have
+    // overwritten the slots themselves).
+    const double sum = loss_sum(slots, true);
+    queued_loss_slots_ = 0;
     // Every DP rank saw its slice of the batch: its rows, or its share of the trained targets (masked
     // rows hold 0), so the mean over the replicas is the mean over the global batch's targets.
     const double per_rank = step_targets_ > 0 ? static_cast<double>(step_targets_) / dp_.size()

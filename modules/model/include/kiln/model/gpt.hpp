@@ -130,8 +130,9 @@ class GptModel {
   };
 
   ModelContext ctx_;
-  // This rank's losses of the first `slots` slots, summed on the host (synchronises).
-  double loss_sum(int slots);
+  // This rank's losses of the first `slots` slots, summed on the host (synchronises); with
+  // `use_queued`, from queue_loss_read's copy where it holds as many slots.
+  double loss_sum(int slots, bool use_queued = false);
   // Which of the kept inputs micro-batch m uses (all of them on a pipeline stage, else one).
   int inputs_index(int m) const { return plan_.pipelined() ? m : 0; }
   // Points the context and the activation table at micro-batch m.
