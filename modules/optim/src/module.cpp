@@ -154,6 +154,7 @@ void install(World& w, const OptimConfig& cfg) {
                      be.zero(st.m.view(DType::f32, {store.held()}));
                      be.zero(st.v.view(DType::f32, {store.held()}));
                      st.scalars = be.alloc(OptimState::kNormAt + sizeof(double));
+                     st.scalars_host = be.alloc_host(st.scalars.bytes());
                    },
                    {"params.allocate"}});
 
@@ -233,7 +234,6 @@ void install(World& w, const OptimConfig& cfg) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      auto& st = world.resource<OptimState>();
                      const auto bytes = static_cast<std::int64_t>(st.scalars.bytes());
-                     if (!st.scalars_host.data()) st.scalars_host = be.alloc_host(st.scalars.bytes());
                      be.copy_to_host_async(TensorView(st.scalars_host.data(), {bytes}, DType::u8, Device::cpu),
                                            TensorView(st.scalars.data(), {bytes}, DType::u8, be.device()));
                    },
