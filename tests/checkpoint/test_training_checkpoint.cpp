@@ -336,3 +336,36 @@ TEST_CASE("FP8 block scaling: resumed bit-identically, and checkpoints switch to
     CHECK(relative(t.loss.back(), ref.loss.back()) < 0.05);
   }
 }
+
+TEST_CASE("bf16 AdamW moments: resumed bit-identically (one rank, FSDP), checkpoints hold f32 and switch either way") {
+  const Sets half = {"optim.moments=bf16"}, fsdp = half + Sets{"fsdp.strategy=\"full_shard\""};
+  TempDir d, d2;
+  const Trace ref = run(1, half);
+  check_identical_from(stop_and_resume(1, half, 1, half, d.path, 4), ref, 5);
+  check_identical_from(stop_and_resume(2, fsdp, 2, fsdp, d2.path, 4), run(2, fsdp), 5);
+  // The checkpoint's moments are f32 whatever the run held: a bf16 run's are bf16 values widened.
+  checkpoint::CheckpointReader reader(checkpoint::latest_checkpoint(d.path));
+  std::vector<float> m;
+  for (auto& t : reader.manifest().tensors) {
+    if (t.name != "optimizer/exp_avg/wte") continue;
+    checkpoint::Piece whole{std::vector<std::int64_t>(t.shape.size(), 0), t.shape, 0, 1};
+    for (auto x : t.shape) whole.flat_end *= x;
+    m.resize(static_cast<std::size_t>(whole.flat_end));
+    reader.read(t, whole, m.data());
+  }
+  REQUIRE(!m.empty());
+  std::size_t nonzero = 0;
+  for (float x : m) {
+    CHECK(round_bf16(x) == x);
+    nonzero += x != 0.0f;
+  }
+  CHECK(nonzero > m.size() / 2);
+  // An f32 run's checkpoint resumes with bf16 moments (rounded as they load) and a bf16 run's with
+  // f32 moments (widened exactly): both continue close to the run that never switched.
+  const Trace f32 = run(1, {});
+  TempDir d3, d4;
+  for (const Trace& t : {stop_and_resume(1, {}, 1, half, d3.path, 4), stop_and_resume(1, half, 1, {}, d4.path, 4)}) {
+    REQUIRE(t.loss.size() == f32.loss.size());
+    for (std::size_t s = 5; s <= t.loss.size(); ++s) CHECK(relative(t.loss[s - 1], f32.loss[s - 1]) < 1e-2);
+  }
+}

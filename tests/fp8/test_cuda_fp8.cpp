@@ -535,6 +535,56 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
     }
 }
 
+TEST_CASE("the fused AdamW step with bf16 moments matches the CPU's bits (tiled, elementwise, stacked)") {
+  // optim.moments = "bf16": the moments read as f32, updated, stored rounded to nearest even.
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops();
+  struct Dims {
+    std::int64_t B, R, C;
+  };
+  int seed = 3500;
+  for (auto [B, R, C] : {Dims{1, 80, 48}, Dims{1, 33, 47}, Dims{3, 48, 80}}) {
+    INFO(B << " x [" << R << "," << C << "]");
+    const std::size_t n = static_cast<std::size_t>(B * R * C);
+    auto shape = [&](std::int64_t a, std::int64_t b) { return B > 1 ? Shape{B, a, b} : Shape{a, b}; };
+    auto p = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.05f);
+    const auto g = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.01f);
+    std::vector<std::uint16_t> m(n), v(n);
+    const auto m0 = test::normal_values(n, static_cast<std::uint64_t>(++seed), 1e-3f);
+    const auto v0 = test::normal_values(n, static_cast<std::uint64_t>(++seed), 1e-5f);
+    for (std::size_t i = 0; i < n; ++i) m[i] = float_to_bf16_bits(m0[i]), v[i] = float_to_bf16_bits(std::fabs(v0[i]) + 1e-8f);
+    std::vector<float> c_meta = {2000.0f, 0.01f};
+    std::vector<std::uint8_t> c_row(n), c_col(n);
+    Buffer d_p = upload(p), d_g = upload(g), d_m = upload(m), d_v = upload(v), d_meta = upload(c_meta),
+           d_row(Device::cuda, n), d_col(Device::cuda, n);
+    auto args = [&](Device dev, void* pp, void* gg, void* mm, void* vv, void* row, void* col, float* meta) {
+      AdamWQuantizeArgs a;
+      a.param = TensorView(pp, shape(R, C), DType::f32, dev);
+      a.grad = TensorView(gg, shape(R, C), DType::f32, dev);
+      a.m = TensorView(mm, shape(R, C), DType::bf16, dev);
+      a.v = TensorView(vv, shape(R, C), DType::bf16, dev);
+      a.out.rowwise = TensorView(row, shape(R, C), DType::e4m3, dev);
+      a.out.colwise = TensorView(col, shape(C, R), DType::e4m3, dev);
+      a.out.format = Format::e4m3;
+      a.out.scale = meta;
+      a.amax = meta + 1;
+      set_test_hyperparameters(a);
+      return a;
+    };
+    cpu->adamw_quantize(args(Device::cpu, p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
+                             c_col.data(), c_meta.data()));
+    gpu->adamw_quantize(args(Device::cuda, d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(), d_col.data(),
+                             static_cast<float*>(d_meta.data())));
+    CHECK(download<float>(d_p.data(), n) == p);
+    CHECK(download<std::uint16_t>(d_m.data(), n) == m);
+    CHECK(download<std::uint16_t>(d_v.data(), n) == v);
+    CHECK(download<std::uint8_t>(d_row.data(), n) == c_row);
+    CHECK(download<std::uint8_t>(d_col.data(), n) == c_col);
+    CHECK(download<float>(d_meta.data(), 2)[1] == c_meta[1]);
+  }
+}
+
 TEST_CASE("a weight's fused AdamW step gives the same bits whole (tiled, both copies) and in parts (elementwise)") {
   // Plain data parallelism updates each whole weight with its two FP8 copies (the tiled kernel);
   // FSDP updates each rank's flat part of it with its rowwise codes (the elementwise kernel). The

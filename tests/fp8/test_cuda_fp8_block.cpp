@@ -254,10 +254,13 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
   KILN_REQUIRE_CUDA_BLOCK();
   auto gpu = make_cuda_ops(nullptr);
   std::uint64_t seed = 1300;
-  // 130 x 200: 4-float loads, byte stores; 70 x 130: one element at a time.
+  // 130 x 200: 4-float loads, byte stores; 70 x 130: one element at a time. The moments f32, or bf16
+  // (optim.moments = "bf16").
   for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {130, 200}, {256, 128}, {70, 130}})
-    for (bool pow2 : {false, true}) {
-      INFO(R << " x " << C << (pow2 ? " pow2" : ""));
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool pow2 = variant == 1, half = variant == 2;
+      const DType moments = half ? DType::bf16 : DType::f32;
+      INFO(R << " x " << C << (pow2 ? " pow2" : "") << (half ? " bf16 moments" : ""));
       const auto n = static_cast<std::size_t>(R * C);
       auto p = test::normal_values(n, ++seed, 0.05f), g = test::normal_values(n, ++seed, 1e-2f),
            m = test::normal_values(n, ++seed, 1e-3f), v = test::normal_values(n, ++seed, 1e-3f);
@@ -267,8 +270,14 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
       struct Run {
         Buffer p, g, m, v, row, col, rs, cs;
       };
+      auto moment = [&](const std::vector<float>& x) {
+        if (!half) return to_device(x);
+        std::vector<std::uint16_t> bits(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i) bits[i] = float_to_bf16_bits(x[i]);
+        return to_device(bits);
+      };
       auto make = [&] {
-        return Run{to_device(p), to_device(g), to_device(m), to_device(v), Buffer(Device::cuda, n + 256),
+        return Run{to_device(p), to_device(g), moment(m), moment(v), Buffer(Device::cuda, n + 256),
                    Buffer(Device::cuda, n + 256), to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
                    to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f))};
       };
@@ -276,8 +285,8 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
         AdamWQuantizeArgs u;
         u.param = TensorView(r.p.data(), {R, C}, DType::f32, Device::cuda);
         u.grad = TensorView(r.g.data(), {R, C}, DType::f32, Device::cuda);
-        u.m = TensorView(r.m.data(), {R, C}, DType::f32, Device::cuda);
-        u.v = TensorView(r.v.data(), {R, C}, DType::f32, Device::cuda);
+        u.m = TensorView(r.m.data(), {R, C}, moments, Device::cuda);
+        u.v = TensorView(r.v.data(), {R, C}, moments, Device::cuda);
         u.lr = 1e-3f, u.weight_decay = 0.1f, u.grad_scale = 0.5f, u.step = 7;
         return u;
       };
@@ -292,8 +301,10 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
       BlockQuantizeArgs q = out(apart);
       q.x = TensorView(apart.p.data(), {R, C}, DType::f32, Device::cuda);
       gpu->quantize_blocks(q);
-      for (auto [a, b] : {std::pair{&fused.p, &apart.p}, {&fused.m, &apart.m}, {&fused.v, &apart.v}})
-        CHECK(test::same_bits(to_host<float>(a->data(), n), to_host<float>(b->data(), n)));
+      CHECK(test::same_bits(to_host<float>(fused.p.data(), n), to_host<float>(apart.p.data(), n)));
+      const std::size_t moment_bytes = n * size_of(moments);
+      for (auto [a, b] : {std::pair{&fused.m, &apart.m}, {&fused.v, &apart.v}})
+        CHECK(to_host<std::uint8_t>(a->data(), moment_bytes) == to_host<std::uint8_t>(b->data(), moment_bytes));
       CHECK(to_host<float>(fused.p.data(), n) != p);  // the step changed the weight
       CHECK(to_host<std::uint8_t>(fused.row.data(), n) == to_host<std::uint8_t>(apart.row.data(), n));
       CHECK(to_host<std::uint8_t>(fused.col.data(), n) == to_host<std::uint8_t>(apart.col.data(), n));

@@ -255,6 +255,35 @@ TEST_CASE("with backend.profile, the FP8 kernels appear in the per-op breakdown"
   CHECK(calls["linear_forward"] > 0);  // the LM head stays in bf16
 }
 
+TEST_CASE("bf16 AdamW moments: the fused FP8 weight update equals the unfused one, and training stays close to f32 moments") {
+  // optim.moments = "bf16": every update (the optimizer's flat AdamW, the fp8 module's fused
+  // per-tensor, block-scaled and stacked experts' updates) reads the moments as f32 and stores them
+  // rounded, so fusing changes nothing but the passes.
+  test::TempDir dir("fp8-bf16-moments");
+  const std::string shards = test::pattern_corpus(dir);
+  const std::vector<std::string> half = {"optim.moments=bf16", "fp8.enabled=true"};
+  const std::vector<std::vector<std::string>> runs = {
+      {"fp8.recipe=delayed"},
+      {"fp8.recipe=block", "backend.cpu_round_bf16=true"},
+      {"model.arch=llama", "model.n_kv_head=1", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=32"}};
+  for (const auto& run : runs) {
+    INFO(run.front());
+    auto with = [&](std::vector<std::string> sets) {
+      sets.insert(sets.end(), run.begin(), run.end());
+      return test::train_losses(shards, 8, sets);
+    };
+    auto bf16 = half;
+    const auto base = with(bf16);
+    REQUIRE(base.size() == 8);
+    bf16.push_back("fp8.fuse_weight_update=false");
+    CHECK(base == with(bf16));
+    // Not the f32 moments' run, but within rounding of it.
+    const auto f32 = with({"fp8.enabled=true"});
+    CHECK(base != f32);
+    for (std::size_t i = 0; i < base.size(); ++i) CHECK(std::fabs(base[i] - f32[i]) < 1e-2 * f32[i]);
+  }
+}
+
 TEST_CASE("FP8 layers keep their inputs in FP8 where the model would store them in bf16: same losses, less memory") {
   // With recompute_norm / recompute_gelu off the model would keep the LayerNorm and GELU outputs in
   // act precision for QKV, FC1 and FC2 alone; FP8 layers keep their colwise FP8 copies instead (the

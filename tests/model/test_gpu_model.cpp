@@ -146,6 +146,9 @@ TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for b
       {"model.head_chunk_rows=100", "fp8.enabled=true", "model.dropout=0.1", "train.micro_batch_size=2"},
       {"fp8.enabled=true", "fp8.recipe=block", "model.dropout=0.1"},
       {"fp8.enabled=true", "fp8.fuse_weight_update=false", "optim.warmup_steps=4"},
+      // AdamW's moments in bf16: the flat AdamW and the fused FP8 updates, per-tensor and block.
+      {"optim.moments=bf16", "fp8.enabled=true", "model.dropout=0.1"},
+      {"optim.moments=bf16", "fp8.enabled=true", "fp8.recipe=block"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {

@@ -53,16 +53,17 @@ inline std::vector<std::int32_t> random_ints(std::size_t n, std::uint64_t seed, 
   return v;
 }
 
-// One logical tensor held by both backends. kind: act (bf16 on GPU, f32 on CPU), f32 or i32.
-enum class Kind { act, f32, i32 };
+// One logical tensor held by both backends. kind: act (bf16 on GPU, f32 on CPU), f32, i32, or bf16
+// (bf16 on both: AdamW's moments under optim.moments = "bf16").
+enum class Kind { act, f32, i32, bf16 };
 
 class Dual {
  public:
   Dual(BackendPair& p, Kind kind, Shape shape) : pair_(p), kind_(kind), shape_(shape) {
     const std::size_t n = static_cast<std::size_t>(shape.numel());
     cpu_buf_ = Buffer(Device::cpu, n * 4);
-    gpu_dtype_ = kind == Kind::act ? DType::bf16 : (kind == Kind::f32 ? DType::f32 : DType::i32);
-    cpu_dtype_ = kind == Kind::i32 ? DType::i32 : DType::f32;
+    gpu_dtype_ = kind == Kind::act || kind == Kind::bf16 ? DType::bf16 : (kind == Kind::f32 ? DType::f32 : DType::i32);
+    cpu_dtype_ = kind == Kind::i32 ? DType::i32 : (kind == Kind::bf16 ? DType::bf16 : DType::f32);
     if (p.gpu) gpu_buf_ = p.gpu->alloc(n * size_of(gpu_dtype_));
   }
   TensorView cpu() const { return cpu_buf_.view(cpu_dtype_, shape_); }
@@ -72,11 +73,16 @@ class Dual {
   // Sets the values (act tensors are rounded to bf16 first) on both backends.
   void set(std::vector<float> v) {
     REQUIRE(static_cast<std::int64_t>(v.size()) == numel());
-    if (kind_ == Kind::act)
+    if (kind_ == Kind::act || kind_ == Kind::bf16)
       for (auto& x : v) x = round_bf16(x);
-    std::copy(v.begin(), v.end(), cpu().as<float>());
+    if (kind_ == Kind::bf16) {
+      auto* bits = static_cast<std::uint16_t*>(cpu().data);
+      for (std::size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16_bits(v[i]);
+    } else {
+      std::copy(v.begin(), v.end(), cpu().as<float>());
+    }
     if (!pair_.gpu) return;
-    if (kind_ == Kind::act) {
+    if (kind_ == Kind::act || kind_ == Kind::bf16) {
       std::vector<bf16> h(v.size());
       for (std::size_t i = 0; i < v.size(); ++i) h[i] = bf16(v[i]);
       pair_.gpu->copy(gpu(), TensorView(h.data(), shape_, DType::bf16, Device::cpu));
@@ -94,12 +100,18 @@ class Dual {
     }
   }
   std::vector<float> cpu_values() const {
+    if (kind_ == Kind::bf16) {
+      const auto* bits = static_cast<const std::uint16_t*>(cpu().data);
+      std::vector<float> out(static_cast<std::size_t>(numel()));
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = bf16_bits_to_float(bits[i]);
+      return out;
+    }
     const float* p = cpu().as<float>();
     return std::vector<float>(p, p + numel());
   }
   std::vector<float> gpu_values() const {
     std::vector<float> out(static_cast<std::size_t>(numel()));
-    if (kind_ == Kind::act) {
+    if (kind_ == Kind::act || kind_ == Kind::bf16) {
       std::vector<bf16> h(out.size());
       pair_.gpu->copy(TensorView(h.data(), shape_, DType::bf16, Device::cpu), gpu());
       for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<float>(h[i]);

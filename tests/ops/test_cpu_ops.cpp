@@ -186,6 +186,47 @@ TEST_CASE("adamw leaves a segment another module updates untouched") {
   CHECK(act[2] == p[2]);
 }
 
+TEST_CASE("adamw with bf16 moments is the f32 step, the moments stored rounded to nearest even") {
+  // optim.moments = "bf16": moments bf16-representable going in, the parameters take exactly the
+  // f32 path's update (the unrounded moments), and the stored moments are its moments rounded.
+  auto b = ops::make_cpu_backend();
+  const int P = 1037;
+  auto p32 = random_values(P, 71), g = random_values(P, 72, 0.1f), m32 = random_values(P, 73, 0.01f);
+  auto v32 = random_values(P, 74, 1e-3f);
+  for (auto& x : m32) x = round_bf16(x);
+  for (auto& x : v32) x = round_bf16(std::fabs(x) + 1e-6f);
+  std::vector<std::uint16_t> m16(P), v16(P);
+  for (int i = 0; i < P; ++i) m16[i] = float_to_bf16_bits(m32[i]), v16[i] = float_to_bf16_bits(v32[i]);
+  auto p16 = p32;
+  auto step = [&](std::vector<float>& p, TensorView m, TensorView v) {
+    ops::AdamW a;
+    a.params = view(p, {P});
+    a.grads = view(g, {P});
+    a.m = m;
+    a.v = v;
+    a.segments = {{0, 600, true}, {600, P - 600, false}};
+    a.lr = 1e-2f;
+    a.weight_decay = 0.1f;
+    a.grad_scale = 0.7f;
+    a.step = 3;
+    b->adamw(a);
+  };
+  step(p32, view(m32, {P}), view(v32, {P}));
+  step(p16, TensorView(m16.data(), {P}, DType::bf16, Device::cpu), TensorView(v16.data(), {P}, DType::bf16, Device::cpu));
+  CHECK(p16 == p32);
+  int rounded = 0;
+  for (int i = 0; i < P; ++i) {
+    CHECK(m16[i] == float_to_bf16_bits(m32[i]));
+    CHECK(v16[i] == float_to_bf16_bits(v32[i]));
+    rounded += bf16_bits_to_float(m16[i]) != m32[i];
+  }
+  CHECK(rounded > P / 2);  // the f32 moments are not bf16 values: the rounding is real
+  // Moments of two dtypes, or another dtype, are refused naming the argument.
+  std::vector<float> v_wide(P);
+  CHECK_THROWS_WITH_AS(step(p16, TensorView(m16.data(), {P}, DType::bf16, Device::cpu), view(v_wide, {P})),
+                       doctest::Contains("adamw v"), Error);
+}
+
 TEST_CASE("normal initialisation is layout invariant: a slice draws what the whole draws") {
   auto b = ops::make_cpu_backend();
   std::vector<float> whole(1000), part(300);

@@ -17,13 +17,16 @@ inline void expect_matrix(const TensorView& t, DType dtype, std::int64_t rows, s
 inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device) {
   ops::OpArgs c("fp8 adamw_quantize", {device, DType::f32, false});
   const auto rows = c.wide_dim("rows"), cols = c.wide_dim("cols");
+  // The moments f32 or bf16, both alike (ops::moment_load / moment_store).
+  const DType moments = a.m.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  const auto dtype_of = [&](const char* name) { return name[0] == 'm' || name[0] == 'v' ? moments : DType::f32; };
   if (a.param.ndim() == 3) {
     const auto batch = c.wide_dim("batch");
     for (auto [name, t] : {std::pair{"param", &a.param}, {"grad", &a.grad}, {"m", &a.m}, {"v", &a.v}})
-      c.tensor(name, *t, DType::f32, {batch, rows, cols});
+      c.tensor(name, *t, dtype_of(name), {batch, rows, cols});
   } else {
     for (auto [name, t] : {std::pair{"param", &a.param}, {"grad", &a.grad}, {"m", &a.m}, {"v", &a.v}})
-      c.tensor(name, *t, DType::f32, {rows, cols});
+      c.tensor(name, *t, dtype_of(name), {rows, cols});
   }
   c.check(a.out.rowwise || !a.out.colwise, "the colwise FP8 copy only with the rowwise one");
 }

@@ -453,8 +453,9 @@ AdamWPlan check_args(const AdamW& a, const ArgTarget& on) {
   const auto P = c.wide_dim("P");
   c.tensor("params", a.params, f32, {P});
   c.tensor("grads", a.grads, f32, {P});
-  c.tensor("m", a.m, f32, {P});
-  c.tensor("v", a.v, f32, {P});
+  const ArgDType moments = a.m.dtype == DType::bf16 ? DType::bf16 : f32;  // f32 or bf16, both alike
+  c.tensor("m", a.m, moments, {P});
+  c.tensor("v", a.v, moments, {P});
   c.optional("params_act", a.params_act, Act, {P});
   // The segments must tile [0, P) exactly (in any order; empty ones aside).
   AdamWPlan plan{c[P], {}};

@@ -135,12 +135,15 @@ std::string non_finite_gradients(World& w, ops::Backend& be) {
 
 void install(World& w, const OptimConfig& cfg) {
   auto& state = w.emplace_resource<OptimState>();
+  state.moment_dtype = cfg.moments == MomentDType::bf16 ? DType::bf16 : DType::f32;
   // What a checkpoint saves: the moments (laid out like the held parameters) and the step count
   // (the bias corrections).
   auto& saved = w.resource<train::TrainingState>();
   const auto held = [&w] { return w.resource<nn::ParamStore>().held(); };
-  saved.held.push_back({"optimizer/exp_avg", [&state, held] { return state.m.view(DType::f32, {held()}); }});
-  saved.held.push_back({"optimizer/exp_avg_sq", [&state, held] { return state.v.view(DType::f32, {held()}); }});
+  saved.held.push_back(
+      {"optimizer/exp_avg", [&state, held] { return state.m.view(state.moment_dtype, {held()}); }, state.moment_dtype});
+  saved.held.push_back({"optimizer/exp_avg_sq", [&state, held] { return state.v.view(state.moment_dtype, {held()}); },
+                        state.moment_dtype});
   saved.counters.push_back({"optimizer.steps", [&state] { return state.steps_taken; },
                             [&state](std::int64_t v) { state.steps_taken = v; }});
   // The moments of what this rank holds, once the parameters are laid out.
@@ -149,10 +152,11 @@ void install(World& w, const OptimConfig& cfg) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      const auto& store = world.resource<nn::ParamStore>();
                      auto& st = world.resource<OptimState>();
-                     st.m = be.alloc(static_cast<std::size_t>(store.held()) * 4);
-                     st.v = be.alloc(static_cast<std::size_t>(store.held()) * 4);
-                     be.zero(st.m.view(DType::f32, {store.held()}));
-                     be.zero(st.v.view(DType::f32, {store.held()}));
+                     const std::size_t bytes = static_cast<std::size_t>(store.held()) * size_of(st.moment_dtype);
+                     st.m = be.alloc(bytes);
+                     st.v = be.alloc(bytes);
+                     be.zero(st.m.view(st.moment_dtype, {store.held()}));
+                     be.zero(st.v.view(st.moment_dtype, {store.held()}));
                      st.scalars = be.alloc(OptimState::kNormAt + sizeof(double));
                      st.scalars_host = be.alloc_host(st.scalars.bytes());
                    },
@@ -202,8 +206,8 @@ void install(World& w, const OptimConfig& cfg) {
                      a.params = store.master_flat();
                      a.params_act = store.compute_flat();
                      a.grads = store.grads_flat();
-                     a.m = st.m.view(DType::f32, {store.held()});
-                     a.v = st.v.view(DType::f32, {store.held()});
+                     a.m = st.m.view(st.moment_dtype, {store.held()});
+                     a.v = st.v.view(st.moment_dtype, {store.held()});
                      // At the first step, once every module has said which parameters it updates
                      // itself (nn::UpdatedBy, during install or setup).
                      if (st.segments.empty()) st.segments = segments(world);

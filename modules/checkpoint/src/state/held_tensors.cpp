@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kiln/nn/param_store.hpp"
+#include "kiln/tensor/bf16.hpp"
 #include "kiln/parallel/module.hpp"
 
 namespace kiln::checkpoint {
@@ -58,6 +59,38 @@ std::vector<HeldTensor> held_tensors(World& w, const std::vector<std::string>& f
     }
   }
   return out;
+}
+
+void held_to_host(ops::Backend& be, float* slot, const TensorView& held) {
+  const std::int64_t n = held.numel();
+  if (held.dtype == DType::f32) {
+    be.copy(TensorView(slot, {n}, DType::f32, Device::cpu), held);
+    return;
+  }
+  KILN_CHECK(held.dtype == DType::bf16, "checkpoint: a held buffer of f32 or bf16, got ", held.str());
+  auto* bits = reinterpret_cast<std::uint16_t*>(slot);
+  be.copy(TensorView(bits, {n}, DType::bf16, Device::cpu), held);
+  // Widened from the back: element i's four bytes cover bf16 elements 2i and 2i + 1, read before.
+  for (std::int64_t i = n - 1; i >= 0; --i) {
+    const std::uint16_t b = bits[i];
+    slot[i] = bf16_bits_to_float(b);
+  }
+}
+
+void held_from_host(ops::Backend& be, const TensorView& held, float* slot) {
+  const std::int64_t n = held.numel();
+  if (held.dtype == DType::f32) {
+    be.copy(held, TensorView(slot, {n}, DType::f32, Device::cpu));
+    return;
+  }
+  KILN_CHECK(held.dtype == DType::bf16, "checkpoint: a held buffer of f32 or bf16, got ", held.str());
+  auto* bits = reinterpret_cast<std::uint16_t*>(slot);
+  // Narrowed from the front: bf16 element i's two bytes lie in f32 element i / 2, read before.
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float f = slot[i];
+    bits[i] = float_to_bf16_bits(f);
+  }
+  be.copy(held, TensorView(bits, {n}, DType::bf16, Device::cpu));
 }
 
 }  // namespace kiln::checkpoint

@@ -8,6 +8,7 @@
 
 #include "kiln/checkpoint/pieces.hpp"
 #include "kiln/engine/world.hpp"
+#include "kiln/ops/backend.hpp"
 
 namespace kiln::checkpoint {
 
@@ -28,5 +29,12 @@ struct HeldTensor {
 // a part replicated over data-parallel replicas (plain DP, or hybrid FSDP's replica groups) by one
 // replica, the parts spread over the replicas by size so each writes a similar share.
 std::vector<HeldTensor> held_tensors(World& w, const std::vector<std::string>& families);
+
+// A held buffer (f32, or bf16: optim.moments) into / from its f32 slot of host staging memory. A
+// checkpoint holds f32 whatever the run holds: bf16 values widen exactly, and f32 values load into
+// bf16 rounded to nearest even, as the optimizer would store them. The conversion runs in place in
+// the slot (no second buffer the size of the state).
+void held_to_host(ops::Backend& be, float* slot, const TensorView& held);
+void held_from_host(ops::Backend& be, const TensorView& held, float* slot);
 
 }  // namespace kiln::checkpoint

@@ -394,13 +394,24 @@ class CpuOps final : public Fp8Ops {
     ops::AdamWNumbers h{a.lr, a.grad_scale, 0, 0};
     ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, h.bc1, h.bc2);
     if (!ops::adamw_numbers(a.scalars, h)) return;  // a non-finite gradient: the step is skipped
-    float *p = a.param.as<float>(), *m = a.m.as<float>(), *v = a.v.as<float>();
+    float* p = a.param.as<float>();
     const float* g = a.grad.as<float>();
     const std::int64_t n = a.param.numel();
+    // The moments held as f32 or as bf16 bits (ops::moment_load / moment_store).
+    const auto over = [&](auto* m, auto* v) {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
-    for (std::int64_t i = 0; i < n; ++i)
-      ops::adamw_update(p[i], m[i], v[i], g[i] * h.grad_scale, h.lr, a.beta1, a.beta2, a.eps, a.weight_decay, h.bc1,
-                        h.bc2);
+      for (std::int64_t i = 0; i < n; ++i) {
+        float mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
+        ops::adamw_update(p[i], mi, vi, g[i] * h.grad_scale, h.lr, a.beta1, a.beta2, a.eps, a.weight_decay, h.bc1,
+                          h.bc2);
+        ops::moment_store(m, i, mi);
+        ops::moment_store(v, i, vi);
+      }
+    };
+    if (a.m.dtype == DType::bf16)
+      over(static_cast<std::uint16_t*>(a.m.data), static_cast<std::uint16_t*>(a.v.data));
+    else
+      over(a.m.as<float>(), a.v.as<float>());
     if (a.out.rowwise) quantize(a.param, a.out, a.amax);
   }
 

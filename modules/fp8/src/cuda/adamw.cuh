@@ -27,6 +27,15 @@ __device__ __forceinline__ void update(float& p, float& m, float& v, float g, co
   ops::adamw_update(p, m, v, g * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.bc1, h.bc2);
 }
 
+// Four consecutive elements: a float4 of the master and of the gradient, the moments as loaded
+// (kiln/ops/cuda/moments.cuh).
+__device__ __forceinline__ void update4(float4& p, float (&m)[4], float (&v)[4], const float4& g, const Hyper& h) {
+  update(p.x, m[0], v[0], g.x, h);
+  update(p.y, m[1], v[1], g.y, h);
+  update(p.z, m[2], v[2], g.z, h);
+  update(p.w, m[3], v[3], g.w, h);
+}
+
 // The step's numbers of an AdamWQuantizeDev (the bias corrections of its step).
 inline Hyper hyper_of(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
                       std::int64_t step, const float* scalars) {

@@ -5,11 +5,13 @@
 // mixture of experts' weights): the colwise copy is then each one's transpose, in one launch.
 //
 // The tiled kernel moves 30 bytes per element (param, grad, m, v read; param, m, v and both codes
-// written) where the unfused path moves 30 (AdamW with its bf16 copy) plus 6 (the f32 master read
-// again, both copies written).
+// written; 22 with bf16 moments) where the unfused path moves 30 (AdamW with its bf16 copy) plus 6
+// (the f32 master read again, both copies written). The moments are f32 or bf16 (M: float, or
+// std::uint16_t holding bf16 bits; ops::moment_load / moment_store).
 #include <algorithm>
 
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/moments.cuh"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "adamw.cuh"
@@ -23,10 +25,10 @@ namespace {
 // t % 16 of tile row 16 k + t / 16 (a warp covers two whole 256-byte rows) and leaves its 4 codes in
 // the shared tile; both copies are then written from there (rowwise: 16 bytes of tile row t / 4 per
 // thread; colwise: store_transposed).
-template <Format F, bool QUANT, bool AMAX>
+template <Format F, bool QUANT, bool AMAX, class M>
 __global__ void __launch_bounds__(kThreads)
-    adamw_quantize_tiled(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
-                         float* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
+    adamw_quantize_tiled(float* __restrict__ param, const float* __restrict__ grad, M* __restrict__ m,
+                         M* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                          const float* __restrict__ scale_ptr, float* amax, int rows, int cols, int per, Hyper h) {
   if (!step_numbers(h)) return;
   __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
@@ -45,15 +47,13 @@ __global__ void __launch_bounds__(kThreads)
       const size_t at = static_cast<size_t>(r) * cols + c;
       float4 p4 = *reinterpret_cast<const float4*>(param + at);
       const float4 g4 = *reinterpret_cast<const float4*>(grad + at);
-      float4 m4 = *reinterpret_cast<const float4*>(m + at);
-      float4 v4 = *reinterpret_cast<const float4*>(v + at);
-      update(p4.x, m4.x, v4.x, g4.x, h);
-      update(p4.y, m4.y, v4.y, g4.y, h);
-      update(p4.z, m4.z, v4.z, g4.z, h);
-      update(p4.w, m4.w, v4.w, g4.w, h);
+      float m4[4], v4[4];
+      kiln::cuda::load4(m + at, m4);
+      kiln::cuda::load4(v + at, v4);
+      update4(p4, m4, v4, g4, h);
       *reinterpret_cast<float4*>(param + at) = p4;
-      *reinterpret_cast<float4*>(m + at) = m4;
-      *reinterpret_cast<float4*>(v + at) = v4;
+      kiln::cuda::store4(m + at, m4);
+      kiln::cuda::store4(v + at, v4);
       if (QUANT) {
         *reinterpret_cast<std::uint32_t*>(tile + tr * kStride + 4 * cq) =
             cvt2<F>(__fmul_rn(p4.x, scale), __fmul_rn(p4.y, scale)) |
@@ -89,10 +89,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Any shape and alignment: one element per thread and step.
-template <Format F, bool QUANT, bool AMAX>
+template <Format F, bool QUANT, bool AMAX, class M>
 __global__ void __launch_bounds__(kThreads)
-    adamw_quantize_any(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
-                       float* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
+    adamw_quantize_any(float* __restrict__ param, const float* __restrict__ grad, M* __restrict__ m,
+                       M* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                        const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols,
                        long long per, Hyper h) {
   if (!step_numbers(h)) return;
@@ -101,11 +101,11 @@ __global__ void __launch_bounds__(kThreads)
   unsigned local = 0;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    float p = param[i], mi = m[i], vi = v[i];
+    float p = param[i], mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
     update(p, mi, vi, grad[i], h);
     param[i] = p;
-    m[i] = mi;
-    v[i] = vi;
+    ops::moment_store(m, i, mi);
+    ops::moment_store(v, i, vi);
     if (QUANT) {
       const std::uint8_t q = cvt1<F>(__fmul_rn(p, scale));
       row[i] = q;
@@ -119,8 +119,8 @@ __global__ void __launch_bounds__(kThreads)
   if (AMAX) block_amax(local, amax);
 }
 
-template <Format F, bool QUANT, bool AMAX>
-void launch(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
+template <Format F, bool QUANT, bool AMAX, class M>
+void launch(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStream_t s) {
   const long long per = a.rows / std::max<std::int64_t>(a.batch, 1);
   const bool tiled = a.rows % 16 == 0 && a.cols % 16 == 0 && per % 16 == 0 && a.rows <= 0x7fffffff && a.cols <= 0x7fffffff &&
                      aligned16(a.param) && aligned16(a.grad) && aligned16(a.m) && aligned16(a.v) &&
@@ -128,27 +128,37 @@ void launch(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
   if (tiled) {
     const long long tiles = ((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
     const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
-    adamw_quantize_tiled<F, QUANT, AMAX><<<grid, kThreads, 0, s>>>(a.param, a.grad, a.m, a.v, a.rowwise, a.colwise,
+    adamw_quantize_tiled<F, QUANT, AMAX><<<grid, kThreads, 0, s>>>(a.param, a.grad, m, v, a.rowwise, a.colwise,
                                                                    a.scale, a.amax, static_cast<int>(a.rows),
                                                                    static_cast<int>(a.cols), static_cast<int>(per), h);
   } else {
     const long long n = a.rows * a.cols;
     const auto grid = static_cast<unsigned>(std::clamp<long long>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
     adamw_quantize_any<F, QUANT, AMAX>
-        <<<grid, kThreads, 0, s>>>(a.param, a.grad, a.m, a.v, a.rowwise, a.colwise, a.scale, a.amax, a.rows, a.cols, per,
+        <<<grid, kThreads, 0, s>>>(a.param, a.grad, m, v, a.rowwise, a.colwise, a.scale, a.amax, a.rows, a.cols, per,
                                    h);
   }
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <Format F>
-void with_flags(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
+template <Format F, class M>
+void with_flags(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStream_t s) {
   if (!a.rowwise)
-    launch<F, false, false>(a, h, s);
+    launch<F, false, false>(a, m, v, h, s);
   else if (a.amax)
-    launch<F, true, true>(a, h, s);
+    launch<F, true, true>(a, m, v, h, s);
   else
-    launch<F, true, false>(a, h, s);
+    launch<F, true, false>(a, m, v, h, s);
+}
+
+template <class M>
+void with_moments(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
+  auto* m = static_cast<M*>(a.m);
+  auto* v = static_cast<M*>(a.v);
+  if (a.format == Format::e4m3)
+    with_flags<Format::e4m3>(a, m, v, h, s);
+  else
+    with_flags<Format::e5m2>(a, m, v, h, s);
 }
 
 }  // namespace
@@ -160,10 +170,10 @@ void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s) {
              "colwise one) with a scale, or neither");
   if (a.rows == 0 || a.cols == 0) return;
   const Hyper h = hyper_of(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, a.step, a.scalars);
-  if (a.format == Format::e4m3)
-    with_flags<Format::e4m3>(a, h, s);
+  if (a.bf16_moments)
+    with_moments<std::uint16_t>(a, h, s);
   else
-    with_flags<Format::e5m2>(a, h, s);
+    with_moments<float>(a, h, s);
 }
 
 }  // namespace kiln::fp8::cuda

@@ -17,6 +17,7 @@
 
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
+#include "kiln/ops/cuda/moments.cuh"
 #include "kiln/tensor/alignment.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "adamw.cuh"
@@ -150,14 +151,16 @@ struct DswigluSource {
 
 // The optimizer's step of an f32 master weight, applied as its values are loaded (each element once):
 // param, m and v updated in place, the updated param staged (the param as it was where the step is
-// skipped). Its codes are then the block quantisation of the updated weight.
+// skipped). Its codes are then the block quantisation of the updated weight. M: the moments' storage
+// (float, or std::uint16_t holding bf16 bits).
+template <class M>
 struct AdamWSource {
   using Tile = float;
-  static constexpr int kVec = 4;  // one float4 of each array
+  static constexpr int kVec = 4;  // one float4 of each f32 array, four moments
   float* param;
   const float* grad;
-  float* m;
-  float* v;
+  M* m;
+  M* v;
   long long C;
   Hyper h;
   __device__ void load(float (&out)[kVec], long long r, long long c) const {
@@ -166,15 +169,14 @@ struct AdamWSource {
     // All four loads issued before the step's numbers are known (a skipped step reads g, m, v for nothing).
     float4 p4 = *reinterpret_cast<const float4*>(param + at);
     const float4 g4 = *reinterpret_cast<const float4*>(grad + at);
-    float4 m4 = *reinterpret_cast<const float4*>(m + at), v4 = *reinterpret_cast<const float4*>(v + at);
+    float m4[4], v4[4];
+    kiln::cuda::load4(m + at, m4);
+    kiln::cuda::load4(v + at, v4);
     if (step_numbers(hh)) {
-      update(p4.x, m4.x, v4.x, g4.x, hh);
-      update(p4.y, m4.y, v4.y, g4.y, hh);
-      update(p4.z, m4.z, v4.z, g4.z, hh);
-      update(p4.w, m4.w, v4.w, g4.w, hh);
+      update4(p4, m4, v4, g4, hh);
       *reinterpret_cast<float4*>(param + at) = p4;
-      *reinterpret_cast<float4*>(m + at) = m4;
-      *reinterpret_cast<float4*>(v + at) = v4;
+      kiln::cuda::store4(m + at, m4);
+      kiln::cuda::store4(v + at, v4);
     }
     out[0] = p4.x, out[1] = p4.y, out[2] = p4.z, out[3] = p4.w;
   }
@@ -183,11 +185,11 @@ struct AdamWSource {
     const long long i = r * C + c;
     float p = param[i];
     if (step_numbers(hh)) {
-      float mi = m[i], vi = v[i];
+      float mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
       update(p, mi, vi, grad[i], hh);
       param[i] = p;
-      m[i] = mi;
-      v[i] = vi;
+      ops::moment_store(m, i, mi);
+      ops::moment_store(v, i, vi);
     }
     return p;
   }
@@ -494,13 +496,22 @@ void dispatch(const BlockCast& k, const Args& a, std::span<const Rows> parts, cu
   }
 }
 
-void adamw_dispatch(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const Rows> parts,
-                    cudaStream_t s) {
-  const AdamWSource src{u.param, u.grad, u.m, u.v, k.cols,
-                        hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
-  const bool vec = k.cols % AdamWSource::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(u.m) &&
+template <class M>
+void adamw_dispatch_as(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const Rows> parts,
+                       cudaStream_t s) {
+  const AdamWSource<M> src{u.param, u.grad, static_cast<M*>(u.m), static_cast<M*>(u.v), k.cols,
+                           hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
+  const bool vec = k.cols % AdamWSource<M>::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(u.m) &&
                    aligned16(u.v);
   with_format(src, a, parts, vec, s);
+}
+
+void adamw_dispatch(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const Rows> parts,
+                    cudaStream_t s) {
+  if (u.bf16_moments)
+    adamw_dispatch_as<std::uint16_t>(k, u, a, parts, s);
+  else
+    adamw_dispatch_as<float>(k, u, a, parts, s);
 }
 
 }  // namespace

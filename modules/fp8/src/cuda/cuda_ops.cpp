@@ -503,8 +503,9 @@ class CudaOps final : public Fp8Ops {
     cuda::AdamWQuantizeDev k;
     k.param = a.param.as<float>();
     k.grad = a.grad.as<float>();
-    k.m = a.m.as<float>();
-    k.v = a.v.as<float>();
+    k.m = a.m.data;
+    k.v = a.v.data;
+    k.bf16_moments = a.m.dtype == DType::bf16;
     k.lr = a.lr;
     k.beta1 = a.beta1;
     k.beta2 = a.beta2;

@@ -8,20 +8,30 @@ namespace kiln::ops::cpu {
 void CpuBackend::adamw(const AdamW& a) {
   Timer timer(*this, "adamw");
   const AdamWPlan plan = check_args(a, kTarget);
-  float *p = a.params.as<float>(), *g = a.grads.as<float>(), *m = a.m.as<float>(), *v = a.v.as<float>();
+  float *p = a.params.as<float>(), *g = a.grads.as<float>();
   float* pa = a.params_act ? a.params_act.as<float>() : nullptr;
   AdamWNumbers n{a.lr, a.grad_scale, 0, 0};
   adamw_bias_corrections(a.beta1, a.beta2, a.step, n.bc1, n.bc2);
   if (!adamw_numbers(a.scalars, n)) return;  // a non-finite gradient: the step is skipped
-  for (const AdamWSegment& seg : plan.segments) {
-    if (!seg.update) continue;
-    const float wd = seg.decay ? a.weight_decay : 0.0f;
+  // The moments held as f32 or as bf16 bits (moment_load / moment_store).
+  const auto over = [&](auto* m, auto* v) {
+    for (const AdamWSegment& seg : plan.segments) {
+      if (!seg.update) continue;
+      const float wd = seg.decay ? a.weight_decay : 0.0f;
 #pragma omp parallel for num_threads(threads_) schedule(static)
-    for (std::int64_t i = seg.offset; i < seg.offset + seg.count; ++i) {
-      adamw_update(p[i], m[i], v[i], g[i] * n.grad_scale, n.lr, a.beta1, a.beta2, a.eps, wd, n.bc1, n.bc2);
-      if (pa) pa[i] = store(p[i]);
+      for (std::int64_t i = seg.offset; i < seg.offset + seg.count; ++i) {
+        float mi = moment_load(m, i), vi = moment_load(v, i);
+        adamw_update(p[i], mi, vi, g[i] * n.grad_scale, n.lr, a.beta1, a.beta2, a.eps, wd, n.bc1, n.bc2);
+        moment_store(m, i, mi);
+        moment_store(v, i, vi);
+        if (pa) pa[i] = store(p[i]);
+      }
     }
-  }
+  };
+  if (a.m.dtype == DType::bf16)
+    over(static_cast<std::uint16_t*>(a.m.data), static_cast<std::uint16_t*>(a.v.data));
+  else
+    over(a.m.as<float>(), a.v.as<float>());
 }
 
 void CpuBackend::grad_clip(const GradClip& a) {

@@ -3,6 +3,7 @@
 // that space, 4 elements of one segment per thread and step (float4 where aligned), so segments left
 // to another module cost nothing and a chunk never spans two segments.
 #include "common.cuh"
+#include "kiln/ops/cuda/moments.cuh"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
@@ -16,9 +17,10 @@ struct Hyper {
   const float* scalars;  // lr, grad_scale, bc1, bc2 from device memory instead (ops::AdamW::scalars)
 };
 
-// VEC: params, grads, m, v 16-byte aligned and params_bf16 (if any) 8-byte aligned.
-template <bool VEC>
-__global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grads, float* m, float* v,
+// VEC: params, grads, m, v 16-byte aligned and params_bf16 (if any) 8-byte aligned. M: the
+// moments' storage (float, or std::uint16_t: bf16 bits).
+template <bool VEC, class M>
+__global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grads, M* m, M* v,
                              const AdamWSegmentDev* segs, int n_segs, std::int64_t W, Hyper h) {
   ops::AdamWNumbers n{h.lr, h.grad_scale, h.bc1, h.bc2};
   if (!ops::adamw_numbers(h.scalars, n)) return;  // a non-finite gradient: the step is skipped
@@ -33,16 +35,16 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
     if (VEC && local + 4 <= count && i % 4 == 0) {
       const float4 p4 = *reinterpret_cast<const float4*>(params + i);
       const float4 g4 = *reinterpret_cast<const float4*>(grads + i);
-      const float4 m4 = *reinterpret_cast<const float4*>(m + i);
-      const float4 v4 = *reinterpret_cast<const float4*>(v + i);
-      float p[4] = {p4.x, p4.y, p4.z, p4.w}, mm[4] = {m4.x, m4.y, m4.z, m4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w};
+      float p[4] = {p4.x, p4.y, p4.z, p4.w}, mm[4], vv[4];
+      load4(m + i, mm);
+      load4(v + i, vv);
       const float g[4] = {g4.x, g4.y, g4.z, g4.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k)
         ops::adamw_update(p[k], mm[k], vv[k], g[k] * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
       *reinterpret_cast<float4*>(params + i) = make_float4(p[0], p[1], p[2], p[3]);
-      *reinterpret_cast<float4*>(m + i) = make_float4(mm[0], mm[1], mm[2], mm[3]);
-      *reinterpret_cast<float4*>(v + i) = make_float4(vv[0], vv[1], vv[2], vv[3]);
+      store4(m + i, mm);
+      store4(v + i, vv);
       if (params_bf16) {
         uint2 packed;
         packed.x = pack2(p[0], p[1]);
@@ -51,24 +53,20 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
       }
     } else {
       for (std::int64_t j = i; j < i + 4 && j - i + local < count; ++j) {
-        float pj = params[j], mj = m[j], vj = v[j];
+        float pj = params[j], mj = ops::moment_load(m, j), vj = ops::moment_load(v, j);
         ops::adamw_update(pj, mj, vj, grads[j] * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
         params[j] = pj;
-        m[j] = mj;
-        v[j] = vj;
+        ops::moment_store(m, j, mj);
+        ops::moment_store(v, j, vj);
         if (params_bf16) params_bf16[j] = __float2bfloat16_rn(pj);
       }
     }
   }
 }
 
-}  // namespace
-
-void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
-           int n_segments, std::int64_t work, float lr, float beta1, float beta2, float eps, float grad_scale, float bc1,
-           float bc2, const float* scalars, cudaStream_t s) {
-  if (work <= 0 || n_segments <= 0) return;
-  const Hyper h{lr, beta1, beta2, eps, grad_scale, bc1, bc2, scalars};
+template <class M>
+void adamw_launch(float* params, bf16* params_bf16, const float* grads, M* m, M* v, const AdamWSegmentDev* segments,
+                  int n_segments, std::int64_t work, const Hyper& h, cudaStream_t s) {
   const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) &&
                    (reinterpret_cast<std::uintptr_t>(params_bf16) & 7u) == 0;
   const unsigned grid = grid_for(ceil_div(work, 4), kThreads, 8192);
@@ -77,6 +75,21 @@ void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float
   else
     adamw_kernel<false><<<grid, kThreads, 0, s>>>(params, params_bf16, grads, m, v, segments, n_segments, work, h);
   KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void adamw(float* params, bf16* params_bf16, const float* grads, void* m, void* v, bool bf16_moments,
+           const AdamWSegmentDev* segments, int n_segments, std::int64_t work, float lr, float beta1, float beta2,
+           float eps, float grad_scale, float bc1, float bc2, const float* scalars, cudaStream_t s) {
+  if (work <= 0 || n_segments <= 0) return;
+  const Hyper h{lr, beta1, beta2, eps, grad_scale, bc1, bc2, scalars};
+  if (bf16_moments)
+    adamw_launch(params, params_bf16, grads, static_cast<std::uint16_t*>(m), static_cast<std::uint16_t*>(v), segments,
+                 n_segments, work, h, s);
+  else
+    adamw_launch(params, params_bf16, grads, static_cast<float*>(m), static_cast<float*>(v), segments, n_segments,
+                 work, h, s);
 }
 
 }  // namespace kiln::cuda

@@ -537,7 +537,7 @@ void CudaBackend::adamw(const AdamW& a) {
   float bc1 = 0, bc2 = 0;
   adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
   cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, dptr<float>(a.grads),
-              dptr<float>(a.m), dptr<float>(a.v), segments,
+              a.m.data, a.v.data, a.m.dtype == DType::bf16, segments,
               static_cast<int>(table.size()), work, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, a.scalars,
               stream_);
 }

@@ -135,11 +135,9 @@ FsdpMemory Runner::memory() const {
   // gathered, not kept).
   m.params = held * 4 + store_.held_compute_bytes(store_.act());
   m.grads = held * 4 + grad_buffer_bytes_;
-  m.optimizer = held * 8;
   m.gathered = gathered_bytes_;
   m.params_unsharded = total * (4 + act);  // an unsharded store: the master and the act-dtype copy
   m.grads_unsharded = total * 4;
-  m.optimizer_unsharded = total * 8;
   m.shards = store_.shards();
   return m;
 }

@@ -13,6 +13,7 @@
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/fsdp.hpp"
 #include "kiln/parallel/module.hpp"
+#include "kiln/train/state.hpp"
 
 namespace kiln::parallel {
 
@@ -127,7 +128,15 @@ void install(World& w, const FsdpConfig& cfg) {
                    [](World& world) {
                      auto& s = world.resource<FsdpState>();
                      s.runner->setup();
-                     const FsdpMemory m = world.emplace_resource<FsdpMemory>(s.runner->memory());
+                     FsdpMemory mem = s.runner->memory();
+                     // The optimizer's state: every buffer laid out like the held parameters (the
+                     // optimizer's moments, f32 or bf16).
+                     std::size_t per_element = 0;
+                     for (const auto& h : world.resource<train::TrainingState>().held) per_element += size_of(h.dtype);
+                     const auto& store = world.resource<nn::ParamStore>();
+                     mem.optimizer = static_cast<std::size_t>(store.held()) * per_element;
+                     mem.optimizer_unsharded = static_cast<std::size_t>(store.total()) * per_element;
+                     const FsdpMemory m = world.emplace_resource<FsdpMemory>(mem);
                      const auto& r = world.resource<RankInfo>();
                      std::ostringstream os;
                      os << std::fixed << std::setprecision(1) << "fsdp rank " << r.rank << " holds 1/" << m.shards

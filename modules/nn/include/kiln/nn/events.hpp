@@ -59,7 +59,7 @@ struct AdamWStep {
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0;  // lr: this step's, also in scalars
   float weight_decay = 0;         // for parameters with Param::weight_decay
   const float* scalars = nullptr;  // device: lr, gradient scale, bias corrections (ops::AdamWScalar)
-  TensorView m, v;                 // [ParamStore::held] f32, laid out like the held parameters
+  TensorView m, v;  // [ParamStore::held] f32 or bf16 (optim.moments), laid out like the held parameters
 };
 
 // Published (in Phase::setup) after a checkpoint replaced the held master weights, their compute

@@ -291,8 +291,8 @@ struct AdamW {
   TensorView params;      // [P] f32
   TensorView params_act;  // [P] act, optional
   TensorView grads;       // [P] f32
-  TensorView m;           // [P] f32
-  TensorView v;           // [P] f32
+  TensorView m;           // [P] f32, or bf16 (both the same dtype: ops::moment_load / moment_store)
+  TensorView v;           // [P] as m
   std::vector<AdamWSegment> segments;  // cover [0, P)
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
   float grad_scale = 1;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kiln/tensor/bf16.hpp"
 #include "kiln/tensor/hd.hpp"
 
 namespace kiln::ops {
@@ -137,6 +138,15 @@ KILN_HD void adamw_update(float& p, float& m, float& v, float g, float lr, float
   p = p - (lr / bc1) * (m / denom);
 #endif
 }
+
+// AdamW's moments as held (optim.moments): f32, or bf16 bits (as Megatron-Core's precision-aware
+// optimizer and DeepSeek-V3 keep them). Every implementation loads them as f32, runs adamw_update
+// in f32 (the parameter's update reads the unrounded moments) and stores them back rounded to
+// nearest even: the same bits on every backend.
+KILN_HD float moment_load(const float* p, std::int64_t i) { return p[i]; }
+KILN_HD float moment_load(const std::uint16_t* p, std::int64_t i) { return bf16_bits_to_float(p[i]); }
+KILN_HD void moment_store(float* p, std::int64_t i, float x) { p[i] = x; }
+KILN_HD void moment_store(std::uint16_t* p, std::int64_t i, float x) { p[i] = float_to_bf16_bits(x); }
 
 // The bias corrections of adamw_update for `step` (counted from 1), as every implementation
 // computes them on the host.

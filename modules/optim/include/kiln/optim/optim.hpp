@@ -17,6 +17,12 @@ namespace kiln::optim {
 enum class Schedule { cosine, constant };
 BOOST_DESCRIBE_ENUM(Schedule, cosine, constant)
 
+// How AdamW's moments are held: f32, or bf16 (read as f32, updated in f32, stored rounded to nearest
+// even; ops::moment_load / moment_store), 4 bytes a parameter less, as Megatron-Core's
+// precision-aware optimizer (exp_avg_dtype / exp_avg_sq_dtype) and DeepSeek-V3 keep them.
+enum class MomentDType { f32, bf16 };
+BOOST_DESCRIBE_ENUM(MomentDType, f32, bf16)
+
 struct OptimConfig {
   float lr = 6e-4f;
   float min_lr_ratio = 0.1f;
@@ -27,6 +33,7 @@ struct OptimConfig {
   float beta2 = 0.95f;
   float eps = 1e-8f;
   float grad_clip = 1.0f;
+  MomentDType moments = MomentDType::f32;
   void validate(config::Checks& c) const {
     c.expect(lr > 0, "lr", "must be positive");
     c.expect(min_lr_ratio >= 0 && min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]");
@@ -47,14 +54,17 @@ KILN_CONFIG(OptimConfig,
             (beta1, "AdamW first-moment decay"),
             (beta2, "AdamW second-moment decay"),
             (eps, "AdamW epsilon"),
-            (grad_clip, "clip the global gradient norm to this; 0 = no clipping"))
+            (grad_clip, "clip the global gradient norm to this; 0 = no clipping"),
+            (moments, "AdamW's moments held in f32, or in bf16 (updated in f32, stored rounded: 4 bytes a "
+                      "parameter less; checkpoints hold f32 either way)"))
 
 // Learning rate at `step` (counted from 1) of `total` steps.
 double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t total);
 
-// World resource: AdamW moments, flat f32 buffers with the parameter layout.
+// World resource: AdamW moments, flat buffers with the parameter layout (f32 or bf16: optim.moments).
 struct OptimState {
   Buffer m, v;
+  DType moment_dtype = DType::f32;
   // Device memory: the step's ops::AdamW::scalars (learning rate, gradient scale, bias corrections),
   // then at byte kNormAt the gradient's global norm (double), made on the device where it can be.
   Buffer scalars;

@@ -76,8 +76,9 @@ KILN_CONFIG(FsdpConfig,
 
 // World resource (with a sharding strategy): the bytes this rank holds once set up, and what one
 // rank would hold unsharded. Parameters: f32 master and compute copy; gradients: f32, plus the
-// buffers a micro-batch's unit gradients accumulate in (every unit's, reduced once a step); optimizer: AdamW's two f32 moments per
-// held element; gathered: the buffers of gathered compute weights.
+// buffers a micro-batch's unit gradients accumulate in (every unit's, reduced once a step); optimizer:
+// the buffers laid out like the held parameters (train::TrainingState::held: AdamW's two moments, f32
+// or bf16) per held element; gathered: the buffers of gathered compute weights.
 struct FsdpMemory {
   std::size_t params = 0, grads = 0, optimizer = 0, gathered = 0;
   std::size_t params_unsharded = 0, grads_unsharded = 0, optimizer_unsharded = 0;

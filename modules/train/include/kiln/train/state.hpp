@@ -22,11 +22,12 @@ struct SavedBlobs {
 
 // World resource (made by the train module).
 struct TrainingState {
-  // f32 buffers laid out like the parameter store's held buffers (nn::ParamStore): saved per
-  // parameter as "<name>/<parameter name>" by global shape and resharded like the weights.
+  // f32 (or bf16) buffers laid out like the parameter store's held buffers (nn::ParamStore): saved
+  // per parameter in f32 as "<name>/<parameter name>" by global shape and resharded like the weights.
   struct HeldBuffer {
     std::string name;  // e.g. "optimizer/exp_avg"
     std::function<TensorView()> view;
+    DType dtype = DType::f32;  // the view's, known at install (memory reports before it is allocated)
   };
   // Integers equal on every rank (the data position, the optimizer's step count): saved once.
   struct Counter {

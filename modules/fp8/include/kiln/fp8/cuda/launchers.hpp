@@ -197,8 +197,9 @@ void delayed_update(const DelayedUpdateArgs& a, cudaStream_t s);
 struct AdamWQuantizeDev {
   float* param = nullptr;
   const float* grad = nullptr;
-  float* m = nullptr;
-  float* v = nullptr;
+  void* m = nullptr;  // f32, or bf16 where bf16_moments (ops::moment_load / moment_store)
+  void* v = nullptr;
+  bool bf16_moments = false;
   std::uint8_t* rowwise = nullptr;
   std::uint8_t* colwise = nullptr;
   Format format = Format::e4m3;

@@ -143,9 +143,10 @@ struct AdamWSegmentDev {
 // segments: device array of n_segments entries, sorted by `work`, the elements to update (other
 // elements are not touched); `work`: the end of the last one.
 // With `scalars` (ops::AdamW::scalars, device) lr, grad_scale, bc1 and bc2 are read from there when
-// the kernel runs, and a NaN gradient scale leaves everything as it was.
-void adamw(float* params, bf16* params_bf16, const float* grads, float* m, float* v, const AdamWSegmentDev* segments,
-           int n_segments, std::int64_t work, float lr, float beta1, float beta2, float eps, float grad_scale,
-           float bc1, float bc2, const float* scalars, cudaStream_t s);
+// the kernel runs, and a NaN gradient scale leaves everything as it was. m and v: f32, or bf16 where
+// bf16_moments (ops::moment_load / moment_store).
+void adamw(float* params, bf16* params_bf16, const float* grads, void* m, void* v, bool bf16_moments,
+           const AdamWSegmentDev* segments, int n_segments, std::int64_t work, float lr, float beta1, float beta2,
+           float eps, float grad_scale, float bc1, float bc2, const float* scalars, cudaStream_t s);
 
 }  // namespace kiln::cuda
