@@ -4,7 +4,8 @@
 # bf16 (and with FP8 where the experts run it) against PyTorch written the way torchtitan's MoE is
 # (bench/torch_moe.py, when torch imports) on the same GPU, and one profiled kiln run (the per-op
 # breakdown). A table last: tokens/s, ms/step, MFU (active FLOPs), peak memory.
-# usage: bash bench/gpu_moe.sh BUILD_DIR [steps]   (logs under $OUT; GPU 0; TORCH=0 skips PyTorch; TESTS=0 skips tests)
+# usage: bash bench/gpu_moe.sh BUILD_DIR [steps]   (logs under $OUT; GPU 0; TORCH=0 skips PyTorch; TESTS=0 skips tests;
+#   PROFILE=0 skips the profiled run). Each precision runs with f32 and with bf16 AdamW moments (-m16).
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-30}
@@ -38,7 +39,10 @@ run() {  # name args...
 }
 run moe-bf16
 run moe-fp8 --set fp8.enabled=true
-run moe-profile --set backend.profile=true --set train.steps=12
+# AdamW's moments in bf16 (optim.moments; PyTorch's fused AdamW keeps its f32 parameters' moments in f32)
+run moe-bf16-m16 --set optim.moments=bf16
+run moe-fp8-m16 --set fp8.enabled=true --set optim.moments=bf16
+[ "${PROFILE:-1}" = 1 ] && run moe-profile --set backend.profile=true --set train.steps=12
 if [ "${TORCH:-1}" = 1 ] && python3 -c "import torch" 2>/dev/null; then
   timeout 500 python3 bench/torch_moe.py --batch 8 --steps "$STEPS" --out "$OUT/torch-moe.json" >> "$LOG" 2>&1
   echo "torch rc=$?"
@@ -49,7 +53,7 @@ import json, re, statistics, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 torch = json.loads((out / "torch-moe.json").read_text()) if (out / "torch-moe.json").exists() else None
 print(f"{'run':<12} {'tok/s':>10} {'ms/step':>9} {'MFU':>6} {'peak GiB':>9} {'vs torch bf16':>13}")
-for n in ("moe-bf16", "moe-fp8"):
+for n in ("moe-bf16", "moe-fp8", "moe-bf16-m16", "moe-fp8-m16"):
     p = out / f"{n}.jsonl"
     if not p.exists():
         print(f"{n:<12} (no metrics)"); continue
@@ -74,4 +78,4 @@ if prof.exists():
 PY
 printf '%s\n' "${notes[@]}"
 grep -E "model:|fp8:" "$OUT/moe-bf16.log" "$OUT/moe-fp8.log" 2>/dev/null | head -4
-rm -f "$OUT"/moe-bf16.log "$OUT"/moe-fp8.log
+rm -f "$OUT"/moe-*.log "$OUT"/moe-*.jsonl

@@ -369,3 +369,16 @@ TEST_CASE("bf16 AdamW moments: resumed bit-identically (one rank, FSDP), checkpo
     for (std::size_t s = 5; s <= t.loss.size(); ++s) CHECK(relative(t.loss[s - 1], f32.loss[s - 1]) < 1e-2);
   }
 }
+
+TEST_CASE("fp8.keep_weight_transpose = false: resumed bit-identically, the same run as with the transposes kept (TP=2 too)") {
+  const Sets fp8 = {"fp8.recipe=\"delayed\"", "fp8.amax_history_len=4"}, apart = fp8 + Sets{"fp8.keep_weight_transpose=false"};
+  TempDir d;
+  const Trace ref = run(1, fp8);
+  check_identical_from(stop_and_resume(1, apart, 1, apart, d.path, 3), ref, 4);
+  const Sets tp = {"parallel.tp=2", "parallel.sequence_parallel=true"};
+  const Trace tp_ref = run(2, fp8 + tp);
+  const Trace tp_apart = run(2, apart + tp);
+  CHECK(tp_apart.loss == tp_ref.loss);
+  CHECK(tp_apart.weights == tp_ref.weights);
+}
+

@@ -17,6 +17,7 @@
 #include "kiln/fp8/module.hpp"
 #include "kiln/model/gpt.hpp"
 #include "kiln/nn/components.hpp"
+#include "kiln/nn/param_store.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/parallel/thread_ranks.hpp"
@@ -282,6 +283,44 @@ TEST_CASE("bf16 AdamW moments: the fused FP8 weight update equals the unfused on
     CHECK(base != f32);
     for (std::size_t i = 0; i < base.size(); ++i) CHECK(std::fabs(base[i] - f32[i]) < 1e-2 * f32[i]);
   }
+}
+
+TEST_CASE("fp8.keep_weight_transpose = false: the weights' rowwise codes alone give the same losses, in less memory") {
+  // The compute copies of the FP8 weights are one byte (their rowwise codes, laid apart from the
+  // act-dtype weights); each data gradient transposes them, which gives the very colwise codes the
+  // kept copy holds: every loss the same bits.
+  test::TempDir dir("fp8-no-transpose");
+  const std::string shards = test::pattern_corpus(dir);
+  const std::vector<std::vector<std::string>> runs = {
+      {"fp8.recipe=delayed", "model.dropout=0.1", "activation_checkpoint.mode=full"},
+      {"fp8.recipe=current"},
+      {"fp8.fuse_weight_update=false", "optim.moments=bf16"},
+      {"model.arch=llama", "model.n_kv_head=1", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=32"}};
+  for (const auto& run : runs) {
+    INFO(run.front());
+    std::vector<std::string> sets = {"fp8.enabled=true"};
+    sets.insert(sets.end(), run.begin(), run.end());
+    const auto base = test::train_losses(shards, 8, sets);
+    REQUIRE(base.size() == 8);
+    sets.push_back("fp8.keep_weight_transpose=false");
+    CHECK(base == test::train_losses(shards, 8, sets));
+  }
+  auto compute_bytes = [&](std::vector<std::string> sets) {
+    sets.push_back("fp8.enabled=true");
+    test::Pipeline p(kTiny, sets);
+    p.run();
+    const auto& store = p.world->resource<nn::ParamStore>();
+    return std::pair{store.held_compute_bytes(DType::f32), store.held()};
+  };
+  const auto [kept, held] = compute_bytes({});
+  const auto [apart, held_apart] = compute_bytes({"fp8.keep_weight_transpose=false"});
+  MESSAGE("compute copy bytes: transposes kept " << kept << ", rowwise codes alone " << apart);
+  CHECK(held == held_apart);
+  CHECK(apart < kept);
+  CHECK(kept - apart >= 3 * static_cast<std::size_t>(held) / 2);  // most of the weights are FP8: 3 of 4 bytes less
+  // Block scaling keeps its own transposed codes: refused, naming the key.
+  CHECK_THROWS_WITH(compute_bytes({"fp8.recipe=block", "fp8.keep_weight_transpose=false"}),
+                    doctest::Contains("fp8.keep_weight_transpose"));
 }
 
 TEST_CASE("FP8 layers keep their inputs in FP8 where the model would store them in bf16: same losses, less memory") {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 
 #include "kiln/checkpoint/reader.hpp"
 #include "kiln/engine/engine_module.hpp"
@@ -149,6 +150,8 @@ TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for b
       // AdamW's moments in bf16: the flat AdamW and the fused FP8 updates, per-tensor and block.
       {"optim.moments=bf16", "fp8.enabled=true", "model.dropout=0.1"},
       {"optim.moments=bf16", "fp8.enabled=true", "fp8.recipe=block"},
+      // The FP8 weights' rowwise codes alone, transposed in each backward.
+      {"fp8.enabled=true", "fp8.keep_weight_transpose=false", "model.dropout=0.1", "train.micro_batch_size=2"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {
@@ -177,6 +180,51 @@ TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for b
       return h;
     };
     CHECK(weights(*graphed.world) == weights(*eager.world));
+  }
+}
+
+// fp8.keep_weight_transpose = false: the FP8 weights' compute copies are their rowwise codes alone
+// (one byte), each data gradient transposing them into scratch: the transposed codes are the kept
+// colwise copy's, so the losses and every final weight are the same bits (weight by weight: the
+// one-byte weights are laid out apart, so the flat buffers' orders differ).
+TEST_CASE("FP8 weights held as their rowwise codes alone train the same bits on CUDA, in a smaller compute copy") {
+  if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  const std::vector<std::vector<std::string>> cases = {
+      {"model.dropout=0.1"},
+      {"fp8.recipe=current", "train.micro_batch_size=2"},
+      {"fp8.fuse_weight_update=false", "optim.moments=bf16"},
+      {"model.arch=llama", "model.n_kv_head=2", "activation_checkpoint.mode=selective"},
+  };
+  for (const auto& extra : cases) {
+    std::string what;
+    for (const auto& e : extra) what += e + " ";
+    INFO(what);
+    auto sets = [&](bool kept) {
+      std::vector<std::string> s = {"engine.device=cuda", "fp8.enabled=true",
+                                    std::string("fp8.keep_weight_transpose=") + (kept ? "true" : "false")};
+      s.insert(s.end(), extra.begin(), extra.end());
+      return s;
+    };
+    test::Pipeline kept(kModel, sets(true)), apart(kModel, sets(false));
+    const test::RunRecord a = test::run_recording(kept), b = test::run_recording(apart);
+    REQUIRE(a.losses.size() == 6);
+    CHECK(a.losses == b.losses);
+    auto master = [](World& w) {
+      auto& be = w.resource<ops::ActiveBackend>().get();
+      const auto& store = w.resource<nn::ParamStore>();
+      std::map<std::string, std::vector<float>> out;
+      for (Entity e : store.order()) {
+        const auto& p = w.get<nn::Param>(e);
+        auto& h = out[p.name];
+        h.resize(static_cast<std::size_t>(p.numel));
+        be.copy(TensorView(h.data(), p.shape, DType::f32, Device::cpu), store.master_view(p));
+      }
+      return out;
+    };
+    CHECK(master(*kept.world) == master(*apart.world));
+    const auto& ks = kept.world->resource<nn::ParamStore>();
+    const auto& as = apart.world->resource<nn::ParamStore>();
+    CHECK(as.held_compute_bytes(DType::bf16) < ks.held_compute_bytes(DType::bf16));
   }
 }
 

@@ -227,6 +227,25 @@ TEST_CASE("adamw with bf16 moments is the f32 step, the moments stored rounded t
                        doctest::Contains("adamw v"), Error);
 }
 
+TEST_CASE("adamw writes each segment's act copy at its own index, elsewhere, or not at all") {
+  auto b = ops::make_cpu_backend();
+  std::vector<float> p = {1.0f, -2.0f, 3.0f, 4.0f}, g = {0.5f, 0.25f, 1.0f, -1.0f}, m(4, 0.1f), v(4, 0.2f);
+  std::vector<float> act(8, 7.0f);
+  using S = ops::AdamWSegment;
+  ops::AdamW a;
+  a.params = view(p, {4});
+  a.params_act = view(act, {8});
+  a.grads = view(g, {4});
+  a.m = view(m, {4});
+  a.v = view(v, {4});
+  a.segments = {{0, 1, true}, {1, 2, true, true, 5}, {3, 1, false, true, S::kNoAct}};
+  a.lr = 0.1f;
+  b->adamw(a);
+  CHECK(act == std::vector<float>{p[0], 7.0f, 7.0f, 7.0f, 7.0f, p[1], p[2], 7.0f});
+  a.segments = {{0, 4, true, true, 6}};  // [6, 10) is outside the 8 elements
+  CHECK_THROWS_WITH_AS(b->adamw(a), doctest::Contains("act copy"), Error);
+}
+
 TEST_CASE("normal initialisation is layout invariant: a slice draws what the whole draws") {
   auto b = ops::make_cpu_backend();
   std::vector<float> whole(1000), part(300);

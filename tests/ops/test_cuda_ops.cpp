@@ -519,12 +519,13 @@ TEST_CASE("cuda vocabulary-parallel cross-entropy (stats, then finish) matches t
 struct AdamWCase {
   Dual params, grads, m, v, pact;
   bool with_act;
-  AdamWCase(test::BackendPair& p, int P, std::uint64_t seed, bool act, Kind moments = Kind::f32)
+  // act_elements: the bf16 copy's size (P by default; more where segments put it elsewhere).
+  AdamWCase(test::BackendPair& p, int P, std::uint64_t seed, bool act, Kind moments = Kind::f32, int act_elements = 0)
       : params(f32(p, {P}, seed)),
         grads(f32(p, {P}, seed + 1, 0.1f)),
         m(p, moments, {P}),
         v(p, moments, {P}),
-        pact(act ? poisoned(p, Kind::act, {P}) : Dual(p, Kind::act, {1})),
+        pact(act ? poisoned(p, Kind::act, {act_elements > 0 ? act_elements : P}) : Dual(p, Kind::act, {1})),
         with_act(act) {
     m.set(random_values(P, seed + 2, 0.01f));
     auto vv = random_values(P, seed + 3, 1e-3f);
@@ -576,6 +577,40 @@ TEST_CASE("cuda adamw with bf16 moments matches the CPU's bits (vector path and 
     CHECK(c.m.gpu_values() == c.m.cpu_values());
     CHECK(c.v.gpu_values() == c.v.cpu_values());
   }
+}
+
+TEST_CASE("cuda adamw writes each segment's bf16 copy where it says, or none, as the CPU") {
+  // A parameter store whose one-byte compute copies are apart (fp8.keep_weight_transpose = false):
+  // act-dtype parts at other indices of the compute copy (one of them not a multiple of 4: the
+  // scalar path), the one-byte parts and the padding with none.
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int P = 1037, A = 1500;
+  AdamWCase c(p, P, 89, true, Kind::f32, A);
+  using S = ops::AdamWSegment;
+  c.run(p, {{0, 600, true, true, 700}, {600, 1, false, true, S::kNoAct}, {601, 400, true, true, 21},
+            {1001, 36, false, true, S::kNoAct}},
+        0.7f, 2);
+  const auto got = c.pact.gpu_values(), want = c.pact.cpu_values(), params = c.params.cpu_values();
+  CHECK(got == want);
+  for (int k = 0; k < 600; ++k) CHECK(want[700 + k] == round_bf16(params[k]));
+  for (int k = 0; k < 400; ++k) CHECK(want[21 + k] == round_bf16(params[601 + k]));
+  CHECK(want[0] == round_bf16(1234.5f));  // not written: the poison as the act tensor holds it
+  CHECK(want[A - 1] == round_bf16(1234.5f));
+  // A copy outside the buffer is refused naming the segment.
+  Dual small(p, Kind::act, {100});
+  CHECK_THROWS_WITH_AS(
+      on_both(p, [&](const Side& s) {
+        ops::AdamW a;
+        a.params = s(c.params);
+        a.params_act = s(small);
+        a.grads = s(c.grads);
+        a.m = s(c.m);
+        a.v = s(c.v);
+        a.segments = {{0, P, true, true, 0}};
+        s.b().adamw(a);
+      }),
+      doctest::Contains("act copy"), Error);
 }
 
 TEST_CASE("cuda adamw with two segments, with and without decay") {

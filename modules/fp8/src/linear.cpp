@@ -186,9 +186,12 @@ void Fp8Linear::update_weight_part(AdamWQuantizeArgs u, void* codes) {
   const ScalingSlot s = slot(TensorRole::weight);
   KILN_CHECK(recipe_.kind == RecipeKind::delayed && meta_.ready(s.index), name_,
              ": a fused update of a weight part needs delayed scaling with a known scale");
-  const std::int64_t n = u.param.numel();
-  for (TensorView* t : {&u.param, &u.grad, &u.m, &u.v}) *t = t->reshape({1, n});
-  u.out = view(s, codes, nullptr, 1, n);
+  // A flat part, or a whole weight [rows, cols] (its rowwise codes alone).
+  if (u.param.ndim() != 2) {
+    const std::int64_t n = u.param.numel();
+    for (TensorView* t : {&u.param, &u.grad, &u.m, &u.v}) *t = t->reshape({1, n});
+  }
+  u.out = view(s, codes, nullptr, u.param.size(0), u.param.size(1));
   u.amax = s.amax;
   ops_.adamw_quantize(u);
 }

@@ -140,6 +140,9 @@ void update_weight_parts(World& w, const nn::AdamWStep& e) {
       u.grad = nn::ParamStore::held_view(store.grads_flat(), part);
       u.m = nn::ParamStore::held_view(e.m, part);
       u.v = nn::ParamStore::held_view(e.v, part);
+      // A whole weight (its codes apart in an unsharded store) in its shape: the tiled kernel.
+      if (part.count == p.numel)
+        for (TensorView* t : {&u.param, &u.grad, &u.m, &u.v}) *t = t->reshape(p.shape);
       st.linears[i]->update_weight_part(u, store.held_codes(p, part));
     });
   }
@@ -560,6 +563,14 @@ void install(World& w, const Fp8Config& cfg) {
     }
     st.grouped_entities.push_back(e);
   }
+  if (!cfg.keep_weight_transpose) {
+    if (cfg.recipe == RecipeKind::block || !cfg.weights_in_compute_copy)
+      throw config_error(w, "fp8.keep_weight_transpose",
+                         "false needs the weights' codes in their compute copies (fp8.weights_in_compute_copy) "
+                         "under delayed or current scaling (block scaling keeps its own transposed codes)");
+    // The weights' compute copies one byte (their rowwise codes): laid apart from the act-dtype ones.
+    w.resource<nn::ParamStore>().keep_codes_apart();
+  }
   if (cfg.recipe == RecipeKind::block) return install_block(w, cfg, skipped, pipelined);  // (tokens % 16 == 0 covers its GEMMs' rows)
   // The grouped linears' meta: three slots each, after the linears'.
   // Which FP8 layers keep their input in FP8 for the backward pass.
@@ -727,7 +738,9 @@ void install(World& w, const Fp8Config& cfg) {
                                              ": fp8.amax_group = \"tp\" with FSDP under delayed scaling: each rank "
                                              "holds a part of every weight and would scale it by that part's amax "
                                              "alone; use \"tp_dp\" or \"world\""));
-                     if (store.sharded()) {
+                     // Codes alone (sharded, or fp8.keep_weight_transpose = false): read as a
+                     // gathered weight's, transposed for each data gradient.
+                     if (store.codes_apart()) {
                        s.gathered = std::move(s.in_compute_copy);
                        s.in_compute_copy.clear();
                        for (std::size_t i : s.gathered) s.linears[i]->use_transpose_scratch(*s.transposed);

@@ -435,7 +435,7 @@ void GptModel::initialise(rng::RngStatesTracker& tracker) {
     });
   }
   tracker.default_state().offset = end;  // where one rank's draws of every parameter end
-  if (store.holds_act_copy()) ctx_.be.convert(store.compute_flat(), store.master_flat());
+  for (const auto& [act, master] : store.act_copies()) ctx_.be.convert(act, master);
   learn_dropout_draws(tracker);
 }
 

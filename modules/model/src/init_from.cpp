@@ -57,7 +57,7 @@ void load_initial_weights(World& w, const ModelConfig& cfg, const std::string& p
     });
   }
   be.copy(store.master_flat(), staging.view(DType::f32, {store.held()}));
-  if (store.holds_act_copy()) be.convert(store.compute_flat(), store.master_flat());
+  for (const auto& [act, master] : store.act_copies()) be.convert(act, master);
   be.synchronize();
   w.events().publish(nn::ParamsLoaded{0});
   if (w.resource<RankInfo>().rank == 0) std::cout << "model: weights from " << path << "\n";

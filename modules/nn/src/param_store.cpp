@@ -32,6 +32,11 @@ void ParamStore::shard_experts_over(int shards, int shard) {
   experts_set_ = true;
 }
 
+void ParamStore::keep_codes_apart() {
+  KILN_CHECK(units_.empty(), "the parameter store keeps its one-byte compute copies apart before it is laid out");
+  codes_apart_ = true;
+}
+
 void ParamStore::lay_out(World& w) {
   KILN_CHECK(units_.empty(), "the parameter store is laid out once");
   std::map<int, std::vector<std::pair<Entity, Param*>>> by_unit;  // ascending units, creation order within each
@@ -62,7 +67,7 @@ void ParamStore::lay_out(World& w) {
         UnitGroup g{at, 0, bytes, domain, held, 0};
         if (it != by_unit.end())
           for (auto [e, p] : it->second) {
-            const bool is_bytes = S > 1 && w.has<ByteCompute>(e);
+            const bool is_bytes = (S > 1 || codes_apart_) && w.has<ByteCompute>(e);
             if (domain_of(*p) != domain || is_bytes != bytes) continue;
             if (has_tied && w.has<TiedAcrossStages>(e) != (tied_pass == 0)) continue;
             p->offset = at;
@@ -98,20 +103,45 @@ void ParamStore::allocate(HeldBuffers buffers) {
   act_ = buffers.act;
   stream_ = buffers.stream;
   // The units' compute images: each group's elements, one byte or act-dtype each, in group order.
-  for (auto& groups : groups_) {
+  // Where the held compute copy holds them: sharded, the codes end to end; with the codes apart, the
+  // units' images end to end; else every element at its held index.
+  std::vector<std::size_t> unit_at(units_.size(), 0);
+  std::size_t images = 0;
+  for (std::size_t u = 0; u < groups_.size(); ++u) {
     std::size_t image = 0;
-    for (auto& g : groups) {
+    unit_at[u] = codes_apart_ ? images : static_cast<std::size_t>(units_[u].begin) * size_of(act_);
+    for (auto& g : groups_[u]) {
       g.image = image;
+      g.at = sharded() ? static_cast<std::size_t>(g.codes)
+             : codes_apart_ ? images + image
+                            : static_cast<std::size_t>(g.held) * size_of(act_);
       image += static_cast<std::size_t>(g.count) * (g.bytes ? 1 : size_of(act_));
     }
+    images += image;
   }
   unit_compute_.assign(units_.size(), nullptr);
   unit_grads_.assign(units_.size(), nullptr);
   if (sharded()) return;  // the units are gathered, not held
   for (std::size_t u = 0; u < units_.size(); ++u) {
-    unit_compute_[u] = static_cast<char*>(compute_.data()) + static_cast<std::size_t>(units_[u].begin) * size_of(act_);
+    unit_compute_[u] = static_cast<char*>(compute_.data()) + unit_at[u];
     unit_grads_[u] = static_cast<char*>(grads_.data()) + static_cast<std::size_t>(units_[u].begin) * sizeof(float);
   }
+}
+
+std::int64_t ParamStore::act_at(const Param& p, const HeldPart& part) const {
+  const UnitGroup& g = group_of(p);
+  if (sharded() || g.bytes) return -1;
+  return static_cast<std::int64_t>(g.at / size_of(act_)) + (part.held - g.held);
+}
+
+std::vector<std::pair<TensorView, TensorView>> ParamStore::act_copies() const {
+  if (sharded()) return {};
+  if (!codes_apart_) return {{compute_flat(), master_flat()}};
+  std::vector<std::pair<TensorView, TensorView>> out;
+  for (const auto& groups : groups_)
+    for (const UnitGroup& g : groups)
+      if (!g.bytes) out.push_back({held_compute(g), held_master(g)});
+  return out;
 }
 
 void ParamStore::check_unit(int unit) const {
@@ -194,11 +224,10 @@ TensorView ParamStore::compute_view(const Param& p) const {
 
 TensorView ParamStore::held_compute(const UnitGroup& g) const {
   const std::int64_t n = g.count / shards_[static_cast<int>(g.domain)];
-  if (g.bytes) return TensorView(static_cast<char*>(compute_.data()) + g.codes, {n}, DType::u8, compute_.device());
+  if (g.bytes) return TensorView(static_cast<char*>(compute_.data()) + g.at, {n}, DType::u8, compute_.device());
   KILN_CHECK(holds_act_copy(), "a sharded parameter store holds no act-dtype compute copy (group at ", g.begin,
              "): convert its held master part (held_master)");
-  return TensorView(static_cast<char*>(compute_.data()) + static_cast<std::size_t>(g.held) * size_of(act_), {n}, act_,
-                    compute_.device());
+  return TensorView(static_cast<char*>(compute_.data()) + g.at, {n}, act_, compute_.device());
 }
 
 TensorView ParamStore::held_master(const UnitGroup& g) const {

@@ -456,11 +456,15 @@ AdamWPlan check_args(const AdamW& a, const ArgTarget& on) {
   const ArgDType moments = a.m.dtype == DType::bf16 ? DType::bf16 : f32;  // f32 or bf16, both alike
   c.tensor("m", a.m, moments, {P});
   c.tensor("v", a.v, moments, {P});
-  c.optional("params_act", a.params_act, Act, {P});
+  const auto A = c.wide_dim("A");
+  const bool act = c.optional("params_act", a.params_act, Act, {A});
   // The segments must tile [0, P) exactly (in any order; empty ones aside).
   AdamWPlan plan{c[P], {}};
   for (const AdamWSegment& s : a.segments) {
     c.check(s.count >= 0, "a segment at ", s.offset, " has a negative count ", s.count);
+    const std::int64_t at = s.act == AdamWSegment::kActAtOffset ? s.offset : s.act;
+    c.check(!act || !s.update || s.count == 0 || s.act == AdamWSegment::kNoAct || (at >= 0 && at + s.count <= c[A]),
+            "a segment's act copy [", at, ", ", at + s.count, ") outside params_act's ", act ? c[A] : 0, " elements");
     if (s.count > 0) plan.segments.push_back(s);
   }
   std::sort(plan.segments.begin(), plan.segments.end(), [](auto& x, auto& y) { return x.offset < y.offset; });

@@ -56,16 +56,22 @@ std::vector<HeldGradient> held_parts(World& w) {
 
 // Segments covering the held buffers: each parameter's part (decayed or not; left alone where
 // another module updates it, nn::UpdatedBy), and the alignment padding between them (no decay).
+// Each with where its act-dtype compute copy is (nn::ParamStore::act_at: at its own index, elsewhere
+// where the one-byte compute copies are apart, or none); the padding's copy is written only where it
+// lies at its own index.
 std::vector<ops::AdamWSegment> segments(World& w) {
   const auto& store = w.resource<nn::ParamStore>();
+  const std::int64_t padding_act = store.codes_apart() ? ops::AdamWSegment::kNoAct : ops::AdamWSegment::kActAtOffset;
   std::vector<ops::AdamWSegment> out;
   std::int64_t at = 0;
   for (const auto& h : held_parts(w)) {
-    if (h.part.held > at) out.push_back({at, h.part.held - at, false});
-    out.push_back({h.part.held, h.part.count, h.param->weight_decay, h.updated_here});
+    if (h.part.held > at) out.push_back({at, h.part.held - at, false, true, padding_act});
+    const std::int64_t act = store.act_at(*h.param, h.part);
+    out.push_back({h.part.held, h.part.count, h.param->weight_decay, h.updated_here,
+                   act < 0 ? ops::AdamWSegment::kNoAct : act});
     at = h.part.held + h.part.count;
   }
-  if (store.held() > at) out.push_back({at, store.held() - at, false});
+  if (store.held() > at) out.push_back({at, store.held() - at, false, true, padding_act});
   return out;
 }
 

@@ -89,7 +89,7 @@ std::function<void()> prepare(World& w, const std::string& dir) {
   return [&w, &be, &store, staging, views, per, counters, blobs = std::move(blobs), step = m.step] {
     for (std::size_t f = 0; f < views.size(); ++f)
       held_from_host(be, views[f](), static_cast<float*>(staging->data()) + f * per / 4);
-    if (store.holds_act_copy()) be.convert(store.compute_flat(), store.master_flat());
+    for (const auto& [act, master] : store.act_copies()) be.convert(act, master);
     for (auto& [c, v] : counters) c->set(v);
     for (auto& apply : blobs) apply();
     be.synchronize();

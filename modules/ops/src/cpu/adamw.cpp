@@ -18,13 +18,16 @@ void CpuBackend::adamw(const AdamW& a) {
     for (const AdamWSegment& seg : plan.segments) {
       if (!seg.update) continue;
       const float wd = seg.decay ? a.weight_decay : 0.0f;
+      // The segment's act copy: at the same index, elsewhere, or none.
+      const bool act = pa && seg.act != AdamWSegment::kNoAct;
+      const std::int64_t shift = seg.act == AdamWSegment::kActAtOffset || !act ? 0 : seg.act - seg.offset;
 #pragma omp parallel for num_threads(threads_) schedule(static)
       for (std::int64_t i = seg.offset; i < seg.offset + seg.count; ++i) {
         float mi = moment_load(m, i), vi = moment_load(v, i);
         adamw_update(p[i], mi, vi, g[i] * n.grad_scale, n.lr, a.beta1, a.beta2, a.eps, wd, n.bc1, n.bc2);
         moment_store(m, i, mi);
         moment_store(v, i, vi);
-        if (pa) pa[i] = store(p[i]);
+        if (act) pa[i + shift] = store(p[i]);
       }
     }
   };

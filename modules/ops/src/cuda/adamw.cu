@@ -32,7 +32,9 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
     if (local >= count) continue;  // the rounding after the segment's last element
     const std::int64_t i = __ldg(&segs[seg].offset) + local;
     const float wd = __ldg(&segs[seg].weight_decay);
-    if (VEC && local + 4 <= count && i % 4 == 0) {
+    const std::int64_t act = __ldg(&segs[seg].act);  // -1: no act copy
+    bf16* pa = params_bf16 && act >= 0 ? params_bf16 + act + local : nullptr;
+    if (VEC && local + 4 <= count && i % 4 == 0 && (act < 0 || (act + local) % 4 == 0)) {
       const float4 p4 = *reinterpret_cast<const float4*>(params + i);
       const float4 g4 = *reinterpret_cast<const float4*>(grads + i);
       float p[4] = {p4.x, p4.y, p4.z, p4.w}, mm[4], vv[4];
@@ -45,11 +47,11 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
       *reinterpret_cast<float4*>(params + i) = make_float4(p[0], p[1], p[2], p[3]);
       store4(m + i, mm);
       store4(v + i, vv);
-      if (params_bf16) {
+      if (pa) {
         uint2 packed;
         packed.x = pack2(p[0], p[1]);
         packed.y = pack2(p[2], p[3]);
-        *reinterpret_cast<uint2*>(params_bf16 + i) = packed;
+        *reinterpret_cast<uint2*>(pa) = packed;
       }
     } else {
       for (std::int64_t j = i; j < i + 4 && j - i + local < count; ++j) {
@@ -58,7 +60,7 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
         params[j] = pj;
         ops::moment_store(m, j, mj);
         ops::moment_store(v, j, vj);
-        if (params_bf16) params_bf16[j] = __float2bfloat16_rn(pj);
+        if (pa) pa[j - i] = __float2bfloat16_rn(pj);
       }
     }
   }

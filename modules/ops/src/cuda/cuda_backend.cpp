@@ -529,7 +529,10 @@ void CudaBackend::adamw(const AdamW& a) {
   std::int64_t work = 0;
   for (const AdamWSegment& s : plan.segments) {
     if (!s.update) continue;
-    table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f, work});
+    const std::int64_t act = !a.params_act || s.act == AdamWSegment::kNoAct ? -1
+                             : s.act == AdamWSegment::kActAtOffset     ? s.offset
+                                                                       : s.act;
+    table.push_back({s.offset, s.count, s.decay ? a.weight_decay : 0.0f, work, act});
     work += (s.count + 3) / 4 * 4;
   }
   if (table.empty()) return;

@@ -89,7 +89,8 @@ class Fp8Linear {
   // reuses. Otherwise (current scaling, no scale yet) the update alone: the forward quantises.
   void update_weight(AdamWQuantizeArgs u, std::int64_t version);
 
-  // ---- a weight made of parts (sharded masters) and gathered as FP8 codes ----
+  // ---- a weight made of parts (sharded masters) and gathered as FP8 codes, or held as its rowwise
+  //      codes alone (fp8.keep_weight_transpose = false) ----
   // A forward or backward handed a u8 weight [OC, IC] reads it as the weight's rowwise codes, made
   // by quantize_weight_part on every rank with this layer's weight scale and gathered by whoever
   // shards the parameters; the backward transposes them into `scratch` for the data gradient.
@@ -106,8 +107,8 @@ class Fp8Linear {
   // (the amax reduction makes it the whole weight's).
   void quantize_weight_part(const TensorView& master_part, void* codes);
   // The optimizer's step of a part of the weight (`u`: the part's f32 master, grad, m and v, flat,
-  // and the hyperparameters) and its codes in one pass (delayed scaling, the scale known), as
-  // update_weight does for a whole weight.
+  // or the whole weight [OC, IC]; and the hyperparameters) and its codes in one pass (delayed
+  // scaling, the scale known), as update_weight does for a whole weight without its colwise copy.
   void update_weight_part(AdamWQuantizeArgs u, void* codes);
 
   // Forward on an input its producer already quantised (e.g. a LayerNorm writing FP8): `x.rowwise`

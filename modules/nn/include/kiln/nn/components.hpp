@@ -46,7 +46,7 @@ struct UpdatedBy {
 // On a Param: its compute copy is one byte per element (an FP8 weight's codes; the module that
 // attaches it writes this rank's bytes and reads the gathered ones). A sharded store lays such
 // parameters out apart in each unit and gathers their compute copy as bytes (half of bf16's);
-// unsharded stores ignore it.
+// unsharded stores ignore it unless told to keep the codes apart (ParamStore::keep_codes_apart).
 struct ByteCompute {};
 
 // On a Param: its gradient has one producer, a linear layer's weight gradient, which writes it on a

@@ -26,8 +26,15 @@
 // unsharded (allocate), gathered and per-micro-batch buffers under FSDP (place_unit_compute,
 // place_unit_grads). The model reads weights and accumulates gradients through compute_view /
 // grad_view and so never knows which.
+//
+// An unsharded store may keep the one-byte parameters' compute copies apart too (keep_codes_apart:
+// fp8.keep_weight_transpose = false, FP8 weights held as their rowwise codes alone): its groups are
+// split as a sharded store's, and the held compute copy is every unit's compute image end to end
+// (codes one byte an element, the rest act-dtype), which the model reads in place. compute_flat()
+// then views that buffer as act elements (UnitGroup::at says where each group is).
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kiln/engine/world.hpp"
@@ -60,6 +67,8 @@ struct UnitGroup {
   std::int64_t held = 0;
   std::size_t image = 0;
   std::int64_t codes = 0;
+  std::size_t at = 0;  // byte offset of this rank's part in the held compute copy (set by allocate;
+                       // a sharded store's act-dtype groups have none)
 };
 
 // A run of one parameter's elements that this rank holds: `count` elements from element `first` of
@@ -133,16 +142,31 @@ class ParamStore {
   std::size_t image_bytes(int u) const;
 
   // Bytes of the held compute copy for compute dtype `act`: every held element in act dtype unsharded,
-  // the one-byte groups' codes alone sharded.
+  // the one-byte groups' codes alone sharded, codes and act-dtype elements with the codes apart.
   std::size_t held_compute_bytes(DType act) const {
-    return sharded() ? static_cast<std::size_t>(held_codes_) : static_cast<std::size_t>(held_) * size_of(act);
+    if (sharded()) return static_cast<std::size_t>(held_codes_);
+    return static_cast<std::size_t>(held_codes_) + static_cast<std::size_t>(held_ - held_codes_) * size_of(act);
   }
-  // Whether the held compute copy holds the weights in act dtype (an unsharded store): then whoever
-  // writes the master writes it too (compute_flat).
+  // Before lay_out: the one-byte parameters' compute copies apart in an unsharded store too.
+  void keep_codes_apart();
+  // Whether the one-byte parameters' compute copies are codes alone (sharded, or kept apart).
+  bool codes_apart() const { return sharded() || codes_apart_; }
+  // Whether the held compute copy holds the act-dtype weights (an unsharded store): then whoever
+  // writes the master writes them too (act_at, act_copies).
   bool holds_act_copy() const { return !sharded(); }
   TensorView master_flat() const { return master_.view(DType::f32, {held_}); }
-  // The act-dtype compute copy of every held element; empty in a sharded store (holds_act_copy).
-  TensorView compute_flat() const { return holds_act_copy() ? compute_.view(act_, {held_}) : TensorView{}; }
+  // The held compute copy as act elements: every held element at its own index where the codes are
+  // not apart; with them apart, the units' images (an act-dtype element at act_at). Empty sharded.
+  TensorView compute_flat() const {
+    return holds_act_copy() ? compute_.view(act_, {static_cast<std::int64_t>(held_compute_bytes(act_) / size_of(act_))})
+                            : TensorView{};
+  }
+  // The element of compute_flat() holding the act copy of held element `part.held` of p; -1 where
+  // there is none (a one-byte parameter, a sharded store).
+  std::int64_t act_at(const Param& p, const HeldPart& part) const;
+  // The act-dtype compute copies and the masters they are made from, group by group (one pair, the
+  // whole held buffers, where the codes are not apart; none sharded): what a new master converts.
+  std::vector<std::pair<TensorView, TensorView>> act_copies() const;
   TensorView grads_flat() const { return grads_.view(DType::f32, {held_}); }
   // f(HeldPart) for each run of p's elements held here, in element order (one run at most per
   // parameter: its group's part is one range of the layout).
@@ -191,6 +215,7 @@ class ParamStore {
   std::vector<Entity> order_;
   int shards_[2] = {1, 1}, shard_[2] = {0, 0};  // by ShardDomain
   bool experts_set_ = false;                     // shard_experts_over was called
+  bool codes_apart_ = false;                     // keep_codes_apart was called
   std::int64_t total_ = 0, held_ = 0, held_codes_ = 0;
   std::vector<UnitRange> units_;
   std::vector<std::vector<UnitGroup>> groups_;

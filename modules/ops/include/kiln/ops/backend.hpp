@@ -280,16 +280,20 @@ struct CrossEntropyFinish {
 // AdamW over flat f32 buffers (one launch for all parameters). Segments say which elements get
 // weight decay, and which are left alone (update = false: another module applies their update,
 // e.g. fused with its own pass over them; neither params, params_act, m nor v is touched there). With grad_scale s (clipping), the gradient used is s * g. Bias correction uses
-// `step` (counted from 1). Writes params (f32 master) and, if given, params_act = round(params).
+// `step` (counted from 1). Writes params (f32 master) and, if given, params_act = round(params):
+// element offset + k of a segment at element act + k of params_act (kActAtOffset: the same index;
+// kNoAct: none; a parameter store whose one-byte compute copies are apart, nn::ParamStore).
 struct AdamWSegment {
+  static constexpr std::int64_t kActAtOffset = -1, kNoAct = -2;
   std::int64_t offset = 0;
   std::int64_t count = 0;
   bool decay = true;
   bool update = true;
+  std::int64_t act = kActAtOffset;
 };
 struct AdamW {
   TensorView params;      // [P] f32
-  TensorView params_act;  // [P] act, optional
+  TensorView params_act;  // act, optional: [P], or holding every segment's act range
   TensorView grads;       // [P] f32
   TensorView m;           // [P] f32, or bf16 (both the same dtype: ops::moment_load / moment_store)
   TensorView v;           // [P] as m

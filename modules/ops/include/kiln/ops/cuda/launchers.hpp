@@ -138,6 +138,7 @@ struct AdamWSegmentDev {
   float weight_decay;
   std::int64_t work;    // where the segment starts in the work space: the segments before it, each
                         // rounded up to a multiple of 4
+  std::int64_t act;     // where its act copy starts in params_bf16; -1: none
   bool operator==(const AdamWSegmentDev&) const = default;
 };
 // segments: device array of n_segments entries, sorted by `work`, the elements to update (other
