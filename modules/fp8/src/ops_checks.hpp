@@ -19,14 +19,18 @@ inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device)
   const auto rows = c.wide_dim("rows"), cols = c.wide_dim("cols");
   // The moments f32 or bf16, both alike (ops::moment_load / moment_store).
   const DType moments = a.m.dtype == DType::bf16 ? DType::bf16 : DType::f32;
-  const auto dtype_of = [&](const char* name) { return name[0] == 'm' || name[0] == 'v' ? moments : DType::f32; };
+  struct Arg {
+    const char* name;
+    const TensorView* t;
+    DType dtype;
+  };
+  const Arg args[] = {{"param", &a.param, DType::f32}, {"grad", &a.grad, DType::f32}, {"m", &a.m, moments},
+                      {"v", &a.v, moments}};
   if (a.param.ndim() == 3) {
     const auto batch = c.wide_dim("batch");
-    for (auto [name, t] : {std::pair{"param", &a.param}, {"grad", &a.grad}, {"m", &a.m}, {"v", &a.v}})
-      c.tensor(name, *t, dtype_of(name), {batch, rows, cols});
+    for (const Arg& x : args) c.tensor(x.name, *x.t, x.dtype, {batch, rows, cols});
   } else {
-    for (auto [name, t] : {std::pair{"param", &a.param}, {"grad", &a.grad}, {"m", &a.m}, {"v", &a.v}})
-      c.tensor(name, *t, dtype_of(name), {rows, cols});
+    for (const Arg& x : args) c.tensor(x.name, *x.t, x.dtype, {rows, cols});
   }
   c.check(a.out.rowwise || !a.out.colwise, "the colwise FP8 copy only with the rowwise one");
 }
