@@ -773,7 +773,10 @@ TEST_CASE("the CUDA transpose of one-byte codes matches the CPU at awkward shape
   auto gpu = make_cuda_ops(nullptr);
   auto cpu = make_cpu_ops();
   std::mt19937 gen(61);
-  for (auto [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {33, 65}, {7, 1000}, {2048, 96}, {130, 31}}) {
+  // Multiples of 16 take the 64 x 64 tiles of 16-byte words (whole and partial tiles: 2048 x 96,
+  // 80 x 48, 16 x 16, 2048 x 6144 over more tiles than the grid's blocks); the rest a byte at a time.
+  for (auto [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+           {1, 1}, {33, 65}, {7, 1000}, {2048, 96}, {130, 31}, {80, 48}, {16, 16}, {2048, 6144}}) {
     INFO(rows, " x ", cols);
     std::vector<std::uint8_t> in(static_cast<std::size_t>(rows * cols)), want(in.size());
     for (auto& b : in) b = static_cast<std::uint8_t>(gen());

@@ -1,6 +1,12 @@
-// One-byte codes transposed through a shared tile (the colwise copy of a gathered FP8 weight).
+// One-byte codes transposed through a shared tile (the colwise copy of a gathered FP8 weight, or of
+// one held as its rowwise codes alone). Where both dimensions are multiples of 16 and the codes
+// 16-byte aligned (every FP8 weight on CUDA), 64 x 64 tiles move 16 bytes a thread each way
+// (tiles.cuh's store_transposed); else 32 x 32 tiles a byte at a time.
+#include <algorithm>
+
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/tensor/cuda_check.hpp"
+#include "tiles.cuh"
 
 namespace kiln::fp8::cuda {
 
@@ -24,10 +30,39 @@ __global__ void transpose_bytes_kernel(std::uint8_t* __restrict__ out, const std
   }
 }
 
+// rows % 16 == 0, cols % 16 == 0, 16-byte aligned: thread t loads 16 bytes of tile row t / 4 into
+// the shared tile, then writes 16 rows of one tile column as one 16-byte word.
+__global__ void __launch_bounds__(kThreads)
+    transpose_bytes_tiled(std::uint8_t* __restrict__ out, const std::uint8_t* __restrict__ in, int rows, int cols) {
+  __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
+  const int tiles_c = (cols + kTile - 1) / kTile;
+  const long long tiles = static_cast<long long>((rows + kTile - 1) / kTile) * tiles_c;
+  const int lr = threadIdx.x / 4, lv = threadIdx.x % 4;
+  for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int r0 = static_cast<int>(t / tiles_c) * kTile, c0 = static_cast<int>(t % tiles_c) * kTile;
+    const int r = r0 + lr, c = c0 + 16 * lv;
+    if (r < rows && c < cols) {
+      const uint4 x = *reinterpret_cast<const uint4*>(in + static_cast<size_t>(r) * cols + c);
+      const std::uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      stage_codes(tile, w);
+    }
+    __syncthreads();
+    store_transposed(tile, out, r0, c0, rows, cols);
+    __syncthreads();  // the next tile overwrites the shared tile
+  }
+}
+
 }  // namespace
 
 void transpose_bytes(std::uint8_t* out, const std::uint8_t* in, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
   if (rows <= 0 || cols <= 0) return;
+  if (rows % 16 == 0 && cols % 16 == 0 && rows <= 0x7fffffff && cols <= 0x7fffffff && aligned16(in) && aligned16(out)) {
+    const long long tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+    const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
+    transpose_bytes_tiled<<<grid, kThreads, 0, s>>>(out, in, static_cast<int>(rows), static_cast<int>(cols));
+    KILN_CUDA_LAUNCH_CHECK();
+    return;
+  }
   const std::int64_t tiles_r = (rows + kTileDim - 1) / kTileDim, tiles_c = (cols + kTileDim - 1) / kTileDim;
   KILN_CHECK(tiles_r <= 65535, "fp8 transpose: ", rows, " rows are too many");
   const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), block(kTileDim, kRowsPerPass);
