@@ -278,6 +278,7 @@ TEST_CASE("bf16 AdamW moments: the fused FP8 weight update equals the unfused on
     REQUIRE(base.size() == 8);
     bf16.push_back("fp8.fuse_weight_update=false");
     CHECK(base == with(bf16));
+    if (run.front() != "fp8.recipe=delayed") continue;
     // Not the f32 moments' run, but within rounding of it.
     const auto f32 = with({"fp8.enabled=true"});
     CHECK(base != f32);
