@@ -455,6 +455,31 @@ void set_test_hyperparameters(AdamWQuantizeArgs& a) {
   a.grad_scale = 0.8f;
   a.step = 7;
 }
+
+// The fused-update tests' arguments over `shape` ([R, C] or [B, R, C]; `transposed` the colwise
+// copy's): f32 param and gradient, moments of `moments`, the test's hyperparameters, and by mode
+// 0: no copies, 1: both, 2: both and the amax, 3: the rowwise copy and the amax (meta: scale, amax).
+struct FusedUpdateBuffers {
+  void *param, *grad, *m, *v, *row, *col;
+  float* meta;
+};
+AdamWQuantizeArgs fused_update_args(Device dev, const Shape& shape, const Shape& transposed, DType moments, int mode,
+                                    const FusedUpdateBuffers& b) {
+  AdamWQuantizeArgs a;
+  a.param = TensorView(b.param, shape, DType::f32, dev);
+  a.grad = TensorView(b.grad, shape, DType::f32, dev);
+  a.m = TensorView(b.m, shape, moments, dev);
+  a.v = TensorView(b.v, shape, moments, dev);
+  if (mode > 0) {
+    a.out.rowwise = TensorView(b.row, shape, DType::e4m3, dev);
+    if (mode < 3) a.out.colwise = TensorView(b.col, transposed, DType::e4m3, dev);
+    a.out.format = Format::e4m3;
+    a.out.scale = b.meta;
+  }
+  if (mode >= 2) a.amax = b.meta + 1;
+  set_test_hyperparameters(a);
+  return a;
+}
 }  // namespace
 
 TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and elementwise, with one, two or no "
@@ -484,26 +509,12 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
       std::vector<std::uint8_t> c_row(n), c_col(n);
       Buffer d_p = upload(p), d_g = upload(g), d_m = upload(m), d_v = upload(v), d_meta = upload(c_meta),
              d_row(Device::cuda, n), d_col(Device::cuda, n);
-      auto args = [&](Device dev, void* pp, void* gg, void* mm, void* vv, void* row, void* col, float* meta) {
-        AdamWQuantizeArgs a;
-        a.param = TensorView(pp, shape(R, C), DType::f32, dev);
-        a.grad = TensorView(gg, shape(R, C), DType::f32, dev);
-        a.m = TensorView(mm, shape(R, C), DType::f32, dev);
-        a.v = TensorView(vv, shape(R, C), DType::f32, dev);
-        if (mode > 0) {
-          a.out.rowwise = TensorView(row, shape(R, C), DType::e4m3, dev);
-          if (mode < 3) a.out.colwise = TensorView(col, shape(C, R), DType::e4m3, dev);
-          a.out.format = Format::e4m3;
-          a.out.scale = meta;
-        }
-        if (mode >= 2) a.amax = meta + 1;
-        set_test_hyperparameters(a);
-        return a;
-      };
-      cpu->adamw_quantize(args(Device::cpu, p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
-                               c_col.data(), c_meta.data()));
-      gpu->adamw_quantize(args(Device::cuda, d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(),
-                               d_col.data(), static_cast<float*>(d_meta.data())));
+      cpu->adamw_quantize(fused_update_args(Device::cpu, shape(R, C), shape(C, R), DType::f32, mode,
+                                            {p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
+                                             c_col.data(), c_meta.data()}));
+      gpu->adamw_quantize(fused_update_args(Device::cuda, shape(R, C), shape(C, R), DType::f32, mode,
+                                            {d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(), d_col.data(),
+                                             static_cast<float*>(d_meta.data())}));
       // The same formula; FMA contraction may differ in the last bits of an f32: ||got - want|| / ||want||.
       auto close = [&](const std::vector<float>& want, const void* dev) {
         const auto got = download<float>(dev, n);
@@ -558,24 +569,13 @@ TEST_CASE("the fused AdamW step with bf16 moments matches the CPU's bits (tiled,
     std::vector<std::uint8_t> c_row(n), c_col(n);
     Buffer d_p = upload(p), d_g = upload(g), d_m = upload(m), d_v = upload(v), d_meta = upload(c_meta),
            d_row(Device::cuda, n), d_col(Device::cuda, n);
-    auto args = [&](Device dev, void* pp, void* gg, void* mm, void* vv, void* row, void* col, float* meta) {
-      AdamWQuantizeArgs a;
-      a.param = TensorView(pp, shape(R, C), DType::f32, dev);
-      a.grad = TensorView(gg, shape(R, C), DType::f32, dev);
-      a.m = TensorView(mm, shape(R, C), DType::bf16, dev);
-      a.v = TensorView(vv, shape(R, C), DType::bf16, dev);
-      a.out.rowwise = TensorView(row, shape(R, C), DType::e4m3, dev);
-      a.out.colwise = TensorView(col, shape(C, R), DType::e4m3, dev);
-      a.out.format = Format::e4m3;
-      a.out.scale = meta;
-      a.amax = meta + 1;
-      set_test_hyperparameters(a);
-      return a;
-    };
-    cpu->adamw_quantize(args(Device::cpu, p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
-                             c_col.data(), c_meta.data()));
-    gpu->adamw_quantize(args(Device::cuda, d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(), d_col.data(),
-                             static_cast<float*>(d_meta.data())));
+    // Both copies and the amax (mode 2).
+    cpu->adamw_quantize(fused_update_args(Device::cpu, shape(R, C), shape(C, R), DType::bf16, 2,
+                                          {p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
+                                           c_col.data(), c_meta.data()}));
+    gpu->adamw_quantize(fused_update_args(Device::cuda, shape(R, C), shape(C, R), DType::bf16, 2,
+                                          {d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(), d_col.data(),
+                                           static_cast<float*>(d_meta.data())}));
     CHECK(download<float>(d_p.data(), n) == p);
     CHECK(download<std::uint16_t>(d_m.data(), n) == m);
     CHECK(download<std::uint16_t>(d_v.data(), n) == v);
