@@ -13,6 +13,7 @@
 #include "kiln/core/error.hpp"
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/moments.hpp"
 #include "../ops_checks.hpp"
 
 namespace kiln::fp8 {
@@ -397,8 +398,7 @@ class CpuOps final : public Fp8Ops {
     float* p = a.param.as<float>();
     const float* g = a.grad.as<float>();
     const std::int64_t n = a.param.numel();
-    // The moments held as f32 or as bf16 bits (ops::moment_load / moment_store).
-    const auto over = [&](auto* m, auto* v) {
+    ops::with_moments(a.m.dtype == DType::bf16, a.m.data, a.v.data, [&](auto* m, auto* v) {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
       for (std::int64_t i = 0; i < n; ++i) {
         float mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
@@ -407,11 +407,7 @@ class CpuOps final : public Fp8Ops {
         ops::moment_store(m, i, mi);
         ops::moment_store(v, i, vi);
       }
-    };
-    if (a.m.dtype == DType::bf16)
-      over(static_cast<std::uint16_t*>(a.m.data), static_cast<std::uint16_t*>(a.v.data));
-    else
-      over(a.m.as<float>(), a.v.as<float>());
+    });
     if (a.out.rowwise) quantize(a.param, a.out, a.amax);
   }
 

@@ -13,6 +13,7 @@
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/cuda/moments.cuh"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/moments.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "adamw.cuh"
 #include "tiles.cuh"
@@ -152,9 +153,7 @@ void with_flags(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStrea
 }
 
 template <class M>
-void with_moments(const AdamWQuantizeDev& a, const Hyper& h, cudaStream_t s) {
-  auto* m = static_cast<M*>(a.m);
-  auto* v = static_cast<M*>(a.v);
+void with_format(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStream_t s) {
   if (a.format == Format::e4m3)
     with_flags<Format::e4m3>(a, m, v, h, s);
   else
@@ -170,10 +169,7 @@ void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s) {
              "colwise one) with a scale, or neither");
   if (a.rows == 0 || a.cols == 0) return;
   const Hyper h = hyper_of(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, a.step, a.scalars);
-  if (a.bf16_moments)
-    with_moments<std::uint16_t>(a, h, s);
-  else
-    with_moments<float>(a, h, s);
+  ops::with_moments(a.bf16_moments, a.m, a.v, [&](auto* m, auto* v) { with_format(a, m, v, h, s); });
 }
 
 }  // namespace kiln::fp8::cuda

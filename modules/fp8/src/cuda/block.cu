@@ -18,6 +18,7 @@
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/cuda/moments.cuh"
+#include "kiln/ops/moments.hpp"
 #include "kiln/tensor/alignment.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "adamw.cuh"
@@ -496,22 +497,15 @@ void dispatch(const BlockCast& k, const Args& a, std::span<const Rows> parts, cu
   }
 }
 
-template <class M>
-void adamw_dispatch_as(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const Rows> parts,
-                       cudaStream_t s) {
-  const AdamWSource<M> src{u.param, u.grad, static_cast<M*>(u.m), static_cast<M*>(u.v), k.cols,
-                           hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
-  const bool vec = k.cols % AdamWSource<M>::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(u.m) &&
-                   aligned16(u.v);
-  with_format(src, a, parts, vec, s);
-}
-
 void adamw_dispatch(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const Rows> parts,
                     cudaStream_t s) {
-  if (u.bf16_moments)
-    adamw_dispatch_as<std::uint16_t>(k, u, a, parts, s);
-  else
-    adamw_dispatch_as<float>(k, u, a, parts, s);
+  ops::with_moments(u.bf16_moments, u.m, u.v, [&]<class M>(M* m, M* v) {
+    const AdamWSource<M> src{u.param, u.grad, m, v, k.cols,
+                             hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
+    const bool vec = k.cols % AdamWSource<M>::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(m) &&
+                     aligned16(v);
+    with_format(src, a, parts, vec, s);
+  });
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include "cpu_backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/moments.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -13,8 +14,7 @@ void CpuBackend::adamw(const AdamW& a) {
   AdamWNumbers n{a.lr, a.grad_scale, 0, 0};
   adamw_bias_corrections(a.beta1, a.beta2, a.step, n.bc1, n.bc2);
   if (!adamw_numbers(a.scalars, n)) return;  // a non-finite gradient: the step is skipped
-  // The moments held as f32 or as bf16 bits (moment_load / moment_store).
-  const auto over = [&](auto* m, auto* v) {
+  with_moments(a.m.dtype == DType::bf16, a.m.data, a.v.data, [&](auto* m, auto* v) {
     for (const AdamWSegment& seg : plan.segments) {
       if (!seg.update) continue;
       const float wd = seg.decay ? a.weight_decay : 0.0f;
@@ -30,11 +30,7 @@ void CpuBackend::adamw(const AdamW& a) {
         if (act) pa[i + shift] = store(p[i]);
       }
     }
-  };
-  if (a.m.dtype == DType::bf16)
-    over(static_cast<std::uint16_t*>(a.m.data), static_cast<std::uint16_t*>(a.v.data));
-  else
-    over(a.m.as<float>(), a.v.as<float>());
+  });
 }
 
 void CpuBackend::grad_clip(const GradClip& a) {

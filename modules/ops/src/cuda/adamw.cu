@@ -5,6 +5,7 @@
 #include "common.cuh"
 #include "kiln/ops/cuda/moments.cuh"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/moments.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
 namespace kiln::cuda {
@@ -86,12 +87,9 @@ void adamw(float* params, bf16* params_bf16, const float* grads, void* m, void* 
            float eps, float grad_scale, float bc1, float bc2, const float* scalars, cudaStream_t s) {
   if (work <= 0 || n_segments <= 0) return;
   const Hyper h{lr, beta1, beta2, eps, grad_scale, bc1, bc2, scalars};
-  if (bf16_moments)
-    adamw_launch(params, params_bf16, grads, static_cast<std::uint16_t*>(m), static_cast<std::uint16_t*>(v), segments,
-                 n_segments, work, h, s);
-  else
-    adamw_launch(params, params_bf16, grads, static_cast<float*>(m), static_cast<float*>(v), segments, n_segments,
-                 work, h, s);
+  ops::with_moments(bf16_moments, m, v, [&](auto* mt, auto* vt) {
+    adamw_launch(params, params_bf16, grads, mt, vt, segments, n_segments, work, h, s);
+  });
 }
 
 }  // namespace kiln::cuda
