@@ -718,6 +718,60 @@ TEST_CASE("cuda grad_clip and AdamW from device scalars match the CPU, a non-fin
   CHECK(c.params.cpu_values() == p0);
 }
 
+// Where ranks share the gradient the optimizer sums each rank's share of the squared norm on the
+// device (sum_squares_parts: parts at awkward sizes, some held by several ranks, one left out), the
+// ranks add those up on the stream, and grad_clip takes the sum: each backend's result is its host
+// arithmetic's (its own sum_squares_each, the quotients added in double in order, rounded to f32) to
+// the bit, and the norm and scale follow from that f32 as the host would make them.
+TEST_CASE("cuda sum_squares_parts and grad_clip from a summed square equal each backend's host arithmetic") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const std::vector<int> sizes = {5003, 1, 77, 40000, 129};
+  const std::vector<int> divisors = {1, 2, 0, 3, 1};
+  std::vector<Dual> parts;
+  for (std::size_t i = 0; i < sizes.size(); ++i) parts.push_back(f32(p, {sizes[i]}, 301 + i, 0.3f));
+  Dual scalars(p, Kind::f32, {7});  // four floats, the norm (a double), the summed square
+  for (const double max_norm : {0.0, 1.0, 1e9}) {
+    INFO("max_norm " << max_norm);
+    scalars.set({1e-2f, -1.0f, 0.5f, 0.5f, 0.0f, 0.0f, 0.0f});
+    on_both(p, [&](const Side& s) {
+      std::vector<TensorView> views;
+      for (auto& d : parts) views.push_back(s(d));
+      const TensorView sc = s(scalars);
+      const TensorView sum(sc.as<float>() + 6, {1}, DType::f32, sc.device);
+      s.b().sum_squares_parts({views, divisors, sum});
+      s.b().grad_clip({.max_norm = max_norm, .scalars = sc.as<float>(),
+                       .norm = reinterpret_cast<double*>(sc.as<float>() + 4), .sum_squares = sum.as<float>()});
+    });
+    for (const bool gpu : {false, true}) {
+      INFO((gpu ? "cuda" : "cpu"));
+      ops::Backend& b = gpu ? *p.gpu : *p.cpu;
+      std::vector<TensorView> views;
+      for (auto& d : parts) views.push_back(gpu ? d.gpu() : d.cpu());
+      const std::vector<double> each = b.sum_squares_each(views);
+      double total = 0;
+      for (std::size_t i = 0; i < each.size(); ++i)
+        if (divisors[i] > 0) total += each[i] / divisors[i];
+      const auto got = gpu ? scalars.gpu_values() : scalars.cpu_values();
+      const float want = static_cast<float>(total);
+      CHECK(std::memcmp(&got[6], &want, sizeof(float)) == 0);
+      double norm = 0;
+      std::memcpy(&norm, got.data() + 4, sizeof(norm));
+      const double host = std::sqrt(static_cast<double>(want));
+      CHECK(std::memcmp(&norm, &host, sizeof(norm)) == 0);
+      CHECK(got[ops::kAdamWGradScale] == ops::grad_clip_scale(host, max_norm));
+    }
+  }
+  // Its arguments: one divisor a part, none negative, one f32 out.
+  const TensorView one = parts[0].gpu();
+  const int two[2] = {1, 1}, negative = -1;
+  const TensorView out = scalars.gpu();
+  CHECK_THROWS_WITH(p.gpu->sum_squares_parts({std::span(&one, 1), two, out}),
+                    doctest::Contains("1 parts but 2 divisors"));
+  CHECK_THROWS_WITH(p.gpu->sum_squares_parts({std::span(&one, 1), std::span(&negative, 1), out}),
+                    doctest::Contains("divisors[0] = -1"));
+}
+
 TEST_CASE("cuda adamw leaves segments another module updates untouched") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # backend.cuda_graph with two ranks on two GPUs (`kiln run --nproc 2`, NCCL): every micro-batch's
-# forward and backward captured with their collectives at step 3 and replayed after it. Each layout
+# forward and backward captured with their collectives at step 3 and replayed after it, and where
+# no system of theirs keeps the host (all but FSDP) the last micro-batch's graph runs through the
+# gradient sync (the DP buckets' last launches, the TP and amax all-reduces) and the optimizer (the
+# gradient's norm summed over the ranks on the stream); the run must say which. Each layout
 # runs 7 steps captured and 7 eager from the same seed; the losses and gradient norms of every step
 # must be equal bit for bit (dropout on, so every replay must draw fresh masks as the eager steps
 # do), and the captured run must say it captured. Layouts: tensor parallelism with sequence
@@ -44,9 +47,9 @@ attention_deterministic = true
 every = 1
 TOML
 fail=0
-check() {  # name sets...
-  local name=$1
-  shift
+check() {  # name through-optimizer(yes|no) sets...
+  local name=$1 through=$2
+  shift 2
   for graph in true false; do
     timeout 240 "$KILN" run run.toml --nproc 2 --set backend.cuda_graph=$graph \
       --set log.metrics="$name-$graph.jsonl" "$@" > "$name-$graph.log" 2>&1
@@ -58,8 +61,10 @@ check() {  # name sets...
       return
     fi
   done
-  if ! grep -q "backend.cuda_graph: each micro-batch's forward and backward captured" "$name-true.log"; then
-    echo "FAIL $name: the run did not capture:"
+  local said="the last with the gradient sync and optimizer"
+  [ "$through" = no ] && said="the gradient sync and optimizer run eagerly"
+  if ! grep "backend.cuda_graph: each micro-batch's forward and backward captured" "$name-true.log" | grep -q "$said"; then
+    echo "FAIL $name: the run did not say \"$said\":"
     grep "backend.cuda_graph" "$name-true.log"
     fail=1
     return
@@ -80,13 +85,14 @@ PY
   fi
   echo "ok   $name"
 }
-check tp-sp-recompute --set parallel.tp=2 --set parallel.sequence_parallel=true --set activation_checkpoint.mode=full
-check tp-overlap --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.tp_comm_overlap=true \
+check tp-sp-recompute yes --set parallel.tp=2 --set parallel.sequence_parallel=true --set activation_checkpoint.mode=full
+check tp-overlap yes --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.tp_comm_overlap=true \
   --set parallel.tp_comm_chunks=2
-check llama-tp-vocab --set parallel.tp=2 --set parallel.vocab_parallel=true --set model.arch=llama \
+check llama-tp-vocab yes --set parallel.tp=2 --set parallel.vocab_parallel=true --set model.arch=llama \
   --set model.n_kv_head=2
-check dp-fp8-micro --set train.micro_batch_size=2 --set fp8.enabled=true --set parallel.dp_bucket_mb=0.05
-check fsdp-full-micro --set fsdp.strategy=full_shard --set train.micro_batch_size=2
-check fsdp-sgo-fp8-step --set fsdp.strategy=shard_grad_op --set fp8.enabled=true --set fsdp.reduce=step \
+check tp-fp8 yes --set parallel.tp=2 --set fp8.enabled=true --set optim.grad_clip=0.5
+check dp-fp8-micro yes --set train.micro_batch_size=2 --set fp8.enabled=true --set parallel.dp_bucket_mb=0.05
+check fsdp-full-micro no --set fsdp.strategy=full_shard --set train.micro_batch_size=2
+check fsdp-sgo-fp8-step no --set fsdp.strategy=shard_grad_op --set fp8.enabled=true --set fsdp.reduce=step \
   --set train.micro_batch_size=2
 exit $fail

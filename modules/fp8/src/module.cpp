@@ -768,14 +768,14 @@ void install(World& w, const Fp8Config& cfg) {
   // The scales are updated once the step's gradients are complete and synchronised (as before the
   // optimizer ran, which may now write the weights' FP8 copies with them): after the parallel
   // module's gradient collectives, so every rank issues its collectives in the same order.
-  // Both replayable by a captured step (StepGraph) where no other rank takes part: the update is
-  // one kernel over the amax histories and scales on the device.
+  // Both replayable by a captured step (StepGraph): the amaxes' all-reduce is queued on the compute
+  // stream, and the update is one kernel over the amax histories and scales on the device.
   if (cfg.recipe == RecipeKind::delayed) {
     w.systems().add({.name = "fp8.amax_reduce",
                      .phase = Phase::grad_sync,
                      .run = reduce_amaxes,
                      .after = {"parallel.tp_grad_sync"},
-                     .replayable = !st.amax_comm || st.amax_comm->size() == 1});
+                     .replayable = true});
     w.systems().add({.name = "fp8.scale_update",
                      .phase = Phase::grad_sync,
                      .run = [algo = cfg.amax_compute_algo, margin = cfg.margin](World& world) {

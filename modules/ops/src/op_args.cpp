@@ -485,6 +485,17 @@ std::int64_t check_f32_tensor(const char* op, const char* arg, const TensorView&
   return c[n];
 }
 
+void check_args(const SumSquaresParts& a, const ArgTarget& on) {
+  OpArgs c("sum_squares_parts", on);
+  c.check(a.parts.size() == a.divisors.size(), a.parts.size(), " parts but ", a.divisors.size(), " divisors");
+  for (std::size_t i = 0; i < a.parts.size(); ++i) {
+    const std::string part = cat("parts[", i, "]");
+    check_f32_tensor("sum_squares_parts", part.c_str(), a.parts[i], on);
+    c.check(a.divisors[i] >= 0, "divisors[", i, "] = ", a.divisors[i], " (>= 0 expected)");
+  }
+  c.tensor("out", a.out, f32, {1});
+}
+
 std::int64_t check_add_args(const TensorView& dst, const TensorView& src, const ArgTarget& on) {
   OpArgs c("add", on);
   const auto n = c.wide_dim("n");

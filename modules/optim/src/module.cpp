@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <span>
 
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/nn/components.hpp"
@@ -92,34 +93,32 @@ bool norm_of_held_buffer(World& w) {
   return true;
 }
 
-// The squared norm of the whole (logical) gradient on the host (synchronises). A rank holds shards
-// of some parameters under tensor (and expert) parallelism and full copies of the others, and under
-// FSDP its part of each unit: the squares are summed over the ranks that together hold one copy of
-// the parameters (parallel::param_shards: over the pipeline stages too), a part held by several of
+// The squared norm of the whole (logical) gradient into `out` (f32 [1] on the backend's device), on
+// the stream: no host value, so a captured step replays it. A rank holds shards of some parameters
+// under tensor (and expert) parallelism and full copies of the others, and under FSDP its part of
+// each unit: the squares are summed over the ranks that together hold one copy of the parameters
+// (parallel::param_shards: over the pipeline stages too, one all-reduce), a part held by several of
 // them counted once (each of its n holders adds 1/n of it: parallel::replicas_in_param_shards), a
 // stage's copy of another stage's parameter (nn::TiedAcrossStages) not at all.
-double global_sum_squares(World& w, ops::Backend& be) {
+void global_sum_squares(World& w, ops::Backend& be, const TensorView& out) {
   const auto& store = w.resource<nn::ParamStore>();
   const auto parts = held_parts(w);
-  std::vector<int> replicas;
+  std::vector<int> divisors;
   bool all_once = true;
   for (const auto& h : parts) {
-    replicas.push_back(h.counted ? parallel::replicas_in_param_shards(w, *h.param) : 0);  // 0: not counted
-    all_once = all_once && replicas.back() == 1;
+    divisors.push_back(h.counted ? parallel::replicas_in_param_shards(w, *h.param) : 0);  // 0: not counted
+    all_once = all_once && divisors.back() == 1;
   }
-  double local = 0;
-  if (all_once) {
-    local = be.sum_squares(store.grads_flat());
+  if (all_once) {  // the held buffer's sum, as one
+    const TensorView whole = store.grads_flat();
+    const int one = 1;
+    be.sum_squares_parts({std::span(&whole, 1), std::span(&one, 1), out});
   } else {
-    const std::vector<double> each = be.sum_squares_each(gradient_views(store, parts));
-    for (std::size_t i = 0; i < parts.size(); ++i)
-      if (replicas[i] > 0) local += replicas[i] == 1 ? each[i] : each[i] / replicas[i];
+    const std::vector<TensorView> views = gradient_views(store, parts);
+    be.sum_squares_parts({views, divisors, out});
   }
-  auto& shards = parallel::param_shards(w);
-  if (shards.size() == 1) return local;
-  float v = static_cast<float>(local);
-  shards.all_reduce(TensorView(&v, {1}, DType::f32, Device::cpu), parallel::ReduceOp::sum, nullptr);
-  return v;
+  parallel::param_shards(w).all_reduce(out, parallel::ReduceOp::sum,
+                                       out.device == Device::cpu ? nullptr : be.stream());
 }
 
 // Names the parameters whose gradient (the part held here) is not finite (slow path, only after a
@@ -163,7 +162,7 @@ void install(World& w, const OptimConfig& cfg) {
                      st.v = be.alloc(bytes);
                      be.zero(st.m.view(st.moment_dtype, {store.held()}));
                      be.zero(st.v.view(st.moment_dtype, {store.held()}));
-                     st.scalars = be.alloc(OptimState::kNormAt + sizeof(double));
+                     st.scalars = be.alloc(OptimState::kSumSquaresAt + sizeof(float));
                      st.scalars_host = be.alloc_host(st.scalars.bytes());
                    },
                    {"params.allocate"}});
@@ -184,11 +183,11 @@ void install(World& w, const OptimConfig& cfg) {
                    }});
 
   // The step on the stream, without waiting for the device: the gradient's norm and clipping scale
-  // are made on the device (ops::GradClip; on the host, synchronising, where ranks share the
-  // gradient), and every AdamW kernel reads them and the step's numbers from there when it runs (a
-  // non-finite norm makes the scale NaN: nothing is updated). Replayable on one rank (the norm on
-  // the device); the host values below (the learning rate, t) are the CPU backend's, or unused.
-  const bool one_rank = w.resource<RankInfo>().world_size == 1;
+  // are made on the device (ops::GradClip; where ranks share the gradient, from the squares each
+  // sums, all-reduced on the stream), and every AdamW kernel reads them and the step's numbers from
+  // there when it runs (a non-finite norm makes the scale NaN: nothing is updated). So it is
+  // replayable by a captured step; the host values below (the learning rate, t) are the CPU
+  // backend's, or unused.
   w.systems().add({.name = "optim.step", .phase = Phase::optimizer, .run = [cfg](World& world) {
                      auto& be = world.resource<ops::ActiveBackend>().get();
                      auto& store = world.resource<nn::ParamStore>();
@@ -201,12 +200,11 @@ void install(World& w, const OptimConfig& cfg) {
                      if (norm_of_held_buffer(world)) {
                        be.grad_clip({store.grads_flat(), cfg.grad_clip, scalars, norm});
                      } else {
-                       const double n = std::sqrt(global_sum_squares(world, be));
-                       const float scale = ops::grad_clip_scale(n, cfg.grad_clip);
-                       be.copy(TensorView(scalars + ops::kAdamWGradScale, {1}, DType::f32, dev),
-                               TensorView(const_cast<float*>(&scale), {1}, DType::f32, Device::cpu));
-                       be.copy(TensorView(norm, {8}, DType::u8, dev),
-                               TensorView(const_cast<double*>(&n), {8}, DType::u8, Device::cpu));
+                       const TensorView sum(static_cast<char*>(st.scalars.data()) + OptimState::kSumSquaresAt, {1},
+                                            DType::f32, dev);
+                       global_sum_squares(world, be, sum);
+                       be.grad_clip({.max_norm = cfg.grad_clip, .scalars = scalars, .norm = norm,
+                                     .sum_squares = sum.as<float>()});
                      }
                      ops::AdamW a;
                      a.params = store.master_flat();
@@ -229,7 +227,7 @@ void install(World& w, const OptimConfig& cfg) {
                      // The parameters another module updates (nn::UpdatedBy), with the same step.
                      world.events().publish(
                          nn::AdamWStep{t, lr, a.beta1, a.beta2, a.eps, a.weight_decay, scalars, a.m, a.v});
-                   }, .replayable = one_rank});
+                   }, .replayable = true});
   // After the step (one read of the norm and scale, with the step's other reads): the norm for the
   // log, and a non-finite gradient stops the run naming the tensors, the weights as they were. After
   // the model's loss check where there is one, which names a non-finite loss first.

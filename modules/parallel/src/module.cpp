@@ -152,7 +152,8 @@ void install(World& w, const ParallelConfig& cfg) {
     w.emplace_resource<ReplayWatch>().on_replayed = w.events().subscribe<nn::PassesReplayed>(
         [&w, nccl = launch->nccl](const nn::PassesReplayed& e) {
           nccl->track(w.resource<ops::ActiveBackend>().get().stream(),
-                      cat("the collectives of micro-batch ", e.micro_batch, "'s replayed forward and backward"));
+                      cat("the collectives of micro-batch ", e.micro_batch, "'s replayed forward and backward",
+                          e.through_optimizer ? ", gradient sync and optimizer step" : ""));
         });
   }
 #endif
@@ -161,7 +162,7 @@ void install(World& w, const ParallelConfig& cfg) {
   // partial gradients; they are summed over the TP group once per step, after the DP sync (the sums
   // commute; the DP buckets may still be reducing these gradients on the communication stream until
   // parallel.dp_grad_sync has made the compute stream wait for them).
-  // (Nothing to do, so replayable by a captured step, StepGraph, where each group has one rank.)
+  // Replayable by a captured step (StepGraph): the all-reduces are queued on the compute stream.
   w.systems().add({.name = "parallel.tp_grad_sync",
                    .phase = Phase::grad_sync,
                    .run = [](World& world) {
@@ -178,7 +179,7 @@ void install(World& w, const ParallelConfig& cfg) {
                      }
                    },
                    .after = {"parallel.dp_grad_sync"},
-                   .replayable = comms.tp->size() == 1});
+                   .replayable = true});
 
   // A parameter two pipeline stages hold (nn::TiedAcrossStages: the first stage's token table and the
   // last stage's copy its tied head multiplies by) has its two gradients summed, the same sum on both,
@@ -230,7 +231,10 @@ void install(World& w, const ParallelConfig& cfg) {
                        return;
                      }
                      c.dp->all_reduce(store->grads_flat(), ReduceOp::sum, store->stream());
-                   }, .replayable = comms.dp->size() == 1});
+                   },
+                   // Replayable (StepGraph): the all-reduce on the compute stream; the buckets' last
+                   // launches on the communication stream, which the compute stream then waits for.
+                   .replayable = true});
 }
 
 }  // namespace

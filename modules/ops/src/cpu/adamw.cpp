@@ -35,9 +35,18 @@ void CpuBackend::adamw(const AdamW& a) {
 
 void CpuBackend::grad_clip(const GradClip& a) {
   KILN_CHECK(a.scalars && a.norm, "grad_clip: scalars and norm are required");
-  const double norm = std::sqrt(sum_squares(a.grads));
+  const double norm = std::sqrt(a.sum_squares ? static_cast<double>(*a.sum_squares) : sum_squares(a.grads));
   *a.norm = norm;
   a.scalars[kAdamWGradScale] = grad_clip_scale(norm, a.max_norm);
+}
+
+void CpuBackend::sum_squares_parts(const SumSquaresParts& a) {
+  check_args(a, kTarget);
+  const std::vector<double> each = sum_squares_each(a.parts);
+  double total = 0;
+  for (std::size_t i = 0; i < each.size(); ++i)
+    if (a.divisors[i] > 0) total += each[i] / a.divisors[i];
+  *a.out.as<float>() = static_cast<float>(total);
 }
 
 }  // namespace kiln::ops::cpu

@@ -53,6 +53,7 @@ class CpuBackend final : public Backend {
   void cross_entropy_finish(const CrossEntropyFinish& a) override;
   void adamw(const AdamW& a) override;
   void grad_clip(const GradClip& a) override;
+  void sum_squares_parts(const SumSquaresParts& a) override;
   void moe_route(const MoeRoute& a) override;
   void moe_route_backward(const MoeRouteBackward& a) override;
   void moe_permute(const MoePermute& a) override;

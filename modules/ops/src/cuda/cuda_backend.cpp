@@ -548,11 +548,35 @@ void CudaBackend::adamw(const AdamW& a) {
 void CudaBackend::grad_clip(const GradClip& a) {
   Timer t(*this, "grad_clip");
   KILN_CHECK(a.scalars && a.norm, "grad_clip: scalars and norm are required");
+  if (a.sum_squares) {
+    cuda::grad_clip_from_sum(a.sum_squares, a.max_norm, a.scalars, a.norm, stream_);
+    return;
+  }
   const std::int64_t n = check_f32_tensor("grad_clip", "grads", a.grads, kTarget);
   const std::int64_t count = cuda::sum_squares_partials(n);
   float* partials = scratch_floats(count);
   cuda::sum_squares_f32(partials, dptr<float>(a.grads), n, stream_);
   cuda::grad_clip_finish(partials, count, a.max_norm, a.scalars, a.norm, stream_);
+}
+
+// Each counted part's partials in their own range of the scratch (as sum_squares_each), added up on
+// the device; the table of ranges stays on the device while the parts do.
+void CudaBackend::sum_squares_parts(const SumSquaresParts& a) {
+  Timer t(*this, "sum_squares_parts");
+  check_args(a, kTarget);
+  std::vector<cuda::SumSquaresPart> table(a.parts.size());
+  std::int64_t at = 0;
+  for (std::size_t i = 0; i < a.parts.size(); ++i) {
+    const std::int64_t count = a.divisors[i] > 0 ? cuda::sum_squares_partials(a.parts[i].numel()) : 0;
+    table[i] = {at, at + count, a.divisors[i]};
+    at += count;
+  }
+  float* partials = scratch_floats(at);
+  for (std::size_t i = 0; i < a.parts.size(); ++i)
+    if (table[i].end > table[i].first)
+      cuda::sum_squares_f32(partials + table[i].first, dptr<float>(a.parts[i]), a.parts[i].numel(), stream_);
+  cuda::sum_squares_parts_finish(partials, device_table(sum_squares_table_, table), static_cast<int>(table.size()),
+                                 dptr<float>(a.out), stream_);
 }
 
 }  // namespace cuda_impl

@@ -78,6 +78,7 @@ class CudaBackend final : public Backend {
   void cross_entropy_finish(const CrossEntropyFinish& a) override;
   void adamw(const AdamW& a) override;
   void grad_clip(const GradClip& a) override;
+  void sum_squares_parts(const SumSquaresParts& a) override;
   void moe_route(const MoeRoute& a) override;
   void moe_route_backward(const MoeRouteBackward& a) override;
   void moe_permute(const MoePermute& a) override;
@@ -165,6 +166,7 @@ class CudaBackend final : public Backend {
   Buffer embed_buckets_;  // embedding_backward's buckets and their scratch
   DeviceTable<cuda::ZeroRun> zero_table_;            // zero_many's pieces
   DeviceTable<cuda::AdamWSegmentDev> adamw_table_;  // AdamW's segments
+  DeviceTable<cuda::SumSquaresPart> sum_squares_table_;  // sum_squares_parts' ranges
   cuda::HostReadback offsets_readback_;  // moe_permute's offsets for the host
   bool profiling_ = false;
   struct Pending {

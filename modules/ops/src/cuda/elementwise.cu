@@ -297,4 +297,37 @@ void grad_clip_finish(const float* partials, std::int64_t count, double max_norm
   KILN_CUDA_LAUNCH_CHECK();
 }
 
+namespace {
+
+__global__ void grad_clip_from_sum_kernel(const float* sum_squares, double max_norm, float* scalars, double* norm) {
+  const double n = sqrt(static_cast<double>(*sum_squares));
+  *norm = n;
+  scalars[ops::kAdamWGradScale] = ops::grad_clip_scale(n, max_norm);
+}
+
+__global__ void sum_squares_parts_kernel(const float* partials, const SumSquaresPart* parts, int n_parts, float* out) {
+  double total = 0;
+  for (int i = 0; i < n_parts; ++i) {  // the host's order
+    const SumSquaresPart p = parts[i];
+    if (p.divisor <= 0) continue;
+    double each = 0;
+    for (std::int64_t k = p.first; k < p.end; ++k) each += partials[k];
+    total += each / p.divisor;
+  }
+  *out = static_cast<float>(total);
+}
+
+}  // namespace
+
+void grad_clip_from_sum(const float* sum_squares, double max_norm, float* scalars, double* norm, cudaStream_t s) {
+  grad_clip_from_sum_kernel<<<1, 1, 0, s>>>(sum_squares, max_norm, scalars, norm);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void sum_squares_parts_finish(const float* partials, const SumSquaresPart* parts, int n_parts, float* out,
+                              cudaStream_t s) {
+  sum_squares_parts_kernel<<<1, 1, 0, s>>>(partials, parts, n_parts, out);
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace kiln::cuda

@@ -310,12 +310,24 @@ struct AdamW {
 
 // The gradient's global norm and clipping scale without the host: norm = sqrt of the sum of the
 // squares of `grads` (f32 partial sums added in double in order, as sum_squares) into *norm, and
-// scalars[kAdamWGradScale] = grad_clip_scale(norm, max_norm).
+// scalars[kAdamWGradScale] = grad_clip_scale(norm, max_norm). Where ranks share the gradient, the
+// sum of squares is theirs instead (`sum_squares`: SumSquaresParts on each, then summed over them).
 struct GradClip {
-  TensorView grads;          // [P] f32
-  double max_norm = 0;       // 0: no clipping (the scale is 1)
-  float* scalars = nullptr;  // device: AdamW::scalars
-  double* norm = nullptr;    // device
+  TensorView grads;                    // [P] f32; unused where sum_squares is given
+  double max_norm = 0;                 // 0: no clipping (the scale is 1)
+  float* scalars = nullptr;            // device: AdamW::scalars
+  double* norm = nullptr;              // device
+  const float* sum_squares = nullptr;  // device, optional: the squared norm, norm = sqrt(double(*sum_squares))
+};
+
+// One rank's share of the squared norm of a gradient that ranks hold in parts, on the stream (no host
+// value; the ranks then all-reduce `out` and GradClip takes it): out = the sum over i of
+// sum_squares(parts[i]) / divisors[i] (each part's sum as sum_squares makes it, the quotients added
+// in double in order; a divisor of 0 leaves its part out), rounded to f32.
+struct SumSquaresParts {
+  std::span<const TensorView> parts;  // f32
+  std::span<const int> divisors;      // one per part, >= 0
+  TensorView out;                     // [1] f32
 };
 
 class CapturedWork;
@@ -353,6 +365,7 @@ class Backend {
   // backend can (the CUDA backend: one kernel over a table it keeps while the pieces stay the same).
   virtual void zero_many(std::span<const TensorView> ts);
   virtual void grad_clip(const GradClip& a) = 0;
+  virtual void sum_squares_parts(const SumSquaresParts& a) = 0;
   virtual void synchronize() = 0;
   // Sum of squares of an f32 tensor, in double on the host (synchronises).
   virtual double sum_squares(const TensorView& x) = 0;

@@ -66,10 +66,12 @@ struct OptimState {
   Buffer m, v;
   DType moment_dtype = DType::f32;
   // Device memory: the step's ops::AdamW::scalars (learning rate, gradient scale, bias corrections),
-  // then at byte kNormAt the gradient's global norm (double), made on the device where it can be.
+  // then at byte kNormAt the gradient's global norm (double), made on the device, and at
+  // kSumSquaresAt (f32) its square summed over the ranks where they share the gradient.
   Buffer scalars;
   Buffer scalars_host;  // their copy on the host (pinned), queued at the step's end (optim.read)
   static constexpr std::size_t kNormAt = 16;
+  static constexpr std::size_t kSumSquaresAt = kNormAt + sizeof(double);
   float grad_scale = 1;  // the last step's gradient scale, read with the norm after the step
   std::int64_t steps_taken = 0;
   std::vector<ops::AdamWSegment> segments;  // made at the first step: decay, and parameters left to other modules

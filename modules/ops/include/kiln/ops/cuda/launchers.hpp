@@ -35,6 +35,19 @@ void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream
 // the host adds them), *norm = their square root, scalars[kAdamWGradScale] = grad_clip_scale.
 void grad_clip_finish(const float* partials, std::int64_t count, double max_norm, float* scalars, double* norm,
                       cudaStream_t s);
+// The same from a squared norm the ranks have summed (ops::GradClip::sum_squares): *norm =
+// sqrt(double(*sum_squares)).
+void grad_clip_from_sum(const float* sum_squares, double max_norm, float* scalars, double* norm, cudaStream_t s);
+// ops::SumSquaresParts on the device: part i's sum_squares_f32 partials, [first, end) of `partials`,
+// added in double in order and divided by its divisor (0: left out), the quotients added in order and
+// the total rounded to f32 into *out: the host's arithmetic, in its order.
+struct SumSquaresPart {
+  std::int64_t first = 0, end = 0;
+  std::int32_t divisor = 1;
+  bool operator==(const SumSquaresPart&) const = default;
+};
+void sum_squares_parts_finish(const float* partials, const SumSquaresPart* parts, int n_parts, float* out,
+                              cudaStream_t s);
 
 // ---- embedding ----
 // wte holds rows [vocab_begin, vocab_begin + V) of the table; other tokens contribute zero.
