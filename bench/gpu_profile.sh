@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU, building nothing: the GPU test binaries named in TESTS (default: the op, FP8, model,
+# checkpoint, FSDP and recompute suites), then per-op profiles (`backend.profile = true`, eager steps,
+# CUDA events around every op) of the FP8 benchmark models with bf16 AdamW moments, each its
+# breakdown sorted by time, then the same runs captured and timed (bench/kiln_rows.sh); a table last.
+# usage: bash bench/gpu_profile.sh BUILD_DIR [steps] [models...]   (models: 124m 1.3b llama1b moe1b; logs under
+#   $OUT; TESTS="" runs no tests, GRAPH=0 no timed runs)
+set -uo pipefail
+B=${1:-.devbuild}
+STEPS=${2:-20}
+shift 2 || shift $#
+MODELS=${*:-124m 1.3b llama1b}
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+: > "$OUT/rows.txt"
+export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+K="$B/bin/kiln"
+# shellcheck source=bench/kiln_rows.sh
+source bench/kiln_rows.sh
+for t in ${TESTS-test_cuda_ops test_cuda_fp8 test_gpu_model test_gpu_training_checkpoint test_gpu_fsdp test_gpu_recompute}; do
+  timeout 300 "$B/bin/$t" > "$OUT/$t.log" 2>&1
+  echo "$t rc=$? $(grep -E '^\[doctest\] test cases' "$OUT/$t.log" | tail -1)"
+  grep -B3 -A12 "ERROR" "$OUT/$t.log" | head -40
+done
+pipeline() {
+  case $1 in
+    124m) echo pipelines/gpt2-124m.toml ;;
+    1.3b) echo pipelines/gpt-1.3b.toml ;;
+    llama1b) echo pipelines/llama-1b.toml ;;
+    moe1b) echo pipelines/moe-1b.toml ;;  # eager steps: a mixture of experts is never captured
+  esac
+}
+F=(--set fp8.enabled=true --set optim.moments=bf16)
+for m in $MODELS; do
+  kiln_row "$m-fp8-profile" 1 12 "$(pipeline "$m")" "${F[@]}" --set backend.profile=true
+  echo "---- $m FP8 (bf16 moments), ms per step, eager, profiled"
+  sed -n '/op time breakdown/,/total (ops only)/p' "$OUT/$m-fp8-profile.log" | tail -n +3 | grep -v "total (ops" |
+    sort -rn -k3 | head -28
+  grep "total (ops only)" "$OUT/$m-fp8-profile.log"
+done
+[ "${GRAPH:-1}" = 1 ] && for m in $MODELS; do
+  kiln_row "$m-fp8-graph" 1 "$STEPS" "$(pipeline "$m")" "${F[@]}" --set backend.cuda_graph=true
+done
+rm -f "$OUT"/*.jsonl "$OUT"/*-graph.log
+kiln_rows_table
