@@ -25,10 +25,6 @@ inline std::vector<float> random_amaxes(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
-inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 inline std::vector<float> normal_values(std::size_t n, std::uint64_t seed, float scale = 1.0f) {
   std::mt19937_64 gen(seed);
   std::normal_distribution<float> d(0.0f, 1.0f);

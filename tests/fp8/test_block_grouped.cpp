@@ -9,16 +9,17 @@
 #include <vector>
 
 #include "fp8_test_util.hpp"
+#include "host_view.hpp"
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/block_grouped_linear.hpp"
 #include "kiln/fp8/block_linear.hpp"
 
 using namespace kiln;
+using kiln::test::view;
 using namespace kiln::fp8;
 
 namespace {
 
-TensorView host(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
 std::vector<float> rows(const std::vector<float>& v, std::int64_t r0, std::int64_t n, std::int64_t cols) {
   return {v.begin() + r0 * cols, v.begin() + (r0 + n) * cols};
 }
@@ -40,11 +41,11 @@ TEST_CASE("block quantisation into padded outputs equals quantising x with zero 
       const BlockLayout rl{mode, Rr, C}, cl{mode, C, Rc}, pl{mode, P, C}, ptl{mode, C, P};
       std::vector<std::uint8_t> pc(padded.size()), ptc(padded.size());
       std::vector<float> ps(static_cast<std::size_t>(pl.count())), pts(static_cast<std::size_t>(ptl.count()));
-      cpu->quantize_blocks({host(padded, {P, C}), mode, false, TensorView(pc.data(), {P, C}, DType::e4m3, Device::cpu),
+      cpu->quantize_blocks({view(padded, {P, C}), mode, false, TensorView(pc.data(), {P, C}, DType::e4m3, Device::cpu),
                             ps.data(), TensorView(ptc.data(), {C, P}, DType::e4m3, Device::cpu), pts.data()});
       std::vector<std::uint8_t> rc(static_cast<std::size_t>(Rr * C)), cc(static_cast<std::size_t>(C * Rc));
       std::vector<float> rs(static_cast<std::size_t>(rl.count()), -1.0f), cs(static_cast<std::size_t>(cl.count()), -1.0f);
-      cpu->quantize_blocks({host(x, {R, C}), mode, false, TensorView(rc.data(), {Rr, C}, DType::e4m3, Device::cpu),
+      cpu->quantize_blocks({view(x, {R, C}), mode, false, TensorView(rc.data(), {Rr, C}, DType::e4m3, Device::cpu),
                             rs.data(), TensorView(cc.data(), {C, Rc}, DType::e4m3, Device::cpu), cs.data()});
       // Rowwise: the first Rr rows of the padded quantisation, and their scales.
       CHECK(std::vector<std::uint8_t>(pc.begin(), pc.begin() + Rr * C) == rc);
@@ -60,12 +61,12 @@ TEST_CASE("block quantisation into padded outputs equals quantising x with zero 
   std::vector<float> x(10 * 32, 1.0f), db(32, 0.0f);
   std::vector<std::uint8_t> codes(16 * 32);
   std::vector<float> s(64);
-  CHECK_THROWS_WITH_AS(cpu->quantize_blocks({host(x, {10, 32}), ScalingMode::block_1x128, false,
+  CHECK_THROWS_WITH_AS(cpu->quantize_blocks({view(x, {10, 32}), ScalingMode::block_1x128, false,
                                              TensorView(codes.data(), {8, 32}, DType::e4m3, Device::cpu), s.data()}),
                        doctest::Contains("rowwise"), Error);
-  BlockQuantizeArgs with_dbias{host(x, {10, 32}), ScalingMode::block_1x128, false,
+  BlockQuantizeArgs with_dbias{view(x, {10, 32}), ScalingMode::block_1x128, false,
                                TensorView(codes.data(), {16, 32}, DType::e4m3, Device::cpu), s.data()};
-  with_dbias.dbias = host(db, {32});
+  with_dbias.dbias = view(db, {32});
   CHECK_THROWS_WITH_AS(cpu->quantize_blocks(with_dbias), doctest::Contains("dbias"), Error);
 }
 
@@ -92,13 +93,13 @@ TEST_CASE("Fp8BlockGroupedLinear equals Fp8BlockLinear on each expert's rows: fo
         const Shape wshape = in_out ? Shape{E, IC, OC} : Shape{E, OC, IC};
         std::vector<float> out(R * OC, 7.0f), dx(R * IC, 3.0f), dw(E * OC * IC, 0.5f);
         std::vector<float> x_in = x;
-        lin.forward({host(out, {R, OC}), host(x_in, {R, IC}), host(w, wshape), off.data(), in_out}, 1);
+        lin.forward({view(out, {R, OC}), view(x_in, {R, IC}), view(w, wshape), off.data(), in_out}, 1);
         if (keep) std::fill(x_in.begin(), x_in.end(), 1e6f);
-        lin.backward({.dx = host(dx, {R, IC}),
-                      .dweight = host(dw, wshape),
-                      .dout = host(dout, {R, OC}),
-                      .x = keep ? TensorView{} : host(x_in, {R, IC}),
-                      .weight = host(w, wshape),
+        lin.backward({.dx = view(dx, {R, IC}),
+                      .dweight = view(dw, wshape),
+                      .dout = view(dout, {R, OC}),
+                      .x = keep ? TensorView{} : view(x_in, {R, IC}),
+                      .weight = view(w, wshape),
                       .offsets_host = off.data(),
                       .weight_in_out = in_out});
         for (int r = off[E]; r < R; ++r) {  // rows past the experts': out left alone, dx zero
@@ -127,9 +128,9 @@ TEST_CASE("Fp8BlockGroupedLinear equals Fp8BlockLinear on each expert's rows: fo
           auto xe = rows(x, off[e], n, IC), ge = rows(dout, off[e], n, OC);
           std::vector<float> oe(static_cast<std::size_t>(n * OC)), dxe(static_cast<std::size_t>(n * IC)),
               dwr(static_cast<std::size_t>(OC * IC), 0.5f);
-          ref.forward({host(oe, {n, OC}), {}, host(xe, {n, IC}), host(we, {OC, IC}), {}}, 1);
+          ref.forward({view(oe, {n, OC}), {}, view(xe, {n, IC}), view(we, {OC, IC}), {}}, 1);
           ref.backward(
-              {host(dxe, {n, IC}), host(dwr, {OC, IC}), {}, host(ge, {n, OC}), host(xe, {n, IC}), host(we, {OC, IC})});
+              {view(dxe, {n, IC}), view(dwr, {OC, IC}), {}, view(ge, {n, OC}), view(xe, {n, IC}), view(we, {OC, IC})});
           CHECK(rows(out, off[e], n, OC) == oe);
           CHECK(rows(dx, off[e], n, IC) == dxe);
           // The weight gradient: the same blocks and sums, the zero padding adding nothing; an FC2's

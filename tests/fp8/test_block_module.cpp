@@ -19,7 +19,7 @@ using namespace kiln;
 
 namespace {
 
-const char* kTiny = R"(
+const char* kBlockTiny = R"(
 [engine]
 device = "cpu"
 [backend]
@@ -42,14 +42,11 @@ synthetic_vocab = 64
 timeout_s = 60
 )";
 
-double tail_mean(const std::vector<double>& v, std::size_t n) {
-  return std::accumulate(v.end() - static_cast<std::ptrdiff_t>(n), v.end(), 0.0) / static_cast<double>(n);
-}
 
 }  // namespace
 
 TEST_CASE("fp8.recipe=block gives the block linears block-scaled FP8 layers, with no scaling state") {
-  test::Pipeline p(kTiny, {"fp8.enabled=true", "fp8.recipe=block"});
+  test::Pipeline p(kBlockTiny, {"fp8.enabled=true", "fp8.recipe=block"});
   World& w = *p.world;
   p.run();
   CHECK(std::isfinite(w.resource<train::TrainState>().loss));
@@ -85,8 +82,8 @@ TEST_CASE("block-scaled FP8 training on the CPU ends within 5% of fp32 and 7% of
   const auto two_d =
       test::train_losses(shards, 200, {bf16, "fp8.enabled=true", "fp8.recipe=block", "fp8.block_2d_wgrad_input=true"});
   REQUIRE(ref.size() == 200);
-  const double r = tail_mean(ref, 10), f = tail_mean(f32, 10), b = tail_mean(block, 10), p = tail_mean(pow2, 10),
-               d = tail_mean(two_d, 10);
+  const double r = test::tail_mean(ref, 10), f = test::tail_mean(f32, 10), b = test::tail_mean(block, 10),
+               p = test::tail_mean(pow2, 10), d = test::tail_mean(two_d, 10);
   MESSAGE("final loss (mean of the last 10 of 200 steps): bf16 " << r << ", fp32 " << f << ", fp8 block " << b
                                                                   << ", with power-of-two scales " << p
                                                                   << ", with the weight gradient's input in 128x128 blocks "
@@ -106,7 +103,7 @@ TEST_CASE("block-scaled FP8 layers recompute exactly and split micro-batches as 
   const std::vector<std::string> block = {"fp8.enabled=true", "fp8.recipe=block", "model.dropout=0.1", "train.steps=4"};
   auto losses = [&](std::vector<std::string> more) {
     more.insert(more.begin(), block.begin(), block.end());
-    test::Pipeline p(kTiny, more);
+    test::Pipeline p(kBlockTiny, more);
     std::vector<double> out;
     p.world->systems().add({"test.record", Phase::step_end,
                             [&out](World& world) { out.push_back(world.resource<train::TrainState>().loss); },
@@ -127,7 +124,7 @@ TEST_CASE("fp8.recipe=block refuses a tensor-parallel split that cuts 128-wide b
   ModuleRegistry reg;
   register_builtin_modules(reg);
   auto run = [&](const std::vector<std::string>& sets) {
-    auto doc = config::parse_toml_text(kTiny, "tiny.toml");
+    auto doc = config::parse_toml_text(kBlockTiny, "tiny.toml");
     std::vector<std::string> all = {"parallel.tp=2", "fp8.enabled=true", "fp8.recipe=block"};
     all.insert(all.end(), sets.begin(), sets.end());
     config::apply_overrides(doc, all);
@@ -154,7 +151,7 @@ TEST_CASE("fp8.recipe=block refuses a tensor-parallel split that cuts 128-wide b
 }
 
 TEST_CASE("fp8.recipe=block gives a mixture of experts' grouped linears block-scaled FP8 layers") {
-  test::Pipeline p(kTiny, {"fp8.enabled=true", "fp8.recipe=block", "model.arch=llama", "model.n_kv_head=1",
+  test::Pipeline p(kBlockTiny, {"fp8.enabled=true", "fp8.recipe=block", "model.arch=llama", "model.n_kv_head=1",
                            "model.tie_embeddings=false", "model.moe.n_experts=4", "model.moe.top_k=2",
                            "model.moe.hidden=24"});
   World& w = *p.world;

@@ -8,17 +8,13 @@
 #include <vector>
 
 #include "fp8_test_util.hpp"
+#include "host_view.hpp"
 #include "kiln/fp8/grouped_linear.hpp"
 #include "kiln/ops/formulas.hpp"
 
 using namespace kiln;
+using kiln::test::view;
 using namespace kiln::fp8;
-
-namespace {
-
-TensorView host(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
-
-}  // namespace
 
 TEST_CASE("CPU grouped quantisation: the rows as they are, each expert's transpose padded to 16 with zeros, the amax") {
   auto ops = make_cpu_ops({.threads = 2});
@@ -40,7 +36,7 @@ TEST_CASE("CPU grouped quantisation: the rows as they are, each expert's transpo
   out.colwise = TensorView(col.data(), {S * C}, DType::e4m3, Device::cpu);
   out.scale = &scale;
   out.scale_inv = &scale_inv;
-  ops->quantize_grouped({host(x, {R, C}), off.data(), E, out, &amax});
+  ops->quantize_grouped({view(x, {R, C}), off.data(), E, out, &amax});
   for (int r = 0; r < off[E]; ++r)
     for (int c = 0; c < C; ++c) CHECK(row[r * C + c] == fp8::quantize(x[r * C + c], scale, Format::e4m3));
   for (int e = 0; e < E; ++e) {
@@ -57,7 +53,7 @@ TEST_CASE("CPU grouped quantisation: the rows as they are, each expert's transpo
   CHECK(amax == want_amax);
   // Offsets that decrease are refused.
   const std::vector<std::int32_t> bad = {0, 9, 4, 12, 28};
-  CHECK_THROWS_WITH_AS(ops->quantize_grouped({host(x, {R, C}), bad.data(), E, out, nullptr}),
+  CHECK_THROWS_WITH_AS(ops->quantize_grouped({view(x, {R, C}), bad.data(), E, out, nullptr}),
                        doctest::Contains("offsets decrease at expert 1"), Error);
 }
 
@@ -82,7 +78,7 @@ TEST_CASE("Fp8GroupedLinear: forward, data and weight gradients are each expert'
       // Element (o, i) of expert e's weight as [out, in].
       auto w_at = [&](int e, int o, int i) { return in_out ? (e * IC + i) * OC + o : (e * OC + o) * IC + i; };
       std::vector<float> out(R * OC, 7.0f);
-      lin.forward({host(out, {R, OC}), host(x, {R, IC}), host(w, wshape), off.data(), in_out}, 1);
+      lin.forward({view(out, {R, OC}), view(x, {R, IC}), view(w, wshape), off.data(), in_out}, 1);
       // The forward's scales (the layer's slots): the reference quantises with them.
       const float sx = *lin.slot(TensorRole::input).scale, sw = *lin.slot(TensorRole::weight).scale;
       const auto xd = test::fake_quantize(x, sx, Format::e4m3), wd = test::fake_quantize(w, sw, Format::e4m3);
@@ -98,11 +94,11 @@ TEST_CASE("Fp8GroupedLinear: forward, data and weight gradients are each expert'
       CHECK(out[(R - 1) * OC] == 7.0f);  // rows past the experts' left alone
 
       std::vector<float> dx(R * IC, 3.0f), dw(E * OC * IC, 0.5f);
-      lin.backward({.dx = host(dx, {R, IC}),
-                    .dweight = host(dw, wshape),
-                    .dout = host(dout, {R, OC}),
-                    .x = host(x, {R, IC}),
-                    .weight = host(w, wshape),
+      lin.backward({.dx = view(dx, {R, IC}),
+                    .dweight = view(dw, wshape),
+                    .dout = view(dout, {R, OC}),
+                    .x = view(x, {R, IC}),
+                    .weight = view(w, wshape),
                     .offsets_host = off.data(),
                     .weight_in_out = in_out,
                     .dweight_overwrite = true});
@@ -129,10 +125,10 @@ TEST_CASE("Fp8GroupedLinear: forward, data and weight gradients are each expert'
       for (int o = 0; o < OC; ++o) CHECK(dw[w_at(1, o, 0)] == 0.0f);  // the empty expert: written zero
       // Accumulating adds the same again.
       const auto once = dw;
-      lin.backward({.dweight = host(dw, wshape),
-                    .dout = host(dout, {R, OC}),
-                    .x = host(x, {R, IC}),
-                    .weight = host(w, wshape),
+      lin.backward({.dweight = view(dw, wshape),
+                    .dout = view(dout, {R, OC}),
+                    .x = view(x, {R, IC}),
+                    .weight = view(w, wshape),
                     .offsets_host = off.data(),
                     .weight_in_out = in_out});
       for (std::size_t i = 0; i < dw.size(); ++i) CHECK(dw[i] == doctest::Approx(2 * once[i]).epsilon(1e-6));
@@ -185,10 +181,10 @@ TEST_CASE("CPU grouped quantisation from a prologue equals quantising the activa
     int cols;
   };
   std::vector<Case> cases;
-  cases.push_back({"gelu", ops::GeluOnLoad{host(pre, {R, F})}, gelu_values(pre), F});
-  cases.push_back({"swiglu", ops::SwigluOnLoad{host(pre2, {R, 2 * F})}, swiglu_values(pre2, R, F), F});
-  cases.push_back({"dgelu", ops::DgeluOnLoad{host(dact, {R, F}), host(pre, {R, F})}, dgelu_values(dact, pre), F});
-  cases.push_back({"dswiglu", ops::DswigluOnLoad{host(dact, {R, F}), host(pre2, {R, 2 * F})},
+  cases.push_back({"gelu", ops::GeluOnLoad{view(pre, {R, F})}, gelu_values(pre), F});
+  cases.push_back({"swiglu", ops::SwigluOnLoad{view(pre2, {R, 2 * F})}, swiglu_values(pre2, R, F), F});
+  cases.push_back({"dgelu", ops::DgeluOnLoad{view(dact, {R, F}), view(pre, {R, F})}, dgelu_values(dact, pre), F});
+  cases.push_back({"dswiglu", ops::DswigluOnLoad{view(dact, {R, F}), view(pre2, {R, 2 * F})},
                    dswiglu_values(dact, pre2, R, F), 2 * F});
   for (Case& c : cases) {
     CAPTURE(c.name);
@@ -202,7 +198,7 @@ TEST_CASE("CPU grouped quantisation from a prologue equals quantising the activa
       out.rowwise = TensorView(row[k].data(), {off[E], C}, DType::e4m3, Device::cpu);
       out.colwise = TensorView(col[k].data(), {S * C}, DType::e4m3, Device::cpu);
       out.scale = &scale;
-      const GroupedSource src = k == 0 ? c.src : GroupedSource(host(c.values, {R, C}));
+      const GroupedSource src = k == 0 ? c.src : GroupedSource(view(c.values, {R, C}));
       ops->quantize_grouped({src, off.data(), E, out, &amax[k]});
     }
     CHECK(row[0] == row[1]);
@@ -214,7 +210,7 @@ TEST_CASE("CPU grouped quantisation from a prologue equals quantising the activa
     CHECK(alone == amax[0]);
   }
   // A source whose tensors do not fit together is named.
-  CHECK_THROWS_WITH_AS(ops->quantize_grouped({ops::DswigluOnLoad{host(dact, {R, F}), host(pre2, {R, F})}, off.data(),
+  CHECK_THROWS_WITH_AS(ops->quantize_grouped({ops::DswigluOnLoad{view(dact, {R, F}), view(pre2, {R, F})}, off.data(),
                                               E, Fp8TensorView{.scale = nullptr}, nullptr}),
                        doctest::Contains("the SwiGLU output's gradient"), Error);
 }
@@ -248,33 +244,33 @@ TEST_CASE("Fp8GroupedLinear: an input and output gradient through prologues, and
         auto pre = test::normal_values(R * FC, 40 + step, 2.0f), dy = test::normal_values(R * C, 50 + step, 0.01f);
         std::vector<float> act = swiglu ? swiglu_values(pre, R, H) : gelu_values(pre);
         const ops::LinearInput on_load =
-            swiglu ? ops::LinearInput(ops::SwigluOnLoad{host(pre, {R, FC})}) : ops::LinearInput(ops::GeluOnLoad{host(pre, {R, FC})});
+            swiglu ? ops::LinearInput(ops::SwigluOnLoad{view(pre, {R, FC})}) : ops::LinearInput(ops::GeluOnLoad{view(pre, {R, FC})});
         std::vector<float> y_a(R * C, 0.0f), y_b(R * C, 0.0f);
-        fc2_a.forward({host(y_a, {R, C}), host(act, {R, H}), host(w2, {E, H, C}), off.data(), true}, step);
-        fc2_b.forward({host(y_b, {R, C}), on_load, host(w2, {E, H, C}), off.data(), true}, step);
+        fc2_a.forward({view(y_a, {R, C}), view(act, {R, H}), view(w2, {E, H, C}), off.data(), true}, step);
+        fc2_b.forward({view(y_b, {R, C}), on_load, view(w2, {E, H, C}), off.data(), true}, step);
         CHECK(y_a == y_b);
         std::vector<float> dact_a(R * H, 0.0f), dact_b(R * H, 0.0f), dw2_a(E * H * C), dw2_b(E * H * C);
-        fc2_a.backward({.dx = host(dact_a, {R, H}), .dweight = host(dw2_a, {E, H, C}), .dout = host(dy, {R, C}),
-                        .x = host(act, {R, H}), .weight = host(w2, {E, H, C}), .offsets_host = off.data(),
+        fc2_a.backward({.dx = view(dact_a, {R, H}), .dweight = view(dw2_a, {E, H, C}), .dout = view(dy, {R, C}),
+                        .x = view(act, {R, H}), .weight = view(w2, {E, H, C}), .offsets_host = off.data(),
                         .weight_in_out = true, .dweight_overwrite = true});
         // The kept input: the backward reads none (an empty view).
-        fc2_b.backward({.dx = host(dact_b, {R, H}), .dweight = host(dw2_b, {E, H, C}), .dout = host(dy, {R, C}),
-                        .x = TensorView{}, .weight = host(w2, {E, H, C}), .offsets_host = off.data(),
+        fc2_b.backward({.dx = view(dact_b, {R, H}), .dweight = view(dw2_b, {E, H, C}), .dout = view(dy, {R, C}),
+                        .x = TensorView{}, .weight = view(w2, {E, H, C}), .offsets_host = off.data(),
                         .weight_in_out = true, .dweight_overwrite = true});
         CHECK(dact_a == dact_b);
         CHECK(dw2_a == dw2_b);
         // FC1: the plain output gradient is the activation's backward of dact.
         std::vector<float> dpre = swiglu ? dswiglu_values(dact_a, pre, R, H) : dgelu_values(dact_a, pre);
-        const ops::OutputGrad grad_on_load = swiglu ? ops::OutputGrad(ops::DswigluOnLoad{host(dact_b, {R, H}), host(pre, {R, FC})})
-                                                    : ops::OutputGrad(ops::DgeluOnLoad{host(dact_b, {R, H}), host(pre, {R, FC})});
+        const ops::OutputGrad grad_on_load = swiglu ? ops::OutputGrad(ops::DswigluOnLoad{view(dact_b, {R, H}), view(pre, {R, FC})})
+                                                    : ops::OutputGrad(ops::DgeluOnLoad{view(dact_b, {R, H}), view(pre, {R, FC})});
         std::vector<float> h_a(R * FC), h_b(R * FC), dx_a(R * C), dx_b(R * C), dw1_a(E * FC * C), dw1_b(E * FC * C);
-        fc1_a.forward({host(h_a, {R, FC}), host(x, {R, C}), host(w1, {E, FC, C}), off.data()}, step);
-        fc1_b.forward({host(h_b, {R, FC}), host(x, {R, C}), host(w1, {E, FC, C}), off.data()}, step);
-        fc1_a.backward({.dx = host(dx_a, {R, C}), .dweight = host(dw1_a, {E, FC, C}), .dout = host(dpre, {R, FC}),
-                        .x = host(x, {R, C}), .weight = host(w1, {E, FC, C}), .offsets_host = off.data(),
+        fc1_a.forward({view(h_a, {R, FC}), view(x, {R, C}), view(w1, {E, FC, C}), off.data()}, step);
+        fc1_b.forward({view(h_b, {R, FC}), view(x, {R, C}), view(w1, {E, FC, C}), off.data()}, step);
+        fc1_a.backward({.dx = view(dx_a, {R, C}), .dweight = view(dw1_a, {E, FC, C}), .dout = view(dpre, {R, FC}),
+                        .x = view(x, {R, C}), .weight = view(w1, {E, FC, C}), .offsets_host = off.data(),
                         .dweight_overwrite = true});
-        fc1_b.backward({.dx = host(dx_b, {R, C}), .dweight = host(dw1_b, {E, FC, C}), .dout = grad_on_load,
-                        .x = host(x, {R, C}), .weight = host(w1, {E, FC, C}), .offsets_host = off.data(),
+        fc1_b.backward({.dx = view(dx_b, {R, C}), .dweight = view(dw1_b, {E, FC, C}), .dout = grad_on_load,
+                        .x = view(x, {R, C}), .weight = view(w1, {E, FC, C}), .offsets_host = off.data(),
                         .dweight_overwrite = true});
         CHECK(dx_a == dx_b);
         CHECK(dw1_a == dw1_b);
@@ -283,13 +279,13 @@ TEST_CASE("Fp8GroupedLinear: an input and output gradient through prologues, and
       // A backward over another grouping than its forward's kept input is refused, naming the layer.
       const std::vector<std::int32_t> other = {0, 9, 10, 33};
       std::vector<float> dw(E * H * C), dy(R * C, 0.01f);
-      CHECK_THROWS_WITH_AS(fc2_b.backward({.dweight = host(dw, {E, H, C}), .dout = host(dy, {R, C}),
-                                           .weight = host(w2, {E, H, C}), .offsets_host = other.data(),
+      CHECK_THROWS_WITH_AS(fc2_b.backward({.dweight = view(dw, {E, H, C}), .dout = view(dy, {R, C}),
+                                           .weight = view(w2, {E, H, C}), .offsets_host = other.data(),
                                            .weight_in_out = true}),
                            doctest::Contains("fused.proj: backward without its forward's kept input"), Error);
       // A LayerNorm prologue is not a grouped linear's.
       std::vector<float> y(R * C);
-      CHECK_THROWS_WITH_AS(fc1_b.forward({host(y, {R, C}), ops::LayerNormOnLoad{}, host(w1, {E, FC, C}), off.data()}, 9),
+      CHECK_THROWS_WITH_AS(fc1_b.forward({view(y, {R, C}), ops::LayerNormOnLoad{}, view(w1, {E, FC, C}), off.data()}, 9),
                            doctest::Contains("takes no layernorm-on-load prologue"), Error);
     }
 }

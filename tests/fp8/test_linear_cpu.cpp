@@ -7,15 +7,15 @@
 #include <vector>
 
 #include "fp8_test_util.hpp"
+#include "host_view.hpp"
 #include "kiln/fp8/linear.hpp"
 #include "kiln/ops/formulas.hpp"
 
 using namespace kiln;
+using kiln::test::view;
 using namespace kiln::fp8;
 
 namespace {
-
-TensorView host(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
 
 std::vector<float> meta_state(const Fp8MetaStore& m) {
   const TensorView s = m.state();
@@ -48,7 +48,7 @@ TEST_CASE("CPU quantize writes the rowwise copy, its transpose and max-accumulat
   q.colwise = TensorView(col.data(), {C, R}, DType::e4m3, Device::cpu);
   q.scale = &scale;
   q.scale_inv = &scale_inv;
-  ops->quantize(host(x, {R, C}), q, &amax);
+  ops->quantize(view(x, {R, C}), q, &amax);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       CHECK(row[r * C + c] == fp8::quantize(x[r * C + c], scale, Format::e4m3));
@@ -56,7 +56,7 @@ TEST_CASE("CPU quantize writes the rowwise copy, its transpose and max-accumulat
     }
   CHECK(amax == 20.0f);
   x[3] = NAN;
-  ops->quantize(host(x, {R, C}), q, &amax);
+  ops->quantize(view(x, {R, C}), q, &amax);
   CHECK(std::isnan(amax));
   CHECK(row[3] == 0x7f);
 }
@@ -93,18 +93,18 @@ TEST_CASE("CPU FP8 GEMM: D = deq(X) deq(Y)^T with bias, GELU, dGELU and accumula
   g.y = TensorView(yq.data(), {N, K}, DType::e5m2, Device::cpu);
   g.y_scale_inv = &syi;
   std::vector<float> d(M * N), aux(M * N);
-  g.d = host(d, {M, N});
+  g.d = view(d, {M, N});
 
   ops->gemm(g);
   CHECK(test::rel_error(d, ref) < 1e-6);
 
   g.epilogue = ops::Epilogue::bias;
-  g.bias = host(bias, {N});
+  g.bias = view(bias, {N});
   ops->gemm(g);
   for (int i = 0; i < M * N; ++i) CHECK(d[i] == doctest::Approx(ref[i] + bias[i % N]).epsilon(1e-5));
 
   g.epilogue = ops::Epilogue::gelu;
-  g.aux = host(aux, {M, N});
+  g.aux = view(aux, {M, N});
   ops->gemm(g);
   for (int i = 0; i < M * N; ++i) {
     CHECK(aux[i] == doctest::Approx(ref[i] + bias[i % N]).epsilon(1e-5));
@@ -114,14 +114,14 @@ TEST_CASE("CPU FP8 GEMM: D = deq(X) deq(Y)^T with bias, GELU, dGELU and accumula
   auto pre = test::normal_values(M * N, 5);
   g.epilogue = ops::Epilogue::dgelu;
   g.bias = {};
-  g.aux = host(pre, {M, N});
+  g.aux = view(pre, {M, N});
   ops->gemm(g);
   for (int i = 0; i < M * N; ++i) CHECK(d[i] == doctest::Approx(ref[i] * ops::gelu_grad(pre[i])).epsilon(1e-5));
 
   g.epilogue = ops::Epilogue::none;
   g.aux = {};
   std::vector<float> acc(M * N, 1.5f);
-  g.d = host(acc, {M, N});
+  g.d = view(acc, {M, N});
   g.accumulate = true;
   g.f32_result = true;
   ops->gemm(g);
@@ -149,11 +149,11 @@ TEST_CASE("an FP8 linear layer on the CPU matches fp32 products of the dequantis
         auto b = test::normal_values(OC, 12), dout = test::normal_values(N * OC, 13, 1e-3f);
         auto pre = test::normal_values(N * IC, 14);
         std::vector<float> out(N * OC), pre_gelu(N * OC), dx(N * IC), dw(OC * IC, 0.25f), db(OC, -1.0f);
-        ops::LinearForward f{host(out, {N, OC}), gelu ? host(pre_gelu, {N, OC}) : TensorView{}, host(x, {N, IC}),
-                             host(w, {OC, IC}), host(b, {OC})};
+        ops::LinearForward f{view(out, {N, OC}), gelu ? view(pre_gelu, {N, OC}) : TensorView{}, view(x, {N, IC}),
+                             view(w, {OC, IC}), view(b, {OC})};
         L.lin.forward(f, 1);
-        ops::LinearBackward bw{host(dx, {N, IC}), host(dw, {OC, IC}), host(db, {OC}), host(dout, {N, OC}),
-                               host(x, {N, IC}),  host(w, {OC, IC}),  gelu ? host(pre, {N, IC}) : TensorView{}};
+        ops::LinearBackward bw{view(dx, {N, IC}), view(dw, {OC, IC}), view(db, {OC}), view(dout, {N, OC}),
+                               view(x, {N, IC}),  view(w, {OC, IC}),  gelu ? view(pre, {N, IC}) : TensorView{}};
         L.lin.backward(bw);
 
         // The scales: on the first step every tensor is scaled by its own amax (margin 1).
@@ -203,21 +203,21 @@ TEST_CASE("a replayed forward (activation recompute) reuses the scales and leave
     auto x = test::normal_values(N * IC, 20), w = test::normal_values(OC * IC, 21);
     std::vector<float> out1(N * OC), out2(N * OC);
     // Step 1, then the once-per-step update, then step 2 with a replay.
-    L.lin.forward({host(out1, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 1);
+    L.lin.forward({view(out1, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 1);
     if (kind == RecipeKind::delayed) L.meta.update(*L.ops, AmaxAlgo::max, 0);
     x[0] *= 1.5f;  // step 2's input
-    L.lin.forward({host(out1, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 2);
+    L.lin.forward({view(out1, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 2);
     const auto before = meta_state(L.meta);
-    L.lin.forward({host(out2, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 2, /*replay=*/true);
+    L.lin.forward({view(out2, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 2, /*replay=*/true);
     CHECK(test::same_bits(out1, out2));
     CHECK(test::same_bits(meta_state(L.meta), before));
     // A replay neither records an amax nor derives a scale from its input: even a larger input
     // leaves the meta as it was, where a normal forward records it (delayed) or rescales (current).
     auto big = x;
     for (auto& v : big) v *= 4.0f;
-    L.lin.forward({host(out2, {N, OC}), {}, host(big, {N, IC}), host(w, {OC, IC}), {}}, 2, /*replay=*/true);
+    L.lin.forward({view(out2, {N, OC}), {}, view(big, {N, IC}), view(w, {OC, IC}), {}}, 2, /*replay=*/true);
     CHECK(test::same_bits(meta_state(L.meta), before));
-    L.lin.forward({host(out2, {N, OC}), {}, host(big, {N, IC}), host(w, {OC, IC}), {}}, 2);
+    L.lin.forward({view(out2, {N, OC}), {}, view(big, {N, IC}), view(w, {OC, IC}), {}}, 2);
     CHECK_FALSE(test::same_bits(meta_state(L.meta), before));
   }
 }
@@ -227,16 +227,16 @@ TEST_CASE("the FP8 weight is cached per weight version") {
   const int N = 16, IC = 8, OC = 8;
   auto x = test::normal_values(N * IC, 30), w = test::normal_values(OC * IC, 31);
   std::vector<float> a(N * OC), b(N * OC), c(N * OC);
-  L.lin.forward({host(a, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 7);
+  L.lin.forward({view(a, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 7);
   for (auto& v : w) v *= -1.0f;  // changed without a new version: the cached copy is used
-  L.lin.forward({host(b, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 7);
+  L.lin.forward({view(b, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 7);
   CHECK(test::same_bits(a, b));
-  L.lin.forward({host(c, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 8);
+  L.lin.forward({view(c, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 8);
   for (int i = 0; i < N * OC; ++i) CHECK(c[i] == -a[i]);
   // Dropping the cache re-quantises at the next forward, whatever the version.
   for (auto& v : w) v *= -1.0f;
   L.lin.invalidate_weight();
-  L.lin.forward({host(c, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 8);
+  L.lin.forward({view(c, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 8);
   CHECK(test::same_bits(a, c));
 }
 
@@ -248,13 +248,13 @@ TEST_CASE("the fused weight update: the optimizer's step and the copies the next
   auto v = test::normal_values(OC * IC, 54, 1e-5f);
   for (auto& e : v) e = std::fabs(e);
   std::vector<float> compute(OC * IC), a(N * OC), b(N * OC), c(N * OC);
-  L.lin.use_master_weight(host(master, {OC, IC}), host(compute, {OC, IC}));
-  const TensorView W = host(compute, {OC, IC});
+  L.lin.use_master_weight(view(master, {OC, IC}), view(compute, {OC, IC}));
+  const TensorView W = view(compute, {OC, IC});
   auto args = [&] {
     AdamWQuantizeArgs u;
-    u.grad = host(grad, {OC, IC});
-    u.m = host(m, {OC, IC});
-    u.v = host(v, {OC, IC});
+    u.grad = view(grad, {OC, IC});
+    u.m = view(m, {OC, IC});
+    u.v = view(v, {OC, IC});
     u.lr = 1e-2f;
     u.weight_decay = 0.1f;
     u.grad_scale = 0.5f;
@@ -274,7 +274,7 @@ TEST_CASE("the fused weight update: the optimizer's step and the copies the next
   CHECK(test::same_bits(master, ref));
   CHECK(test::same_bits(m, ref_m));
   CHECK(test::same_bits(v, ref_v));
-  L.lin.forward({host(a, {N, OC}), {}, host(x, {N, IC}), W, {}}, 1);
+  L.lin.forward({view(a, {N, OC}), {}, view(x, {N, IC}), W, {}}, 1);
   L.meta.update(*L.ops, AmaxAlgo::max, 0);  // now every scale is known
   const ScalingSlot sw = L.lin.slot(TensorRole::weight);
   // The fused step writes the copies of version 2 with the weight's scale and records its amax.
@@ -284,9 +284,9 @@ TEST_CASE("the fused weight update: the optimizer's step and the copies the next
   float amax = 0;
   for (float e : ref) amax = std::max(amax, std::fabs(e));
   CHECK(*sw.amax == amax);
-  L.lin.forward({host(b, {N, OC}), {}, host(x, {N, IC}), W, {}}, 2);  // reuses them
+  L.lin.forward({view(b, {N, OC}), {}, view(x, {N, IC}), W, {}}, 2);  // reuses them
   L.lin.invalidate_weight();
-  L.lin.forward({host(c, {N, OC}), {}, host(x, {N, IC}), W, {}}, 2);  // quantises the master again
+  L.lin.forward({view(c, {N, OC}), {}, view(x, {N, IC}), W, {}}, 2);  // quantises the master again
   CHECK(test::same_bits(b, c));
   CHECK(!test::same_bits(a, b));
 }
@@ -296,7 +296,7 @@ TEST_CASE("a producer may hand in an already quantised input") {
   const int N = 16, IC = 8, OC = 4;
   auto x = test::normal_values(N * IC, 40), w = test::normal_values(OC * IC, 41);
   std::vector<float> a(N * OC), b(N * OC);
-  L.lin.forward({host(a, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 1);
+  L.lin.forward({view(a, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 1);
   // The producer quantises with the layer's input slot.
   const ScalingSlot s = L.lin.slot(TensorRole::input);
   std::vector<std::uint8_t> q(N * IC);
@@ -305,8 +305,8 @@ TEST_CASE("a producer may hand in an already quantised input") {
   xq.format = s.format;
   xq.scale = s.scale;
   xq.scale_inv = s.scale_inv;
-  L.ops->quantize(host(x, {N, IC}), xq, s.amax);
-  L.lin.forward_quantized(xq, {host(b, {N, OC}), {}, host(x, {N, IC}), host(w, {OC, IC}), {}}, 1);
+  L.ops->quantize(view(x, {N, IC}), xq, s.amax);
+  L.lin.forward_quantized(xq, {view(b, {N, OC}), {}, view(x, {N, IC}), view(w, {OC, IC}), {}}, 1);
   CHECK(test::same_bits(a, b));
 }
 
@@ -329,19 +329,19 @@ TEST_CASE("the deferred dGELU and a kept input give the gradients of the unfused
         std::vector<float> out(N * OC), dx_r(N * H), dx_f(N * H), dw_r(OC * H, 0.5f), dw_f(OC * H, 0.5f),
             db_r(OC, 0.1f), db_f(OC, 0.1f);
         auto x_f = x;
-        ref.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), host(b, {OC})}, step);
-        lin.forward({host(out, {N, OC}), {}, host(x_f, {N, H}), host(w, {OC, H}), host(b, {OC})}, step);
+        ref.lin.forward({view(out, {N, OC}), {}, view(x, {N, H}), view(w, {OC, H}), view(b, {OC})}, step);
+        lin.forward({view(out, {N, OC}), {}, view(x_f, {N, H}), view(w, {OC, H}), view(b, {OC})}, step);
         if (keep)
           for (auto& v : x_f) v = 1e6f;  // the kept copy is used, not whatever the buffer holds now
         // Reference: the output gradient with the dGELU applied as FC2's dgrad epilogue stores it.
         auto dout_r = dgelu_out;
         for (int i = 0; i < N * OC; ++i) dout_r[i] = dout_r[i] * ops::gelu_grad(pre[i]);
-        ref.lin.backward({host(dx_r, {N, H}), host(dw_r, {OC, H}), host(db_r, {OC}), host(dout_r, {N, OC}),
-                          host(x, {N, H}), host(w, {OC, H}), {}});
+        ref.lin.backward({view(dx_r, {N, H}), view(dw_r, {OC, H}), view(db_r, {OC}), view(dout_r, {N, OC}),
+                          view(x, {N, H}), view(w, {OC, H}), {}});
         auto dout_f = dgelu_out;
-        ops::LinearBackward bw{host(dx_f, {N, H}), host(dw_f, {OC, H}), host(db_f, {OC}),
-                               ops::DgeluOnLoad{host(dout_f, {N, OC}), host(pre, {N, OC})}, host(x_f, {N, H}),
-                               host(w, {OC, H}), {}};
+        ops::LinearBackward bw{view(dx_f, {N, H}), view(dw_f, {OC, H}), view(db_f, {OC}),
+                               ops::DgeluOnLoad{view(dout_f, {N, OC}), view(pre, {N, OC})}, view(x_f, {N, H}),
+                               view(w, {OC, H}), {}};
         lin.backward(bw);
         CHECK(test::same_bits(dx_r, dx_f));
         CHECK(test::same_bits(dw_r, dw_f));
@@ -369,8 +369,8 @@ TEST_CASE("the SwiGLU's backward computed on load gives the gradients of the unf
         auto pre = test::normal_values(N * OC, 410 + step, 2.0f);
         auto dact = test::normal_values(N * F, 510 + step, 1e-2f);  // gradient of swiglu(pre)
         std::vector<float> out(N * OC), dx_r(N * H), dx_f(N * H), dw_r(OC * H, 0.5f), dw_f(OC * H, 0.5f);
-        ref.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), {}}, step);
-        fused.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), {}}, step);
+        ref.lin.forward({view(out, {N, OC}), {}, view(x, {N, H}), view(w, {OC, H}), {}}, step);
+        fused.lin.forward({view(out, {N, OC}), {}, view(x, {N, H}), view(w, {OC, H}), {}}, step);
         std::vector<float> dpre(N * OC);  // as swiglu_backward stores it (f32 on the CPU)
         for (int n = 0; n < N; ++n)
           for (int f = 0; f < F; ++f) {
@@ -378,11 +378,11 @@ TEST_CASE("the SwiGLU's backward computed on load gives the gradients of the unf
             dpre[n * OC + f] = ops::dswiglu_gate(go, g, u);
             dpre[n * OC + F + f] = ops::dswiglu_up(go, g);
           }
-        ref.lin.backward({host(dx_r, {N, H}), host(dw_r, {OC, H}), {}, host(dpre, {N, OC}), host(x, {N, H}),
-                          host(w, {OC, H}), {}});
-        fused.lin.backward({host(dx_f, {N, H}), host(dw_f, {OC, H}), {},
-                            ops::DswigluOnLoad{host(dact, {N, F}), host(pre, {N, OC})}, host(x, {N, H}),
-                            host(w, {OC, H}), {}});
+        ref.lin.backward({view(dx_r, {N, H}), view(dw_r, {OC, H}), {}, view(dpre, {N, OC}), view(x, {N, H}),
+                          view(w, {OC, H}), {}});
+        fused.lin.backward({view(dx_f, {N, H}), view(dw_f, {OC, H}), {},
+                            ops::DswigluOnLoad{view(dact, {N, F}), view(pre, {N, OC})}, view(x, {N, H}),
+                            view(w, {OC, H}), {}});
         CHECK(test::same_bits(dx_r, dx_f));
         CHECK(test::same_bits(dw_r, dw_f));
         CHECK(test::same_bits(meta_state(ref.meta), meta_state(fused.meta)));
@@ -398,10 +398,10 @@ TEST_CASE("the SwiGLU's backward computed on load gives the gradients of the unf
   auto x = test::normal_values(N * H, 1), w = test::normal_values(OC * H, 2), pre = test::normal_values(N * OC, 3);
   auto dact = test::normal_values(N * F, 4);
   std::vector<float> out(N * OC), dw(OC * H), db(OC);
-  L.lin.forward({host(out, {N, OC}), {}, host(x, {N, H}), host(w, {OC, H}), {}}, 1);
-  CHECK_THROWS_WITH_AS(L.lin.backward({{}, host(dw, {OC, H}), host(db, {OC}),
-                                       ops::DswigluOnLoad{host(dact, {N, F}), host(pre, {N, OC})}, host(x, {N, H}),
-                                       host(w, {OC, H}), {}}),
+  L.lin.forward({view(out, {N, OC}), {}, view(x, {N, H}), view(w, {OC, H}), {}}, 1);
+  CHECK_THROWS_WITH_AS(L.lin.backward({{}, view(dw, {OC, H}), view(db, {OC}),
+                                       ops::DswigluOnLoad{view(dact, {N, F}), view(pre, {N, OC})}, view(x, {N, H}),
+                                       view(w, {OC, H}), {}}),
                        doctest::Contains("dswiglu-on-load needs an even output width and no bias"), Error);
 }
 
@@ -411,7 +411,7 @@ TEST_CASE("a backward without its kept input is an error naming the layer") {
   const int N = 16, IC = 8, OC = 8;
   auto x = test::normal_values(N * IC, 50), w = test::normal_values(OC * IC, 51), dout = test::normal_values(N * OC, 52);
   std::vector<float> dw(OC * IC);
-  CHECK_THROWS_WITH_AS(kept.backward({{}, host(dw, {OC, IC}), {}, host(dout, {N, OC}), host(x, {N, IC}), host(w, {OC, IC}), {}}),
+  CHECK_THROWS_WITH_AS(kept.backward({{}, view(dw, {OC, IC}), {}, view(dout, {N, OC}), view(x, {N, IC}), view(w, {OC, IC}), {}}),
                        doctest::Contains("blocks.0.mlp.proj: backward of [16,8] without the forward's kept input"),
                        Error);
 }
@@ -432,15 +432,15 @@ TEST_CASE("a SwiGLU input computed on load gives the unfused layer's outputs and
         for (int f = 0; f < F; ++f) x[n * F + f] = ops::silu(pre[n * 2 * F + f]) * pre[n * 2 * F + F + f];
       std::vector<float> out_r(N * OC), out_f(N * OC), dx_r(N * F), dx_f(N * F), dw_r(OC * F, 0.5f),
           dw_f(OC * F, 0.5f);
-      ref.lin.forward({host(out_r, {N, OC}), {}, host(x, {N, F}), host(w, {OC, F}), {}}, step);
-      fused.lin.forward({host(out_f, {N, OC}), {}, ops::SwigluOnLoad{host(pre, {N, 2 * F})}, host(w, {OC, F}), {}},
+      ref.lin.forward({view(out_r, {N, OC}), {}, view(x, {N, F}), view(w, {OC, F}), {}}, step);
+      fused.lin.forward({view(out_f, {N, OC}), {}, ops::SwigluOnLoad{view(pre, {N, 2 * F})}, view(w, {OC, F}), {}},
                         step);
       CHECK(test::same_bits(out_r, out_f));
       auto dout_f = dout;
-      ref.lin.backward({host(dx_r, {N, F}), host(dw_r, {OC, F}), {}, host(dout, {N, OC}), host(x, {N, F}),
-                        host(w, {OC, F}), {}});
-      fused.lin.backward({host(dx_f, {N, F}), host(dw_f, {OC, F}), {}, host(dout_f, {N, OC}),
-                          ops::SwigluOnLoad{host(pre, {N, 2 * F})}, host(w, {OC, F}), {}});
+      ref.lin.backward({view(dx_r, {N, F}), view(dw_r, {OC, F}), {}, view(dout, {N, OC}), view(x, {N, F}),
+                        view(w, {OC, F}), {}});
+      fused.lin.backward({view(dx_f, {N, F}), view(dw_f, {OC, F}), {}, view(dout_f, {N, OC}),
+                          ops::SwigluOnLoad{view(pre, {N, 2 * F})}, view(w, {OC, F}), {}});
       CHECK(test::same_bits(dx_r, dx_f));
       CHECK(test::same_bits(dw_r, dw_f));
       CHECK(meta_state(ref.meta) == meta_state(fused.meta));
@@ -453,7 +453,7 @@ TEST_CASE("a linear layer refuses a SwiGLU input of an odd width, naming the pro
   Layer l(RecipeKind::current, FormatPolicy::hybrid);
   const int N = 4, F = 8, OC = 4;
   std::vector<float> w(OC * F, 0.1f), out(N * OC), odd(N * 7, 0.5f);
-  ops::LinearForward f{host(out, {N, OC}), {}, ops::SwigluOnLoad{host(odd, {N, 7})}, host(w, {OC, F}), {}};
+  ops::LinearForward f{view(out, {N, OC}), {}, ops::SwigluOnLoad{view(odd, {N, 7})}, view(w, {OC, F}), {}};
   CHECK_THROWS_WITH_AS(l.lin.forward(f, 1), doctest::Contains("forward x (swiglu-on-load): expected [N, 2 IC]"),
                        kiln::Error);
 }

@@ -185,12 +185,6 @@ TEST_CASE("the amaxes are reduced over the amax group: tp_dp ranks share every s
   CHECK(!test::same_bits(tp_only[2], tp_only[0]));
 }
 
-namespace {
-double tail_mean(const std::vector<double>& v, std::size_t n) {
-  return std::accumulate(v.end() - static_cast<std::ptrdiff_t>(n), v.end(), 0.0) / static_cast<double>(n);
-}
-}  // namespace
-
 TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 and the bf16 runs' losses (delayed and current scaling)") {
   test::TempDir dir("fp8-train");
   const std::string shards = test::pattern_corpus(dir);
@@ -198,7 +192,7 @@ TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 and the bf16 runs'
   const auto delayed = test::train_losses(shards, 60, {"fp8.enabled=true"});
   const auto current = test::train_losses(shards, 60, {"fp8.enabled=true", "fp8.recipe=current"});
   REQUIRE(ref.size() == 60);
-  const double r = tail_mean(ref, 5), d = tail_mean(delayed, 5), c = tail_mean(current, 5);
+  const double r = test::tail_mean(ref, 5), d = test::tail_mean(delayed, 5), c = test::tail_mean(current, 5);
   MESSAGE("final loss (mean of the last 5 steps): fp32 " << r << ", fp8 delayed " << d << ", fp8 current " << c
                                                           << "; first losses " << ref[0] << " / " << delayed[0] << " / "
                                                           << current[0]);
@@ -211,9 +205,9 @@ TEST_CASE("FP8 training on the CPU ends within 2% of the fp32 and the bf16 runs'
   // The same against the bf16 run: activations rounded to bf16 where the CUDA backend stores bf16,
   // in the reference and in both FP8 runs.
   const std::string bf16 = "backend.cpu_round_bf16=true";
-  const double rb = tail_mean(test::train_losses(shards, 60, {bf16}), 5);
-  const double db = tail_mean(test::train_losses(shards, 60, {bf16, "fp8.enabled=true"}), 5);
-  const double cb = tail_mean(test::train_losses(shards, 60, {bf16, "fp8.enabled=true", "fp8.recipe=current"}), 5);
+  const double rb = test::tail_mean(test::train_losses(shards, 60, {bf16}), 5);
+  const double db = test::tail_mean(test::train_losses(shards, 60, {bf16, "fp8.enabled=true"}), 5);
+  const double cb = test::tail_mean(test::train_losses(shards, 60, {bf16, "fp8.enabled=true", "fp8.recipe=current"}), 5);
   MESSAGE("with bf16 activations: bf16 " << rb << ", fp8 delayed " << db << ", fp8 current " << cb);
   CHECK(std::fabs(db - rb) / rb < 0.02);
   CHECK(std::fabs(cb - rb) / rb < 0.02);

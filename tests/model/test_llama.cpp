@@ -49,10 +49,6 @@ timeout_s = 60
 const test::Sets kLlamaSets = {"model.arch=llama", "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden=96",
                                "model.tie_embeddings=false"};
 
-double tail_mean(const std::vector<double>& v, std::size_t n) {
-  return std::accumulate(v.end() - static_cast<std::ptrdiff_t>(n), v.end(), 0.0) / static_cast<double>(n);
-}
-
 }  // namespace
 
 TEST_CASE("llama: whole-model gradients match finite differences (GQA, MQA, MHA, tied, dropout)") {
@@ -149,7 +145,7 @@ TEST_CASE("llama: a byte-level model learns, and FP8 (delayed and current) ends 
   CHECK(ref.back() < ref.front() - 2.0);  // it learned
   const auto delayed = test::train_losses(shards, 200, bf16 + test::Sets{"fp8.enabled=true"});
   const auto current = test::train_losses(shards, 200, bf16 + test::Sets{"fp8.enabled=true", "fp8.recipe=current"});
-  const double r = tail_mean(ref, 10), d = tail_mean(delayed, 10), c = tail_mean(current, 10);
+  const double r = test::tail_mean(ref, 10), d = test::tail_mean(delayed, 10), c = test::tail_mean(current, 10);
   MESSAGE("llama final loss (mean of the last 10 of 200 steps): bf16 " << r << ", fp8 delayed " << d << ", fp8 current "
                                                                         << c << "; first " << ref.front());
   CHECK(std::fabs(d - r) / r < 0.02);

@@ -5,14 +5,12 @@
 #include <vector>
 
 #include "kiln/ops/backend.hpp"
+#include "host_view.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
 using kiln::test::random_values;
-
-namespace {
-TensorView view(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
-}  // namespace
+using kiln::test::view;
 
 TEST_CASE("attention_decode at length t equals row t-1 of the causal attention_forward") {
   auto b = ops::make_cpu_backend();

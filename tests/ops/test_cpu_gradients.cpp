@@ -9,48 +9,11 @@
 
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "grad_check.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
-using kiln::test::random_values;
-
-namespace {
-
-TensorView view(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
-TensorView iview(std::vector<std::int32_t>& v, Shape s) { return TensorView(v.data(), s, DType::i32, Device::cpu); }
-
-double dot(const std::vector<float>& a, const std::vector<float>& w) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += double(a[i]) * w[i];
-  return s;
-}
-
-// Checks analytic[i] against the central difference of loss() in x[i], for up to `samples`
-// elements spread over x. Relative to the largest gradient magnitude, so tiny entries don't fail.
-void check_gradient(const char* what, std::vector<float>& x, const std::vector<float>& analytic,
-                    const std::function<double()>& loss, int samples = 40, float h = 1e-2f, double tol = 2e-3) {
-  REQUIRE(x.size() == analytic.size());
-  double scale = 1e-6;
-  for (float g : analytic) scale = std::max(scale, double(std::fabs(g)));
-  const std::size_t step = std::max<std::size_t>(1, x.size() / samples);
-  double worst = 0;
-  for (std::size_t i = 0; i < x.size(); i += step) {
-    const float saved = x[i];
-    x[i] = saved + h;
-    double lp = loss();
-    x[i] = saved - h;
-    double lm = loss();
-    x[i] = saved;
-    double numeric = (lp - lm) / (2.0 * h);
-    worst = std::max(worst, std::fabs(numeric - analytic[i]) / scale);
-  }
-  INFO(what << ": worst error relative to max |grad| = " << worst);
-  CHECK(worst < tol);
-}
-
-std::unique_ptr<ops::Backend> cpu() { return ops::make_cpu_backend({.round_bf16 = false, .threads = 2}); }
-
-}  // namespace
+using namespace kiln::test;
 
 TEST_CASE("linear backward matches finite differences, with bias and GELU") {
   auto b = cpu();
@@ -133,8 +96,8 @@ TEST_CASE("embedding backward matches finite differences with repeated tokens") 
   std::vector<float> dwte(V * C, 0.0f), dwpe(Tmax * C, 0.0f);
   b->embedding_backward({view(dwte, {V, C}), view(dwpe, {Tmax, C}), view(lw, {B * T, C}), iview(tokens, {B * T}),
                          tokens.data(), T});
-  check_gradient("embedding dwte", wte, dwte, forward, 100);
-  check_gradient("embedding dwpe", wpe, dwpe, forward, 100);
+  check_gradient("embedding dwte", wte, dwte, forward, {.samples = 100});
+  check_gradient("embedding dwpe", wpe, dwpe, forward, {.samples = 100});
 }
 
 TEST_CASE("attention backward matches finite differences, with and without dropout") {
@@ -154,7 +117,7 @@ TEST_CASE("attention backward matches finite differences, with and without dropo
     std::vector<float> dqkv(qkv.size());
     b->attention_backward({view(dqkv, {B, T, 3, H, D}), view(lw, {B, T, H, D}), view(out, {B, T, H, D}),
                            view(lse, {B, H, T}), view(qkv, {B, T, 3, H, D}), 0.5f, p, r});
-    check_gradient(p > 0 ? "attention dqkv (dropout)" : "attention dqkv", qkv, dqkv, forward, 80);
+    check_gradient(p > 0 ? "attention dqkv (dropout)" : "attention dqkv", qkv, dqkv, forward, {.samples = 80});
   }
 }
 
@@ -171,7 +134,7 @@ TEST_CASE("residual dropout backward matches finite differences") {
   forward();
   std::vector<float> dx(N * C);
   b->dropout_backward({view(dx, {N, C}), view(lw, {N, C}), d});
-  check_gradient("dropout dx", x, dx, forward, 72);
+  check_gradient("dropout dx", x, dx, forward, {.samples = 72});
   int dropped = 0;
   for (float g : dx) dropped += (g == 0.0f);
   CHECK(dropped > 5);
@@ -197,5 +160,5 @@ TEST_CASE("cross entropy gradient matches finite differences of the loss") {
   CHECK(losses[3] == 0.0f);
   for (int n = 0; n < N; ++n)
     for (int v = Vr; v < V; ++v) CHECK(grad[n * V + v] == 0.0f);
-  check_gradient("cross entropy dlogits", logits, grad, loss_of, 60);
+  check_gradient("cross entropy dlogits", logits, grad, loss_of, {.samples = 60});
 }

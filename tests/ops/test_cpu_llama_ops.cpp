@@ -9,43 +9,16 @@
 
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "grad_check.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
-using kiln::test::random_values;
+using namespace kiln::test;
 
 namespace {
 
-TensorView view(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
-
-double dot(const std::vector<float>& a, const std::vector<float>& w) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += double(a[i]) * w[i];
-  return s;
-}
-
-// analytic[i] against the central difference of loss() in x[i], relative to the largest |gradient|.
-void check_gradient(const char* what, std::vector<float>& x, const std::vector<float>& analytic,
-                    const std::function<double()>& loss, int samples = 60, float h = 1e-2f, double tol = 2e-3) {
-  REQUIRE(x.size() == analytic.size());
-  double scale = 1e-6;
-  for (float g : analytic) scale = std::max(scale, double(std::fabs(g)));
-  const std::size_t step = std::max<std::size_t>(1, x.size() / samples);
-  double worst = 0;
-  for (std::size_t i = 0; i < x.size(); i += step) {
-    const float saved = x[i];
-    x[i] = saved + h;
-    const double lp = loss();
-    x[i] = saved - h;
-    const double lm = loss();
-    x[i] = saved;
-    worst = std::max(worst, std::fabs((lp - lm) / (2.0 * h) - analytic[i]) / scale);
-  }
-  INFO(what << ": worst error relative to max |grad| = " << worst);
-  CHECK(worst < tol);
-}
-
-std::unique_ptr<ops::Backend> cpu() { return ops::make_cpu_backend({.round_bf16 = false, .threads = 2}); }
+// Each backward checked at 60 elements spread over its input.
+constexpr Diff kLlamaDiff{.samples = 60};
 
 }  // namespace
 
@@ -70,8 +43,8 @@ TEST_CASE("rmsnorm: rows of unit root mean square times the weight, backward mat
                        view(rstd, {N})});
   for (int i = 0; i < N * C; ++i) dx[i] -= start[i];
   for (int c = 0; c < C; ++c) dw[c] -= dw0[c];
-  check_gradient("rmsnorm dx", x, dx, forward);
-  check_gradient("rmsnorm dw", w, dw, forward);
+  check_gradient("rmsnorm dx", x, dx, forward, kLlamaDiff);
+  check_gradient("rmsnorm dw", w, dw, forward, kLlamaDiff);
 }
 
 TEST_CASE("rope rotates each query and key pair by its position's angle, the inverse undoes it") {
@@ -150,7 +123,7 @@ TEST_CASE("rope backward (the inverse rotation of the gradient) matches finite d
   };
   std::vector<float> dx = lw;
   b->rope({view(dx, {B, T, heads, D}), rotated, 10000.0f, 1, true});
-  check_gradient("rope dx", x, dx, forward);
+  check_gradient("rope dx", x, dx, forward, kLlamaDiff);
 }
 
 TEST_CASE("swiglu is silu(gate) * up, backward matches finite differences") {
@@ -170,7 +143,7 @@ TEST_CASE("swiglu is silu(gate) * up, backward matches finite differences") {
     }
   std::vector<float> dx(x.size());
   b->swiglu_backward({view(dx, {N, 2 * F}), view(lw, {N, F}), view(x, {N, 2 * F})});
-  check_gradient("swiglu dx", x, dx, forward);
+  check_gradient("swiglu dx", x, dx, forward, kLlamaDiff);
 }
 
 TEST_CASE("grouped-query attention equals multi-head attention on keys and values repeated per group") {
@@ -253,7 +226,7 @@ ops::AttentionBackward check_gqa_gradient(ops::Backend& b, std::vector<float>& q
   a.kv_heads = K;
   a.doc_start = doc_start;
   b.attention_backward(a);
-  check_gradient(what, qkv, dqkv, forward, 100);
+  check_gradient(what, qkv, dqkv, forward, {.samples = 100});
   return a;
 }
 

@@ -13,42 +13,16 @@
 
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "grad_check.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
-using kiln::test::random_values;
+using namespace kiln::test;
 
 namespace {
 
-TensorView view(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
-TensorView iview(std::vector<std::int32_t>& v, Shape s) { return TensorView(v.data(), s, DType::i32, Device::cpu); }
-
-double dot(const std::vector<float>& a, const std::vector<float>& w) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += double(a[i]) * w[i];
-  return s;
-}
-
-void check_gradient(const char* what, std::vector<float>& x, const std::vector<float>& analytic,
-                    const std::function<double()>& loss, float h = 1e-3f, double tol = 2e-3) {
-  REQUIRE(x.size() == analytic.size());
-  double scale = 1e-6;
-  for (float g : analytic) scale = std::max(scale, double(std::fabs(g)));
-  double worst = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const float saved = x[i];
-    x[i] = saved + h;
-    const double lp = loss();
-    x[i] = saved - h;
-    const double lm = loss();
-    x[i] = saved;
-    worst = std::max(worst, std::fabs((lp - lm) / (2.0 * h) - analytic[i]) / scale);
-  }
-  INFO(what << ": worst error relative to max |grad| = " << worst);
-  CHECK(worst < tol);
-}
-
-std::unique_ptr<ops::Backend> cpu() { return ops::make_cpu_backend({.round_bf16 = false, .threads = 2}); }
+// Each backward checked at every element of its input, with steps of 1e-3.
+constexpr Diff kMoeDiff{.samples = 0, .h = 1e-3f};
 
 // Router logits whose experts are far apart (0.5 between neighbours, in a random order per row), so
 // that no finite-difference step changes a token's choice.
@@ -162,7 +136,7 @@ TEST_CASE("moe_route_backward matches finite differences: gates, load balancing 
       g.aux_coeff = 0.3f;
       g.z_coeff = 0.05f;
       b->moe_route_backward(g);
-      check_gradient("moe_route dlogits", logits, dlogits, forward);
+      check_gradient("moe_route dlogits", logits, dlogits, forward, kMoeDiff);
       forward();
       CHECK(experts == chosen);  // no step moved a choice
     }
@@ -244,8 +218,8 @@ TEST_CASE("moe_combine weights each token's rows by its gates, its backward matc
   std::vector<float> dy(N * k * C), dgates(N * k);
   b->moe_combine_backward({view(dy, {N * k, C}), view(dgates, {N, k}), view(w, {N, C}), view(y, {N * k, C}),
                            view(gates, {N, k}), iview(row_of, {N, k})});
-  check_gradient("moe_combine dy", y, dy, forward);
-  check_gradient("moe_combine dgates", gates, dgates, forward);
+  check_gradient("moe_combine dy", y, dy, forward, kMoeDiff);
+  check_gradient("moe_combine dgates", gates, dgates, forward, kMoeDiff);
 }
 
 TEST_CASE("grouped linears: each expert's rows through its own weight, backward matches finite differences") {
@@ -288,8 +262,8 @@ TEST_CASE("grouped linears: each expert's rows through its own weight, backward 
                                 .weight_in_out = in_out});
     for (std::size_t i = 0; i < dw.size(); ++i) dw[i] -= dw0[i];  // accumulated
     CHECK(dx[(R - 1) * IC] == 0.0f);
-    check_gradient("grouped dx", x, dx, forward, 1e-2f);
-    check_gradient("grouped dweight", wt, dw, forward, 1e-2f);
+    check_gradient("grouped dx", x, dx, forward, {.samples = 0, .h = 1e-2f});
+    check_gradient("grouped dweight", wt, dw, forward, {.samples = 0, .h = 1e-2f});
     // With the GELU epilogue (x was gelu(pre)) and written weight gradients; the empty expert's zero.
     std::vector<float> dx2(R * IC), dw2(E * OC * IC, 5.0f);
     b->grouped_linear_backward({.dx = view(dx2, {R, IC}),

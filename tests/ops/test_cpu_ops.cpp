@@ -9,14 +9,12 @@
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/rng/philox.hpp"
+#include "host_view.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
 using kiln::test::random_values;
-
-namespace {
-TensorView view(std::vector<float>& v, Shape s) { return TensorView(v.data(), s, DType::f32, Device::cpu); }
-}  // namespace
+using kiln::test::view;
 
 TEST_CASE("attention of the first token returns its value vector") {
   auto b = ops::make_cpu_backend();

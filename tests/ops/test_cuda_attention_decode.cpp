@@ -11,7 +11,7 @@ namespace {
 using namespace kiln;
 using namespace kiln::test;
 
-constexpr double kActTol = 1e-2;
+constexpr double kDecodeTol = 1e-2;
 
 struct Decode {
   BackendPair& p;
@@ -50,7 +50,7 @@ TEST_CASE("cuda attention_decode matches the CPU reference at awkward shapes and
       if (length > s.Tmax) continue;
       INFO("B=" << s.B << " Tmax=" << s.Tmax << " H=" << s.H << " D=" << s.D << " length=" << length);
       d.run(length);
-      KILN_CHECK_CLOSE(d.out, kActTol);
+      KILN_CHECK_CLOSE(d.out, kDecodeTol);
     }
   }
 }

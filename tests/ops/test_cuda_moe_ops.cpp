@@ -36,6 +36,7 @@ using test::Kind;
 using test::on_both;
 using test::poisoned;
 using test::random_values;
+using test::same_bits;
 using test::Side;
 
 namespace {
@@ -56,10 +57,6 @@ Dual ints(BackendPair& p, Shape s, const std::vector<std::int32_t>& v) {
 }
 Dual poisoned_ints(BackendPair& p, Shape s) {
   return ints(p, s, std::vector<std::int32_t>(static_cast<std::size_t>(s.numel()), -777));
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // Router logits far apart (0.5 between a row's experts, in a random order per row; less with many

@@ -31,12 +31,9 @@ using test::Side;
 using test::Kind;
 using test::random_ints;
 using test::random_values;
+using test::same_bits;
 
 namespace {
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 // Number of positions whose values differ bit for bit.
 std::size_t mismatches(const std::vector<float>& a, const std::vector<float>& b) {

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,16 @@ namespace kiln::test {
   } while (0)
 
 // ||a - b|| / ||b|| (b the reference); anything not finite gives infinity.
+// Whether two float vectors hold the same bits (NaNs and signed zeros included).
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The mean of the last n values (a loss curve's end).
+inline double tail_mean(const std::vector<double>& v, std::size_t n) {
+  return std::accumulate(v.end() - static_cast<std::ptrdiff_t>(n), v.end(), 0.0) / static_cast<double>(n);
+}
+
 inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
