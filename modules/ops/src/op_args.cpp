@@ -1,6 +1,7 @@
 #include "op_args.hpp"
 
 #include <algorithm>
+#include <cstdio>
 
 namespace kiln::ops {
 
@@ -489,8 +490,9 @@ void check_args(const SumSquaresParts& a, const ArgTarget& on) {
   OpArgs c("sum_squares_parts", on);
   c.check(a.parts.size() == a.divisors.size(), a.parts.size(), " parts but ", a.divisors.size(), " divisors");
   for (std::size_t i = 0; i < a.parts.size(); ++i) {
-    const std::string part = cat("parts[", i, "]");
-    check_f32_tensor("sum_squares_parts", part.c_str(), a.parts[i], on);
+    char part[32];  // named without an allocation: the check runs every optimizer step
+    std::snprintf(part, sizeof part, "parts[%zu]", i);
+    check_f32_tensor("sum_squares_parts", part, a.parts[i], on);
     c.check(a.divisors[i] >= 0, "divisors[", i, "] = ", a.divisors[i], " (>= 0 expected)");
   }
   c.tensor("out", a.out, f32, {1});

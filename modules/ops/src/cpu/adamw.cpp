@@ -42,10 +42,9 @@ void CpuBackend::grad_clip(const GradClip& a) {
 
 void CpuBackend::sum_squares_parts(const SumSquaresParts& a) {
   check_args(a, kTarget);
-  const std::vector<double> each = sum_squares_each(a.parts);
-  double total = 0;
-  for (std::size_t i = 0; i < each.size(); ++i)
-    if (a.divisors[i] > 0) total += each[i] / a.divisors[i];
+  double total = 0;  // each counted part's sum_squares (sum_squares_each's), in order
+  for (std::size_t i = 0; i < a.parts.size(); ++i)
+    if (a.divisors[i] > 0) total += sum_squares(a.parts[i]) / a.divisors[i];
   *a.out.as<float>() = static_cast<float>(total);
 }
 
