@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_random.hpp"
 #include "bench_timer.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
@@ -26,20 +27,6 @@ struct Problem {
   int K, N;       // out[rows, N] = x[rows, K] @ W_e^T, W_e [N, K]
   bool wgrad;     // dW_e[N, K] += dout[rows, N]^T @ x[rows, K] (f32 out)
 };
-
-// Random bf16 values in [-1, 1) (random data draws more power than constant data: a fairer clock).
-void fill(Buffer& b) {
-  std::vector<std::uint16_t> h(b.bytes() / 2);
-  std::uint32_t x = 12345;
-  for (auto& v : h) {
-    x = x * 1664525u + 1013904223u;
-    const float f = static_cast<float>(x >> 8) / 16777216.0f * 2.0f - 1.0f;
-    std::uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    v = static_cast<std::uint16_t>(bits >> 16);
-  }
-  KILN_CUDA_CHECK(cudaMemcpy(b.data(), h.data(), b.bytes(), cudaMemcpyHostToDevice));
-}
 
 }  // namespace
 
@@ -70,8 +57,8 @@ int main(int argc, char** argv) {
                               {"fc1 wgrad dW[5632,1024]", 1024, 5632, true}};
   Buffer x(Device::cuda, std::size_t(2) * R * 2816 * 2), w(Device::cuda, std::size_t(E) * 5632 * 2816 * 2),
       d(Device::cuda, std::size_t(R) * 5632 * 4 * 2), dw(Device::cuda, std::size_t(E) * 5632 * 1024 * 4);
-  fill(x);
-  fill(w);
+  bench::fill_random_bf16(x);
+  bench::fill_random_bf16(w);
   void** ptrs;
   KILN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptrs), 3 * 64 * sizeof(void*)));
   const float one = 1.0f, zero = 0.0f;

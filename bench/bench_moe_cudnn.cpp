@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_random.hpp"
 #include "bench_timer.hpp"
 #include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/cuda_check.hpp"
@@ -151,27 +152,15 @@ float bf16_to_float(std::uint16_t b) {
   return f;
 }
 
-// Small random values (bf16 bits, or e4m3 bytes of magnitude <= 1) on the device.
-void fill(Buffer& b, bool fp8) {
+// Random e4m3 bytes of magnitude below 1 over the whole device buffer.
+void fill_random_e4m3(Buffer& b) {
   std::uint32_t x = 12345;
-  if (fp8) {
-    std::vector<std::uint8_t> v(b.bytes());
-    for (auto& e : v) {
-      x = x * 1664525u + 1013904223u;
-      e = static_cast<std::uint8_t>(((x >> 24) & 0x80) | ((x >> 16) % 0x38));  // |value| < 1
-    }
-    KILN_CUDA_CHECK(cudaMemcpy(b.data(), v.data(), v.size(), cudaMemcpyHostToDevice));
-    return;
-  }
-  std::vector<std::uint16_t> v(b.bytes() / 2);
+  std::vector<std::uint8_t> v(b.bytes());
   for (auto& e : v) {
     x = x * 1664525u + 1013904223u;
-    const float f = static_cast<float>(x >> 8) / 16777216.0f * 2.0f - 1.0f;
-    std::uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    e = static_cast<std::uint16_t>(bits >> 16);
+    e = static_cast<std::uint8_t>(((x >> 24) & 0x80) | ((x >> 16) % 0x38));
   }
-  KILN_CUDA_CHECK(cudaMemcpy(b.data(), v.data(), b.bytes(), cudaMemcpyHostToDevice));
+  KILN_CUDA_CHECK(cudaMemcpy(b.data(), v.data(), v.size(), cudaMemcpyHostToDevice));
 }
 
 }  // namespace
@@ -201,10 +190,10 @@ int main(int argc, char** argv) {
       y(Device::cuda, std::size_t(R) * 5632 * 2), yref(Device::cuda, std::size_t(R) * 5632 * 2),
       x8(Device::cuda, std::size_t(R) * 2816), w8(Device::cuda, std::size_t(E) * 5632 * 2816),
       first(Device::cuda, 64 * sizeof(int)), ws(Device::cuda, 256u << 20);
-  fill(x, false);
-  fill(w, false);
-  fill(x8, true);
-  fill(w8, true);
+  bench::fill_random_bf16(x);
+  bench::fill_random_bf16(w);
+  fill_random_e4m3(x8);
+  fill_random_e4m3(w8);
   const float one = 1.0f, zero = 0.0f;
   std::printf("%-34s %-10s %12s %12s %12s  %s\n", "gemm", "split", "per-expert", "cudnn bf16", "cudnn fp8", "check");
   for (const auto& p : problems)

@@ -8,14 +8,9 @@
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-30}
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-: > "$OUT/rows.txt"
-export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-K="$B/bin/kiln"
 # shellcheck source=bench/kiln_rows.sh
 source bench/kiln_rows.sh
+kiln_gpu_env "$B"
 G=(--set backend.cuda_graph=true --set fp8.enabled=true)
 for m in 1.3b llama1b; do
   p=pipelines/gpt-1.3b.toml

@@ -8,21 +8,11 @@
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-30}
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-: > "$OUT/rows.txt"
-export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-K="$B/bin/kiln"
 # shellcheck source=bench/kiln_rows.sh
 source bench/kiln_rows.sh
-if [ "${TESTS:-1}" = 1 ]; then
-  for t in test_cuda_ops test_cuda_fp8 test_gpu_model test_gpu_training_checkpoint test_gpu_fsdp test_gpu_recompute; do
-    timeout 300 "$B/bin/$t" > "$OUT/$t.log" 2>&1
-    echo "$t rc=$? $(grep -E '^\[doctest\] test cases' "$OUT/$t.log" | tail -1)"
-    grep -B3 -A12 "ERROR" "$OUT/$t.log" | head -40
-  done
-fi
+kiln_gpu_env "$B"
+# shellcheck disable=SC2086  # a list of names
+[ "${TESTS:-1}" = 1 ] && kiln_gpu_tests "$B" $kiln_gpu_suites
 G=(--set backend.cuda_graph=true --set fp8.enabled=true)
 M16=(--set optim.moments=bf16)
 NT=(--set fp8.keep_weight_transpose=false)  # the FP8 weights' rowwise codes alone

@@ -10,19 +10,11 @@ B=${1:-.devbuild}
 STEPS=${2:-20}
 shift 2 || shift $#
 MODELS=${*:-124m 1.3b llama1b}
-OUT=${OUT:-gpu-logs}
-mkdir -p "$OUT"
-: > "$OUT/rows.txt"
-export LD_LIBRARY_PATH="$PWD/$B/lib:$PWD/$B/syslib:${LD_LIBRARY_PATH:-}"
-export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-K="$B/bin/kiln"
 # shellcheck source=bench/kiln_rows.sh
 source bench/kiln_rows.sh
-for t in ${TESTS-test_cuda_ops test_cuda_fp8 test_gpu_model test_gpu_training_checkpoint test_gpu_fsdp test_gpu_recompute}; do
-  timeout 300 "$B/bin/$t" > "$OUT/$t.log" 2>&1
-  echo "$t rc=$? $(grep -E '^\[doctest\] test cases' "$OUT/$t.log" | tail -1)"
-  grep -B3 -A12 "ERROR" "$OUT/$t.log" | head -40
-done
+kiln_gpu_env "$B"
+# shellcheck disable=SC2086  # a list of names
+kiln_gpu_tests "$B" ${TESTS-$kiln_gpu_suites}
 pipeline() {
   case $1 in
     124m) echo pipelines/gpt2-124m.toml ;;
