@@ -344,9 +344,10 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   }
   ops_.quantize_blocks_grouped({dout, ScalingMode::block_1x128, recipe_.pow2, dout_groups});
   if (!keep_input_) ops_.quantize_blocks_grouped({x, xc_mode, recipe_.pow2, x_groups});
-  ops_.gemm_grouped(wgrad);
   if (dx) dgrad.run();
   if (dx && a.dx_gelu_pre && used > 0) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));
+  if (a.dgrad_queued) a.dgrad_queued();
+  ops_.gemm_grouped(wgrad);
 }
 
 }  // namespace kiln::fp8

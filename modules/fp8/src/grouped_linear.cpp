@@ -242,6 +242,7 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
     ops_.gemm_grouped(rows_products("fp8_grouped_gemm_dgrad", {gr, sg}, {dgrad_codes(a.weight_in_out), sw}, a.dx, off, E, OC, false));
     if (a.dx_gelu_pre) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));
   }
+  if (a.dgrad_queued) a.dgrad_queued();
   // dW[e] [OC, IC] += dout[e]^T @ x[e] (K = the expert's padded rows: zeros add nothing); an FC2
   // stored [IC, OC] per expert takes x^T @ dout.
   std::vector<GemmArgs> gs;

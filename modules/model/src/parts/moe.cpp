@@ -213,7 +213,7 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
   }
   be.moe_route(route_args());
   // The group sizes reach the host (for the grouped linears and the dispatch: a synchronisation)
-  // while the rows are gathered.
+  // while the rows are gathered; under expert parallelism with every rank's, after the gather.
   routing().offsets_host.resize(static_cast<std::size_t>(o_.n_experts + 1));
   be.moe_permute({.offsets = offsets_,
                   .row_of = row_of_,
@@ -225,10 +225,11 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
                   .seq_len = ctx_.T,
                   .capacity = capacity_,
                   .token_offset = ctx_.seq_offset * ctx_.T,
-                  .offsets_host = routing().offsets_host.data()});
+                  // Under expert parallelism the plan reads every rank's offsets back at once.
+                  .offsets_host = moves ? nullptr : routing().offsets_host.data()});
   const std::int32_t* local = routing().offsets_host.data();
   if (moves) {
-    routing().plan = ep_.plan(routing().offsets_host.data());
+    routing().plan = ep_.plan(offsets_, routing().offsets_host.data());
     KILN_CHECK(routing().plan.received() <= x_in_.shape[0], "mixture of experts: ", routing().plan.received(),
                " rows for this rank's experts exceed the ", x_in_.shape[0], " reserved");
     ep_.dispatch(x_in_, x_perm_, routing().plan);
@@ -282,7 +283,23 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
   const TensorView dy_grouped = moves ? dy_out_ : dy_;
   be.moe_combine_backward({dy_grouped, dgates_, dout, y_, gates_, row_of_});
   ctx_.tp.all_reduce(dgates_);  // the outputs were this rank's partial sums
-  if (moves) ep_.dispatch(dy_, dy_out_, routing().plan);
+  // The rows' gradients go to the experts' ranks while the router's backward (it needs the gates'
+  // gradient alone) runs.
+  if (moves) ep_.dispatch_beside(dy_, dy_out_, routing().plan);
+  const LossCoeffs c = loss_coeffs();
+  be.moe_route_backward({.dlogits = dlogits_,
+                         .dgates = dgates_,
+                         .scores = scores_,
+                         .lse = lse_,
+                         .experts = experts_,
+                         .logits = logits_,
+                         .score = o_.score,
+                         .normalize = o_.normalize_gates,
+                         .seq_len = ctx_.T,
+                         .aux_coeff = c.aux,
+                         .z_coeff = c.z});
+  router_.backward_whole({.dx = drouter_, .dout = dlogits_, .x = x});
+  if (moves) ep_.join();
   // FC2, then the activation's backward (in FC1's load of its output gradient where FC1 takes that;
   // else with GELU and no dropout in FC2's data gradient; else on its own), then FC1.
   const bool fuse_gelu = gelu() && !dropout_on() && !dact_on_load_;
@@ -306,30 +323,25 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
     else
       be.swiglu_backward({dpre_.rows(0, used), dact_.rows(0, used), pre_.rows(0, used)});
   }
+  // The input rows' gradients go back to their ranks beside FC1's weight gradient.
+  const TensorView dx_grouped = moves ? dy_out_ : dx_in_;  // dy_out_ is free again
+  bool returned = !moves;
+  const auto send_back = [&] {
+    ep_.combine_beside(dx_grouped, dx_in_, routing().plan);
+    returned = true;
+  };
   impl(fc_linear_).backward({.dx = dx_in_,
                               .dweight = weight(fc_, true),
                               .dout = dfc,
                               .x = impl(fc_linear_).keeps_input ? TensorView{} : x_in_,
                               .weight = weight(fc_, false),
                               .offsets_host = local,
-                              .dweight_overwrite = first_micro_batch()});
-  const TensorView dx_grouped = moves ? dy_out_ : dx_in_;  // dy_out_ is free again
-  if (moves) ep_.combine(dx_grouped, dx_in_, routing().plan);
+                              .dweight_overwrite = first_micro_batch(),
+                              .dgrad_queued = moves ? std::function<void()>(send_back) : std::function<void()>()});
+  if (!returned) send_back();  // an implementation that did not say when dx was queued
+  if (moves) ep_.join();
   const TensorView col_dx = ctx_.stream.col_dx;
   be.moe_permute_backward({col_dx, dx_grouped, row_of_});
-  const LossCoeffs c = loss_coeffs();
-  be.moe_route_backward({.dlogits = dlogits_,
-                         .dgates = dgates_,
-                         .scores = scores_,
-                         .lse = lse_,
-                         .experts = experts_,
-                         .logits = logits_,
-                         .score = o_.score,
-                         .normalize = o_.normalize_gates,
-                         .seq_len = ctx_.T,
-                         .aux_coeff = c.aux,
-                         .z_coeff = c.z});
-  router_.backward_whole({.dx = drouter_, .dout = dlogits_, .x = x});
   // The router's input gradient is whole on every TP rank: added once (on rank 0) before the sum of
   // the experts' partial ones over the group.
   if (ctx_.tp.rank() == 0) be.residual_forward({col_dx, col_dx, drouter_, {}});

@@ -283,6 +283,7 @@ void CpuBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
       }
     }
   }
+  if (a.dgrad_queued) a.dgrad_queued();
   float* dw = a.dweight.as<float>();
   for (std::int64_t e = 0; e < E; ++e) {
     float* dwe = dw + e * OC * IC;

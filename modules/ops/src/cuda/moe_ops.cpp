@@ -125,6 +125,7 @@ void CudaBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
                                       stream_));
     if (a.dx_gelu_pre) cuda::gelu_backward(dx, dx, dptr<bf16>(a.dx_gelu_pre), used * IC, stream_);
   }
+  if (a.dgrad_queued) a.dgrad_queued();
   float* dw = dptr<float>(a.dweight);
   if (a.weight_in_out)
     gg.weight_grad(dw, x, dout, a.offsets_host, E, /*P=*/IC, /*Q=*/OC, a.dweight_overwrite);

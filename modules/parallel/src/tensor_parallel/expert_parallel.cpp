@@ -1,6 +1,7 @@
 #include "kiln/parallel/expert_parallel.hpp"
 
 #include "kiln/core/error.hpp"
+#include "kiln/parallel/grad_buckets.hpp"
 
 namespace kiln::parallel {
 
@@ -24,7 +25,7 @@ ExpertParallel::ExpertParallel(Communicator& comm, ops::Backend& backend, int n_
 }
 
 ExpertParallel::Plan ExpertParallel::plan(const std::int32_t* offsets_host) const {
-  const int E = n_experts_, El = local_experts(), P = size_;
+  const int E = n_experts_, P = size_;
   // Every rank's choices per expert (one all-gather of E counts each; host memory, synchronous).
   std::vector<std::int32_t> mine(static_cast<std::size_t>(E)), all(static_cast<std::size_t>(E * P));
   for (int e = 0; e < E; ++e) mine[e] = offsets_host[e + 1] - offsets_host[e];
@@ -35,14 +36,42 @@ ExpertParallel::Plan ExpertParallel::plan(const std::int32_t* offsets_host) cons
     });
   else
     all = mine;
+  return plan_from(offsets_host, all);
+}
+
+ExpertParallel::Plan ExpertParallel::plan(const TensorView& offsets, std::int32_t* offsets_host) {
+  const int E = n_experts_, P = size_;
+  KILN_CHECK(offsets.dtype == DType::i32 && offsets.numel() == E + 1 && offsets.contiguous(),
+             "expert-parallel plan: offsets ", offsets.str(), " for ", E, " experts");
+  const std::int64_t n = static_cast<std::int64_t>(E + 1) * P;
+  const Device dev = be_.device();
+  if (offsets_all_.bytes() < static_cast<std::size_t>(n) * sizeof(std::int32_t))
+    offsets_all_ = Buffer(dev, static_cast<std::size_t>(n) * sizeof(std::int32_t));
+  const TensorView all(offsets_all_.data(), {n}, DType::i32, dev);
+  dispatching(comm_, "counts exchange", [&] { comm_.all_gather(all, offsets, be_.stream()); });
+  host_.resize(static_cast<std::size_t>(n));
+  be_.copy(TensorView(host_.data(), {n}, DType::i32, Device::cpu), all);  // the host waits here
+  const std::int32_t* own = host_.data() + static_cast<std::ptrdiff_t>(rank_) * (E + 1);
+  std::copy(own, own + E + 1, offsets_host);
+  std::vector<std::int32_t> counts(static_cast<std::size_t>(E * P));
+  for (int q = 0; q < P; ++q)
+    for (int e = 0; e < E; ++e) {
+      const std::int32_t* o = host_.data() + static_cast<std::ptrdiff_t>(q) * (E + 1);
+      counts[static_cast<std::size_t>(q * E + e)] = o[e + 1] - o[e];
+    }
+  return plan_from(own, counts);
+}
+
+ExpertParallel::Plan ExpertParallel::plan_from(const std::int32_t* own, const std::vector<std::int32_t>& all) const {
+  const int E = n_experts_, El = local_experts(), P = size_;
   Plan p;
   const std::vector<std::int64_t> none(static_cast<std::size_t>(El), 0);
   p.send_at.assign(static_cast<std::size_t>(P), none);
   p.send_rows = p.recv_at = p.recv_rows = p.send_at;
   for (int q = 0; q < P; ++q)
     for (int l = 0; l < El; ++l) {
-      p.send_at[q][l] = offsets_host[q * El + l];
-      p.send_rows[q][l] = mine[static_cast<std::size_t>(q * El + l)];
+      p.send_at[q][l] = own[q * El + l];
+      p.send_rows[q][l] = own[q * El + l + 1] - own[q * El + l];
     }
   // Received rows expert-major: local expert l's rows from rank 0, then rank 1, ...
   p.local_offsets.assign(static_cast<std::size_t>(El + 1), 0);
@@ -61,7 +90,8 @@ ExpertParallel::Plan ExpertParallel::plan(const std::int32_t* offsets_host) cons
   return p;
 }
 
-void ExpertParallel::exchange(const TensorView& to, const TensorView& from, const Plan& p, bool forward) const {
+void ExpertParallel::exchange(const TensorView& to, const TensorView& from, const Plan& p, bool forward,
+                              void* stream) const {
   // One transfer per (peer, expert) that has rows, in expert order on both sides, so that the i-th
   // send to a peer meets the peer's i-th receive from this rank.
   const TensorView& grouped = forward ? from : to;  // this rank's rows in grouped (by global expert) order
@@ -74,18 +104,41 @@ void ExpertParallel::exchange(const TensorView& to, const TensorView& from, cons
     }
   dispatching(comm_, forward ? "dispatch (all-to-all)" : "combine (all-to-all)", [&] {
     if (forward)
-      comm_.send_recv(by_destination, by_origin, be_.stream());
+      comm_.send_recv(by_destination, by_origin, stream);
     else
-      comm_.send_recv(by_origin, by_destination, be_.stream());
+      comm_.send_recv(by_origin, by_destination, stream);
   });
 }
 
 void ExpertParallel::dispatch(const TensorView& recv, const TensorView& send, const Plan& plan) const {
-  exchange(recv, send, plan, true);
+  exchange(recv, send, plan, true, be_.stream());
 }
 
 void ExpertParallel::combine(const TensorView& out, const TensorView& back, const Plan& plan) const {
-  exchange(out, back, plan, false);
+  exchange(out, back, plan, false, be_.stream());
+}
+
+void* ExpertParallel::side_stream() {
+  if (!be_.stream()) return nullptr;
+  // High priority: the exchange's blocks are dispatched before a GEMM's waiting ones.
+  if (!side_) side_ = SideStream::create(be_.stream(), true);
+  side_->wait_for_compute();
+  side_pending_ = true;
+  return side_->stream();
+}
+
+void ExpertParallel::dispatch_beside(const TensorView& recv, const TensorView& send, const Plan& plan) {
+  exchange(recv, send, plan, true, side_stream());
+}
+
+void ExpertParallel::combine_beside(const TensorView& out, const TensorView& back, const Plan& plan) {
+  exchange(out, back, plan, false, side_stream());
+}
+
+void ExpertParallel::join() {
+  if (!side_pending_) return;
+  side_->compute_waits();
+  side_pending_ = false;
 }
 
 TensorShard expert_row_shard(const TensorParallel& tp, const ExpertParallel& ep, const std::vector<std::int64_t>& parts) {

@@ -12,6 +12,7 @@
 // and the backward of each. All deterministic: ties, sums and orders are fixed, so a CUDA kernel
 // matches the CPU reference and reruns match bit for bit.
 #include <cstdint>
+#include <functional>
 
 #include "kiln/ops/prologue.hpp"
 #include "kiln/rng/philox.hpp"
@@ -140,7 +141,9 @@ struct GroupedLinearForward {
 // dx = dout @ weight[e] (weight_in_out: dout @ weight[e]^T), rows from offsets[E] on zero; with
 // dx_gelu_pre (x was gelu(pre)) dx = that * gelu'(pre). dweight [E, OC, IC] += dout^T @ x per expert
 // (weight_in_out: [E, IC, OC] += x^T @ dout); written with dweight_overwrite. Experts without rows
-// get a zero gradient added (or written).
+// get a zero gradient added (or written). dgrad_queued, when given, is called once dx's work is queued
+// and before the weight gradient's: what the caller queues on the stream then may read dx and runs
+// beside the weight gradient (an implementation that does not call it leaves that to the caller).
 struct GroupedLinearBackward {
   TensorView dx;           // [R, IC] act, optional
   TensorView dweight;      // [E, OC, IC] or [E, IC, OC] f32
@@ -151,6 +154,7 @@ struct GroupedLinearBackward {
   const std::int32_t* offsets_host = nullptr;
   bool weight_in_out = false;
   bool dweight_overwrite = false;
+  std::function<void()> dgrad_queued;
 };
 
 // Dropout on the first `rows` grouped rows of x [R, F] (this rank's columns [col_offset, col_offset

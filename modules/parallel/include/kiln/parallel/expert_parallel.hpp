@@ -9,14 +9,18 @@
 // Under tensor parallelism the experts are split over the TP group as the dense MLP is (expert
 // tensor parallelism = tp): every TP rank holds its 1/tp of each of its experts' hidden features.
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kiln/ops/backend.hpp"
 #include "kiln/parallel/communicator.hpp"
 #include "kiln/parallel/tensor_parallel.hpp"
+#include "kiln/tensor/buffer.hpp"
 #include "kiln/tensor/shard.hpp"
 
 namespace kiln::parallel {
+
+class SideStream;
 
 class ExpertParallel {
  public:
@@ -43,8 +47,13 @@ class ExpertParallel {
     std::vector<std::vector<std::int64_t>> send_at, send_rows, recv_at, recv_rows;  // [peer][local expert]
     std::int64_t received() const { return local_offsets.back(); }
   };
-  // Collective over the group: every rank's expert counts (offsets_host, [n_experts + 1]) exchanged.
+  // Collective over the group: every rank's expert counts (offsets_host, [n_experts + 1]) exchanged
+  // through host memory.
   Plan plan(const std::int32_t* offsets_host) const;
+  // The same from `offsets` ([n_experts + 1] i32 on the backend's device, as moe_permute wrote them):
+  // every rank's offsets gathered on the backend's stream and read back with one copy, the host's
+  // only wait; this rank's own written to offsets_host.
+  Plan plan(const TensorView& offsets, std::int32_t* offsets_host);
   // The grouped rows of `send` [R, C] to the ranks holding their experts, into `recv` [Rmax, C] (rows
   // laid out as the plan says; rows from plan.received() on untouched). Asynchronous on the backend's
   // stream. Names the group and the rank in errors.
@@ -52,13 +61,26 @@ class ExpertParallel {
   // The reverse: rows `back` [Rmax, C] (laid out as dispatch received them) to the ranks they came
   // from, into `out` [R, C] at the grouped rows they were sent from.
   void combine(const TensorView& out, const TensorView& back, const Plan& plan) const;
+  // dispatch and combine beside the backend's stream: queued on a stream of the group's own after the
+  // work queued on the backend's stream so far, so that the work queued next runs beside the
+  // exchange; join() makes the backend's stream wait for every exchange started so. Without a device
+  // stream (host buffers) they run as dispatch and combine do.
+  void dispatch_beside(const TensorView& recv, const TensorView& send, const Plan& plan);
+  void combine_beside(const TensorView& out, const TensorView& back, const Plan& plan);
+  void join();
 
  private:
-  void exchange(const TensorView& to, const TensorView& from, const Plan& plan, bool forward) const;
+  void exchange(const TensorView& to, const TensorView& from, const Plan& plan, bool forward, void* stream) const;
+  Plan plan_from(const std::int32_t* own, const std::vector<std::int32_t>& counts) const;
+  void* side_stream();
 
   Communicator& comm_;
   ops::Backend& be_;
   int size_ = 1, rank_ = 0, n_experts_ = 0;
+  Buffer offsets_all_;                // every rank's offsets, gathered (device)
+  std::vector<std::int32_t> host_;    // the same, read back
+  std::shared_ptr<SideStream> side_;  // the exchanges beside the backend's stream (made at the first)
+  bool side_pending_ = false;
 };
 
 // The rows of an experts' weight [n_experts x rows_per_expert, cols] that this rank holds: the
