@@ -2,10 +2,23 @@
 # On two GPUs: `kiln run --nproc 2` (one process per GPU, NCCL), rank 1 killed with SIGKILL once
 # training is under way. Rank 0 must stop in its collective naming rank 1 ("... because rank 1
 # disconnected"), and the launcher exit non-zero within twice the collective timeout, naming rank 1
-# and the signal. Skipped (KILN_SKIP) without a CUDA build or two GPUs.
-# usage: gpu_rank_killed_test.sh KILN
+# and the signal. Skipped (KILN_SKIP) without a CUDA build or two GPUs. LAYOUT "tp" (the default):
+# tensor parallelism; "ep": a mixture of experts with expert parallelism, where rank 1 dies with its
+# tokens' rows moving between the GPUs (rank 0 stops in the dispatch, the combine or the counts).
+# usage: gpu_rank_killed_test.sh KILN [LAYOUT]
 set -u
 KILN=$1
+LAYOUT=${2:-tp}
+case $LAYOUT in
+  tp) layout="[parallel]
+tp = 2" ;;
+  ep) layout="[model.moe]
+n_experts = 4
+top_k = 2
+[parallel]
+ep = 2" ;;
+  *) echo "FAIL: no layout '$LAYOUT' (tp, ep)"; exit 1 ;;
+esac
 if ! command -v nvidia-smi >/dev/null || [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
   echo "KILN_SKIP: needs two GPUs"
   exit 0
@@ -30,8 +43,7 @@ max_seq_len = 64
 [optim]
 [data]
 synthetic_vocab = 256
-[parallel]
-tp = 2
+$layout
 timeout_s = 30
 [log]
 every = 1
