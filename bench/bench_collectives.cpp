@@ -4,13 +4,16 @@
 // bus bandwidth = bytes / time x 2(n-1)/n for all-reduce, x (n-1)/n for reduce-scatter.
 // Then an all-reduce beside a GEMM (tensor parallelism's overlap): each alone, then the all-reduce on a
 // second stream while the GEMM runs, with the GEMM's SM count target and the stream's priority varied.
-// usage: bench_collectives --nproc N      (starts N ranks itself; rank 0 prints the table)
+// Then (two ranks) expert parallelism's all-to-all, whole or in pieces, its own rows through NCCL or copied.
+// usage: bench_collectives --nproc N      (starts N ranks itself; rank 0 prints the table;
+//   KILN_BENCH_A2A_ONLY=1: the all-to-all tables alone)
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -99,6 +102,57 @@ void overlap_table(const parallel::LaunchEnv& env, parallel::Communicator& comm,
   cublasLtDestroy(lt);
 }
 
+// Expert parallelism's all-to-all on two ranks, as moe-1b's dispatch moves rows: each rank sends
+// `mib` MiB to the other and as much to itself, cut into `pieces` transfers a peer (one per local
+// expert), or with its own rows copied by the copy engine outside NCCL (ms a call, median of 20).
+void all_to_all_table(const parallel::LaunchEnv& env, parallel::Communicator& comm, cudaStream_t s,
+                      const char* label) {
+  if (env.world != 2) return;
+  const std::size_t max_bytes = std::size_t(64) << 20;
+  Buffer send(Device::cuda, 2 * max_bytes), recv(Device::cuda, 2 * max_bytes);
+  KILN_CUDA_CHECK(cudaMemset(send.data(), 0x3c, send.bytes()));
+  const int peer = 1 - env.rank;
+  if (env.rank == 0) {
+    std::printf("\nall-to-all on 2 ranks (%s): ms a call, median of 20 (GB/s to the peer)\n", label);
+    std::printf("%8s | %16s %16s %16s %16s\n", "MiB/peer", "4 pieces+self", "1 piece+self", "4 pieces,self cp",
+                "1 piece,self cp");
+  }
+  for (std::size_t mib : {8, 32, 64}) {
+    const std::size_t bytes = mib << 20;
+    auto view = [&](Buffer& b, std::size_t at, std::size_t n) {
+      return TensorView(static_cast<char*>(b.data()) + at, {static_cast<std::int64_t>(n / 2)}, DType::bf16,
+                        Device::cuda);
+    };
+    double ms[4];
+    int col = 0;
+    for (bool self_by_copy : {false, true})
+      for (int pieces : {4, 1}) {
+        std::vector<parallel::Communicator::Transfer> sends, recvs;
+        const std::size_t piece = bytes / pieces;
+        for (int q = 0; q < 2; ++q) {
+          if (self_by_copy && q == env.rank) continue;
+          for (int i = 0; i < pieces; ++i) {
+            sends.push_back({q, view(send, q * max_bytes + i * piece, piece)});
+            recvs.push_back({q, view(recv, q * max_bytes + i * piece, piece)});
+          }
+        }
+        ms[col++] = median_ms(s, [&] {
+          if (self_by_copy)
+            KILN_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv.data()) + env.rank * max_bytes,
+                                            static_cast<char*>(send.data()) + env.rank * max_bytes, bytes,
+                                            cudaMemcpyDeviceToDevice, s));
+          comm.send_recv(sends, recvs, s);
+        }, 20);
+      }
+    (void)peer;
+    if (env.rank == 0) {
+      std::printf("%8zu |", mib);
+      for (double m : ms) std::printf(" %7.3f (%5.0f) ", m, bytes / (m * 1e-3) / 1e9);
+      std::printf("\n");
+    }
+  }
+}
+
 int rank_main(const parallel::LaunchEnv& env) {
   parallel::use_device(env.local_rank);
   const auto timeout = std::chrono::milliseconds(120000);
@@ -125,6 +179,19 @@ int rank_main(const parallel::LaunchEnv& env) {
 
   cudaStream_t s;
   KILN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  all_to_all_table(env, *nonblocking, s, "NCCL, non-blocking");
+  all_to_all_table(env, *comm, s, "NCCL, blocking");
+  all_to_all_table(env, *copy_engine, s, "copy engines");
+  if (std::getenv("KILN_BENCH_A2A_ONLY")) {
+    KILN_CUDA_CHECK(cudaStreamSynchronize(s));
+    ncclCommDestroy(raw);
+    comm.reset();
+    nonblocking.reset();
+    copy_engine.reset();
+    world.reset();
+    rdv->finish();
+    return 0;
+  }
   const std::size_t max_bytes = std::size_t(1) << 30;
   Buffer in(Device::cuda, max_bytes), out(Device::cuda, max_bytes);
   KILN_CUDA_CHECK(cudaMemset(in.data(), 0x3c, max_bytes));  // bf16 ~ 0.0115: finite, not zero

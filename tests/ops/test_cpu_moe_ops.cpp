@@ -284,6 +284,76 @@ TEST_CASE("grouped linears: each expert's rows through its own weight, backward 
   }
 }
 
+TEST_CASE("grouped linears over row groups that share experts equal the same rows grouped by expert, bit for bit") {
+  // Expert parallelism's received rows: by source rank, then expert (groups q E + e through expert
+  // e). The same rows laid out expert by expert (each expert's from rank 0, then rank 1) give the same
+  // outputs, data gradients and weight gradients bit for bit; expert 3 has no rows at all.
+  auto b = cpu();
+  const int E = 4, IC = 5, OC = 6, G = 8;
+  const std::vector<std::int32_t> counts = {2, 0, 3, 0, 1, 2, 0, 0};  // [source][expert]
+  std::vector<std::int32_t> goff(G + 1, 0), expert_of(G), eoff(E + 1, 0);
+  for (int g = 0; g < G; ++g) goff[g + 1] = goff[g] + counts[g], expert_of[g] = g % E;
+  const int R = goff[G] + 1;  // one row left alone
+  // Row r of the grouped layout sits at row at[r] of the expert layout.
+  std::vector<int> at(static_cast<std::size_t>(R), R - 1);
+  for (int e = 0, next = 0; e < E; ++e) {
+    eoff[e] = next;
+    for (int q = 0; q < 2; ++q)
+      for (int r = goff[q * E + e]; r < goff[q * E + e + 1]; ++r) at[r] = next++;
+    eoff[e + 1] = next;
+  }
+  auto regroup = [&](const std::vector<float>& v, int cols) {
+    std::vector<float> out(v.size());
+    for (int r = 0; r < R; ++r) std::copy_n(v.begin() + r * cols, cols, out.begin() + at[r] * cols);
+    return out;
+  };
+  for (bool in_out : {false, true}) {
+    CAPTURE(in_out);
+    const Shape wshape = in_out ? Shape{E, IC, OC} : Shape{E, OC, IC};
+    auto x = random_values(R * IC, 31), w = random_values(E * OC * IC, 32, 0.5f), dout = random_values(R * OC, 33);
+    auto xe = regroup(x, IC), doute = regroup(dout, OC);
+    std::vector<float> out(R * OC, 3.0f), oute(R * OC, 3.0f);
+    b->grouped_linear_forward({view(out, {R, OC}), view(x, {R, IC}), view(w, wshape), goff.data(), in_out, G,
+                               expert_of.data()});
+    b->grouped_linear_forward({view(oute, {R, OC}), view(xe, {R, IC}), view(w, wshape), eoff.data(), in_out});
+    CHECK(same_bits(regroup(out, OC), oute));
+    for (bool overwrite : {false, true}) {
+      CAPTURE(overwrite);
+      std::vector<float> dx(R * IC, 9.0f), dxe(R * IC, 9.0f), dw = random_values(E * OC * IC, 34), dwe = dw;
+      b->grouped_linear_backward({.dx = view(dx, {R, IC}),
+                                  .dweight = view(dw, wshape),
+                                  .dout = view(dout, {R, OC}),
+                                  .x = view(x, {R, IC}),
+                                  .weight = view(w, wshape),
+                                  .offsets_host = goff.data(),
+                                  .weight_in_out = in_out,
+                                  .dweight_overwrite = overwrite,
+                                  .groups = G,
+                                  .expert_of = expert_of.data()});
+      b->grouped_linear_backward({.dx = view(dxe, {R, IC}),
+                                  .dweight = view(dwe, wshape),
+                                  .dout = view(doute, {R, OC}),
+                                  .x = view(xe, {R, IC}),
+                                  .weight = view(w, wshape),
+                                  .offsets_host = eoff.data(),
+                                  .weight_in_out = in_out,
+                                  .dweight_overwrite = overwrite});
+      CHECK(same_bits(regroup(dx, IC), dxe));
+      CHECK(same_bits(dw, dwe));
+    }
+  }
+}
+
+TEST_CASE("weight_grad_passes: each expert's groups with rows in successive passes, in group order") {
+  const std::vector<std::int32_t> off = {0, 2, 2, 5, 6, 6, 9};  // groups 1 and 4 empty
+  const std::vector<std::int32_t> expert_of = {0, 1, 2, 0, 1, 2};
+  const auto passes = ops::weight_grad_passes(off.data(), 6, expert_of.data());
+  REQUIRE(passes.size() == 2);
+  CHECK(passes[0] == std::vector<int>{0, 2});
+  CHECK(passes[1] == std::vector<int>{3, 5});
+  CHECK(ops::weight_grad_passes(off.data(), 6, nullptr) == std::vector<std::vector<int>>{{0, 2, 3, 5}});
+}
+
 TEST_CASE("moe_dropout keeps each element by its choice's global id, the same wherever the row sits") {
   auto b = cpu();
   const int R = 6, F = 8, cols = 24, col0 = 8;

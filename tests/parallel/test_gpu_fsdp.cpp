@@ -1,6 +1,7 @@
 // FSDP's device path (gathers and reduce-scatters on a communication stream, the events between it
-// and the compute stream) on one GPU: two ranks as threads of this process share it, their
-// collectives going through host memory. Skipped without a GPU.
+// and the compute stream) and expert parallelism's (its exchanges beside the compute, its row groups)
+// on one GPU: two ranks as threads of this process share it, their collectives going through host
+// memory. Skipped without a GPU.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -79,5 +80,23 @@ TEST_CASE("CUDA: FSDP on two thread ranks sharing a GPU computes what data paral
       for (std::size_t s = 0; s < ref.loss.size(); ++s)
         CHECK_MESSAGE(std::fabs(f.loss[s] - ref.loss[s]) <= 1e-4 * std::fabs(ref.loss[s]), what, "step ", s + 1);
     }
+  }
+}
+
+TEST_CASE("CUDA: expert parallelism on two thread ranks sharing a GPU trains as the experts held whole, bf16 and FP8") {
+  if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  // ep = 2: each rank holds 2 of the 4 experts, its rows move as one piece a source rank and run as
+  // row groups by (source, expert) (ExpertParallel::Plan), the backward's exchanges beside the compute
+  // (on the in-process communicator: through host memory after each stream's work). Against the same
+  // two data-parallel ranks holding every expert: the experts' GEMMs split their rows differently, so
+  // the losses agree to GEMM rounding, not bit for bit.
+  const Sets moe = {"model.arch=llama", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=128"};
+  for (const Sets& precision : {Sets{}, Sets{"fp8.enabled=true"}}) {
+    const test::Trace whole = test::run_ranks(kModel, 2, moe + precision);
+    const test::Trace ep = test::run_ranks(kModel, 2, moe + precision + Sets{"parallel.ep=2"});
+    REQUIRE(ep.loss.size() == whole.loss.size());
+    for (std::size_t s = 0; s < whole.loss.size(); ++s)
+      CHECK_MESSAGE(std::fabs(ep.loss[s] - whole.loss[s]) <= 2e-3 * std::fabs(whole.loss[s]), precision.size(), " step ",
+                    s + 1, ": ", ep.loss[s], " against ", whole.loss[s]);
   }
 }

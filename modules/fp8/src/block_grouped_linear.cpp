@@ -226,7 +226,7 @@ void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && xs[0] == a.out.size(0) && a.out.ndim() == 2, name_,
              " forward: weight ", a.weight.str(), ", x ", xs.str(), ", out ", a.out.str());
   const std::int64_t R = xs[0], IC = xs[1], OC = a.out.size(1);
-  const int E = static_cast<int>(a.weight.size(0));
+  const int E = ops::row_groups(a.groups, a.weight.size(0));  // the row groups, each through its expert's weight
   KILN_CHECK((a.weight_in_out ? a.weight.size(1) == IC && a.weight.size(2) == OC
                               : a.weight.size(1) == OC && a.weight.size(2) == IC),
              name_, " forward: weight ", a.weight.str(), " for x ", xs.str(), " and out ", a.out.str());
@@ -262,7 +262,8 @@ void Fp8BlockGroupedLinear::forward(const ops::GroupedLinearForward& a, std::int
       kept.col_scale_inv = xc->scales_of(e);
     }
     groups.push_back(g);
-    const WeightOperand w = a.weight_in_out ? transposed(e) : stored(e);
+    const int we = ops::group_expert(a.expert_of, e);
+    const WeightOperand w = a.weight_in_out ? transposed(we) : stored(we);
     products.add(codes, xq.scales_of(e), w.codes, w.scale_inv, a.out.rows(off[e], n));
   }
   ops_.quantize_blocks_grouped({x, ScalingMode::block_1x128, recipe_.pow2, groups});
@@ -275,7 +276,8 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   const Shape ds = source_shape(dout, (name_ + " backward output gradient").c_str());
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host, name_, " backward: weight ", a.weight.str(), ", dout ", ds.str());
   const std::int64_t R = ds[0], OC = ds[1], IC = a.weight_in_out ? a.weight.size(1) : a.weight.size(2);
-  const int E = static_cast<int>(a.weight.size(0));
+  const int experts_w = static_cast<int>(a.weight.size(0));
+  const int E = ops::row_groups(a.groups, experts_w);  // the row groups, each through its expert's weight
   // The input (not read where kept from the forward).
   const QuantizeSource x = keep_input_ ? QuantizeSource{} : to_source(a.x);
   if (!keep_input_) {
@@ -314,16 +316,29 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   if (!keep_input_) next = xc.place(next);
   ExpertProducts dgrad(ops_, "fp8_block_grouped_gemm_dgrad");
   dgrad.set_scratch(next);
-  std::vector<GemmArgs> wgrad;
+  // The weight gradient in passes where groups share an expert (ops::weight_grad_passes): each group's
+  // product in its pass's list; experts without rows written zero (with overwrite).
+  const std::vector<std::vector<int>> passes = ops::weight_grad_passes(off, E, a.expert_of);
+  std::vector<int> pass_of(static_cast<std::size_t>(E), 0);
+  for (std::size_t p = 0; p < passes.size(); ++p)
+    for (const int g : passes[p]) pass_of[static_cast<std::size_t>(g)] = static_cast<int>(p);
+  std::vector<char> has_rows(static_cast<std::size_t>(experts_w), 0);
+  for (int g = 0; g < E; ++g)
+    if (off[g + 1] > off[g]) has_rows[static_cast<std::size_t>(ops::group_expert(a.expert_of, g))] = 1;
+  if (a.dweight_overwrite)
+    for (int e = 0; e < experts_w; ++e)
+      if (!has_rows[static_cast<std::size_t>(e)]) {
+        const TensorView dw = expert_matrix(a.dweight, e);
+        ops_.zero(dw.data, dw.bytes());
+      }
+  std::vector<std::vector<GemmArgs>> wgrad(passes.size());
   std::vector<BlockGroup> dout_groups, x_groups;
   const Device dev = ops_.device();
-  for (int e = 0; e < E; ++e) {
+  for (int e = 0; e < E; ++e) {  // e: the row group
     const std::int64_t n = off[e + 1] - off[e];
-    const TensorView dw = expert_matrix(a.dweight, e);
-    if (n == 0) {  // no rows: a zero weight gradient written, or nothing added
-      if (a.dweight_overwrite) ops_.zero(dw.data, dw.bytes());
-      continue;
-    }
+    const int we = ops::group_expert(a.expert_of, e);
+    const TensorView dw = expert_matrix(a.dweight, we);
+    if (n == 0) continue;
     const TensorView g_row = dx ? gr.codes_of(e, recipe_.grad, dev) : TensorView{};
     const TensorView g_col = gc.codes_of(e, recipe_.grad, dev), x_col = xc.codes_of(e, recipe_.input, dev);
     dout_groups.push_back({off[e], n, g_row, dx ? gr.scales_of(e) : nullptr, g_col, gc.scales_of(e)});
@@ -334,12 +349,13 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
                                                  "fp8_block_grouped_gemm_wgrad")
                                  : block_product(g_col, gc.scales_of(e), ScalingMode::block_1x128, x_col,
                                                  xc.scales_of(e), xc_mode, dw, "fp8_block_grouped_gemm_wgrad");
+    const int pass = pass_of[static_cast<std::size_t>(e)];
     w.f32_result = true;
-    w.accumulate = !a.dweight_overwrite;
-    wgrad.push_back(w);
+    w.accumulate = !(a.dweight_overwrite && pass == 0);
+    wgrad[static_cast<std::size_t>(pass)].push_back(w);
     // dgrad: dx[e] [n, IC] = dout[e] @ W[e]: the copy of the weight whose rows are IC.
     if (!dx) continue;
-    const WeightOperand wt = a.weight_in_out ? stored(e) : transposed(e);
+    const WeightOperand wt = a.weight_in_out ? stored(we) : transposed(we);
     dgrad.add(g_row, gr.scales_of(e), wt.codes, wt.scale_inv, a.dx.rows(off[e], n));
   }
   ops_.quantize_blocks_grouped({dout, ScalingMode::block_1x128, recipe_.pow2, dout_groups});
@@ -347,7 +363,7 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   if (dx) dgrad.run();
   if (dx && a.dx_gelu_pre && used > 0) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));
   if (a.dgrad_queued) a.dgrad_queued();
-  ops_.gemm_grouped(wgrad);
+  for (const std::vector<GemmArgs>& pass : wgrad) ops_.gemm_grouped(pass);
 }
 
 }  // namespace kiln::fp8

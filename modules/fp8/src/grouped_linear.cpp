@@ -155,7 +155,7 @@ void Fp8GroupedLinear::forward(const ops::GroupedLinearForward& a, std::int64_t 
   const Shape xs = grouped_source_shape(x, name_.c_str());
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host && xs[0] == a.out.size(0), name_, " forward: weight ",
              a.weight.str(), ", x [", xs[0], ",", xs[1], "], out ", a.out.str());
-  const std::int64_t E = a.weight.size(0), IC = xs[1];
+  const std::int64_t E = ops::row_groups(a.groups, a.weight.size(0)), IC = xs[1];  // E: the row groups
   KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
              ": a replayed forward needs the weight of the original one");
   ensure_weight(a.weight, weight_version);
@@ -175,12 +175,13 @@ void Fp8GroupedLinear::forward(const ops::GroupedLinearForward& a, std::int64_t 
   ops_.quantize_grouped(
       {x, off, experts, fp8(sx, codes_x, {used, IC}, kept, {segment_row(off, experts) * IC}), record});
   ops_.gemm_grouped(rows_products("fp8_grouped_gemm_forward", {codes_x, sx}, {forward_codes(a.weight_in_out), sw}, a.out, off,
-                                  E, IC, recipe_.fast_accum_forward));
+                                  E, IC, recipe_.fast_accum_forward, a.expert_of));
 }
 
 std::vector<GemmArgs> Fp8GroupedLinear::rows_products(const char* what, const Operand& x, const Operand& w,
                                                       const TensorView& d, const std::int32_t* off, std::int64_t E,
-                                                      std::int64_t K, bool fast_accum) const {
+                                                      std::int64_t K, bool fast_accum,
+                                                      const std::int32_t* expert_of) const {
   const std::int64_t N = d.size(1);
   std::vector<GemmArgs> gs;
   for (std::int64_t e = 0; e < E; ++e) {
@@ -190,7 +191,8 @@ std::vector<GemmArgs> Fp8GroupedLinear::rows_products(const char* what, const Op
     g.what = what;
     g.x = codes(static_cast<std::uint8_t*>(x.codes) + off[e] * K, {rows, K}, x.slot);
     g.x_scale_inv = x.slot.scale_inv;
-    g.y = codes(static_cast<std::uint8_t*>(w.codes) + e * N * K, {N, K}, w.slot);
+    g.y = codes(static_cast<std::uint8_t*>(w.codes) + ops::group_expert(expert_of, static_cast<int>(e)) * N * K, {N, K},
+                w.slot);
     g.y_scale_inv = w.slot.scale_inv;
     g.d = d.rows(off[e], rows);
     g.fast_accum = fast_accum;
@@ -203,7 +205,8 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   const GroupedSource dout = grad_source(a.dout);
   const Shape ds = grouped_source_shape(dout, name_.c_str());
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host, name_, " backward: weight ", a.weight.str());
-  const std::int64_t E = a.weight.size(0), R = ds[0], OC = ds[1];
+  // E: the row groups (one per expert unless a.groups says), each through its expert's weight.
+  const std::int64_t experts_w = a.weight.size(0), E = ops::row_groups(a.groups, experts_w), R = ds[0], OC = ds[1];
   const std::int64_t IC = a.weight_in_out ? a.weight.size(1) : a.weight.size(2);
   KILN_CHECK((a.weight_in_out ? a.weight.size(2) : a.weight.size(1)) == OC, name_, " backward: weight ",
              a.weight.str(), ", dout [", R, ",", OC, "]");
@@ -239,34 +242,41 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   if (!keep_input_)
     ops_.quantize_grouped({input_source(a.x, name_), off, experts, fp8(sx, nullptr, {}, xc, {padded * IC}), nullptr});
   if (a.dx) {  // dx[e] [rows, IC] = dout[e] [rows, OC] @ W[e] [OC, IC]
-    ops_.gemm_grouped(rows_products("fp8_grouped_gemm_dgrad", {gr, sg}, {dgrad_codes(a.weight_in_out), sw}, a.dx, off, E, OC, false));
+    ops_.gemm_grouped(
+        rows_products("fp8_grouped_gemm_dgrad", {gr, sg}, {dgrad_codes(a.weight_in_out), sw}, a.dx, off, E, OC, false, a.expert_of));
     if (a.dx_gelu_pre) ops_.dgelu(a.dx.rows(0, used), a.dx_gelu_pre.rows(0, used));
   }
   if (a.dgrad_queued) a.dgrad_queued();
-  // dW[e] [OC, IC] += dout[e]^T @ x[e] (K = the expert's padded rows: zeros add nothing); an FC2
-  // stored [IC, OC] per expert takes x^T @ dout.
-  std::vector<GemmArgs> gs;
-  for (int e = 0, at = 0; e < experts; at += static_cast<int>(segment_rows(off, e)), ++e) {
-    const TensorView dw = expert_matrix(a.dweight, e);
-    if (off[e + 1] == off[e]) {
-      if (a.dweight_overwrite) ops_.zero(dw.data, dw.bytes());
-      continue;
+  // dW[e] [OC, IC] += dout[g]^T @ x[g] over expert e's groups g (K = a group's padded rows: zeros add
+  // nothing), in passes where groups share an expert; an FC2 stored [IC, OC] per expert takes x^T @ dout.
+  std::vector<char> has_rows(static_cast<std::size_t>(experts_w), 0);
+  for (int g = 0; g < experts; ++g)
+    if (off[g + 1] > off[g]) has_rows[static_cast<std::size_t>(ops::group_expert(a.expert_of, g))] = 1;
+  if (a.dweight_overwrite)
+    for (std::int64_t e = 0; e < experts_w; ++e)
+      if (!has_rows[static_cast<std::size_t>(e)]) {
+        const TensorView dw = expert_matrix(a.dweight, e);
+        ops_.zero(dw.data, dw.bytes());
+      }
+  const std::vector<std::vector<int>> passes = ops::weight_grad_passes(off, experts, a.expert_of);
+  for (std::size_t pass = 0; pass < passes.size(); ++pass) {
+    std::vector<GemmArgs> gs;
+    for (const int g : passes[pass]) {
+      const std::int64_t P = segment_rows(off, g), at = segment_row(off, g);
+      const TensorView dout_t = codes(gc + at * OC, {OC, P}, sg), x_t = codes(xc + at * IC, {IC, P}, sx);
+      GemmArgs w;
+      w.what = "fp8_grouped_gemm_wgrad";
+      w.x = a.weight_in_out ? x_t : dout_t;
+      w.x_scale_inv = a.weight_in_out ? sx.scale_inv : sg.scale_inv;
+      w.y = a.weight_in_out ? dout_t : x_t;
+      w.y_scale_inv = a.weight_in_out ? sg.scale_inv : sx.scale_inv;
+      w.d = expert_matrix(a.dweight, ops::group_expert(a.expert_of, g));
+      w.f32_result = true;
+      w.accumulate = !(a.dweight_overwrite && pass == 0);
+      gs.push_back(w);
     }
-    const std::int64_t P = segment_rows(off, e);
-    const TensorView dout_t = codes(gc + static_cast<std::int64_t>(at) * OC, {OC, P}, sg),
-                     x_t = codes(xc + static_cast<std::int64_t>(at) * IC, {IC, P}, sx);
-    GemmArgs w;
-    w.what = "fp8_grouped_gemm_wgrad";
-    w.x = a.weight_in_out ? x_t : dout_t;
-    w.x_scale_inv = a.weight_in_out ? sx.scale_inv : sg.scale_inv;
-    w.y = a.weight_in_out ? dout_t : x_t;
-    w.y_scale_inv = a.weight_in_out ? sg.scale_inv : sx.scale_inv;
-    w.d = dw;
-    w.f32_result = true;
-    w.accumulate = !a.dweight_overwrite;
-    gs.push_back(w);
+    ops_.gemm_grouped(gs);
   }
-  ops_.gemm_grouped(gs);
 }
 
 }  // namespace kiln::fp8

@@ -397,6 +397,19 @@ void check_offsets(const OpArgs& c, const std::int32_t* offsets, std::int64_t E,
             offsets[e + 1]);
   c.check(offsets[E] <= R, "offsets_host[E] = ", offsets[E], " exceeds the ", R, " rows");
 }
+// The row groups (GroupedLinearForward::groups) of a grouped linear with E experts, each group's
+// expert one of them: how many groups.
+std::int64_t check_groups(const OpArgs& c, int groups, const std::int32_t* expert_of, std::int64_t E) {
+  if (groups == 0) {
+    c.check(expert_of == nullptr, "expert_of without groups");
+    return E;
+  }
+  c.check(groups > 0 && expert_of != nullptr, "groups = ", groups, " needs expert_of, one expert a group");
+  for (int g = 0; g < groups; ++g)
+    c.check(expert_of[g] >= 0 && expert_of[g] < E, "expert_of[", g, "] = ", expert_of[g], " outside the ", E,
+            " experts");
+  return groups;
+}
 }  // namespace
 
 namespace {
@@ -417,8 +430,9 @@ GroupedDims check_args(const GroupedLinearForward& a, const ArgTarget& on) {
   c.tensor("x", x, Act, {R, IC});
   c.tensor("out", a.out, Act, {R, OC});
   grouped_weight(c, "weight", a.weight, Act, a.weight_in_out, E, IC, OC);
-  check_offsets(c, a.offsets_host, c[E], c[R]);
-  return {c[E], c[R], c[IC], c[OC], x, {}};
+  const std::int64_t G = check_groups(c, a.groups, a.expert_of, c[E]);
+  check_offsets(c, a.offsets_host, G, c[R]);
+  return {c[E], c[R], c[IC], c[OC], x, {}, G};
 }
 
 GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on) {
@@ -432,8 +446,9 @@ GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on) {
   c.optional("dx", a.dx, Act, {R, IC});
   if (c.optional("dx_gelu_pre", a.dx_gelu_pre, Act, {R, IC}))
     c.check(static_cast<bool>(a.dx), "dx_gelu_pre without dx: the GELU's derivative applies to dx");
-  check_offsets(c, a.offsets_host, c[E], c[R]);
-  return {c[E], c[R], c[IC], c[OC], x, dout};
+  const std::int64_t G = check_groups(c, a.groups, a.expert_of, c[E]);
+  check_offsets(c, a.offsets_host, G, c[R]);
+  return {c[E], c[R], c[IC], c[OC], x, dout, G};
 }
 
 MoeDims check_args(const MoeDropout& a, const ArgTarget& on) {

@@ -90,6 +90,7 @@ MoeDims check_args(const MoeDropout& a, const ArgTarget& on);
 struct GroupedDims {
   std::int64_t E, R, IC, OC;
   TensorView x, dout;  // the plain operands (dout: backward only)
+  std::int64_t G;      // row groups (E unless GroupedLinearForward::groups says)
 };
 GroupedDims check_args(const GroupedLinearForward& a, const ArgTarget& on);
 GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on);

@@ -61,6 +61,12 @@ MoeMlp::MoeMlp(LayerBuilder& b, const MoeOptions& o, std::unique_ptr<Mlp> shared
   tokens_.assign(static_cast<std::size_t>(E), 0.0);
 }
 
+int MoeMlp::row_groups() const { return ep_.size() > 1 ? routing().plan.groups() : 0; }
+
+const std::int32_t* MoeMlp::expert_of() const {
+  return ep_.size() > 1 ? routing().plan.expert_of.data() : nullptr;
+}
+
 std::int64_t MoeMlp::fc_local() const { return (gelu() ? 1 : 2) * hidden_local(); }
 
 std::int64_t MoeMlp::expert_rows() const {
@@ -236,7 +242,7 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
     if (ids_in_) ep_.dispatch(ids_in_, source_, routing().plan);
     local = routing().plan.local_offsets.data();
   }
-  impl(fc_linear_).forward({pre_, x_in_, weight(fc_, false), local});
+  impl(fc_linear_).forward({pre_, x_in_, weight(fc_, false), local, false, row_groups(), expert_of()});
   if (act_output_ != ActOutput::on_load) activate();
 }
 
@@ -248,7 +254,8 @@ void MoeMlp::forward_out(const TensorView& out_local) {
     shared_->forward_out(out_local);
     be.copy(shared_out_, out_local);
   }
-  impl(proj_linear_).forward({moves ? y_out_ : y_, fc2_input(), weight(proj_, false), local, /*weight_in_out=*/true});
+  impl(proj_linear_).forward(
+      {moves ? y_out_ : y_, fc2_input(), weight(proj_, false), local, /*weight_in_out=*/true, row_groups(), expert_of()});
   if (moves) ep_.combine(y_, y_out_, routing().plan);
   // Each token's experts' outputs, weighted: this rank's part of the experts' hidden features, a
   // partial sum over TP like a row-parallel output, summed over the group into this rank's rows.
@@ -311,13 +318,15 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
                               .dx_gelu_pre = fuse_gelu ? pre_ : TensorView{},
                               .offsets_host = local,
                               .weight_in_out = true,
-                              .dweight_overwrite = first_micro_batch()});
+                              .dweight_overwrite = first_micro_batch(),
+                              .groups = row_groups(),
+                              .expert_of = expert_of()});
   if (dropout_on()) be.moe_dropout(dropout_args(dact_));
   ops::OutputGrad dfc = dpre_;
   if (dact_on_load_) {
     dfc = gelu() ? ops::OutputGrad(ops::DgeluOnLoad{dact_, pre_}) : ops::OutputGrad(ops::DswigluOnLoad{dact_, pre_});
   } else if (!fuse_gelu) {
-    const std::int64_t used = local[ep_.local_experts()];
+    const std::int64_t used = moves ? routing().plan.received() : routing().offsets_host.back();
     if (gelu())
       be.gelu_backward({dpre_.rows(0, used), dact_.rows(0, used), pre_.rows(0, used)});
     else
@@ -337,7 +346,9 @@ TensorView MoeMlp::backward(const TensorView& dout_local, const ops::LinearInput
                               .weight = weight(fc_, false),
                               .offsets_host = local,
                               .dweight_overwrite = first_micro_batch(),
-                              .dgrad_queued = moves ? std::function<void()>(send_back) : std::function<void()>()});
+                              .dgrad_queued = moves ? std::function<void()>(send_back) : std::function<void()>(),
+                              .groups = row_groups(),
+                              .expert_of = expert_of()});
   if (!returned) send_back();  // an implementation that did not say when dx was queued
   if (moves) ep_.join();
   const TensorView col_dx = ctx_.stream.col_dx;

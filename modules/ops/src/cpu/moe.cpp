@@ -240,14 +240,14 @@ void CpuBackend::moe_combine_backward(const MoeCombineBackward& a) {
 void CpuBackend::grouped_linear_forward(const GroupedLinearForward& a) {
   Timer timer(*this, "grouped_linear_forward");
   const GroupedDims d = check_args(a, kTarget);
-  const std::int64_t E = d.E, IC = d.IC, OC = d.OC;
+  const std::int64_t G = d.G, IC = d.IC, OC = d.OC;
   const float *x = d.x.as<float>(), *w = a.weight.as<float>();
   float* out = a.out.as<float>();
   const std::int32_t* off = a.offsets_host;
   // Element (o, i) of expert e's weight as an [out, in] matrix.
   const std::int64_t so = a.weight_in_out ? 1 : IC, si = a.weight_in_out ? OC : 1;
-  for (std::int64_t e = 0; e < E; ++e) {
-    const float* we = w + e * OC * IC;
+  for (int e = 0; e < static_cast<int>(G); ++e) {  // e: the row group, through its expert's weight
+    const float* we = w + group_expert(a.expert_of, e) * OC * IC;
 #pragma omp parallel for num_threads(threads_) schedule(static)
     for (std::int64_t r = off[e]; r < off[e + 1]; ++r)
       for (std::int64_t o = 0; o < OC; ++o) {
@@ -261,16 +261,16 @@ void CpuBackend::grouped_linear_forward(const GroupedLinearForward& a) {
 void CpuBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
   Timer timer(*this, "grouped_linear_backward");
   const GroupedDims d = check_args(a, kTarget);
-  const std::int64_t E = d.E, R = d.R, IC = d.IC, OC = d.OC;
+  const std::int64_t E = d.E, G = d.G, R = d.R, IC = d.IC, OC = d.OC;
   const float *x = d.x.as<float>(), *w = a.weight.as<float>(), *dout = d.dout.as<float>();
   const float* pre = a.dx_gelu_pre ? a.dx_gelu_pre.as<float>() : nullptr;
   const std::int32_t* off = a.offsets_host;
   const std::int64_t so = a.weight_in_out ? 1 : IC, si = a.weight_in_out ? OC : 1;
   if (a.dx) {
     float* dx = a.dx.as<float>();
-    std::fill(dx + static_cast<std::int64_t>(off[E]) * IC, dx + R * IC, 0.0f);
-    for (std::int64_t e = 0; e < E; ++e) {
-      const float* we = w + e * OC * IC;
+    std::fill(dx + static_cast<std::int64_t>(off[G]) * IC, dx + R * IC, 0.0f);
+    for (int e = 0; e < static_cast<int>(G); ++e) {  // e: the row group, through its expert's weight
+      const float* we = w + group_expert(a.expert_of, e) * OC * IC;
 #pragma omp parallel for num_threads(threads_) schedule(static)
       for (std::int64_t r = off[e]; r < off[e + 1]; ++r) {
         std::vector<float> acc(static_cast<std::size_t>(IC), 0.0f);
@@ -285,13 +285,19 @@ void CpuBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
   }
   if (a.dgrad_queued) a.dgrad_queued();
   float* dw = a.dweight.as<float>();
+  // Each expert's rows: its groups' in group order, summed in one accumulator (the same sums as one
+  // group per expert holding those rows).
+  std::vector<std::vector<int>> of(static_cast<std::size_t>(E));
+  for (int g = 0; g < static_cast<int>(G); ++g) of[static_cast<std::size_t>(group_expert(a.expert_of, g))].push_back(g);
   for (std::int64_t e = 0; e < E; ++e) {
     float* dwe = dw + e * OC * IC;
+    const std::vector<int>& groups = of[static_cast<std::size_t>(e)];
 #pragma omp parallel for num_threads(threads_) schedule(static)
     for (std::int64_t o = 0; o < OC; ++o)
       for (std::int64_t i = 0; i < IC; ++i) {
         float acc = 0;
-        for (std::int64_t r = off[e]; r < off[e + 1]; ++r) acc += dout[r * OC + o] * x[r * IC + i];
+        for (const int g : groups)
+          for (std::int64_t r = off[g]; r < off[g + 1]; ++r) acc += dout[r * OC + o] * x[r * IC + i];
         float& g = dwe[o * so + i * si];
         g = a.dweight_overwrite ? acc : g + acc;
       }

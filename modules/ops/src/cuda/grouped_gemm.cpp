@@ -16,6 +16,8 @@
 // unchanged). Its device pointer arrays are read when it runs: stream order protects them.
 #include "grouped_gemm.hpp"
 
+#include "kiln/ops/moe.hpp"
+
 #include <iostream>
 
 #include "kiln/tensor/alignment.hpp"
@@ -107,23 +109,23 @@ bool GroupedGemm::one_call(const bf16* D, const bf16* X, const bf16* W, int E, i
          aligned16(X) && aligned16(W);
 }
 
-void GroupedGemm::per_expert(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int E, int K, int N,
-                             bool w_nk) {
-  const int lanes = LtLanes::lanes_for(busy(off, E));
+void GroupedGemm::per_expert(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int G, int K, int N,
+                             bool w_nk, const std::int32_t* expert_of) {
+  const int lanes = LtLanes::lanes_for(busy(off, G));
   lanes_.fork(lanes);
-  for (int e = 0, lane = 0; e < E; ++e) {
-    const int rows = off[e + 1] - off[e];
+  for (int g = 0, lane = 0; g < G; ++g) {
+    const int rows = off[g + 1] - off[g];
     if (rows == 0) continue;
     lt_gemm({.ta = w_nk ? CUBLAS_OP_T : CUBLAS_OP_N,
              .tb = CUBLAS_OP_N,
              .m = N,
              .n = rows,
              .k = K,
-             .a = W + static_cast<std::int64_t>(e) * N * K,
+             .a = W + static_cast<std::int64_t>(ops::group_expert(expert_of, g)) * N * K,
              .lda = w_nk ? K : N,
-             .b = X + static_cast<std::int64_t>(off[e]) * K,
+             .b = X + static_cast<std::int64_t>(off[g]) * K,
              .ldb = K,
-             .c = D + static_cast<std::int64_t>(off[e]) * N,
+             .c = D + static_cast<std::int64_t>(off[g]) * N,
              .ldc = N},
             lane);
     lane = (lane + 1) % lanes;
@@ -132,9 +134,9 @@ void GroupedGemm::per_expert(bf16* D, const bf16* X, const bf16* W, const std::i
 }
 
 void GroupedGemm::rows_times_weight(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int E, int K,
-                                    int N, bool w_nk) {
+                                    int N, bool w_nk, const std::int32_t* expert_of) {
   if (!one_call(D, X, W, E, K, N)) {
-    per_expert(D, X, W, off, E, K, N, w_nk);
+    per_expert(D, X, W, off, E, K, N, w_nk, expert_of);
     return;
   }
   const auto n = static_cast<std::size_t>(E);
@@ -153,7 +155,7 @@ void GroupedGemm::rows_times_weight(bf16* D, const bf16* X, const bf16* W, const
   for (int e = 0; e < E; ++e) {
     const int rows = off[e + 1] - off[e];
     if (rows == 0) continue;
-    table_.expert[groups] = e;
+    table_.expert[groups] = ops::group_expert(expert_of, e);
     table_.row0[groups] = off[e];
     n_[static_cast<std::size_t>(groups)] = rows;
     ++groups;
@@ -180,41 +182,48 @@ void GroupedGemm::rows_times_weight(bf16* D, const bf16* X, const bf16* W, const
     std::cerr << "[kiln] cuBLAS's grouped GEMM is not supported here (" << cublasGetStatusString(st)
               << "): the experts' linears run one GEMM per expert\n";
     grouped_unsupported_ = true;
-    per_expert(D, X, W, off, E, K, N, w_nk);
+    per_expert(D, X, W, off, E, K, N, w_nk, expert_of);
     return;
   }
   KILN_CUBLAS_CHECK(st);
 }
 
-void GroupedGemm::weight_grad(float* dW, const bf16* A, const bf16* B, const std::int32_t* off, int E, int P, int Q,
-                              bool overwrite) {
+void GroupedGemm::weight_grad(float* dW, const bf16* A, const bf16* B, const std::int32_t* off, int G, int E, int P,
+                              int Q, bool overwrite, const std::int32_t* expert_of) {
   const std::int64_t per = static_cast<std::int64_t>(P) * Q;
-  for (int e = 0; e < E; ++e)  // on the backend's stream, before the fork
-    if (overwrite && off[e + 1] == off[e])
-      KILN_CUDA_CHECK(cudaMemsetAsync(dW + e * per, 0, static_cast<std::size_t>(per) * sizeof(float), stream_));
-  const int lanes = LtLanes::lanes_for(busy(off, E));
-  lanes_.fork(lanes);
-  for (int e = 0, lane = 0; e < E; ++e) {
-    const int rows = off[e + 1] - off[e];
-    if (rows == 0) continue;
-    float* dWe = dW + e * per;
-    lt_gemm({.ta = CUBLAS_OP_N,
-             .tb = CUBLAS_OP_T,
-             .m = Q,
-             .n = P,
-             .k = rows,
-             .a = B + static_cast<std::int64_t>(off[e]) * Q,
-             .lda = Q,
-             .b = A + static_cast<std::int64_t>(off[e]) * P,
-             .ldb = P,
-             .c = dWe,
-             .ldc = Q,
-             .c_f32 = true,
-             .beta = overwrite ? 0.0f : 1.0f},
-            lane);
-    lane = (lane + 1) % lanes;
+  if (overwrite) {  // on the backend's stream, before the fork
+    std::vector<char> has_rows(static_cast<std::size_t>(E), 0);
+    for (int g = 0; g < G; ++g)
+      if (off[g + 1] > off[g]) has_rows[static_cast<std::size_t>(ops::group_expert(expert_of, g))] = 1;
+    for (int e = 0; e < E; ++e)
+      if (!has_rows[static_cast<std::size_t>(e)])
+        KILN_CUDA_CHECK(cudaMemsetAsync(dW + e * per, 0, static_cast<std::size_t>(per) * sizeof(float), stream_));
   }
-  lanes_.join(lanes);
+  const std::vector<std::vector<int>> passes = ops::weight_grad_passes(off, G, expert_of);
+  for (std::size_t pass = 0; pass < passes.size(); ++pass) {
+    const int lanes = LtLanes::lanes_for(static_cast<int>(passes[pass].size()));
+    lanes_.fork(lanes);
+    int lane = 0;
+    for (const int g : passes[pass]) {
+      float* dWe = dW + ops::group_expert(expert_of, g) * per;
+      lt_gemm({.ta = CUBLAS_OP_N,
+               .tb = CUBLAS_OP_T,
+               .m = Q,
+               .n = P,
+               .k = off[g + 1] - off[g],
+               .a = B + static_cast<std::int64_t>(off[g]) * Q,
+               .lda = Q,
+               .b = A + static_cast<std::int64_t>(off[g]) * P,
+               .ldb = P,
+               .c = dWe,
+               .ldc = Q,
+               .c_f32 = true,
+               .beta = overwrite && pass == 0 ? 0.0f : 1.0f},
+              lane);
+      lane = (lane + 1) % lanes;
+    }
+    lanes_.join(lanes);
+  }
 }
 
 }  // namespace kiln::cuda

@@ -47,22 +47,25 @@ class GroupedGemm {
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;
 
-  // For each expert e with rows [off[e], off[e + 1]):
+  // For each row group g with rows [off[g], off[g + 1]) and its expert e = expert_of[g] (null: g):
   //   D[rows] = X[rows] @ W_e^T (w_nk: W is [E, N, K]), or X[rows] @ W_e (W is [E, K, N]);
-  // X [R, K], D [R, N], row-major bf16. Rows from off[E] on are not touched.
-  void rows_times_weight(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int E, int K, int N,
-                         bool w_nk);
+  // X [R, K], D [R, N], row-major bf16. Rows from off[G] on are not touched.
+  void rows_times_weight(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int G, int K, int N,
+                         bool w_nk, const std::int32_t* expert_of = nullptr);
   // Whether rows_times_weight with these arguments runs as one grouped call: every matrix 16-byte
   // aligned (K, N multiples of 8, 16-byte aligned bases; the grouped call cannot see its device
   // pointers' alignment), at most kGroupedMaxGroups experts. Otherwise one cuBLASLt matmul per expert.
   bool one_call(const bf16* D, const bf16* X, const bf16* W, int E, int K, int N) const;
-  // For each expert e: dW_e [P, Q] (row-major f32) = (overwrite) or += A[rows]^T @ B[rows], A [R, P],
-  // B [R, Q] bf16. Experts without rows: dW_e written zero with overwrite, else untouched.
-  void weight_grad(float* dW, const bf16* A, const bf16* B, const std::int32_t* off, int E, int P, int Q,
-                   bool overwrite);
+  // For each expert e of E: dW_e [P, Q] (row-major f32) = (overwrite) or += A[rows]^T @ B[rows] over
+  // the rows of its groups (G groups, expert_of as above), A [R, P], B [R, Q] bf16; an expert's groups
+  // in passes (ops::weight_grad_passes). Experts without rows: dW_e written zero with overwrite, else
+  // untouched.
+  void weight_grad(float* dW, const bf16* A, const bf16* B, const std::int32_t* off, int G, int E, int P, int Q,
+                   bool overwrite, const std::int32_t* expert_of = nullptr);
 
  private:
-  void per_expert(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int E, int K, int N, bool w_nk);
+  void per_expert(bf16* D, const bf16* X, const bf16* W, const std::int32_t* off, int G, int K, int N, bool w_nk,
+                  const std::int32_t* expert_of);
   // The experts of `off` that have rows.
   static int busy(const std::int32_t* off, int E);
   // One column-major cuBLASLt matmul C[m, n] = op(A) op(B) (+ beta C): bf16 A and B, C bf16 or f32.

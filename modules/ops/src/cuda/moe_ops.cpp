@@ -99,27 +99,27 @@ void CudaBackend::moe_combine_backward(const MoeCombineBackward& a) {
 // "..._per_expert" in the op table where the data GEMMs cannot run as one grouped call.
 void CudaBackend::grouped_linear_forward(const GroupedLinearForward& a) {
   const GroupedDims d = check_args(a, kTarget);
-  const int E = i32(d.E), IC = i32(d.IC), OC = i32(d.OC);
+  const int G = i32(d.G), IC = i32(d.IC), OC = i32(d.OC);
   cuda::GroupedGemm& gg = grouped_gemm();
   bf16* out = dptr<bf16>(a.out);
   const bf16 *x = dptr<bf16>(d.x), *w = dptr<bf16>(a.weight);
-  Timer t(*this, gg.one_call(out, x, w, E, IC, OC) ? "grouped_linear_forward" : "grouped_linear_forward_per_expert");
-  gg.rows_times_weight(out, x, w, a.offsets_host, E, /*K=*/IC, /*N=*/OC, /*w_nk=*/!a.weight_in_out);
+  Timer t(*this, gg.one_call(out, x, w, G, IC, OC) ? "grouped_linear_forward" : "grouped_linear_forward_per_expert");
+  gg.rows_times_weight(out, x, w, a.offsets_host, G, /*K=*/IC, /*N=*/OC, /*w_nk=*/!a.weight_in_out, a.expert_of);
 }
 
 // dx rows = dout rows @ W_e ([E, OC, IC]) or dout rows @ W_e^T ([E, IC, OC]), zero from offsets[E]
 // on, times gelu'(pre) with dx_gelu_pre; dW_e = (or +=) dout^T x ([E, OC, IC]) or x^T dout.
 void CudaBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
   const GroupedDims d = check_args(a, kTarget);
-  const int E = i32(d.E), IC = i32(d.IC), OC = i32(d.OC);
-  const std::int64_t R = d.R, used = a.offsets_host[E];
+  const int E = i32(d.E), G = i32(d.G), IC = i32(d.IC), OC = i32(d.OC);
+  const std::int64_t R = d.R, used = a.offsets_host[G];
   cuda::GroupedGemm& gg = grouped_gemm();
   bf16* dx = dptr_or_null<bf16>(a.dx);
   const bf16 *dout = dptr<bf16>(d.dout), *x = dptr<bf16>(d.x), *w = dptr<bf16>(a.weight);
-  const bool one = !dx || gg.one_call(dx, dout, w, E, OC, IC);
+  const bool one = !dx || gg.one_call(dx, dout, w, G, OC, IC);
   Timer t(*this, one ? "grouped_linear_backward" : "grouped_linear_backward_per_expert");
   if (dx) {
-    gg.rows_times_weight(dx, dout, w, a.offsets_host, E, /*K=*/OC, /*N=*/IC, /*w_nk=*/a.weight_in_out);
+    gg.rows_times_weight(dx, dout, w, a.offsets_host, G, /*K=*/OC, /*N=*/IC, /*w_nk=*/a.weight_in_out, a.expert_of);
     if (used < R)
       KILN_CUDA_CHECK(cudaMemsetAsync(dx + used * IC, 0, static_cast<std::size_t>((R - used) * IC) * sizeof(bf16),
                                       stream_));
@@ -128,9 +128,9 @@ void CudaBackend::grouped_linear_backward(const GroupedLinearBackward& a) {
   if (a.dgrad_queued) a.dgrad_queued();
   float* dw = dptr<float>(a.dweight);
   if (a.weight_in_out)
-    gg.weight_grad(dw, x, dout, a.offsets_host, E, /*P=*/IC, /*Q=*/OC, a.dweight_overwrite);
+    gg.weight_grad(dw, x, dout, a.offsets_host, G, E, /*P=*/IC, /*Q=*/OC, a.dweight_overwrite, a.expert_of);
   else
-    gg.weight_grad(dw, dout, x, a.offsets_host, E, /*P=*/OC, /*Q=*/IC, a.dweight_overwrite);
+    gg.weight_grad(dw, dout, x, a.offsets_host, G, E, /*P=*/OC, /*Q=*/IC, a.dweight_overwrite, a.expert_of);
 }
 
 void CudaBackend::moe_dropout(const MoeDropout& a) {

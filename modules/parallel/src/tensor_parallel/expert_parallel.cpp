@@ -65,43 +65,42 @@ ExpertParallel::Plan ExpertParallel::plan(const TensorView& offsets, std::int32_
 ExpertParallel::Plan ExpertParallel::plan_from(const std::int32_t* own, const std::vector<std::int32_t>& all) const {
   const int E = n_experts_, El = local_experts(), P = size_;
   Plan p;
-  const std::vector<std::int64_t> none(static_cast<std::size_t>(El), 0);
-  p.send_at.assign(static_cast<std::size_t>(P), none);
+  p.send_at.assign(static_cast<std::size_t>(P), 0);
   p.send_rows = p.recv_at = p.recv_rows = p.send_at;
-  for (int q = 0; q < P; ++q)
-    for (int l = 0; l < El; ++l) {
-      p.send_at[q][l] = own[q * El + l];
-      p.send_rows[q][l] = own[q * El + l + 1] - own[q * El + l];
-    }
-  // Received rows expert-major: local expert l's rows from rank 0, then rank 1, ...
-  p.local_offsets.assign(static_cast<std::size_t>(El + 1), 0);
+  for (int q = 0; q < P; ++q) {
+    p.send_at[q] = own[q * El];
+    p.send_rows[q] = own[(q + 1) * El] - own[q * El];
+  }
+  // Received rows by source rank, then local expert: group q El + l.
+  p.local_offsets.assign(static_cast<std::size_t>(P * El + 1), 0);
+  p.expert_of.resize(static_cast<std::size_t>(P * El));
   std::int64_t at = 0;
-  for (int l = 0; l < El; ++l) {
-    p.local_offsets[l] = static_cast<std::int32_t>(at);
-    for (int q = 0; q < P; ++q) {
-      p.recv_at[q][l] = at;
-      p.recv_rows[q][l] = all[static_cast<std::size_t>(q * E + first_expert() + l)];
-      at += p.recv_rows[q][l];
+  for (int q = 0; q < P; ++q) {
+    p.recv_at[q] = at;
+    for (int l = 0; l < El; ++l) {
+      p.local_offsets[static_cast<std::size_t>(q * El + l)] = static_cast<std::int32_t>(at);
+      p.expert_of[static_cast<std::size_t>(q * El + l)] = l;
+      at += all[static_cast<std::size_t>(q * E + first_expert() + l)];
     }
+    p.recv_rows[q] = at - p.recv_at[q];
   }
   KILN_CHECK(at < (std::int64_t{1} << 31), "expert-parallel group '", comm_.name(), "': ", at,
              " rows for this rank's experts exceed 32-bit offsets");
-  p.local_offsets[El] = static_cast<std::int32_t>(at);
+  p.local_offsets[static_cast<std::size_t>(P * El)] = static_cast<std::int32_t>(at);
   return p;
 }
 
 void ExpertParallel::exchange(const TensorView& to, const TensorView& from, const Plan& p, bool forward,
                               void* stream) const {
-  // One transfer per (peer, expert) that has rows, in expert order on both sides, so that the i-th
-  // send to a peer meets the peer's i-th receive from this rank.
+  // One transfer a peer that has rows (its rows for the peer's experts are consecutive in grouped
+  // order, and the rows from it consecutive here): the i-th send to a peer meets its i-th receive.
   const TensorView& grouped = forward ? from : to;  // this rank's rows in grouped (by global expert) order
-  const TensorView& expert = forward ? to : from;   // the rows of this rank's experts, expert-major
+  const TensorView& expert = forward ? to : from;   // the rows of this rank's experts, by source rank
   std::vector<Communicator::Transfer> by_destination, by_origin;
-  for (int q = 0; q < size_; ++q)
-    for (int l = 0; l < local_experts(); ++l) {
-      if (p.send_rows[q][l] > 0) by_destination.push_back({q, grouped.rows(p.send_at[q][l], p.send_rows[q][l])});
-      if (p.recv_rows[q][l] > 0) by_origin.push_back({q, expert.rows(p.recv_at[q][l], p.recv_rows[q][l])});
-    }
+  for (int q = 0; q < size_; ++q) {
+    if (p.send_rows[q] > 0) by_destination.push_back({q, grouped.rows(p.send_at[q], p.send_rows[q])});
+    if (p.recv_rows[q] > 0) by_origin.push_back({q, expert.rows(p.recv_at[q], p.recv_rows[q])});
+  }
   dispatching(comm_, forward ? "dispatch (all-to-all)" : "combine (all-to-all)", [&] {
     if (forward)
       comm_.send_recv(by_destination, by_origin, stream);

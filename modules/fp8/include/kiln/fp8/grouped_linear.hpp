@@ -96,7 +96,8 @@ class Fp8GroupedLinear {
   // One product per expert with rows: d's rows [off[e], off[e + 1]) = x's same rows ([*, K] codes)
   // @ W[e]^T (w: [E, N, K] codes, N = d's columns).
   std::vector<GemmArgs> rows_products(const char* what, const Operand& x, const Operand& w, const TensorView& d,
-                                      const std::int32_t* off, std::int64_t E, std::int64_t K, bool fast_accum) const;
+                                      const std::int32_t* off, std::int64_t E, std::int64_t K, bool fast_accum,
+                                      const std::int32_t* expert_of = nullptr) const;
   Fp8TensorView fp8(const ScalingSlot& s, void* rowwise, Shape row_shape, void* colwise, Shape col_shape) const;
   // The keep_input buffer, sized for the padded transposes of `cols`-wide rows grouped by `off`
   // (allocated for any grouping of `rows` rows).

@@ -13,6 +13,7 @@
 // matches the CPU reference and reruns match bit for bit.
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "kiln/ops/prologue.hpp"
 #include "kiln/rng/philox.hpp"
@@ -129,6 +130,9 @@ struct MoeCombineBackward {
 //   weight [E, OC, IC]:                  out[r] = x[r] @ weight[e]^T   (an FC1: [out, in] per expert)
 //   weight [E, IC, OC] (weight_in_out):  out[r] = x[r] @ weight[e]     (an FC2 stored [in, out])
 // offsets_host: the same E + 1 offsets on the host (the group sizes a grouped GEMM is launched with).
+// Row groups other than one per expert (expert parallelism's received rows: one group per source rank
+// and expert, so that each source's rows arrive in one piece): `groups` groups, offsets_host
+// [groups + 1], group g's rows through expert expert_of[g] (host memory); groups = 0: one per expert.
 struct GroupedLinearForward {
   TensorView out;     // [R, OC] act
   // [R, IC] act; or, for a GroupedLinearImpl that takes it, the GELU or SwiGLU prologue the input is
@@ -137,6 +141,8 @@ struct GroupedLinearForward {
   TensorView weight;  // [E, OC, IC] or [E, IC, OC] act
   const std::int32_t* offsets_host = nullptr;
   bool weight_in_out = false;
+  int groups = 0;
+  const std::int32_t* expert_of = nullptr;
 };
 // dx = dout @ weight[e] (weight_in_out: dout @ weight[e]^T), rows from offsets[E] on zero; with
 // dx_gelu_pre (x was gelu(pre)) dx = that * gelu'(pre). dweight [E, OC, IC] += dout^T @ x per expert
@@ -155,7 +161,18 @@ struct GroupedLinearBackward {
   bool weight_in_out = false;
   bool dweight_overwrite = false;
   std::function<void()> dgrad_queued;
+  int groups = 0;  // as GroupedLinearForward's
+  const std::int32_t* expert_of = nullptr;
 };
+
+// A grouped linear's row groups (GroupedLinearForward::groups): how many, and the expert of group g.
+inline int row_groups(int groups, std::int64_t experts) { return groups > 0 ? groups : static_cast<int>(experts); }
+inline int group_expert(const std::int32_t* expert_of, int g) { return expert_of ? expert_of[g] : g; }
+// The passes a weight gradient runs in where several row groups share an expert, so that no two
+// products adding into one expert's gradient run at once: pass p holds the p-th group with rows of
+// each expert, in group order; an expert's first pass writes its gradient (or adds, without
+// overwrite), the later ones add. One pass where every expert has one group.
+std::vector<std::vector<int>> weight_grad_passes(const std::int32_t* offsets, int groups, const std::int32_t* expert_of);
 
 // Dropout on the first `rows` grouped rows of x [R, F] (this rank's columns [col_offset, col_offset
 // + F) of rows cols_total wide), in place: row r is (token, expert) ids[r] of the step's global batch

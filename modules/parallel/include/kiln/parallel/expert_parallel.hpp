@@ -37,15 +37,18 @@ class ExpertParallel {
   ops::Backend& backend() const { return be_; }
 
   // Where one dispatch's rows go, from every rank's grouped rows (moe_permute's offsets): this rank
-  // sends expert e's rows to the rank holding e, and receives from every rank its rows for the
-  // experts held here, laid out expert by expert (each expert's rows from rank 0 first, then rank 1,
-  // ...), so a grouped linear runs over them as over a one-rank batch.
+  // sends its rows for rank q's experts (consecutive in grouped order) to q in one piece, and receives
+  // from every rank its rows for the experts held here in one piece, laid out by source rank, then
+  // expert: row group q El + l is rank q's rows for local expert l (ops::GroupedLinearForward::groups,
+  // expert_of), so a grouped linear runs over them as over a one-rank batch.
   struct Plan {
-    std::vector<std::int32_t> local_offsets;  // [local_experts + 1]: the received rows of each local expert
-    // Per peer q and local expert l of the peer: where this rank's grouped rows for q's expert l start
-    // and how many (sent), and where the rows q sends for this rank's expert l land and how many.
-    std::vector<std::vector<std::int64_t>> send_at, send_rows, recv_at, recv_rows;  // [peer][local expert]
+    std::vector<std::int32_t> local_offsets;  // [ranks x local_experts + 1]: the received rows of each group
+    std::vector<std::int32_t> expert_of;      // [ranks x local_experts]: each group's local expert
+    // Per peer q: where this rank's grouped rows for q's experts start and how many (sent), and where
+    // the rows q sends land and how many (received).
+    std::vector<std::int64_t> send_at, send_rows, recv_at, recv_rows;  // [peer]
     std::int64_t received() const { return local_offsets.back(); }
+    int groups() const { return static_cast<int>(expert_of.size()); }
   };
   // Collective over the group: every rank's expert counts (offsets_host, [n_experts + 1]) exchanged
   // through host memory.

@@ -86,6 +86,10 @@ class MoeMlp final : public Mixer {
   std::int64_t rows() const { return ctx_.N * o_.top_k; }  // R: this rank's choices, in grouped order
   std::int64_t expert_rows() const;                        // the most rows this rank's experts may receive
   std::int64_t fc_local() const;   // FC1's local output width: hidden / tp (x2 for SwiGLU)
+  // The experts' row groups and their experts under expert parallelism (ExpertParallel::Plan), else
+  // one group per expert (0, null).
+  int row_groups() const;
+  const std::int32_t* expert_of() const;
   std::int64_t hidden_local() const { return o_.hidden / ctx_.tp.size(); }
   bool gelu() const { return o_.activation == ExpertActivation::gelu; }
   bool dropout_on() const { return o_.expert_dropout > 0 && ctx_.training; }
