@@ -182,7 +182,7 @@ int rank_main(const parallel::LaunchEnv& env) {
   all_to_all_table(env, *nonblocking, s, "NCCL, non-blocking");
   all_to_all_table(env, *comm, s, "NCCL, blocking");
   all_to_all_table(env, *copy_engine, s, "copy engines");
-  if (std::getenv("KILN_BENCH_A2A_ONLY")) {
+  const auto finish = [&] {
     KILN_CUDA_CHECK(cudaStreamSynchronize(s));
     ncclCommDestroy(raw);
     comm.reset();
@@ -191,7 +191,8 @@ int rank_main(const parallel::LaunchEnv& env) {
     world.reset();
     rdv->finish();
     return 0;
-  }
+  };
+  if (std::getenv("KILN_BENCH_A2A_ONLY")) return finish();
   const std::size_t max_bytes = std::size_t(1) << 30;
   Buffer in(Device::cuda, max_bytes), out(Device::cuda, max_bytes);
   KILN_CUDA_CHECK(cudaMemset(in.data(), 0x3c, max_bytes));  // bf16 ~ 0.0115: finite, not zero
@@ -236,13 +237,7 @@ int rank_main(const parallel::LaunchEnv& env) {
   KILN_CUDA_CHECK(cudaStreamSynchronize(s));
   overlap_table(env, *nonblocking, s, "NCCL");
   overlap_table(env, *copy_engine, s, "copy engines");
-  ncclCommDestroy(raw);
-  comm.reset();
-  nonblocking.reset();
-  copy_engine.reset();
-  world.reset();
-  rdv->finish();
-  return 0;
+  return finish();
 }
 
 }  // namespace
