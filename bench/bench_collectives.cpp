@@ -111,7 +111,6 @@ void all_to_all_table(const parallel::LaunchEnv& env, parallel::Communicator& co
   const std::size_t max_bytes = std::size_t(64) << 20;
   Buffer send(Device::cuda, 2 * max_bytes), recv(Device::cuda, 2 * max_bytes);
   KILN_CUDA_CHECK(cudaMemset(send.data(), 0x3c, send.bytes()));
-  const int peer = 1 - env.rank;
   if (env.rank == 0) {
     std::printf("\nall-to-all on 2 ranks (%s): ms a call, median of 20 (GB/s to the peer)\n", label);
     std::printf("%8s | %16s %16s %16s %16s\n", "MiB/peer", "4 pieces+self", "1 piece+self", "4 pieces,self cp",
@@ -144,7 +143,6 @@ void all_to_all_table(const parallel::LaunchEnv& env, parallel::Communicator& co
           comm.send_recv(sends, recvs, s);
         }, 20);
       }
-    (void)peer;
     if (env.rank == 0) {
       std::printf("%8zu |", mib);
       for (double m : ms) std::printf(" %7.3f (%5.0f) ", m, bytes / (m * 1e-3) / 1e9);

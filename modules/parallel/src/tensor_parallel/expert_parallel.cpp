@@ -24,21 +24,6 @@ ExpertParallel::ExpertParallel(Communicator& comm, ops::Backend& backend, int n_
              " ranks of the expert-parallel group '", comm.name(), "'");
 }
 
-ExpertParallel::Plan ExpertParallel::plan(const std::int32_t* offsets_host) const {
-  const int E = n_experts_, P = size_;
-  // Every rank's choices per expert (one all-gather of E counts each; host memory, synchronous).
-  std::vector<std::int32_t> mine(static_cast<std::size_t>(E)), all(static_cast<std::size_t>(E * P));
-  for (int e = 0; e < E; ++e) mine[e] = offsets_host[e + 1] - offsets_host[e];
-  if (P > 1)
-    dispatching(comm_, "counts exchange", [&] {
-      comm_.all_gather(TensorView(all.data(), {E * P}, DType::i32, Device::cpu),
-                       TensorView(mine.data(), {E}, DType::i32, Device::cpu), nullptr);
-    });
-  else
-    all = mine;
-  return plan_from(offsets_host, all);
-}
-
 ExpertParallel::Plan ExpertParallel::plan(const TensorView& offsets, std::int32_t* offsets_host) {
   const int E = n_experts_, P = size_;
   KILN_CHECK(offsets.dtype == DType::i32 && offsets.numel() == E + 1 && offsets.contiguous(),

@@ -50,12 +50,9 @@ class ExpertParallel {
     std::int64_t received() const { return local_offsets.back(); }
     int groups() const { return static_cast<int>(expert_of.size()); }
   };
-  // Collective over the group: every rank's expert counts (offsets_host, [n_experts + 1]) exchanged
-  // through host memory.
-  Plan plan(const std::int32_t* offsets_host) const;
-  // The same from `offsets` ([n_experts + 1] i32 on the backend's device, as moe_permute wrote them):
-  // every rank's offsets gathered on the backend's stream and read back with one copy, the host's
-  // only wait; this rank's own written to offsets_host.
+  // Collective over the group: from `offsets` ([n_experts + 1] i32 on the backend's device, as
+  // moe_permute wrote them), every rank's offsets gathered on the backend's stream and read back with
+  // one copy, the host's only wait; this rank's own written to offsets_host.
   Plan plan(const TensorView& offsets, std::int32_t* offsets_host);
   // The grouped rows of `send` [R, C] to the ranks holding their experts, into `recv` [Rmax, C] (rows
   // laid out as the plan says; rows from plan.received() on untouched). Asynchronous on the backend's
