@@ -344,7 +344,7 @@ TEST_CASE("grouped linears over row groups that share experts equal the same row
   }
 }
 
-TEST_CASE("weight_grad_passes: each expert's groups with rows in successive passes, in group order") {
+TEST_CASE("weight_grad_passes: each expert's groups with rows in successive passes, in group order; experts without rows") {
   const std::vector<std::int32_t> off = {0, 2, 2, 5, 6, 6, 9};  // groups 1 and 4 empty
   const std::vector<std::int32_t> expert_of = {0, 1, 2, 0, 1, 2};
   const auto passes = ops::weight_grad_passes(off.data(), 6, expert_of.data());
@@ -352,6 +352,8 @@ TEST_CASE("weight_grad_passes: each expert's groups with rows in successive pass
   CHECK(passes[0] == std::vector<int>{0, 2});
   CHECK(passes[1] == std::vector<int>{3, 5});
   CHECK(ops::weight_grad_passes(off.data(), 6, nullptr) == std::vector<std::vector<int>>{{0, 2, 3, 5}});
+  // Expert 1's groups (1 and 4) are empty; a fourth expert has no group at all.
+  CHECK(ops::experts_without_rows(off.data(), 6, expert_of.data(), 4) == std::vector<int>{1, 3});
 }
 
 TEST_CASE("moe_dropout keeps each element by its choice's global id, the same wherever the row sits") {

@@ -322,15 +322,11 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   std::vector<int> pass_of(static_cast<std::size_t>(E), 0);
   for (std::size_t p = 0; p < passes.size(); ++p)
     for (const int g : passes[p]) pass_of[static_cast<std::size_t>(g)] = static_cast<int>(p);
-  std::vector<char> has_rows(static_cast<std::size_t>(experts_w), 0);
-  for (int g = 0; g < E; ++g)
-    if (off[g + 1] > off[g]) has_rows[static_cast<std::size_t>(ops::group_expert(a.expert_of, g))] = 1;
   if (a.dweight_overwrite)
-    for (int e = 0; e < experts_w; ++e)
-      if (!has_rows[static_cast<std::size_t>(e)]) {
-        const TensorView dw = expert_matrix(a.dweight, e);
-        ops_.zero(dw.data, dw.bytes());
-      }
+    for (const int e : ops::experts_without_rows(off, E, a.expert_of, experts_w)) {
+      const TensorView dw = expert_matrix(a.dweight, e);
+      ops_.zero(dw.data, dw.bytes());
+    }
   std::vector<std::vector<GemmArgs>> wgrad(passes.size());
   std::vector<BlockGroup> dout_groups, x_groups;
   const Device dev = ops_.device();

@@ -249,15 +249,11 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   if (a.dgrad_queued) a.dgrad_queued();
   // dW[e] [OC, IC] += dout[g]^T @ x[g] over expert e's groups g (K = a group's padded rows: zeros add
   // nothing), in passes where groups share an expert; an FC2 stored [IC, OC] per expert takes x^T @ dout.
-  std::vector<char> has_rows(static_cast<std::size_t>(experts_w), 0);
-  for (int g = 0; g < experts; ++g)
-    if (off[g + 1] > off[g]) has_rows[static_cast<std::size_t>(ops::group_expert(a.expert_of, g))] = 1;
   if (a.dweight_overwrite)
-    for (std::int64_t e = 0; e < experts_w; ++e)
-      if (!has_rows[static_cast<std::size_t>(e)]) {
-        const TensorView dw = expert_matrix(a.dweight, e);
-        ops_.zero(dw.data, dw.bytes());
-      }
+    for (const int e : ops::experts_without_rows(off, experts, a.expert_of, static_cast<int>(experts_w))) {
+      const TensorView dw = expert_matrix(a.dweight, e);
+      ops_.zero(dw.data, dw.bytes());
+    }
   const std::vector<std::vector<int>> passes = ops::weight_grad_passes(off, experts, a.expert_of);
   for (std::size_t pass = 0; pass < passes.size(); ++pass) {
     std::vector<GemmArgs> gs;

@@ -19,4 +19,15 @@ std::vector<std::vector<int>> weight_grad_passes(const std::int32_t* offsets, in
   return passes;
 }
 
+std::vector<int> experts_without_rows(const std::int32_t* offsets, int groups, const std::int32_t* expert_of,
+                                      int experts) {
+  std::vector<char> has_rows(static_cast<std::size_t>(experts), 0);
+  for (int g = 0; g < groups; ++g)
+    if (offsets[g + 1] > offsets[g]) has_rows[static_cast<std::size_t>(group_expert(expert_of, g))] = 1;
+  std::vector<int> none;
+  for (int e = 0; e < experts; ++e)
+    if (!has_rows[static_cast<std::size_t>(e)]) none.push_back(e);
+  return none;
+}
+
 }  // namespace kiln::ops

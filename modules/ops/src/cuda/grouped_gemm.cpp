@@ -191,14 +191,9 @@ void GroupedGemm::rows_times_weight(bf16* D, const bf16* X, const bf16* W, const
 void GroupedGemm::weight_grad(float* dW, const bf16* A, const bf16* B, const std::int32_t* off, int G, int E, int P,
                               int Q, bool overwrite, const std::int32_t* expert_of) {
   const std::int64_t per = static_cast<std::int64_t>(P) * Q;
-  if (overwrite) {  // on the backend's stream, before the fork
-    std::vector<char> has_rows(static_cast<std::size_t>(E), 0);
-    for (int g = 0; g < G; ++g)
-      if (off[g + 1] > off[g]) has_rows[static_cast<std::size_t>(ops::group_expert(expert_of, g))] = 1;
-    for (int e = 0; e < E; ++e)
-      if (!has_rows[static_cast<std::size_t>(e)])
-        KILN_CUDA_CHECK(cudaMemsetAsync(dW + e * per, 0, static_cast<std::size_t>(per) * sizeof(float), stream_));
-  }
+  if (overwrite)  // on the backend's stream, before the fork
+    for (const int e : ops::experts_without_rows(off, G, expert_of, E))
+      KILN_CUDA_CHECK(cudaMemsetAsync(dW + e * per, 0, static_cast<std::size_t>(per) * sizeof(float), stream_));
   const std::vector<std::vector<int>> passes = ops::weight_grad_passes(off, G, expert_of);
   for (std::size_t pass = 0; pass < passes.size(); ++pass) {
     const int lanes = LtLanes::lanes_for(static_cast<int>(passes[pass].size()));

@@ -173,6 +173,10 @@ inline int group_expert(const std::int32_t* expert_of, int g) { return expert_of
 // each expert, in group order; an expert's first pass writes its gradient (or adds, without
 // overwrite), the later ones add. One pass where every expert has one group.
 std::vector<std::vector<int>> weight_grad_passes(const std::int32_t* offsets, int groups, const std::int32_t* expert_of);
+// The experts of `experts` that none of the groups with rows goes through: they get no product, so
+// a weight gradient that is overwritten is written zero for them.
+std::vector<int> experts_without_rows(const std::int32_t* offsets, int groups, const std::int32_t* expert_of,
+                                      int experts);
 
 // Dropout on the first `rows` grouped rows of x [R, F] (this rank's columns [col_offset, col_offset
 // + F) of rows cols_total wide), in place: row r is (token, expert) ids[r] of the step's global batch
