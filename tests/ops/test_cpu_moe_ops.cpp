@@ -344,7 +344,7 @@ TEST_CASE("grouped linears over row groups that share experts equal the same row
   }
 }
 
-TEST_CASE("weight_grad_passes: each expert's groups with rows in successive passes, in group order; experts without rows") {
+TEST_CASE("weight_grad_passes: each expert's groups with rows in successive passes, in group order, and the experts without rows") {
   const std::vector<std::int32_t> off = {0, 2, 2, 5, 6, 6, 9};  // groups 1 and 4 empty
   const std::vector<std::int32_t> expert_of = {0, 1, 2, 0, 1, 2};
   const auto passes = ops::weight_grad_passes(off.data(), 6, expert_of.data());
