@@ -7,6 +7,9 @@
 // candidate, then kiln's choice on an imbalanced split against the fastest same-bits candidate.
 // With CHECK_ROWS set: for each product, how many row counts (3584..4608) the algorithm chosen for
 // their bucket (kiln::cuda::LtRaggedAlgos) does not take (cublasLtMatmulAlgoCheck).
+// "ms": the memsets cuBLASLt queues with one call of the candidate (a call captured into a graph, its
+// memset nodes counted); each is a step of its own on the stream, between the GEMM and the work before
+// it. After the candidates, the heuristic's first when no workspace is offered, the same columns.
 //   bench_lt_algos [candidates] [iters]
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -14,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 #include <random>
 #include <vector>
@@ -64,6 +68,26 @@ T algo_attr(const cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttributes_t 
 
 }  // namespace
 
+// The memset nodes of one call captured from stream s.
+int memsets_in(cudaStream_t s, const std::function<void()>& call) {
+  cudaGraph_t g = nullptr;
+  KILN_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  call();
+  KILN_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  std::size_t n = 0;
+  KILN_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  KILN_CUDA_CHECK(cudaGraphGetNodes(g, nodes.data(), &n));
+  int memsets = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType t{};
+    KILN_CUDA_CHECK(cudaGraphNodeGetType(node, &t));
+    memsets += t == cudaGraphNodeTypeMemset;
+  }
+  KILN_CUDA_CHECK(cudaGraphDestroy(g));
+  return memsets;
+}
+
 int main(int argc, char** argv) {
   const int want = argc > 1 ? std::atoi(argv[1]) : 16, iters = argc > 2 ? std::atoi(argv[2]) : 20;
   constexpr int E = 8, kLanes = 4;
@@ -79,6 +103,11 @@ int main(int argc, char** argv) {
       fp8("fp8 fc2 dgrad", 4096, 2816, 1024, e5, e4, b16, false, false),
       fp8("fp8 fc1 wgrad", 5632, 1024, 4096, e5, e4, f32, false, true),
       fp8("fp8 fc2 wgrad", 1024, 2816, 4096, e5, e4, f32, false, true),
+      // moe-1b's attention linears (dense, 16384 rows): QKV and the output projection
+      fp8("fp8 qkv fwd", 16384, 1536, 1024, e4, e4, b16, true, false),
+      fp8("fp8 o fwd", 16384, 1024, 1024, e4, e4, b16, true, false),
+      fp8("fp8 qkv dgrad", 16384, 1024, 1536, e5, e4, b16, false, false),
+      fp8("fp8 qkv wgrad", 1536, 1024, 16384, e5, e4, f32, false, true),
       {"bf16 fc1 fwd", 5632, 4096, 1024, T, N, 1024, 1024, 5632, b16, b16, b16, false, false, false},
       {"bf16 fc2 fwd", 1024, 4096, 2816, N, N, 1024, 2816, 1024, b16, b16, b16, false, false, false},
       {"bf16 fc1 dgrad", 1024, 4096, 5632, N, N, 1024, 5632, 1024, b16, b16, b16, false, false, false},
@@ -104,8 +133,8 @@ int main(int argc, char** argv) {
   fill_codes(x, 1);  // as bf16 these are modest values too (the high byte's top exponent bit clear)
   fill_codes(y, 2);
   bench::EventTimer timer(main_stream, false, 3, iters);
-  std::printf("%-12s %3s %5s %5s %6s %6s %6s %7s %7s %8s %9s %9s %s\n", "product", "#", "algo", "tile", "stages", "splitK",
-              "reduce", "swizzle", "cluster", "ws(KiB)", "alone", "8 on 4", "against #0");
+  std::printf("%-12s %3s %5s %5s %6s %6s %6s %7s %7s %8s %3s %9s %9s %s\n", "product", "#", "algo", "tile", "stages",
+              "splitK", "reduce", "swizzle", "cluster", "ws(KiB)", "ms", "alone", "8 on 4", "against #0");
   for (const Product& p : products) {
     cublasLtMatmulDesc_t op;
     KILN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -163,7 +192,8 @@ int main(int argc, char** argv) {
       const cublasStatus_t st = cublasLtMatmul(h, op, &alpha, static_cast<char*>(y.data()) + e * ys, a.l,
                                                static_cast<char*>(x.data()) + e * xs, b.l, &beta,
                                                static_cast<char*>(d.data()) + e * ds, c.l,
-                                               static_cast<char*>(d.data()) + e * ds, c.l, &algo, ws, kWorkspace, s);
+                                               static_cast<char*>(d.data()) + e * ds, c.l, &algo, ws,
+                                               ws ? kWorkspace : 0, s);
       KILN_CHECK(st == CUBLAS_STATUS_SUCCESS, p.name, ": ", cublasLtGetStatusName(st));
     };
     std::vector<std::uint8_t> first(ds), out(ds);
@@ -187,15 +217,36 @@ int main(int argc, char** argv) {
         }
       });
       if (E * flop / grouped * 1e-9 > best_tflops && same) best = i, best_tflops = E * flop / grouped * 1e-9;
-      std::printf("%-12s %3d %5d %5d %6d %6d %6d %7d %7d %8zu %9.0f %9.0f %s\n", p.name, i,
+      const int memsets = memsets_in(main_stream, [&] { gemm(algo, 0, main_stream, workspaces[0].data()); });
+      std::printf("%-12s %3d %5d %5d %6d %6d %6d %7d %7d %8zu %3d %9.0f %9.0f %s\n", p.name, i,
                   algo_attr<int>(algo, CUBLASLT_ALGO_CONFIG_ID), algo_attr<int>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
                   algo_attr<int>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
                   algo_attr<int>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
                   algo_attr<int>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
                   algo_attr<int>(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
                   algo_attr<int>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
-                  results[static_cast<std::size_t>(i)].workspaceSize / 1024, flop / alone * 1e-9,
+                  results[static_cast<std::size_t>(i)].workspaceSize / 1024, memsets, flop / alone * 1e-9,
                   E * flop / grouped * 1e-9, same ? "same bits" : "DIFFERENT bits");
+    }
+    {  // no workspace offered: the heuristic's first, its memsets, speed and bits
+      cuda::LtPreference none;
+      none.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, std::uint64_t{0});
+      cublasLtMatmulHeuristicResult_t r0{};
+      int got = 0;
+      if (cublasLtMatmulAlgoGetHeuristic(h, op, a.l, b.l, c.l, c.l, none.p, 1, &r0, &got) == CUBLAS_STATUS_SUCCESS &&
+          got > 0 && r0.state == CUBLAS_STATUS_SUCCESS) {
+        gemm(r0.algo, 0, main_stream, nullptr);
+        KILN_CUDA_CHECK(cudaStreamSynchronize(main_stream));
+        KILN_CUDA_CHECK(cudaMemcpy(out.data(), d.data(), ds, cudaMemcpyDeviceToHost));
+        const double alone = timer.median_ms([&] { gemm(r0.algo, 0, main_stream, nullptr); });
+        const int memsets = memsets_in(main_stream, [&] { gemm(r0.algo, 0, main_stream, nullptr); });
+        std::printf("%-12s  no workspace: algo %d tile %d splitK %d, %d memsets, %.0f TFLOP/s alone, %s\n", p.name,
+                    algo_attr<int>(r0.algo, CUBLASLT_ALGO_CONFIG_ID), algo_attr<int>(r0.algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                    algo_attr<int>(r0.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), memsets, flop / alone * 1e-9,
+                    first == out ? "same bits as #0" : "DIFFERENT bits from #0");
+      } else {
+        std::printf("%-12s  no workspace: no algorithm\n", p.name);
+      }
     }
     // An imbalanced split (load coefficient of variation ~0.04, as moe-1b's) of the 4096-row
     // dimension: kiln's choice (LtRaggedAlgos: the heuristic's first for the shape rounded to 128,
