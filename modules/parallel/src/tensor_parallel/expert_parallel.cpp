@@ -34,14 +34,17 @@ ExpertParallel::Plan ExpertParallel::plan(const TensorView& offsets, std::int32_
     offsets_all_ = Buffer(dev, static_cast<std::size_t>(n) * sizeof(std::int32_t));
   const TensorView all(offsets_all_.data(), {n}, DType::i32, dev);
   dispatching(comm_, "counts exchange", [&] { comm_.all_gather(all, offsets, be_.stream()); });
-  host_.resize(static_cast<std::size_t>(n));
-  be_.copy(TensorView(host_.data(), {n}, DType::i32, Device::cpu), all);  // the host waits here
-  const std::int32_t* own = host_.data() + static_cast<std::ptrdiff_t>(rank_) * (E + 1);
+  const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(std::int32_t);
+  if (host_.bytes() < bytes) host_ = be_.alloc_host(bytes);
+  be_.copy_to_host_async(TensorView(host_.data(), {n}, DType::i32, Device::cpu), all);
+  be_.synchronize();  // the host waits here: for the gather's copy, the last work queued
+  const auto* got = static_cast<const std::int32_t*>(host_.data());
+  const std::int32_t* own = got + static_cast<std::ptrdiff_t>(rank_) * (E + 1);
   std::copy(own, own + E + 1, offsets_host);
   std::vector<std::int32_t> counts(static_cast<std::size_t>(E * P));
   for (int q = 0; q < P; ++q)
     for (int e = 0; e < E; ++e) {
-      const std::int32_t* o = host_.data() + static_cast<std::ptrdiff_t>(q) * (E + 1);
+      const std::int32_t* o = got + static_cast<std::ptrdiff_t>(q) * (E + 1);
       counts[static_cast<std::size_t>(q * E + e)] = o[e + 1] - o[e];
     }
   return plan_from(own, counts);

@@ -52,7 +52,9 @@ class ExpertParallel {
   };
   // Collective over the group: from `offsets` ([n_experts + 1] i32 on the backend's device, as
   // moe_permute wrote them), every rank's offsets gathered on the backend's stream and read back with
-  // one copy, the host's only wait; this rank's own written to offsets_host.
+  // one copy into the backend's staging memory (pinned on CUDA: the copy is queued behind the gather,
+  // where a copy into pageable memory would wait for the stream to drain before it even starts), the
+  // host's only wait; this rank's own written to offsets_host.
   Plan plan(const TensorView& offsets, std::int32_t* offsets_host);
   // The grouped rows of `send` [R, C] to the ranks holding their experts, into `recv` [Rmax, C] (rows
   // laid out as the plan says; rows from plan.received() on untouched). Asynchronous on the backend's
@@ -78,7 +80,7 @@ class ExpertParallel {
   ops::Backend& be_;
   int size_ = 1, rank_ = 0, n_experts_ = 0;
   Buffer offsets_all_;                // every rank's offsets, gathered (device)
-  std::vector<std::int32_t> host_;    // the same, read back
+  Buffer host_;                       // the same, read back (ops::Backend::alloc_host)
   std::shared_ptr<SideStream> side_;  // the exchanges beside the backend's stream (made at the first)
   bool side_pending_ = false;
 };
