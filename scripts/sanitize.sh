@@ -49,6 +49,9 @@ export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 #    memory safety. Instrumented they took 466 s of the stage's 780 s of tests (2026-11-28); their
 #    code paths run here in the shorter FP8 tests (pipeline stages in three recipes, FSDP in FP8,
 #    the experts' FP8 weights, FP8 inputs kept), and they run in the normal build.
+#  - the training-equivalence tests (layouts or recipes compared step by step) run at most 5 steps
+#    where they run 12 or 20 in the normal build (test::equivalence_steps: the tests are built with
+#    KILN_TEST_SANITIZED here); a memory error shows in the first steps, and each costs ~3x here.
 # GPU tests are not built (CUDA is off).
 status=0
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" \

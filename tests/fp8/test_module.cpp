@@ -326,11 +326,12 @@ TEST_CASE("FP8 layers keep their inputs in FP8 where the model would store them 
   test::TempDir dir("fp8-keep");
   const std::string shards = test::pattern_corpus(dir);
   const std::vector<std::string> stored = {"model.recompute_norm=false", "model.recompute_gelu=false"};
+  const int steps = test::equivalence_step_count(12);
   for (const char* recipe : {"delayed", "current"}) {
     INFO("recipe " << recipe);
     auto with = [&](std::vector<std::string> sets) {
       sets.insert(sets.end(), {"fp8.enabled=true", std::string("fp8.recipe=") + recipe});
-      return test::train_losses(shards, 12, sets);
+      return test::train_losses(shards, steps, sets);
     };
     const auto base = with({});
     CHECK(base == with(stored));

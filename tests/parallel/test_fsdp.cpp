@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../model/parallel_fixture.hpp"
+#include "kiln_test.hpp"
 #include "kiln/builtin.hpp"
 #include "kiln/engine/config/pipeline.hpp"
 #include "kiln/nn/events.hpp"
@@ -58,7 +59,10 @@ std::string join(const Sets& s) {
   return out;
 }
 
-Trace run(int nproc, const Sets& sets) { return test::run_ranks(kTiny, nproc, sets); }
+// Equivalence runs: 20 steps (fewer under the sanitizers); a test's own train.steps wins.
+Trace run(int nproc, const Sets& sets) {
+  return test::run_ranks(kTiny, nproc, Sets{test::equivalence_steps(20)} + sets);
+}
 
 // Worst relative L2 difference of the final weights, over all parameters together.
 double weight_difference(const Trace& a, const Trace& ref) {
@@ -91,7 +95,7 @@ const Sets kFull = {"fsdp.strategy=full_shard"}, kGradOp = {"fsdp.strategy=shard
 
 TEST_CASE("every FSDP strategy on 2 and 4 ranks matches the single-rank run: losses, gradients, weights") {
   const Trace single = run(1, {});
-  REQUIRE(single.loss.size() == 20);
+  REQUIRE(single.loss.size() == static_cast<std::size_t>(test::equivalence_step_count(20)));
   compare(run(2, kFull), single, "full_shard on 2", 1e-5);
   compare(run(4, kFull), single, "full_shard on 4", 1e-5);
   compare(run(2, kGradOp), single, "shard_grad_op on 2", 1e-5);

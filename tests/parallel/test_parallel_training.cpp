@@ -4,6 +4,7 @@
 
 
 #include "../model/parallel_fixture.hpp"
+#include "kiln_test.hpp"
 #include "kiln/builtin.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/engine/config/pipeline.hpp"
@@ -43,14 +44,18 @@ synthetic_vocab = 96
 timeout_s = 60
 )";
 
-Trace run(int nproc, std::vector<std::string> sets) { return test::run_ranks(kTiny, nproc, std::move(sets)); }
+// Equivalence runs: 20 steps (fewer under the sanitizers, test::equivalence_steps); a test's own
+// train.steps wins.
+Trace run(int nproc, const test::Sets& sets) {
+  return test::run_ranks(kTiny, nproc, test::operator+(test::Sets{test::equivalence_steps(20)}, sets));
+}
 void compare(const Trace& a, const Trace& ref, const char* what) { test::compare_traces(a, ref, what, 1e-5); }
 
 }  // namespace
 
 TEST_CASE("tensor and data parallel runs on CPU threads match the single-rank run over 20 steps") {
   const Trace single = run(1, {});
-  REQUIRE(single.loss.size() == 20);
+  REQUIRE(single.loss.size() == static_cast<std::size_t>(test::equivalence_step_count(20)));
   for (double l : single.loss) CHECK(std::isfinite(l));
   compare(run(2, {"parallel.tp=2"}), single, "tp=2");
   compare(run(4, {"parallel.tp=4"}), single, "tp=4");

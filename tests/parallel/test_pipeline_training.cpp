@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "../model/parallel_fixture.hpp"
+#include "kiln_test.hpp"
 #include "kiln/log/timeline.hpp"
 #include "kiln/model/gpt.hpp"
 #include "kiln/nn/events.hpp"
@@ -48,6 +49,9 @@ timeout_s = 60
 )";
 
 Trace run(int nproc, std::vector<std::string> sets) { return test::run_ranks(kTiny, nproc, std::move(sets)); }
+// An equivalence test's run: 20 steps, fewer under the sanitizers (test::equivalence_steps); a
+// test's own train.steps wins.
+Trace run_eq(int nproc, const test::Sets& sets) { return run(nproc, test::Sets{test::equivalence_steps(20)} + sets); }
 
 void compare(const Trace& a, const Trace& ref, const char* what) {
   test::compare_traces(a, ref, what, 1e-5);
@@ -68,34 +72,34 @@ void compare(const Trace& a, const Trace& ref, const char* what) {
 }  // namespace
 
 TEST_CASE("pipeline stages on CPU threads match the single-rank run over 20 steps: GPT-2, tied embeddings") {
-  const Trace single = run(1, {});
-  compare(run(2, {"parallel.pp=2"}), single, "pp=2");
-  compare(run(4, {"parallel.pp=4"}), single, "pp=4");
-  compare(run(2, {"parallel.pp=2", "parallel.vpp=2"}), single, "pp=2 x vpp=2 (interleaved)");
-  compare(run(2, {"parallel.pp=2", "parallel.pp_layers=[3, 1]"}), single, "pp=2, blocks 3 + 1");
-  compare(run(4, {"parallel.pp=2", "parallel.tp=2"}), single, "pp=2 x tp=2");
-  compare(run(4, {"parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}), single,
+  const Trace single = run_eq(1, {});
+  compare(run_eq(2, {"parallel.pp=2"}), single, "pp=2");
+  compare(run_eq(4, {"parallel.pp=4"}), single, "pp=4");
+  compare(run_eq(2, {"parallel.pp=2", "parallel.vpp=2"}), single, "pp=2 x vpp=2 (interleaved)");
+  compare(run_eq(2, {"parallel.pp=2", "parallel.pp_layers=[3, 1]"}), single, "pp=2, blocks 3 + 1");
+  compare(run_eq(4, {"parallel.pp=2", "parallel.tp=2"}), single, "pp=2 x tp=2");
+  compare(run_eq(4, {"parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}), single,
           "pp=2 x tp=2, sequence parallel");
-  compare(run(4, {"parallel.pp=2", "train.micro_batch_size=1"}), single, "pp=2 x dp=2, 4 micro-batches");
-  compare(run(2, {"parallel.pp=2", "train.micro_batch_size=1"}), single, "pp=2, 8 micro-batches");
+  compare(run_eq(4, {"parallel.pp=2", "train.micro_batch_size=1"}), single, "pp=2 x dp=2, 4 micro-batches");
+  compare(run_eq(2, {"parallel.pp=2", "train.micro_batch_size=1"}), single, "pp=2, 8 micro-batches");
 }
 
 TEST_CASE("pipeline stages with dropout and activation recompute draw one rank's masks: Llama, untied head") {
   const std::vector<std::string> llama = {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64",
                                           "model.tie_embeddings=false", "model.dropout=0.1"};
-  const Trace single = run(1, llama);
-  compare(run(2, test::Sets{"parallel.pp=2"} + llama), single, "llama pp=2, dropout");
-  compare(run(2, test::Sets{"parallel.pp=2", "parallel.vpp=2"} + llama), single, "llama pp=2 x vpp=2, dropout");
-  compare(run(2, test::Sets{"parallel.pp=2", "activation_checkpoint.mode=full"} + llama), single,
+  const Trace single = run_eq(1, llama);
+  compare(run_eq(2, test::Sets{"parallel.pp=2"} + llama), single, "llama pp=2, dropout");
+  compare(run_eq(2, test::Sets{"parallel.pp=2", "parallel.vpp=2"} + llama), single, "llama pp=2 x vpp=2, dropout");
+  compare(run_eq(2, test::Sets{"parallel.pp=2", "activation_checkpoint.mode=full"} + llama), single,
           "llama pp=2, dropout, full recompute");
-  compare(run(4, test::Sets{"parallel.pp=2", "parallel.tp=2", "activation_checkpoint.mode=selective",
+  compare(run_eq(4, test::Sets{"parallel.pp=2", "parallel.tp=2", "activation_checkpoint.mode=selective",
                             "activation_checkpoint.selective=attention"} +
                      llama),
           single, "llama pp=2 x tp=2, dropout, attention recompute");
-  compare(run(2, test::Sets{"parallel.pp=2", "parallel.vpp=2", "model.head_chunk_rows=24"} + llama), single,
+  compare(run_eq(2, test::Sets{"parallel.pp=2", "parallel.vpp=2", "model.head_chunk_rows=24"} + llama), single,
           "llama pp=2 x vpp=2, dropout, the LM head in chunks of 24 rows");
   // GPT-2's tied table with dropout too.
-  compare(run(4, {"parallel.pp=4", "model.dropout=0.1"}), run(1, {"model.dropout=0.1"}), "gpt2 pp=4, dropout");
+  compare(run_eq(4, {"parallel.pp=4", "model.dropout=0.1"}), run_eq(1, {"model.dropout=0.1"}), "gpt2 pp=4, dropout");
 }
 
 TEST_CASE("a stage holds only its blocks' parameters and the schedule's activation copies") {
@@ -205,15 +209,15 @@ TEST_CASE("FP8 on pipeline stages: delayed, current and block scaling match one 
   for (const char* r : {"delayed", "current", "block"}) {
     const test::Sets f = {"fp8.enabled=true", std::string("fp8.recipe=\"") + r + "\""};
     const std::string what = std::string("fp8 ") + r;
-    compare(run(2, test::Sets{"parallel.pp=2"} + llama + f), run(1, llama + f), (what + ", llama pp=2").c_str());
-    test::compare_traces(run(2, test::Sets{"parallel.pp=2", "train.steps=1"} + f),
-                         run(1, test::Sets{"train.steps=1"} + f), what + ", gpt2 pp=2, first step", 1e-5);
+    compare(run_eq(2, test::Sets{"parallel.pp=2"} + llama + f), run_eq(1, llama + f), (what + ", llama pp=2").c_str());
+    test::compare_traces(run_eq(2, test::Sets{"parallel.pp=2", "train.steps=1"} + f),
+                         run_eq(1, test::Sets{"train.steps=1"} + f), what + ", gpt2 pp=2, first step", 1e-5);
   }
   const test::Sets current = {"fp8.enabled=true", "fp8.recipe=\"current\""};
-  compare(run(4, test::Sets{"parallel.pp=2", "parallel.tp=2"} + llama + current),
-          run(2, test::Sets{"parallel.tp=2"} + llama + current), "fp8 current, llama pp=2 x tp=2 against tp=2");
-  compare(run(2, test::Sets{"parallel.pp=2", "parallel.vpp=2", "fp8.first_last_bf16=true"} + llama + current),
-          run(1, test::Sets{"fp8.first_last_bf16=true"} + llama + current),
+  compare(run_eq(4, test::Sets{"parallel.pp=2", "parallel.tp=2"} + llama + current),
+          run_eq(2, test::Sets{"parallel.tp=2"} + llama + current), "fp8 current, llama pp=2 x tp=2 against tp=2");
+  compare(run_eq(2, test::Sets{"parallel.pp=2", "parallel.vpp=2", "fp8.first_last_bf16=true"} + llama + current),
+          run_eq(1, test::Sets{"fp8.first_last_bf16=true"} + llama + current),
           "fp8 current, first and last blocks bf16, llama pp=2 x vpp=2");
 }
 

@@ -23,10 +23,24 @@ namespace kiln::test {
     return;                                          \
   } while (0)
 
-// ||a - b|| / ||b|| (b the reference); anything not finite gives infinity.
 // Whether two float vectors hold the same bits (NaNs and signed zeros included).
 inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// A training-equivalence test's steps (two layouts or recipes compared step by step, nothing held to
+// a step's number: no resume at step k, no convergence over n steps): `steps` in the plain builds,
+// at most 5 under the sanitizers (scripts/sanitize.sh builds the tests with KILN_TEST_SANITIZED),
+// where a step costs ~3x and a memory error shows in the first steps.
+inline int equivalence_step_count(int steps) {
+#ifdef KILN_TEST_SANITIZED
+  steps = std::min(steps, 5);
+#endif
+  return steps;
+}
+// The same as a `--set`. Put it first: a test's own train.steps then wins.
+inline std::string equivalence_steps(int steps) {
+  return "train.steps=" + std::to_string(equivalence_step_count(steps));
 }
 
 // The mean of the last n values (a loss curve's end).
@@ -34,6 +48,7 @@ inline double tail_mean(const std::vector<double>& v, std::size_t n) {
   return std::accumulate(v.end() - static_cast<std::ptrdiff_t>(n), v.end(), 0.0) / static_cast<double>(n);
 }
 
+// ||a - b|| / ||b|| (b the reference); anything not finite gives infinity.
 inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
