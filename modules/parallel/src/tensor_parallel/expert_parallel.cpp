@@ -41,17 +41,12 @@ ExpertParallel::Plan ExpertParallel::plan(const TensorView& offsets, std::int32_
   const auto* got = static_cast<const std::int32_t*>(host_.data());
   const std::int32_t* own = got + static_cast<std::ptrdiff_t>(rank_) * (E + 1);
   std::copy(own, own + E + 1, offsets_host);
-  std::vector<std::int32_t> counts(static_cast<std::size_t>(E * P));
-  for (int q = 0; q < P; ++q)
-    for (int e = 0; e < E; ++e) {
-      const std::int32_t* o = got + static_cast<std::ptrdiff_t>(q) * (E + 1);
-      counts[static_cast<std::size_t>(q * E + e)] = o[e + 1] - o[e];
-    }
-  return plan_from(own, counts);
+  return plan_from(got);
 }
 
-ExpertParallel::Plan ExpertParallel::plan_from(const std::int32_t* own, const std::vector<std::int32_t>& all) const {
+ExpertParallel::Plan ExpertParallel::plan_from(const std::int32_t* gathered) const {
   const int E = n_experts_, El = local_experts(), P = size_;
+  const std::int32_t* own = gathered + static_cast<std::ptrdiff_t>(rank_) * (E + 1);
   Plan p;
   p.send_at.assign(static_cast<std::size_t>(P), 0);
   p.send_rows = p.recv_at = p.recv_rows = p.send_at;
@@ -68,7 +63,8 @@ ExpertParallel::Plan ExpertParallel::plan_from(const std::int32_t* own, const st
     for (int l = 0; l < El; ++l) {
       p.local_offsets[static_cast<std::size_t>(q * El + l)] = static_cast<std::int32_t>(at);
       p.expert_of[static_cast<std::size_t>(q * El + l)] = l;
-      at += all[static_cast<std::size_t>(q * E + first_expert() + l)];
+      const std::int32_t* o = gathered + static_cast<std::ptrdiff_t>(q) * (E + 1) + first_expert() + l;
+      at += o[1] - o[0];  // rank q's rows for this rank's expert l
     }
     p.recv_rows[q] = at - p.recv_at[q];
   }

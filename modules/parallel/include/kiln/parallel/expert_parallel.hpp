@@ -73,7 +73,8 @@ class ExpertParallel {
 
  private:
   void exchange(const TensorView& to, const TensorView& from, const Plan& plan, bool forward, void* stream) const;
-  Plan plan_from(const std::int32_t* own, const std::vector<std::int32_t>& counts) const;
+  // The plan from every rank's offsets, gathered: [ranks x (n_experts + 1)].
+  Plan plan_from(const std::int32_t* gathered) const;
   void* side_stream();
 
   Communicator& comm_;
