@@ -255,7 +255,9 @@ TEST_CASE("a stage that dies mid-schedule stops the others, naming the peer and 
 
 namespace {
 // Passes whose time is known: every block's forward sleeps 20 ms and its backward 40 ms (the tiny
-// model's own compute is well under a millisecond a block).
+// model's own compute is well under a millisecond a block). Under the sanitizers the compute is
+// several milliseconds a pass, more on the stages that hold the embedding or the head, and two
+// cores serve four ranks: the sleeps are 3x there, so that compute stays small beside them.
 struct SleepConfig {
   int forward_ms = 10;
 };
@@ -289,7 +291,7 @@ TEST_CASE("the measured bubble of a timed step equals (pp - 1) / (vpp m + pp - 1
     const std::string path = d.path + "/timeline";
     test::run_ranks(kTiny, c.nproc,
                     c.sets + test::Sets{"train.steps=2", "log.timeline=\"" + path + "\"", "log.timeline_step=2",
-                                        "test_sleep.forward_ms=20"},
+                                        "test_sleep.forward_ms=" + std::to_string(test::sanitized ? 60 : 20)},
                     register_sleep);
     std::vector<std::string> files;
     for (int r = 0; r < c.nproc; ++r) files.push_back(path + ".rank" + std::to_string(r));

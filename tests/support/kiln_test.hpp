@@ -28,6 +28,14 @@ inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) 
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// Whether the tests are built for the sanitizers (scripts/sanitize.sh defines KILN_TEST_SANITIZED):
+// a step there costs ~3x, and a case that measures time scales its waits to keep compute small beside them.
+#ifdef KILN_TEST_SANITIZED
+inline constexpr bool sanitized = true;
+#else
+inline constexpr bool sanitized = false;
+#endif
+
 // A training-equivalence test's steps (two layouts or recipes compared step by step, nothing held to
 // a step's number: no resume at step k, no convergence over n steps): `steps` in the plain builds,
 // at most 5 under the sanitizers (scripts/sanitize.sh builds the tests with KILN_TEST_SANITIZED),
