@@ -360,3 +360,25 @@ TEST_CASE("a 128x128-scaled weight quantised in parts with the tiles' agreed ama
       CHECK(test::same_bits(col_si, want_ts));
     }
 }
+
+TEST_CASE("a block-scaled FP8 linear backward calls dgrad_queued once dx is written, before the weight and bias gradients") {
+  auto cpu = make_cpu_ops({.threads = 2});
+  fp8::Fp8Workspace ws(*cpu);
+  fp8::Fp8BlockLinear lin(*cpu, ws, {}, "test");
+  const std::int64_t N = 136, IC = 200, OC = 144;
+  auto view = [](std::vector<float>& v, std::int64_t r, std::int64_t c) {
+    return TensorView(v.data(), {r, c}, DType::f32, Device::cpu);
+  };
+  auto x = test::normal_values(static_cast<std::size_t>(N * IC), 21), w = test::normal_values(static_cast<std::size_t>(OC * IC), 22, 0.05f),
+       dout = test::normal_values(static_cast<std::size_t>(N * OC), 23, 1e-2f), pre = test::normal_values(static_cast<std::size_t>(N * IC), 24, 2.0f);
+  std::vector<float> out(static_cast<std::size_t>(N * OC)), dx(static_cast<std::size_t>(N * IC), -7.0f),
+      dw = test::normal_values(static_cast<std::size_t>(OC * IC), 25), db = test::normal_values(static_cast<std::size_t>(OC), 26);
+  const auto dw0 = dw;
+  lin.forward({view(out, N, OC), {}, view(x, N, IC), view(w, OC, IC), {}}, 1);
+  test::DgradProbe probe{dx, dw};
+  ops::LinearBackward bw{view(dx, N, IC), view(dw, OC, IC), TensorView(db.data(), {OC}, DType::f32, Device::cpu),
+                         view(dout, N, OC), view(x, N, IC), view(w, OC, IC), view(pre, N, IC)};
+  bw.dgrad_queued = probe.hook();
+  lin.backward(bw);
+  probe.check(dw0);
+}

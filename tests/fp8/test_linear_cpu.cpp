@@ -457,3 +457,69 @@ TEST_CASE("a linear layer refuses a SwiGLU input of an odd width, naming the pro
   CHECK_THROWS_WITH_AS(l.lin.forward(f, 1), doctest::Contains("forward x (swiglu-on-load): expected [N, 2 IC]"),
                        kiln::Error);
 }
+
+TEST_CASE("an FP8 linear backward calls dgrad_queued once dx is written, before the weight and bias gradients") {
+  // The dGELU on load, delayed scaling's fused pass (step 2) and current scaling, kept input or not.
+  const int N = 24, H = 40, OC = 16;
+  for (auto kind : {RecipeKind::delayed, RecipeKind::current})
+    for (bool keep : {false, true}) {
+      INFO("recipe " << (kind == RecipeKind::delayed ? "delayed" : "current") << ", keep_input " << keep);
+      Layer L(kind, FormatPolicy::hybrid);
+      Fp8Linear kept(*L.ops, L.meta, 0, L.ws, Fp8Recipe{kind, 16, AmaxAlgo::max, 0, FormatPolicy::hybrid, true}, "kept",
+                     true);
+      Fp8Linear& lin = keep ? kept : L.lin;
+      for (int step = 1; step <= 2; ++step) {
+        auto x = test::normal_values(N * H, 600 + step, 1.5f), w = test::normal_values(OC * H, 610 + step, 0.2f);
+        auto pre = test::normal_values(N * OC, 620 + step, 2.0f), dout = test::normal_values(N * OC, 630 + step, 1e-2f);
+        std::vector<float> out(N * OC), dx(N * H, -7.0f), dw = test::normal_values(OC * H, 640 + step),
+                                        db = test::normal_values(OC, 650 + step);
+        const auto dw0 = dw;
+        lin.forward({view(out, {N, OC}), {}, view(x, {N, H}), view(w, {OC, H}), {}}, step);
+        test::DgradProbe probe{dx, dw};
+        ops::LinearBackward bw{view(dx, {N, H}), view(dw, {OC, H}), view(db, {OC}),
+                               ops::DgeluOnLoad{view(dout, {N, OC}), view(pre, {N, OC})}, view(x, {N, H}),
+                               view(w, {OC, H}), {}};
+        bw.dgrad_queued = probe.hook();
+        lin.backward(bw);
+        probe.check(dw0);
+        if (kind == RecipeKind::delayed) L.meta.update(*L.ops, AmaxAlgo::max, 0);
+      }
+    }
+}
+
+TEST_CASE("an FP8 linear forward in pieces of rows writes the whole forward's rows, its input quantised once") {
+  // The input through the GELU prologue; the pieces' outputs land in another order; the scale and
+  // amax those of the whole call (current scaling would otherwise take each piece's own).
+  const int N = 29, H = 24, OC = 16;
+  for (auto kind : {RecipeKind::delayed, RecipeKind::current}) {
+    INFO("recipe " << (kind == RecipeKind::delayed ? "delayed" : "current"));
+    Layer whole(kind, FormatPolicy::hybrid), split(kind, FormatPolicy::hybrid);
+    for (int step = 1; step <= 2; ++step) {
+      auto pre = test::normal_values(N * H, 700 + step, 2.0f), w = test::normal_values(OC * H, 710 + step, 0.2f);
+      auto b = test::normal_values(OC, 720 + step);
+      std::vector<float> out(N * OC), got(N * OC, -7.0f);
+      const ops::LinearForward f{view(out, {N, OC}), {}, ops::GeluOnLoad{view(pre, {N, H})}, view(w, {OC, H}),
+                                 view(b, {OC})};
+      whole.lin.forward(f, step);
+      // Rows [0, 5), [5, 17), [17, 29) written back to front.
+      const std::vector<ops::RowsOut> pieces = {{0, 5, view(got, {N, OC}).rows(24, 5)},
+                                                {5, 12, view(got, {N, OC}).rows(12, 12)},
+                                                {17, 12, view(got, {N, OC}).rows(0, 12)}};
+      std::vector<std::size_t> queued;
+      ops::LinearForward g = f;
+      g.out = view(got, {N, OC});
+      split.lin.forward_pieces(g, step, false, pieces, [&](std::size_t k) { queued.push_back(k); });
+      CHECK(queued == std::vector<std::size_t>{0, 1, 2});
+      std::vector<float> back(N * OC);
+      std::memcpy(back.data(), got.data() + 24 * OC, 5 * OC * sizeof(float));
+      std::memcpy(back.data() + 5 * OC, got.data() + 12 * OC, 12 * OC * sizeof(float));
+      std::memcpy(back.data() + 17 * OC, got.data(), 12 * OC * sizeof(float));
+      CHECK(test::same_bits(back, out));
+      CHECK(test::same_bits(meta_state(whole.meta), meta_state(split.meta)));
+      if (kind == RecipeKind::delayed) {
+        whole.meta.update(*whole.ops, AmaxAlgo::max, 0);
+        split.meta.update(*split.ops, AmaxAlgo::max, 0);
+      }
+    }
+  }
+}

@@ -10,6 +10,7 @@
 #include "kiln/ops/formulas.hpp"
 #include "kiln/rng/philox.hpp"
 #include "host_view.hpp"
+#include "kiln_test.hpp"
 #include "op_harness.hpp"
 
 using namespace kiln;
@@ -302,4 +303,19 @@ TEST_CASE("results do not depend on the number of threads") {
   many->linear_backward({view(dx2, {N, IC}), view(dw2, {OC, IC}), {}, view(dout, {N, OC}), view(x, {N, IC}), view(w, {OC, IC})});
   CHECK(dw1 == dw2);
   CHECK(dx1 == dx2);
+}
+
+TEST_CASE("the CPU linear backward calls dgrad_queued once dx is written, before the weight and bias gradients") {
+  auto be = ops::make_cpu_backend({.threads = 2});
+  const int N = 29, IC = 13, OC = 17;
+  auto x = random_values(N * IC, 8), w = random_values(OC * IC, 9), dout = random_values(N * OC, 10),
+       pre = random_values(N * IC, 11);
+  std::vector<float> dx(N * IC, -7.0f), dw = random_values(OC * IC, 12), db = random_values(OC, 13);
+  const auto dw0 = dw;
+  kiln::test::DgradProbe probe{dx, dw};
+  ops::LinearBackward a{view(dx, {N, IC}), view(dw, {OC, IC}), view(db, {OC}), view(dout, {N, OC}),
+                        view(x, {N, IC}),  view(w, {OC, IC}),  view(pre, {N, IC})};
+  a.dgrad_queued = probe.hook();
+  be->linear_backward(a);
+  probe.check(dw0);
 }

@@ -7,7 +7,8 @@
 # runs 7 steps captured and 7 eager from the same seed; the losses and gradient norms of every step
 # must be equal bit for bit (dropout on, so every replay must draw fresh masks as the eager steps
 # do), and the captured run must say it captured. Layouts: tensor parallelism with sequence
-# parallelism and full recompute; with the collectives beside split GEMMs (parallel.tp_comm_overlap);
+# parallelism and full recompute; with the collectives beside split GEMMs (parallel.tp_comm_overlap),
+# in bf16 and in FP8;
 # a Llama with vocabulary parallelism; data parallelism with two micro-batches and FP8 (the
 # gradient buckets the last micro-batch's backward starts are inside its graph); FSDP full_shard
 # with two micro-batches (its gathers and reduce-scatters in the graphs), and shard_grad_op in FP8
@@ -91,6 +92,8 @@ check tp-overlap yes --set parallel.tp=2 --set parallel.sequence_parallel=true -
 check llama-tp-vocab yes --set parallel.tp=2 --set parallel.vocab_parallel=true --set model.arch=llama \
   --set model.n_kv_head=2
 check tp-fp8 yes --set parallel.tp=2 --set fp8.enabled=true --set optim.grad_clip=0.5
+check tp-fp8-overlap yes --set parallel.tp=2 --set fp8.enabled=true --set parallel.tp_comm_overlap=true \
+  --set parallel.tp_comm_chunks=2
 check dp-fp8-micro yes --set train.micro_batch_size=2 --set fp8.enabled=true --set parallel.dp_bucket_mb=0.05
 check fsdp-full-micro no --set fsdp.strategy=full_shard --set train.micro_batch_size=2
 check fsdp-sgo-fp8-step no --set fsdp.strategy=shard_grad_op --set fp8.enabled=true --set fsdp.reduce=step \

@@ -85,7 +85,9 @@ TEST_CASE("the LM head in chunks of rows matches the single-rank run: TP, SP, vo
 
 TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit for bit as without") {
   // The same steps in pieces (parallel.tp_comm_overlap): exactly the plain run's losses, with
-  // sequence parallelism, dropout and full recompute; FP8 layers run without overlap.
+  // sequence parallelism, dropout and full recompute. FP8 layers (delayed, current and block
+  // scaling) take part in the column-parallel backward's sum (one call, the dGELU on load), their
+  // other calls whole.
   using test::operator+;
   const test::Sets lapped = {"parallel.tp_comm_overlap=true", "parallel.tp_comm_chunks=3"};
   const test::Sets cases[] = {
@@ -94,6 +96,11 @@ TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit fo
       {"parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1", "activation_checkpoint.mode=full",
        "train.micro_batch_size=2", "model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64"},
       {"parallel.tp=2", "parallel.sequence_parallel=true", "fp8.enabled=true"},
+      {"parallel.tp=2", "fp8.enabled=true", "model.dropout=0.1", "activation_checkpoint.mode=full"},
+      {"parallel.tp=2", "fp8.enabled=true", "fp8.recipe=current", "model.arch=llama", "model.n_kv_head=2",
+       "model.ffn_hidden=64"},
+      {"parallel.tp=2", "parallel.sequence_parallel=true", "fp8.enabled=true", "fp8.recipe=block",
+       "backend.cpu_round_bf16=true", "model.n_embd=256", "model.n_head=2"},  // blocks of 128 on each rank
   };
   for (const auto& sets : cases) {
     std::string what = "overlapped:";

@@ -347,17 +347,45 @@ namespace {
 // Every tensor a rank's column- and row-parallel layers produce, forward and backward, per rank.
 struct LayerRun {
   std::vector<Vec> col, row;  // per rank: the outputs concatenated
+  std::vector<int> backward_calls, told;  // per rank: the layers' backward calls, those with dgrad_queued
+  std::vector<int> piece_calls;           // per rank: forward_pieces calls
 };
 
-LayerRun run_layers(const Layout& L, bool overlap, int chunks, std::int64_t N = 20) {
+// `splits`: the implementation takes calls split by rows (ops::LinearImpl::splits_rows), as the
+// backend's does; without, as an FP8 layer's, fc1's backward overlaps (one call, dgrad_queued) and,
+// with `pieces` (LinearImpl::forward_pieces), fc2's forward.
+LayerRun run_layers(const Layout& L, bool overlap, int chunks, std::int64_t N = 20, bool splits = true,
+                    bool pieces = false) {
   const std::int64_t in = 8, hid = 12;
   const Vec x = random_vec(N * in, 41), w1 = random_vec(hid * in, 42), b1 = random_vec(hid, 43),
             w2 = random_vec(in * hid, 44), b2 = random_vec(in, 45), dy = random_vec(N * in, 46),
             pre = random_vec(N * hid, 47);
-  LayerRun out{std::vector<Vec>(static_cast<std::size_t>(L.tp)), std::vector<Vec>(static_cast<std::size_t>(L.tp))};
+  const auto n = static_cast<std::size_t>(L.tp);
+  LayerRun out{std::vector<Vec>(n), std::vector<Vec>(n), std::vector<int>(n), std::vector<int>(n),
+               std::vector<int>(n)};
   run_group(L.tp, {L.sp, false, overlap, chunks}, [&](const TensorParallel& tp) {
     CHECK((tp.comm_overlap() != nullptr) == overlap);
-    const auto impl = ops::backend_linear_impl(tp.backend());
+    const auto me = static_cast<std::size_t>(tp.rank());
+    auto impl = ops::backend_linear_impl(tp.backend());
+    impl.splits_rows = splits;
+    if (pieces)
+      impl.forward_pieces = [&be = tp.backend(), &out, me](const ops::LinearForward& f,
+                                                          std::span<const ops::RowsOut> rows,
+                                                          const ops::PieceQueued& queued) {
+        ++out.piece_calls[me];
+        for (std::size_t k = 0; k < rows.size(); ++k) {
+          ops::LinearForward p = f;
+          p.x = ops::plain_tensor(f.x).rows(rows[k].begin, rows[k].rows);
+          p.out = rows[k].out;
+          be.linear_forward(p);
+          queued(k);
+        }
+      };
+    impl.backward = [&be = tp.backend(), &out, me](const ops::LinearBackward& a) {
+      ++out.backward_calls[me];
+      if (a.dgrad_queued) ++out.told[me];
+      be.linear_backward(a);
+    };
     const std::int64_t Nl = tp.local_rows(N), r0 = tp.first_local_row(N);
     auto keep = [](Vec& into, std::initializer_list<const Vec*> vs) {
       for (const Vec* v : vs) into.insert(into.end(), v->begin(), v->end());
@@ -419,4 +447,26 @@ TEST_CASE("with the communication overlapped, the column- and row-parallel layer
       CHECK(lapped.row[static_cast<std::size_t>(r)] == plain.row[static_cast<std::size_t>(r)]);
     }
   }
+}
+
+TEST_CASE("an implementation that does not split by rows still sums its input gradient beside the weight gradient") {
+  // As an FP8 layer: the gathers run whole, fc1's backward is one call whose dgrad_queued starts the
+  // sum. The same bits as without overlap.
+  // With forward_pieces, fc2's forward sums its output piece by piece too.
+  for (const Layout& L : kLayouts)
+    for (const bool pieces : {false, true}) {
+      INFO(L.str(), pieces ? ", forward_pieces" : "");
+      const LayerRun plain = run_layers(L, false, 1, 20, false, pieces),
+                     lapped = run_layers(L, true, 2, 20, false, pieces);
+      for (std::size_t r = 0; r < static_cast<std::size_t>(L.tp); ++r) {
+        CHECK(lapped.col[r] == plain.col[r]);
+        CHECK(lapped.row[r] == plain.row[r]);
+        CHECK(plain.told[r] == 0);
+        CHECK(plain.piece_calls[r] == 0);
+        // fc1's backward and fc2's: one call each, fc1's with dgrad_queued.
+        CHECK(lapped.backward_calls[r] == 2);
+        CHECK(lapped.told[r] == 1);
+        CHECK(lapped.piece_calls[r] == (pieces ? 1 : 0));
+      }
+    }
 }

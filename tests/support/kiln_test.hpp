@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <numeric>
 #include <string>
@@ -50,6 +51,31 @@ inline int equivalence_step_count(int steps) {
 inline std::string equivalence_steps(int steps) {
   return "train.steps=" + std::to_string(equivalence_step_count(steps));
 }
+
+// What a linear backward's dgrad_queued (ops::LinearBackward) saw: dx and dweight (host vectors the
+// backward writes) copied when it was called. Called once, dx was then written and the weight
+// gradient not yet touched (checked against its value before the call; the bias gradient may come
+// before or after: an FP8 layer sums it while quantising the output gradient).
+struct DgradProbe {
+  const std::vector<float>& dx;
+  const std::vector<float>& dw;
+  int calls = 0;
+  std::vector<float> dx_then, dw_then;
+  std::function<void()> hook() {
+    return [this] {
+      ++calls;
+      dx_then = dx;
+      dw_then = dw;
+    };
+  }
+  // After the backward: dx then was the final dx, dweight was still dw0 (and is not now).
+  void check(const std::vector<float>& dw0) const {
+    CHECK(calls == 1);
+    CHECK(same_bits(dx_then, dx));
+    CHECK(same_bits(dw_then, dw0));
+    CHECK_FALSE(same_bits(dw, dw0));
+  }
+};
 
 // The mean of the last n values (a loss curve's end).
 inline double tail_mean(const std::vector<double>& v, std::size_t n) {

@@ -243,7 +243,25 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
                        a.dx ? g_row.scale_inv : nullptr, g_col.codes, g_col.scale_inv};
   gq.dbias = a.dbias;
   ops_.quantize_blocks(gq);
+  // The input's copy before dx is written (dx may share memory with what the input is computed from).
   ops_.quantize_blocks({x, xc_mode, recipe_.pow2, {}, nullptr, x_col.codes, x_col.scale_inv});
+
+  // dgrad before wgrad, so that what the caller queues on dx (ops::LinearBackward::dgrad_queued) runs
+  // beside the weight gradient: dx[N, IC] = dout @ W = dout[N, OC] @ (W^T)[IC, OC]^T, the weight's
+  // transposed tiles.
+  if (a.dx) {
+    GemmArgs d = block_product(g_row.codes, g_row.scale_inv, ScalingMode::block_1x128,
+                               TensorView(const_cast<void*>(w_colwise), {IC, OC}, dtype_of(recipe_.weight),
+                                          ops_.device()),
+                               static_cast<const float*>(cache_.col_scales.data()), ScalingMode::block_128x128, a.dx,
+                               "fp8_block_gemm_dgrad");
+    if (a.dx_gelu_pre) {
+      d.epilogue = ops::Epilogue::dgelu;
+      d.aux = a.dx_gelu_pre;
+    }
+    ops_.gemm(d);
+    if (a.dgrad_queued) a.dgrad_queued();
+  }
 
   // wgrad: dW[OC, IC] (+)= dout^T @ x, both 1x128 along the tokens (x^T 128x128 with wgrad_input_2d).
   GemmArgs w = block_product(g_col.codes, g_col.scale_inv, ScalingMode::block_1x128, x_col.codes, x_col.scale_inv,
@@ -251,18 +269,6 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   w.f32_result = true;
   w.accumulate = !a.dweight_overwrite;
   ops_.gemm(w);
-
-  if (!a.dx) return;
-  // dgrad: dx[N, IC] = dout @ W = dout[N, OC] @ (W^T)[IC, OC]^T, the weight's transposed tiles.
-  GemmArgs d = block_product(g_row.codes, g_row.scale_inv, ScalingMode::block_1x128,
-                             TensorView(const_cast<void*>(w_colwise), {IC, OC}, dtype_of(recipe_.weight), ops_.device()),
-                             static_cast<const float*>(cache_.col_scales.data()), ScalingMode::block_128x128, a.dx,
-                             "fp8_block_gemm_dgrad");
-  if (a.dx_gelu_pre) {
-    d.epilogue = ops::Epilogue::dgelu;
-    d.aux = a.dx_gelu_pre;
-  }
-  ops_.gemm(d);
 }
 
 }  // namespace kiln::fp8

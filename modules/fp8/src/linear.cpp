@@ -197,6 +197,23 @@ void Fp8Linear::update_weight_part(AdamWQuantizeArgs u, void* codes) {
 }
 
 void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
+  gemm_forward(quantize_forward(a, weight_version, replay), a);
+}
+
+void Fp8Linear::forward_pieces(const ops::LinearForward& a, std::int64_t weight_version, bool replay,
+                               std::span<const ops::RowsOut> pieces, const ops::PieceQueued& queued) {
+  const TensorView xq = quantize_forward(a, weight_version, replay);
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const ops::RowsOut& p = pieces[k];
+    ops::LinearForward piece = a;
+    piece.out = p.out;
+    piece.pre_gelu = a.pre_gelu ? a.pre_gelu.rows(p.begin, p.rows) : TensorView{};
+    gemm_forward(xq.rows(p.begin, p.rows), piece);
+    queued(k);
+  }
+}
+
+TensorView Fp8Linear::quantize_forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
   // The input, or the pre-activation it is the GELU or SwiGLU of, or the residual it is the
   // LayerNorm of (any of them then computed while quantising).
@@ -229,7 +246,7 @@ void Fp8Linear::forward(const ops::LinearForward& a, std::int64_t weight_version
     float* record = replay ? nullptr : prepare_scale(s, x, in.prologue);
     quantize_input(in, out, record);
   }
-  gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
+  return TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device());
 }
 
 void* Fp8Linear::kept_input(std::int64_t rows, std::int64_t cols) {
@@ -390,6 +407,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
       g.aux = a.dx_gelu_pre;
     }
     ops_.gemm(g);
+    if (a.dgrad_queued) a.dgrad_queued();
   }
   GemmArgs w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC] (or =): K = N, both operands transposed copies
   w.what = "fp8_gemm_wgrad";

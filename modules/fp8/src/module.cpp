@@ -626,7 +626,14 @@ void install(World& w, const Fp8Config& cfg) {
                                                       },
                                                   .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
                                                   .prologues = Fp8Linear::kPrologues,
-                                                  .keeps_input = keep});
+                                                  .keeps_input = keep,
+                                                  .forward_pieces =
+                                                      [lin, state](const ops::LinearForward& a,
+                                                                   std::span<const ops::RowsOut> pieces,
+                                                                   const ops::PieceQueued& queued) {
+                                                        lin->forward_pieces(a, state->weights_version,
+                                                                            state->replaying, pieces, queued);
+                                                      }});
   }
 
   for (std::size_t i = 0; i < st.grouped_entities.size(); ++i) {

@@ -48,6 +48,7 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
       for (std::int64_t i = 0; i < IC; ++i)
         dx[n * IC + i] = store(pre ? acc[i] * gelu_grad(pre[n * IC + i]) : acc[i]);
     }
+    if (a.dgrad_queued) a.dgrad_queued();
   }
   if (!a.dweight) return;  // dx alone
   float* dw = a.dweight.as<float>();

@@ -341,6 +341,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
       g.aux = dptr<bf16>(a.dx_gelu_pre);
     }
     gemm_->run(g, stream_);
+    if (a.dgrad_queued) a.dgrad_queued();
   }
   if (!a.dweight) return;  // dx alone
   cuda::GemmDesc w;  // dW[OC, IC] += dout^T[OC, N] @ x[N, IC] (or =)

@@ -81,6 +81,10 @@ bool CommOverlap::applies(const ops::LinearImpl& impl, const ops::LinearForward&
   return impl.splits_rows && ops::plain_tensor(f.x);
 }
 
+bool CommOverlap::sums_in_pieces(const ops::LinearImpl& impl, const ops::LinearForward& f) {
+  return impl.forward_pieces || applies(impl, f);
+}
+
 bool CommOverlap::applies(const ops::LinearImpl& impl, const ops::LinearBackward& b) {
   return impl.splits_rows && ops::plain_tensor(b.x) && ops::plain_tensor(b.dout);
 }
@@ -107,28 +111,37 @@ void CommOverlap::pieces_for(std::int64_t N) {
 void CommOverlap::forward_sum(const ops::LinearImpl& impl, const ops::LinearForward& f, const TensorView& out_local) {
   KILN_CHECK(!f.pre_gelu, "a row-parallel output is a partial sum: no GELU epilogue before the sum");
   const SmMargin margin(be_, comm_sms_);
-  const TensorView x = ops::plain_tensor(f.x);
-  pieces_for(x.size(0));
-  const int size = comm_.size();
+  pieces_for(f.out.size(0));
+  const auto size = static_cast<std::size_t>(comm_.size());
+  std::vector<ops::RowsOut> outs;
+  outs.reserve(pieces_.size());
   if (!sp_) {
-    for (const RowPiece& p : pieces_) {
-      impl.forward(forward_rows(f, x, p, rows_of(f.out, p)));
+    for (const RowPiece& p : pieces_) outs.push_back({p.begin, p.rows, rows_of(f.out, p)});
+    ops::forward_in_pieces(impl, f, outs, [&](std::size_t k) {
       comm_waits_compute();
-      comm_.all_reduce(rows_of(f.out, p), ReduceOp::sum, comm_stream());
-    }
+      comm_.all_reduce(outs[k].out, ReduceOp::sum, comm_stream());
+    });
     compute_waits_comm();
     return;
   }
   // Block k (every rank's k-th piece, each of r rows at b within its share) is written to f.out's rows
   // [size b, size (b + r)) in rank order, as reduce-scatter takes it: this rank receives the sum of
-  // its own k-th piece. (f.out holds partial sums nobody reads in row order.)
-  for (std::size_t k = 0; k < pieces_.size(); k += static_cast<std::size_t>(size)) {
+  // its own k-th piece, once the block's last piece is queued. (f.out holds partial sums nobody reads
+  // in row order.)
+  for (std::size_t k = 0; k < pieces_.size(); k += size) {
     const std::int64_t b = pieces_[k].begin, r = pieces_[k].rows;
-    for (int j = 0; j < size; ++j)
-      impl.forward(forward_rows(f, x, pieces_[k + static_cast<std::size_t>(j)], f.out.rows(size * b + j * r, r)));
-    comm_waits_compute();
-    comm_.reduce_scatter(out_local.rows(b, r), f.out.rows(size * b, size * r), ReduceOp::sum, comm_stream());
+    for (std::size_t j = 0; j < size; ++j) {
+      const RowPiece& p = pieces_[k + j];
+      outs.push_back({p.begin, p.rows, f.out.rows(static_cast<std::int64_t>(size) * b + static_cast<std::int64_t>(j) * r, r)});
+    }
   }
+  ops::forward_in_pieces(impl, f, outs, [&](std::size_t i) {
+    if (i % size != size - 1) return;
+    const std::size_t k = i - (size - 1);
+    const std::int64_t b = pieces_[k].begin, r = pieces_[k].rows, n = static_cast<std::int64_t>(size);
+    comm_waits_compute();
+    comm_.reduce_scatter(out_local.rows(b, r), f.out.rows(n * b, n * r), ReduceOp::sum, comm_stream());
+  });
   compute_waits_comm();
 }
 
@@ -175,13 +188,25 @@ void CommOverlap::gather_forward(const ops::LinearImpl& impl, const ops::LinearF
 
 void CommOverlap::backward_sum(const ops::LinearImpl& impl, const ops::LinearBackward& b, const TensorView& dx_local) {
   const SmMargin margin(be_, comm_sms_);
-  impl.backward(dx_alone(b));
-  comm_waits_compute();
-  if (sp_)
-    comm_.reduce_scatter(dx_local, b.dx, ReduceOp::sum, comm_stream());
-  else
-    comm_.all_reduce(b.dx, ReduceOp::sum, comm_stream());
-  impl.backward(weights_alone(b));
+  bool summing = false;
+  const auto sum = [&] {
+    if (summing) return;
+    summing = true;
+    comm_waits_compute();
+    if (sp_)
+      comm_.reduce_scatter(dx_local, b.dx, ReduceOp::sum, comm_stream());
+    else
+      comm_.all_reduce(b.dx, ReduceOp::sum, comm_stream());
+  };
+  // One call: the sum starts once dx is queued, beside the weight gradient (any operands, prologues
+  // included: an FP8 implementation quantises its output gradient once for both GEMMs).
+  ops::LinearBackward whole = b;
+  whole.dgrad_queued = [&] {
+    sum();
+    if (b.dgrad_queued) b.dgrad_queued();
+  };
+  impl.backward(whole);
+  sum();  // an implementation that did not say (the sum then runs after the weight gradients)
   compute_waits_comm();
 }
 

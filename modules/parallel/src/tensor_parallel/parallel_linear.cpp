@@ -48,7 +48,7 @@ void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::Linea
 
 TensorView ColumnParallelLinear::backward(const ops::LinearImpl& impl, const ops::LinearBackward& a,
                                           const TensorView& dx_local) const {
-  if (CommOverlap* o = tp_.comm_overlap(); o && a.dx && split_ && CommOverlap::applies(impl, a)) {
+  if (CommOverlap* o = tp_.comm_overlap(); o && a.dx && split_) {  // any implementation (dgrad_queued)
     const TensorView local = tp_.sequence_parallel() ? dx_local : a.dx;
     o->backward_sum(impl, a, local);
     return local;
@@ -87,7 +87,7 @@ void RowParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearFo
   ops::LinearForward f = a;
   if (!tp_.sequence_parallel()) f.out = out_local;
   if (tp_.rank() != 0) f.bias = {};  // the replicated bias is added once before the sum
-  if (CommOverlap* o = tp_.comm_overlap(); o && CommOverlap::applies(impl, f)) {
+  if (CommOverlap* o = tp_.comm_overlap(); o && CommOverlap::sums_in_pieces(impl, f)) {
     o->forward_sum(impl, f, out_local);
     return;
   }

@@ -30,11 +30,13 @@
 #include <array>
 #include <functional>
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "kiln/fp8/meta.hpp"
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/linear_impl.hpp"
 
 namespace kiln::fp8 {
 
@@ -72,6 +74,10 @@ class Fp8Linear {
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor). Bump the version whenever the weight values change.
   void forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay = false);
+  // The same forward in pieces of rows (ops::LinearImpl::forward_pieces): the input quantised once,
+  // as forward does, then one GEMM per piece into its `out`, queued(k) after each.
+  void forward_pieces(const ops::LinearForward& a, std::int64_t weight_version, bool replay,
+                      std::span<const ops::RowsOut> pieces, const ops::PieceQueued& queued);
   void backward(const ops::LinearBackward& a);
 
   // Makes the weight's FP8 copies from `master` (the weight's f32 master copy) and stores them in
@@ -143,6 +149,8 @@ class Fp8Linear {
   // The same with the tensor's amax measured by `amax` (max-accumulated into its argument), called
   // only where the scale needs it now.
   float* prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax);
+  // A forward's weight copies and quantised input (the workspace's rowwise [N, IC] codes).
+  TensorView quantize_forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay);
   void ensure_weight(const TensorView& w, std::int64_t version);
   void* kept_input(std::int64_t rows, std::int64_t cols);  // the keep_input buffer, sized for [rows, cols]
   bool weight_cached(const TensorView& w) const;

@@ -14,6 +14,7 @@
 //  - Results are deterministic: the same inputs give the same bits, run after run (unless a CUDA
 //    backend is made with attention_deterministic = false; see CudaOptions).
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -113,6 +114,11 @@ struct LinearBackward {
   // dweight = dout^T @ x instead of +=: the step's first contribution to a gradient nothing else
   // adds to (nn::GradWrittenFirst), which then needs no zeroing and no read.
   bool dweight_overwrite = false;
+  // Called, when given, once dx's work is queued and before the weight gradient's: what the caller
+  // queues then (a sum of dx over a tensor-parallel group on a side stream) runs beside it. Every
+  // implementation calls it where it computes dx (parallel/comm_overlap relies on it); the bias
+  // gradient may come before or after (an FP8 layer sums it while quantising dout).
+  std::function<void()> dgrad_queued;
 };
 
 // out = gelu(x), elementwise (recomputes a GELU output in the backward pass instead of storing it).

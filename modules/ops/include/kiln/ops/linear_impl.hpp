@@ -4,11 +4,21 @@
 // Backend::linear_forward / linear_backward for that layer, and knows nothing else about it.
 // The arguments and their contract are those of the backend ops; what an implementation adds is
 // said by two values: the prologues it takes, and whether it keeps its own copy of its input.
+#include <cstdint>
 #include <functional>
+#include <span>
 
 #include "kiln/ops/backend.hpp"
 
 namespace kiln::ops {
+
+// A piece of a forward's output (LinearImpl::forward_pieces): its rows [begin, begin + rows) of the
+// whole call's output, written to `out` [rows, OC] (anywhere: a reduce-scatter's order, say).
+struct RowsOut {
+  std::int64_t begin = 0, rows = 0;
+  TensorView out;
+};
+using PieceQueued = std::function<void(std::size_t)>;
 
 struct LinearImpl {
   std::function<void(const LinearForward&)> forward;
@@ -28,7 +38,18 @@ struct LinearImpl {
   // the GEMMs (parallel.tp_comm_overlap); an implementation that cannot (it keeps per-call state, or
   // scales by the whole input's amax) runs the layers without overlap.
   bool splits_rows = false;
+  // The forward in pieces of rows (a row-parallel output's sum started piece by piece): piece k's
+  // rows of the whole call's output written to its `out` (and those rows of pre_gelu), then
+  // queued(k) called, so the caller may move them while the next piece is computed. An implementation
+  // that quantises its input does it once, over the whole input (one scale, one amax, any prologue),
+  // then one GEMM per piece. Empty: the caller splits `forward` calls where splits_rows allows it.
+  std::function<void(const LinearForward&, std::span<const RowsOut>, const PieceQueued&)> forward_pieces;
 };
+
+// f's output in `pieces` (impl.forward_pieces, else one forward call per piece on its rows of f.x,
+// a plain tensor, and of pre_gelu), queued(k) after each.
+void forward_in_pieces(const LinearImpl& impl, const LinearForward& f, std::span<const RowsOut> pieces,
+                       const PieceQueued& queued);
 
 // The backend's own linear ops as a LinearImpl (plain operands only), for layers that take one.
 inline LinearImpl backend_linear_impl(Backend& be) {

@@ -14,13 +14,18 @@
 //   sequence parallelism) moves every rank's k-th piece at once (grouped sends and receives, both
 //   ways over each link), while the GEMM runs on the pieces already here, this rank's own first;
 // - a column-parallel backward computes the input gradient first, and its sum over the group
-//   (all-reduce, or reduce-scatter) runs while the weight gradients are computed.
+//   (all-reduce, or reduce-scatter) runs while the weight gradients are computed: one call of the
+//   implementation, which says when dx is queued (ops::LinearBackward::dgrad_queued), so every
+//   implementation takes part, FP8 ones and prologue operands (a dGELU on load) included.
 // Every rank issues the same collectives in the same order. A piece's result is the same product
 // and the same sum as without the overlap: bit for bit on the CPU backend (and its in-process
 // communicator runs the collectives in order on the host, so the schedule is the same there).
 //
-// The layers use it for linear implementations whose calls split by rows (ops::LinearImpl::
-// splits_rows); others run without overlap.
+// A row-parallel forward computes its pieces through ops::forward_in_pieces: an implementation that
+// quantises (FP8) does so once over the whole input, then one GEMM per piece (LinearImpl::
+// forward_pieces); the gathers (a column-parallel forward's input, a row-parallel backward's output
+// gradient under sequence parallelism) split calls by rows, for implementations whose calls split so
+// (LinearImpl::splits_rows): FP8 layers, which scale the whole gathered tensor, run them without.
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -55,9 +60,13 @@ class CommOverlap {
   CommOverlap(const CommOverlap&) = delete;
   CommOverlap& operator=(const CommOverlap&) = delete;
 
-  // Whether `impl` takes the split calls with these operands (plain tensors, not prologues).
+  // Whether `impl` takes the split calls with these operands (plain tensors, not prologues). A
+  // column-parallel backward (backward_sum) needs no split: it applies to every implementation.
   static bool applies(const ops::LinearImpl& impl, const ops::LinearForward& f);
   static bool applies(const ops::LinearImpl& impl, const ops::LinearBackward& b);
+  // Whether a row-parallel forward's sum (forward_sum) takes `impl`: it computes in pieces itself
+  // (ops::LinearImpl::forward_pieces, any prologue: an FP8 layer quantises once), or applies().
+  static bool sums_in_pieces(const ops::LinearImpl& impl, const ops::LinearForward& f);
 
   // A row-parallel forward: f.out [N, OC] partial sums, summed over the group into `out_local`
   // (this rank's rows, under sequence parallelism, f.out then left in reduce-scatter's order; else
@@ -69,7 +78,8 @@ class CommOverlap {
                       const TensorView& local);
   // A column-parallel backward: b.dx [N, IC] computed, then summed over the group into `dx_local`
   // (reduce-scatter under sequence parallelism; else dx_local is b.dx, all-reduced) while the weight
-  // and bias gradients are computed.
+  // and bias gradients are computed (one impl.backward call; its dgrad_queued starts the sum, and
+  // b's own dgrad_queued is called after).
   void backward_sum(const ops::LinearImpl& impl, const ops::LinearBackward& b, const TensorView& dx_local);
   // A row-parallel backward under sequence parallelism: b.dout [N, OC] gathered from every rank's
   // `dout_local` rows while b.dx is computed on the rows already here; then the weight gradients.
