@@ -4,7 +4,9 @@
 # then TP=2 with and without sequence parallelism, each plain and overlapped, in one call; then a
 # CUPTI trace of rank 0 of an overlapped run: how much of the NCCL kernels' time runs beside other
 # kernels. Variants: pieces per rank (tp_comm_chunks, default 1), SMs the GEMMs leave to the
-# collectives (tp_comm_sms, default 0).
+# collectives (tp_comm_sms, default 0). FP8=1: every run in FP8 (delayed scaling; its linears take
+# part in the overlapped sums, not in the gathers of sequence parallelism); COPY=1: the copy-engine
+# transport (parallel.copy_engine) for every run.
 # usage: bash bench/gpu_tp_overlap.sh BUILD_DIR [MODEL]   (MODEL: 1.3b (default) or 124m; logs under $OUT)
 set -uo pipefail
 B=${1:-.devbuild}
@@ -22,6 +24,8 @@ if [ "$MODEL" = 1.3b ]; then
            --set model.recompute_gelu=true)
   steps=16
 fi
+[ "${FP8:-0}" = 1 ] && common+=(--set fp8.enabled=true)
+[ "${COPY:-0}" = 1 ] && common+=(--set parallel.copy_engine=true)
 log="$OUT/tp-overlap-logs.txt"
 : > "$log"
 run() {  # name [args...]
