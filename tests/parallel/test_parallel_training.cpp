@@ -9,6 +9,7 @@
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/engine/config/pipeline.hpp"
 #include "kiln/nn/components.hpp"
+#include "kiln/ops/linear_impl.hpp"
 #include "kiln/parallel/grad_buckets.hpp"
 #include "kiln/parallel/thread_ranks.hpp"
 #include "kiln/parallel/module.hpp"
@@ -107,6 +108,38 @@ TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit fo
     for (const auto& s : sets) what += " " + s;
     const int nproc = sets.front() == "parallel.tp=4" ? 4 : 2;
     test::compare_traces(run(nproc, sets + lapped), run(nproc, sets), what.c_str(), 0);
+  }
+}
+
+namespace {
+// A module after fp8 that takes ops::LinearImpl::forward_gathered from every linear: the layers then
+// gather their inputs in bf16 and quantise them whole, as before FP8 codes were gathered.
+struct Bf16GatherConfig {
+  bool on = true;
+};
+KILN_CONFIG(Bf16GatherConfig, (on, "take forward_gathered from every linear implementation"))
+void register_bf16_gather(ModuleRegistry& r) {
+  r.add(make_module<Bf16GatherConfig>("test_bf16_gather", "", {"fp8"}, [](World& w, const Bf16GatherConfig& cfg) {
+    if (!cfg.on) return;
+    w.each<ops::LinearImpl>([](Entity, ops::LinearImpl& impl) { impl.forward_gathered = {}; });
+  }));
+}
+}  // namespace
+
+TEST_CASE("FP8 layers under sequence parallelism gather their inputs as one-byte codes, with the bf16 gather's bits") {
+  // The attention's and the MLP's first linears gather FP8 codes where their norm's output is not
+  // kept for the backward (recomputed and gathered again there, or kept by the FP8 layer itself:
+  // recompute_norm = false); the same run with bf16 gathers gives the same bits. Delayed and current
+  // scaling, the collectives overlapped too.
+  using test::operator+;
+  const test::Sets sp = {test::equivalence_steps(12), "parallel.tp=2", "parallel.sequence_parallel=true",
+                         "fp8.enabled=true"};
+  for (const test::Sets& c : {test::Sets{}, test::Sets{"fp8.recipe=current"}, test::Sets{"model.recompute_norm=false"},
+                              test::Sets{"parallel.tp_comm_overlap=true", "model.dropout=0.1"}}) {
+    std::string what = "FP8 codes vs bf16 gathered, tp=2 sequence parallel:";
+    for (const auto& s : c) what += " " + s;
+    test::compare_traces(test::run_ranks(kTiny, 2, sp + c), test::run_ranks(kTiny, 2, sp + c + test::Sets{"test_bf16_gather.on=true"}, register_bf16_gather),
+                         what.c_str(), 0);
   }
 }
 

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "kiln/fp8/linear.hpp"
+#include "kiln_test.hpp"
 #include "kiln/ops/backend.hpp"
 #include "kiln/ops/linear_impl.hpp"
 #include "kiln/parallel/comm_overlap.hpp"
@@ -467,6 +469,73 @@ TEST_CASE("an implementation that does not split by rows still sums its input gr
         CHECK(lapped.backward_calls[r] == 2);
         CHECK(lapped.told[r] == 1);
         CHECK(lapped.piece_calls[r] == (pieces ? 1 : 0));
+      }
+    }
+}
+
+namespace {
+
+// One rank's FP8 column-parallel layer (per-tensor scaling, keeping its input's FP8 copy) over two
+// steps, its input gathered as bf16 (input_read_after) or as its own codes; per step the output,
+// the input gradient this rank keeps and the weight gradient, then the FP8 meta after step 1.
+std::vector<Vec> fp8_column_steps(const TensorParallel& tp, fp8::RecipeKind kind, bool codes) {
+  const std::int64_t N = 24, in = 32, out = 48;
+  auto ops = fp8::make_cpu_ops({.threads = 1});
+  fp8::Fp8MetaStore meta(*ops, {fp8::Format::e4m3, fp8::Format::e4m3, fp8::Format::e5m2},
+                         kind == fp8::RecipeKind::delayed ? 4 : 1);
+  fp8::Fp8Workspace ws(*ops);
+  fp8::Fp8Linear lin(*ops, meta, 0, ws, fp8::Fp8Recipe{kind, 4, fp8::AmaxAlgo::max, 0, fp8::FormatPolicy::hybrid, true},
+                     "fc", /*keep_input=*/true);
+  int gathered = 0;
+  ops::LinearImpl impl{.forward = [&](const ops::LinearForward& a) { lin.forward(a, 1); },
+                       .backward = [&](const ops::LinearBackward& a) { lin.backward(a); },
+                       .keeps_input = true,
+                       .forward_gathered = [&](const ops::LinearForward& a, const TensorView& local,
+                                               const ops::RowGather& g) {
+                         ++gathered;
+                         lin.forward_gathered(a, local, 1, false, g);
+                       }};
+  const ColumnParallelLinear fc(tp, in, out);
+  const std::int64_t lo = fc.local_out(), Nl = tp.local_rows(N), r0 = tp.first_local_row(N);
+  Vec w = take(random_vec(out * in, 61), {out, in}, fc.weight_shard());
+  std::vector<Vec> got;
+  for (int step = 1; step <= 2; ++step) {
+    Vec x = random_vec(N * in, 62 + step), dy = random_vec(N * out, 64 + step);
+    for (std::size_t i = 0; i < x.size(); i += 7) x[i] *= 9.0f;  // an amax that differs between the ranks' rows
+    Vec x_full(N * in, -3.0f), x_local = rows_of(x, in, r0, Nl), y(N * lo);
+    fc.forward(impl, {view(y, {N, lo}), {}, view(x_full, {N, in}), view(w, {lo, in})}, view(x_local, {Nl, in}),
+               /*input_read_after=*/!codes);
+    Vec dyl = shard_columns(dy, N, out, fc.weight_shard()), dx(N * in, 0.0f), dx_local(Nl * in, 0.0f), dw(lo * in, 0.0f);
+    const TensorView mine = fc.backward(
+        impl, {view(dx, {N, in}), view(dw, {lo, in}), {}, view(dyl, {N, lo}), view(x_full, {N, in}), view(w, {lo, in})},
+        view(dx_local, {Nl, in}));
+    got.push_back(y);
+    got.emplace_back(mine.as<float>(), mine.as<float>() + mine.numel());
+    got.push_back(dw);
+    if (step == 1) {  // before step 2's record, which is this rank's rows' amax alone under delayed scaling
+      const TensorView st = meta.state();
+      got.emplace_back(st.as<float>(), st.as<float>() + st.numel());
+      if (kind == fp8::RecipeKind::delayed) meta.update(*ops, fp8::AmaxAlgo::max, 0);
+    }
+  }
+  CHECK(gathered == (codes ? 2 : 0));
+  return got;
+}
+
+}  // namespace
+
+TEST_CASE("an FP8 column-parallel layer under sequence parallelism gathers its input as one-byte codes, with the bf16 gather's results") {
+  for (const int size : {2, 4})
+    for (const auto kind : {fp8::RecipeKind::delayed, fp8::RecipeKind::current}) {
+      INFO("tp = ", size, ", ", kind == fp8::RecipeKind::delayed ? "delayed" : "current", " scaling");
+      std::vector<std::vector<Vec>> plain(static_cast<std::size_t>(size)), codes(plain);
+      for (const bool c : {false, true})
+        run_group(size, {true, false}, [&](const TensorParallel& tp) {
+          (c ? codes : plain)[static_cast<std::size_t>(tp.rank())] = fp8_column_steps(tp, kind, c);
+        });
+      for (std::size_t r = 0; r < plain.size(); ++r) {
+        REQUIRE(codes[r].size() == plain[r].size());
+        for (std::size_t i = 0; i < plain[r].size(); ++i) CHECK(kiln::test::same_bits(codes[r][i], plain[r][i]));
       }
     }
 }

@@ -213,6 +213,43 @@ void Fp8Linear::forward_pieces(const ops::LinearForward& a, std::int64_t weight_
   }
 }
 
+void Fp8Linear::prepare_forward_weight(const TensorView& w, std::int64_t weight_version, bool replay) {
+  if (w.dtype == DType::u8) {  // the gathered codes themselves (a replay gets the same again)
+    cache_.rowwise = w.data;
+    cache_.valid = false;
+    return;
+  }
+  // A replay (activation recompute) reuses the original forward's FP8 weight and scales.
+  KILN_CHECK(!replay || (weight_cached(w) && cache_.version == weight_version), name_,
+             ": a replayed forward needs the weight of the original one");
+  ensure_weight(w, weight_version);
+}
+
+void Fp8Linear::forward_gathered(const ops::LinearForward& a, const TensorView& local, std::int64_t weight_version,
+                                 bool replay, const ops::RowGather& g) {
+  const TensorView full = ops::plain_tensor(a.x);
+  KILN_CHECK(full && full.ndim() == 2 && local.ndim() == 2 && local.size(1) == full.size(1) && g.first_row >= 0 &&
+                 g.first_row + local.size(0) <= full.size(0),
+             name_, " forward_gathered: rows ", local.str(), " at row ", g.first_row, " of the input ", full.str());
+  const std::int64_t N = full.size(0), IC = full.size(1), Nl = local.size(0);
+  expect_matrix(local, ops_.act_dtype(), Nl, IC, name_ + " forward_gathered local x");
+  KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
+  prepare_forward_weight(a.weight, weight_version, replay);
+  const ScalingSlot s = slot(TensorRole::input);
+  auto* xq = ws_.get(static_cast<std::size_t>(N * IC));
+  auto* mine = xq + g.first_row * IC;
+  // The scale where it comes from the tensor now: the largest of every rank's amax of its rows.
+  float* record = replay ? nullptr : prepare_scale(s, [&](float* into) {
+    ops_.amax(local, into);
+    g.max(into);
+  });
+  ops_.quantize(local, view(s, mine, nullptr, Nl, IC), record);
+  const TensorView codes(xq, {N, IC}, DType::u8, ops_.device());
+  g.all_gather(codes, codes.rows(g.first_row, Nl));
+  if (keep_input_) ops_.transpose(TensorView(kept_input(N, IC), {IC, N}, DType::u8, ops_.device()), codes);
+  gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
+}
+
 TensorView Fp8Linear::quantize_forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {
   const DType act = ops_.act_dtype();
   // The input, or the pre-activation it is the GELU or SwiGLU of, or the residual it is the
@@ -222,15 +259,7 @@ TensorView Fp8Linear::quantize_forward(const ops::LinearForward& a, std::int64_t
   KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
   const std::int64_t N = in.N, IC = in.IC;
   expect_matrix(x, act, N, x.size(1), in.what);
-  if (a.weight.dtype == DType::u8) {  // the gathered codes themselves (a replay gets the same again)
-    cache_.rowwise = a.weight.data;
-    cache_.valid = false;
-  } else {
-    // A replay (activation recompute) reuses the original forward's FP8 weight and scales.
-    KILN_CHECK(!replay || (weight_cached(a.weight) && cache_.version == weight_version), name_,
-               ": a replayed forward needs the weight of the original one");
-    ensure_weight(a.weight, weight_version);
-  }
+  prepare_forward_weight(a.weight, weight_version, replay);
   const ScalingSlot s = slot(TensorRole::input);
   void* xq = ws_.get(static_cast<std::size_t>(N * IC));
   const Fp8TensorView out = view(s, xq, keep_input_ ? kept_input(N, IC) : nullptr, N, IC);

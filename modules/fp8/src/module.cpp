@@ -633,6 +633,12 @@ void install(World& w, const Fp8Config& cfg) {
                                                                    const ops::PieceQueued& queued) {
                                                         lin->forward_pieces(a, state->weights_version,
                                                                             state->replaying, pieces, queued);
+                                                      },
+                                                  .forward_gathered =
+                                                      [lin, state](const ops::LinearForward& a, const TensorView& local,
+                                                                   const ops::RowGather& g) {
+                                                        lin->forward_gathered(a, local, state->weights_version,
+                                                                              state->replaying, g);
                                                       }});
   }
 

@@ -59,7 +59,7 @@ void CausalSelfAttention::rotate(const TensorView& qkv, bool inverse) const {
 }
 
 void CausalSelfAttention::forward_in(const NormOutput& x, float p) {
-  qkv_.forward({qkv_out_.reshape({ctx_.N, qkv_.local_out()}), {}, x.input}, x.local);
+  qkv_.forward({qkv_out_.reshape({ctx_.N, qkv_.local_out()}), {}, x.input}, x.local, x.read_after);
   if (o_.rope) rotate(qkv_out_, false);
   ctx_.be.attention_forward({context_, lse_, heads_view(qkv_out_), scale(), p, probs_rng_, head_begin_, o_.heads,
                              ctx_.seq_offset, kv_heads_arg(), ctx_.doc_start});

@@ -63,9 +63,9 @@ void GeluMlp::declare_backward_scratch(ActivationTable::Rows& rows, const std::s
 
 void GeluMlp::forward_in(const NormOutput& x, float) {
   if (act_written())  // the GEMM's epilogue writes the GELU's output and its pre-activation
-    fc_.forward({act_, pre_, x.input}, x.local);
+    fc_.forward({act_, pre_, x.input}, x.local, x.read_after);
   else  // FC2 computes the GELU as it loads its input
-    fc_.forward({pre_, {}, x.input}, x.local);
+    fc_.forward({pre_, {}, x.input}, x.local, x.read_after);
 }
 
 void GeluMlp::activate() { ctx_.be.gelu_forward({act_, pre_}); }
@@ -95,7 +95,7 @@ void SwigluMlp::declare_backward_scratch(ActivationTable::Rows& rows, const std:
 }
 
 void SwigluMlp::forward_in(const NormOutput& x, float) {
-  fc_.forward({pre_, {}, x.input}, x.local);
+  fc_.forward({pre_, {}, x.input}, x.local, x.read_after);
   if (act_written()) activate();
 }
 

@@ -207,9 +207,11 @@ void MoeMlp::forward_in(const NormOutput& x, float p) {
   const bool moves = ep_.size() > 1;
   // Every row of the normalised input: gathered under sequence parallelism by the shared experts'
   // FC1, or here.
-  if (shared_)
-    shared_->forward_in(x, p);
-  else
+  if (shared_) {
+    NormOutput gathered = x;
+    gathered.read_after = true;  // the router reads it next, whatever the norm keeps
+    shared_->forward_in(gathered, p);
+  } else
     ctx_.tp.enter(ops::plain_tensor(x.input), x.local);
   const TensorView input = ops::plain_tensor(x.input);
   router_.forward_whole({logits_, {}, input});

@@ -23,6 +23,7 @@ void Norm::feed(Entity consumer) {
 void Norm::declare(ActivationTable::Rows& rows, const std::string& key, StageSet stage) {
   declare_stats(rows, key, stage);
   const Shape shape{ctx_.N, ctx_.cfg.n_embd};  // the consumer's whole input
+  saved_ = true;
   if (output_kind_ == Output::always_kept) {
     rows.saved(output_, key + ".output", ctx_.act(), shape, stage);
     return;
@@ -37,7 +38,8 @@ void Norm::declare(ActivationTable::Rows& rows, const std::string& key, StageSet
   // Where the block's backward recomputes this stage anyway (activation checkpointing), the
   // recompute's output is kept until the consumer's backward instead of computed a third time.
   refill_ = ctx_.cfg.recompute_norm && !rows.recomputes(stage) && !kept_by_consumer && !on_load_;
-  if (!kept_by_consumer && !on_load_ && !refill_)
+  saved_ = !kept_by_consumer && !on_load_ && !refill_;
+  if (saved_)
     rows.saved(output_, key + ".output", ctx_.act(), shape, stage);
   else  // recomputed for the backward, or read by the forward alone: one tensor for every norm
     rows.scratch(output_, "norm.output", ctx_.act(), shape);
@@ -51,7 +53,7 @@ NormOutput Norm::forward(const TensorView& x) {
   if (on_load_) return {prologue(x), {}};
   const TensorView local = ctx_.tp.sequence_parallel() ? ctx_.stream.local : output_;
   run(local, x);
-  return {output_, local};
+  return {output_, local, saved_};
 }
 
 ops::LinearInput Norm::backward_input(const TensorView& x) {

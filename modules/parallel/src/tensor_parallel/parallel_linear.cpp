@@ -30,13 +30,17 @@ ColumnParallelLinear::ColumnParallelLinear(const TensorParallel& tp, std::int64_
 }
 
 void ColumnParallelLinear::forward(const ops::LinearImpl& impl, const ops::LinearForward& a,
-                                   const TensorView& x_local) const {
+                                   const TensorView& x_local, bool input_read_after) const {
   ops::LinearForward f = a;
   const TensorView full = ops::plain_tensor(a.x);
   if (tp_.sequence_parallel()) {
     KILN_CHECK(full && x_local, "a column-parallel linear under sequence parallelism gathers its input: it needs "
                                 "this rank's rows and the tensor to gather them into (LinearForward::x), not a ",
                ops::name_of(ops::prologue_of(a.x)), " prologue");
+    if (!input_read_after && impl.forward_gathered) {  // in its own form (FP8 codes)
+      impl.forward_gathered(f, x_local, tp_.row_gather(full.size(0)));
+      return;
+    }
     if (CommOverlap* o = tp_.comm_overlap(); o && CommOverlap::applies(impl, f)) {
       o->gather_forward(impl, f, full, x_local);
       return;

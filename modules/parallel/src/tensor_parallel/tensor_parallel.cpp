@@ -78,6 +78,17 @@ void TensorParallel::all_gather(const TensorView& out, const TensorView& in) con
   comm_.all_gather(out, in, be_.stream());
 }
 
+ops::RowGather TensorParallel::row_gather(std::int64_t N) const {
+  KILN_CHECK(sequence_parallel_, "a row gather outside sequence parallelism");
+  return {.first_row = first_local_row(N),
+          .all_gather = [this](const TensorView& full, const TensorView& local) {
+            comm_.all_gather(full, local, be_.stream());
+          },
+          .max = [this](float* v) {
+            comm_.all_reduce(TensorView(v, {1}, DType::f32, be_.device()), ReduceOp::max, be_.stream());
+          }};
+}
+
 TensorShard row_shard(const TensorParallel& tp, std::int64_t rows, int parts) {
   KILN_CHECK(parts > 0 && rows % parts == 0, rows, " rows do not make ", parts, " equal parts");
   return row_shard(tp, std::vector<std::int64_t>(static_cast<std::size_t>(parts), rows / parts));

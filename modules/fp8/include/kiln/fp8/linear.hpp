@@ -78,6 +78,15 @@ class Fp8Linear {
   // as forward does, then one GEMM per piece into its `out`, queued(k) after each.
   void forward_pieces(const ops::LinearForward& a, std::int64_t weight_version, bool replay,
                       std::span<const ops::RowsOut> pieces, const ops::PieceQueued& queued);
+  // The forward of a sequence-parallel layer (ops::LinearImpl::forward_gathered): this rank's rows
+  // `local` quantised with the input scale (current scaling, or delayed scaling's first step: from
+  // the amax over the group, g.max), the codes gathered (g.all_gather, one byte an element), the
+  // kept colwise copy (keep_input) their transpose. The same codes, scale and product as forward on
+  // the gathered input; under delayed scaling this rank's amax is recorded (the step's amax
+  // reduction, whose group holds the TP group, makes it the whole input's). a.x is never written:
+  // without keep_input the backward is handed the input gathered again.
+  void forward_gathered(const ops::LinearForward& a, const TensorView& local, std::int64_t weight_version, bool replay,
+                        const ops::RowGather& g);
   void backward(const ops::LinearBackward& a);
 
   // Makes the weight's FP8 copies from `master` (the weight's f32 master copy) and stores them in
@@ -151,6 +160,7 @@ class Fp8Linear {
   float* prepare_scale(const ScalingSlot& s, const std::function<void(float*)>& amax);
   // A forward's weight copies and quantised input (the workspace's rowwise [N, IC] codes).
   TensorView quantize_forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay);
+  void prepare_forward_weight(const TensorView& w, std::int64_t weight_version, bool replay);
   void ensure_weight(const TensorView& w, std::int64_t version);
   void* kept_input(std::int64_t rows, std::int64_t cols);  // the keep_input buffer, sized for [rows, cols]
   bool weight_cached(const TensorView& w) const;

@@ -20,6 +20,17 @@ struct RowsOut {
 };
 using PieceQueued = std::function<void(std::size_t)>;
 
+// What a sequence-parallel column-parallel layer lends an implementation that gathers its input
+// itself (LinearImpl::forward_gathered); both run on the compute stream, on every rank of the group.
+struct RowGather {
+  std::int64_t first_row = 0;  // where this rank's rows start in the gathered tensor
+  // full [N, C] (one-byte codes, say) = every rank's rows in rank order, this rank's `local` among
+  // them at first_row (in place where local is those rows of full).
+  std::function<void(const TensorView& full, const TensorView& local)> all_gather;
+  // One f32 (on the device where the backend has one) replaced by its maximum over the group.
+  std::function<void(float* value)> max;
+};
+
 struct LinearImpl {
   std::function<void(const LinearForward&)> forward;
   std::function<void(const LinearBackward&)> backward;
@@ -44,6 +55,13 @@ struct LinearImpl {
   // that quantises its input does it once, over the whole input (one scale, one amax, any prologue),
   // then one GEMM per piece. Empty: the caller splits `forward` calls where splits_rows allows it.
   std::function<void(const LinearForward&, std::span<const RowsOut>, const PieceQueued&)> forward_pieces;
+  // Under sequence parallelism: f's forward with the input gathered by the implementation from this
+  // rank's rows `local`, in its own form (FP8 codes: one byte an element over the links instead of
+  // two). f.x gives the whole input's shape and is left unwritten: the layer uses this only where
+  // nothing reads the gathered input afterwards (the backward gathers it again, or the
+  // implementation keeps its own copy, keeps_input). The same results as gathering f.x and calling
+  // forward.
+  std::function<void(const LinearForward& f, const TensorView& local, const RowGather& g)> forward_gathered;
 };
 
 // f's output in `pieces` (impl.forward_pieces, else one forward call per piece on its rows of f.x,

@@ -36,8 +36,11 @@ class ColumnParallelLinear {
   // with every rank's `x_local` rows ([N/tp, in]); without it x is `x_local` (a.x where that is
   // empty). Where a.x is a prologue (the implementation computes its input itself while loading it,
   // ops::LayerNormOnLoad) `x_local` is empty: there is nothing to gather, which sequence parallelism
-  // does not allow.
-  void forward(const ops::LinearImpl& impl, const ops::LinearForward& a, const TensorView& x_local) const;
+  // does not allow. `input_read_after` false (nothing reads the gathered a.x after this call: the
+  // backward gathers it again, or the implementation keeps its own copy): an implementation that
+  // gathers its input itself (ops::LinearImpl::forward_gathered: FP8 codes) does, a.x unwritten.
+  void forward(const ops::LinearImpl& impl, const ops::LinearForward& a, const TensorView& x_local,
+               bool input_read_after = true) const;
   // The weight (and bias) gradients, and the input gradient: a.dx [N, in] is this rank's partial
   // sum, summed over the group into `dx_local` (this rank's rows, reduce-scatter) under sequence
   // parallelism, or in place (all-reduce; `dx_local` unused). Returns the view holding this rank's

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kiln/ops/backend.hpp"
+#include "kiln/ops/linear_impl.hpp"
 #include "kiln/parallel/communicator.hpp"
 #include "kiln/tensor/shard.hpp"
 
@@ -92,6 +93,10 @@ class TensorParallel {
   TensorView row_part(const TensorView& full) const;
   // `full` = every rank's `part` (all-gather).
   void gather_row_parts(const TensorView& full, const TensorView& part) const;
+
+  // The group's collectives an implementation that gathers its own input uses (ops::RowGather),
+  // for a micro-batch of N rows under sequence parallelism.
+  ops::RowGather row_gather(std::int64_t N) const;
 
   // Sum of `t` over the group, in place (identical bits on every rank).
   void all_reduce(const TensorView& t) const;

@@ -48,6 +48,12 @@ class ModelLinear {
   // The layer's forward with `a`'s activations and this layer's weight and bias (`local`: the
   // tensor-parallel layer's x_local or out_local).
   void forward(ops::LinearForward a, const TensorView& local) const { layer_.forward(impl(), with_weights(a), local); }
+  // A column-parallel layer's forward whose gathered input nothing reads afterwards where
+  // `input_read_after` is false (parallel::ColumnParallelLinear::forward: an FP8 layer keeping its
+  // input then gathers it as one-byte codes).
+  void forward(ops::LinearForward a, const TensorView& local, bool input_read_after) const {
+    layer_.forward(impl(), with_weights(a), local, input_read_after);
+  }
   // The layer's backward: `a`'s activations, this layer's weight and gradients; the weight gradient
   // written rather than accumulated on a step's first micro-batch where this layer is its only
   // producer (nn::GradWrittenFirst, so the step's zeroing skipped it).

@@ -24,6 +24,11 @@ namespace kiln::model {
 struct NormOutput {
   ops::LinearInput input;
   TensorView local;
+  // Whether anything reads `input` after the consumer's linear has gathered it under sequence
+  // parallelism: that linear's backward (the output saved for it), or a MoE layer's router beside its
+  // shared experts. Then it is gathered as it is; else the linear may gather it in its own form
+  // (ops::LinearImpl::forward_gathered: FP8 codes), `input` left unwritten.
+  bool read_after = true;
 };
 
 class Norm {
@@ -70,6 +75,7 @@ class Norm {
   Entity consumer_{};
   TensorView output_;      // [N, C]: the consumer's whole input
   bool refill_ = false;    // recomputed for the backward pass
+  bool saved_ = true;      // the output is kept for the consumer's backward (NormOutput::read_after)
   bool on_load_ = false;   // computed by the consumer (a prologue): never written
 };
 
