@@ -244,10 +244,19 @@ void Fp8Linear::forward_gathered(const ops::LinearForward& a, const TensorView& 
     g.max(into);
   });
   ops_.quantize(local, view(s, mine, nullptr, Nl, IC), record);
-  const TensorView codes(xq, {N, IC}, DType::u8, ops_.device());
-  g.all_gather(codes, codes.rows(g.first_row, Nl));
+  const TensorView codes(xq, {N, IC}, DType::u8, ops_.device()), x8(xq, {N, IC}, dtype_of(s.format), ops_.device());
+  if (g.gather_pieces) {  // each piece's product as soon as its codes are here
+    g.gather_pieces(codes, codes.rows(g.first_row, Nl), [&](std::int64_t begin, std::int64_t rows) {
+      ops::LinearForward piece = a;
+      piece.out = a.out.rows(begin, rows);
+      piece.pre_gelu = a.pre_gelu ? a.pre_gelu.rows(begin, rows) : TensorView{};
+      gemm_forward(x8.rows(begin, rows), piece);
+    });
+  } else {
+    g.all_gather(codes, codes.rows(g.first_row, Nl));
+    gemm_forward(x8, a);
+  }
   if (keep_input_) ops_.transpose(TensorView(kept_input(N, IC), {IC, N}, DType::u8, ops_.device()), codes);
-  gemm_forward(TensorView(xq, {N, IC}, dtype_of(s.format), ops_.device()), a);
 }
 
 TensorView Fp8Linear::quantize_forward(const ops::LinearForward& a, std::int64_t weight_version, bool replay) {

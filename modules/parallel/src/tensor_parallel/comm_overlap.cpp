@@ -186,6 +186,14 @@ void CommOverlap::gather_forward(const ops::LinearImpl& impl, const ops::LinearF
   on_gathered([&](const RowPiece& p) { impl.forward(forward_rows(f, full, p, rows_of(f.out, p))); });
 }
 
+void CommOverlap::gather_rows(const TensorView& full, const TensorView& local,
+                              const std::function<void(std::int64_t, std::int64_t)>& compute) {
+  KILN_CHECK(sp_, "a gather of rows in pieces outside sequence parallelism");
+  const SmMargin margin(be_, comm_sms_);
+  start_gather(full, local);
+  on_gathered([&](const RowPiece& p) { compute(p.begin, p.rows); });
+}
+
 void CommOverlap::backward_sum(const ops::LinearImpl& impl, const ops::LinearBackward& b, const TensorView& dx_local) {
   const SmMargin margin(be_, comm_sms_);
   bool summing = false;

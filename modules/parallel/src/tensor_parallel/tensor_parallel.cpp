@@ -80,13 +80,19 @@ void TensorParallel::all_gather(const TensorView& out, const TensorView& in) con
 
 ops::RowGather TensorParallel::row_gather(std::int64_t N) const {
   KILN_CHECK(sequence_parallel_, "a row gather outside sequence parallelism");
-  return {.first_row = first_local_row(N),
-          .all_gather = [this](const TensorView& full, const TensorView& local) {
-            comm_.all_gather(full, local, be_.stream());
-          },
-          .max = [this](float* v) {
-            comm_.all_reduce(TensorView(v, {1}, DType::f32, be_.device()), ReduceOp::max, be_.stream());
-          }};
+  ops::RowGather g{.first_row = first_local_row(N),
+                   .all_gather = [this](const TensorView& full, const TensorView& local) {
+                     comm_.all_gather(full, local, be_.stream());
+                   },
+                   .max = [this](float* v) {
+                     comm_.all_reduce(TensorView(v, {1}, DType::f32, be_.device()), ReduceOp::max, be_.stream());
+                   }};
+  if (CommOverlap* o = overlap_.get())
+    g.gather_pieces = [o](const TensorView& full, const TensorView& local,
+                          const std::function<void(std::int64_t, std::int64_t)>& compute) {
+      o->gather_rows(full, local, compute);
+    };
+  return g;
 }
 
 TensorShard row_shard(const TensorParallel& tp, std::int64_t rows, int parts) {

@@ -80,7 +80,8 @@ class Fp8Linear {
                       std::span<const ops::RowsOut> pieces, const ops::PieceQueued& queued);
   // The forward of a sequence-parallel layer (ops::LinearImpl::forward_gathered): this rank's rows
   // `local` quantised with the input scale (current scaling, or delayed scaling's first step: from
-  // the amax over the group, g.max), the codes gathered (g.all_gather, one byte an element), the
+  // the amax over the group, g.max), the codes gathered (g.all_gather, one byte an element; or
+  // g.gather_pieces, one GEMM a piece of rows as it arrives), the
   // kept colwise copy (keep_input) their transpose. The same codes, scale and product as forward on
   // the gathered input; under delayed scaling this rank's amax is recorded (the step's amax
   // reduction, whose group holds the TP group, makes it the whole input's). a.x is never written:

@@ -29,6 +29,12 @@ struct RowGather {
   std::function<void(const TensorView& full, const TensorView& local)> all_gather;
   // One f32 (on the device where the backend has one) replaced by its maximum over the group.
   std::function<void(float* value)> max;
+  // Where given (tensor-parallel communication overlapped with the GEMMs): the same gather in pieces
+  // of rows on a communication stream, `compute(begin, rows)` called for each piece once it is here
+  // (this rank's own first), on the compute stream; use it instead of all_gather.
+  std::function<void(const TensorView& full, const TensorView& local,
+                     const std::function<void(std::int64_t begin, std::int64_t rows)>& compute)>
+      gather_pieces;
 };
 
 struct LinearImpl {

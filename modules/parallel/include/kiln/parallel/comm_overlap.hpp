@@ -27,6 +27,7 @@
 // gradient under sequence parallelism) split calls by rows, for implementations whose calls split so
 // (LinearImpl::splits_rows): FP8 layers, which scale the whole gathered tensor, run them without.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -84,6 +85,11 @@ class CommOverlap {
   // A row-parallel backward under sequence parallelism: b.dout [N, OC] gathered from every rank's
   // `dout_local` rows while b.dx is computed on the rows already here; then the weight gradients.
   void gather_backward(const ops::LinearImpl& impl, const ops::LinearBackward& b, const TensorView& dout_local);
+  // `full`'s rows (any element type: FP8 codes) gathered from every rank's `local` under sequence
+  // parallelism, as gather_forward moves them, compute(begin, rows) called for each piece once it is
+  // here (ops::RowGather::gather_pieces).
+  void gather_rows(const TensorView& full, const TensorView& local,
+                   const std::function<void(std::int64_t, std::int64_t)>& compute);
 
  private:
   void* comm_stream() const;

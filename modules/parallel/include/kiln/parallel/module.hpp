@@ -78,8 +78,8 @@ KILN_CONFIG(ParallelConfig,
              "tensor parallelism: each linear layer's collectives run on a communication stream beside its GEMMs "
              "(the GEMM split by token rows: a row-parallel output's sum starts piece by piece, a gathered input "
              "is used piece by piece as it arrives, an input gradient is summed while the weight gradient is "
-             "computed); FP8 layers take part in the sums (their input quantised once, then one GEMM a piece), "
-             "not in the gathers of sequence parallelism (which move their FP8 codes where they can). "
+             "computed); FP8 layers take part in the sums (their input quantised once, then one GEMM a piece) and, "
+             "under sequence parallelism, gather their inputs' FP8 codes in pieces where they can. "
              "NCCL's kernels beside the GEMMs: on two H200s over NVLink it does not pay yet (docs/PERF.md)"),
             (tp_comm_chunks, "with tp_comm_overlap: pieces per rank's share of a micro-batch's token rows"),
             (tp_comm_sms,
