@@ -25,7 +25,10 @@
 // quantises (FP8) does so once over the whole input, then one GEMM per piece (LinearImpl::
 // forward_pieces); the gathers (a column-parallel forward's input, a row-parallel backward's output
 // gradient under sequence parallelism) split calls by rows, for implementations whose calls split so
-// (LinearImpl::splits_rows): FP8 layers, which scale the whole gathered tensor, run them without.
+// (LinearImpl::splits_rows). An FP8 layer, which scales the whole gathered tensor, gathers its
+// column-parallel input as its own codes instead (LinearImpl::forward_gathered), moved in the same
+// pieces by gather_rows with a GEMM per piece as it arrives; its row-parallel backward's output
+// gradient is gathered whole.
 #include <cstdint>
 #include <functional>
 #include <memory>
