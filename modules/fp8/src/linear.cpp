@@ -205,15 +205,13 @@ void Fp8Linear::forward_pieces(const ops::LinearForward& a, std::int64_t weight_
   const TensorView xq = quantize_forward(a, weight_version, replay);
   for (std::size_t k = 0; k < pieces.size(); ++k) {
     const ops::RowsOut& p = pieces[k];
-    ops::LinearForward piece = a;
-    piece.out = p.out;
-    piece.pre_gelu = a.pre_gelu ? a.pre_gelu.rows(p.begin, p.rows) : TensorView{};
-    gemm_forward(xq.rows(p.begin, p.rows), piece);
+    gemm_forward(xq.rows(p.begin, p.rows), ops::forward_rows(a, p.begin, p.rows, p.out));
     queued(k);
   }
 }
 
 void Fp8Linear::prepare_forward_weight(const TensorView& w, std::int64_t weight_version, bool replay) {
+  KILN_CHECK(w.ndim() == 2, name_, " forward: weight ", w.str());
   if (w.dtype == DType::u8) {  // the gathered codes themselves (a replay gets the same again)
     cache_.rowwise = w.data;
     cache_.valid = false;
@@ -233,27 +231,23 @@ void Fp8Linear::forward_gathered(const ops::LinearForward& a, const TensorView& 
              name_, " forward_gathered: rows ", local.str(), " at row ", g.first_row, " of the input ", full.str());
   const std::int64_t N = full.size(0), IC = full.size(1), Nl = local.size(0);
   expect_matrix(local, ops_.act_dtype(), Nl, IC, name_ + " forward_gathered local x");
-  KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
   prepare_forward_weight(a.weight, weight_version, replay);
   const ScalingSlot s = slot(TensorRole::input);
-  auto* xq = ws_.get(static_cast<std::size_t>(N * IC));
-  auto* mine = xq + g.first_row * IC;
+  void* xq = ws_.get(static_cast<std::size_t>(N * IC));
+  const TensorView codes(xq, {N, IC}, DType::u8, ops_.device()), x8(xq, {N, IC}, dtype_of(s.format), ops_.device());
+  const TensorView mine = codes.rows(g.first_row, Nl);  // this rank's rows, quantised here
   // The scale where it comes from the tensor now: the largest of every rank's amax of its rows.
   float* record = replay ? nullptr : prepare_scale(s, [&](float* into) {
     ops_.amax(local, into);
     g.max(into);
   });
-  ops_.quantize(local, view(s, mine, nullptr, Nl, IC), record);
-  const TensorView codes(xq, {N, IC}, DType::u8, ops_.device()), x8(xq, {N, IC}, dtype_of(s.format), ops_.device());
+  ops_.quantize(local, view(s, mine.data, nullptr, Nl, IC), record);
   if (g.gather_pieces) {  // each piece's product as soon as its codes are here
-    g.gather_pieces(codes, codes.rows(g.first_row, Nl), [&](std::int64_t begin, std::int64_t rows) {
-      ops::LinearForward piece = a;
-      piece.out = a.out.rows(begin, rows);
-      piece.pre_gelu = a.pre_gelu ? a.pre_gelu.rows(begin, rows) : TensorView{};
-      gemm_forward(x8.rows(begin, rows), piece);
+    g.gather_pieces(codes, mine, [&](std::int64_t begin, std::int64_t rows) {
+      gemm_forward(x8.rows(begin, rows), ops::forward_rows(a, begin, rows, a.out.rows(begin, rows)));
     });
   } else {
-    g.all_gather(codes, codes.rows(g.first_row, Nl));
+    g.all_gather(codes, mine);
     gemm_forward(x8, a);
   }
   if (keep_input_) ops_.transpose(TensorView(kept_input(N, IC), {IC, N}, DType::u8, ops_.device()), codes);
@@ -265,7 +259,6 @@ TensorView Fp8Linear::quantize_forward(const ops::LinearForward& a, std::int64_t
   // LayerNorm of (any of them then computed while quantising).
   const Input in = input_of(a.x, "forward");
   const TensorView& x = in.x;
-  KILN_CHECK(a.weight.ndim() == 2, name_, " forward: weight ", a.weight.str());
   const std::int64_t N = in.N, IC = in.IC;
   expect_matrix(x, act, N, x.size(1), in.what);
   prepare_forward_weight(a.weight, weight_version, replay);

@@ -11,16 +11,6 @@ namespace {
 
 TensorView rows_of(const TensorView& t, const RowPiece& p) { return t ? t.rows(p.begin, p.rows) : t; }
 
-// f on the rows of piece p of x, written to `out` (p's rows of f.out, or where reduce-scatter takes them).
-ops::LinearForward forward_rows(const ops::LinearForward& f, const TensorView& x, const RowPiece& p,
-                                const TensorView& out) {
-  ops::LinearForward piece = f;
-  piece.x = rows_of(x, p);
-  piece.out = out;
-  piece.pre_gelu = rows_of(f.pre_gelu, p);
-  return piece;
-}
-
 // The two halves of a backward call (ops::LinearImpl::splits_rows): dx alone, and the weight and bias
 // gradients alone.
 ops::LinearBackward dx_alone(const ops::LinearBackward& b) {
@@ -183,7 +173,7 @@ void CommOverlap::gather_forward(const ops::LinearImpl& impl, const ops::LinearF
                                  const TensorView& local) {
   const SmMargin margin(be_, comm_sms_);
   start_gather(full, local);
-  on_gathered([&](const RowPiece& p) { impl.forward(forward_rows(f, full, p, rows_of(f.out, p))); });
+  on_gathered([&](const RowPiece& p) { impl.forward(ops::forward_rows(f, p.begin, p.rows, rows_of(f.out, p))); });
 }
 
 void CommOverlap::gather_rows(const TensorView& full, const TensorView& local,

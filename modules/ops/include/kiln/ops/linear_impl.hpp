@@ -70,6 +70,11 @@ struct LinearImpl {
   std::function<void(const LinearForward& f, const TensorView& local, const RowGather& g)> forward_gathered;
 };
 
+// f on its rows [begin, begin + rows): the output written to `out`, those rows of pre_gelu and of
+// a plain input (an input through a prologue stays whole: only an implementation that quantised
+// all of it already, forward_pieces, multiplies such a piece).
+LinearForward forward_rows(const LinearForward& f, std::int64_t begin, std::int64_t rows, const TensorView& out);
+
 // f's output in `pieces` (impl.forward_pieces, else one forward call per piece on its rows of f.x,
 // a plain tensor, and of pre_gelu), queued(k) after each.
 void forward_in_pieces(const LinearImpl& impl, const LinearForward& f, std::span<const RowsOut> pieces,
