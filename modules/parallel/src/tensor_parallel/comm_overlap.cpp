@@ -114,6 +114,10 @@ void CommOverlap::forward_sum(const ops::LinearImpl& impl, const ops::LinearForw
     compute_waits_comm();
     return;
   }
+  if (size == 2) {  // two ranks: each sends its partial sums of the peer's rows as soon as they are computed
+    forward_sum_pair(impl, f, out_local);
+    return;
+  }
   // Block k (every rank's k-th piece, each of r rows at b within its share) is written to f.out's rows
   // [size b, size (b + r)) in rank order, as reduce-scatter takes it: this rank receives the sum of
   // its own k-th piece, once the block's last piece is queued. (f.out holds partial sums nobody reads
@@ -133,6 +137,33 @@ void CommOverlap::forward_sum(const ops::LinearImpl& impl, const ops::LinearForw
     comm_.reduce_scatter(out_local.rows(b, r), f.out.rows(n * b, n * r), ReduceOp::sum, comm_stream());
   });
   compute_waits_comm();
+}
+
+void CommOverlap::forward_sum_pair(const ops::LinearImpl& impl, const ops::LinearForward& f,
+                                   const TensorView& out_local) {
+  // The peer's pieces first, each sent to the peer once computed while the next is computed (a
+  // transfer of the partial sums of its rows, and the peer's of this rank's matching rows received
+  // into out_local), then this rank's own pieces; out_local += its own partial sums once the peer's
+  // are in. The sum of two values is the same in either order, so this is reduce-scatter's result.
+  const int me = comm_.rank(), peer = 1 - me;
+  const std::int64_t share = f.out.size(0) / 2;
+  std::vector<ops::RowsOut> outs;
+  std::vector<TensorView> into;  // per peer piece: where the peer's partial sums of this rank's rows go
+  outs.reserve(pieces_.size());
+  for (const int owner : {peer, me})
+    for (const RowPiece& p : pieces_)
+      if (p.owner == owner) {
+        outs.push_back({p.begin, p.rows, rows_of(f.out, p)});
+        if (owner == peer) into.push_back(out_local.rows(p.begin - static_cast<std::int64_t>(peer) * share, p.rows));
+      }
+  ops::forward_in_pieces(impl, f, outs, [&](std::size_t i) {
+    if (i >= into.size()) return;
+    comm_waits_compute();
+    comm_.send_recv({{peer, outs[i].out}}, {{peer, into[i]}}, comm_stream());
+  });
+  compute_waits_comm();
+  const TensorView own = f.out.rows(static_cast<std::int64_t>(me) * share, share);
+  be_.residual_forward({out_local, out_local, own, {}});
 }
 
 void CommOverlap::start_gather(const TensorView& full, const TensorView& local) {

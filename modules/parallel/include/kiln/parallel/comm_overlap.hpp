@@ -9,7 +9,10 @@
 // - a row-parallel forward computes its output piece by piece, and each piece's sum over the group
 //   starts on the communication stream as soon as it is computed (an all-reduce in place), while
 //   the next piece is computed; under sequence parallelism every rank's k-th piece together, written
-//   in the order reduce-scatter takes them, summed by one reduce-scatter into each rank's k-th piece;
+//   in the order reduce-scatter takes them, summed by one reduce-scatter into each rank's k-th piece
+//   (on two ranks, the peer's pieces first, each sent to it as computed while this rank's own are
+//   computed, and added to them: the transfer hides behind the own half's GEMM, where a
+//   reduce-scatter could only follow the last piece);
 // - a gather (a column-parallel forward's input, or a row-parallel backward's output gradient under
 //   sequence parallelism) moves every rank's k-th piece at once (grouped sends and receives, both
 //   ways over each link), while the GEMM runs on the pieces already here, this rank's own first;
@@ -95,6 +98,9 @@ class CommOverlap {
                    const std::function<void(std::int64_t, std::int64_t)>& compute);
 
  private:
+  // forward_sum under sequence parallelism on two ranks: no reduce-scatter, each rank's partial sums
+  // of the other's rows sent while its own are computed.
+  void forward_sum_pair(const ops::LinearImpl& impl, const ops::LinearForward& f, const TensorView& out_local);
   void* comm_stream() const;
   void comm_waits_compute();
   void compute_waits_comm();
