@@ -572,12 +572,18 @@ void CudaBackend::sum_squares_parts(const SumSquaresParts& a) {
     table[i] = {at, at + count, a.divisors[i]};
     at += count;
   }
-  float* partials = scratch_floats(at);
+  // The partials, then the parts' quotients (doubles, 8-byte aligned).
+  const std::int64_t quotients_at = (at + 1) / 2 * 2;
+  float* partials = scratch_floats(quotients_at + 2 * static_cast<std::int64_t>(table.size()));
+  std::vector<cuda::SumSquaresSegment> segs;
   for (std::size_t i = 0; i < a.parts.size(); ++i)
-    if (table[i].end > table[i].first)
-      cuda::sum_squares_f32(partials + table[i].first, dptr<float>(a.parts[i]), a.parts[i].numel(), stream_);
+    if (table[i].end > table[i].first) segs.push_back({dptr<float>(a.parts[i]), a.parts[i].numel(), table[i].first});
+  // One launch for every part (a step's gradient under tensor parallelism has hundreds).
+  if (!segs.empty())
+    cuda::sum_squares_many(partials, device_table(sum_squares_segments_, segs), static_cast<int>(segs.size()), at,
+                           stream_);
   cuda::sum_squares_parts_finish(partials, device_table(sum_squares_table_, table), static_cast<int>(table.size()),
-                                 dptr<float>(a.out), stream_);
+                                 reinterpret_cast<double*>(partials + quotients_at), dptr<float>(a.out), stream_);
 }
 
 }  // namespace cuda_impl

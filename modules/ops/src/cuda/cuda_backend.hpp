@@ -167,6 +167,7 @@ class CudaBackend final : public Backend {
   DeviceTable<cuda::ZeroRun> zero_table_;            // zero_many's pieces
   DeviceTable<cuda::AdamWSegmentDev> adamw_table_;  // AdamW's segments
   DeviceTable<cuda::SumSquaresPart> sum_squares_table_;  // sum_squares_parts' ranges
+  DeviceTable<cuda::SumSquaresSegment> sum_squares_segments_;  // and its tensors
   cuda::HostReadback offsets_readback_;  // moe_permute's offsets for the host
   bool profiling_ = false;
   struct Pending {

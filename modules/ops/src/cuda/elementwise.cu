@@ -134,11 +134,20 @@ __global__ void init_normal_kernel(float* dst, std::int64_t n, float stddev, rng
 constexpr std::int64_t kSumPerBlock = 8192;
 constexpr std::int64_t kSumMaxBlocks = 1024;
 
-__global__ void sum_squares_kernel(float* partials, const float* x, std::int64_t n, bool vec) {
+__host__ __device__ inline std::int64_t sum_squares_partials_device(std::int64_t n) {
+  if (n <= 0) return 0;
+  const std::int64_t blocks = (n + kSumPerBlock - 1) / kSumPerBlock;
+  return blocks < kSumMaxBlocks ? blocks : kSumMaxBlocks;
+}
+
+// Block `block` of `blocks` over x's n elements: its partial sum of squares (the same arithmetic
+// whether the blocks of one tensor are a grid of their own or part of sum_squares_many_kernel's).
+__device__ void sum_squares_block(float* partial, const float* x, std::int64_t n, bool vec, std::int64_t block,
+                                  std::int64_t blocks) {
   __shared__ double warp_totals[kThreads / kWarp];
   double acc = 0;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n; i += stride * 4) {
+  const std::int64_t stride = blocks * blockDim.x;
+  for (std::int64_t i = (block * blockDim.x + threadIdx.x) * 4; i < n; i += stride * 4) {
     if (vec && i + 4 <= n) {
       const float4 v = *reinterpret_cast<const float4*>(x + i);
       acc += double(v.x) * v.x;
@@ -155,8 +164,25 @@ __global__ void sum_squares_kernel(float* partials, const float* x, std::int64_t
   if (threadIdx.x == 0) {
     double total = 0;
     for (int w = 0; w < kThreads / kWarp; ++w) total += warp_totals[w];
-    partials[blockIdx.x] = static_cast<float>(total);
+    *partial = static_cast<float>(total);
   }
+}
+
+__global__ void sum_squares_kernel(float* partials, const float* x, std::int64_t n, bool vec) {
+  sum_squares_block(partials + blockIdx.x, x, n, vec, blockIdx.x, gridDim.x);
+}
+
+// Every tensor's blocks in one grid: block b belongs to the last segment whose first partial is <= b.
+__global__ void sum_squares_many_kernel(float* partials, const SumSquaresSegment* segs, int n_segs) {
+  const std::int64_t b = blockIdx.x;
+  int lo = 0, hi = n_segs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (segs[mid].first <= b) lo = mid; else hi = mid - 1;
+  }
+  const SumSquaresSegment g = segs[lo];
+  sum_squares_block(partials + b, g.x, g.n, (reinterpret_cast<std::uintptr_t>(g.x) & 15) == 0, b - g.first,
+                    sum_squares_partials_device(g.n));
 }
 
 // Unfused epilogues on a row-major [M, N] bf16 matrix (see gemm.cpp).
@@ -220,9 +246,13 @@ void init_normal_f32(float* dst, std::int64_t n, float stddev, rng::PhiloxArgs r
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-std::int64_t sum_squares_partials(std::int64_t n) {
-  if (n <= 0) return 0;
-  return std::min(ceil_div(n, kSumPerBlock), kSumMaxBlocks);
+std::int64_t sum_squares_partials(std::int64_t n) { return sum_squares_partials_device(n); }
+
+void sum_squares_many(float* partials, const SumSquaresSegment* segs, int n_segs, std::int64_t total_blocks,
+                      cudaStream_t s) {
+  if (total_blocks == 0) return;
+  sum_squares_many_kernel<<<static_cast<unsigned>(total_blocks), kThreads, 0, s>>>(partials, segs, n_segs);
+  KILN_CUDA_LAUNCH_CHECK();
 }
 
 void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s) {
@@ -305,15 +335,22 @@ __global__ void grad_clip_from_sum_kernel(const float* sum_squares, double max_n
   scalars[ops::kAdamWGradScale] = ops::grad_clip_scale(n, max_norm);
 }
 
-__global__ void sum_squares_parts_kernel(const float* partials, const SumSquaresPart* parts, int n_parts, float* out) {
-  double total = 0;
-  for (int i = 0; i < n_parts; ++i) {  // the host's order
+// Each part's quotient by a thread of its own (its partials added in order, as the host adds them),
+// then the quotients added in order by thread 0: the host's arithmetic, with the parts in parallel.
+__global__ void sum_squares_parts_kernel(const float* partials, const SumSquaresPart* parts, int n_parts,
+                                         double* quotients, float* out) {
+  for (int i = threadIdx.x; i < n_parts; i += blockDim.x) {
     const SumSquaresPart p = parts[i];
-    if (p.divisor <= 0) continue;
     double each = 0;
-    for (std::int64_t k = p.first; k < p.end; ++k) each += partials[k];
-    total += each / p.divisor;
+    if (p.divisor > 0)
+      for (std::int64_t k = p.first; k < p.end; ++k) each += partials[k];
+    quotients[i] = p.divisor > 0 ? each / p.divisor : 0.0;
   }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  double total = 0;
+  for (int i = 0; i < n_parts; ++i)  // the host's order
+    if (parts[i].divisor > 0) total += quotients[i];
   *out = static_cast<float>(total);
 }
 
@@ -324,9 +361,9 @@ void grad_clip_from_sum(const float* sum_squares, double max_norm, float* scalar
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void sum_squares_parts_finish(const float* partials, const SumSquaresPart* parts, int n_parts, float* out,
-                              cudaStream_t s) {
-  sum_squares_parts_kernel<<<1, 1, 0, s>>>(partials, parts, n_parts, out);
+void sum_squares_parts_finish(const float* partials, const SumSquaresPart* parts, int n_parts, double* quotients,
+                              float* out, cudaStream_t s) {
+  sum_squares_parts_kernel<<<1, 256, 0, s>>>(partials, parts, n_parts, quotients, out);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

@@ -31,6 +31,16 @@ void init_normal_f32(float* dst, std::int64_t n, float std, rng::PhiloxArgs rng,
 // sum_squares_partials(n) floats; the caller adds them up.
 std::int64_t sum_squares_partials(std::int64_t n);
 void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s);
+// sum_squares_f32 of many tensors in one launch: segment i's partials (the same values) at
+// [first, first + sum_squares_partials(n)) of `partials`; segments in ascending `first`, none empty;
+// total_blocks = the last one's end.
+struct SumSquaresSegment {
+  const float* x = nullptr;
+  std::int64_t n = 0, first = 0;
+  bool operator==(const SumSquaresSegment&) const = default;
+};
+void sum_squares_many(float* partials, const SumSquaresSegment* segs, int n_segs, std::int64_t total_blocks,
+                      cudaStream_t s);
 // ops::GradClip on the device: the `count` partials of sum_squares_f32 added in double in order (as
 // the host adds them), *norm = their square root, scalars[kAdamWGradScale] = grad_clip_scale.
 void grad_clip_finish(const float* partials, std::int64_t count, double max_norm, float* scalars, double* norm,
@@ -46,8 +56,9 @@ struct SumSquaresPart {
   std::int32_t divisor = 1;
   bool operator==(const SumSquaresPart&) const = default;
 };
-void sum_squares_parts_finish(const float* partials, const SumSquaresPart* parts, int n_parts, float* out,
-                              cudaStream_t s);
+// `quotients`: scratch of n_parts doubles.
+void sum_squares_parts_finish(const float* partials, const SumSquaresPart* parts, int n_parts, double* quotients,
+                              float* out, cudaStream_t s);
 
 // ---- embedding ----
 // wte holds rows [vocab_begin, vocab_begin + V) of the table; other tokens contribute zero.
