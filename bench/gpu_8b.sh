@@ -11,6 +11,10 @@
 #   torch   PyTorch 2.11 FSDP2 on the same model and batch (bench/torch_fsdp2_llama.py: fully_shard
 #           per block, bf16 parameters, fp32 reduction, compiled blocks, fused AdamW), with and
 #           without activation checkpointing
+#   variants (not in all) bf16 with the collectives by copy engines (parallel.copy_engine), every block
+#           recomputed, and all but the last LAST (default 8) blocks recomputed
+#           (activation_checkpoint.first), on copy engines and on NCCL: what fits beside PyTorch's
+#           activation-checkpointed memory
 #   trace   (not in all) the 8 B bf16 and FP8 steps under bench/trace's CUPTI tracer, summarised per
 #           rank: busy and idle GPU time, per-stream busy time, exposed communication, kernels
 #   loss1b  the time to a loss for Llama 1B (pipelines/llama-1b.toml, data parallel, 8 x 2048 tokens a
@@ -36,7 +40,7 @@ K="$B/bin/kiln"
 W=${WORK:-/tmp/kiln-8b}
 rm -rf "$W"
 mkdir -p "$W"
-want() { [[ ($PARTS == *" all "* && $1 != trace) || $PARTS == *" $1 "* ]]; }
+want() { [[ ($PARTS == *" all "* && $1 != trace && $1 != variants) || $PARTS == *" $1 "* ]]; }
 # DEADLINE: no run starts later than this many seconds into the call, and none runs past HARD (the
 # device tool stops a command at 600 s; the summary must still print).
 DEADLINE=${DEADLINE:-540}
@@ -88,6 +92,14 @@ lane_kiln() {
           --set activation_checkpoint.mode=$ac
       done
     done
+  fi
+  if want variants; then
+    local first=$((32 - ${LAST:-8})) ce=(--set parallel.copy_engine=true)
+    [ "${SMALL:-0}" = 1 ] && first=1
+    local v=("${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=false --set activation_checkpoint.mode=full)
+    run 8b-bf16-full-ce "$lane_a" 240 "${v[@]}" "${ce[@]}"
+    run "8b-bf16-first$first-ce" "$lane_a" 240 "${v[@]}" "${ce[@]}" --set activation_checkpoint.first=$first
+    run "8b-bf16-first$first" "$lane_a" 240 "${v[@]}" --set activation_checkpoint.first=$first
   fi
   if want trace; then  # the GPU's timeline of both ranks (bench/trace), then its summary per rank
     for prec in bf16 fp8; do
@@ -165,10 +177,14 @@ def text(n):
     p = out / f"{n}.log"
     return p.read_text() if p.exists() else ""
 print(f"{'run':<22} {'tok/s per GPU':>13} {'ms/step':>8} {'MFU':>6} {'peak GiB/GPU':>12}")
-for n in ("8b-bf16-full", "8b-bf16-none", "8b-fp8-full", "8b-fp8-none"):
+names = ["8b-bf16-full", "8b-bf16-none", "8b-fp8-full", "8b-fp8-none"]
+names += sorted(p.stem for p in out.glob("8b-bf16-*.jsonl") if p.stem not in names)
+for n in names:
     r = rows(n)
     if not r:
-        print(f"{n:<22} (no metrics) {text(n)[-400:]!r}"); continue
+        if text(n):
+            print(f"{n:<22} (no metrics) {text(n)[-400:]!r}")
+        continue
     st = r[len(r) // 4:] or r
     tps = statistics.median(x["tokens_per_s"] for x in st) / 2
     ms = statistics.median(x["step_ms"] for x in st)
