@@ -11,10 +11,10 @@
 #   torch   PyTorch 2.11 FSDP2 on the same model and batch (bench/torch_fsdp2_llama.py: fully_shard
 #           per block, bf16 parameters, fp32 reduction, compiled blocks, fused AdamW), with and
 #           without activation checkpointing
-#   variants (not in all) bf16 with the collectives by copy engines (parallel.copy_engine), every block
-#           recomputed, and all but the last LAST (default 8) blocks recomputed
-#           (activation_checkpoint.first), on copy engines and on NCCL: what fits beside PyTorch's
-#           activation-checkpointed memory
+#   variants (not in all) bf16 with all but the last LAST (default 8) blocks recomputed
+#           (activation_checkpoint.first: what fits beside PyTorch's activation-checkpointed memory), with
+#           fp32 and with bf16 gradient reduce-scatters; CE=1 adds copy-engine collectives
+#           (parallel.copy_engine), every block and all but the last LAST recomputed
 #   trace   (not in all) the 8 B bf16 and FP8 steps under bench/trace's CUPTI tracer, summarised per
 #           rank: busy and idle GPU time, per-stream busy time, exposed communication, kernels
 #   loss1b  the time to a loss for Llama 1B (pipelines/llama-1b.toml, data parallel, 8 x 2048 tokens a
@@ -97,9 +97,13 @@ lane_kiln() {
     local first=$((32 - ${LAST:-8})) ce=(--set parallel.copy_engine=true)
     [ "${SMALL:-0}" = 1 ] && first=1
     local v=("${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=false --set activation_checkpoint.mode=full)
-    run 8b-bf16-full-ce "$lane_a" 240 "${v[@]}" "${ce[@]}"
-    run "8b-bf16-first$first-ce" "$lane_a" 240 "${v[@]}" "${ce[@]}" --set activation_checkpoint.first=$first
+    if [ "${CE:-0}" = 1 ]; then
+      run 8b-bf16-full-ce "$lane_a" 240 "${v[@]}" "${ce[@]}"
+      run "8b-bf16-first$first-ce" "$lane_a" 240 "${v[@]}" "${ce[@]}" --set activation_checkpoint.first=$first
+    fi
     run "8b-bf16-first$first" "$lane_a" 240 "${v[@]}" --set activation_checkpoint.first=$first
+    run "8b-bf16-first$first-rbf16" "$lane_a" 240 "${v[@]}" --set activation_checkpoint.first=$first \
+      --set fsdp.reduce_dtype=bf16
   fi
   if want trace; then  # the GPU's timeline of both ranks (bench/trace), then its summary per rank
     for prec in bf16 fp8; do
