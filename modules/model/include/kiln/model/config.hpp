@@ -104,7 +104,8 @@ KILN_CONFIG(ModelConfig,
             (tie_embeddings, "the LM head reuses the token embedding (gpt2 always ties it)"),
             (recompute_norm,
              "recompute the blocks' LayerNorm outputs in the backward pass instead of keeping them (2 of 16 "
-             "saved values per token and layer)"),
+             "saved values per token and layer); under sequence parallelism the recomputed rows are gathered "
+             "over TP again, so false also saves those gathers (FP8 layers then keep their own FP8 copy)"),
             (recompute_gelu,
              "recompute the MLP's activations (GELU, or SwiGLU for llama) in the backward pass instead of "
              "keeping them (gpt2: 4 of 16 saved values per token and layer)"),
