@@ -4,7 +4,7 @@
 #   sp (sequence parallelism), lap (parallel.tp_comm_overlap), ce (parallel.copy_engine), keepnorm
 #   (model.recompute_norm = false: the norms' gathered outputs kept for the backward), graph
 #   (backend.cuda_graph), c2 (tp_comm_chunks = 2), sm8 (tp_comm_sms = 8)
-# or "plain"; then rank 0's timeline of each variant in TRACES: busy time per stream, the compute
+# or "plain" (VARIANTS="" runs none: only the one-GPU row and the traces); then rank 0's timeline of each variant in TRACES: busy time per stream, the compute
 # stream's gaps by the record after them, the copies' durations (bench/trace/streams.py), and a window.
 # Prints the rows and each one's share of the one-GPU run per GPU.
 # usage: bash bench/gpu_tp_probe.sh BUILD_DIR [extra --set args...]   (logs under $OUT)
@@ -36,7 +36,7 @@ args() {  # variant -> its --set arguments
   echo "${a[@]}"
 }
 kiln_row one 1 "$S" "${m[@]}"
-for v in ${VARIANTS:-plain lap lap-ce sp sp-lap sp-lap-ce sp-lap-ce-keepnorm}; do
+for v in ${VARIANTS-plain lap lap-ce sp sp-lap sp-lap-ce sp-lap-ce-keepnorm}; do
   # shellcheck disable=SC2046
   kiln_row "tp2v-$v" 2 "$S" "${m[@]}" "${tp[@]}" $(args "$v")
 done
