@@ -4,8 +4,9 @@
 #   sp (sequence parallelism), lap (parallel.tp_comm_overlap), ce (parallel.copy_engine), keepnorm
 #   (model.recompute_norm = false: the norms' gathered outputs kept for the backward), graph
 #   (backend.cuda_graph), c2 (tp_comm_chunks = 2), sm8 (tp_comm_sms = 8)
-# or "plain" (VARIANTS="" runs none: only the one-GPU row and the traces); then rank 0's timeline of each variant in TRACES: busy time per stream, the compute
-# stream's gaps by the record after them, the copies' durations (bench/trace/streams.py), and a window.
+# or "plain" (VARIANTS="" runs none: the one-GPU row and the traces only); then rank 0's timeline of
+# each variant in TRACES: busy time per stream, the compute stream's gaps by the record after them,
+# the copies' durations (bench/trace/streams.py), and a window.
 # Prints the rows and each one's share of the one-GPU run per GPU.
 # usage: bash bench/gpu_tp_probe.sh BUILD_DIR [extra --set args...]   (logs under $OUT)
 set -uo pipefail
