@@ -8,7 +8,8 @@
 # must be equal bit for bit (dropout on, so every replay must draw fresh masks as the eager steps
 # do), and the captured run must say it captured. Layouts: tensor parallelism with sequence
 # parallelism and full recompute; with the collectives beside split GEMMs (parallel.tp_comm_overlap),
-# in bf16 and in FP8;
+# in bf16 and in FP8 (with sequence parallelism too: FP8 codes gathered in pieces); with the copy-engine
+# transport (parallel.copy_engine) under sequence parallelism, the norms' outputs kept;
 # a Llama with vocabulary parallelism; data parallelism with two micro-batches and FP8 (the
 # gradient buckets the last micro-batch's backward starts are inside its graph); FSDP full_shard
 # with two micro-batches (its gathers and reduce-scatters in the graphs), and shard_grad_op in FP8
@@ -94,6 +95,11 @@ check llama-tp-vocab yes --set parallel.tp=2 --set parallel.vocab_parallel=true 
 check tp-fp8 yes --set parallel.tp=2 --set fp8.enabled=true --set optim.grad_clip=0.5
 check tp-fp8-overlap yes --set parallel.tp=2 --set fp8.enabled=true --set parallel.tp_comm_overlap=true \
   --set parallel.tp_comm_chunks=2
+check tp-sp-fp8-overlap yes --set parallel.tp=2 --set parallel.sequence_parallel=true --set fp8.enabled=true \
+  --set parallel.tp_comm_overlap=true --set parallel.tp_comm_chunks=2
+# The copy-engine transport (messages above its 256 KiB floor: d256, 16 sequences) with the norms kept.
+check tp-sp-ce-overlap yes --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.tp_comm_overlap=true \
+  --set parallel.copy_engine=true --set model.recompute_norm=false --set model.n_embd=256 --set train.batch_size=16
 check dp-fp8-micro yes --set train.micro_batch_size=2 --set fp8.enabled=true --set parallel.dp_bucket_mb=0.05
 check fsdp-full-micro no --set fsdp.strategy=full_shard --set train.micro_batch_size=2
 check fsdp-sgo-fp8-step no --set fsdp.strategy=shard_grad_op --set fp8.enabled=true --set fsdp.reduce=step \
