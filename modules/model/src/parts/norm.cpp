@@ -49,15 +49,11 @@ ops::LinearInput Norm::prologue(const TensorView& x) const {
   KILN_THROW("this norm has no prologue (an ops::LinearImpl computing it on load); its input was ", x.str());
 }
 
-// Under sequence parallelism this rank's rows of the output are written where the gather puts them
-// (every rank's rows in rank order), so the gather moves the other ranks' rows only.
-TensorView Norm::local_rows() const {
-  return ctx_.tp.sequence_parallel() ? output_.rows(ctx_.tp.rank() * ctx_.Nl, ctx_.Nl) : output_;
-}
-
+// Under sequence parallelism this rank's rows of the output (TensorParallel::local_part) are written
+// where the gather puts them, so the gather moves the other ranks' rows only.
 NormOutput Norm::forward(const TensorView& x) {
   if (on_load_) return {prologue(x), {}};
-  const TensorView local = local_rows();
+  const TensorView local = ctx_.tp.local_part(output_);
   run(local, x);
   return {output_, local, saved_};
 }
@@ -65,7 +61,7 @@ NormOutput Norm::forward(const TensorView& x) {
 ops::LinearInput Norm::backward_input(const TensorView& x) {
   if (on_load_) return prologue(x);
   if (refill_) {
-    const TensorView local = local_rows();
+    const TensorView local = ctx_.tp.local_part(output_);
     run(local, x);
     ctx_.tp.enter(output_, local);
   }

@@ -81,9 +81,7 @@ void TensorParallel::all_gather(const TensorView& out, const TensorView& in) con
 ops::RowGather TensorParallel::row_gather(std::int64_t N) const {
   KILN_CHECK(sequence_parallel_, "a row gather outside sequence parallelism");
   ops::RowGather g{.first_row = first_local_row(N),
-                   .all_gather = [this](const TensorView& full, const TensorView& local) {
-                     comm_.all_gather(full, local, be_.stream());
-                   },
+                   .all_gather = [this](const TensorView& full, const TensorView& local) { all_gather(full, local); },
                    .max = [this](float* v) {
                      comm_.all_reduce(TensorView(v, {1}, DType::f32, be_.device()), ReduceOp::max, be_.stream());
                    }};

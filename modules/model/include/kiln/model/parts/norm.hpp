@@ -71,7 +71,6 @@ class Norm {
   std::optional<Entity> bias_;
 
  private:
-  TensorView local_rows() const;  // this rank's rows of the output (all of it without SP)
   Output output_kind_;
   Entity consumer_{};
   TensorView output_;      // [N, C]: the consumer's whole input
