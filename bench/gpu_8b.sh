@@ -14,7 +14,12 @@
 #   variants (not in all) bf16 with all but the last LAST (default 8) blocks recomputed
 #           (activation_checkpoint.first: what fits beside PyTorch's activation-checkpointed memory), with
 #           fp32 and with bf16 gradient reduce-scatters; CE=1 adds copy-engine collectives
-#           (parallel.copy_engine), every block and all but the last LAST recomputed
+#           (parallel.copy_engine), every block and all but the last LAST recomputed; RBF16=1 adds
+#           bf16 reduce-scatters; OFFLOAD="B:F:S ..." adds runs with B blocks' activations in host
+#           memory (activation_offload, S device slots) and the other blocks below F recomputed;
+#           PIPELINE=1 adds bf16 and FP8 runs with the pipeline's own activation settings (half the
+#           blocks offloaded, the other half recomputed); FP8OFF="B:E ..." adds FP8 runs with B blocks
+#           every E offloaded and the others recomputed
 #   trace   (not in all) the 8 B bf16 and FP8 steps under bench/trace's CUPTI tracer, summarised per
 #           rank: busy and idle GPU time, per-stream busy time, exposed communication, kernels
 #   loss1b  the time to a loss for Llama 1B (pipelines/llama-1b.toml, data parallel, 8 x 2048 tokens a
@@ -51,7 +56,7 @@ if [ "${SMALL:-0}" = 1 ]; then
   N=0
   STEPS=${STEPS:-6}
   s8=(--set engine.device=cpu --set model.n_layer=2 --set model.n_embd=256 --set model.n_head=8 --set model.n_kv_head=2
-      --set model.ffn_hidden=512 --set train.seq_len=64 --set model.max_seq_len=64)
+      --set model.ffn_hidden=512 --set train.seq_len=64 --set model.max_seq_len=64 --set activation_offload.blocks=1)
   sttl=(--set engine.device=cpu --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=4 --set train.seq_len=64
         --set model.max_seq_len=64 --set model.moe.n_experts=4)
   smoe=(--set engine.device=cpu --set model.n_layer=2 --set model.n_embd=64 --set model.n_head=4 --set model.n_kv_head=2
@@ -89,21 +94,43 @@ lane_kiln() {
     for prec in bf16 fp8; do
       for ac in full none; do
         run "8b-$prec-$ac" "$lane_a" 240 "${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=$([ $prec = fp8 ] && echo true || echo false) \
-          --set activation_checkpoint.mode=$ac
+          --set activation_checkpoint.mode=$ac --set activation_offload.blocks=0
       done
     done
   fi
   if want variants; then
     local first=$((32 - ${LAST:-8})) ce=(--set parallel.copy_engine=true)
     [ "${SMALL:-0}" = 1 ] && first=1
-    local v=("${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=false --set activation_checkpoint.mode=full)
+    local v=("${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=false --set activation_checkpoint.mode=full
+             --set activation_offload.blocks=0)
+    # FP8OFF="B:E ...": FP8 with B blocks every E offloaded (two slots), the others recomputed
+    for o in ${FP8OFF:-}; do
+      IFS=: read -r ob oe <<< "$o"
+      [ "${SMALL:-0}" = 1 ] && { ob=1; oe=1; }
+      run "8b-fp8-off$ob-every$oe" "$lane_a" 240 "${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=true \
+        --set activation_checkpoint.mode=full --set activation_offload.blocks="$ob" --set activation_offload.every="$oe"
+    done
+    if [ "${PIPELINE:-0}" = 1 ]; then  # the pipeline's own activation settings (offload and recompute)
+      run 8b-bf16-pipeline "$lane_a" 240 "${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=false
+      run 8b-fp8-pipeline "$lane_a" 240 "${k8[@]}" --set train.steps="$STEPS" --set fp8.enabled=true
+    fi
     if [ "${CE:-0}" = 1 ]; then
       run 8b-bf16-full-ce "$lane_a" 240 "${v[@]}" "${ce[@]}"
       run "8b-bf16-first$first-ce" "$lane_a" 240 "${v[@]}" "${ce[@]}" --set activation_checkpoint.first=$first
     fi
     run "8b-bf16-first$first" "$lane_a" 240 "${v[@]}" --set activation_checkpoint.first=$first
-    run "8b-bf16-first$first-rbf16" "$lane_a" 240 "${v[@]}" --set activation_checkpoint.first=$first \
-      --set fsdp.reduce_dtype=bf16
+    if [ "${RBF16:-0}" = 1 ]; then
+      run "8b-bf16-first$first-rbf16" "$lane_a" 240 "${v[@]}" --set activation_checkpoint.first=$first \
+        --set fsdp.reduce_dtype=bf16
+    fi
+    # OFFLOAD="B:F:S ...": blocks 0, 2, ..., 2(B-1) keep their saved activations in host memory over S
+    # device slots (activation_offload), the other blocks below F recomputed, the rest kept.
+    for o in ${OFFLOAD:-}; do
+      IFS=: read -r ob of os <<< "$o"
+      [ "${SMALL:-0}" = 1 ] && { ob=1; of=2; os=1; }
+      run "8b-bf16-off$ob-first$of-s$os" "$lane_a" 240 "${v[@]}" --set activation_checkpoint.first="$of" \
+        --set activation_offload.blocks="$ob" --set activation_offload.every=2 --set activation_offload.slots="$os"
+    done
   fi
   if want trace; then  # the GPU's timeline of both ranks (bench/trace), then its summary per rank
     for prec in bf16 fp8; do
@@ -182,7 +209,7 @@ def text(n):
     return p.read_text() if p.exists() else ""
 print(f"{'run':<22} {'tok/s per GPU':>13} {'ms/step':>8} {'MFU':>6} {'peak GiB/GPU':>12}")
 names = ["8b-bf16-full", "8b-bf16-none", "8b-fp8-full", "8b-fp8-none"]
-names += sorted(p.stem for p in out.glob("8b-bf16-*.jsonl") if p.stem not in names)
+names += sorted(p.stem for p in out.glob("8b-*.jsonl") if p.stem not in names and "ckpt" not in p.stem)
 for n in names:
     r = rows(n)
     if not r:
@@ -194,6 +221,17 @@ for n in names:
     ms = statistics.median(x["step_ms"] for x in st)
     m = re.findall(r"peak device memory ([0-9.]+)", text(n))
     print(f"{n:<22} {tps:>13,.0f} {ms:>8.1f} {100 * FLOPS * tps / 989.4e12:>5.1f}% {(m[-1] if m else '-'):>12}")
+base = [n for n in names if re.fullmatch(r"8b-bf16-first\d+", n)]
+for n in names:
+    if "-off" not in n and "pipeline" not in n or n.startswith("8b-fp8"):
+        continue
+    for line in text(n).splitlines():
+        if line.startswith("activation offload:") or line.startswith("activation checkpoint:"):
+            print(f"  {n}: {line[:240]}")
+    if base and rows(n) and rows(base[0]):
+        ref = {x["step"]: x["loss"] for x in rows(base[0])}
+        d = max(abs(x["loss"] - ref[x["step"]]) / abs(ref[x["step"]]) for x in rows(n) if x["step"] in ref)
+        print(f"  {n}: losses within {d:.2e} relative of {base[0]}'s (atomic-dQ attention: not bit-reproducible)")
 for ac in ("full", "none"):
     p = out / f"torch-8b-{ac}.json"
     if p.exists():

@@ -1,6 +1,6 @@
 // Activation checkpointing on CUDA: with dropout, every mode gives losses and gradients
-// bit-identical to the run without recompute, in bf16 and in FP8 (delayed and current scaling).
-// Skipped without a GPU.
+// bit-identical to the run without recompute, in bf16 and in FP8 (delayed and current scaling); so do
+// activations offloaded to host memory (activation_offload). Skipped without a GPU.
 #include <doctest/doctest.h>
 
 #include "../model/model_fixture.hpp"
@@ -11,6 +11,7 @@
 #include "kiln_test.hpp"
 
 using namespace kiln;
+using test::operator+;
 
 namespace {
 
@@ -49,6 +50,17 @@ test::Trace trace(const std::vector<std::string>& sets) {
   return t;
 }
 
+// Each of `modes` after `base` against `base` alone: bit-identical losses and gradients.
+void compare_modes(const test::Sets& base, const std::vector<test::Sets>& modes) {
+  const auto ref = trace(base);
+  for (const auto& mode : modes) {
+    const test::Sets sets = base + mode;
+    std::string what;
+    for (auto& s : sets) what += s + " ";
+    test::compare_traces(trace(sets), ref, what, 0);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("CUDA: full and selective recompute give bit-identical gradients with dropout, bf16 and FP8") {
@@ -60,14 +72,22 @@ TEST_CASE("CUDA: full and selective recompute give bit-identical gradients with 
   };
   for (const std::vector<std::string>& base : std::vector<std::vector<std::string>>{
            {}, {"model.recompute_gelu=false"}, {"fp8.enabled=true", "fp8.recipe=delayed"},
-           {"fp8.enabled=true", "fp8.recipe=current"}}) {
-    const auto ref = trace(base);
-    for (const auto& mode : modes) {
-      auto sets = base;
-      sets.insert(sets.end(), mode.begin(), mode.end());
-      std::string what;
-      for (auto& s : sets) what += s + " ";
-      test::compare_traces(trace(sets), ref, what, 0);
-    }
-  }
+           {"fp8.enabled=true", "fp8.recipe=current"}})
+    compare_modes(base, modes);
+}
+
+TEST_CASE("CUDA: offloaded activations give bit-identical gradients, bf16 and FP8, GPT-2 and Llama blocks") {
+  if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  // Blocks large enough that a block's copy over PCIe takes longer than its forward pass: a copy
+  // the compute did not wait for would show as other gradients.
+  const std::vector<std::string> size = {"model.n_embd=512", "model.n_head=8", "train.seq_len=256",
+                                         "model.max_seq_len=256", "model.n_layer=4"};
+  const std::vector<std::vector<std::string>> modes = {
+      {"activation_offload.blocks=4", "activation_offload.every=1", "activation_offload.slots=1"},
+      {"activation_offload.blocks=2", "activation_offload.every=2", "activation_offload.slots=2",
+       "activation_checkpoint.mode=full"},
+  };
+  for (const std::vector<std::string>& base : std::vector<std::vector<std::string>>{
+           {}, {"fp8.enabled=true", "fp8.recipe=delayed"}, {"model.arch=llama", "model.n_kv_head=2"}})
+    compare_modes(size + base, modes);
 }

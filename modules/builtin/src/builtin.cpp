@@ -11,6 +11,7 @@
 #include "kiln/parallel/fsdp.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/recompute/module.hpp"
+#include "kiln/recompute/offload.hpp"
 #include "kiln/rng/module.hpp"
 #include "kiln/train/train.hpp"
 
@@ -28,6 +29,7 @@ void register_builtin_modules(ModuleRegistry& registry) {
   log::register_module(registry);
   fp8::register_module(registry);
   recompute::register_module(registry);
+  recompute::register_offload_module(registry);
   checkpoint::register_state_module(registry);
   parallel::register_fsdp_module(registry);
 }

@@ -7,6 +7,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "kiln/core/error.hpp"
+
 namespace kiln::model {
 
 namespace {
@@ -26,8 +28,8 @@ std::string activation_report(const ActivationTable& table, const TensorView& re
                  const std::vector<const ActivationTable::SavedRow*>& b) {
     if (a.size() != b.size()) return false;
     for (std::size_t i = 0; i < a.size(); ++i)
-      if (std::tie(a[i]->key, a[i]->dtype, a[i]->shape, a[i]->shared) !=
-          std::tie(b[i]->key, b[i]->dtype, b[i]->shape, b[i]->shared))
+      if (std::tie(a[i]->key, a[i]->dtype, a[i]->shape, a[i]->shared, a[i]->offload_slot) !=
+          std::tie(b[i]->key, b[i]->dtype, b[i]->shape, b[i]->shared, b[i]->offload_slot))
         return false;
     return true;
   };
@@ -50,12 +52,16 @@ std::string activation_report(const ActivationTable& table, const TensorView& re
     os << ":\n";
     std::size_t own = 0;
     for (const auto* r : rows) {
-      char line[160];
+      char line[224];
+      const std::string where = r->shared ? "  (recomputed: one copy for every block)"
+                                : r->offload_slot >= 0
+                                    ? cat("  (in host memory: offload slot ", r->offload_slot, " on the device)")
+                                    : std::string();
       std::snprintf(line, sizeof(line), "  %-22s %-5s %-20s %12s%s\n", r->key.c_str(),
                     std::string(name_of(r->dtype)).c_str(), r->shape.str().c_str(), mib(r->bytes()).c_str(),
-                    r->shared ? "  (recomputed: one copy for every block)" : "");
+                    where.c_str());
       os << line;
-      if (!r->shared) own += r->bytes();
+      if (!r->shared && r->offload_slot < 0) own += r->bytes();
     }
     os << "  its own: " << mib(own) << " a block, " << mib(own * blocks.size()) << " for these blocks\n";
   }

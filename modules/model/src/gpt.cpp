@@ -144,6 +144,8 @@ void GptModel::allocate_activations() {
   if (head_) head_->declare(table_, borrow + table_.backward_scratch_bytes());
   if (!head_) rows.own(lent_host_, DType::u8, {static_cast<std::int64_t>(std::max<std::size_t>(borrow, 1))});
   table_.allocate(ctx_.be, plan_.copies);
+  for (auto& block : blocks_)
+    if (block) block->placed(table_);
   std::int64_t at = 0;
   for (auto& block : blocks_)
     if (block)
@@ -239,28 +241,28 @@ void GptModel::forward_chunk(int chunk, int m, bool training, rng::RngStatesTrac
   auto& bus = ctx_.world.events();
   const int begin = plan_.begin(chunk), end = plan_.end(chunk);
   if (plan_.first(chunk)) {
-    bus.publish(nn::LayerForwardBegin{0});
+    bus.publish(nn::LayerForwardBegin{0, training});
     embedding_->forward(tokens_all_.rows(inputs_index(m), 1).reshape({ctx_.N}),
                         residuals_[static_cast<std::size_t>(begin)]);
-    bus.publish(nn::LayerForwardEnd{0});
+    bus.publish(nn::LayerForwardEnd{0, training});
   }
   // The blocks draw where one rank's blocks before them would have left the states.
   const bool draws = training && tracker;
   if (draws && plan_.pipelined()) tracker->set_states(states_before_block(begin));
   for (int l = begin; l < end; ++l) {
     TransformerBlock& block = *blocks_[static_cast<std::size_t>(l)];
-    bus.publish(nn::LayerForwardBegin{block.unit()});
+    bus.publish(nn::LayerForwardBegin{block.unit(), training});
     block.forward(residuals_[static_cast<std::size_t>(l)], residuals_[static_cast<std::size_t>(l) + 1], p, tracker,
                   training);
-    bus.publish(nn::LayerForwardEnd{block.unit()});
+    bus.publish(nn::LayerForwardEnd{block.unit(), training});
   }
   if (draws && plan_.pipelined()) tracker->set_states(states_before_block(ctx_.cfg.n_layer));
   if (plan_.last(chunk)) {
     const int head_unit = ctx_.cfg.n_layer + 1;
-    bus.publish(nn::LayerForwardBegin{head_unit});
+    bus.publish(nn::LayerForwardBegin{head_unit, training});
     head_->forward(residuals_[static_cast<std::size_t>(end)], losses_.rows(m, 1).reshape({ctx_.N}),
                    targets_all_.rows(inputs_index(m), 1).reshape({ctx_.N}), dloss_);
-    bus.publish(nn::LayerForwardEnd{head_unit});
+    bus.publish(nn::LayerForwardEnd{head_unit, training});
     head_forward_ = m;
   }
 }

@@ -75,9 +75,10 @@ void install(World& w, const ActivationCheckpointConfig& cfg) {
   st.subscriptions.push_back(
       bus.subscribe<nn::LayerRecomputeEnd>([&st](const nn::LayerRecomputeEnd& e) { st.rng->end(e.unit); }));
 
-  const int chosen = static_cast<int>(st.units.size());
-  w.systems().add({"activation_checkpoint.report", Phase::setup, [chosen, blocks, scope, distribute](World& world) {
+  w.systems().add({"activation_checkpoint.report", Phase::setup, [blocks, scope, distribute](World& world) {
                      if (world.resource<RankInfo>().rank != 0) return;
+                     // Read now: the activation_offload module may have taken blocks out.
+                     const auto chosen = world.resource<ActivationCheckpointState>().units.size();
                      std::cout << "activation checkpoint: " << name_of(scope) << " recompute in " << chosen << " of "
                                << blocks << " blocks" << (distribute ? ", saved inputs split over the TP group" : "")
                                << "\n";

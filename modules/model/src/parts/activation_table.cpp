@@ -6,11 +6,17 @@ namespace kiln::model {
 
 void ActivationTable::Rows::saved(TensorView& slot, const std::string& key, DType dtype, Shape shape,
                                   StageSet stage) {
-  table_.saved_rows_.push_back({block_, key, dtype, shape, (recomputed_ & stage) != 0});
-  if (recomputed_ & stage)
+  const bool recomputed = (recomputed_ & stage) != 0, offloaded = !recomputed && offload_slot_ >= 0;
+  table_.saved_rows_.push_back({block_, key, dtype, shape, recomputed, offloaded ? offload_slot_ : -1});
+  if (recomputed) {
     add(table_.recomputed_, key, {&slot, dtype, shape});
-  else
+  } else if (offloaded) {
+    auto& slots = table_.offloaded_;
+    if (slots.size() <= static_cast<std::size_t>(offload_slot_)) slots.resize(static_cast<std::size_t>(offload_slot_) + 1);
+    add(slots[static_cast<std::size_t>(offload_slot_)], key, {&slot, dtype, shape});
+  } else {
     table_.kept_.request(&slot, dtype, shape);
+  }
 }
 
 void ActivationTable::Rows::kept(TensorView& slot, DType dtype, Shape shape) { table_.kept_.request(&slot, dtype, shape); }
@@ -49,6 +55,21 @@ void ActivationTable::allocate(ops::Backend& be, int copies) {
   point(recomputed_);
   point(scratch_);
   request(backward_, backward_rows_);  // sized now, placed by place_backward_scratch
+  // Each offload slot's rows in one allocation of their own: the region moved to and from the host.
+  offload_arenas_ = std::vector<Arena>(offloaded_.size());
+  for (std::size_t s = 0; s < offloaded_.size(); ++s) {
+    KILN_CHECK(!offloaded_[s].empty(), "offload slot ", s, " has no rows (the slots in use are numbered from 0)");
+    KILN_CHECK(copies == 1, "offloaded activations with ", copies, " copies of the saved rows (pipeline stages)");
+    request(offload_arenas_[s], offloaded_[s]);
+    offload_arenas_[s].allocate(be);
+    point(offloaded_[s]);
+  }
+}
+
+TensorView ActivationTable::offload_region(int slot) const {
+  KILN_CHECK(slot >= 0 && static_cast<std::size_t>(slot) < offload_arenas_.size(), "offload slot ", slot, " of ",
+             offload_arenas_.size());
+  return offload_arenas_[static_cast<std::size_t>(slot)].all();
 }
 
 void ActivationTable::select_copy(int copy) {

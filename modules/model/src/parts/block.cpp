@@ -86,11 +86,21 @@ void TransformerBlock::declare(ActivationTable& table) {
   KILN_CHECK(!distribute_ || !ctx_.tp.sequence_parallel(), "block ", index_,
              ": distributed saved inputs need sequence parallelism off");
   if (distribute_) ctx_.tp.require({ctx_.N, cat("block ", index_, "'s saved input"), "token rows"});
-  auto rows = table.block(recomputed_);
+  int offload_slot = -1;
+  if (const auto* o = ctx_.world.try_get<nn::ActivationOffload>(layer_)) {
+    KILN_CHECK(recomputed_ == 0, "block ", index_, " is both recomputed and offloaded (the activation_offload module "
+               "takes its blocks out of activation checkpointing)");
+    offload_slot = o->slot;
+  }
+  auto rows = table.block(recomputed_, offload_slot);
   if (distribute_) rows.kept(input_part_, ctx_.act(), {ctx_.N / ctx_.tp.size(), ctx_.cfg.n_embd});
   attention_.declare(rows);
   rows.saved(mid_, "block.mid", ctx_.act(), {ctx_.Nl, ctx_.cfg.n_embd}, kAttentionOut);
   mlp_.declare(rows);
+}
+
+void TransformerBlock::placed(const ActivationTable& table) {
+  if (auto* o = ctx_.world.try_get<nn::ActivationOffload>(layer_)) o->region = table.offload_region(o->slot);
 }
 
 void TransformerBlock::run(StageSet stages, const TensorView& x, const TensorView& out, float p,

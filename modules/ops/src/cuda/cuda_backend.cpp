@@ -166,6 +166,13 @@ void CudaBackend::copy_to_host_async(const TensorView& host_dst, const TensorVie
   KILN_CUDA_CHECK(cudaMemcpyAsync(host_dst.data, src.data, src.bytes(), cudaMemcpyDefault, stream_));
 }
 
+void CudaBackend::copy_on(void* stream, const TensorView& dst, const TensorView& src) {
+  KILN_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.contiguous() && src.contiguous() && stream,
+             "copy_on ", src.str(), " -> ", dst.str());
+  KILN_CUDA_CHECK(
+      cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+}
+
 void CudaBackend::convert(const TensorView& dst, const TensorView& src) {
   if (src.dtype == dst.dtype) return copy(dst, src);  // between devices too
   Timer t(*this, "convert");

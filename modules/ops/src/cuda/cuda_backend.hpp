@@ -46,6 +46,7 @@ class CudaBackend final : public Backend {
   void copy_to_host_async(const TensorView& host_dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;
   void convert_on(void* stream, const TensorView& dst, const TensorView& src) override;
+  void copy_on(void* stream, const TensorView& dst, const TensorView& src) override;
   void zero(const TensorView& t) override;
   void zero_many(std::span<const TensorView> ts) override;
   void synchronize() override;

@@ -42,6 +42,8 @@ class Arena {
   }
   // Bytes of one copy.
   std::size_t bytes() const { return bytes_; }
+  // After allocate(): the whole allocation, as one u8 tensor (what one transfer moves).
+  TensorView all() const { return buffer_.view(DType::u8, {static_cast<std::int64_t>(bytes_)}, 0); }
 
  private:
   struct Request {

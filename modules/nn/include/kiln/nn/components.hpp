@@ -140,4 +140,15 @@ struct ActivationRecompute {
   bool distribute_input = false;  // keep this TP rank's 1/tp of the input rows; all-gather before recomputing
 };
 
+// Activation offload of one layer (attached to its Layer entity by the activation_offload module, before
+// the model allocates activation memory in Phase::setup; never together with ActivationRecompute). The
+// layer's saved activations live in device copy `slot` of the few that the offloaded layers take in
+// turn; the model fills `region` with that copy's memory (one contiguous tensor) once it has allocated
+// it, and the module moves the region to host memory after the layer's forward pass and back before
+// its backward pass.
+struct ActivationOffload {
+  int slot = 0;
+  TensorView region;
+};
+
 }  // namespace kiln::nn

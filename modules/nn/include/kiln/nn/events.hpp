@@ -7,8 +7,10 @@
 
 namespace kiln::nn {
 
-struct LayerForwardBegin { int unit; };
-struct LayerForwardEnd { int unit; };
+// `training`: false in a forward pass no backward pass follows (validation): modules that prepare the
+// backward pass (activation offload) stand aside.
+struct LayerForwardBegin { int unit; bool training = true; };
+struct LayerForwardEnd { int unit; bool training = true; };
 struct LayerBackwardBegin { int unit; };
 struct LayerBackwardEnd { int unit; };  // the unit's parameter gradients are complete for this micro-batch
 // Around the forward pass a layer replays in its backward pass (activation recompute); FP8 layers

@@ -366,6 +366,14 @@ class Backend {
     (void)stream;
     convert(dst, src);
   }
+  // Copies between device memory and host memory from alloc_host (either way), queued on `stream` (a
+  // cudaStream_t of this backend's device) without waiting, for a module that orders it with its own
+  // events (the activation_offload module moving a block's saved activations beside the compute).
+  // Backends without streams copy at once.
+  virtual void copy_on(void* stream, const TensorView& dst, const TensorView& src) {
+    (void)stream;
+    copy(dst, src);
+  }
   virtual void zero(const TensorView& t) = 0;
   // Zeroes contiguous f32 tensors (a gradient buffer's pieces each step): as one launch where the
   // backend can (the CUDA backend: one kernel over a table it keeps while the pieces stay the same).

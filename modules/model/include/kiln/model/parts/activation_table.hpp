@@ -3,7 +3,10 @@
 // tensors it needs as rows of this table, and the table decides where each lives.
 //   saved             written by a block's forward, read by its backward: the block's own copy, or,
 //                     where the block's backward recomputes the stage that writes it (activation
-//                     checkpointing), one copy shared by every block that does.
+//                     checkpointing), one copy shared by every block that does, or, where the block's
+//                     saved activations are offloaded to host memory (nn::ActivationOffload), the
+//                     offload slot's copy, one contiguous region per slot shared by the blocks that
+//                     take that slot.
 //   kept              written by the forward, read by the backward, never recomputed (the residual
 //                     streams, a block's saved input part): the block's or the model's own.
 //   scratch           used within one pass, or refilled by the backward pass before it is read: one
@@ -44,15 +47,18 @@ class ActivationTable {
 
    private:
     friend class ActivationTable;
-    Rows(ActivationTable& table, StageSet recomputed, int block)
-        : table_(table), recomputed_(recomputed), block_(block) {}
+    Rows(ActivationTable& table, StageSet recomputed, int block, int offload_slot)
+        : table_(table), recomputed_(recomputed), block_(block), offload_slot_(offload_slot) {}
     ActivationTable& table_;
     StageSet recomputed_;
     int block_;
+    int offload_slot_;
   };
 
-  Rows block(StageSet recomputed) { return Rows(*this, recomputed, blocks_++); }
-  Rows model() { return Rows(*this, 0, -1); }
+  // A block's rows; `offload_slot` >= 0: its saved rows (those it does not recompute) live in that
+  // offload slot's region.
+  Rows block(StageSet recomputed, int offload_slot = -1) { return Rows(*this, recomputed, blocks_++, offload_slot); }
+  Rows model() { return Rows(*this, 0, -1, -1); }
 
   // Every saved row as declared, for reports: the block that declared it (in declaration order), and
   // whether it lives in the one copy the recomputing blocks share.
@@ -62,6 +68,7 @@ class ActivationTable {
     DType dtype = DType::f32;
     Shape shape;
     bool shared = false;
+    int offload_slot = -1;  // >= 0: in that offload slot's region (its contents kept in host memory)
     std::size_t bytes() const { return static_cast<std::size_t>(shape.numel()) * size_of(dtype); }
   };
   const std::vector<SavedRow>& saved_rows() const { return saved_rows_; }
@@ -72,6 +79,8 @@ class ActivationTable {
   // Points the saved and kept rows at copy `copy`.
   void select_copy(int copy);
   int copies() const { return kept_.copies(); }
+  // Offload slot `slot`'s region, all of its rows in one contiguous u8 tensor (after allocate).
+  TensorView offload_region(int slot) const;
   // Places the backward scratch at the end of `host` (allocated by this table, and dead while the
   // blocks run their backward passes) when it fits there beside `borrow` bytes that the blocks'
   // linears may use as scratch of their own, else allocates it apart. Returns the memory lent to the
@@ -81,8 +90,10 @@ class ActivationTable {
   std::size_t backward_scratch_bytes() const;
   // Bytes of activation memory: the table's buffer, and the backward scratch where it has its own.
   std::size_t bytes() const {
+    std::size_t offloaded = 0;
+    for (const auto& r : offload_arenas_) offloaded += r.bytes();
     return arena_.bytes() + kept_.bytes() * static_cast<std::size_t>(kept_.copies()) +
-           (backward_apart_ ? backward_.bytes() : 0);
+           (backward_apart_ ? backward_.bytes() : 0) + offloaded;
   }
 
  private:
@@ -103,6 +114,9 @@ class ActivationTable {
 
   Arena arena_, kept_, backward_;
   std::map<std::string, Shared> recomputed_, scratch_, backward_rows_;
+  // Per offload slot: its rows (by key, shared by the blocks that take the slot) and their memory.
+  std::vector<std::map<std::string, Shared>> offloaded_;
+  std::vector<Arena> offload_arenas_;
   std::vector<SavedRow> saved_rows_;
   int blocks_ = 0;
   bool backward_apart_ = false;

@@ -60,6 +60,9 @@ class TransformerBlock {
   // Reads the block's recompute plan (an nn::ActivationRecompute component on its layer) and declares
   // its rows, once every module is installed.
   void declare(ActivationTable& table);
+  // Once the table is allocated: tells an offloading module where the block's saved rows live (the
+  // region of its nn::ActivationOffload slot).
+  void placed(const ActivationTable& table);
   // Whether the block keeps only this TP rank's rows of its input (the input's full rows are then
   // scratch the model shares between blocks).
   bool distributes_input() const { return distribute_; }
