@@ -15,7 +15,7 @@
 # with two micro-batches (its gathers and reduce-scatters in the graphs), and shard_grad_op in FP8
 # reduced once a step.
 # Skipped (KILN_SKIP) without two GPUs.
-# usage: gpu_graph_ranks_test.sh KILN
+# usage: [ONLY="layout ..."] gpu_graph_ranks_test.sh KILN
 set -u
 KILN=$(realpath "$1")
 if ! command -v nvidia-smi >/dev/null || [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
@@ -52,6 +52,7 @@ fail=0
 check() {  # name through-optimizer(yes|no) sets...
   local name=$1 through=$2
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="name ...": those layouts
   for graph in true false; do
     timeout 240 "$KILN" run run.toml --nproc 2 --set backend.cuda_graph=$graph \
       --set log.metrics="$name-$graph.jsonl" "$@" > "$name-$graph.log" 2>&1
