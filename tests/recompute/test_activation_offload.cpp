@@ -1,7 +1,7 @@
 // The activation_offload module on the CPU backend: which blocks offload and into which slots, taken
 // out of activation checkpointing; losses and gradients bit-identical to the run that keeps every
 // activation on the device (the slots are shared, so a block whose rows did not come back would read
-// another block's); the copies each step makes; the device memory it saves; bad settings refused.
+// another block's), dense and mixture-of-experts blocks; the copies each step makes; the device memory it saves; bad settings refused.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -101,6 +101,12 @@ TEST_CASE("offloaded activations give bit-identical losses and gradients, with d
   // Tensor and sequence parallelism: each rank offloads its own rows.
   const test::Sets sp = {"parallel.tp=2", "parallel.sequence_parallel=true"};
   test::compare_traces(test::run_ranks(kModel, 2, sp + all_one), test::run_ranks(kModel, 2, sp), "tp=2 + SP", 0);
+  // Mixtures of experts in blocks 0 and 2, dense MLPs in 1 and 3 (a slot holds either's rows), on one
+  // rank and with the experts split over two.
+  const test::Sets moe = {"model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.hidden=48", "model.moe.every=2"};
+  test::compare_traces(test::run_ranks(kModel, 1, moe + all_one), test::run_ranks(kModel, 1, moe), "MoE", 0);
+  const test::Sets ep = moe + test::Sets{"parallel.ep=2"};
+  test::compare_traces(test::run_ranks(kModel, 2, ep + all_one), test::run_ranks(kModel, 2, ep), "MoE, ep=2", 0);
 }
 
 TEST_CASE("the copies a step makes, and the device memory offloading saves") {

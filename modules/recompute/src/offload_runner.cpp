@@ -28,7 +28,17 @@ void OffloadRunner::setup(std::vector<TensorView> regions) {
     KILN_CHECK(r && r.contiguous(), "offload: block unit ", units_[static_cast<std::size_t>(k)], " has no region");
     KILN_CHECK(r.data == regions_[static_cast<std::size_t>(slot(k))].data, "offload: unit ",
                units_[static_cast<std::size_t>(k)], "'s region is not its slot's");
-    host_.push_back(k < n - slots_ ? be_.alloc_host(r.bytes()) : Buffer());
+    if (k >= n - slots_) {
+      host_.emplace_back();  // stays in its slot
+      continue;
+    }
+    try {
+      host_.push_back(be_.alloc_host(r.bytes()));
+    } catch (const Error& e) {
+      KILN_THROW("activation_offload: pinning ", r.bytes() >> 20, " MiB of host memory for block unit ",
+                 units_[static_cast<std::size_t>(k)], " (", host_bytes() >> 20, " MiB pinned for the blocks before it) "
+                 "failed; lower activation_offload.blocks: ", e.what());
+    }
   }
 }
 
