@@ -181,7 +181,7 @@ __global__ void sum_squares_many_kernel(float* partials, const SumSquaresSegment
     if (segs[mid].first <= b) lo = mid; else hi = mid - 1;
   }
   const SumSquaresSegment g = segs[lo];
-  sum_squares_block(partials + b, g.x, g.n, (reinterpret_cast<std::uintptr_t>(g.x) & 15) == 0, b - g.first,
+  sum_squares_block(partials + b, g.x, g.n, aligned16(g.x), b - g.first,
                     sum_squares_partials_device(g.n));
 }
 
@@ -288,7 +288,7 @@ __global__ void zero_many_kernel(const ZeroRun* runs, int n, std::int64_t W) {
     const std::int64_t local = w - __ldg(&runs[lo].work), count = __ldg(&runs[lo].count);
     if (local >= count) continue;  // the rounding after the piece's last element
     float* p = runs[lo].data + local;
-    if (local + 4 <= count && (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0) {
+    if (local + 4 <= count && aligned16(p)) {
       *reinterpret_cast<float4*>(p) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     } else {
       for (std::int64_t j = 0; j < 4 && local + j < count; ++j) p[j] = 0.0f;
