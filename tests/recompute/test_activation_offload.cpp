@@ -86,6 +86,16 @@ TEST_CASE("bad activation_offload settings are config errors naming the key") {
                        ConfigError);
   CHECK_THROWS_WITH_AS(test::Pipeline(kModel, {"activation_offload.blocks=1", "backend.cuda_graph=true"}),
                        doctest::Contains("backend.cuda_graph"), ConfigError);
+  // Pipeline stages (two thread ranks).
+  ModuleRegistry reg;
+  register_builtin_modules(reg);
+  auto doc = config::parse_toml_text(kModel, "t.toml");
+  config::apply_overrides(doc, {"parallel.pp=2", "activation_offload.blocks=1"});
+  for (auto& o : parallel::run_thread_ranks(2, config::resolve(doc, "t.toml", reg), reg)) {
+    CHECK_FALSE(o.ok);
+    CHECK(o.config_error);
+    CHECK(o.error.find("activation_offload.blocks: 1 with parallel.pp = 2") != std::string::npos);
+  }
 }
 
 TEST_CASE("offloaded activations give bit-identical losses and gradients, with dropout (CPU)") {
