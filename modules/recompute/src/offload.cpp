@@ -47,6 +47,7 @@ void install_offload(World& w, const ActivationOffloadConfig& cfg) {
   auto& st = w.emplace_resource<ActivationOffloadState>();
   auto* recomputing = w.try_resource<ActivationCheckpointState>();
   int taken = 0;  // blocks taken out of activation checkpointing
+  std::vector<int> units;  // the offloaded layer units, ascending
   for (std::size_t k = 0; k < chosen.size(); ++k) {
     const auto& [block, e] = blocks[static_cast<std::size_t>(chosen[k])];
     const int unit = w.get<nn::Layer>(e).unit;
@@ -56,9 +57,9 @@ void install_offload(World& w, const ActivationOffloadConfig& cfg) {
       ++taken;
     }
     w.emplace<nn::ActivationOffload>(e, nn::ActivationOffload{static_cast<int>(k) % cfg.slots, {}});
-    st.units.push_back(unit);
+    units.push_back(unit);
   }
-  st.runner = std::make_shared<OffloadRunner>(w.resource<ops::ActiveBackend>().get(), st.units, cfg.slots);
+  st.runner = std::make_shared<OffloadRunner>(w.resource<ops::ActiveBackend>().get(), std::move(units), cfg.slots);
 
   w.systems().add({"activation_offload.setup", Phase::setup,
                    [taken](World& world) {

@@ -46,9 +46,8 @@ KILN_CONFIG(ActivationOffloadConfig,
 
 class OffloadRunner;
 
-// World resource: the offloaded layer units, ascending, and what moves them.
+// World resource: what moves the offloaded blocks' activations (it holds their layer units).
 struct ActivationOffloadState {
-  std::vector<int> units;
   std::shared_ptr<OffloadRunner> runner;
   std::vector<Subscription> subscriptions;
 };
