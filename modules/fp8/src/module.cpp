@@ -28,12 +28,12 @@ namespace kiln::fp8 {
 
 namespace {
 
-std::unique_ptr<Fp8Ops> make_ops(World& w) {
+std::unique_ptr<Fp8Ops> make_ops(World& w, const Fp8Config& cfg) {
   auto& be = w.resource<ops::ActiveBackend>().get();
   const auto& bc = w.resource<ops::BackendConfig>();
   std::unique_ptr<Fp8Ops> ops;
   if (be.device() == Device::cuda) {
-    ops = make_cuda_ops(be.stream(), bc.grouped_gemm_tune);
+    ops = make_cuda_ops(be.stream(), {.tune_grouped = bc.grouped_gemm_tune, .block_gemm = cfg.block_gemm});
   } else {  // the same threads and bf16 rounding as the CPU backend
     const int local = std::max(1, w.resource<RankInfo>().local_world_size);
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -514,7 +514,7 @@ void install(World& w, const Fp8Config& cfg) {
   auto& st = w.emplace_resource<Fp8State>();
   st.recipe = Fp8Recipe{cfg.recipe, cfg.amax_history_len, cfg.amax_compute_algo, cfg.margin, cfg.format,
                         cfg.forward_fast_accum};
-  st.ops = make_ops(w);
+  st.ops = make_ops(w, cfg);
 
   // Hopper FP8 GEMMs need every dimension (tokens, in, out) to be a multiple of 16.
   const std::int64_t tokens =

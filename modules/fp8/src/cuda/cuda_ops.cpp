@@ -117,11 +117,12 @@ class HostUploads {
 
 class CudaOps final : public Fp8Ops {
  public:
-  CudaOps(cudaStream_t stream, bool tune_grouped) : stream_(stream), uploads_(stream) {
+  CudaOps(cudaStream_t stream, const CudaOpsOptions& options) : stream_(stream), uploads_(stream) {
     KILN_CUBLAS_CHECK(cublasLtCreate(&lt_));
     workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
     gemm_ = std::make_unique<cuda::Fp8GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
-    gemm_->set_tune_grouped(tune_grouped);
+    gemm_->set_tune_grouped(options.tune_grouped);
+    gemm_->set_block_kernel(options.block_gemm);
   }
   ~CudaOps() override {
     cudaStreamSynchronize(stream_);
@@ -618,8 +619,8 @@ class CudaOps final : public Fp8Ops {
 
 }  // namespace
 
-std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream, bool tune_grouped) {
-  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream), tune_grouped);
+std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream, const CudaOpsOptions& options) {
+  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream), options);
 }
 
 }  // namespace kiln::fp8

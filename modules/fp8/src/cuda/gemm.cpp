@@ -183,6 +183,10 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream, void* workspa
   const auto [M, N, K] = dims_of(g);
   if (M == 0 || N == 0) return;
 
+  if (kiln_block(g)) {
+    run_kiln_block(g, stream);
+    return;
+  }
   Plan& p = plan(g);
   if (!p.fused) {
     GemmArgs plain = g;
@@ -226,6 +230,31 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream, void* workspa
     KILN_THROW("cublasLtMatmul failed for ", describe(g), ": ", cublasLtGetStatusName(st));
   }
   p.verified = true;
+}
+
+bool Fp8GemmRunner::kiln_block(const GemmArgs& g) {
+  if (g.x_mode == ScalingMode::per_tensor || block_kernel_ == BlockGemmKernel::cublaslt) return false;
+  if (block_kernel_ == BlockGemmKernel::kiln_wgrad && g.y_mode != ScalingMode::block_1x128) return false;
+  if (!block_) block_ = std::make_unique<BlockGemm>();
+  return block_->takes(g);
+}
+
+void Fp8GemmRunner::run_kiln_block(const GemmArgs& g, cudaStream_t stream) {
+  if (g.epilogue == Epilogue::none || g.epilogue == Epilogue::bias) {
+    block_->run(g, stream);
+    return;
+  }
+  // GELU: the pre-activation (with its bias) into aux, then D = gelu(aux); dGELU: the product, then
+  // D *= gelu'(aux).
+  const auto [M, N, K] = dims_of(g);
+  GemmArgs plain = g;
+  plain.aux = {};
+  plain.epilogue = g.epilogue == Epilogue::gelu && g.bias ? Epilogue::bias : Epilogue::none;
+  if (plain.epilogue == Epilogue::none) plain.bias = {};
+  if (g.epilogue == Epilogue::gelu) plain.d = g.aux;
+  block_->run(plain, stream);
+  gemm_epilogue(static_cast<__nv_bfloat16*>(g.d.data), static_cast<const __nv_bfloat16*>(g.aux.data), nullptr, M, N,
+                g.epilogue, stream);
 }
 
 void Fp8GemmRunner::run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLanes& lanes) {

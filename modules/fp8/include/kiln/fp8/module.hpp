@@ -39,6 +39,7 @@ namespace kiln::fp8 {
 
 enum class AmaxGroup { tp, tp_dp, world };
 BOOST_DESCRIBE_ENUM(AmaxGroup, tp, tp_dp, world)
+BOOST_DESCRIBE_ENUM(BlockGemmKernel, cublaslt, kiln, kiln_wgrad)
 
 struct Fp8Config {
   bool enabled = false;
@@ -56,6 +57,7 @@ struct Fp8Config {
   bool keep_weight_transpose = true;
   bool block_pow2_scales = false;
   bool block_2d_wgrad_input = false;
+  BlockGemmKernel block_gemm = BlockGemmKernel::cublaslt;
   void validate(config::Checks& c) const {
     c.expect(amax_history_len >= 1, "amax_history_len", "must be at least 1");
     c.expect(margin >= 0 && margin <= 100, "margin", "must be in 0..100");
@@ -88,7 +90,11 @@ KILN_CONFIG(Fp8Config,
             (block_2d_wgrad_input,
              "block recipe: the weight gradient's input (the layer's input, transposed) in 128x128 blocks instead of "
              "1x128 along the tokens (TransformerEngine's 2D activation scaling, for the weight gradient alone: "
-             "cuBLASLt's 1x128 x 128x128 products are faster than its 1x128 x 1x128 ones on Hopper)"))
+             "cuBLASLt's 1x128 x 128x128 products are faster than its 1x128 x 1x128 ones on Hopper)"),
+            (block_gemm,
+             "block recipe on CUDA: the kernels of the block-scaled GEMMs: cublaslt (cuBLASLt's), kiln (kiln's own "
+             "Hopper kernel, kiln/fp8/cuda/block_gemm.hpp) or kiln_wgrad (kiln's for the weight gradients' 1x128 x "
+             "1x128 products, cuBLASLt's for the rest)"))
 
 // World resource: this rank's FP8 machinery.
 struct Fp8State {

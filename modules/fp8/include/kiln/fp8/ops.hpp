@@ -282,8 +282,15 @@ struct CpuOpsOptions {
 std::unique_ptr<Fp8Ops> make_cpu_ops(const CpuOpsOptions& options = {});
 // FP8 operations on the current CUDA device, on `stream` (a cudaStream_t; nullptr = the legacy
 // default stream). Throws in a build without CUDA.
-// `tune_grouped`: the experts' GEMM algorithms tuned among bit-identical candidates
-// (ops::BackendConfig::grouped_gemm_tune).
-std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream, bool tune_grouped = false);
+// Which kernels run the block-scaled products (fp8.block_gemm): cuBLASLt's throughout, kiln's own
+// (kiln/fp8/cuda/block_gemm.hpp) throughout, or kiln's for the 1x128 x 1x128 products (the weight
+// gradients) and cuBLASLt's for the rest.
+enum class BlockGemmKernel { cublaslt, kiln, kiln_wgrad };
+struct CudaOpsOptions {
+  bool tune_grouped = false;  // the experts' GEMM algorithms tuned among bit-identical candidates
+                              // (ops::BackendConfig::grouped_gemm_tune)
+  BlockGemmKernel block_gemm = BlockGemmKernel::cublaslt;
+};
+std::unique_ptr<Fp8Ops> make_cuda_ops(void* stream, const CudaOpsOptions& options = {});
 
 }  // namespace kiln::fp8

@@ -26,7 +26,9 @@
 // Block-scaled products (GemmArgs::x_mode / y_mode, kiln/fp8/block.hpp) set cuBLASLt's
 // A_SCALE_MODE (Y's) and B_SCALE_MODE (X's) to VEC128_32F (1x128) or BLK128x128_32F (128x128), the
 // scale pointers to the block scales; no fast accumulation; epilogues fused where cuBLASLt has an
-// algorithm for them, else run as a kernel after the product.
+// algorithm for them, else run as a kernel after the product. set_block_kernel() hands them (all, or
+// the 1x128 x 1x128 ones) to kiln's own kernel (kiln/fp8/cuda/block_gemm.hpp) instead, its GELU and
+// dGELU epilogues then run as kernels after it.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -35,6 +37,7 @@
 #include <span>
 #include <tuple>
 
+#include "kiln/fp8/cuda/block_gemm.hpp"
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/cuda/cublaslt.hpp"
 #include "kiln/ops/cuda/lanes.hpp"
@@ -53,11 +56,16 @@ class Fp8GemmRunner {
   // Grouped products' algorithms per bucket of rows: the fastest of the candidates with the
   // heuristic's first's bits (kiln::cuda::lt_fastest_same_bits; not for accumulating products).
   void set_tune_grouped(bool on) { tune_grouped_ = on; }
+  // Which kernel runs block-scaled products (fp8::BlockGemmKernel; cuBLASLt's by default).
+  void set_block_kernel(BlockGemmKernel k) { block_kernel_ = k; }
 
  private:
   // Throws naming the product unless cuBLASLt can run it (shapes, types, alignment, epilogue).
   static void validate(const GemmArgs& g);
   void run_ragged(const GemmArgs& g, cudaStream_t stream, void* workspace);
+  // Whether kiln's kernel runs this block-scaled product, and running it there.
+  bool kiln_block(const GemmArgs& g);
+  void run_kiln_block(const GemmArgs& g, cudaStream_t stream);
   struct Plan;
   // M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation,
   // x scaling mode | y scaling mode << 4
@@ -72,6 +80,8 @@ class Fp8GemmRunner {
   std::map<std::tuple<int, int, int, bool>, cublasLtMatmulDesc_t> ragged_ops_;
   kiln::cuda::LtRaggedAlgos ragged_algos_;
   bool tune_grouped_ = false;
+  BlockGemmKernel block_kernel_ = BlockGemmKernel::cublaslt;
+  std::unique_ptr<BlockGemm> block_;  // made at the first product it runs
 };
 
 }  // namespace kiln::fp8::cuda

@@ -1,0 +1,38 @@
+#pragma once
+// kiln's own block-scaled FP8 GEMM for Hopper (sm_90a), beside cuBLASLt's: D[M, N] = X[M, K] Y[N, K]^T
+// with X's codes scaled per 1x128 block and Y's per 1x128 block (a weight gradient) or per 128x128
+// block (a weight, in the forward and data-gradient products), the scales in kiln's BlockLayout
+// (kiln/fp8/block.hpp). D is bf16 (with an optional bias), f32, or f32 accumulated (D += product).
+//
+// Each 128-deep block of K is summed by the tensor cores apart, then scaled and added to an f32
+// accumulator (the promotion block_gemm_reference describes, as DeepSeek-V3's kernels do it). Its
+// bits differ from cuBLASLt's (another order of the same sums); a shape always runs the same kernel.
+// Why it exists: cuBLASLt 13.0's block-scaled products run at 0.73-0.97x its per-tensor ones on an
+// H200, the weight gradient's 1x128 x 1x128 at ~1,050 TFLOP/s (docs/PERF.md, issue 29).
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "kiln/fp8/ops.hpp"
+
+namespace kiln::fp8::cuda {
+
+class BlockGemm {
+ public:
+  BlockGemm();  // on the current device
+  ~BlockGemm();
+  BlockGemm(const BlockGemm&) = delete;
+  BlockGemm& operator=(const BlockGemm&) = delete;
+  // Whether run() takes the product: a Hopper device, X 1x128-scaled, Y 1x128 or 128x128. run() adds
+  // a bias to a bf16 D and runs no other epilogue (Fp8GemmRunner runs GELU and dGELU after it). The
+  // operands are as Fp8GemmRunner validates them (K-major, N and K multiples of 16, 16-byte aligned).
+  bool takes(const GemmArgs& g) const;
+  bool available() const;  // the device is a Hopper GPU (sm_90)
+  void run(const GemmArgs& g, cudaStream_t stream);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::fp8::cuda
