@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../model/model_fixture.hpp"
+#include "cuda_test_util.hpp"
 #include "fp8_test_util.hpp"
 #include "kiln/engine/engine_module.hpp"
 #include "kiln/fp8/cuda/launchers.hpp"
@@ -44,27 +45,12 @@ using namespace kiln::fp8;
 
 namespace {
 
-// A device copy of host data (bytes), and back.
-template <class T>
-Buffer upload(const std::vector<T>& h) {
-  Buffer b(Device::cuda, std::max<std::size_t>(h.size() * sizeof(T), 16));
-  KILN_CUDA_CHECK(cudaMemcpy(b.data(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
-template <class T>
-std::vector<T> download(const void* d, std::size_t n) {
-  std::vector<T> h(n);
-  KILN_CUDA_CHECK(cudaDeviceSynchronize());
-  KILN_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-
 // Codes a kernel wrote against the CPU's: how many differ, and how many by more than one step (a
 // value a few ulp from a rounding boundary on one side may take the neighbouring code).
 struct CodeDiff {
   std::size_t differ = 0, far = 0;
   void add(const std::vector<std::uint8_t>& want, const void* dev) {
-    const auto got = download<std::uint8_t>(dev, want.size());
+    const auto got = test::to_host<std::uint8_t>(dev, want.size());
     for (std::size_t i = 0; i < want.size(); ++i)
       if (got[i] != want[i]) ++differ, far += std::abs(int(got[i]) - int(want[i])) > 1;
   }
@@ -87,7 +73,7 @@ struct OnLoadOutputs {
         c_meta{scale, 0.25f},
         c_row(n),
         c_col(n),
-        d_meta(upload(c_meta)),
+        d_meta(test::to_device(c_meta)),
         d_row(Device::cuda, n),
         d_col(Device::cuda, n) {
     if (copies & 1) {
@@ -109,7 +95,7 @@ struct OnLoadOutputs {
     if (copies & 2) d.add(c_col, d_col.data());
     CHECK(d.far == 0);
     CHECK(d.differ <= n / 500 + 2);
-    const auto meta = download<float>(d_meta.data(), 2);
+    const auto meta = test::to_host<float>(d_meta.data(), 2);
     CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-2));
     CHECK(meta[1] > 0.25f);
   }
@@ -136,10 +122,10 @@ CastResult compare_cast(Fp8Ops& gpu, Fp8Ops& cpu, const void* host_x, DType dt, 
                         Format f, float scale, bool row, bool col, float amax_start) {
   const std::size_t n = static_cast<std::size_t>(R * C), bytes = n * size_of(dt);
   std::vector<std::uint8_t> hx(static_cast<const std::uint8_t*>(host_x), static_cast<const std::uint8_t*>(host_x) + bytes);
-  Buffer dx = upload(hx);
+  Buffer dx = test::to_device(hx);
   // meta on each side: scale, amax
   std::vector<float> hm = {scale, amax_start};
-  Buffer dm = upload(hm);
+  Buffer dm = test::to_device(hm);
   Buffer drow(Device::cuda, std::max<std::size_t>(n, 16)), dcol(Device::cuda, std::max<std::size_t>(n, 16));
   std::vector<std::uint8_t> crow(n), ccol(n);
   Fp8TensorView g, c;
@@ -158,14 +144,14 @@ CastResult compare_cast(Fp8Ops& gpu, Fp8Ops& cpu, const void* host_x, DType dt, 
   cpu.quantize(TensorView(hx.data(), {R, C}, dt, Device::cpu), c, &hm[1]);
   CastResult res;
   auto cmp = [&](const std::vector<std::uint8_t>& want, const void* dev, const char* which) {
-    const auto got = download<std::uint8_t>(dev, n);
+    const auto got = test::to_host<std::uint8_t>(dev, n);
     for (std::size_t i = 0; i < n; ++i)
       if (got[i] != want[i] && res.mismatches++ == 0)
         res.first = cat(which, " element ", i, ": gpu 0x", std::hex, int(got[i]), " cpu 0x", int(want[i]));
   };
   if (row) cmp(crow, drow.data(), "rowwise");
   if (col) cmp(ccol, dcol.data(), "colwise");
-  const auto gm = download<float>(dm.data(), 2);
+  const auto gm = test::to_host<float>(dm.data(), 2);
   if (float_bits(gm[1]) != float_bits(hm[1]) && res.mismatches++ == 0)
     res.first = cat("amax: gpu ", gm[1], " cpu ", hm[1]);
   return res;
@@ -272,8 +258,8 @@ TEST_CASE("the gradient quantisation (dGELU, both copies, amax, bias gradient in
         if (dbias) c.dbias = TensorView(c_bias.data(), {C}, DType::f32, Device::cpu);
         cpu->quantize_grad(c);
         // GPU
-        Buffer d_dy = upload(to_bf16(dy)), d_pre = upload(to_bf16(pre)), d_bias = upload(bias0);
-        Buffer d_meta = upload(std::vector<float>{90.0f, 0.5f});
+        Buffer d_dy = test::to_device(to_bf16(dy)), d_pre = test::to_device(to_bf16(pre)), d_bias = test::to_device(bias0);
+        Buffer d_meta = test::to_device(std::vector<float>{90.0f, 0.5f});
         Buffer d_row(Device::cuda, n), d_col(Device::cuda, n);
         GradQuantizeArgs g;
         g.dy = TensorView(d_dy.data(), {R, C}, DType::bf16, Device::cuda);
@@ -296,13 +282,13 @@ TEST_CASE("the gradient quantisation (dGELU, both copies, amax, bias gradient in
         } else {
           CHECK(d.differ == 0);
         }
-        const auto meta = download<float>(d_meta.data(), 2);
+        const auto meta = test::to_host<float>(d_meta.data(), 2);
         if (gelu)
           CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-2));
         else
           CHECK(float_bits(meta[1]) == float_bits(c_meta[1]));
         if (dbias) {
-          const auto got = download<float>(d_bias.data(), static_cast<std::size_t>(C));
+          const auto got = test::to_host<float>(d_bias.data(), static_cast<std::size_t>(C));
           double worst = 0;
           for (std::int64_t j = 0; j < C; ++j) {
             double mag = 1.0;
@@ -328,7 +314,7 @@ TEST_CASE("quantising gelu(pre) on load matches the CPU (one copy or both, and t
       const std::size_t n = static_cast<std::size_t>(R * C);
       const auto pre = from_bf16(to_bf16(test::normal_values(n, static_cast<std::uint64_t>(++seed), 2.5f)));
       OnLoadOutputs o(R, C, copies, 60.0f);
-      Buffer d_pre = upload(to_bf16(pre));
+      Buffer d_pre = test::to_device(to_bf16(pre));
       const TensorView hp(const_cast<float*>(pre.data()), {R, C}, DType::f32, Device::cpu);
       const TensorView dp(d_pre.data(), {R, C}, DType::bf16, Device::cuda);
       if (copies == 0) {
@@ -355,7 +341,7 @@ TEST_CASE("quantising swiglu(pre) on load matches the CPU (one copy or both, and
       const std::size_t n = static_cast<std::size_t>(R * 2 * F);
       const auto pre = from_bf16(to_bf16(test::normal_values(n, static_cast<std::uint64_t>(++seed), 2.5f)));
       OnLoadOutputs o(R, F, copies, 20.0f);
-      Buffer d_pre = upload(to_bf16(pre));
+      Buffer d_pre = test::to_device(to_bf16(pre));
       const TensorView hp(const_cast<float*>(pre.data()), {R, 2 * F}, DType::f32, Device::cpu);
       const TensorView dp(d_pre.data(), {R, 2 * F}, DType::bf16, Device::cuda);
       if (copies == 0) {
@@ -387,8 +373,8 @@ TEST_CASE("quantising LayerNorm(x) on load from the forward's statistics matches
         ops::layernorm_row_stats(x.data() + r * C, C, 1e-5f, mean[static_cast<std::size_t>(r)],
                                  rstd[static_cast<std::size_t>(r)]);
       OnLoadOutputs o(R, C, copies, 30.0f);
-      Buffer d_x = upload(to_bf16(x)), d_w = upload(to_bf16(w)), d_b = upload(to_bf16(b)), d_mean = upload(mean),
-             d_rstd = upload(rstd);
+      Buffer d_x = test::to_device(to_bf16(x)), d_w = test::to_device(to_bf16(w)), d_b = test::to_device(to_bf16(b)), d_mean = test::to_device(mean),
+             d_rstd = test::to_device(rstd);
       ops::LayerNormOnLoad hl, dl;
       hl.x = TensorView(const_cast<float*>(x.data()), {R, C}, DType::f32, Device::cpu);
       hl.weight = TensorView(w.data(), {C}, DType::f32, Device::cpu);
@@ -419,8 +405,8 @@ TEST_CASE("the LayerNorm statistics of an FP8 layer are the backend LayerNorm's,
     const auto x = to_bf16(test::normal_values(n, static_cast<std::uint64_t>(++seed), 2.0f));
     const auto w = to_bf16(test::normal_values(static_cast<std::size_t>(C), static_cast<std::uint64_t>(++seed)));
     const auto b = to_bf16(test::normal_values(static_cast<std::size_t>(C), static_cast<std::uint64_t>(++seed), 0.1f));
-    Buffer d_x = upload(x), d_w = upload(w), d_b = upload(b), d_out(Device::cuda, n * 2),
-           d_stats(Device::cuda, static_cast<std::size_t>(4 * R) * 4), d_amax = upload(std::vector<float>{0.0f});
+    Buffer d_x = test::to_device(x), d_w = test::to_device(w), d_b = test::to_device(b), d_out(Device::cuda, n * 2),
+           d_stats(Device::cuda, static_cast<std::size_t>(4 * R) * 4), d_amax = test::to_device(std::vector<float>{0.0f});
     auto* st = static_cast<float*>(d_stats.data());
     kiln::cuda::layernorm_forward(static_cast<kiln::cuda::bf16*>(d_out.data()), st, st + R,
                                   static_cast<const kiln::cuda::bf16*>(d_x.data()),
@@ -435,12 +421,12 @@ TEST_CASE("the LayerNorm statistics of an FP8 layer are the backend LayerNorm's,
     ln.rstd = TensorView(st + 3 * R, {R}, DType::f32, Device::cuda);
     ln.eps = 1e-5f;
     gpu->layernorm_stats(ln, static_cast<float*>(d_amax.data()));
-    const auto stats = download<float>(st, static_cast<std::size_t>(4 * R));
+    const auto stats = test::to_host<float>(st, static_cast<std::size_t>(4 * R));
     CHECK(std::memcmp(stats.data(), stats.data() + 2 * R, static_cast<std::size_t>(2 * R) * 4) == 0);
-    const auto out = from_bf16(download<std::uint16_t>(d_out.data(), n));
+    const auto out = from_bf16(test::to_host<std::uint16_t>(d_out.data(), n));
     float want = 0;
     for (float v : out) want = std::max(want, std::fabs(v));
-    CHECK(download<float>(d_amax.data(), 1)[0] == want);
+    CHECK(test::to_host<float>(d_amax.data(), 1)[0] == want);
   }
 }
 
@@ -507,7 +493,7 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
       for (auto& x : v) x = std::fabs(x) + 1e-8f;
       std::vector<float> c_meta = {2000.0f, 0.01f};  // scale, amax
       std::vector<std::uint8_t> c_row(n), c_col(n);
-      Buffer d_p = upload(p), d_g = upload(g), d_m = upload(m), d_v = upload(v), d_meta = upload(c_meta),
+      Buffer d_p = test::to_device(p), d_g = test::to_device(g), d_m = test::to_device(m), d_v = test::to_device(v), d_meta = test::to_device(c_meta),
              d_row(Device::cuda, n), d_col(Device::cuda, n);
       cpu->adamw_quantize(fused_update_args(Device::cpu, shape(R, C), shape(C, R), DType::f32, mode,
                                             {p.data(), const_cast<float*>(g.data()), m.data(), v.data(), c_row.data(),
@@ -517,7 +503,7 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
                                              static_cast<float*>(d_meta.data())}));
       // The same formula; FMA contraction may differ in the last bits of an f32: ||got - want|| / ||want||.
       auto close = [&](const std::vector<float>& want, const void* dev) {
-        const auto got = download<float>(dev, n);
+        const auto got = test::to_host<float>(dev, n);
         double num = 0, den = 0;
         for (std::size_t i = 0; i < n; ++i) {
           num += double(got[i] - want[i]) * (got[i] - want[i]);
@@ -536,7 +522,7 @@ TEST_CASE("the fused AdamW step + weight quantisation matches the CPU (tiled and
         CHECK(d.far == 0);
         CHECK(d.differ <= n / 1000 + 2);
       }
-      const auto meta = download<float>(d_meta.data(), 2);
+      const auto meta = test::to_host<float>(d_meta.data(), 2);
       if (mode >= 2) {
         CHECK(meta[1] == doctest::Approx(c_meta[1]).epsilon(1e-5));
         CHECK(meta[1] > 0.01f);
@@ -567,7 +553,7 @@ TEST_CASE("the fused AdamW step with bf16 moments matches the CPU's bits (tiled,
     for (std::size_t i = 0; i < n; ++i) m[i] = float_to_bf16_bits(m0[i]), v[i] = float_to_bf16_bits(std::fabs(v0[i]) + 1e-8f);
     std::vector<float> c_meta = {2000.0f, 0.01f};
     std::vector<std::uint8_t> c_row(n), c_col(n);
-    Buffer d_p = upload(p), d_g = upload(g), d_m = upload(m), d_v = upload(v), d_meta = upload(c_meta),
+    Buffer d_p = test::to_device(p), d_g = test::to_device(g), d_m = test::to_device(m), d_v = test::to_device(v), d_meta = test::to_device(c_meta),
            d_row(Device::cuda, n), d_col(Device::cuda, n);
     // Both copies and the amax (mode 2).
     cpu->adamw_quantize(fused_update_args(Device::cpu, shape(R, C), shape(C, R), DType::bf16, 2,
@@ -576,12 +562,12 @@ TEST_CASE("the fused AdamW step with bf16 moments matches the CPU's bits (tiled,
     gpu->adamw_quantize(fused_update_args(Device::cuda, shape(R, C), shape(C, R), DType::bf16, 2,
                                           {d_p.data(), d_g.data(), d_m.data(), d_v.data(), d_row.data(), d_col.data(),
                                            static_cast<float*>(d_meta.data())}));
-    CHECK(download<float>(d_p.data(), n) == p);
-    CHECK(download<std::uint16_t>(d_m.data(), n) == m);
-    CHECK(download<std::uint16_t>(d_v.data(), n) == v);
-    CHECK(download<std::uint8_t>(d_row.data(), n) == c_row);
-    CHECK(download<std::uint8_t>(d_col.data(), n) == c_col);
-    CHECK(download<float>(d_meta.data(), 2)[1] == c_meta[1]);
+    CHECK(test::to_host<float>(d_p.data(), n) == p);
+    CHECK(test::to_host<std::uint16_t>(d_m.data(), n) == m);
+    CHECK(test::to_host<std::uint16_t>(d_v.data(), n) == v);
+    CHECK(test::to_host<std::uint8_t>(d_row.data(), n) == c_row);
+    CHECK(test::to_host<std::uint8_t>(d_col.data(), n) == c_col);
+    CHECK(test::to_host<float>(d_meta.data(), 2)[1] == c_meta[1]);
   }
 }
 
@@ -604,7 +590,7 @@ TEST_CASE("a weight's fused AdamW step gives the same bits whole (tiled, both co
       Buffer p, g, m, v, meta, row, col;
     };
     auto make = [&] {
-      return Side{upload(p), upload(g), upload(m), upload(v), upload(meta), Buffer(Device::cuda, n), Buffer(Device::cuda, n)};
+      return Side{test::to_device(p), test::to_device(g), test::to_device(m), test::to_device(v), test::to_device(meta), Buffer(Device::cuda, n), Buffer(Device::cuda, n)};
     };
     Side whole = make(), parts = make();
     auto step = [&](Side& s, std::int64_t first, std::int64_t count, bool tiled) {
@@ -627,11 +613,11 @@ TEST_CASE("a weight's fused AdamW step gives the same bits whole (tiled, both co
     const std::int64_t half = (R * C / 2) / 16 * 16;  // FSDP's parts: flat ranges, 16-element aligned
     step(parts, 0, half, false);
     step(parts, half, R * C - half, false);
-    CHECK(download<float>(whole.p.data(), n) == download<float>(parts.p.data(), n));
-    CHECK(download<float>(whole.m.data(), n) == download<float>(parts.m.data(), n));
-    CHECK(download<float>(whole.v.data(), n) == download<float>(parts.v.data(), n));
-    CHECK(download<std::uint8_t>(whole.row.data(), n) == download<std::uint8_t>(parts.row.data(), n));
-    CHECK(download<float>(whole.meta.data(), 2)[1] == download<float>(parts.meta.data(), 2)[1]);
+    CHECK(test::to_host<float>(whole.p.data(), n) == test::to_host<float>(parts.p.data(), n));
+    CHECK(test::to_host<float>(whole.m.data(), n) == test::to_host<float>(parts.m.data(), n));
+    CHECK(test::to_host<float>(whole.v.data(), n) == test::to_host<float>(parts.v.data(), n));
+    CHECK(test::to_host<std::uint8_t>(whole.row.data(), n) == test::to_host<std::uint8_t>(parts.row.data(), n));
+    CHECK(test::to_host<float>(whole.meta.data(), 2)[1] == test::to_host<float>(parts.meta.data(), 2)[1]);
   }
 }
 
@@ -645,18 +631,18 @@ TEST_CASE("the amax kernel and the current-scaling scale match the CPU, aligned 
         auto v = test::normal_values(static_cast<std::size_t>(n + offset), static_cast<std::uint64_t>(n + offset));
         v[static_cast<std::size_t>(n + offset) / 2] = -77.0f;
         auto b = to_bf16(v);
-        Buffer dx = dt == DType::bf16 ? upload(b) : upload(v);
+        Buffer dx = dt == DType::bf16 ? test::to_device(b) : test::to_device(v);
         const std::size_t es = size_of(dt);
         const void* hptr = dt == DType::bf16 ? static_cast<const void*>(b.data() + offset)
                                              : static_cast<const void*>(v.data() + offset);
         std::vector<float> hm = {0.5f, 1.0f, 1.0f};  // amax, scale, scale_inv
-        Buffer dm = upload(hm);
+        Buffer dm = test::to_device(hm);
         float* d = static_cast<float*>(dm.data());
         gpu->amax(TensorView(static_cast<char*>(dx.data()) + offset * es, {n}, dt, Device::cuda), d);
         gpu->scale_from_amax(d, d + 1, d + 2, 448.0f, 2);
         cpu->amax(TensorView(const_cast<void*>(hptr), {n}, dt, Device::cpu), &hm[0]);
         cpu->scale_from_amax(&hm[0], &hm[1], &hm[2], 448.0f, 2);
-        const auto g = download<float>(d, 3);
+        const auto g = test::to_host<float>(d, 3);
         INFO("n " << n << " offset " << offset << " " << name_of(dt));
         CHECK(test::same_bits(g, hm));
       }
@@ -700,9 +686,9 @@ std::pair<double, double> gemm_error(Fp8Ops& gpu, const GemmCase& c, std::uint64
     for (std::size_t i = 0; i < MN; ++i) ref[i] += d0[i];
 
   std::vector<float> scales = {1.0f / sx, 0, 0, 0, 1.0f / sy};  // 16-byte aligned, as cuBLASLt wants
-  Buffer ds = upload(scales), dxq = upload(xq), dyq = upload(yq), dbias = upload(to_bf16(bias)),
-         daux = upload(to_bf16(aux));
-  Buffer dd = c.accumulate ? upload(d0) : Buffer(Device::cuda, MN * 2);
+  Buffer ds = test::to_device(scales), dxq = test::to_device(xq), dyq = test::to_device(yq), dbias = test::to_device(to_bf16(bias)),
+         daux = test::to_device(to_bf16(aux));
+  Buffer dd = c.accumulate ? test::to_device(d0) : Buffer(Device::cuda, MN * 2);
   GemmArgs g;
   g.x = TensorView(dxq.data(), {c.M, c.K}, dtype_of(c.fx), Device::cuda);
   g.x_scale_inv = static_cast<float*>(ds.data());
@@ -716,9 +702,9 @@ std::pair<double, double> gemm_error(Fp8Ops& gpu, const GemmCase& c, std::uint64
   if (c.epi == ops::Epilogue::gelu || c.epi == ops::Epilogue::dgelu) g.aux = TensorView(daux.data(), {c.M, c.N}, DType::bf16, Device::cuda);
   g.fast_accum = c.fast;
   gpu.gemm(g);
-  const auto got = c.accumulate ? download<float>(dd.data(), MN) : from_bf16(download<std::uint16_t>(dd.data(), MN));
+  const auto got = c.accumulate ? test::to_host<float>(dd.data(), MN) : from_bf16(test::to_host<std::uint16_t>(dd.data(), MN));
   double pre_err = 0;
-  if (c.epi == ops::Epilogue::gelu) pre_err = test::rel_error(from_bf16(download<std::uint16_t>(daux.data(), MN)), pre);
+  if (c.epi == ops::Epilogue::gelu) pre_err = test::rel_error(from_bf16(test::to_host<std::uint16_t>(daux.data(), MN)), pre);
   return {test::rel_error(got, ref), pre_err};
 }
 
@@ -783,10 +769,10 @@ TEST_CASE("the CUDA transpose of one-byte codes matches the CPU at awkward shape
     cpu->transpose(TensorView(want.data(), {cols, rows}, DType::e4m3, Device::cpu),
                    TensorView(in.data(), {rows, cols}, DType::e4m3, Device::cpu));
     for (std::int64_t r = 0; r < rows; ++r) REQUIRE(want[static_cast<std::size_t>(r)] == in[static_cast<std::size_t>(r * cols)]);
-    Buffer din = upload(in), dout(Device::cuda, in.size());
+    Buffer din = test::to_device(in), dout(Device::cuda, in.size());
     gpu->transpose(TensorView(dout.data(), {cols, rows}, DType::e4m3, Device::cuda),
                    TensorView(din.data(), {rows, cols}, DType::e4m3, Device::cuda));
-    CHECK(download<std::uint8_t>(dout.data(), in.size()) == want);
+    CHECK(test::to_host<std::uint8_t>(dout.data(), in.size()) == want);
   }
 }
 
@@ -804,16 +790,16 @@ TEST_CASE("the delayed scaling update kernel is bit-identical to the CPU") {
           for (auto& s : scale) s = std::isfinite(s) && s > 0 ? s : 1.0f;
           std::vector<float> inv(static_cast<std::size_t>(n), 0.0f), fmax(static_cast<std::size_t>(n));
           for (int i = 0; i < n; ++i) fmax[static_cast<std::size_t>(i)] = i % 3 == 2 ? 57344.0f : 448.0f;
-          Buffer dh = upload(hist), ds = upload(scale), di = upload(inv), df = upload(fmax);
+          Buffer dh = test::to_device(hist), ds = test::to_device(scale), di = test::to_device(inv), df = test::to_device(fmax);
           DelayedUpdateArgs a{static_cast<float*>(dh.data()), static_cast<float*>(ds.data()), static_cast<float*>(di.data()),
                               static_cast<const float*>(df.data()), len, n, algo, margin};
           gpu->update_delayed(a);
           DelayedUpdateArgs h{hist.data(), scale.data(), inv.data(), fmax.data(), len, n, algo, margin};
           cpu->update_delayed(h);
           INFO("len " << len << " n " << n << " margin " << margin);
-          CHECK(test::same_bits(download<float>(dh.data(), hist.size()), hist));
-          CHECK(test::same_bits(download<float>(ds.data(), scale.size()), scale));
-          CHECK(test::same_bits(download<float>(di.data(), inv.size()), inv));
+          CHECK(test::same_bits(test::to_host<float>(dh.data(), hist.size()), hist));
+          CHECK(test::same_bits(test::to_host<float>(ds.data(), scale.size()), scale));
+          CHECK(test::same_bits(test::to_host<float>(di.data(), inv.size()), inv));
         }
 }
 
@@ -853,13 +839,13 @@ TEST_CASE("an FP8 linear layer on CUDA matches the CPU emulation (forward, dgrad
         const Device where = dev ? Device::cuda : Device::cpu;
         std::vector<Buffer> keep;
         auto t = [&](const std::vector<float>& v, Shape shape) {
-          keep.push_back(dev ? upload(to_bf16(v)) : Buffer(Device::cpu, v.size() * 4));
+          keep.push_back(dev ? test::to_device(to_bf16(v)) : Buffer(Device::cpu, v.size() * 4));
           if (!dev) std::memcpy(keep.back().data(), v.data(), v.size() * 4);
           return TensorView(keep.back().data(), shape, act, where);
         };
         auto f32 = [&](std::size_t n, float fill) {
           std::vector<float> v(n, fill);
-          keep.push_back(dev ? upload(v) : Buffer(Device::cpu, n * 4));
+          keep.push_back(dev ? test::to_device(v) : Buffer(Device::cpu, n * 4));
           if (!dev) std::memcpy(keep.back().data(), v.data(), n * 4);
           return TensorView(keep.back().data(), {static_cast<std::int64_t>(n)}, DType::f32, where);
         };
@@ -872,8 +858,8 @@ TEST_CASE("an FP8 linear layer on CUDA matches the CPU emulation (forward, dgrad
         s.lin->backward({tdx, tdw, tdb, tdout, tx, tw, gelu ? tgpre : TensorView{}});
         auto get = [&](const TensorView& v) {
           if (!dev) return std::vector<float>(v.as<float>(), v.as<float>() + v.numel());
-          if (v.dtype == DType::f32) return download<float>(v.data, static_cast<std::size_t>(v.numel()));
-          return from_bf16(download<std::uint16_t>(v.data, static_cast<std::size_t>(v.numel())));
+          if (v.dtype == DType::f32) return test::to_host<float>(v.data, static_cast<std::size_t>(v.numel()));
+          return from_bf16(test::to_host<std::uint16_t>(v.data, static_cast<std::size_t>(v.numel())));
         };
         results[side][0] = get(tout);
         results[side][1] = get(tpre);
@@ -882,7 +868,7 @@ TEST_CASE("an FP8 linear layer on CUDA matches the CPU emulation (forward, dgrad
         results[side][4] = get(tdb);
         // The scales come from identical data: identical bits.
         const TensorView sv = s.meta->scales();
-        scales[side] = dev ? download<float>(sv.data, 3) : std::vector<float>(sv.as<float>(), sv.as<float>() + 3);
+        scales[side] = dev ? test::to_host<float>(sv.data, 3) : std::vector<float>(sv.as<float>(), sv.as<float>() + 3);
       }
       const char* names[] = {"out", "pre_gelu", "dx", "dweight", "dbias"};
       for (int k = 0; k < 5; ++k) {
@@ -961,10 +947,10 @@ struct CodesOnBoth {
         n_col(static_cast<std::size_t>(col_shape.numel())),
         c_row(n_row, 0xaa),
         c_col(n_col, 0xaa),
-        d_row(upload(c_row)),
-        d_col(upload(c_col)),
+        d_row(test::to_device(c_row)),
+        d_col(test::to_device(c_col)),
         c_meta{scale, amax0},
-        d_meta(upload(c_meta)) {
+        d_meta(test::to_device(c_meta)) {
     if (copies & 1) {
       c.rowwise = TensorView(c_row.data(), row_shape, dtype_of(f), Device::cpu);
       g.rowwise = TensorView(d_row.data(), row_shape, dtype_of(f), Device::cuda);
@@ -985,14 +971,14 @@ struct CodesOnBoth {
     std::size_t count = 0;
     auto cmp = [&](const std::vector<std::uint8_t>& want, const Buffer& dev, const char* which) {
       const std::size_t n = want.size();
-      const auto got = download<std::uint8_t>(dev.data(), n);
+      const auto got = test::to_host<std::uint8_t>(dev.data(), n);
       for (std::size_t i = 0; i < n; ++i)
         if (got[i] != want[i] && count++ == 0)
           first = cat(which, " byte ", i, ": gpu 0x", std::hex, int(got[i]), " cpu 0x", int(want[i]), std::dec);
     };
     cmp(c_row, d_row, "rowwise");
     cmp(c_col, d_col, "colwise");
-    const auto meta = download<float>(d_meta.data(), 2);
+    const auto meta = test::to_host<float>(d_meta.data(), 2);
     if (float_bits(meta[1]) != float_bits(c_meta[1]) && count++ == 0) first = cat("amax: gpu ", meta[1], " cpu ", c_meta[1]);
     return count ? cat(count, " differences, first: ", first) : std::string();
   }
@@ -1040,7 +1026,7 @@ TEST_CASE("the batched quantize of [B, rows, cols] (each slice transposed on its
             const auto b = to_bf16(v);
             if (dt == DType::bf16) v = from_bf16(b);
             CodesOnBoth o({B, R, C}, {B, C, R}, copies, f, 1.7f, 0.125f);
-            Buffer dx = dt == DType::bf16 ? upload(b) : upload(v);
+            Buffer dx = dt == DType::bf16 ? test::to_device(b) : test::to_device(v);
             void* host = dt == DType::bf16 ? static_cast<void*>(const_cast<std::uint16_t*>(b.data())) : v.data();
             cpu->quantize(TensorView(host, {B, R, C}, dt, Device::cpu), o.c, o.cpu_amax(with_amax));
             gpu->quantize(TensorView(dx.data(), {B, R, C}, dt, Device::cuda), o.g, o.gpu_amax(with_amax));
@@ -1075,7 +1061,7 @@ TEST_CASE("the grouped quantisation (rows as they are, each expert's transpose p
               const auto b = to_bf16(v);
               if (dt == DType::bf16) v = from_bf16(b);
               CodesOnBoth o({used, C}, {S * C}, copies, f, 40.0f, 0.0f);
-              Buffer dx = dt == DType::bf16 ? upload(b) : upload(v);
+              Buffer dx = dt == DType::bf16 ? test::to_device(b) : test::to_device(v);
               void* host = dt == DType::bf16 ? static_cast<void*>(const_cast<std::uint16_t*>(b.data())) : v.data();
               cpu->quantize_grouped({TensorView(host, {R, C}, dt, Device::cpu), gr.off.data(), E, o.c,
                                      o.cpu_amax(with_amax)});
@@ -1090,7 +1076,7 @@ TEST_CASE("the grouped quantisation (rows as they are, each expert's transpose p
   const std::vector<std::int32_t> off = {0, 20, 12};
   Buffer dx(Device::cuda, 24 * 16 * 2), dq(Device::cuda, 24 * 16);
   std::vector<float> meta = {1.0f};
-  Buffer dm = upload(meta);
+  Buffer dm = test::to_device(meta);
   Fp8TensorView out;
   out.rowwise = TensorView(dq.data(), {12, 16}, DType::e4m3, Device::cuda);
   out.scale = static_cast<float*>(dm.data());
@@ -1120,7 +1106,7 @@ TEST_CASE("the grouped quantisation of an activation or its gradient computed on
           const auto in_b = to_bf16(test::normal_values(static_cast<std::size_t>(R * in_cols), ++seed, 2.5f));
           const auto grad_b = to_bf16(test::normal_values(static_cast<std::size_t>(R * grad_cols), ++seed, 0.5f));
           auto in_f = from_bf16(in_b), grad_f = from_bf16(grad_b);
-          Buffer d_in = upload(in_b), d_grad = upload(grad_b), d_vals(Device::cuda, static_cast<std::size_t>(R * C) * 2);
+          Buffer d_in = test::to_device(in_b), d_grad = test::to_device(grad_b), d_vals(Device::cuda, static_cast<std::size_t>(R * C) * 2);
           const TensorView hin(in_f.data(), {R, in_cols}, DType::f32, Device::cpu),
               din(d_in.data(), {R, in_cols}, DType::bf16, Device::cuda),
               hgrad(grad_f.data(), {R, grad_cols}, DType::f32, Device::cpu),
@@ -1155,12 +1141,12 @@ TEST_CASE("the grouped quantisation of an activation or its gradient computed on
                                  unfused.g, unfused.gpu_amax(true)});
           cpu->quantize_grouped({hs, gr.off.data(), E, host.c, host.cpu_amax(true)});
           // Bit for bit against the unfused path on the device.
-          CHECK(download<std::uint8_t>(fused.d_row.data(), fused.n_row) ==
-                download<std::uint8_t>(unfused.d_row.data(), unfused.n_row));
-          CHECK(download<std::uint8_t>(fused.d_col.data(), fused.n_col) ==
-                download<std::uint8_t>(unfused.d_col.data(), unfused.n_col));
-          const float amax = download<float>(fused.d_meta.data(), 2)[1];
-          CHECK(float_bits(amax) == float_bits(download<float>(unfused.d_meta.data(), 2)[1]));
+          CHECK(test::to_host<std::uint8_t>(fused.d_row.data(), fused.n_row) ==
+                test::to_host<std::uint8_t>(unfused.d_row.data(), unfused.n_row));
+          CHECK(test::to_host<std::uint8_t>(fused.d_col.data(), fused.n_col) ==
+                test::to_host<std::uint8_t>(unfused.d_col.data(), unfused.n_col));
+          const float amax = test::to_host<float>(fused.d_meta.data(), 2)[1];
+          CHECK(float_bits(amax) == float_bits(test::to_host<float>(unfused.d_meta.data(), 2)[1]));
           CHECK(amax > 0.0f);
           // Near the CPU's (the device's exp and division differ from the host's in the last bits).
           CodeDiff d;
@@ -1211,10 +1197,10 @@ double grouped_gemm_error(Fp8Ops& gpu, const GroupedGemmCase& c, std::uint64_t s
     for (std::size_t j = 0; j < ds; ++j) ref.push_back(p[j] + (c.accumulate ? d0[j] : 0.0f));
     scales[8 * i] = 1.0f / sx;  // 16-byte aligned, as cuBLASLt wants
     scales[8 * i + 4] = 1.0f / sy;
-    keep.push_back(upload(xq.empty() ? std::vector<std::uint8_t>(16) : xq));
-    keep.push_back(upload(yq));
-    keep.push_back(c.f32_result ? upload(d0.empty() ? std::vector<float>(4) : d0)
-                                : upload(to_bf16(d0.empty() ? std::vector<float>(8) : d0)));
+    keep.push_back(test::to_device(xq.empty() ? std::vector<std::uint8_t>(16) : xq));
+    keep.push_back(test::to_device(yq));
+    keep.push_back(c.f32_result ? test::to_device(d0.empty() ? std::vector<float>(4) : d0)
+                                : test::to_device(to_bf16(d0.empty() ? std::vector<float>(8) : d0)));
     products.push_back({keep.size() - 1, ds});
     GemmArgs g;
     g.x = TensorView(keep[keep.size() - 3].data(), {M, c.K}, dtype_of(c.fx), Device::cuda);
@@ -1225,15 +1211,15 @@ double grouped_gemm_error(Fp8Ops& gpu, const GroupedGemmCase& c, std::uint64_t s
     g.fast_accum = c.fast;
     gs.push_back(g);
   }
-  keep.push_back(upload(scales));
+  keep.push_back(test::to_device(scales));
   for (std::size_t i = 0; i < gs.size(); ++i) {
     gs[i].x_scale_inv = static_cast<float*>(keep.back().data()) + 8 * i;
     gs[i].y_scale_inv = static_cast<float*>(keep.back().data()) + 8 * i + 4;
   }
   gpu.gemm_grouped(gs);
   for (const Product& p : products) {
-    const auto v = c.f32_result ? download<float>(keep[p.d].data(), p.n)
-                                : from_bf16(download<std::uint16_t>(keep[p.d].data(), p.n));
+    const auto v = c.f32_result ? test::to_host<float>(keep[p.d].data(), p.n)
+                                : from_bf16(test::to_host<std::uint16_t>(keep[p.d].data(), p.n));
     got.insert(got.end(), v.begin(), v.end());
   }
   if (bits) *bits = got;
@@ -1323,20 +1309,20 @@ TEST_CASE("an FP8 grouped (expert) linear on CUDA matches the CPU emulation (bot
         const Device where = dev ? Device::cuda : Device::cpu;
         std::vector<Buffer> keep;
         auto t = [&](const std::vector<float>& v, Shape shape) {
-          keep.push_back(dev ? upload(to_bf16(v)) : Buffer(Device::cpu, v.size() * 4));
+          keep.push_back(dev ? test::to_device(to_bf16(v)) : Buffer(Device::cpu, v.size() * 4));
           if (!dev) std::memcpy(keep.back().data(), v.data(), v.size() * 4);
           return TensorView(keep.back().data(), shape, act, where);
         };
         auto f32 = [&](std::size_t n, float fill, Shape shape) {
           std::vector<float> v(n, fill);
-          keep.push_back(dev ? upload(v) : Buffer(Device::cpu, n * 4));
+          keep.push_back(dev ? test::to_device(v) : Buffer(Device::cpu, n * 4));
           if (!dev) std::memcpy(keep.back().data(), v.data(), n * 4);
           return TensorView(keep.back().data(), shape, DType::f32, where);
         };
         auto get = [&](const TensorView& v) {
           if (!dev) return std::vector<float>(v.as<float>(), v.as<float>() + v.numel());
-          if (v.dtype == DType::f32) return download<float>(v.data, static_cast<std::size_t>(v.numel()));
-          return from_bf16(download<std::uint16_t>(v.data, static_cast<std::size_t>(v.numel())));
+          if (v.dtype == DType::f32) return test::to_host<float>(v.data, static_cast<std::size_t>(v.numel()));
+          return from_bf16(test::to_host<std::uint16_t>(v.data, static_cast<std::size_t>(v.numel())));
         };
         const TensorView tx = t(x, {R, IC}), tw = t(w, wshape), tdout = t(dout, {R, OC}),
                          tout = t(std::vector<float>(static_cast<std::size_t>(R * OC), 7.0f), {R, OC}),
@@ -1362,7 +1348,7 @@ TEST_CASE("an FP8 grouped (expert) linear on CUDA matches the CPU emulation (bot
                          .weight_in_out = in_out});
         results[side][3] = get(tdw);
         for (const TensorView& m : {s.meta->history(), s.meta->scales(), s.meta->amaxes_now()}) {
-          const auto v = dev ? download<float>(m.data, static_cast<std::size_t>(m.numel()))
+          const auto v = dev ? test::to_host<float>(m.data, static_cast<std::size_t>(m.numel()))
                              : std::vector<float>(m.as<float>(), m.as<float>() + m.numel());
           meta[side].insert(meta[side].end(), v.begin(), v.end());
         }

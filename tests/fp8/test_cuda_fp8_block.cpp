@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda_test_util.hpp"
 #include "fp8_test_util.hpp"
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/block_grouped_linear.hpp"
@@ -36,20 +37,6 @@ namespace {
   do {                                                                       \
     if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible"); \
   } while (0)
-
-template <class T>
-Buffer to_device(const std::vector<T>& h) {
-  Buffer b(Device::cuda, std::max<std::size_t>(h.size() * sizeof(T), 256));
-  KILN_CUDA_CHECK(cudaMemcpy(b.data(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
-template <class T>
-std::vector<T> to_host(const void* d, std::size_t n) {
-  std::vector<T> h(n);
-  KILN_CUDA_CHECK(cudaDeviceSynchronize());
-  KILN_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 
 // The same scales in another arrangement (what a layout other than kiln's would read), by (row
 // entry r, K block k): 0 kiln's (BlockLayout), 1 r * kb + k, 2 k * re + r, 3 r * round_up(kb, 4) + k,
@@ -98,12 +85,12 @@ TEST_CASE("CUDA block quantisation (1x128, 128x128, and of the transpose) matche
           cpu->quantize_blocks({TensorView(x.data(), {R, C}, DType::f32, Device::cpu), mode, pow2,
                                 TensorView(cc.data(), {R, C}, dtype_of(f), Device::cpu), cs.data(),
                                 TensorView(tc.data(), {C, R}, dtype_of(f), Device::cpu), ts.data()});
-          Buffer dx = dt == DType::bf16 ? to_device(xb) : to_device(x);
+          Buffer dx = dt == DType::bf16 ? test::to_device(xb) : test::to_device(x);
           // Each copy alone, then both in one pass.
           for (int copies : {1, 2, 3}) {
             CAPTURE(copies);
             Buffer dc(Device::cuda, x.size() + 256), dt_(Device::cuda, x.size() + 256);
-            Buffer ds = to_device(std::vector<float>(cs.size(), -1.0f)), dts = to_device(std::vector<float>(ts.size(), -1.0f));
+            Buffer ds = test::to_device(std::vector<float>(cs.size(), -1.0f)), dts = test::to_device(std::vector<float>(ts.size(), -1.0f));
             BlockQuantizeArgs a{TensorView(dx.data(), {R, C}, dt, Device::cuda), mode, pow2};
             if (copies & 1) {
               a.rowwise = TensorView(dc.data(), {R, C}, dtype_of(f), Device::cuda);
@@ -115,12 +102,12 @@ TEST_CASE("CUDA block quantisation (1x128, 128x128, and of the transpose) matche
             }
             gpu->quantize_blocks(a);
             if (copies & 1) {
-              CHECK(to_host<std::uint8_t>(dc.data(), cc.size()) == cc);
-              CHECK(test::same_bits(to_host<float>(ds.data(), cs.size()), cs));
+              CHECK(test::to_host<std::uint8_t>(dc.data(), cc.size()) == cc);
+              CHECK(test::same_bits(test::to_host<float>(ds.data(), cs.size()), cs));
             }
             if (copies & 2) {
-              CHECK(to_host<std::uint8_t>(dt_.data(), tc.size()) == tc);
-              CHECK(test::same_bits(to_host<float>(dts.data(), ts.size()), ts));
+              CHECK(test::to_host<std::uint8_t>(dt_.data(), tc.size()) == tc);
+              CHECK(test::same_bits(test::to_host<float>(dts.data(), ts.size()), ts));
             }
           }
         }
@@ -152,8 +139,8 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
       auto grad_f = test::normal_values(static_cast<std::size_t>(R * grad_cols), ++seed, 0.5f);
       auto w_f = test::normal_values(static_cast<std::size_t>(C), ++seed, 1.0f);
       auto b_f = test::normal_values(static_cast<std::size_t>(C), ++seed, 0.3f);
-      Buffer d_in = to_device(bf16_of(in_f)), d_grad = to_device(bf16_of(grad_f)), d_w = to_device(bf16_of(w_f)),
-             d_b = to_device(bf16_of(b_f));
+      Buffer d_in = test::to_device(bf16_of(in_f)), d_grad = test::to_device(bf16_of(grad_f)), d_w = test::to_device(bf16_of(w_f)),
+             d_b = test::to_device(bf16_of(b_f));
       Buffer d_vals(Device::cuda, static_cast<std::size_t>(R * C) * 2 + 256), d_mean(Device::cuda, R * 4 + 256),
           d_rstd(Device::cuda, R * 4 + 256);
       auto* vals = static_cast<kiln::cuda::bf16*>(d_vals.data());
@@ -170,8 +157,8 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
                                         static_cast<const kiln::cuda::bf16*>(d_w.data()),
                                         static_cast<const kiln::cuda::bf16*>(d_b.data()), static_cast<int>(R),
                                         static_cast<int>(C), 1e-5f, nullptr);
-          mean = to_host<float>(d_mean.data(), static_cast<std::size_t>(R));
-          rstd = to_host<float>(d_rstd.data(), static_cast<std::size_t>(R));
+          mean = test::to_host<float>(d_mean.data(), static_cast<std::size_t>(R));
+          rstd = test::to_host<float>(d_rstd.data(), static_cast<std::size_t>(R));
           ds = ops::LayerNormOnLoad{din, TensorView(d_w.data(), {C}, DType::bf16, Device::cuda),
                                     TensorView(d_b.data(), {C}, DType::bf16, Device::cuda),
                                     TensorView(d_mean.data(), {R}, DType::f32, Device::cuda),
@@ -206,9 +193,9 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
       };
       auto quantize_on_gpu = [&](const QuantizeSource& x) {
         Out o{Buffer(Device::cuda, n + 256), Buffer(Device::cuda, n + 256),
-              to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
-              to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f)),
-              to_device(std::vector<float>(static_cast<std::size_t>(C), 0.5f))};
+              test::to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
+              test::to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f)),
+              test::to_device(std::vector<float>(static_cast<std::size_t>(C), 0.5f))};
         BlockQuantizeArgs a{x, ScalingMode::block_1x128, false,
                             TensorView(o.row.data(), {R, C}, DType::e4m3, Device::cuda), static_cast<float*>(o.rs.data()),
                             TensorView(o.col.data(), {C, R}, DType::e4m3, Device::cuda), static_cast<float*>(o.cs.data())};
@@ -217,16 +204,16 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
         return o;
       };
       const Out fused = quantize_on_gpu(ds), unfused = quantize_on_gpu(TensorView(d_vals.data(), {R, C}, DType::bf16, Device::cuda));
-      CHECK(to_host<std::uint8_t>(fused.row.data(), n) == to_host<std::uint8_t>(unfused.row.data(), n));
-      CHECK(to_host<std::uint8_t>(fused.col.data(), n) == to_host<std::uint8_t>(unfused.col.data(), n));
-      CHECK(test::same_bits(to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
-                            to_host<float>(unfused.rs.data(), static_cast<std::size_t>(l.count()))));
-      CHECK(test::same_bits(to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
-                            to_host<float>(unfused.cs.data(), static_cast<std::size_t>(tl.count()))));
-      const auto dbias = to_host<float>(fused.db.data(), static_cast<std::size_t>(C));
-      CHECK(test::same_bits(dbias, to_host<float>(unfused.db.data(), static_cast<std::size_t>(C))));
+      CHECK(test::to_host<std::uint8_t>(fused.row.data(), n) == test::to_host<std::uint8_t>(unfused.row.data(), n));
+      CHECK(test::to_host<std::uint8_t>(fused.col.data(), n) == test::to_host<std::uint8_t>(unfused.col.data(), n));
+      CHECK(test::same_bits(test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
+                            test::to_host<float>(unfused.rs.data(), static_cast<std::size_t>(l.count()))));
+      CHECK(test::same_bits(test::to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
+                            test::to_host<float>(unfused.cs.data(), static_cast<std::size_t>(tl.count()))));
+      const auto dbias = test::to_host<float>(fused.db.data(), static_cast<std::size_t>(C));
+      CHECK(test::same_bits(dbias, test::to_host<float>(unfused.db.data(), static_cast<std::size_t>(C))));
       // The bias gradient: the column sums of the unfused values (added to 0.5), within f32 rounding.
-      const auto vb = to_host<std::uint16_t>(d_vals.data(), n);
+      const auto vb = test::to_host<std::uint16_t>(d_vals.data(), n);
       for (std::int64_t c = 0; c < C; ++c) {
         double sum = 0.5, mag = 0.5;
         for (std::int64_t r = 0; r < R; ++r) {
@@ -242,7 +229,7 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
       std::vector<float> hrs(static_cast<std::size_t>(l.count())), hcs(static_cast<std::size_t>(tl.count()));
       cpu->quantize_blocks({hs, ScalingMode::block_1x128, false, TensorView(hrow.data(), {R, C}, DType::e4m3, Device::cpu),
                             hrs.data(), TensorView(hcol.data(), {C, R}, DType::e4m3, Device::cpu), hcs.data()});
-      const auto grow = to_host<std::uint8_t>(fused.row.data(), n);
+      const auto grow = test::to_host<std::uint8_t>(fused.row.data(), n);
       std::size_t differ = 0;
       for (std::size_t i = 0; i < n; ++i) differ += grow[i] != hrow[i];
       CHECK(differ <= n / 200 + 2);
@@ -271,15 +258,15 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
         Buffer p, g, m, v, row, col, rs, cs;
       };
       auto moment = [&](const std::vector<float>& x) {
-        if (!half) return to_device(x);
+        if (!half) return test::to_device(x);
         std::vector<std::uint16_t> bits(x.size());
         for (std::size_t i = 0; i < x.size(); ++i) bits[i] = float_to_bf16_bits(x[i]);
-        return to_device(bits);
+        return test::to_device(bits);
       };
       auto make = [&] {
-        return Run{to_device(p), to_device(g), moment(m), moment(v), Buffer(Device::cuda, n + 256),
-                   Buffer(Device::cuda, n + 256), to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
-                   to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f))};
+        return Run{test::to_device(p), test::to_device(g), moment(m), moment(v), Buffer(Device::cuda, n + 256),
+                   Buffer(Device::cuda, n + 256), test::to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
+                   test::to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f))};
       };
       auto args = [&](Run& r) {
         AdamWQuantizeArgs u;
@@ -301,17 +288,17 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
       BlockQuantizeArgs q = out(apart);
       q.x = TensorView(apart.p.data(), {R, C}, DType::f32, Device::cuda);
       gpu->quantize_blocks(q);
-      CHECK(test::same_bits(to_host<float>(fused.p.data(), n), to_host<float>(apart.p.data(), n)));
+      CHECK(test::same_bits(test::to_host<float>(fused.p.data(), n), test::to_host<float>(apart.p.data(), n)));
       const std::size_t moment_bytes = n * size_of(moments);
       for (auto [a, b] : {std::pair{&fused.m, &apart.m}, {&fused.v, &apart.v}})
-        CHECK(to_host<std::uint8_t>(a->data(), moment_bytes) == to_host<std::uint8_t>(b->data(), moment_bytes));
-      CHECK(to_host<float>(fused.p.data(), n) != p);  // the step changed the weight
-      CHECK(to_host<std::uint8_t>(fused.row.data(), n) == to_host<std::uint8_t>(apart.row.data(), n));
-      CHECK(to_host<std::uint8_t>(fused.col.data(), n) == to_host<std::uint8_t>(apart.col.data(), n));
-      CHECK(test::same_bits(to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
-                            to_host<float>(apart.rs.data(), static_cast<std::size_t>(l.count()))));
-      CHECK(test::same_bits(to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
-                            to_host<float>(apart.cs.data(), static_cast<std::size_t>(tl.count()))));
+        CHECK(test::to_host<std::uint8_t>(a->data(), moment_bytes) == test::to_host<std::uint8_t>(b->data(), moment_bytes));
+      CHECK(test::to_host<float>(fused.p.data(), n) != p);  // the step changed the weight
+      CHECK(test::to_host<std::uint8_t>(fused.row.data(), n) == test::to_host<std::uint8_t>(apart.row.data(), n));
+      CHECK(test::to_host<std::uint8_t>(fused.col.data(), n) == test::to_host<std::uint8_t>(apart.col.data(), n));
+      CHECK(test::same_bits(test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
+                            test::to_host<float>(apart.rs.data(), static_cast<std::size_t>(l.count()))));
+      CHECK(test::same_bits(test::to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
+                            test::to_host<float>(apart.cs.data(), static_cast<std::size_t>(tl.count()))));
     }
 }
 
@@ -329,20 +316,20 @@ TEST_CASE("CUDA's quantisation of a 128x128-scaled weight's parts (FSDP shards) 
       const auto nt = static_cast<std::size_t>(l.count()), ntt = static_cast<std::size_t>(tl.count());
       std::vector<float> amax(nt, 0.0f), scale(nt), row_si(nt, -1.0f), col_si(ntt, -1.0f);
       std::vector<std::uint8_t> codes(x.size(), 0xaa);
-      Buffer dx = to_device(x), damax = to_device(amax), dscale = to_device(scale), drow = to_device(row_si),
-             dcol = to_device(col_si), dcodes = to_device(codes);
+      Buffer dx = test::to_device(x), damax = test::to_device(amax), dscale = test::to_device(scale), drow = test::to_device(row_si),
+             dcol = test::to_device(col_si), dcodes = test::to_device(codes);
       for (int k = 0; k < 3; ++k) {
         cpu->block_part_amax({x.data() + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C}, amax.data());
         gpu->block_part_amax({static_cast<const float*>(dx.data()) + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C},
                              static_cast<float*>(damax.data()));
       }
-      CHECK(test::same_bits(to_host<float>(damax.data(), nt), amax));
+      CHECK(test::same_bits(test::to_host<float>(damax.data(), nt), amax));
       cpu->block_scales(amax.data(), R, C, Format::e4m3, pow2, scale.data(), row_si.data(), col_si.data());
       gpu->block_scales(static_cast<float*>(damax.data()), R, C, Format::e4m3, pow2, static_cast<float*>(dscale.data()),
                         static_cast<float*>(drow.data()), static_cast<float*>(dcol.data()));
-      CHECK(test::same_bits(to_host<float>(dscale.data(), nt), scale));
-      CHECK(test::same_bits(to_host<float>(drow.data(), nt), row_si));
-      CHECK(test::same_bits(to_host<float>(dcol.data(), ntt), col_si));
+      CHECK(test::same_bits(test::to_host<float>(dscale.data(), nt), scale));
+      CHECK(test::same_bits(test::to_host<float>(drow.data(), nt), row_si));
+      CHECK(test::same_bits(test::to_host<float>(dcol.data(), ntt), col_si));
       for (int k = 0; k < 3; ++k) {
         cpu->quantize_block_part({x.data() + cuts[k], cuts[k + 1] - cuts[k], cuts[k], R, C}, scale.data(), Format::e4m3,
                                  codes.data() + cuts[k]);
@@ -350,7 +337,7 @@ TEST_CASE("CUDA's quantisation of a 128x128-scaled weight's parts (FSDP shards) 
                                  static_cast<float*>(dscale.data()), Format::e4m3,
                                  static_cast<std::uint8_t*>(dcodes.data()) + cuts[k]);
       }
-      CHECK(to_host<std::uint8_t>(dcodes.data(), codes.size()) == codes);
+      CHECK(test::to_host<std::uint8_t>(dcodes.data(), codes.size()) == codes);
     }
 }
 
@@ -400,9 +387,9 @@ TEST_CASE("cuBLASLt block-scaled FP8 GEMMs match the CPU emulation (1x128 x 128x
     h.f32_result = true;
     cpu->gemm(h);
 
-    Buffer dx = to_device(xc), dy = to_device(yc);
+    Buffer dx = test::to_device(xc), dy = test::to_device(yc);
     auto run = [&](int how_x, int how_y) {
-      Buffer sx = to_device(arranged(xs, lx, how_x)), sy = to_device(arranged(ys, ly, how_y));
+      Buffer sx = test::to_device(arranged(xs, lx, how_x)), sy = test::to_device(arranged(ys, ly, how_y));
       const std::size_t n = want.size();
       Buffer dd(Device::cuda, n * 4 + 256);
       // f32: D starts at 1 and the product is accumulated onto it.
@@ -419,10 +406,10 @@ TEST_CASE("cuBLASLt block-scaled FP8 GEMMs match the CPU emulation (1x128 x 128x
       gpu->gemm(g);
       std::vector<float> got(n);
       if (c.f32) {
-        got = to_host<float>(dd.data(), n);
+        got = test::to_host<float>(dd.data(), n);
         for (auto& v : got) v -= 1.0f;
       } else {
-        const auto b = to_host<std::uint16_t>(dd.data(), n);
+        const auto b = test::to_host<std::uint16_t>(dd.data(), n);
         for (std::size_t i = 0; i < n; ++i) got[i] = bf16_bits_to_float(b[i]);
       }
       return test::rel_error(got, want);
@@ -478,17 +465,17 @@ TEST_CASE("CUDA block quantisation into padded outputs (zero rows appended) matc
       cpu->quantize_blocks({TensorView(x.data(), {R, C}, DType::f32, Device::cpu), mode, false,
                             TensorView(rc.data(), {Rr, C}, DType::e4m3, Device::cpu), rs.data(),
                             TensorView(cc.data(), {C, Rc}, DType::e4m3, Device::cpu), cs.data()});
-      Buffer dx = to_device(xb), drc(Device::cuda, rc.size() + 256), dcc(Device::cuda, cc.size() + 256);
+      Buffer dx = test::to_device(xb), drc(Device::cuda, rc.size() + 256), dcc(Device::cuda, cc.size() + 256);
       KILN_CUDA_CHECK(cudaMemset(drc.data(), 0x7f, rc.size()));  // the padding must be written, not found
       KILN_CUDA_CHECK(cudaMemset(dcc.data(), 0x7f, cc.size()));
-      Buffer drs = to_device(std::vector<float>(rs.size(), -1.0f)), dcs = to_device(std::vector<float>(cs.size(), -1.0f));
+      Buffer drs = test::to_device(std::vector<float>(rs.size(), -1.0f)), dcs = test::to_device(std::vector<float>(cs.size(), -1.0f));
       gpu->quantize_blocks({TensorView(dx.data(), {R, C}, DType::bf16, Device::cuda), mode, false,
                             TensorView(drc.data(), {Rr, C}, DType::e4m3, Device::cuda), static_cast<float*>(drs.data()),
                             TensorView(dcc.data(), {C, Rc}, DType::e4m3, Device::cuda), static_cast<float*>(dcs.data())});
-      CHECK(to_host<std::uint8_t>(drc.data(), rc.size()) == rc);
-      CHECK(to_host<std::uint8_t>(dcc.data(), cc.size()) == cc);
-      CHECK(test::same_bits(to_host<float>(drs.data(), rs.size()), rs));
-      CHECK(test::same_bits(to_host<float>(dcs.data(), cs.size()), cs));
+      CHECK(test::to_host<std::uint8_t>(drc.data(), rc.size()) == rc);
+      CHECK(test::to_host<std::uint8_t>(dcc.data(), cc.size()) == cc);
+      CHECK(test::same_bits(test::to_host<float>(drs.data(), rs.size()), rs));
+      CHECK(test::same_bits(test::to_host<float>(dcs.data(), cs.size()), cs));
     }
 }
 
@@ -518,7 +505,7 @@ TEST_CASE("CUDA's grouped block quantisation (one launch over a mixture of exper
             for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16_bits(v[i]);
             return b;
           };
-          Buffer d_in = to_device(bits(R * in_cols, 2.0f)), d_grad = to_device(bits(R * grad_cols, 0.5f));
+          Buffer d_in = test::to_device(bits(R * in_cols, 2.0f)), d_grad = test::to_device(bits(R * grad_cols, 0.5f));
           const TensorView in(d_in.data(), {R, in_cols}, DType::bf16, Device::cuda),
               grad(d_grad.data(), {R, grad_cols}, DType::bf16, Device::cuda);
           QuantizeSource x;
@@ -572,8 +559,8 @@ TEST_CASE("CUDA's grouped block quantisation (one launch over a mixture of exper
                   gpu->quantize_blocks({source_rows(x, g.first, g.rows), mode, false, g.rowwise, g.row_scale_inv,
                                         g.colwise, g.col_scale_inv});
             }
-            return std::pair{to_host<std::uint8_t>(cb.data(), static_cast<std::size_t>(codes)),
-                             to_host<float>(sb.data(), static_cast<std::size_t>(scales))};
+            return std::pair{test::to_host<std::uint8_t>(cb.data(), static_cast<std::size_t>(codes)),
+                             test::to_host<float>(sb.data(), static_cast<std::size_t>(scales))};
           };
           const auto [gc, gs] = run(true);
           const auto [ac, as] = run(false);
@@ -602,8 +589,8 @@ TEST_CASE("CUDA's AdamW step of stacked experts' weights with their grouped 128x
         Buffer p, g, m, v, codes, scales;
       };
       auto make = [&] {
-        Run r{to_device(p), to_device(g), to_device(m), to_device(v), Buffer(Device::cuda, 2 * n + 256),
-              to_device(std::vector<float>(scales, -1.0f))};
+        Run r{test::to_device(p), test::to_device(g), test::to_device(m), test::to_device(v), Buffer(Device::cuda, 2 * n + 256),
+              test::to_device(std::vector<float>(scales, -1.0f))};
         KILN_CUDA_CHECK(cudaMemset(r.codes.data(), 0x7f, 2 * n));
         return r;
       };
@@ -637,10 +624,10 @@ TEST_CASE("CUDA's AdamW step of stacked experts' weights with their grouped 128x
                                                           ge.row_scale_inv, ge.colwise, ge.col_scale_inv});
       }
       for (auto [a, b] : {std::pair{&grouped.p, &apart.p}, {&grouped.m, &apart.m}, {&grouped.v, &apart.v}})
-        CHECK(test::same_bits(to_host<float>(a->data(), n), to_host<float>(b->data(), n)));
-      CHECK(to_host<float>(grouped.p.data(), n) != p);
-      CHECK(to_host<std::uint8_t>(grouped.codes.data(), 2 * n) == to_host<std::uint8_t>(apart.codes.data(), 2 * n));
-      CHECK(test::same_bits(to_host<float>(grouped.scales.data(), scales), to_host<float>(apart.scales.data(), scales)));
+        CHECK(test::same_bits(test::to_host<float>(a->data(), n), test::to_host<float>(b->data(), n)));
+      CHECK(test::to_host<float>(grouped.p.data(), n) != p);
+      CHECK(test::to_host<std::uint8_t>(grouped.codes.data(), 2 * n) == test::to_host<std::uint8_t>(apart.codes.data(), 2 * n));
+      CHECK(test::same_bits(test::to_host<float>(grouped.scales.data(), scales), test::to_host<float>(apart.scales.data(), scales)));
     }
 }
 
@@ -689,9 +676,9 @@ TEST_CASE("CUDA's block-scaled grouped linear (a mixture of experts) matches the
       // CUDA, bf16 activations.
       Fp8Workspace gws(*gpu);
       Fp8BlockGroupedLinear glin(*gpu, gws, recipe, "cuda.experts");
-      Buffer dxv = to_device(xb), dwv = to_device(wb), dgv = to_device(gb);
-      Buffer dout = to_device(std::vector<std::uint16_t>(out.size(), 0)), ddx = to_device(std::vector<std::uint16_t>(dx.size(), 0x3f80));
-      Buffer ddw = to_device(std::vector<float>(dw.size(), 0.5f));
+      Buffer dxv = test::to_device(xb), dwv = test::to_device(wb), dgv = test::to_device(gb);
+      Buffer dout = test::to_device(std::vector<std::uint16_t>(out.size(), 0)), ddx = test::to_device(std::vector<std::uint16_t>(dx.size(), 0x3f80));
+      Buffer ddw = test::to_device(std::vector<float>(dw.size(), 0.5f));
       auto dv = [](Buffer& b, Shape s, DType t) { return TensorView(b.data(), s, t, Device::cuda); };
       glin.forward({dv(dout, {R, OC}, DType::bf16), dv(dxv, {R, IC}, DType::bf16), dv(dwv, wshape, DType::bf16),
                     off.data(), in_out},
@@ -703,9 +690,9 @@ TEST_CASE("CUDA's block-scaled grouped linear (a mixture of experts) matches the
                      .weight = dv(dwv, wshape, DType::bf16),
                      .offsets_host = off.data(),
                      .weight_in_out = in_out});
-      const auto got_out = from_bf16(to_host<std::uint16_t>(dout.data(), out.size()));
-      const auto got_dx = from_bf16(to_host<std::uint16_t>(ddx.data(), dx.size()));
-      auto got_dw = to_host<float>(ddw.data(), dw.size());
+      const auto got_out = from_bf16(test::to_host<std::uint16_t>(dout.data(), out.size()));
+      const auto got_dx = from_bf16(test::to_host<std::uint16_t>(ddx.data(), dx.size()));
+      auto got_dw = test::to_host<float>(ddw.data(), dw.size());
       auto minus_half = [](std::vector<float> v) {
         for (auto& e : v) e -= 0.5f;
         return v;

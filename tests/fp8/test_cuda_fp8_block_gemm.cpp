@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cuda_test_util.hpp"
 #include "fp8_test_util.hpp"
 #include "kiln/fp8/block.hpp"
 #include "kiln/fp8/cuda/block_gemm.hpp"
@@ -23,20 +24,6 @@ using namespace kiln;
 using namespace kiln::fp8;
 
 namespace {
-
-template <class T>
-Buffer to_gpu(const std::vector<T>& h) {
-  Buffer b(Device::cuda, std::max<std::size_t>(h.size() * sizeof(T), 256));
-  KILN_CUDA_CHECK(cudaMemcpy(b.data(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
-template <class T>
-std::vector<T> from_gpu(const void* d, std::size_t n) {
-  std::vector<T> h(n);
-  KILN_CUDA_CHECK(cudaDeviceSynchronize());
-  KILN_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 
 // A product's operands quantised on the CPU, and the CPU emulation's f32 result.
 struct Operands {
@@ -80,7 +67,7 @@ struct DeviceOperands {
   Buffer x, y, xs, ys, d;
   GemmArgs g;
   DeviceOperands(const Operands& o, DType dt)
-      : x(to_gpu(o.xc)), y(to_gpu(o.yc)), xs(to_gpu(o.xs)), ys(to_gpu(o.ys)),
+      : x(test::to_device(o.xc)), y(test::to_device(o.yc)), xs(test::to_device(o.xs)), ys(test::to_device(o.ys)),
         d(Device::cuda, static_cast<std::size_t>(o.m * o.n) * 4 + 256) {
     g.x = TensorView(x.data(), {o.m, o.k}, dtype_of(o.fx), Device::cuda);
     g.y = TensorView(y.data(), {o.n, o.k}, dtype_of(o.fy), Device::cuda);
@@ -93,8 +80,8 @@ struct DeviceOperands {
   }
   std::vector<float> result() const {
     const auto n = static_cast<std::size_t>(g.d.numel());
-    if (g.d.dtype == DType::f32) return from_gpu<float>(d.data(), n);
-    const auto b = from_gpu<std::uint16_t>(d.data(), n);
+    if (g.d.dtype == DType::f32) return test::to_host<float>(d.data(), n);
+    const auto b = test::to_host<std::uint16_t>(d.data(), n);
     std::vector<float> v(n);
     for (std::size_t i = 0; i < n; ++i) v[i] = bf16_bits_to_float(b[i]);
     return v;
@@ -144,7 +131,7 @@ TEST_CASE("kiln's block-scaled FP8 GEMM matches the CPU emulation: partial tiles
       std::vector<std::uint16_t> bits(b.size());
       for (std::size_t i = 0; i < b.size(); ++i) bits[i] = float_to_bf16_bits(b[i]);
       for (std::size_t i = 0; i < n; ++i) want[i] += bf16_bits_to_float(bits[i % static_cast<std::size_t>(c.n)]);
-      bias_d = to_gpu(bits);
+      bias_d = test::to_device(bits);
       dev.g.bias = TensorView(bias_d.data(), {c.n}, DType::bf16, Device::cuda);
       dev.g.epilogue = ops::Epilogue::bias;
     }
@@ -167,9 +154,9 @@ TEST_CASE("kiln's block-scaled FP8 GEMM matches the CPU emulation: partial tiles
     CHECK(err < bound);
     // Nothing beyond D is written.
     const std::size_t bytes = n * (dev.g.d.dtype == DType::f32 ? 4 : 2);
-    const auto tail = from_gpu<std::uint8_t>(static_cast<const std::uint8_t*>(dev.d.data()) + bytes, 64);
+    const auto tail = test::to_host<std::uint8_t>(static_cast<const std::uint8_t*>(dev.d.data()) + bytes, 64);
     if (c.out == f32_add) {
-      const auto t = from_gpu<float>(static_cast<const float*>(dev.d.data()) + n, 16);
+      const auto t = test::to_host<float>(static_cast<const float*>(dev.d.data()) + n, 16);
       CHECK(std::all_of(t.begin(), t.end(), [](float v) { return v == -7.0f; }));
     } else {
       CHECK(std::all_of(tail.begin(), tail.end(), [](std::uint8_t v) { return v == 0x7f; }));
@@ -191,13 +178,13 @@ TEST_CASE("fp8.block_gemm=kiln runs GELU and dGELU epilogues after kiln's produc
   const auto pre = test::normal_values(n, 79);
   std::vector<std::uint16_t> pre_bits(n);
   for (std::size_t i = 0; i < n; ++i) pre_bits[i] = float_to_bf16_bits(pre[i]);
-  Buffer bias_d = to_gpu(bias_bits);
+  Buffer bias_d = test::to_device(bias_bits);
   for (auto epi : {ops::Epilogue::gelu, ops::Epilogue::dgelu}) {
     INFO(ops::name_of(epi));
     std::vector<std::vector<float>> outs;
     for (Fp8Ops* ops : {lt.get(), own.get()}) {
       DeviceOperands dev(o, DType::bf16);
-      Buffer aux = to_gpu(pre_bits);  // dGELU reads it; GELU writes the pre-activation there
+      Buffer aux = test::to_device(pre_bits);  // dGELU reads it; GELU writes the pre-activation there
       dev.g.epilogue = epi;
       dev.g.aux = TensorView(aux.data(), {o.m, o.n}, DType::bf16, Device::cuda);
       if (epi == ops::Epilogue::gelu) dev.g.bias = TensorView(bias_d.data(), {o.n}, DType::bf16, Device::cuda);
