@@ -325,7 +325,7 @@ struct BlockOperands {
 // the forward and data gradient, 1x128 x 1x128 for the weight gradient) against the per-tensor FP8
 // GEMM at 1.3B's and Llama 1B's linear-layer shapes, and the block quantisation kernels' GB/s.
 void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, std::size_t ws_bytes,
-                 const Buffer& scales) {
+                 const Buffer& scales, bool probe = false) {
   fp8::cuda::Fp8GemmRunner f8(lt, ws, ws_bytes);
   fp8::cuda::BlockGemm own;
   std::printf("\n%-30s %-22s %11s %11s %11s %11s %8s %8s\n", "block GEMM (D = X Y^T)", "shape", "tensor TF/s",
@@ -357,6 +357,17 @@ void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, st
       continue;
     }
     const double k_ms = own.takes(a) ? timer.median_ms([&] { own.run(a, s); }) : -1;
+    if (probe) {  // kiln's kernel without its stores, without its promotions, without both
+      double ms[3];
+      for (int pr = 1; pr <= 3; ++pr) {
+        own.set_probe(pr);
+        ms[pr - 1] = timer.median_ms([&] { own.run(a, s); });
+      }
+      own.set_probe(0);
+      const double f = 2.0 * M * N * K / 1e9;
+      std::printf("  probe %-22s kiln %.1f, no stores %.1f, no promotion %.1f, neither %.1f TF/s\n", sh.what.c_str(),
+                  f / k_ms, f / ms[0], f / ms[1], f / ms[2]);
+    }
     const double flops = 2.0 * M * N * K;
     std::printf("%-30s %-22s %11.1f %11.1f %11.1f %11.1f %7.2fx %7.2fx\n", sh.what.c_str(), mnk(M, N, K).c_str(),
                 flops / (t_ms * 1e-3) / 1e12, flops / (fast_ms * 1e-3) / 1e12, flops / (b_ms * 1e-3) / 1e12,
@@ -578,11 +589,11 @@ int main(int argc, char** argv) {
       cublasLtDestroy(lt);
       return 0;
     }
-    if (only == "block") {  // block scaling alone
+    if (only == "block" || only == "block-probe") {  // block scaling alone (with kiln's kernel taken apart)
       cublasLtHandle_t lt;
       KILN_CUBLAS_CHECK(cublasLtCreate(&lt));
       Buffer ws(Device::cuda, 32u << 20);
-      bench::block_table(timer, s, lt, ws.data(), 32u << 20, scales);
+      bench::block_table(timer, s, lt, ws.data(), 32u << 20, scales, only == "block-probe");
       cublasLtDestroy(lt);
       return 0;
     }

@@ -55,6 +55,7 @@ struct BlockGemmParams {
   void* d;
   const __nv_bfloat16* bias;  // bf16 D only, may be null
   int out;
+  int probe;  // BlockGemm::set_probe: 1 skips the epilogue's stores, 2 the promotions
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -151,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&sm.full[s], 1);
-      mbar_init(&sm.empty[s], kMathGroups * 128);
+      mbar_init(&sm.empty[s], kMathGroups * 4);  // one arrival a math warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -217,7 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float xs0 = sm.sa[s][r0 + 64 * h], xs1 = sm.sa[s][r0 + 64 * h + 8];
         wgmma_wait_all();
         fence_fragment(part);
-        if constexpr (YRowwise) {
+        if (p.probe & 2) {
+        } else if constexpr (YRowwise) {
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             const float2 ys = *reinterpret_cast<const float2*>(&sm.sb[s][8 * j + c0]);
@@ -237,7 +239,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      mbar_arrive(&sm.empty[s]);  // this thread has read the stage: its codes (wgmma) and scales
+      __syncwarp();  // every lane of the warp has read the stage: its codes (wgmma) and scales
+      if (lane == 0) mbar_arrive(&sm.empty[s]);
     }
     // The epilogue, from registers.
 #pragma unroll
@@ -251,6 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int row = m0 + r0 + 64 * h + 8 * e;
           if (row >= p.M) continue;
           float v0 = acc[h][4 * j + 2 * e], v1 = acc[h][4 * j + 2 * e + 1];
+          if ((p.probe & 1) && v0 != -12345.0f) continue;
           const std::int64_t off = static_cast<std::int64_t>(row) * p.N + col;
           if (p.out == kOutBf16) {
             if (p.bias) {
@@ -371,6 +375,7 @@ void BlockGemm::run(const GemmArgs& g, cudaStream_t stream) {
   p.d = g.d.data;
   p.bias = g.bias ? static_cast<const __nv_bfloat16*>(g.bias.data) : nullptr;
   p.out = !g.f32_result ? kOutBf16 : g.accumulate ? kOutF32Add : kOutF32;
+  p.probe = probe_;
   const int grid = p.tiles < impl_->sms ? p.tiles : impl_->sms;
   kernel_for(type_code(g.x.dtype), type_code(g.y.dtype), y_rowwise)<<<grid, kThreads, kSmemBytes, stream>>>(mx, my, mxs,
                                                                                                           mys, p);

@@ -29,10 +29,14 @@ class BlockGemm {
   bool takes(const GemmArgs& g) const;
   bool available() const;  // the device is a Hopper GPU (sm_90)
   void run(const GemmArgs& g, cudaStream_t stream);
+  // For benchmarks that take the kernel apart (bench_fp8 block-probe): 1 skips the epilogue's stores,
+  // 2 the promotions (the results are then wrong).
+  void set_probe(int probe) { probe_ = probe; }
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  int probe_ = 0;
 };
 
 }  // namespace kiln::fp8::cuda
