@@ -1,6 +1,7 @@
 // Activation checkpointing on CUDA: with dropout, every mode gives losses and gradients
 // bit-identical to the run without recompute, in bf16 and in FP8 (delayed and current scaling); so do
-// activations offloaded to host memory (activation_offload). Skipped without a GPU.
+// activations offloaded to host memory (activation_offload), eager and captured (backend.cuda_graph).
+// Skipped without a GPU.
 #include <doctest/doctest.h>
 
 #include "../model/model_fixture.hpp"
@@ -90,4 +91,28 @@ TEST_CASE("CUDA: offloaded activations give bit-identical gradients, bf16 and FP
   for (const std::vector<std::string>& base : std::vector<std::vector<std::string>>{
            {}, {"fp8.enabled=true", "fp8.recipe=delayed"}, {"model.arch=llama", "model.n_kv_head=2"}})
     compare_modes(size + base, modes);
+}
+
+TEST_CASE("CUDA: offloaded activations under backend.cuda_graph: captured and replayed steps give the eager "
+          "steps' gradients bit for bit") {
+  if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  // Steps 1-2 eager, 3 captured, 4-6 replayed (each micro-batch's passes one graph); the reference
+  // keeps every block's activations and runs eagerly.
+  const std::vector<std::string> size = {"model.n_embd=512", "model.n_head=8", "train.seq_len=256",
+                                         "model.max_seq_len=256", "model.n_layer=4", "train.steps=6"};
+  for (const std::vector<std::string>& base : std::vector<std::vector<std::string>>{
+           {}, {"fp8.enabled=true", "fp8.recipe=delayed"}}) {
+    const auto ref = trace(size + base);
+    for (const std::vector<std::string>& mode : std::vector<std::vector<std::string>>{
+             {"backend.cuda_graph=true"},
+             {"backend.cuda_graph=true", "activation_offload.blocks=4", "activation_offload.every=1",
+              "activation_offload.slots=1"},
+             {"backend.cuda_graph=true", "activation_offload.blocks=2", "activation_offload.every=2",
+              "activation_offload.slots=2", "activation_checkpoint.mode=full"}}) {
+      const test::Sets sets = size + base + mode;
+      std::string what;
+      for (auto& s : sets) what += s + " ";
+      test::compare_traces(trace(sets), ref, what, 0);
+    }
+  }
 }

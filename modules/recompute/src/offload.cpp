@@ -27,10 +27,6 @@ void install_offload(World& w, const ActivationOffloadConfig& cfg) {
                        cat(cfg.blocks, " with parallel.pp = ", par.pp_size(),
                            ": a pipeline stage keeps several micro-batches' activations at once, which the offload "
                            "slots do not; set activation_offload.blocks = 0 or parallel.pp = 1"));
-  if (const auto* b = w.try_resource<ops::BackendConfig>(); b && b->cuda_graph)
-    throw config_error(w, "activation_offload.blocks",
-                       cat(cfg.blocks, " with backend.cuda_graph = true: the copies are not captured yet; set one of "
-                           "them off"));
   std::vector<std::pair<int, Entity>> blocks;  // (block index, layer entity)
   for (Entity e : w.view<nn::Layer>()) {
     const auto& layer = w.get<nn::Layer>(e);
@@ -89,6 +85,9 @@ void install_offload(World& w, const ActivationOffloadConfig& cfg) {
   st.subscriptions.push_back(bus.subscribe<nn::LayerForwardEnd>([run](const auto& e) { run->forward_end(e.unit, e.training); }));
   st.subscriptions.push_back(bus.subscribe<nn::LayerBackwardBegin>([run](const auto& e) { run->backward_begin(e.unit); }));
   st.subscriptions.push_back(bus.subscribe<nn::LayerBackwardEnd>([run](const auto& e) { run->backward_end(e.unit); }));
+  st.subscriptions.push_back(bus.subscribe<nn::PassesGraphBegin>([run](const auto&) { run->graph_begin(); }));
+  st.subscriptions.push_back(bus.subscribe<nn::PassesCaptureEnd>([run](const auto&) { run->capture_end(); }));
+  st.subscriptions.push_back(bus.subscribe<nn::PassesReplayed>([run](const auto&) { run->replayed(); }));
 }
 
 }  // namespace

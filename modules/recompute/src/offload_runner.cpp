@@ -101,4 +101,33 @@ void OffloadRunner::backward_end(int unit) {
   load(k - slots_);
 }
 
+void OffloadRunner::graph_begin() {
+  for (auto* side : {out_.get(), in_.get()}) {
+    if (!side) continue;
+    join_.record(side->stream());
+    join_.wait(compute_);
+  }
+  for (auto& e : saved_) e.forget();
+  for (auto& e : loaded_) e.forget();
+  fork_.forget();
+  join_.forget();
+}
+
+void OffloadRunner::capture_end() {
+  // Every copy a pass queues is waited for within it; a copy stream still in the capture is joined
+  // all the same, as a capture must end.
+  for (auto* side : {out_.get(), in_.get()}) {
+    if (!side || !side->capturing()) continue;
+    join_.record(side->stream());
+    join_.wait(compute_);
+  }
+}
+
+void OffloadRunner::replayed() {
+  for (auto& e : saved_) e.record(compute_);
+  for (auto& e : loaded_) e.record(compute_);
+  fork_.forget();
+  join_.forget();
+}
+
 }  // namespace kiln::recompute

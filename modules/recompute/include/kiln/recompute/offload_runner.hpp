@@ -9,6 +9,14 @@
 // free, and block k - S's rows are copied into it at once, so that copy has the backward passes of
 // the blocks between them to hide behind; block k - S's backward waits for it. Every copy a pass queues
 // is waited for by the compute stream within the same pass.
+//
+// Under backend.cuda_graph the copies are captured with the passes (memcpy nodes on the two copy
+// streams' branches of the graph) and replayed with them. The host's bookkeeping (which block each
+// slot holds) ends every training pass the same way, so a replay leaves it as the capture did; what
+// changes is the events: before a capture or launch the compute stream waits for the copy streams'
+// eager work and the events recorded outside the graph are forgotten (a capture cannot wait for
+// them; the compute stream follows them already), and after a launch they mark the compute stream
+// (the graph joined every copy into it).
 #include <memory>
 #include <vector>
 
@@ -34,8 +42,12 @@ class OffloadRunner {
   void forward_end(int unit, bool training);
   void backward_begin(int unit);
   void backward_end(int unit);
+  // backend.cuda_graph (nn::PassesGraphBegin, nn::PassesCaptureEnd, nn::PassesReplayed).
+  void graph_begin();
+  void capture_end();
+  void replayed();
 
-  // Copies queued so far (both ways, all steps): for tests and reports.
+  // Copies the host queued so far (both ways, all steps; a captured pass's once): for tests and reports.
   std::int64_t copies_out() const { return copies_out_; }
   std::int64_t copies_in() const { return copies_in_; }
 
@@ -54,7 +66,7 @@ class OffloadRunner {
   std::unique_ptr<parallel::SideStream> out_, in_;
   std::vector<int> resident_;        // per slot: the ordinal whose rows it holds or receives (-1: none)
   std::vector<parallel::StreamEvent> saved_, loaded_;  // per slot: its last copy out, its last copy in
-  parallel::StreamEvent fork_;
+  parallel::StreamEvent fork_, join_;
   std::int64_t copies_out_ = 0, copies_in_ = 0;
 };
 
