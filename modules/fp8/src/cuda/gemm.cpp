@@ -235,7 +235,11 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream, void* workspa
 bool Fp8GemmRunner::kiln_block(const GemmArgs& g) {
   if (g.x_mode == ScalingMode::per_tensor || block_kernel_ == BlockGemmKernel::cublaslt) return false;
   if (block_kernel_ == BlockGemmKernel::kiln_wgrad && g.y_mode != ScalingMode::block_1x128) return false;
-  if (!block_) block_ = std::make_unique<BlockGemm>();
+  if (!block_) {
+    block_ = std::make_unique<BlockGemm>();
+    KILN_CHECK(block_->available(), "fp8.block_gemm: kiln's block-scaled GEMM is a Hopper (sm_90) kernel and this "
+                                    "device is not one; use fp8.block_gemm = \"cublaslt\"");
+  }
   return block_->takes(g);
 }
 
