@@ -145,9 +145,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const __grid_constant__ CUtensorMap map_xs, const __grid_constant__ CUtensorMap map_ys,
                       const BlockGemmParams p) {
 #ifdef KILN_BLOCK_GEMM_SM90
-  extern __shared__ std::uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<BlockGemmSmem*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) &
-                                               ~static_cast<std::uintptr_t>(1023));
+  // The stages 1,024-byte aligned (the 128-byte swizzle's atom), addressed from the shared array so
+  // that the compiler keeps them in the shared space (LDS, not generic loads, for the scales).
+  extern __shared__ __align__(1024) std::uint8_t smem_raw[];
+  const std::uint32_t pad = (1024 - (smem_addr(smem_raw) & 1023)) & 1023;
+  auto& sm = *reinterpret_cast<BlockGemmSmem*>(smem_raw + pad);
   const int group = static_cast<int>(threadIdx.x) / 128, tid = static_cast<int>(threadIdx.x) % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
