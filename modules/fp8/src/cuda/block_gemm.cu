@@ -14,7 +14,8 @@
 //    emulation (block_gemm_reference) describes: each block's sum apart, scaled, added in f32.
 // The epilogue writes from registers: bf16 (with an optional bias added in f32 before rounding), f32,
 // or f32 accumulated onto D with vector reductions (each element written by one thread once: the
-// same sum D + product as a load and a store). Rows and columns outside D are not written; TMA reads
+// same sum D + product as a load and a store, except that the reduction flushes a subnormal sum,
+// below 1.2e-38 in magnitude, to zero: REDG.ADD.F32x2.FTZ). Rows and columns outside D are not written; TMA reads
 // zeros beyond M, N and K, so partial tiles and a K that is not a multiple of 128 need nothing else.
 #include "kiln/fp8/cuda/block_gemm.hpp"
 

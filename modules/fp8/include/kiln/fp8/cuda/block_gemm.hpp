@@ -2,7 +2,8 @@
 // kiln's own block-scaled FP8 GEMM for Hopper (sm_90a), beside cuBLASLt's: D[M, N] = X[M, K] Y[N, K]^T
 // with X's codes scaled per 1x128 block and Y's per 1x128 block (a weight gradient) or per 128x128
 // block (a weight, in the forward and data-gradient products), the scales in kiln's BlockLayout
-// (kiln/fp8/block.hpp). D is bf16 (with an optional bias), f32, or f32 accumulated (D += product).
+// (kiln/fp8/block.hpp). D is bf16 (with an optional bias), f32, or f32 accumulated (D += product; a
+// subnormal sum is flushed to zero, as the device's f32 reductions do).
 //
 // Each 128-deep block of K is summed by the tensor cores apart, then scaled and added to an f32
 // accumulator (the promotion block_gemm_reference describes, as DeepSeek-V3's kernels do it). Its
