@@ -13,7 +13,7 @@
 # a Llama with vocabulary parallelism; data parallelism with two micro-batches and FP8 (the
 # gradient buckets the last micro-batch's backward starts are inside its graph); FSDP full_shard
 # with two micro-batches (its gathers and reduce-scatters in the graphs), and shard_grad_op in FP8
-# reduced once a step.
+# reduced once a step; activation offload under FSDP and under TP + SP.
 # Skipped (KILN_SKIP) without two GPUs.
 # usage: [ONLY="layout ..."] gpu_graph_ranks_test.sh KILN
 set -u
@@ -105,4 +105,10 @@ check dp-fp8-micro yes --set train.micro_batch_size=2 --set fp8.enabled=true --s
 check fsdp-full-micro no --set fsdp.strategy=full_shard --set train.micro_batch_size=2
 check fsdp-sgo-fp8-step no --set fsdp.strategy=shard_grad_op --set fp8.enabled=true --set fsdp.reduce=step \
   --set train.micro_batch_size=2
+# Activations offloaded to host memory (activation_offload: the copies captured with the passes),
+# under FSDP with two micro-batches and under TP + SP through the optimizer.
+check fsdp-offload no --set fsdp.strategy=full_shard --set train.micro_batch_size=2 --set activation_offload.blocks=2 \
+  --set activation_offload.every=1 --set activation_offload.slots=1
+check tp-sp-offload yes --set parallel.tp=2 --set parallel.sequence_parallel=true --set activation_offload.blocks=2 \
+  --set activation_offload.every=1 --set activation_offload.slots=1
 exit $fail
