@@ -353,6 +353,14 @@ void BlockGemm::run(const GemmArgs& g, cudaStream_t stream) {
   KILN_CHECK(g.epilogue == ops::Epilogue::none || (g.epilogue == ops::Epilogue::bias && !g.f32_result),
              "block GEMM: kiln's kernel adds a bias to a bf16 D and runs no other epilogue");
   const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
+  // What Fp8GemmRunner validates, for callers that come here directly: TMA's 16-byte strides and
+  // bases, and the epilogue's column pairs.
+  KILN_CHECK(g.y.size(1) == K && g.d.numel() == M * N && N % 16 == 0 && K % 16 == 0,
+             "block GEMM: X [", M, ", ", K, "], Y ", g.y.str(), ", D ", g.d.str(),
+             ": Y must share K, D be [M, N], N and K multiples of 16");
+  KILN_CHECK(aligned16(g.x.data) && aligned16(g.y.data) && aligned16(g.d.data) && aligned16(g.x_scale_inv) &&
+                 aligned16(g.y_scale_inv),
+             "block GEMM: operands and scales must be 16-byte aligned");
   if (M == 0 || N == 0) return;
   const bool y_rowwise = g.y_mode == ScalingMode::block_1x128;
   const BlockLayout lx{ScalingMode::block_1x128, M, K}, ly{g.y_mode, N, K};
