@@ -183,31 +183,16 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream, void* workspa
   const auto [M, N, K] = dims_of(g);
   if (M == 0 || N == 0) return;
 
-  if (kiln_block(g)) {
-    run_kiln_block(g, stream);
+  if (kiln_block(g)) {  // kiln's kernel adds a bias itself; GELU and dGELU run after it
+    if (g.epilogue == Epilogue::none || g.epilogue == Epilogue::bias)
+      block_->run(g, stream);
+    else
+      run_unfused(g, stream, workspace);
     return;
   }
   Plan& p = plan(g);
   if (!p.fused) {
-    GemmArgs plain = g;
-    plain.aux = {};
-    auto* d = static_cast<__nv_bfloat16*>(g.d.data);
-    auto* aux = static_cast<__nv_bfloat16*>(g.aux.data);
-    if (g.epilogue == Epilogue::bias) {
-      plain.epilogue = Epilogue::none;
-      plain.bias = {};
-      run(plain, stream, workspace);
-      gemm_epilogue(d, nullptr, static_cast<const __nv_bfloat16*>(g.bias.data), M, N, Epilogue::bias, stream);
-    } else if (g.epilogue == Epilogue::gelu) {
-      plain.epilogue = g.bias ? Epilogue::bias : Epilogue::none;
-      plain.d = g.aux;  // the pre-activation, then D = gelu(aux)
-      run(plain, stream, workspace);
-      gemm_epilogue(d, aux, nullptr, M, N, Epilogue::gelu, stream);
-    } else {
-      plain.epilogue = Epilogue::none;
-      run(plain, stream, workspace);
-      gemm_epilogue(d, aux, nullptr, M, N, Epilogue::dgelu, stream);
-    }
+    run_unfused(g, stream, workspace);
     return;
   }
   set_attr(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(g.y_scale_inv));
@@ -243,22 +228,27 @@ bool Fp8GemmRunner::kiln_block(const GemmArgs& g) {
   return block_->takes(g);
 }
 
-void Fp8GemmRunner::run_kiln_block(const GemmArgs& g, cudaStream_t stream) {
-  if (g.epilogue == Epilogue::none || g.epilogue == Epilogue::bias) {
-    block_->run(g, stream);
-    return;
-  }
-  // GELU: the pre-activation (with its bias) into aux, then D = gelu(aux); dGELU: the product, then
-  // D *= gelu'(aux).
+void Fp8GemmRunner::run_unfused(const GemmArgs& g, cudaStream_t stream, void* workspace) {
   const auto [M, N, K] = dims_of(g);
   GemmArgs plain = g;
   plain.aux = {};
-  plain.epilogue = g.epilogue == Epilogue::gelu && g.bias ? Epilogue::bias : Epilogue::none;
-  if (plain.epilogue == Epilogue::none) plain.bias = {};
-  if (g.epilogue == Epilogue::gelu) plain.d = g.aux;
-  block_->run(plain, stream);
-  gemm_epilogue(static_cast<__nv_bfloat16*>(g.d.data), static_cast<const __nv_bfloat16*>(g.aux.data), nullptr, M, N,
-                g.epilogue, stream);
+  auto* d = static_cast<__nv_bfloat16*>(g.d.data);
+  auto* aux = static_cast<__nv_bfloat16*>(g.aux.data);
+  if (g.epilogue == Epilogue::bias) {
+    plain.epilogue = Epilogue::none;
+    plain.bias = {};
+    run(plain, stream, workspace);
+    gemm_epilogue(d, nullptr, static_cast<const __nv_bfloat16*>(g.bias.data), M, N, Epilogue::bias, stream);
+  } else if (g.epilogue == Epilogue::gelu) {
+    plain.epilogue = g.bias ? Epilogue::bias : Epilogue::none;
+    plain.d = g.aux;  // the pre-activation, then D = gelu(aux)
+    run(plain, stream, workspace);
+    gemm_epilogue(d, aux, nullptr, M, N, Epilogue::gelu, stream);
+  } else {
+    plain.epilogue = Epilogue::none;
+    run(plain, stream, workspace);
+    gemm_epilogue(d, aux, nullptr, M, N, Epilogue::dgelu, stream);
+  }
 }
 
 void Fp8GemmRunner::run_grouped(std::span<const GemmArgs> gs, kiln::cuda::LtLanes& lanes) {

@@ -63,9 +63,10 @@ class Fp8GemmRunner {
   // Throws naming the product unless cuBLASLt can run it (shapes, types, alignment, epilogue).
   static void validate(const GemmArgs& g);
   void run_ragged(const GemmArgs& g, cudaStream_t stream, void* workspace);
-  // Whether kiln's kernel runs this block-scaled product, and running it there.
+  // Whether kiln's kernel runs this block-scaled product.
   bool kiln_block(const GemmArgs& g);
-  void run_kiln_block(const GemmArgs& g, cudaStream_t stream);
+  // The product without its epilogue (run() again), then the epilogue's kernel.
+  void run_unfused(const GemmArgs& g, cudaStream_t stream, void* workspace);
   struct Plan;
   // M, N, K, x type, y type, d type, accumulate, epilogue | bias << 4, fast accumulation,
   // x scaling mode | y scaling mode << 4
