@@ -321,6 +321,8 @@ struct BlockOperands {
   }
 };
 
+void block_quant_table(Timer& timer, cudaStream_t s);
+
 // Block scaling (`bench_fp8 block`, issue 29): cuBLASLt's block-scaled GEMMs (1x128 x 128x128 for
 // the forward and data gradient, 1x128 x 1x128 for the weight gradient) against the per-tensor FP8
 // GEMM at 1.3B's and Llama 1B's linear-layer shapes, and the block quantisation kernels' GB/s.
@@ -367,12 +369,28 @@ void block_table(Timer& timer, cudaStream_t s, cublasLtHandle_t lt, void* ws, st
       const double f = 2.0 * M * N * K / 1e9;
       std::printf("  probe %-22s kiln %.1f, no stores %.1f, no promotion %.1f, neither %.1f TF/s\n", sh.what.c_str(),
                   f / k_ms, f / ms[0], f / ms[1], f / ms[2]);
+      using Tile = fp8::cuda::BlockGemm::Tile;  // each tile (BlockGemm::set_tile)
+      double tms[2];
+      for (int t = 0; t < 2; ++t) {
+        own.set_tile(t == 0 ? Tile::m256n128 : Tile::m192n128);
+        tms[t] = timer.median_ms([&] { own.run(a, s); });
+      }
+      own.set_tile(Tile::automatic);
+      int sms = 0;
+      KILN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      std::printf("  tiles %-22s 256x128 %.1f, 192x128 %.1f TF/s (automatic: %s)\n", sh.what.c_str(), f / tms[0],
+                  f / tms[1], fp8::cuda::BlockGemm::automatic_tile(M, N, sms) == Tile::m192n128 ? "192x128" : "256x128");
     }
     const double flops = 2.0 * M * N * K;
     std::printf("%-30s %-22s %11.1f %11.1f %11.1f %11.1f %7.2fx %7.2fx\n", sh.what.c_str(), mnk(M, N, K).c_str(),
                 flops / (t_ms * 1e-3) / 1e12, flops / (fast_ms * 1e-3) / 1e12, flops / (b_ms * 1e-3) / 1e12,
                 k_ms > 0 ? flops / (k_ms * 1e-3) / 1e12 : 0.0, t_ms / b_ms, k_ms > 0 ? t_ms / k_ms : 0.0);
   }
+  block_quant_table(timer, s);
+}
+
+// The block quantisation kernels alone (`bench_fp8 block-quant`): GB/s of bytes read and written.
+void block_quant_table(Timer& timer, cudaStream_t s) {
   std::printf("\n%-40s %-14s %9s %9s\n", "block quantisation (bf16 in; GB/s read + written)", "shape", "ms", "GB/s");
   for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{8192, 2048}, {8192, 8192}, {2048, 8192}}) {
     Buffer x = bf16_buffer(R * C, 1.0f, s), q(Device::cuda, static_cast<std::size_t>(R * C)),
@@ -579,6 +597,10 @@ int main(int argc, char** argv) {
     const std::string only = argc > 1 ? argv[1] : "";
     if (only == "grouped") {  // the experts' grouped casts alone
       bench::grouped_table(timer, s, scales);
+      return 0;
+    }
+    if (only == "block-quant") {  // the block quantisation kernels alone
+      bench::block_quant_table(timer, s);
       return 0;
     }
     if (only == "block-algos") {  // cuBLASLt's candidates for block-scaled products

@@ -4,7 +4,10 @@
 //    transpose's (colwise) codes: row and column amaxes over the staged tile;
 //  - 128x128: the tile is one block of both: one amax;
 // two threads per row (and per column), 64 values each: their amax, one shuffle, the codes as four
-// 16-byte stores (a row of the codes, or of the transpose's). The staged values are x's or what a
+// 16-byte stores (a row of the codes, or of the transpose's). A bf16 tile for 1x128 codes is staged
+// swizzled and read once into registers: rows as two threads' 16-column pieces taken in turn (their
+// stores 32 contiguous bytes), columns four at a time over 16 rows a thread (8-byte reads on every
+// bank, a column's eight threads storing 128 contiguous bytes). The staged values are x's or what a
 // prologue computes from its tensors as it loads them (loads.cuh: the values the unfused op would
 // store); with dbias the same two threads per column also sum it, one partial sum per 128-row tile.
 // A grouped quantisation (a mixture of experts' rows, one group per expert) is one launch: each row
@@ -196,12 +199,21 @@ struct AdamWSource {
   }
 };
 
+// Where the staged value (rr, cc) lies in the tile. A swizzled tile (a bf16 tile for 1x128 codes)
+// moves each row's 8-byte chunks of four values by 32 bytes times (rr / 16) % 4, so that the
+// column reads of colwise_1x128, eight groups of 16 rows at once, fall on every bank twice (the least
+// for their 256 bytes) instead of eight times on the same eight.
+template <typename T>
+__device__ __forceinline__ int tile_at(int rr, int cc, bool swz) {
+  return rr * kRowOf<T> + (swz ? ((((cc >> 2) ^ (((rr >> 4) & 3) << 2)) << 2) | (cc & 3)) : cc);
+}
+
 // Stages the tile (rows r0.., cols c0..), zeros outside x: S::kVec values a load where `vec`.
 template <class S, typename T = typename S::Tile>
-__device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std::int64_t c0, bool vec) {
-  constexpr int V = S::kVec, kRow = kRowOf<T>;
+__device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std::int64_t c0, bool vec, bool swz) {
+  constexpr int V = S::kVec;
   if (vec) {
-#pragma unroll 4
+#pragma unroll 8
     for (int i = threadIdx.x; i < kBlock * kBlock / V; i += kCtaThreads) {
       const int rr = i / (kBlock / V), cc = i % (kBlock / V) * V;
       const std::int64_t r = r0 + rr, c = c0 + cc;
@@ -212,15 +224,14 @@ __device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std
 #pragma unroll
         for (int k = 0; k < V; ++k) v[k] = 0.0f;
       }
-      T* dst = tile + rr * kRow + cc;
 #pragma unroll
-      for (int k = 0; k < V; k += 4) tile_put4(dst + k, v[k], v[k + 1], v[k + 2], v[k + 3]);
+      for (int k = 0; k < V; k += 4) tile_put4(tile + tile_at<T>(rr, cc + k, swz), v[k], v[k + 1], v[k + 2], v[k + 3]);
     }
   } else {
     for (int i = threadIdx.x; i < kBlock * kBlock; i += kCtaThreads) {
       const int rr = i / kBlock, cc = i % kBlock;
       const std::int64_t r = r0 + rr, c = c0 + cc;
-      tile_put(tile + rr * kRow + cc, r < a.R && c < a.C ? src.at(a.base + r, c) : 0.0f);
+      tile_put(tile + tile_at<T>(rr, cc, swz), r < a.R && c < a.C ? src.at(a.base + r, c) : 0.0f);
     }
   }
 }
@@ -266,6 +277,100 @@ __device__ __forceinline__ std::uint32_t amax64(const T* src, int step) {
   return m;
 }
 
+// Four bf16 values (an 8-byte chunk of the tile) as f32: element k of the chunk.
+__device__ __forceinline__ float chunk_value(uint2 c, int k) {
+  const unsigned w = k < 2 ? c.x : c.y;
+  return __uint_as_float(k % 2 == 0 ? w << 16 : w & 0xffff0000u);
+}
+__device__ __forceinline__ std::uint32_t chunk_amax(uint2 c) {  // max |v| of its four values, as bits
+  return max(max(abs_bits(chunk_value(c, 0)), abs_bits(chunk_value(c, 1))),
+             max(abs_bits(chunk_value(c, 2)), abs_bits(chunk_value(c, 3))));
+}
+
+// The rowwise 1x128 codes of a swizzled bf16 tile: thread t takes half h = t % 2 of row t / 2, the
+// 16-column pieces 2 q + h (q < 4), read once into registers (16 chunks); the row's amax with the other
+// half's, then the codes, each piece one 16-byte word, the two threads' words of a q 32 contiguous bytes.
+template <Format F>
+__device__ __forceinline__ void rowwise_1x128(const bf16* tile, const Args& a, std::int64_t r0, std::int64_t c0,
+                                              float fmax) {
+  const int line = threadIdx.x / 2, h = threadIdx.x % 2;
+  const auto col = [h](int q) { return 32 * q + 16 * h; };  // the first column of piece 2 q + h
+  uint2 v[16];                                               // v[4 q + k]: columns col(q) + 4 k..
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      v[4 * q + k] = *reinterpret_cast<const uint2*>(tile + tile_at<bf16>(line, col(q) + 4 * k, true));
+  std::uint32_t m = 0;
+#pragma unroll
+  for (int q = 0; q < 16; ++q) m = max(m, chunk_amax(v[q]));
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  const std::int64_t r = r0 + line;
+  if (r >= a.Rr) return;
+  const float s = block_scale(fmax, bits_float(m), a.pow2);
+  if (h == 0) a.row_scale_inv[BlockLayout{a.mode, a.Rr, a.C}.index(r, c0)] = reciprocal(s);
+  std::uint8_t* dst = a.rowwise + r * a.C + c0;
+  const bool whole = a.vec_row && c0 + kBlock <= a.C;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (whole) {
+      unsigned w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint2 c = v[4 * q + k];
+        w[k] = cvt2<F>(__fmul_rn(chunk_value(c, 0), s), __fmul_rn(chunk_value(c, 1), s)) |
+               cvt2<F>(__fmul_rn(chunk_value(c, 2), s), __fmul_rn(chunk_value(c, 3), s)) << 16;
+      }
+      *reinterpret_cast<uint4*>(dst + col(q)) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        if (c0 + col(q) + i < a.C) dst[col(q) + i] = cvt1<F>(__fmul_rn(chunk_value(v[4 * q + i / 4], i % 4), s));
+    }
+  }
+}
+
+// The colwise (transpose's) 1x128 codes of a swizzled bf16 tile: lane l of warp w takes the four columns
+// 4 (4 w + l % 4).. over the 16 rows 16 (l / 4).. (one 8-byte chunk a row, read once); a column's
+// amax is the max over the eight lanes of its rows (three shuffles); each lane then stores its 16
+// codes of each column as one 16-byte word, the eight lanes of a column 128 contiguous bytes.
+template <Format F>
+__device__ __forceinline__ void colwise_1x128(const bf16* tile, const Args& a, std::int64_t r0, std::int64_t c0,
+                                              float fmax) {
+  const int lane = static_cast<int>(threadIdx.x % 32), cq = 4 * static_cast<int>(threadIdx.x / 32) + lane % 4,
+            rg = lane / 4;
+  uint2 v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = *reinterpret_cast<const uint2*>(tile + tile_at<bf16>(16 * rg + i, 4 * cq, true));
+  const std::int64_t left = a.Rc - (r0 + 16 * rg);
+  const int n = left <= 0 ? 0 : left >= 16 ? 16 : static_cast<int>(left);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    std::uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = max(m, abs_bits(chunk_value(v[i], j)));
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const std::int64_t c = c0 + 4 * cq + j;
+    if (c >= a.C) continue;
+    const float s = block_scale(fmax, bits_float(m), a.pow2);
+    if (rg == 0) a.col_scale_inv[BlockLayout{a.mode, a.C, a.Rc}.index(c, r0)] = reciprocal(s);
+    std::uint8_t* dst = a.colwise + c * a.Rc + r0 + 16 * rg;
+    if (a.vec_col && n == 16) {
+      unsigned w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        w[k] = cvt2<F>(__fmul_rn(chunk_value(v[4 * k], j), s), __fmul_rn(chunk_value(v[4 * k + 1], j), s)) |
+               cvt2<F>(__fmul_rn(chunk_value(v[4 * k + 2], j), s), __fmul_rn(chunk_value(v[4 * k + 3], j), s)) << 16;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        if (i < n) dst[i] = cvt1<F>(__fmul_rn(chunk_value(v[i], j), s));
+    }
+  }
+}
+
 // The tile of x at rows r0.., columns c0..: each thread t takes half t % 2 (64 elements) of tile line
 // t / 2, a row for the rowwise codes, a column for the transpose's. Both threads of a line are
 // neighbours in a warp.
@@ -279,14 +384,15 @@ __device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::
   __shared__ std::uint32_t warp_amax[kWarps];
   __shared__ float tile_scale;
   const bool vec_row = a.vec_row, vec_col = a.vec_col;
-  stage(tile, src, a, r0, c0, vec_in);
+  constexpr bool kBf16 = sizeof(T) == 2;
+  const bool swz = kBf16 && a.mode == ScalingMode::block_1x128;
+  stage(tile, src, a, r0, c0, vec_in, swz);
   __syncthreads();
   const int line = threadIdx.x / 2, half = threadIdx.x % 2, first = 64 * half;
   if (a.partial) {  // column `line`'s sum over the tile's rows: each half's 64 in order, then half 0 + half 1
-    const T* p = tile + first * kRow + line;
     float sum = 0.0f;
 #pragma unroll 16
-    for (int i = 0; i < 64; ++i) sum += tile_get(p + i * kRow);
+    for (int i = 0; i < 64; ++i) sum += tile_get(tile + tile_at<T>(first + i, line, swz));
     const float other = __shfl_xor_sync(0xffffffffu, sum, 1);
     if (half == 0 && c0 + line < a.C) a.partial[(r0 / kBlock) * a.C + c0 + line] = sum + other;
   }
@@ -298,6 +404,11 @@ __device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::
   const int row_n = row_left <= 0 ? 0 : row_left >= 64 ? 64 : static_cast<int>(row_left);
   const int col_n = col_left <= 0 ? 0 : col_left >= 64 ? 64 : static_cast<int>(col_left);
   if (a.mode == ScalingMode::block_1x128) {
+    if constexpr (kBf16) {  // the swizzled tile, read once into registers
+      if (a.rowwise) rowwise_1x128<F>(tile, a, r0, c0, fmax);
+      if (a.colwise) colwise_1x128<F>(tile, a, r0, c0, fmax);
+      return;
+    }
     if (a.rowwise) {
       std::uint32_t m = amax64(row_src, 1);
       m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));

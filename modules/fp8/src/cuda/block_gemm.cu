@@ -2,7 +2,8 @@
 // with X scaled per 1x128 block and Y per 1x128 (a weight gradient) or 128x128 block (a forward or data
 // gradient), both K-major as Hopper's FP8 tensor cores take them.
 //
-// The kernel is persistent (one CTA an SM, tiles of 256 x 128 taken in turn) and warp-specialised:
+// The kernel is persistent (one CTA an SM, tiles of 256 x 128 taken in turn; or 192 x 128 with three
+// math groups of one half each, BlockGemm::Tile, chosen a shape) and warp-specialised:
 //  - a producer warp group (one thread issuing) moves each 128-deep K block of X's and Y's tiles into
 //    shared memory by TMA (128-byte swizzle, the layout wgmma reads), with the block's scales (X's 256
 //    row scales, and Y's 128 column scales when Y is 1x128-scaled), through a ring of kStages stages,
@@ -33,19 +34,37 @@ namespace kiln::fp8::cuda {
 
 namespace {
 
-constexpr int kBM = 256, kBN = 128, kBK = 128, kStages = 4, kMathGroups = 2;
-constexpr int kGroupRows = kBM / kMathGroups;  // 128: two wgmma m64 halves a math group
-constexpr int kThreads = 128 * (kMathGroups + 1);
+constexpr int kBN = 128, kBK = 128;
 
-struct alignas(1024) BlockGemmSmem {
-  std::uint8_t a[kStages][kBM * kBK];  // X's tile, 256 rows of 128 bytes, 128-byte swizzle
-  std::uint8_t b[kStages][kBN * kBK];  // Y's tile
-  float sa[kStages][kBM];              // X's scales of the tile's rows
-  float sb[kStages][kBN];              // Y's scales of the tile's columns (1x128 Y)
-  std::uint64_t full[kStages], empty[kStages];
+// A tile's geometry (BlockGemm::Tile): Groups math warp groups, each owning Halves wgmma m64 row
+// blocks of the tile (summed one after the other), beside one producer warp group. The stages fill
+// what shared memory takes (at most 6); the registers go to the math groups (setmaxnreg).
+template <int Groups, int Halves>
+struct Geometry {
+  static constexpr int kGroups = Groups, kHalves = Halves, kBM = 64 * Groups * Halves, kThreads = 128 * (Groups + 1);
+  static constexpr int kStageBytes = (kBM + kBN) * (kBK + 4);
+  static constexpr int kStages = 220 * 1024 / kStageBytes < 6 ? 220 * 1024 / kStageBytes : 6;
+  static constexpr int kProducerRegs = Groups > 2 ? 24 : 40;
+  static constexpr int kMathRegs = (65536 / 128 - kProducerRegs) / Groups / 8 * 8 < 232
+                                       ? (65536 / 128 - kProducerRegs) / Groups / 8 * 8
+                                       : 232;
 };
-constexpr std::size_t kSmemBytes = sizeof(BlockGemmSmem) + 1024;  // with room to align the base
-static_assert(kSmemBytes <= 227 * 1024, "the block GEMM's stages exceed Hopper's shared memory");
+
+template <class G>
+struct alignas(1024) BlockGemmSmem {
+  std::uint8_t a[G::kStages][G::kBM * kBK];  // X's tile, kBM rows of 128 bytes, 128-byte swizzle
+  std::uint8_t b[G::kStages][kBN * kBK];     // Y's tile
+  float sa[G::kStages][G::kBM];              // X's scales of the tile's rows
+  float sb[G::kStages][kBN];                 // Y's scales of the tile's columns (1x128 Y)
+  std::uint64_t full[G::kStages], empty[G::kStages];
+};
+template <class G>
+constexpr std::size_t kSmemBytes = sizeof(BlockGemmSmem<G>) + 1024;  // with room to align the base
+
+using Tile256 = Geometry<2, 2>;  // 256 x 128: two groups of two halves
+using Tile192 = Geometry<3, 1>;  // 192 x 128: three groups of one (a third more tensor-core chains an SM)
+static_assert(kSmemBytes<Tile256> <= 227 * 1024 && kSmemBytes<Tile192> <= 227 * 1024,
+              "the block GEMM's stages exceed Hopper's shared memory");
 
 enum OutKind : int { kOutBf16 = 0, kOutF32 = 1, kOutF32Add = 2 };
 
@@ -140,8 +159,8 @@ __device__ __forceinline__ void wgmma_fp8(float (&d)[64], std::uint64_t da, std:
 #endif  // KILN_BLOCK_GEMM_SM90
 
 // XType / YType: 0 e4m3, 1 e5m2. YRowwise: Y 1x128-scaled (else 128x128).
-template <int XType, int YType, bool YRowwise>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int XType, int YType, bool YRowwise, class G>
+__global__ void __launch_bounds__(G::kThreads, 1)
     block_gemm_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_y,
                       const __grid_constant__ CUtensorMap map_xs, const __grid_constant__ CUtensorMap map_ys,
                       const BlockGemmParams p) {
@@ -150,7 +169,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // that the compiler keeps them in the shared space (LDS, not generic loads, for the scales).
   extern __shared__ __align__(1024) std::uint8_t smem_raw[];
   const std::uint32_t pad = (1024 - (smem_addr(smem_raw) & 1023)) & 1023;
-  auto& sm = *reinterpret_cast<BlockGemmSmem*>(smem_raw + pad);
+  auto& sm = *reinterpret_cast<BlockGemmSmem<G>*>(smem_raw + pad);
+  constexpr int kBM = G::kBM, kStages = G::kStages, kMathGroups = G::kGroups, kHalves = G::kHalves;
+  constexpr int kGroupRows = 64 * kHalves;
   const int group = static_cast<int>(threadIdx.x) / 128, tid = static_cast<int>(threadIdx.x) % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -162,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (group == kMathGroups) {  // the producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(G::kProducerRegs));
     if (tid != 0) return;
     prefetch_map(&map_x);
     prefetch_map(&map_y);
@@ -185,9 +206,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // The math groups: group g owns the tile's rows g * 128 .. g * 128 + 127 as two halves of 64 rows,
-  // each one wgmma m64n128 fragment; its accumulators are acc[h] for half h.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  // The math groups: group g owns the tile's kGroupRows rows from g * kGroupRows as kHalves halves of
+  // 64 rows, each one wgmma m64n128 fragment; its accumulators are acc[h] for half h.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(G::kMathRegs));
   const int warp = tid / 32, lane = tid % 32;
   // The tile row of acc[h][4j], acc[h][4j + 1] is r0 + 64 h; of acc[h][4j + 2], acc[h][4j + 3] r0 + 64 h + 8.
   const int r0 = group * kGroupRows + warp * 16 + lane / 4;
@@ -198,9 +219,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int it = 0;
   for (int t = static_cast<int>(blockIdx.x); t < p.tiles; t += static_cast<int>(gridDim.x)) {
     const int m0 = (t / p.tiles_n) * kBM, n0 = (t % p.tiles_n) * kBN;
-    float acc[2][64];
+    float acc[kHalves][64];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     const float* yscale = YRowwise ? nullptr : p.y_block_scale + static_cast<std::int64_t>(n0 / kBK) * p.y_block_ld;
@@ -211,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(&sm.full[s], (it / kStages) & 1);
       const std::uint64_t db = smem_desc(sm.b[s]);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < kHalves; ++h) {
         const std::uint64_t da = smem_desc(sm.a[s] + (group * kGroupRows + h * 64) * kBK);
         fence_fragment(part);
         wgmma_fence();
@@ -247,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // The epilogue, from registers.
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int col = n0 + 8 * j + c0;
@@ -292,10 +313,22 @@ namespace {
 
 using Kernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, BlockGemmParams);
 
+template <class G>
 Kernel kernel_for(int xt, int yt, bool y_rowwise) {
-  if (xt == 0 && yt == 0) return y_rowwise ? block_gemm_kernel<0, 0, true> : block_gemm_kernel<0, 0, false>;
-  if (xt == 1 && yt == 0) return y_rowwise ? block_gemm_kernel<1, 0, true> : block_gemm_kernel<1, 0, false>;
-  return y_rowwise ? block_gemm_kernel<0, 1, true> : block_gemm_kernel<0, 1, false>;
+  if (xt == 0 && yt == 0) return y_rowwise ? block_gemm_kernel<0, 0, true, G> : block_gemm_kernel<0, 0, false, G>;
+  if (xt == 1 && yt == 0) return y_rowwise ? block_gemm_kernel<1, 0, true, G> : block_gemm_kernel<1, 0, false, G>;
+  return y_rowwise ? block_gemm_kernel<0, 1, true, G> : block_gemm_kernel<0, 1, false, G>;
+}
+
+template <class G>
+void allow_smem() {
+  for (int xt = 0; xt < 2; ++xt)
+    for (int yt = 0; yt < 2; ++yt)
+      for (bool rowwise : {false, true})
+        if (xt + yt < 2)
+          KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel_for<G>(xt, yt, rowwise),
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(kSmemBytes<G>)));
 }
 
 // A 2-D tensor map of a row-major [outer, inner] tensor, boxes of [box_outer, box_inner].
@@ -315,6 +348,41 @@ CUtensorMap map_2d(PFN_cuTensorMapEncodeTiled_v12000 encode, const void* base, C
   return m;
 }
 
+// D = X Y^T for G's tiles: the tensor maps, the parameters, one CTA an SM (or a tile).
+template <class G>
+void launch(const GemmArgs& g, PFN_cuTensorMapEncodeTiled_v12000 encode, int sms, int probe, cudaStream_t stream) {
+  const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
+  const bool y_rowwise = g.y_mode == ScalingMode::block_1x128;
+  const BlockLayout lx{ScalingMode::block_1x128, M, K}, ly{g.y_mode, N, K};
+  const auto u = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+  const CUtensorMap mx = map_2d(encode, g.x.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, u(K), u(M), u(K), kBK, G::kBM,
+                                CU_TENSOR_MAP_SWIZZLE_128B, "X");
+  const CUtensorMap my = map_2d(encode, g.y.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, u(K), u(N), u(K), kBK, kBN,
+                                CU_TENSOR_MAP_SWIZZLE_128B, "Y");
+  const CUtensorMap mxs = map_2d(encode, g.x_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, u(lx.ld()),
+                                 u(blocks_of(K)), u(lx.ld() * 4), G::kBM, 1, CU_TENSOR_MAP_SWIZZLE_NONE, "X's scales");
+  const CUtensorMap mys = y_rowwise ? map_2d(encode, g.y_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, u(ly.ld()),
+                                             u(blocks_of(K)), u(ly.ld() * 4), kBN, 1, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                             "Y's scales")
+                                    : mxs;
+  BlockGemmParams p{};
+  p.M = static_cast<int>(M);
+  p.N = static_cast<int>(N);
+  p.kblocks = static_cast<int>(blocks_of(K));
+  p.tiles_n = static_cast<int>((N + kBN - 1) / kBN);
+  p.tiles = static_cast<int>((M + G::kBM - 1) / G::kBM) * p.tiles_n;
+  p.y_block_scale = y_rowwise ? nullptr : g.y_scale_inv;
+  p.y_block_ld = y_rowwise ? 0 : static_cast<int>(ly.ld());
+  p.d = g.d.data;
+  p.bias = g.bias ? static_cast<const __nv_bfloat16*>(g.bias.data) : nullptr;
+  p.out = !g.f32_result ? kOutBf16 : g.accumulate ? kOutF32Add : kOutF32;
+  p.probe = probe;
+  const int grid = p.tiles < sms ? p.tiles : sms;
+  kernel_for<G>(type_code(g.x.dtype), type_code(g.y.dtype), y_rowwise)<<<grid, G::kThreads, kSmemBytes<G>, stream>>>(
+      mx, my, mxs, mys, p);
+  KILN_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 BlockGemm::BlockGemm() : impl_(std::make_unique<Impl>()) {
@@ -329,15 +397,23 @@ BlockGemm::BlockGemm() : impl_(std::make_unique<Impl>()) {
   KILN_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
   KILN_CHECK(found == cudaDriverEntryPointSuccess && fn, "block GEMM: the driver has no cuTensorMapEncodeTiled");
   impl_->encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  for (int xt = 0; xt < 2; ++xt)
-    for (int yt = 0; yt < 2; ++yt)
-      for (bool rowwise : {false, true})
-        if (xt + yt < 2)
-          KILN_CUDA_CHECK(cudaFuncSetAttribute(kernel_for(xt, yt, rowwise), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(kSmemBytes)));
+  allow_smem<Tile256>();
+  allow_smem<Tile192>();
 }
 
 BlockGemm::~BlockGemm() = default;
+
+// The tile of a product: the one whose rounds of CTAs (ceil(tiles / SMs), one tile an SM a round) times
+// its rows, the rows an SM computes, is least, 192-row tiles counted 6% faster a row (the rate per
+// tile docs/PERF.md measured apart from the rounds' waste). So 192 rows where 256 would leave a last
+// round fuller than 192 does, or where the tiles are many (the long-N forward products).
+BlockGemm::Tile BlockGemm::automatic_tile(std::int64_t M, std::int64_t N, int sms) {
+  const auto rows = [&](std::int64_t bm) {
+    const std::int64_t tiles = (M + bm - 1) / bm * ((N + kBN - 1) / kBN);
+    return static_cast<double>((tiles + sms - 1) / sms * bm);
+  };
+  return rows(Tile192::kBM) / 1.06 < rows(Tile256::kBM) ? Tile::m192n128 : Tile::m256n128;
+}
 
 bool BlockGemm::available() const { return impl_->sm90; }
 
@@ -362,35 +438,10 @@ void BlockGemm::run(const GemmArgs& g, cudaStream_t stream) {
                  aligned16(g.y_scale_inv),
              "block GEMM: operands and scales must be 16-byte aligned");
   if (M == 0 || N == 0) return;
-  const bool y_rowwise = g.y_mode == ScalingMode::block_1x128;
-  const BlockLayout lx{ScalingMode::block_1x128, M, K}, ly{g.y_mode, N, K};
-  const auto u = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
-  const CUtensorMap mx = map_2d(impl_->encode, g.x.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, u(K), u(M), u(K), kBK, kBM,
-                                CU_TENSOR_MAP_SWIZZLE_128B, "X");
-  const CUtensorMap my = map_2d(impl_->encode, g.y.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, u(K), u(N), u(K), kBK, kBN,
-                                CU_TENSOR_MAP_SWIZZLE_128B, "Y");
-  const CUtensorMap mxs = map_2d(impl_->encode, g.x_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, u(lx.ld()),
-                                 u(blocks_of(K)), u(lx.ld() * 4), kBM, 1, CU_TENSOR_MAP_SWIZZLE_NONE, "X's scales");
-  const CUtensorMap mys = y_rowwise ? map_2d(impl_->encode, g.y_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, u(ly.ld()),
-                                             u(blocks_of(K)), u(ly.ld() * 4), kBN, 1, CU_TENSOR_MAP_SWIZZLE_NONE,
-                                             "Y's scales")
-                                    : mxs;
-  BlockGemmParams p{};
-  p.M = static_cast<int>(M);
-  p.N = static_cast<int>(N);
-  p.kblocks = static_cast<int>(blocks_of(K));
-  p.tiles_n = static_cast<int>((N + kBN - 1) / kBN);
-  p.tiles = static_cast<int>((M + kBM - 1) / kBM) * p.tiles_n;
-  p.y_block_scale = y_rowwise ? nullptr : g.y_scale_inv;
-  p.y_block_ld = y_rowwise ? 0 : static_cast<int>(ly.ld());
-  p.d = g.d.data;
-  p.bias = g.bias ? static_cast<const __nv_bfloat16*>(g.bias.data) : nullptr;
-  p.out = !g.f32_result ? kOutBf16 : g.accumulate ? kOutF32Add : kOutF32;
-  p.probe = probe_;
-  const int grid = p.tiles < impl_->sms ? p.tiles : impl_->sms;
-  kernel_for(type_code(g.x.dtype), type_code(g.y.dtype), y_rowwise)<<<grid, kThreads, kSmemBytes, stream>>>(mx, my, mxs,
-                                                                                                          mys, p);
-  KILN_CUDA_CHECK(cudaGetLastError());
+  if ((tile_ == Tile::automatic ? automatic_tile(M, N, impl_->sms) : tile_) == Tile::m192n128)
+    launch<Tile192>(g, impl_->encode, impl_->sms, probe_, stream);
+  else
+    launch<Tile256>(g, impl_->encode, impl_->sms, probe_, stream);
 }
 
 }  // namespace kiln::fp8::cuda

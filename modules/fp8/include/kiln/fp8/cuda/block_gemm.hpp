@@ -15,6 +15,7 @@
 // fp8.block_gemm defaults to cuBLASLt's.
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <memory>
 
 #include "kiln/fp8/ops.hpp"
@@ -36,11 +37,19 @@ class BlockGemm {
   // For benchmarks that take the kernel apart (bench_fp8 block-probe): 1 skips the epilogue's stores,
   // 2 the promotions (the results are then wrong).
   void set_probe(int probe) { probe_ = probe; }
+  // The tile a CTA computes at a time, rows x columns of D: 256 x 128 (two math warp groups of two
+  // wgmma m64 row blocks each, summed one after the other) or 192 x 128 (three groups of one: more
+  // products in flight an SM, smaller last rounds for some shapes). automatic (the default) picks one
+  // a shape (tile_for); the others are for benchmarks.
+  enum class Tile { automatic, m256n128, m192n128 };
+  void set_tile(Tile t) { tile_ = t; }
+  static Tile automatic_tile(std::int64_t M, std::int64_t N, int sms);  // automatic's tile for a [M, N] D
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int probe_ = 0;
+  Tile tile_ = Tile::automatic;
 };
 
 }  // namespace kiln::fp8::cuda
