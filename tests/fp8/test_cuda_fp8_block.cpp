@@ -210,6 +210,40 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
                             test::to_host<float>(unfused.rs.data(), static_cast<std::size_t>(l.count()))));
       CHECK(test::same_bits(test::to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
                             test::to_host<float>(unfused.cs.data(), static_cast<std::size_t>(tl.count()))));
+      {  // The rowwise codes alone (no transpose, no bias gradient: where C is a multiple of 128, no tile
+         // is staged) equal the fused pass's.
+        Buffer row(Device::cuda, n + 256);
+        Buffer rs = test::to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f));
+        gpu->quantize_blocks({ds, ScalingMode::block_1x128, false, TensorView(row.data(), {R, C}, DType::e4m3, Device::cuda),
+                              static_cast<float*>(rs.data())});
+        CHECK(test::to_host<std::uint8_t>(row.data(), n) == test::to_host<std::uint8_t>(fused.row.data(), n));
+        CHECK(test::same_bits(test::to_host<float>(rs.data(), static_cast<std::size_t>(l.count())),
+                              test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count()))));
+      }
+      {  // Both copies without the bias gradient, and the transpose's codes alone, equal the fused pass's.
+        for (bool rows_too : {true, false}) {
+          CAPTURE(rows_too);
+          Buffer row(Device::cuda, n + 256), col(Device::cuda, n + 256);
+          Buffer rs = test::to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f));
+          Buffer cs = test::to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f));
+          BlockQuantizeArgs a{ds, ScalingMode::block_1x128, false};
+          if (rows_too) {
+            a.rowwise = TensorView(row.data(), {R, C}, DType::e4m3, Device::cuda);
+            a.row_scale_inv = static_cast<float*>(rs.data());
+          }
+          a.colwise = TensorView(col.data(), {C, R}, DType::e4m3, Device::cuda);
+          a.col_scale_inv = static_cast<float*>(cs.data());
+          gpu->quantize_blocks(a);
+          if (rows_too) {
+            CHECK(test::to_host<std::uint8_t>(row.data(), n) == test::to_host<std::uint8_t>(fused.row.data(), n));
+            CHECK(test::same_bits(test::to_host<float>(rs.data(), static_cast<std::size_t>(l.count())),
+                                  test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count()))));
+          }
+          CHECK(test::to_host<std::uint8_t>(col.data(), n) == test::to_host<std::uint8_t>(fused.col.data(), n));
+          CHECK(test::same_bits(test::to_host<float>(cs.data(), static_cast<std::size_t>(tl.count())),
+                                test::to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count()))));
+        }
+      }
       const auto dbias = test::to_host<float>(fused.db.data(), static_cast<std::size_t>(C));
       CHECK(test::same_bits(dbias, test::to_host<float>(unfused.db.data(), static_cast<std::size_t>(C))));
       // The bias gradient: the column sums of the unfused values (added to 0.5), within f32 rounding.

@@ -59,9 +59,13 @@ __device__ __forceinline__ void tile_put(bf16* p, float v) { *p = __float2bfloat
 __device__ __forceinline__ void tile_put4(float* p, float a, float b, float c, float d) {
   *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
 }
-__device__ __forceinline__ void tile_put4(bf16* p, float a, float b, float c, float d) {
-  *reinterpret_cast<uint2*>(p) = make_uint2(__float_as_uint(a) >> 16 | (__float_as_uint(b) & 0xffff0000u),
-                                            __float_as_uint(c) >> 16 | (__float_as_uint(d) & 0xffff0000u));
+__device__ __forceinline__ unsigned bf16_pair(float a, float b) {
+  return __float_as_uint(a) >> 16 | (__float_as_uint(b) & 0xffff0000u);
+}
+// Eight values as one 16-byte store (p 16-byte aligned): a bf16 tile's staging.
+__device__ __forceinline__ void tile_put8(bf16* p, const float* v) {
+  *reinterpret_cast<uint4*>(p) =
+      make_uint4(bf16_pair(v[0], v[1]), bf16_pair(v[2], v[3]), bf16_pair(v[4], v[5]), bf16_pair(v[6], v[7]));
 }
 
 // |x| as bits, max-reduced over a warp (non-negative floats order as their bits; NaN above all).
@@ -224,8 +228,13 @@ __device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std
 #pragma unroll
         for (int k = 0; k < V; ++k) v[k] = 0.0f;
       }
+      if constexpr (sizeof(T) == 2 && V % 8 == 0) {  // 16 bytes a store: two chunks, adjacent in either layout
 #pragma unroll
-      for (int k = 0; k < V; k += 4) tile_put4(tile + tile_at<T>(rr, cc + k, swz), v[k], v[k + 1], v[k + 2], v[k + 3]);
+        for (int k = 0; k < V; k += 8) tile_put8(tile + tile_at<T>(rr, cc + k, swz), v + k);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) tile_put4(tile + tile_at<T>(rr, cc + k, swz), v[k], v[k + 1], v[k + 2], v[k + 3]);
+      }
     }
   } else {
     for (int i = threadIdx.x; i < kBlock * kBlock; i += kCtaThreads) {
@@ -453,6 +462,46 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Arg
                       static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
 }
 
+// Rowwise 1x128 codes alone (no transpose, no column sums), C a multiple of 128 and every row of x
+// coded: no tile to stage. Eight threads take a block (16 values each, loaded as the tile kernel
+// stages them: the same values), its amax by three shuffles, and store its 128 codes as eight 16-byte
+// words, contiguous; a CTA takes 32 blocks.
+constexpr int kRowThreads = 8;
+template <class S, Format F>
+__global__ void __launch_bounds__(kCtaThreads) quantize_rows_kernel(S src, Args a) {
+  constexpr int V = S::kVec, kPer = kBlock / kRowThreads;
+  static_assert(kPer % V == 0, "a thread's values are whole loads");
+  const std::int64_t blocks_c = a.C / kBlock;
+  const std::int64_t g = (static_cast<std::int64_t>(blockIdx.x) * kCtaThreads + threadIdx.x) / kRowThreads;
+  const bool valid = g < a.R * blocks_c;  // the warp's lanes all reach the shuffles
+  const std::int64_t r = valid ? g / blocks_c : 0, c0 = valid ? g % blocks_c * kBlock : 0,
+                     c = c0 + threadIdx.x % kRowThreads * kPer;
+  float v[kPer];
+  std::uint32_t m = 0;
+  if (valid) {
+#pragma unroll
+    for (int k = 0; k < kPer; k += V) {
+      float t[V];
+      src.load(t, a.base + r, c + k);
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[k + i] = t[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) m = max(m, abs_bits(v[i]));
+  }
+#pragma unroll
+  for (int o = 1; o < kRowThreads; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (!valid) return;
+  const float s = block_scale(max_value(a.f), bits_float(m), a.pow2);
+  if (threadIdx.x % kRowThreads == 0) a.row_scale_inv[BlockLayout{a.mode, a.Rr, a.C}.index(r, c0)] = reciprocal(s);
+  unsigned w[kPer / 4];
+#pragma unroll
+  for (int j = 0; j < kPer / 4; ++j)
+    w[j] = cvt2<F>(__fmul_rn(v[4 * j], s), __fmul_rn(v[4 * j + 1], s)) |
+           cvt2<F>(__fmul_rn(v[4 * j + 2], s), __fmul_rn(v[4 * j + 3], s)) << 16;
+  *reinterpret_cast<uint4*>(a.rowwise + r * a.C + c) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // A grouped quantisation's groups (up to kPlanGroups a launch), in the kernel's parameters: group g's
 // row tiles are blockIdx.y in [tile[g], tile[g + 1]), its Args are the launch's with part[g]'s Rows.
 constexpr int kPlanGroups = 64;
@@ -512,6 +561,14 @@ template <class S, Format F>
 void launch(const S& src, const Args& a, std::span<const Rows> groups, bool vec_in, cudaStream_t s) {
   const std::int64_t tiles_c = blocks_of(a.C);
   constexpr std::size_t kSmem = kSmemOf<typename S::Tile>;
+  if (groups.empty() && a.mode == ScalingMode::block_1x128 && a.rowwise && !a.colwise && !a.partial && vec_in &&
+      a.vec_row && a.C % kBlock == 0 && a.Rr == a.R) {
+    const std::int64_t ctas = (a.R * (a.C / kBlock) * kRowThreads + kCtaThreads - 1) / kCtaThreads;
+    KILN_CHECK(ctas <= 0x7fffffff, "fp8 quantize_blocks: [", a.R, ", ", a.C, "] is too large for one launch");
+    quantize_rows_kernel<S, F><<<static_cast<unsigned>(ctas), kCtaThreads, 0, s>>>(src, a);
+    KILN_CUDA_LAUNCH_CHECK();
+    return;
+  }
   if (groups.empty()) {
     const std::int64_t tiles_r = row_tiles(a);
     KILN_CHECK(tiles_c <= 0x7fffffff && tiles_r <= 65535, "fp8 quantize_blocks: [", a.R, ", ", a.C,
