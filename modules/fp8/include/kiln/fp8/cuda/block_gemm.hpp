@@ -10,7 +10,7 @@
 // bits differ from cuBLASLt's (another order of the same sums); a shape always runs the same kernel.
 // Why it exists: cuBLASLt 13.0's block-scaled products run at 0.73-0.97x its per-tensor ones on an
 // H200, the weight gradient's 1x128 x 1x128 at ~1,050 TFLOP/s (docs/PERF.md, issue 29). So far this
-// kernel is slower still (0.71-0.94x cuBLASLt's block-scaled rate; its loads and products alone beat
+// kernel is slower still (0.76-0.96x cuBLASLt's block-scaled rate; its loads and products alone beat
 // it, the promotions cost the rest: docs/PERF.md, "kiln's own block-scaled GEMM"), which is why
 // fp8.block_gemm defaults to cuBLASLt's.
 #include <cuda_runtime_api.h>
