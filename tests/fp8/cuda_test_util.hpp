@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "kiln/tensor/buffer.hpp"
@@ -23,6 +24,10 @@ std::vector<T> to_host(const void* d, std::size_t n) {
   KILN_CUDA_CHECK(cudaDeviceSynchronize());
   KILN_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
   return h;
+}
+// Whether two device buffers hold the same bytes: codes, or scales and values compared bit for bit.
+inline bool same_device_bytes(const void* a, const void* b, std::size_t bytes) {
+  return to_host<std::uint8_t>(a, bytes) == to_host<std::uint8_t>(b, bytes);
 }
 
 }  // namespace kiln::test

@@ -204,21 +204,18 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
         return o;
       };
       const Out fused = quantize_on_gpu(ds), unfused = quantize_on_gpu(TensorView(d_vals.data(), {R, C}, DType::bf16, Device::cuda));
-      CHECK(test::to_host<std::uint8_t>(fused.row.data(), n) == test::to_host<std::uint8_t>(unfused.row.data(), n));
-      CHECK(test::to_host<std::uint8_t>(fused.col.data(), n) == test::to_host<std::uint8_t>(unfused.col.data(), n));
-      CHECK(test::same_bits(test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
-                            test::to_host<float>(unfused.rs.data(), static_cast<std::size_t>(l.count()))));
-      CHECK(test::same_bits(test::to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
-                            test::to_host<float>(unfused.cs.data(), static_cast<std::size_t>(tl.count()))));
+      CHECK(test::same_device_bytes(fused.row.data(), unfused.row.data(), n));
+      CHECK(test::same_device_bytes(fused.col.data(), unfused.col.data(), n));
+      CHECK(test::same_device_bytes(fused.rs.data(), unfused.rs.data(), static_cast<std::size_t>(l.count()) * 4));
+      CHECK(test::same_device_bytes(fused.cs.data(), unfused.cs.data(), static_cast<std::size_t>(tl.count()) * 4));
       {  // The rowwise codes alone (no transpose, no bias gradient: where C is a multiple of 128, no tile
          // is staged) equal the fused pass's.
         Buffer row(Device::cuda, n + 256);
         Buffer rs = test::to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f));
         gpu->quantize_blocks({ds, ScalingMode::block_1x128, false, TensorView(row.data(), {R, C}, DType::e4m3, Device::cuda),
                               static_cast<float*>(rs.data())});
-        CHECK(test::to_host<std::uint8_t>(row.data(), n) == test::to_host<std::uint8_t>(fused.row.data(), n));
-        CHECK(test::same_bits(test::to_host<float>(rs.data(), static_cast<std::size_t>(l.count())),
-                              test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count()))));
+        CHECK(test::same_device_bytes(row.data(), fused.row.data(), n));
+        CHECK(test::same_device_bytes(rs.data(), fused.rs.data(), static_cast<std::size_t>(l.count()) * 4));
       }
       {  // Both copies without the bias gradient, and the transpose's codes alone, equal the fused pass's.
         for (bool rows_too : {true, false}) {
@@ -235,13 +232,11 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
           a.col_scale_inv = static_cast<float*>(cs.data());
           gpu->quantize_blocks(a);
           if (rows_too) {
-            CHECK(test::to_host<std::uint8_t>(row.data(), n) == test::to_host<std::uint8_t>(fused.row.data(), n));
-            CHECK(test::same_bits(test::to_host<float>(rs.data(), static_cast<std::size_t>(l.count())),
-                                  test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count()))));
+            CHECK(test::same_device_bytes(row.data(), fused.row.data(), n));
+            CHECK(test::same_device_bytes(rs.data(), fused.rs.data(), static_cast<std::size_t>(l.count()) * 4));
           }
-          CHECK(test::to_host<std::uint8_t>(col.data(), n) == test::to_host<std::uint8_t>(fused.col.data(), n));
-          CHECK(test::same_bits(test::to_host<float>(cs.data(), static_cast<std::size_t>(tl.count())),
-                                test::to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count()))));
+          CHECK(test::same_device_bytes(col.data(), fused.col.data(), n));
+          CHECK(test::same_device_bytes(cs.data(), fused.cs.data(), static_cast<std::size_t>(tl.count()) * 4));
         }
       }
       const auto dbias = test::to_host<float>(fused.db.data(), static_cast<std::size_t>(C));
@@ -322,17 +317,15 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
       BlockQuantizeArgs q = out(apart);
       q.x = TensorView(apart.p.data(), {R, C}, DType::f32, Device::cuda);
       gpu->quantize_blocks(q);
-      CHECK(test::same_bits(test::to_host<float>(fused.p.data(), n), test::to_host<float>(apart.p.data(), n)));
+      CHECK(test::same_device_bytes(fused.p.data(), apart.p.data(), n * 4));
       const std::size_t moment_bytes = n * size_of(moments);
       for (auto [a, b] : {std::pair{&fused.m, &apart.m}, {&fused.v, &apart.v}})
-        CHECK(test::to_host<std::uint8_t>(a->data(), moment_bytes) == test::to_host<std::uint8_t>(b->data(), moment_bytes));
+        CHECK(test::same_device_bytes(a->data(), b->data(), moment_bytes));
       CHECK(test::to_host<float>(fused.p.data(), n) != p);  // the step changed the weight
-      CHECK(test::to_host<std::uint8_t>(fused.row.data(), n) == test::to_host<std::uint8_t>(apart.row.data(), n));
-      CHECK(test::to_host<std::uint8_t>(fused.col.data(), n) == test::to_host<std::uint8_t>(apart.col.data(), n));
-      CHECK(test::same_bits(test::to_host<float>(fused.rs.data(), static_cast<std::size_t>(l.count())),
-                            test::to_host<float>(apart.rs.data(), static_cast<std::size_t>(l.count()))));
-      CHECK(test::same_bits(test::to_host<float>(fused.cs.data(), static_cast<std::size_t>(tl.count())),
-                            test::to_host<float>(apart.cs.data(), static_cast<std::size_t>(tl.count()))));
+      CHECK(test::same_device_bytes(fused.row.data(), apart.row.data(), n));
+      CHECK(test::same_device_bytes(fused.col.data(), apart.col.data(), n));
+      CHECK(test::same_device_bytes(fused.rs.data(), apart.rs.data(), static_cast<std::size_t>(l.count()) * 4));
+      CHECK(test::same_device_bytes(fused.cs.data(), apart.cs.data(), static_cast<std::size_t>(tl.count()) * 4));
     }
 }
 
@@ -658,10 +651,10 @@ TEST_CASE("CUDA's AdamW step of stacked experts' weights with their grouped 128x
                                                           ge.row_scale_inv, ge.colwise, ge.col_scale_inv});
       }
       for (auto [a, b] : {std::pair{&grouped.p, &apart.p}, {&grouped.m, &apart.m}, {&grouped.v, &apart.v}})
-        CHECK(test::same_bits(test::to_host<float>(a->data(), n), test::to_host<float>(b->data(), n)));
+        CHECK(test::same_device_bytes(a->data(), b->data(), n * 4));
       CHECK(test::to_host<float>(grouped.p.data(), n) != p);
-      CHECK(test::to_host<std::uint8_t>(grouped.codes.data(), 2 * n) == test::to_host<std::uint8_t>(apart.codes.data(), 2 * n));
-      CHECK(test::same_bits(test::to_host<float>(grouped.scales.data(), scales), test::to_host<float>(apart.scales.data(), scales)));
+      CHECK(test::same_device_bytes(grouped.codes.data(), apart.codes.data(), 2 * n));
+      CHECK(test::same_device_bytes(grouped.scales.data(), apart.scales.data(), scales * 4));
     }
 }
 

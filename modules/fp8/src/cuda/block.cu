@@ -366,11 +366,11 @@ __device__ __forceinline__ void colwise_1x128(const bf16* tile, const Args& a, s
     if (rg == 0) a.col_scale_inv[BlockLayout{a.mode, a.C, a.Rc}.index(c, r0)] = reciprocal(s);
     std::uint8_t* dst = a.colwise + c * a.Rc + r0 + 16 * rg;
     if (a.vec_col && n == 16) {
-      unsigned w[4];
+      float x[16];
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        w[k] = cvt2<F>(__fmul_rn(chunk_value(v[4 * k], j), s), __fmul_rn(chunk_value(v[4 * k + 1], j), s)) |
-               cvt2<F>(__fmul_rn(chunk_value(v[4 * k + 2], j), s), __fmul_rn(chunk_value(v[4 * k + 3], j), s)) << 16;
+      for (int i = 0; i < 16; ++i) x[i] = chunk_value(v[i], j);
+      std::uint32_t w[4];
+      encode16<F>(x, s, w);
       *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
 #pragma unroll
@@ -494,11 +494,8 @@ __global__ void __launch_bounds__(kCtaThreads) quantize_rows_kernel(S src, Args 
   if (!valid) return;
   const float s = block_scale(max_value(a.f), bits_float(m), a.pow2);
   if (threadIdx.x % kRowThreads == 0) a.row_scale_inv[BlockLayout{a.mode, a.Rr, a.C}.index(r, c0)] = reciprocal(s);
-  unsigned w[kPer / 4];
-#pragma unroll
-  for (int j = 0; j < kPer / 4; ++j)
-    w[j] = cvt2<F>(__fmul_rn(v[4 * j], s), __fmul_rn(v[4 * j + 1], s)) |
-           cvt2<F>(__fmul_rn(v[4 * j + 2], s), __fmul_rn(v[4 * j + 3], s)) << 16;
+  std::uint32_t w[4];
+  encode16<F>(v, s, w);
   *reinterpret_cast<uint4*>(a.rowwise + r * a.C + c) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -24,6 +24,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kiln/fp8/block.hpp"
@@ -43,11 +44,9 @@ template <int Groups, int Halves>
 struct Geometry {
   static constexpr int kGroups = Groups, kHalves = Halves, kBM = 64 * Groups * Halves, kThreads = 128 * (Groups + 1);
   static constexpr int kStageBytes = (kBM + kBN) * (kBK + 4);
-  static constexpr int kStages = 220 * 1024 / kStageBytes < 6 ? 220 * 1024 / kStageBytes : 6;
+  static constexpr int kStages = std::min(220 * 1024 / kStageBytes, 6);
   static constexpr int kProducerRegs = Groups > 2 ? 24 : 40;
-  static constexpr int kMathRegs = (65536 / 128 - kProducerRegs) / Groups / 8 * 8 < 232
-                                       ? (65536 / 128 - kProducerRegs) / Groups / 8 * 8
-                                       : 232;
+  static constexpr int kMathRegs = std::min((65536 / 128 - kProducerRegs) / Groups / 8 * 8, 232);
 };
 
 template <class G>
