@@ -213,11 +213,12 @@ __device__ __forceinline__ int tile_at(int rr, int cc, bool swz) {
 }
 
 // Stages the tile (rows r0.., cols c0..), zeros outside x: S::kVec values a load where `vec`.
-template <class S, typename T = typename S::Tile>
-__device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std::int64_t c0, bool vec, bool swz) {
-  constexpr int V = S::kVec;
+template <bool Swz, class S, typename T = typename S::Tile>
+__device__ void stage(T* tile, const S& src, const Args& a, std::int64_t r0, std::int64_t c0, bool vec) {
+  constexpr int V = S::kVec, kUnroll = Swz ? 8 : 4;
+  constexpr bool swz = Swz;
   if (vec) {
-#pragma unroll 8
+#pragma unroll kUnroll
     for (int i = threadIdx.x; i < kBlock * kBlock / V; i += kCtaThreads) {
       const int rr = i / (kBlock / V), cc = i % (kBlock / V) * V;
       const std::int64_t r = r0 + rr, c = c0 + cc;
@@ -383,7 +384,9 @@ __device__ __forceinline__ void colwise_1x128(const bf16* tile, const Args& a, s
 // The tile of x at rows r0.., columns c0..: each thread t takes half t % 2 (64 elements) of tile line
 // t / 2, a row for the rowwise codes, a column for the transpose's. Both threads of a line are
 // neighbours in a warp.
-template <class S, Format F>
+// Swz: a bf16 tile for 1x128 codes (swizzled, read into registers); its own instances, so that the
+// others keep their fewer registers (more CTAs an SM).
+template <class S, Format F, bool Swz>
 __device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::int64_t r0, std::int64_t c0,
                                               bool vec_in) {
   using T = typename S::Tile;
@@ -393,9 +396,9 @@ __device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::
   __shared__ std::uint32_t warp_amax[kWarps];
   __shared__ float tile_scale;
   const bool vec_row = a.vec_row, vec_col = a.vec_col;
-  constexpr bool kBf16 = sizeof(T) == 2;
-  const bool swz = kBf16 && a.mode == ScalingMode::block_1x128;
-  stage(tile, src, a, r0, c0, vec_in, swz);
+  static_assert(!Swz || sizeof(T) == 2, "a swizzled tile is a bf16 one");
+  constexpr bool swz = Swz;
+  stage<Swz>(tile, src, a, r0, c0, vec_in);
   __syncthreads();
   const int line = threadIdx.x / 2, half = threadIdx.x % 2, first = 64 * half;
   if (a.partial) {  // column `line`'s sum over the tile's rows: each half's 64 in order, then half 0 + half 1
@@ -413,7 +416,7 @@ __device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::
   const int row_n = row_left <= 0 ? 0 : row_left >= 64 ? 64 : static_cast<int>(row_left);
   const int col_n = col_left <= 0 ? 0 : col_left >= 64 ? 64 : static_cast<int>(col_left);
   if (a.mode == ScalingMode::block_1x128) {
-    if constexpr (kBf16) {  // the swizzled tile, read once into registers
+    if constexpr (Swz) {  // the swizzled tile, read once into registers
       if (a.rowwise) rowwise_1x128<F>(tile, a, r0, c0, fmax);
       if (a.colwise) colwise_1x128<F>(tile, a, r0, c0, fmax);
       return;
@@ -456,9 +459,9 @@ __device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::
   if (a.colwise && c < a.C) store_codes<F>(a.colwise + c * a.Rc + r0 + first, col_src, kRow, s, col_n, vec_col);
 }
 
-template <class S, Format F>
+template <class S, Format F, bool Swz>
 __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Args a, bool vec_in) {
-  quantize_tile<S, F>(src, a, static_cast<std::int64_t>(blockIdx.y) * kBlock,
+  quantize_tile<S, F, Swz>(src, a, static_cast<std::int64_t>(blockIdx.y) * kBlock,
                       static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
 }
 
@@ -517,12 +520,12 @@ __device__ __forceinline__ std::int64_t select_group(Args& a, const GroupPlan& p
   return static_cast<std::int64_t>(t - plan.tile[g]) * kBlock;
 }
 
-template <class S, Format F>
+template <class S, Format F, bool Swz>
 __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_grouped_kernel(S src, Args a,
                                                                            const __grid_constant__ GroupPlan plan,
                                                                            bool vec_in) {
   const std::int64_t r0 = select_group(a, plan, static_cast<int>(blockIdx.y));
-  quantize_tile<S, F>(src, a, r0, static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
+  quantize_tile<S, F, Swz>(src, a, r0, static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
 }
 
 // Rows [base, base + R) of x [.., C] into copies of Rr rows and Rc columns: 16-byte stores where the
@@ -553,25 +556,18 @@ std::size_t allow_smem(K kernel, std::size_t bytes) {
   return bytes;
 }
 
-// One launch over x (no groups), or over the groups' tiles.
-template <class S, Format F>
-void launch(const S& src, const Args& a, std::span<const Rows> groups, bool vec_in, cudaStream_t s) {
+// The tile kernel over x, or over the groups' tiles.
+template <class S, Format F, bool Swz>
+void launch_tiles(const S& src, const Args& a, std::span<const Rows> groups, bool vec_in, cudaStream_t s) {
   const std::int64_t tiles_c = blocks_of(a.C);
   constexpr std::size_t kSmem = kSmemOf<typename S::Tile>;
-  if (groups.empty() && a.mode == ScalingMode::block_1x128 && a.rowwise && !a.colwise && !a.partial && vec_in &&
-      a.vec_row && a.C % kBlock == 0 && a.Rr == a.R) {
-    const std::int64_t ctas = (a.R * (a.C / kBlock) * kRowThreads + kCtaThreads - 1) / kCtaThreads;
-    KILN_CHECK(ctas <= 0x7fffffff, "fp8 quantize_blocks: [", a.R, ", ", a.C, "] is too large for one launch");
-    quantize_rows_kernel<S, F><<<static_cast<unsigned>(ctas), kCtaThreads, 0, s>>>(src, a);
-    KILN_CUDA_LAUNCH_CHECK();
-    return;
-  }
   if (groups.empty()) {
     const std::int64_t tiles_r = row_tiles(a);
     KILN_CHECK(tiles_c <= 0x7fffffff && tiles_r <= 65535, "fp8 quantize_blocks: [", a.R, ", ", a.C,
                "] is too large for one launch");
-    quantize_blocks_kernel<S, F><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)), kCtaThreads,
-                                    allow_smem(quantize_blocks_kernel<S, F>, kSmem), s>>>(src, a, vec_in);
+    quantize_blocks_kernel<S, F, Swz><<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(tiles_r)),
+                                        kCtaThreads, allow_smem(quantize_blocks_kernel<S, F, Swz>, kSmem), s>>>(src, a,
+                                                                                                              vec_in);
     KILN_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -587,11 +583,29 @@ void launch(const S& src, const Args& a, std::span<const Rows> groups, bool vec_
       ++plan.n;
     }
     if (plan.tile[plan.n] == 0) continue;
-    quantize_blocks_grouped_kernel<S, F>
+    quantize_blocks_grouped_kernel<S, F, Swz>
         <<<dim3(static_cast<unsigned>(tiles_c), static_cast<unsigned>(plan.tile[plan.n])), kCtaThreads,
-           allow_smem(quantize_blocks_grouped_kernel<S, F>, kSmem), s>>>(src, a, plan, vec_in);
+           allow_smem(quantize_blocks_grouped_kernel<S, F, Swz>, kSmem), s>>>(src, a, plan, vec_in);
     KILN_CUDA_LAUNCH_CHECK();
   }
+}
+
+// One launch over x (no groups), or over the groups' tiles: rowwise codes alone without a tile where
+// they can, else the tile kernel (its swizzled instances for a bf16 tile's 1x128 codes).
+template <class S, Format F>
+void launch(const S& src, const Args& a, std::span<const Rows> groups, bool vec_in, cudaStream_t s) {
+  if (groups.empty() && a.mode == ScalingMode::block_1x128 && a.rowwise && !a.colwise && !a.partial && vec_in &&
+      a.vec_row && a.C % kBlock == 0 && a.Rr == a.R) {
+    const std::int64_t ctas = (a.R * (a.C / kBlock) * kRowThreads + kCtaThreads - 1) / kCtaThreads;
+    KILN_CHECK(ctas <= 0x7fffffff, "fp8 quantize_blocks: [", a.R, ", ", a.C, "] is too large for one launch");
+    quantize_rows_kernel<S, F><<<static_cast<unsigned>(ctas), kCtaThreads, 0, s>>>(src, a);
+    KILN_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  if constexpr (sizeof(typename S::Tile) == 2) {
+    if (a.mode == ScalingMode::block_1x128) return launch_tiles<S, F, true>(src, a, groups, vec_in, s);
+  }
+  launch_tiles<S, F, false>(src, a, groups, vec_in, s);
 }
 
 template <class S>
