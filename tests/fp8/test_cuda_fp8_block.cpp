@@ -66,7 +66,8 @@ TEST_CASE("CUDA block quantisation (1x128, 128x128, and of the transpose) matche
   auto gpu = make_cuda_ops(nullptr);
   auto cpu = make_cpu_ops({.threads = 2});
   std::uint64_t seed = 300;
-  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{1, 16}, {130, 300}, {257, 128}, {1000, 1536}})
+  // 2100 x 4000: more tiles than the persistent kernel's CTAs (each takes several in turn).
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{1, 16}, {130, 300}, {257, 128}, {1000, 1536}, {2100, 4000}})
     for (auto mode : {ScalingMode::block_1x128, ScalingMode::block_128x128})
       for (DType dt : {DType::bf16, DType::f32})
         for (bool pow2 : {false, true}) {
@@ -129,8 +130,9 @@ TEST_CASE("CUDA block quantisation on load (LayerNorm, GELU, SwiGLU, dGELU, dSwi
   };
   std::uint64_t seed = 900;
   // Output shapes: 16-column loads with partial tiles both ways (300 x 384, 257 x 160: dSwiGLU's
-  // halves of 80 columns), one element at a time (130 x 200: 200 not a multiple of 16; dSwiGLU 100).
-  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {257, 160}, {130, 200}})
+  // halves of 80 columns), one element at a time (130 x 200: 200 not a multiple of 16; dSwiGLU 100),
+  // more tiles than the persistent kernel's CTAs (2100 x 4096).
+  for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {257, 160}, {130, 200}, {2100, 4096}})
     for (P src : {P::layernorm, P::gelu, P::swiglu, P::dgelu, P::dswiglu}) {
       INFO(R << " x " << C << " " << ops::name_of(src));
       const std::int64_t in_cols = src == P::swiglu ? 2 * C : C, grad_cols = src == P::dswiglu ? C / 2 : C;

@@ -11,11 +11,14 @@
 // prologue computes from its tensors as it loads them (loads.cuh: the values the unfused op would
 // store); with dbias the same two threads per column also sum it, one partial sum per 128-row tile.
 // A grouped quantisation (a mixture of experts' rows, one group per expert) is one launch: each row
-// tile belongs to one group, found in the plan the kernel takes in its parameters.
+// tile belongs to one group, found in the plan the kernel takes in its parameters. A bf16 x's 1x128
+// codes (no prologue) come from a persistent kernel instead, its tiles copied by cp.async into two
+// buffers, the next tile's copies in flight while a tile's codes are made.
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "kiln/fp8/block.hpp"
@@ -386,20 +389,14 @@ __device__ __forceinline__ void colwise_1x128(const bf16* tile, const Args& a, s
 // neighbours in a warp.
 // Swz: a bf16 tile for 1x128 codes (swizzled, read into registers); its own instances, so that the
 // others keep their fewer registers (more CTAs an SM).
-template <class S, Format F, bool Swz>
-__device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::int64_t r0, std::int64_t c0,
-                                              bool vec_in) {
-  using T = typename S::Tile;
+template <class T, Format F, bool Swz>
+__device__ __forceinline__ void process_tile(const T* tile, const Args& a, std::int64_t r0, std::int64_t c0) {
   constexpr int kRow = kRowOf<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  T* tile = reinterpret_cast<T*>(smem);
   __shared__ std::uint32_t warp_amax[kWarps];
   __shared__ float tile_scale;
   const bool vec_row = a.vec_row, vec_col = a.vec_col;
   static_assert(!Swz || sizeof(T) == 2, "a swizzled tile is a bf16 one");
   constexpr bool swz = Swz;
-  stage<Swz>(tile, src, a, r0, c0, vec_in);
-  __syncthreads();
   const int line = threadIdx.x / 2, half = threadIdx.x % 2, first = 64 * half;
   if (a.partial) {  // column `line`'s sum over the tile's rows: each half's 64 in order, then half 0 + half 1
     float sum = 0.0f;
@@ -459,10 +456,71 @@ __device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::
   if (a.colwise && c < a.C) store_codes<F>(a.colwise + c * a.Rc + r0 + first, col_src, kRow, s, col_n, vec_col);
 }
 
+// The tile staged from src, then its codes (process_tile).
+template <class S, Format F, bool Swz>
+__device__ __forceinline__ void quantize_tile(const S& src, const Args& a, std::int64_t r0, std::int64_t c0,
+                                              bool vec_in) {
+  using T = typename S::Tile;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* tile = reinterpret_cast<T*>(smem);
+  stage<Swz>(tile, src, a, r0, c0, vec_in);
+  __syncthreads();
+  process_tile<T, F, Swz>(tile, a, r0, c0);
+}
+
 template <class S, Format F, bool Swz>
 __global__ void __launch_bounds__(kCtaThreads) quantize_blocks_kernel(S src, Args a, bool vec_in) {
   quantize_tile<S, F, Swz>(src, a, static_cast<std::int64_t>(blockIdx.y) * kBlock,
                       static_cast<std::int64_t>(blockIdx.x) * kBlock, vec_in);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool in) {  // zeros where !in
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                   static_cast<std::uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(in ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Tile (r0, c0) of x (rows a.base + r, C % 8 == 0) copied into a swizzled bf16 tile, 16 bytes a copy,
+// zeros outside x: what stage<true> of a PlainSource<bf16> stores.
+__device__ __forceinline__ void copy_tile(bf16* tile, const bf16* x, const Args& a, std::int64_t r0, std::int64_t c0) {
+#pragma unroll
+  for (int i = threadIdx.x; i < kBlock * kBlock / 8; i += kCtaThreads) {
+    const int rr = i / (kBlock / 8), cc = i % (kBlock / 8) * 8;
+    const std::int64_t r = r0 + rr, c = c0 + cc;
+    const bool in = r < a.R && c < a.C;
+    cp_async16(tile + tile_at<bf16>(rr, cc, true), in ? x + (a.base + r) * a.C + c : x, in);
+  }
+}
+
+// 1x128 codes of a bf16 x, persistent: CTA b takes tiles b, b + gridDim.x, ... (row-major over [row
+// tiles, column tiles]) with two tile buffers, the next tile's copies (cp.async) in flight while this
+// one's codes are made; the same codes and scales as quantize_blocks_kernel<PlainSource<bf16>, F, true>.
+// (A load of loads.cuh applied in place to a copied tile ran slower than staging its values: 1,752
+// against 2,114 GB/s for GELU on load, docs/PERF.md.)
+template <Format F>
+__global__ void __launch_bounds__(kCtaThreads, 3) quantize_blocks_copied_kernel(PlainSource<bf16> src, Args a,
+                                                                                 int tiles_c, int tiles) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* const buf0 = reinterpret_cast<bf16*>(smem);
+  bf16* const buf1 = buf0 + kBlock * kRowOf<bf16>;
+  const auto r_of = [tiles_c](int t) { return static_cast<std::int64_t>(t / tiles_c) * kBlock; };
+  const auto c_of = [tiles_c](int t) { return static_cast<std::int64_t>(t % tiles_c) * kBlock; };
+  int t = static_cast<int>(blockIdx.x);
+  if (t < tiles) copy_tile(buf0, src.x, a, r_of(t), c_of(t));
+  cp_async_commit();
+  for (int i = 0; t < tiles; t += static_cast<int>(gridDim.x), ++i) {
+    bf16* const tile = i % 2 == 0 ? buf0 : buf1;
+    const int next = t + static_cast<int>(gridDim.x);
+    if (next < tiles) copy_tile(i % 2 == 0 ? buf1 : buf0, src.x, a, r_of(next), c_of(next));
+    cp_async_commit();
+    cp_async_wait_one();  // this thread's copies of tile t are in
+    __syncthreads();      // and every thread's
+    process_tile<bf16, F, true>(tile, a, r_of(t), c_of(t));
+    __syncthreads();  // the tile read before the copies of iteration i + 1 go into it
+  }
 }
 
 // Rowwise 1x128 codes alone (no transpose, no column sums), C a multiple of 128 and every row of x
@@ -590,6 +648,24 @@ void launch_tiles(const S& src, const Args& a, std::span<const Rows> groups, boo
   }
 }
 
+// quantize_blocks_copied_kernel over x: as many CTAs as run at once (two tile buffers each), at most
+// one a tile.
+template <Format F>
+void launch_copied(const PlainSource<bf16>& src, const Args& a, cudaStream_t s) {
+  const std::int64_t tiles_c = blocks_of(a.C), tiles = row_tiles(a) * tiles_c;
+  KILN_CHECK(tiles <= 0x7fffffff, "fp8 quantize_blocks: [", a.R, ", ", a.C, "] is too large for one launch");
+  const auto kernel = quantize_blocks_copied_kernel<F>;
+  const std::size_t smem = allow_smem(kernel, 2 * kSmemOf<bf16>);
+  int device = 0, sms = 0, per_sm = 0;
+  KILN_CUDA_CHECK(cudaGetDevice(&device));
+  KILN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  KILN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCtaThreads, smem));
+  const std::int64_t ctas = std::max<std::int64_t>(1, std::min<std::int64_t>(tiles, std::int64_t{sms} * per_sm));
+  kernel<<<static_cast<unsigned>(ctas), kCtaThreads, smem, s>>>(src, a, static_cast<int>(tiles_c),
+                                                                static_cast<int>(tiles));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
 // One launch over x (no groups), or over the groups' tiles: rowwise codes alone without a tile where
 // they can, else the tile kernel (its swizzled instances for a bf16 tile's 1x128 codes).
 template <class S, Format F>
@@ -601,6 +677,9 @@ void launch(const S& src, const Args& a, std::span<const Rows> groups, bool vec_
     quantize_rows_kernel<S, F><<<static_cast<unsigned>(ctas), kCtaThreads, 0, s>>>(src, a);
     KILN_CUDA_LAUNCH_CHECK();
     return;
+  }
+  if constexpr (std::is_same_v<S, PlainSource<bf16>>) {
+    if (groups.empty() && a.mode == ScalingMode::block_1x128 && vec_in) return launch_copied<F>(src, a, s);
   }
   if constexpr (sizeof(typename S::Tile) == 2) {
     if (a.mode == ScalingMode::block_1x128) return launch_tiles<S, F, true>(src, a, groups, vec_in, s);
