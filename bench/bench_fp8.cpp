@@ -434,6 +434,11 @@ void block_quant_table(Timer& timer, cudaStream_t s) {
     k.dbias = k.partial = nullptr;
     ms = timer.median_ms([&] { fp8::cuda::quantize_blocks(k, s); });
     std::printf("%-40s %-14s %9.4f %9.1f\n", "1x128 gelu -> both", dims(R, C).c_str(), ms, 4.0 * R * C / (ms * 1e-3) / 1e9);
+    // dSwiGLU (x: the output's gradient [R, C / 2], aux: the gate and up values [R, C]): 3 R C bytes read
+    // once each, 2 R C written.
+    k.source = ops::Prologue::dswiglu;
+    ms = timer.median_ms([&] { fp8::cuda::quantize_blocks(k, s); });
+    std::printf("%-40s %-14s %9.4f %9.1f\n", "1x128 dswiglu -> both", dims(R, C).c_str(), ms, 5.0 * R * C / (ms * 1e-3) / 1e9);
     // The optimizer's step of an f32 master weight with its 128x128 codes (30 bytes an element), the
     // step alone (28), and the codes from the updated f32 master (6).
     Buffer pm(Device::cuda, static_cast<std::size_t>(R * C) * 4), g(Device::cuda, static_cast<std::size_t>(R * C) * 4),
