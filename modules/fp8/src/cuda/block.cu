@@ -201,7 +201,9 @@ void launch_tiles(const S& src, const Args& a, std::span<const Rows> groups, boo
 template <Format F>
 void launch_copied(const PlainSource<bf16>& src, const Args& a, cudaStream_t s) {
   const std::int64_t tiles_c = blocks_of(a.C), tiles = row_tiles(a) * tiles_c;
-  KILN_CHECK(tiles <= 0x7fffffff, "fp8 quantize_blocks: [", a.R, ", ", a.C, "] is too large for one launch");
+  // The kernel counts tiles in int, a tile and the grid added: far from int's limit.
+  KILN_CHECK(tiles <= (std::int64_t{1} << 30), "fp8 quantize_blocks: [", a.R, ", ", a.C,
+             "] is too large for one launch");
   const auto kernel = quantize_blocks_copied_kernel<F>;
   const std::size_t smem = allow_smem(kernel, 2 * kSmemOf<bf16>);
   int device = 0, sms = 0, per_sm = 0;
