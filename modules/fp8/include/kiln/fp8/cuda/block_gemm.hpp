@@ -40,7 +40,7 @@ class BlockGemm {
   // The tile a CTA computes at a time, rows x columns of D: 256 x 128 (two math warp groups of two
   // wgmma m64 row blocks each, summed one after the other) or 192 x 128 (three groups of one: more
   // products in flight an SM, smaller last rounds for some shapes). automatic (the default) picks one
-  // a shape (tile_for); the others are for benchmarks.
+  // a shape (automatic_tile); the others are for benchmarks.
   enum class Tile { automatic, m256n128, m192n128 };
   void set_tile(Tile t) { tile_ = t; }
   static Tile automatic_tile(std::int64_t M, std::int64_t N, int sms);  // automatic's tile for a [M, N] D
