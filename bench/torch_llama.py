@@ -97,24 +97,17 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    torch.manual_seed(1337)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    model = Llama(2048, args.layers, 32, 8, 8192, args.seq, 500000.0, 1e-5).cuda()
+def train(model, name, batch, seq, steps, out=""):
+    """Trains `model` (fp32 weights; forward(idx, targets) -> loss) compiled, under bf16 autocast, with
+    fused AdamW and clipping at 1.0 on synthetic tokens; prints and writes (out) the median tokens/s
+    and ms/step of the last three quarters of the steps and the peak memory."""
     params = sum(p.numel() for p in model.parameters())
     cmodel = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     times = []
-    for step in range(args.steps):
-        idx = torch.randint(0, REAL_VOCAB, (args.batch, args.seq + 1), device="cuda", generator=gen)
+    for step in range(steps):
+        idx = torch.randint(0, REAL_VOCAB, (batch, seq + 1), device="cuda", generator=gen)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -129,13 +122,27 @@ def main():
             print(f"step {step} loss {loss.item():.4f} {1000 * times[-1]:.1f} ms", flush=True)
     steady = times[len(times) // 4:]
     ms = 1000 * statistics.median(steady)
-    result = {"model": "llama-1b", "parameters": params, "batch": args.batch, "seq": args.seq, "ms_per_step": ms,
-              "tokens_per_s": args.batch * args.seq / (ms / 1000),
+    result = {"model": name, "parameters": params, "batch": batch, "seq": seq, "ms_per_step": ms,
+              "tokens_per_s": batch * seq / (ms / 1000),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    torch.manual_seed(1337)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = Llama(2048, args.layers, 32, 8, 8192, args.seq, 500000.0, 1e-5).cuda()
+    train(model, "llama-1b", args.batch, args.seq, args.steps, args.out)
 
 
 if __name__ == "__main__":

@@ -195,13 +195,11 @@ __device__ __forceinline__ void rowwise_1x128(const bf16* tile, const Args& a, s
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     if (whole) {
-      unsigned w[4];
+      float x[16];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint2 c = v[4 * q + k];
-        w[k] = cvt2<F>(__fmul_rn(chunk_value(c, 0), s), __fmul_rn(chunk_value(c, 1), s)) |
-               cvt2<F>(__fmul_rn(chunk_value(c, 2), s), __fmul_rn(chunk_value(c, 3), s)) << 16;
-      }
+      for (int i = 0; i < 16; ++i) x[i] = chunk_value(v[4 * q + i / 4], i % 4);
+      std::uint32_t w[4];
+      encode16<F>(x, s, w);
       *reinterpret_cast<uint4*>(dst + col(q)) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
 #pragma unroll
