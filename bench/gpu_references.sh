@@ -5,7 +5,10 @@
 # moments; FP8 delayed, current and block scaling with bf16 moments). A table last (bench/kiln_rows.sh),
 # then each kiln row's ratio to its PyTorch reference of the same call.
 # usage: bash bench/gpu_references.sh BUILD_DIR [steps] [parts]   (parts: any of 124m 1.3b llama1b;
-#   default all; logs under $OUT)
+#   default all; logs under $OUT). RECIPES="delayed current block" picks the FP8 rows; STORED=1 adds
+#   each row again with the norms' and the activation's outputs not recomputed (model.recompute_norm
+#   and model.recompute_gelu false: the FP8 layers then keep their inputs' FP8 copies), as PyTorch's
+#   reference recomputes nothing.
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-20}
@@ -15,6 +18,14 @@ source bench/kiln_rows.sh
 kiln_gpu_env "$B"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 G=(--set backend.cuda_graph=true)
+S=(--set model.recompute_norm=false --set model.recompute_gelu=false)
+row() {  # name args...: the row, and with STORED=1 the row with the inputs kept
+  local name=$1
+  shift
+  kiln_row "$name" "$@"
+  [ "${STORED:-0}" = 1 ] && kiln_row "$name-stored" "$@" "${S[@]}"
+  return 0
+}
 F=(--set fp8.enabled=true --set optim.moments=bf16)
 torch_ref() {  # name script args...
   local name=$1
@@ -25,20 +36,20 @@ torch_ref() {  # name script args...
 }
 if has 124m; then
   torch_ref 124m bench/torch_gpt.py --model 124m --batch 16
-  kiln_row 124m-bf16 1 $((2 * STEPS)) pipelines/gpt2-124m.toml "${G[@]}"
-  kiln_row 124m-fp8-delayed 1 $((2 * STEPS)) pipelines/gpt2-124m.toml "${G[@]}" "${F[@]}"
+  row 124m-bf16 1 $((2 * STEPS)) pipelines/gpt2-124m.toml "${G[@]}"
+  row 124m-fp8-delayed 1 $((2 * STEPS)) pipelines/gpt2-124m.toml "${G[@]}" "${F[@]}"
 fi
 if has 1.3b; then
   torch_ref 1.3b bench/torch_gpt.py --model 1.3b --batch 8
-  kiln_row 1.3b-bf16 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}"
-  for r in delayed current block; do
-    kiln_row "1.3b-fp8-$r" 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
+  [ -z "${RECIPES:-}" ] && row 1.3b-bf16 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}"
+  for r in ${RECIPES:-delayed current block}; do
+    row "1.3b-fp8-$r" 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
   done
 fi
 if has llama1b; then
   torch_ref llama1b bench/torch_llama.py --batch 4
-  for r in delayed current block; do
-    kiln_row "llama1b-fp8-$r" 1 "$STEPS" pipelines/llama-1b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
+  for r in ${RECIPES:-delayed current block}; do
+    row "llama1b-fp8-$r" 1 "$STEPS" pipelines/llama-1b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
   done
 fi
 rm -f "$OUT"/*.jsonl

@@ -118,6 +118,64 @@ TEST_CASE("block-scaled FP8 layers recompute exactly and split micro-batches as 
   const auto micro = losses({"train.micro_batch_size=2"});
   REQUIRE(micro.size() == plain.size());
   for (std::size_t i = 0; i < plain.size(); ++i) CHECK(micro[i] == doctest::Approx(plain[i]).epsilon(1e-4));
+  // The layers keeping their inputs' transposes (below): each micro-batch's backward reads its own
+  // forward's, and a recompute's forward makes them again.
+  const std::vector<std::string> stored = {"model.recompute_norm=false", "model.recompute_gelu=false"};
+  auto with_stored = [&](std::vector<std::string> more) {
+    more.insert(more.end(), stored.begin(), stored.end());
+    return losses(more);
+  };
+  CHECK(with_stored({}) == plain);
+  CHECK(with_stored({"activation_checkpoint.mode=full"}) == plain);
+  CHECK(with_stored({"train.micro_batch_size=2"}) == micro);
+}
+
+TEST_CASE("block-scaled FP8 layers keep their inputs' transposes in FP8 where the model would store the inputs in "
+          "bf16: which layers, the same losses, less memory") {
+  // With recompute_norm / recompute_gelu off the model would store the norms' and the activation's
+  // outputs for QKV, FC1 and FC2; those layers keep the weight gradient's operand instead (x^T in
+  // 1x128 blocks along the tokens, or 128x128 with fp8.block_2d_wgrad_input), made in the forward
+  // from the values the backward would quantise: the same codes, so the same losses.
+  const std::vector<std::string> stored = {"model.recompute_norm=false", "model.recompute_gelu=false"};
+  for (const char* arch : {"gpt2", "llama"}) {
+    for (const char* wgrad_2d : {"false", "true"}) {
+      INFO(arch << ", fp8.block_2d_wgrad_input=" << wgrad_2d);
+      std::vector<std::string> block = {"fp8.enabled=true", "fp8.recipe=block", std::string("model.arch=") + arch,
+                                        std::string("fp8.block_2d_wgrad_input=") + wgrad_2d, "train.steps=4"};
+      auto run = [&](bool store, std::size_t* kept, std::size_t* activations) {
+        std::vector<std::string> more = block;
+        if (store) more.insert(more.end(), stored.begin(), stored.end());
+        test::Pipeline p(kBlockTiny, more);
+        std::vector<double> out;
+        p.world->systems().add({"test.record", Phase::step_end,
+                                [&out](World& world) { out.push_back(world.resource<train::TrainState>().loss); },
+                                {"train.step_end"}});
+        p.run();
+        World& w = *p.world;
+        auto& st = w.resource<fp8::Fp8State>();
+        *kept = 0;
+        for (std::size_t i = 0; i < st.entities.size(); ++i) {
+          const auto role = w.get<nn::Linear>(st.entities[i]).role;
+          const bool keeps = w.get<ops::LinearImpl>(st.entities[i]).keeps_input;
+          CHECK(keeps == st.block_linears[i]->keeps_input());
+          // What the model would store: the norms' outputs (QKV, FC1) and the activation's (FC2).
+          const bool stored_input = store && (role == nn::LinearRole::qkv || role == nn::LinearRole::mlp_in ||
+                                              role == nn::LinearRole::mlp_out);
+          CHECK(keeps == stored_input);
+          *kept += st.block_linears[i]->kept_bytes();
+        }
+        *activations = w.resource<model::GptModel>().activation_bytes();
+        return out;
+      };
+      std::size_t kept_none = 0, kept_fp8 = 0, act_recomputed = 0, act_kept = 0;
+      const auto base = run(false, &kept_none, &act_recomputed);
+      CHECK(kept_none == 0);
+      CHECK(run(true, &kept_fp8, &act_kept) == base);
+      CHECK(kept_fp8 > 0);
+      // The model stores nothing more for those layers than when it recomputes their inputs.
+      CHECK(act_kept <= act_recomputed);
+    }
+  }
 }
 
 TEST_CASE("fp8.recipe=block refuses a tensor-parallel split that cuts 128-wide blocks, naming the keys") {

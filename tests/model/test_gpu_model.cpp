@@ -152,6 +152,9 @@ TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for b
       {"optim.moments=bf16", "fp8.enabled=true", "fp8.recipe=block"},
       // The FP8 weights' rowwise codes alone, transposed in each backward.
       {"fp8.enabled=true", "fp8.keep_weight_transpose=false", "model.dropout=0.1", "train.micro_batch_size=2"},
+      // Block-scaled layers keeping their inputs' transposes from the forward.
+      {"fp8.enabled=true", "fp8.recipe=block", "model.recompute_norm=false", "model.recompute_gelu=false",
+       "train.micro_batch_size=2"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {
@@ -225,6 +228,38 @@ TEST_CASE("FP8 weights held as their rowwise codes alone train the same bits on 
     const auto& ks = kept.world->resource<nn::ParamStore>();
     const auto& as = apart.world->resource<nn::ParamStore>();
     CHECK(as.held_compute_bytes(DType::bf16) < ks.held_compute_bytes(DType::bf16));
+  }
+}
+
+// With recompute_norm / recompute_gelu off, the FP8 layers keep their inputs' FP8 copies (per-tensor:
+// the colwise codes; block: the transpose in 1x128 blocks along the tokens, or 128x128) from the
+// forward, computing a LayerNorm or the activation on load: the codes the backward would make, so the
+// losses and every final weight are the same bits on CUDA as where the inputs are recomputed.
+TEST_CASE("FP8 layers keeping their inputs in FP8 train the same bits on CUDA as recomputing them") {
+  if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
+  const std::vector<std::vector<std::string>> cases = {
+      {"fp8.recipe=block"},
+      {"fp8.recipe=block", "model.arch=llama", "model.n_kv_head=2", "train.micro_batch_size=2"},
+      {"fp8.recipe=block", "fp8.block_2d_wgrad_input=true", "model.dropout=0.1"},
+      {"fp8.recipe=delayed", "model.dropout=0.1"},
+      {"fp8.recipe=current", "model.arch=llama", "model.n_kv_head=2"},
+  };
+  for (const auto& extra : cases) {
+    std::string what;
+    for (const auto& e : extra) what += e + " ";
+    INFO(what);
+    auto sets = [&](bool stored) {
+      std::vector<std::string> s = {"engine.device=cuda", "fp8.enabled=true",
+                                    std::string("model.recompute_norm=") + (stored ? "false" : "true"),
+                                    std::string("model.recompute_gelu=") + (stored ? "false" : "true")};
+      s.insert(s.end(), extra.begin(), extra.end());
+      return s;
+    };
+    test::Pipeline recomputed(kModel, sets(false)), kept(kModel, sets(true));
+    const test::RunRecord a = test::run_recording(recomputed), b = test::run_recording(kept);
+    REQUIRE(a.losses.size() == 6);
+    CHECK(a.losses == b.losses);
+    CHECK(a.step1_grads == b.step1_grads);
   }
 }
 

@@ -43,10 +43,28 @@ class Carver {
 
 }  // namespace
 
-Fp8BlockLinear::Fp8BlockLinear(Fp8Ops& ops, Fp8Workspace& workspace, const BlockRecipe& recipe, std::string name)
-    : ops_(ops), ws_(workspace), recipe_(recipe), name_(std::move(name)) {
+Fp8BlockLinear::Fp8BlockLinear(Fp8Ops& ops, Fp8Workspace& workspace, const BlockRecipe& recipe, std::string name,
+                               bool keep_input)
+    : ops_(ops), ws_(workspace), recipe_(recipe), name_(std::move(name)), keep_input_(keep_input) {
   KILN_CHECK(recipe.input == Format::e4m3 && recipe.weight == Format::e4m3, name_,
              ": the forward GEMM needs E4M3 input and weight (E5M2 x E5M2 products do not exist)");
+}
+
+BlockLayout Fp8BlockLinear::input_transpose(std::int64_t N, std::int64_t IC) const {
+  return {recipe_.wgrad_input_2d ? ScalingMode::block_128x128 : ScalingMode::block_1x128, IC, N};
+}
+
+Fp8BlockLinear::Operand Fp8BlockLinear::kept_input(std::int64_t N, std::int64_t IC) {
+  const BlockLayout l = input_transpose(N, IC);
+  const std::size_t bytes = Carver::bytes({l});
+  if (kept_.bytes() < bytes) {
+    if (kept_.data()) ops_.synchronize();  // the old copy may still be read
+    kept_ = ops_.alloc(bytes);
+  }
+  kept_rows_ = N;
+  kept_cols_ = IC;
+  const auto part = Carver(static_cast<std::uint8_t*>(kept_.data()), ops_.device()).take(l, recipe_.input);
+  return {part.codes, part.scale_inv};
 }
 
 void Fp8BlockLinear::use_master_weight(const TensorView& master, const TensorView& compute) {
@@ -185,7 +203,18 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
   const BlockLayout xl{ScalingMode::block_1x128, N, IC};
   Carver c(ws_.get(Carver::bytes({xl})), ops_.device());
   const auto xq = c.take(xl, recipe_.input);
-  ops_.quantize_blocks({x, ScalingMode::block_1x128, recipe_.pow2, xq.codes, xq.scale_inv});
+  BlockQuantizeArgs q{x, ScalingMode::block_1x128, recipe_.pow2, xq.codes, xq.scale_inv};
+  if (keep_input_) {  // the weight gradient's operand too: from the same read where it is 1x128 as well
+    const Operand kept = kept_input(N, IC);
+    const ScalingMode mode = input_transpose(N, IC).mode;
+    if (mode == ScalingMode::block_1x128) {
+      q.colwise = kept.codes;
+      q.col_scale_inv = kept.scale_inv;
+    } else {
+      ops_.quantize_blocks({x, mode, recipe_.pow2, {}, nullptr, kept.codes, kept.scale_inv});
+    }
+  }
+  ops_.quantize_blocks(q);
 
   GemmArgs g = block_product(xq.codes, xq.scale_inv, ScalingMode::block_1x128,
                              TensorView(const_cast<void*>(w_rowwise), {OC, IC}, dtype_of(recipe_.weight), ops_.device()),
@@ -203,14 +232,17 @@ void Fp8BlockLinear::forward(const ops::LinearForward& a, std::int64_t weight_ve
 
 void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   const DType act = ops_.act_dtype();
-  const QuantizeSource x = to_source(a.x), dout = to_source(a.dout);
-  const Shape xs = source_shape(x, (name_ + " backward input").c_str()),
-              gs = source_shape(dout, (name_ + " backward output gradient").c_str());
+  // The input is not read where its transpose was kept from the forward (keep_input).
+  const QuantizeSource x = keep_input_ ? QuantizeSource{} : to_source(a.x), dout = to_source(a.dout);
+  const Shape gs = source_shape(dout, (name_ + " backward output gradient").c_str());
   KILN_CHECK(a.weight.ndim() == 2, name_, " backward: weight ", a.weight.str());
+  const Shape xs = keep_input_ ? Shape{gs[0], a.weight.size(1)} : source_shape(x, (name_ + " backward input").c_str());
   const std::int64_t N = xs[0], IC = xs[1], OC = a.weight.size(0);
   KILN_CHECK(gs == Shape({N, OC}), name_, " backward: the output gradient ", gs.str(), " for the input ", xs.str(),
              " and weight ", a.weight.str());
-  if (const auto* t = std::get_if<TensorView>(&a.x)) expect_matrix(*t, act, N, IC, name_ + " backward x");
+  KILN_CHECK(!keep_input_ || (kept_.data() && kept_rows_ == N && kept_cols_ == IC), name_, ": backward of [", N, ", ",
+             IC, "] without the forward's kept input (its last forward was [", kept_rows_, ", ", kept_cols_, "])");
+  if (const auto* t = std::get_if<TensorView>(&a.x); t && !keep_input_) expect_matrix(*t, act, N, IC, name_ + " backward x");
   if (const auto* t = std::get_if<TensorView>(&a.dout)) expect_matrix(*t, act, N, OC, name_ + " backward dout");
   const bool gathered = a.weight.dtype == DType::u8;
   expect_matrix(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
@@ -226,11 +258,17 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
 
   // The output gradient along OC (data gradient) and along N (weight gradient), the input along N;
   // gathered codes' transpose (its scales are cache_.col_scales).
-  const ScalingMode xc_mode = recipe_.wgrad_input_2d ? ScalingMode::block_128x128 : ScalingMode::block_1x128;
-  const BlockLayout gr{ScalingMode::block_1x128, N, OC}, gc{ScalingMode::block_1x128, OC, N}, xc{xc_mode, IC, N},
+  const BlockLayout gr{ScalingMode::block_1x128, N, OC}, gc{ScalingMode::block_1x128, OC, N}, xc = input_transpose(N, IC),
       wt{ScalingMode::block_128x128, IC, OC};
-  Carver c(ws_.get(Carver::bytes({gr, gc, xc}) + (gathered && a.dx ? Carver::bytes({wt}) : 0)), ops_.device());
-  const auto g_row = c.take(gr, recipe_.grad), g_col = c.take(gc, recipe_.grad), x_col = c.take(xc, recipe_.input);
+  const ScalingMode xc_mode = xc.mode;
+  Carver c(ws_.get(Carver::bytes({gr, gc}) + (keep_input_ ? 0 : Carver::bytes({xc})) +
+                   (gathered && a.dx ? Carver::bytes({wt}) : 0)),
+           ops_.device());
+  const auto g_row = c.take(gr, recipe_.grad), g_col = c.take(gc, recipe_.grad);
+  const Operand x_col = keep_input_ ? kept_input(N, IC) : [&] {
+    const auto t = c.take(xc, recipe_.input);
+    return Operand{t.codes, t.scale_inv};
+  }();
   const void* w_colwise = cache_.colwise;
   if (gathered && a.dx) {
     const auto t = c.take(wt, recipe_.weight);
@@ -244,7 +282,7 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   gq.dbias = a.dbias;
   ops_.quantize_blocks(gq);
   // The input's copy before dx is written (dx may share memory with what the input is computed from).
-  ops_.quantize_blocks({x, xc_mode, recipe_.pow2, {}, nullptr, x_col.codes, x_col.scale_inv});
+  if (!keep_input_) ops_.quantize_blocks({x, xc_mode, recipe_.pow2, {}, nullptr, x_col.codes, x_col.scale_inv});
 
   // dgrad before wgrad, so that what the caller queues on dx (ops::LinearBackward::dgrad_queued) runs
   // beside the weight gradient: dx[N, IC] = dout @ W = dout[N, OC] @ (W^T)[IC, OC]^T, the weight's

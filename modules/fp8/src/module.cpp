@@ -401,15 +401,23 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
                                   .prologues = Fp8BlockGroupedLinear::kPrologues,
                                   .keeps_input = keep});
   }
+  // The linears keep their inputs' transposes (the weight gradient's operand) in FP8 from the forward
+  // where the model would store the input for them, as under per-tensor scaling.
+  const std::set<nn::LinearRole> keep_roles = roles_kept_in_fp8<nn::Linear>(w, st.entities);
+  std::map<nn::LinearRole, int> kept_layers;  // for the report
   for (Entity e : st.entities) {
     const auto* name = w.try_get<Name>(e);
+    const auto& linear = w.get<nn::Linear>(e);
+    const bool keep = !pipelined && linear.input_stored_for_backward && keep_roles.count(linear.role) > 0;
+    if (keep) ++kept_layers[linear.role];
     st.block_linears.push_back(
-        std::make_unique<Fp8BlockLinear>(*st.ops, *st.workspace, recipe, name ? name->value : w.describe(e)));
+        std::make_unique<Fp8BlockLinear>(*st.ops, *st.workspace, recipe, name ? name->value : w.describe(e), keep));
     Fp8BlockLinear* lin = st.block_linears.back().get();
     w.emplace<ops::LinearImpl>(
         e, ops::LinearImpl{.forward = [lin, state](const ops::LinearForward& a) { lin->forward(a, state->weights_version); },
                            .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
-                           .prologues = Fp8BlockLinear::kPrologues});
+                           .prologues = Fp8BlockLinear::kPrologues,
+                           .keeps_input = keep});
   }
   // The weights' codes in the memory of their compute copies, made from their f32 masters. Where the
   // masters are whole, the layers make them (with fp8.fuse_weight_update the optimizer's step writes
@@ -496,13 +504,17 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
   if (!cfg.lm_head) lend_block_scratch(w);
   const std::size_t n_fp8 = st.entities.size(), n_all = w.view<nn::Linear>().size(),
                     g_fp8 = st.grouped_entities.size(), g_all = w.view<nn::GroupedLinear>().size();
-  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, recipe, skipped](World& world) {
+  w.systems().add({"fp8.report", Phase::setup, [n_fp8, n_all, g_fp8, g_all, recipe, skipped, kept_layers](World& world) {
                      if (world.resource<RankInfo>().rank != 0) return;
                      std::cout << "fp8: " << n_fp8 << " of " << n_all << " linear layers"
                                << (g_all > 0 ? cat(" and ", g_fp8, " of ", g_all, " grouped (expert) linears") : "")
                                << " in FP8 (block scaling: 1x128 activations and gradients, 128x128 weights, E4M3"
                                << (recipe.pow2 ? ", power-of-two scales" : "")
                                << (recipe.wgrad_input_2d ? ", the weight gradient's input in 128x128 blocks" : "") << ")\n";
+                     for (const auto& [role, layers] : kept_layers)  // where the model would keep the input in bf16
+                       std::cout << "fp8: the " << boost::describe::enum_to_string(role, "?")
+                                 << " layers keep their input's transpose in FP8 with its block scales for the backward "
+                                 << "pass (" << layers << " layers), not the input in bf16\n";
                      for (auto& s : skipped) std::cout << "fp8: " << skip_line(s) << "\n";
                    }});
 }

@@ -31,9 +31,11 @@ void Norm::declare(ActivationTable::Rows& rows, const std::string& key, StageSet
   const auto* impl = ctx_.world.try_get<ops::LinearImpl>(consumer_);
   const bool kept_by_consumer = impl && impl->keeps_input;
   const std::optional<ops::Prologue> kind = prologue_kind();
-  // The consumer computes the norm itself where it can: where the output would be recomputed anyway
-  // and is not gathered over TP (the prologue reads this rank's rows, which are all of them).
-  on_load_ = ctx_.cfg.recompute_norm && !kept_by_consumer && !ctx_.tp.sequence_parallel() && impl && kind &&
+  // The consumer computes the norm itself where it can: where the output would be recomputed anyway,
+  // or where the consumer keeps its own copy of it (its forward then computes the norm on load once
+  // and nothing is recomputed), and where it is not gathered over TP (the prologue reads this rank's
+  // rows, which are all of them).
+  on_load_ = (ctx_.cfg.recompute_norm || kept_by_consumer) && !ctx_.tp.sequence_parallel() && impl && kind &&
              impl->prologues.has(*kind);
   // Where the block's backward recomputes this stage anyway (activation checkpointing), the
   // recompute's output is kept until the consumer's backward instead of computed a third time.

@@ -11,7 +11,10 @@
 // The weight's two copies (rowwise and its transpose, the same 128x128 tiles, so the same scales
 // transposed) are made once per weight version and reused by every micro-batch and the backward
 // pass. The input is quantised in the forward (rowwise) and again in the backward (its transpose),
-// the output gradient in the backward (both). No amax history and no state beyond the weight's
+// the output gradient in the backward (both). With `keep_input` (ops::LinearImpl::keeps_input: the
+// model then stores no input for the backward) the forward writes the input's transpose too, from
+// the same read where both are 1x128, and keeps it with its scales for the backward, which never
+// reads the input: the codes the backward would make, so the same products. No amax history and no state beyond the weight's
 // copies: nothing goes into checkpoints, and a replayed forward (activation recompute) computes
 // exactly what the first did. Scales are fp8_max / amax of each block, optionally powers of two.
 //
@@ -43,7 +46,8 @@ struct BlockRecipe {
 
 class Fp8BlockLinear {
  public:
-  Fp8BlockLinear(Fp8Ops& ops, Fp8Workspace& workspace, const BlockRecipe& recipe, std::string name = "linear");
+  Fp8BlockLinear(Fp8Ops& ops, Fp8Workspace& workspace, const BlockRecipe& recipe, std::string name = "linear",
+                 bool keep_input = false);
   // What it takes through prologues (ops::LinearImpl::prologues).
   static constexpr ops::PrologueSet kPrologues = ops::PrologueSet::all();
 
@@ -78,6 +82,8 @@ class Fp8BlockLinear {
   void scales_from_amax();
   void quantize_weight_part(const TensorView& part, std::int64_t first, void* codes);
   const std::string& name() const { return name_; }
+  bool keeps_input() const { return keep_input_; }
+  std::size_t kept_bytes() const { return kept_.bytes(); }  // the kept input transpose's memory (keep_input)
 
  private:
   // [rows, cols] codes of `f` and their scales, carved out of the workspace.
@@ -86,11 +92,18 @@ class Fp8BlockLinear {
     float* scale_inv = nullptr;
   };
   void ensure_weight(const TensorView& w, std::int64_t version);
+  // The weight gradient's input operand, x^T [IC, N]: 1x128 along the tokens, or 128x128.
+  BlockLayout input_transpose(std::int64_t N, std::int64_t IC) const;
+  // The kept transpose's codes and scales (keep_input), grown where they must be.
+  Operand kept_input(std::int64_t N, std::int64_t IC);
 
   Fp8Ops& ops_;
   Fp8Workspace& ws_;
   BlockRecipe recipe_;
   std::string name_;
+  bool keep_input_ = false;
+  Buffer kept_;                          // keep_input: the last forward's input transpose and its scales
+  std::int64_t kept_rows_ = 0, kept_cols_ = 0;  // that forward's N and IC
   TensorView master_, compute_;  // use_master_weight
   // Where the weight's codes go, [OC, IC] and [IC, OC]: the compute copy's memory or their own.
   void place_codes(std::int64_t OC, std::int64_t IC, bool in_compute);
