@@ -8,7 +8,8 @@
 #   default all; logs under $OUT). RECIPES="delayed current block" picks the FP8 rows; STORED=1 adds
 #   each row again with the norms' and the activation's outputs not recomputed (model.recompute_norm
 #   and model.recompute_gelu false: the FP8 layers then keep their inputs' FP8 copies), as PyTorch's
-#   reference recomputes nothing.
+#   reference recomputes nothing. KERNELS="kiln_wgrad ..." adds block rows with those fp8.block_gemm
+#   choices.
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-20}
@@ -44,12 +45,20 @@ if has 1.3b; then
   [ -z "${RECIPES:-}" ] && row 1.3b-bf16 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}"
   for r in ${RECIPES:-delayed current block}; do
     row "1.3b-fp8-$r" 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
+    [ "$r" = block ] && for k in ${KERNELS:-}; do
+      row "1.3b-fp8-block-$k" 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=block \
+        --set fp8.block_gemm="$k"
+    done
   done
 fi
 if has llama1b; then
   torch_ref llama1b bench/torch_llama.py --batch 4
   for r in ${RECIPES:-delayed current block}; do
     row "llama1b-fp8-$r" 1 "$STEPS" pipelines/llama-1b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
+    [ "$r" = block ] && for k in ${KERNELS:-}; do
+      row "llama1b-fp8-block-$k" 1 "$STEPS" pipelines/llama-1b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=block \
+        --set fp8.block_gemm="$k"
+    done
   done
 fi
 rm -f "$OUT"/*.jsonl

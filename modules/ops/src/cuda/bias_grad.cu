@@ -102,16 +102,18 @@ __global__ __launch_bounds__(kLanes* kGroups) void bias_grad_kernel(float* dbias
 }
 
 // Stage 2: blocks of (8 columns, 32 groups); group g sums partials g, g + 32, ... in order, then a
-// fixed tree over the groups; out[w] += the total. 8 consecutive floats fill a 32-byte sector.
+// fixed tree over the groups; out[w] += the total, for columns w < W (out1[w - W] += for the next W1
+// columns: LayerNorm's weight and bias gradients in one launch). 8 consecutive floats fill a 32-byte
+// sector.
 constexpr int kCols = 8, kPGroups = 32;
 
-__global__ __launch_bounds__(kCols* kPGroups) void reduce_partials_kernel(float* out, const float* partials, int P,
-                                                                          int W, int ld) {
+__global__ __launch_bounds__(kCols* kPGroups) void reduce_partials_kernel(float* out, float* out1, const float* partials,
+                                                                          int P, int W, int W1, int ld) {
   __shared__ float sm[kPGroups][kCols];
   const int tx = threadIdx.x, g = threadIdx.y;
   const int w = blockIdx.x * kCols + tx;
   float s = 0;
-  if (w < W) {
+  if (w < W + W1) {
 #pragma unroll 4
     for (int p = g; p < P; p += kPGroups) s += partials[static_cast<std::int64_t>(p) * ld + w];
   }
@@ -123,14 +125,15 @@ __global__ __launch_bounds__(kCols* kPGroups) void reduce_partials_kernel(float*
     __syncthreads();
   }
   if (g == 0 && w < W) out[w] += sm[0][tx];
+  if (g == 0 && w >= W && w < W + W1) out1[w - W] += sm[0][tx];
 }
 
 }  // namespace
 
-void reduce_partials(float* out, const float* partials, int P, int W, int ld, cudaStream_t s) {
-  if (W <= 0) return;
-  reduce_partials_kernel<<<static_cast<unsigned>(ceil_div(W, kCols)), dim3(kCols, kPGroups), 0, s>>>(out, partials, P,
-                                                                                                     W, ld);
+void reduce_partials(float* out, const float* partials, int P, int W, int ld, cudaStream_t s, float* out1, int W1) {
+  if (W + W1 <= 0) return;
+  reduce_partials_kernel<<<static_cast<unsigned>(ceil_div(W + W1, kCols)), dim3(kCols, kPGroups), 0, s>>>(
+      out, out1, partials, P, W, W1, ld);
   KILN_CUDA_LAUNCH_CHECK();
 }
 

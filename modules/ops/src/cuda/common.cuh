@@ -114,7 +114,9 @@ inline unsigned grid_for(std::int64_t work, int threads, std::int64_t cap = 1638
 
 // out[w] += sum over p < P of partials[p * ld + w] for w < W, always summed in the same order
 // (strided sequential sums, then a fixed tree): the second stage of kiln's deterministic
-// reductions. Defined in bias_grad.cu.
-void reduce_partials(float* out, const float* partials, int P, int W, int ld, cudaStream_t s);
+// reductions. With out1, the next W1 columns the same way into out1[w - W], in the same launch
+// (each column's sum unchanged). Defined in bias_grad.cu.
+void reduce_partials(float* out, const float* partials, int P, int W, int ld, cudaStream_t s, float* out1 = nullptr,
+                     int W1 = 0);
 
 }  // namespace kiln::cuda

@@ -267,8 +267,8 @@ void norm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const
     ln_backward_any<kRms><<<blocks, kAnyThreads, 0, s>>>(dx, scratch, dout, x, weight, mean, rstd, N, C, rpb);
   }
   KILN_CUDA_LAUNCH_CHECK();
-  reduce_partials(dweight, scratch, blocks, C, 2 * C, s);
-  if (!kRms) reduce_partials(dbias, scratch + C, blocks, C, 2 * C, s);
+  // The weight's and the bias's gradients (columns C.. of the partials) in one launch.
+  reduce_partials(dweight, scratch, blocks, C, 2 * C, s, kRms ? nullptr : dbias, kRms ? 0 : C);
 }
 }  // namespace
 
