@@ -110,6 +110,15 @@ TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit fo
     const int nproc = sets.front() == "parallel.tp=4" ? 4 : 2;
     test::compare_traces(run(nproc, sets + lapped), run(nproc, sets), what.c_str(), 0);
   }
+  // Block-scaled layers keeping their inputs' transposes under sequence parallelism (the norms'
+  // outputs gathered once in the forward, never again): the recomputing run's bits, overlapped or not.
+  const test::Sets block_sp = {"parallel.tp=2", "parallel.sequence_parallel=true", "fp8.enabled=true",
+                               "fp8.recipe=block", "backend.cpu_round_bf16=true", "model.n_embd=256",
+                               "model.n_head=2", "train.steps=2", "train.batch_size=4"};
+  const test::Sets stored = {"model.recompute_norm=false", "model.recompute_gelu=false"};
+  const auto recomputed = run(2, block_sp);
+  test::compare_traces(run(2, block_sp + stored), recomputed, "block, inputs kept", 0);
+  test::compare_traces(run(2, block_sp + stored + lapped), recomputed, "block, inputs kept, overlapped", 0);
 }
 
 namespace {

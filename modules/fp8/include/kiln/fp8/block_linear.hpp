@@ -14,9 +14,9 @@
 // the output gradient in the backward (both). With `keep_input` (ops::LinearImpl::keeps_input: the
 // model then stores no input for the backward) the forward writes the input's transpose too, from
 // the same read where both are 1x128, and keeps it with its scales for the backward, which never
-// reads the input: the codes the backward would make, so the same products. No amax history and no state beyond the weight's
-// copies: nothing goes into checkpoints, and a replayed forward (activation recompute) computes
-// exactly what the first did. Scales are fp8_max / amax of each block, optionally powers of two.
+// reads the input: the codes the backward would make, so the same products. No amax history and no
+// state beyond the weight's copies (and that transient one): nothing goes into checkpoints, and a
+// replayed forward (activation recompute) computes exactly what the first did. Scales are fp8_max / amax of each block, optionally powers of two.
 //
 // It takes every prologue of ops/prologue.hpp, as Fp8Linear does: the input as LayerNormOnLoad (the
 // forward computes the statistics, then the values while quantising; the backward recomputes them
