@@ -7,7 +7,7 @@
 # usage: bash bench/gpu_numerics.sh BUILD_DIR [STEPS]
 # RUNS="bf16 fp8-block ..." picks the runs (one after another on fewer than four GPUs; default the
 # three above; fp8-block is issue 29's block scaling, fp8-block-2d with the weight gradient's input in
-# 128x128 blocks; bf16-m16 and fp8-delayed-m16 with optim.moments = "bf16"); MODEL=llama1b runs pipelines/llama-1b.toml on
+# 128x128 blocks; bf16-m16, fp8-delayed-m16 and fp8-block-m16 with optim.moments = "bf16"); MODEL=llama1b runs pipelines/llama-1b.toml on
 # the Brown GPT-2 BPE tokens (data/brown-gpt2, carried) instead, metrics to $OUT/numerics-llama1b-*.jsonl.
 set -uo pipefail
 B=${1:-.devbuild}
@@ -45,6 +45,7 @@ args_of() {
     fp8-block-e4m3) echo --set fp8.enabled=true --set fp8.recipe=block --set fp8.format=e4m3 ;;
     bf16-m16) echo --set optim.moments=bf16 ;;  # AdamW's moments in bf16
     fp8-delayed-m16) echo --set fp8.enabled=true --set optim.moments=bf16 ;;
+    fp8-block-m16) echo --set fp8.enabled=true --set fp8.recipe=block --set optim.moments=bf16 ;;
     *) echo "unknown run $1" >&2; exit 2 ;;
   esac
 }
