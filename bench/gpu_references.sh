@@ -40,26 +40,24 @@ if has 124m; then
   row 124m-bf16 1 $((2 * STEPS)) pipelines/gpt2-124m.toml "${G[@]}"
   row 124m-fp8-delayed 1 $((2 * STEPS)) pipelines/gpt2-124m.toml "${G[@]}" "${F[@]}"
 fi
+fp8_rows() {  # name pipeline: the FP8 rows of each recipe, and the block rows of each KERNELS choice
+  local m=$1 p=$2 r k
+  for r in ${RECIPES:-delayed current block}; do
+    row "$m-fp8-$r" 1 "$STEPS" "$p" "${G[@]}" "${F[@]}" --set fp8.recipe=$r
+    [ "$r" = block ] && for k in ${KERNELS:-}; do
+      row "$m-fp8-block-$k" 1 "$STEPS" "$p" "${G[@]}" "${F[@]}" --set fp8.recipe=block --set fp8.block_gemm="$k"
+    done
+  done
+  return 0
+}
 if has 1.3b; then
   torch_ref 1.3b bench/torch_gpt.py --model 1.3b --batch 8
   [ -z "${RECIPES:-}" ] && row 1.3b-bf16 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}"
-  for r in ${RECIPES:-delayed current block}; do
-    row "1.3b-fp8-$r" 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
-    [ "$r" = block ] && for k in ${KERNELS:-}; do
-      row "1.3b-fp8-block-$k" 1 "$STEPS" pipelines/gpt-1.3b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=block \
-        --set fp8.block_gemm="$k"
-    done
-  done
+  fp8_rows 1.3b pipelines/gpt-1.3b.toml
 fi
 if has llama1b; then
   torch_ref llama1b bench/torch_llama.py --batch 4
-  for r in ${RECIPES:-delayed current block}; do
-    row "llama1b-fp8-$r" 1 "$STEPS" pipelines/llama-1b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=$r
-    [ "$r" = block ] && for k in ${KERNELS:-}; do
-      row "llama1b-fp8-block-$k" 1 "$STEPS" pipelines/llama-1b.toml "${G[@]}" "${F[@]}" --set fp8.recipe=block \
-        --set fp8.block_gemm="$k"
-    done
-  done
+  fp8_rows llama1b pipelines/llama-1b.toml
 fi
 rm -f "$OUT"/*.jsonl
 kiln_rows_table
