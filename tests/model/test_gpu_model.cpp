@@ -234,7 +234,7 @@ TEST_CASE("FP8 weights held as their rowwise codes alone train the same bits on 
 // With recompute_norm / recompute_gelu off, the FP8 layers keep their inputs' FP8 copies (per-tensor:
 // the colwise codes; block: the transpose in 1x128 blocks along the tokens, or 128x128) from the
 // forward, computing a LayerNorm or the activation on load: the codes the backward would make, so the
-// losses and every final weight are the same bits on CUDA as where the inputs are recomputed.
+// losses and the first step's gradients are the same bits on CUDA as where the inputs are recomputed.
 TEST_CASE("FP8 layers keeping their inputs in FP8 train the same bits on CUDA as recomputing them") {
   if (!ops::cuda_available()) KILN_SKIP_TEST("no CUDA device is visible");
   const std::vector<std::vector<std::string>> cases = {

@@ -91,6 +91,10 @@ TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit fo
   // other calls whole.
   using test::operator+;
   const test::Sets lapped = {"parallel.tp_comm_overlap=true", "parallel.tp_comm_chunks=3"};
+  // Block scaling with whole 128-blocks on each rank, at a small cost.
+  const test::Sets block_sp = {"parallel.tp=2", "parallel.sequence_parallel=true", "fp8.enabled=true",
+                               "fp8.recipe=block", "backend.cpu_round_bf16=true", "model.n_embd=256",
+                               "model.n_head=2", "train.steps=2", "train.batch_size=4"};
   const test::Sets cases[] = {
       {"parallel.tp=2"},
       {"parallel.tp=4", "parallel.sequence_parallel=true", "model.dropout=0.1"},
@@ -100,9 +104,7 @@ TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit fo
       {"parallel.tp=2", "fp8.enabled=true", "model.dropout=0.1", "activation_checkpoint.mode=full"},
       {"parallel.tp=2", "fp8.enabled=true", "fp8.recipe=current", "model.arch=llama", "model.n_kv_head=2",
        "model.ffn_hidden=64"},
-      {"parallel.tp=2", "parallel.sequence_parallel=true", "fp8.enabled=true", "fp8.recipe=block",
-       "backend.cpu_round_bf16=true", "model.n_embd=256", "model.n_head=2", "train.steps=2",
-       "train.batch_size=4"},  // whole 128-blocks on each rank, at a small cost
+      block_sp,
   };
   for (const auto& sets : cases) {
     std::string what = "overlapped:";
@@ -112,9 +114,6 @@ TEST_CASE("tensor-parallel communication overlapped with the GEMMs trains bit fo
   }
   // Block-scaled layers keeping their inputs' transposes under sequence parallelism (the norms'
   // outputs gathered once in the forward, never again): the recomputing run's bits, overlapped or not.
-  const test::Sets block_sp = {"parallel.tp=2", "parallel.sequence_parallel=true", "fp8.enabled=true",
-                               "fp8.recipe=block", "backend.cpu_round_bf16=true", "model.n_embd=256",
-                               "model.n_head=2", "train.steps=2", "train.batch_size=4"};
   const test::Sets stored = {"model.recompute_norm=false", "model.recompute_gelu=false"};
   const auto recomputed = run(2, block_sp);
   test::compare_traces(run(2, block_sp + stored), recomputed, "block, inputs kept", 0);
