@@ -16,10 +16,7 @@ namespace {
 // Carves [rows, cols] codes and their block scales out of a scratch area, each 256-byte aligned.
 class Carver {
  public:
-  struct Part {
-    TensorView codes;
-    float* scale_inv;
-  };
+  using Part = Fp8BlockLinear::Operand;
   // The bytes `parts` need: (codes, layout) pairs.
   static std::size_t bytes(std::initializer_list<BlockLayout> layouts) {
     std::size_t n = 0;
@@ -63,8 +60,7 @@ Fp8BlockLinear::Operand Fp8BlockLinear::kept_input(std::int64_t N, std::int64_t 
   }
   kept_rows_ = N;
   kept_cols_ = IC;
-  const auto part = Carver(static_cast<std::uint8_t*>(kept_.data()), ops_.device()).take(l, recipe_.input);
-  return {part.codes, part.scale_inv};
+  return Carver(static_cast<std::uint8_t*>(kept_.data()), ops_.device()).take(l, recipe_.input);
 }
 
 void Fp8BlockLinear::use_master_weight(const TensorView& master, const TensorView& compute) {
@@ -265,10 +261,8 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
                    (gathered && a.dx ? Carver::bytes({wt}) : 0)),
            ops_.device());
   const auto g_row = c.take(gr, recipe_.grad), g_col = c.take(gc, recipe_.grad);
-  const Operand x_col = keep_input_ ? kept_input(N, IC) : [&] {
-    const auto t = c.take(xc, recipe_.input);
-    return Operand{t.codes, t.scale_inv};
-  }();
+  // With keep_input, the forward's transpose (its shape checked above: nothing grows).
+  const Operand x_col = keep_input_ ? kept_input(N, IC) : c.take(xc, recipe_.input);
   const void* w_colwise = cache_.colwise;
   if (gathered && a.dx) {
     const auto t = c.take(wt, recipe_.weight);

@@ -205,6 +205,13 @@ std::set<nn::LinearRole> roles_kept_in_fp8(World& w, const std::vector<Entity>& 
   return roles;
 }
 
+// Whether a layer of one of those roles keeps its input in FP8: not on a pipeline stage, where other
+// micro-batches' forwards run between a forward and its backward and a layer keeps one input.
+template <class Layer>
+bool keeps_in_fp8(const Layer& l, const std::set<nn::LinearRole>& roles, bool pipelined) {
+  return !pipelined && l.input_stored_for_backward && roles.count(l.role) > 0;
+}
+
 // Current scaling on a pipeline stage: a layer's backward quantises its saved input again with the
 // scale its forward took from that input, but the schedule runs other micro-batches' forwards in
 // between. Each unit's scales (and their inverses) are kept per micro-batch from the end of its
@@ -383,13 +390,12 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
   st.workspace = std::make_unique<Fp8Workspace>(*st.ops);
   Fp8State* state = &st;
   // The experts' linears keep their inputs' transposes (the weight gradient's operand) in FP8 from the
-  // forward where the model would store the input for them, as under per-tensor scaling (not on a
-  // pipeline stage: other micro-batches' forwards run between a forward and its backward).
+  // forward where the model would store the input for them, as under per-tensor scaling (keeps_in_fp8).
   const std::set<nn::LinearRole> keep_grouped_roles = roles_kept_in_fp8<nn::GroupedLinear>(w, st.grouped_entities);
   for (Entity e : st.grouped_entities) {
     const auto* name = w.try_get<Name>(e);
     const auto& grouped = w.get<nn::GroupedLinear>(e);
-    const bool keep = !pipelined && grouped.input_stored_for_backward && keep_grouped_roles.count(grouped.role) > 0;
+    const bool keep = keeps_in_fp8(grouped, keep_grouped_roles, pipelined);
     st.block_grouped.push_back(std::make_unique<Fp8BlockGroupedLinear>(*st.ops, *st.workspace, recipe,
                                                                        name ? name->value : w.describe(e), keep));
     Fp8BlockGroupedLinear* lin = st.block_grouped.back().get();
@@ -408,7 +414,7 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
   for (Entity e : st.entities) {
     const auto* name = w.try_get<Name>(e);
     const auto& linear = w.get<nn::Linear>(e);
-    const bool keep = !pipelined && linear.input_stored_for_backward && keep_roles.count(linear.role) > 0;
+    const bool keep = keeps_in_fp8(linear, keep_roles, pipelined);
     if (keep) ++kept_layers[linear.role];
     st.block_linears.push_back(
         std::make_unique<Fp8BlockLinear>(*st.ops, *st.workspace, recipe, name ? name->value : w.describe(e), keep));
@@ -608,9 +614,7 @@ void install(World& w, const Fp8Config& cfg) {
     w.emplace<Fp8Meta>(e, meta);
     const auto* name = w.try_get<Name>(e);
     const auto& linear = w.get<nn::Linear>(e);
-    // (Not on a pipeline stage: other micro-batches' forwards run between a forward and its backward,
-    // and a layer keeps one input.)
-    const bool keep = !pipelined && linear.input_stored_for_backward && keep_roles.count(linear.role) > 0;
+    const bool keep = keeps_in_fp8(linear, keep_roles, pipelined);
     if (keep) {  // for the report: the colwise copy [in, tokens], one byte an element
       auto& k = kept[linear.role];
       k.bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(linear.in);
@@ -659,7 +663,7 @@ void install(World& w, const Fp8Config& cfg) {
     const int first = static_cast<int>(st.entities.size() + i) * kRolesPerLinear;
     const auto* name = w.try_get<Name>(e);
     const auto& grouped = w.get<nn::GroupedLinear>(e);
-    const bool keep = !pipelined && grouped.input_stored_for_backward && keep_grouped_roles.count(grouped.role) > 0;
+    const bool keep = keeps_in_fp8(grouped, keep_grouped_roles, pipelined);
     st.grouped.push_back(std::make_unique<Fp8GroupedLinear>(*st.ops, *st.meta, first, *st.workspace, st.recipe,
                                                             name ? name->value : w.describe(e), keep));
     Fp8GroupedLinear* lin = st.grouped.back().get();

@@ -85,12 +85,13 @@ class Fp8BlockLinear {
   bool keeps_input() const { return keep_input_; }
   std::size_t kept_bytes() const { return kept_.bytes(); }  // the kept input transpose's memory (keep_input)
 
- private:
-  // [rows, cols] codes of `f` and their scales, carved out of the workspace.
+  // A GEMM operand: [rows, cols] codes and their block scales.
   struct Operand {
     TensorView codes;
     float* scale_inv = nullptr;
   };
+
+ private:
   void ensure_weight(const TensorView& w, std::int64_t version);
   // The weight gradient's input operand, x^T [IC, N]: 1x128 along the tokens, or 128x128.
   BlockLayout input_transpose(std::int64_t N, std::int64_t IC) const;
