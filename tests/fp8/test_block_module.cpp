@@ -108,7 +108,8 @@ TEST_CASE("block-scaled FP8 training on the CPU ends within 5% of fp32 and 7% of
   CHECK(block != pow2);
 }
 
-TEST_CASE("block-scaled FP8 layers recompute exactly and split micro-batches as the whole batch") {
+TEST_CASE("block-scaled FP8 layers recompute exactly, split micro-batches as the whole batch, and an FP8 head "
+          "takes chunks of rows") {
   const std::vector<std::string> block = {"fp8.enabled=true", "fp8.recipe=block", "model.dropout=0.1", "train.steps=4"};
   auto losses = [&](std::vector<std::string> more) {
     more.insert(more.begin(), block.begin(), block.end());
@@ -132,6 +133,15 @@ TEST_CASE("block-scaled FP8 layers recompute exactly and split micro-batches as 
   CHECK(with_stored({}) == plain);
   CHECK(with_stored({"activation_checkpoint.mode=full"}) == plain);
   CHECK(with_stored({"train.micro_batch_size=2"}) == micro);
+  // A block-scaled LM head a chunk of rows at a time (model.head_chunk_rows): one chunk of the 64
+  // tokens is the whole head; chunks of 48 (the last of 16) make the dlogits' 1x128 blocks along
+  // the tokens of each chunk apart, so FP8's rounding differs.
+  const auto head = losses({"fp8.lm_head=true"});
+  CHECK(head != plain);
+  CHECK(losses({"fp8.lm_head=true", "model.head_chunk_rows=64"}) == head);
+  const auto chunks = losses({"fp8.lm_head=true", "model.head_chunk_rows=48"});
+  REQUIRE(chunks.size() == head.size());
+  for (std::size_t i = 0; i < head.size(); ++i) CHECK(chunks[i] == doctest::Approx(head[i]).epsilon(1e-3));
 }
 
 TEST_CASE("block-scaled FP8 layers keep their inputs' transposes in FP8 where the model would store the inputs in "

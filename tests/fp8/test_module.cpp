@@ -105,10 +105,9 @@ TEST_CASE("--set fp8.enabled=true turns the block linears into FP8 GEMMs, the LM
     test::Pipeline p(kTiny);  // no [fp8] section: the module is not even installed
     CHECK(fp8_roles(*p.world).empty());
   }
-  {  // An FP8 head cannot be called on chunks of rows (model.head_chunk_rows): refused at setup.
-    test::Pipeline p(kTiny, {"fp8.enabled=true", "fp8.lm_head=true", "model.head_chunk_rows=8"});
-    CHECK_THROWS_WITH_AS(p.world->systems().run(Phase::setup, *p.world), doctest::Contains("model.head_chunk_rows"),
-                         ConfigError);
+  {  // An FP8 head takes chunks of rows (model.head_chunk_rows), as the backend's does.
+    test::Pipeline p(kTiny, {"fp8.enabled=true", "fp8.lm_head=true", "model.head_chunk_rows=16"});
+    p.world->systems().run(Phase::setup, *p.world);
     test::Pipeline blocks_only(kTiny, {"fp8.enabled=true", "model.head_chunk_rows=8"});
     blocks_only.world->systems().run(Phase::setup, *blocks_only.world);
   }
@@ -116,6 +115,41 @@ TEST_CASE("--set fp8.enabled=true turns the block linears into FP8 GEMMs, the LM
                        doctest::Contains("sometimes"), ConfigError);
   CHECK_THROWS_WITH_AS(test::Pipeline(kTiny, {"fp8.amax_history_len=0"}), doctest::Contains("amax_history_len"),
                        ConfigError);
+}
+
+TEST_CASE("an FP8 LM head a chunk of rows at a time: one chunk is the whole head bit for bit, smaller ones within "
+          "FP8's rounding") {
+  // kTiny's micro-batch is 64 tokens. Chunks of 48 (the last of 16) quantise each chunk's dlogits
+  // apart: by its own amax (current scaling), or by the history's scale (delayed; at the first step,
+  // before any history, by the first chunk's amax), their amaxes max-accumulated.
+  auto losses = [](std::vector<std::string> sets) {
+    test::Pipeline p(kTiny, sets);
+    std::vector<double> out;
+    p.world->systems().add({"test.record", Phase::step_end,
+                            [&out](World& world) { out.push_back(world.resource<train::TrainState>().loss); },
+                            {"train.step_end"}});
+    p.run();
+    return out;
+  };
+  for (const char* recipe : {"fp8.recipe=delayed", "fp8.recipe=current"}) {
+    CAPTURE(recipe);
+    const std::vector<std::string> head = {"fp8.enabled=true", "fp8.lm_head=true", recipe};
+    const auto whole = losses(head);
+    auto with = [&](const char* more) {
+      auto s = head;
+      s.emplace_back(more);
+      return losses(s);
+    };
+    CHECK(with("model.head_chunk_rows=64") == whole);
+    const auto chunks = with("model.head_chunk_rows=48");
+    REQUIRE(chunks.size() == whole.size());
+    for (std::size_t i = 0; i < whole.size(); ++i) CHECK(chunks[i] == doctest::Approx(whole[i]).epsilon(1e-3));
+    CHECK(chunks != whole);  // the chunks did quantise apart
+  }
+  // An FP8 weight gradient's inner dimension is the chunk's tokens: a multiple of 16, said naming the key.
+  test::Pipeline odd(kTiny, {"fp8.enabled=true", "fp8.lm_head=true", "model.head_chunk_rows=24"});
+  CHECK_THROWS_WITH_AS(odd.world->systems().run(Phase::setup, *odd.world),
+                       doctest::Contains("model.head_chunk_rows = 24"), ConfigError);
 }
 
 TEST_CASE("delayed scaling: one reduction and update per step, the history rolls once per step") {

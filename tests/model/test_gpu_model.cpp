@@ -155,6 +155,10 @@ TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for b
       // Block-scaled layers keeping their inputs' transposes from the forward.
       {"fp8.enabled=true", "fp8.recipe=block", "model.recompute_norm=false", "model.recompute_gelu=false",
        "train.micro_batch_size=2"},
+      // An FP8 LM head a chunk of rows at a time (112 of the 384 rows, the last chunk 48; of a micro-
+      // batch's 192, the last 80), per-tensor and block-scaled.
+      {"model.head_chunk_rows=112", "fp8.enabled=true", "fp8.lm_head=true", "train.micro_batch_size=2"},
+      {"model.head_chunk_rows=112", "fp8.enabled=true", "fp8.lm_head=true", "fp8.recipe=block"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {

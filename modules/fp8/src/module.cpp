@@ -28,6 +28,11 @@ namespace kiln::fp8 {
 
 namespace {
 
+// An FP8 layer's calls on chunks of rows (ops::LinearImpl::pair_rows_multiple) take a multiple of
+// this many rows, on every backend: the weight gradient's inner dimension is the tokens, and
+// cuBLASLt's FP8 GEMMs need it a multiple of 16.
+constexpr std::int64_t kGemmRowsMultiple = 16;
+
 std::unique_ptr<Fp8Ops> make_ops(World& w, const Fp8Config& cfg) {
   auto& be = w.resource<ops::ActiveBackend>().get();
   const auto& bc = w.resource<ops::BackendConfig>();
@@ -423,7 +428,9 @@ void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string
         e, ops::LinearImpl{.forward = [lin, state](const ops::LinearForward& a) { lin->forward(a, state->weights_version); },
                            .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
                            .prologues = Fp8BlockLinear::kPrologues,
-                           .keeps_input = keep});
+                           .keeps_input = keep,
+                           .pairs_on_rows = true,  // each call's blocks are its own
+                           .pair_rows_multiple = kGemmRowsMultiple});
   }
   // The weights' codes in the memory of their compute copies, made from their f32 masters. Where the
   // masters are whole, the layers make them (with fp8.fuse_weight_update the optimizer's step writes
@@ -643,6 +650,10 @@ void install(World& w, const Fp8Config& cfg) {
                                                   .backward = [lin](const ops::LinearBackward& a) { lin->backward(a); },
                                                   .prologues = Fp8Linear::kPrologues,
                                                   .keeps_input = keep,
+                                                  // A call's scale: its own amax (current scaling), or
+                                                  // the history's, max-accumulating the calls' amaxes.
+                                                  .pairs_on_rows = true,
+                                                  .pair_rows_multiple = kGemmRowsMultiple,
                                                   .forward_pieces =
                                                       [lin, state](const ops::LinearForward& a,
                                                                    std::span<const ops::RowsOut> pieces,

@@ -65,10 +65,13 @@ ChunkedLossHead::ChunkedLossHead(LayerBuilder b, const ModelSpec& spec, std::opt
 
 void ChunkedLossHead::declare(ActivationTable& table, std::size_t lend) {
   // The chunks multiply rows of the norm's output: a tensor of its own, never a prologue.
-  if (!head_.impl().splits_rows)
-    throw ConfigError("model.head_chunk_rows: the LM head's linear implementation (a module's: fp8.lm_head = true, "
-                      "say) cannot be called on chunks of rows; set model.head_chunk_rows = 0 or keep the head in the "
-                      "backend's precision");
+  if (!ops::takes_row_pairs(head_.impl()))
+    throw ConfigError("model.head_chunk_rows: the LM head's linear implementation (a module's) cannot be called on "
+                      "chunks of rows; set model.head_chunk_rows = 0 or keep the head in the backend's precision");
+  const std::int64_t multiple = head_.impl().pair_rows_multiple;
+  if (chunk_ % multiple != 0)
+    throw ConfigError(cat("model.head_chunk_rows = ", chunk_, ": the LM head's linear implementation (a module's: ",
+                          "fp8.lm_head, say) takes chunks of a multiple of ", multiple, " rows"));
   auto rows = table.model();
   norm_->declare(rows, "head.norm", 0);
   declare_logits(table, chunk_, lend);

@@ -55,6 +55,16 @@ struct LinearImpl {
   // the GEMMs (parallel.tp_comm_overlap); an implementation that cannot (it keeps per-call state, or
   // scales by the whole input's amax) runs the layers without overlap.
   bool splits_rows = false;
+  // Takes a forward on some token rows followed at once by the backward of those rows (the weight
+  // gradient written by the first pair, added to by the others), pair after pair: an LM head that
+  // makes its logits a chunk of rows at a time (model.head_chunk_rows). An implementation that
+  // splits_rows takes it; one that keeps state from a forward to its backward (its input's FP8
+  // copy, say) takes it where each call quantises by its own amax, its own blocks or a scale fixed
+  // before the step (delayed scaling, whose amax the calls max-accumulate).
+  bool pairs_on_rows = false;
+  // The rows of each such pair (and of the whole call) are a multiple of this: an FP8 weight
+  // gradient's inner dimension is the tokens, a multiple of 16 for cuBLASLt's FP8 GEMMs.
+  std::int64_t pair_rows_multiple = 1;
   // The forward in pieces of rows (a row-parallel output's sum started piece by piece): piece k's
   // rows of the whole call's output written to its `out` (and those rows of pre_gelu), then
   // queued(k) called, so the caller may move them while the next piece is computed. An implementation
@@ -69,6 +79,9 @@ struct LinearImpl {
   // forward.
   std::function<void(const LinearForward& f, const TensorView& local, const RowGather& g)> forward_gathered;
 };
+
+// Whether `impl` takes forward and backward pairs on chunks of rows (splits_rows or pairs_on_rows).
+inline bool takes_row_pairs(const LinearImpl& impl) { return impl.splits_rows || impl.pairs_on_rows; }
 
 // f on its rows [begin, begin + rows): the output written to `out`, those rows of pre_gelu and of
 // a plain input (an input through a prologue stays whole: only an implementation that quantised

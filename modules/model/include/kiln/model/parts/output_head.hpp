@@ -67,8 +67,10 @@ class LogitsHead final : public OutputHead {
 };
 
 // `chunk_rows` tokens' logits at a time, computed in the backward pass (see above). The head's
-// implementation must take calls on rows (ops::LinearImpl::splits_rows: the backend's does, an FP8
-// head does not), which the model checks once modules have attached theirs.
+// implementation must take a forward and a backward on a chunk's rows, pair after pair
+// (ops::takes_row_pairs: the backend's does, and an FP8 head, fp8.lm_head, whose chunks each
+// quantise by their own amax, their own blocks or delayed scaling's scale), which the model checks
+// once modules have attached theirs.
 class ChunkedLossHead final : public OutputHead {
  public:
   ChunkedLossHead(LayerBuilder b, const ModelSpec& spec, std::optional<Entity> tied, std::int64_t chunk_rows);
