@@ -9,7 +9,8 @@
 #   each row again with the norms' and the activation's outputs not recomputed (model.recompute_norm
 #   and model.recompute_gelu false: the FP8 layers then keep their inputs' FP8 copies), as PyTorch's
 #   reference recomputes nothing. KERNELS="kiln_wgrad ..." adds block rows with those fp8.block_gemm
-#   choices.
+#   choices. HEAD=1 adds each FP8 row with the inputs kept and the LM head in FP8 too (fp8.lm_head);
+#   TUNE=1 adds each bf16 row with backend.gemm_autotune.
 set -uo pipefail
 B=${1:-.devbuild}
 STEPS=${2:-20}
@@ -25,6 +26,11 @@ row() {  # name args...: the row, and with STORED=1 the row with the inputs kept
   shift
   kiln_row "$name" "$@"
   [ "${STORED:-0}" = 1 ] && kiln_row "$name-stored" "$@" "${S[@]}"
+  if [[ " $* " == *" fp8.enabled=true "* ]]; then
+    [ "${HEAD:-0}" = 1 ] && kiln_row "$name-stored-head" "$@" "${S[@]}" --set fp8.lm_head=true
+  else
+    [ "${TUNE:-0}" = 1 ] && kiln_row "$name-tuned" "$@" --set backend.gemm_autotune=true
+  fi
   return 0
 }
 F=(--set fp8.enabled=true --set optim.moments=bf16)

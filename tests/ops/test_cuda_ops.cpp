@@ -85,9 +85,11 @@ TEST_CASE("cuda linear_forward matches the CPU: no bias, bias, GELU epilogue") {
   }
 }
 
-TEST_CASE("cuda GEMM autotune: the timed algorithm choice writes the real outputs, matching the CPU") {
+TEST_CASE("cuda GEMM autotune: the timed algorithm choice writes the real outputs, matching the CPU, with the "
+          "untuned bits") {
   auto p = kiln::test::backend_pair();
   KILN_REQUIRE_GPU(p);
+  std::unique_ptr<ops::Backend> untuned;  // outlives the tensors below, whatever made them
   p.gpu = ops::make_cuda_backend(0, {.gemm_autotune = true});
   const int N = 1024, IC = 768, OC = 3072;
   auto x = act(p, {N, IC}, 14);
@@ -106,6 +108,24 @@ TEST_CASE("cuda GEMM autotune: the timed algorithm choice writes the real output
   KILN_CHECK_CLOSE(dx, 1e-2);
   KILN_CHECK_CLOSE(dw, 1e-3);
   KILN_CHECK_CLOSE(db, 1e-3);
+  // The same calls without the tuning: the same bits (a tuned algorithm sums in the heuristic's order).
+  const auto tuned = std::vector{out.gpu_values(), pre.gpu_values(), dx.gpu_values(), dw.gpu_values(), db.gpu_values()};
+  untuned = ops::make_cuda_backend(0, {});
+  std::swap(untuned, p.gpu);  // p.gpu untuned now; the tuned one lives on in `untuned`
+  out.poison();
+  pre.poison();
+  dx.poison();
+  dw.set(kiln::test::random_values(static_cast<std::size_t>(OC * IC), 18));
+  db.set(kiln::test::random_values(static_cast<std::size_t>(OC), 19));
+  const kiln::test::Side g{p, true};
+  g.b().linear_forward({g(out), g(pre), g(x), g(w), g(bias)});
+  g.b().linear_backward({g(dx), g(dw), g(db), g(dout), g(x), g(w), {}});
+  p.gpu->synchronize();
+  CHECK(out.gpu_values() == tuned[0]);
+  CHECK(pre.gpu_values() == tuned[1]);
+  CHECK(dx.gpu_values() == tuned[2]);
+  CHECK(dw.gpu_values() == tuned[3]);
+  CHECK(db.gpu_values() == tuned[4]);
 }
 
 TEST_CASE("cuda linear_backward matches the CPU: dx, dx with dgelu, dweight and dbias accumulated") {

@@ -17,6 +17,8 @@ void install(World& w, const BackendConfig& cfg) {
   std::unique_ptr<Backend> b;
   if (use_cuda) {
     b = make_cuda_backend(cfg.cuda_device >= 0 ? cfg.cuda_device : rank.local_rank, {.gemm_autotune = cfg.gemm_autotune,
+                                                                                        .gemm_autotune_any_order =
+                                                                                            cfg.gemm_autotune_any_order,
                                                                                         .attention = cfg.attention,
                                                                                         .attention_deterministic =
                                                                                             cfg.attention_deterministic,

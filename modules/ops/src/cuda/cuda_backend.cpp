@@ -68,7 +68,7 @@ CudaBackend::CudaBackend(int device, const CudaOptions& options)
   KILN_CUBLAS_CHECK(cublasLtCreate(&lt_));
   workspace_ = Buffer(Device::cuda, kWorkspaceBytes);
   gemm_ = std::make_unique<cuda::GemmRunner>(lt_, workspace_.data(), kWorkspaceBytes);
-  gemm_->set_autotune(options.gemm_autotune);
+  gemm_->set_autotune(options.gemm_autotune, options.gemm_autotune_any_order);
 }
 
 CudaBackend::~CudaBackend() {

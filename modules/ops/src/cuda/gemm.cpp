@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kiln/ops/cuda/cublaslt.hpp"
 #include "kiln/ops/cuda/gemm.hpp"
@@ -136,12 +137,11 @@ int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristi
   const std::size_t d_bytes = static_cast<std::size_t>(g.M) * g.N * (g.d_f32 ? 4 : 2);
   const bool writes_aux = g.epilogue == Epilogue::gelu;
   const std::size_t aux_bytes = writes_aux ? static_cast<std::size_t>(g.M) * g.N * 2 : 0;
+  const std::size_t aux_at = (d_bytes + 255) / 256 * 256, bytes = aux_at + aux_bytes;
   void* scratch = nullptr;
-  KILN_CUDA_CHECK(cudaMalloc(&scratch, d_bytes + aux_bytes + 256));
-  KILN_CUDA_CHECK(cudaMemsetAsync(scratch, 0, d_bytes + aux_bytes + 256, stream));
+  KILN_CUDA_CHECK(cudaMalloc(&scratch, bytes));
   void* d = scratch;
-  void* aux = writes_aux ? static_cast<void*>(static_cast<char*>(scratch) + (d_bytes + 255) / 256 * 256)
-                         : static_cast<void*>(g.aux);
+  void* aux = writes_aux ? static_cast<void*>(static_cast<char*>(scratch) + aux_at) : static_cast<void*>(g.aux);
   if (g.bias) set_attr(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(g.bias));
   if (uses_aux(g.epilogue)) set_attr(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
   cudaEvent_t start = nullptr, stop = nullptr;
@@ -152,10 +152,21 @@ int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristi
     return cublasLtMatmul(handle_, p.op, &alpha, g.B, p.a, g.A, p.b, &beta, d, p.d, d, p.d, &algo, workspace_,
                           workspace_bytes_, stream);
   };
-  int best = -1;
+  // Each candidate's result (from zeroed scratch: an accumulating call adds to zeros) against the
+  // heuristic's first's, byte for byte: only an algorithm that sums in the same order is a candidate
+  // (unless any_order_), so a tuned run has the untuned run's bits (reproducible, resumable).
+  std::vector<std::uint8_t> first(bytes), got(bytes);
+  int best = 0;
   float best_ms = 0;
   for (int i = 0; i < n; ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS || launch(results[i].algo) != CUBLAS_STATUS_SUCCESS) continue;
+    KILN_CUDA_CHECK(cudaMemsetAsync(scratch, 0, bytes, stream));
+    if (results[i].state != CUBLAS_STATUS_SUCCESS || launch(results[i].algo) != CUBLAS_STATUS_SUCCESS) {
+      if (i == 0) break;  // nothing to compare with: the heuristic's first stays
+      continue;
+    }
+    KILN_CUDA_CHECK(cudaMemcpyAsync((i == 0 ? first : got).data(), scratch, bytes, cudaMemcpyDeviceToHost, stream));
+    KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (i > 0 && !any_order_ && got != first) continue;  // another summation order
     KILN_CUDA_CHECK(cudaEventRecord(start, stream));
     constexpr int kRuns = 3;
     bool ok = true;
@@ -164,7 +175,7 @@ int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristi
     KILN_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
     KILN_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (ok && (best < 0 || ms < best_ms)) {
+    if (ok && (i == 0 || ms < best_ms)) {
       best = i;
       best_ms = ms;
     }
@@ -173,7 +184,7 @@ int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristi
   cudaEventDestroy(stop);
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream));
   KILN_CUDA_CHECK(cudaFree(scratch));
-  return best < 0 ? 0 : best;
+  return best;
 }
 
 void GemmRunner::run(const GemmDesc& desc, cudaStream_t stream) {

@@ -490,6 +490,7 @@ BOOST_DESCRIBE_ENUM(GroupedGemmImpl, per_expert, grouped)
 
 struct CudaOptions {
   bool gemm_autotune = false;  // time cuBLASLt's candidate algorithms per GEMM shape (see GemmRunner)
+  bool gemm_autotune_any_order = false;  // ... and keep the fastest even where it sums in another order
   AttentionImpl attention = AttentionImpl::auto_;
   // cuDNN attention: true keeps results bitwise reproducible (the backward writes dQ from one
   // product per tile instead of accumulating it with atomics); false takes cuDNN's fastest graph.

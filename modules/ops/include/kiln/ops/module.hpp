@@ -14,6 +14,7 @@ struct BackendConfig {
   bool profile = false;
   int cuda_device = -1;
   bool gemm_autotune = false;
+  bool gemm_autotune_any_order = false;
   AttentionImpl attention = AttentionImpl::auto_;
   bool attention_deterministic = true;
   GroupedGemmImpl grouped_gemm = GroupedGemmImpl::per_expert;
@@ -26,8 +27,11 @@ KILN_CONFIG(BackendConfig,
             (profile, "time every op with CUDA events (or host clocks) and print a breakdown at the end"),
             (cuda_device, "GPU index; -1 = the rank's local rank"),
             (gemm_autotune,
-             "CUDA: time up to 8 cuBLASLt algorithms per GEMM shape at its first use and keep the fastest "
-             "(false: cuBLASLt's heuristic choice; with true, results may differ bitwise between processes)"),
+             "CUDA: time up to 8 cuBLASLt algorithms per GEMM shape at its first use and keep the fastest of those "
+             "whose result equals the heuristic's choice byte for byte (the same bits as false, reproducible)"),
+            (gemm_autotune_any_order,
+             "with gemm_autotune: the fastest of all the candidates, also those that sum in another order (faster; "
+             "the bits then differ from an untuned run's and may differ between processes)"),
             (attention,
              "CUDA causal attention: auto (cuDNN's fused flash attention where libcudnn.so.9 loads and takes the "
              "shape, else kiln's kernels), kiln, or cudnn; attention with dropout always runs kiln's kernels"),

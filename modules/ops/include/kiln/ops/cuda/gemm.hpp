@@ -43,9 +43,14 @@ class GemmRunner {
   GemmRunner& operator=(const GemmRunner&) = delete;
   void run(const GemmDesc& g, cudaStream_t stream);
   // Autotune: at a shape's first use, time up to 8 of the heuristic's algorithms on scratch output
-  // and keep the fastest (off: the heuristic's first). The choice then never changes in this
-  // process, but it may differ between processes, so runs are bitwise reproducible only without it.
-  void set_autotune(bool on) { autotune_ = on; }
+  // and keep the fastest of those whose result equals the heuristic's first's byte for byte (off:
+  // the heuristic's first). So the choice may differ between processes, the bits never do: a tuned
+  // run is bitwise the untuned one, reproducible and resumable. With `any_order` the fastest of all
+  // (faster; the bits then depend on the choice, which may differ between processes).
+  void set_autotune(bool on, bool any_order = false) {
+    autotune_ = on;
+    any_order_ = any_order;
+  }
 
  private:
   struct Plan;
@@ -54,6 +59,7 @@ class GemmRunner {
   // Times the candidates of plan p for g on scratch output; returns the fastest's index.
   int fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristicResult_t* results, int n, cudaStream_t stream);
   bool autotune_ = false;
+  bool any_order_ = false;
   cublasLtHandle_t handle_;
   void* workspace_;
   std::size_t workspace_bytes_;
