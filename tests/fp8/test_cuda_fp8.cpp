@@ -302,6 +302,117 @@ TEST_CASE("the gradient quantisation (dGELU, both copies, amax, bias gradient in
       }
 }
 
+TEST_CASE("an LM head's cross-entropy gradient quantised on load equals the loss's dlogits quantised, bit for bit, "
+          "and matches the CPU") {
+  KILN_REQUIRE_CUDA();
+  auto gpu_be = ops::make_cuda_backend(0, {});
+  auto cpu_be = ops::make_cpu_backend({.round_bf16 = true});
+  auto gpu = make_cuda_ops(gpu_be->stream());
+  auto cpu = make_cpu_ops({.round_bf16 = true});  // the gradient stored in bf16, as on the GPU
+  // [rows, this rank's columns], the columns' first vocabulary index, the real vocabulary: tiled
+  // shapes (with padded columns, a slice past the real ones) and one the three-pass fallback takes.
+  struct Case {
+    std::int64_t R, V, begin;
+    int real;
+  };
+  const Case cases[] = {{1040, 784, 0, 700}, {64, 4096, 4096, 8000}, {208, 2064, 0, 2064}, {33, 47, 0, 40}};
+  int seed = 5000;
+  for (const Case& k : cases) {
+    const std::int64_t R = k.R, V = k.V;
+    const std::size_t n = static_cast<std::size_t>(R * V);
+    INFO("[" << R << "," << V << "] from column " << k.begin << " of " << k.real);
+    const auto logits = from_bf16(to_bf16(test::normal_values(n, static_cast<std::uint64_t>(++seed), 3.0f)));
+    std::vector<std::int32_t> targets(static_cast<std::size_t>(R));
+    std::mt19937 gen(static_cast<unsigned>(++seed));
+    for (auto& t : targets) {
+      t = static_cast<std::int32_t>(gen() % static_cast<unsigned>(k.real));
+      if (gen() % 16 == 0) t = -1;  // ignored rows
+    }
+    const float dloss = 1.0f / static_cast<float>(R);
+    const Format f = Format::e5m2;
+    // One side: the loss's statistics, then either its dlogits quantised (on_load false) or the
+    // gradient made as the logits are quantised; returns the codes (rowwise then colwise), amax,
+    // losses and the logits afterwards.
+    struct Result {
+      std::vector<std::uint8_t> codes;
+      float amax;
+      std::vector<float> losses, logits_after;
+    };
+    auto run = [&](ops::Backend& be, Fp8Ops& q, bool on_load, bool materialise) {
+      const Device dev = be.device();
+      const DType act = dev == Device::cuda ? DType::bf16 : DType::f32;
+      Buffer l = dev == Device::cuda ? test::to_device(to_bf16(logits)) : Buffer(Device::cpu, n * 4);
+      if (dev == Device::cpu) std::memcpy(l.data(), logits.data(), n * 4);
+      Buffer t = dev == Device::cuda ? test::to_device(targets) : Buffer(Device::cpu, targets.size() * 4);
+      if (dev == Device::cpu) std::memcpy(t.data(), targets.data(), targets.size() * 4);
+      Buffer stats = be.alloc(static_cast<std::size_t>(R) * 12), lse = be.alloc(static_cast<std::size_t>(R) * 4),
+             losses = be.alloc(static_cast<std::size_t>(R) * 4), codes = be.alloc(2 * n),
+             meta = dev == Device::cuda ? test::to_device(std::vector<float>{4096.0f, 0.0f}) : Buffer(Device::cpu, 8);
+      if (dev == Device::cpu) {
+        static_cast<float*>(meta.data())[0] = 4096.0f;
+        static_cast<float*>(meta.data())[1] = 0.0f;
+      }
+      const TensorView L(l.data(), {R, V}, act, dev), T(t.data(), {R}, DType::i32, dev);
+      const TensorView S(stats.data(), {1, R, 3}, DType::f32, dev), E(lse.data(), {R}, DType::f32, dev);
+      const TensorView Lo(losses.data(), {R}, DType::f32, dev);
+      be.cross_entropy_stats({S.reshape({R, 3}), L, T, k.begin, k.real});
+      be.cross_entropy_finish({.losses = Lo,
+                               .logits = L,
+                               .targets = T,
+                               .all_stats = S,
+                               .vocab_begin = k.begin,
+                               .vocab_real = k.real,
+                               .dloss = dloss,
+                               .lse = E,
+                               .write_dlogits = !on_load && !materialise});
+      const ops::XentOnLoad x{L, E, T, k.begin, k.real, dloss};
+      if (materialise) q.xent_grad(x);
+      GradQuantizeArgs g;
+      g.dy = L;
+      g.out.rowwise = TensorView(codes.data(), {R, V}, dtype_of(f), dev);
+      g.out.colwise = TensorView(static_cast<std::uint8_t*>(codes.data()) + n, {V, R}, dtype_of(f), dev);
+      g.out.format = f;
+      g.out.scale = static_cast<float*>(meta.data());
+      g.amax = static_cast<float*>(meta.data()) + 1;
+      if (on_load) g.xent = &x;
+      q.quantize_grad(g);
+      be.synchronize();
+      Result r;
+      if (dev == Device::cuda) {
+        r.codes = test::to_host<std::uint8_t>(codes.data(), 2 * n);
+        r.amax = test::to_host<float>(meta.data(), 2)[1];
+        r.losses = test::to_host<float>(losses.data(), static_cast<std::size_t>(R));
+        r.logits_after = from_bf16(test::to_host<std::uint16_t>(l.data(), n));
+      } else {
+        const auto* c = static_cast<const std::uint8_t*>(codes.data());
+        r.codes.assign(c, c + 2 * n);
+        r.amax = static_cast<const float*>(meta.data())[1];
+        r.losses.assign(static_cast<const float*>(losses.data()), static_cast<const float*>(losses.data()) + R);
+        r.logits_after.assign(static_cast<const float*>(l.data()), static_cast<const float*>(l.data()) + n);
+      }
+      return r;
+    };
+    const Result written = run(*gpu_be, *gpu, false, false), loaded = run(*gpu_be, *gpu, true, false),
+                 made = run(*gpu_be, *gpu, false, true);
+    CHECK(loaded.codes == written.codes);
+    CHECK(float_bits(loaded.amax) == float_bits(written.amax));
+    CHECK(loaded.losses == written.losses);
+    CHECK(made.logits_after == written.logits_after);  // xent_grad writes the loss's dlogits
+    CHECK(made.codes == written.codes);
+    if (R % 16 == 0 && V % 16 == 0) CHECK(loaded.logits_after == logits);  // the fused kernel leaves them
+    // The CPU: its own exp, so an occasional neighbouring code.
+    const Result host = run(*cpu_be, *cpu, true, false);
+    std::size_t differ = 0, far = 0;
+    for (std::size_t i = 0; i < host.codes.size(); ++i)
+      if (host.codes[i] != loaded.codes[i]) ++differ, far += std::abs(int(host.codes[i]) - int(loaded.codes[i])) > 1;
+    CHECK(far == 0);
+    CHECK(differ <= 2 * n / 500 + 2);
+    CHECK(host.amax == doctest::Approx(loaded.amax).epsilon(1e-3));
+    for (std::int64_t r = 0; r < R; ++r)
+      CHECK(host.losses[static_cast<std::size_t>(r)] == doctest::Approx(loaded.losses[static_cast<std::size_t>(r)]).epsilon(1e-4));
+  }
+}
+
 TEST_CASE("quantising gelu(pre) on load matches the CPU (one copy or both, and the amax alone)") {
   KILN_REQUIRE_CUDA();
   auto gpu = make_cuda_ops(nullptr);
@@ -890,15 +1001,18 @@ TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is d
   // GPT-2 (GELU and LayerNorm computed while quantising) and Llama (SwiGLU computed while quantising
   // FC2's input, its backward while quantising FC1's output gradient, grouped-query attention);
   // block scaling (Fp8BlockLinear: the same operands on load, the epilogues after its GEMMs; and with
-  // the weight gradient's input in 128x128 blocks) in both.
+  // the weight gradient's input in 128x128 blocks) in both; and the LM head in FP8 too (delayed
+  // scaling: its cross-entropy gradient made as its logits are quantised).
   for (const bool llama : {false, true})
-  for (const std::string recipe : {"delayed", "current", "block", "block-2d"}) {
+  for (const std::string recipe : {"delayed", "current", "block", "block-2d", "delayed-head"}) {
     INFO((llama ? "llama " : "gpt2 ") << recipe);
-    const bool two_d = recipe == "block-2d";
-    const std::string fp8 = "fp8.enabled=true", r = "fp8.recipe=" + (two_d ? std::string("block") : recipe);
+    const bool two_d = recipe == "block-2d", head = recipe == "delayed-head";
+    const std::string fp8 = "fp8.enabled=true",
+                      r = "fp8.recipe=" + (two_d ? std::string("block") : head ? std::string("delayed") : recipe);
     auto sets = [&](const char* device) {
       std::vector<std::string> v{std::string("engine.device=") + device, fp8, r};
       if (two_d) v.push_back("fp8.block_2d_wgrad_input=true");
+      if (head) v.push_back("fp8.lm_head=true");
       if (llama) v.insert(v.end(), {"model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=320"});
       return v;
     };
@@ -911,7 +1025,7 @@ TEST_CASE("a whole FP8 training step on CUDA matches the CPU emulation, and is d
     int i = 0;
     for (auto* p : {&cpu, &gpu, &again}) {
       runs[i++] = test::run_recording(*p);
-      CHECK(p->world->resource<fp8::Fp8State>().entities.size() == 8);
+      CHECK(p->world->resource<fp8::Fp8State>().entities.size() == (head ? 9u : 8u));
     }
     const auto &c = runs[0], &g = runs[1];
     INFO(recipe << ": step-1 losses cpu " << c.losses[0] << " gpu " << g.losses[0]);

@@ -3,12 +3,14 @@
 // dequantised inputs; replays (activation recompute) leave the meta untouched.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "fp8_test_util.hpp"
 #include "host_view.hpp"
 #include "kiln/fp8/linear.hpp"
+#include "kiln/ops/backend.hpp"
 #include "kiln/ops/formulas.hpp"
 
 using namespace kiln;
@@ -520,6 +522,69 @@ TEST_CASE("an FP8 linear forward in pieces of rows writes the whole forward's ro
         whole.meta.update(*whole.ops, AmaxAlgo::max, 0);
         split.meta.update(*split.ops, AmaxAlgo::max, 0);
       }
+    }
+  }
+}
+
+TEST_CASE("CPU: an LM head's cross-entropy gradient quantised on load equals the loss's dlogits quantised, bit for "
+          "bit") {
+  // The CPU backend's loss (statistics, then the gradient written over the logits, or left to the
+  // head with each row's logsumexp) and the CPU FP8 operations' gradient from that logsumexp.
+  auto be = ops::make_cpu_backend({.round_bf16 = true, .threads = 2});
+  auto q = make_cpu_ops({.round_bf16 = true, .threads = 2});
+  const std::int64_t R = 37, V = 48, begin = 16;
+  const int real = 60;  // this slice's columns 16..59 are real, 60..63 padding
+  std::vector<float> logits(static_cast<std::size_t>(R * V));
+  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = round_bf16(3.0f * std::sin(0.37f * float(i) + 0.2f));
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(R));
+  for (std::size_t r = 0; r < targets.size(); ++r) targets[r] = r % 9 == 4 ? -1 : static_cast<std::int32_t>((r * 13) % real);
+  const float dloss = 0.125f;
+  struct Out {
+    std::vector<float> logits, losses, lse;
+    std::vector<std::uint8_t> codes;
+    float amax;
+  };
+  auto run = [&](bool on_load, bool materialise) {
+    Out o{logits, std::vector<float>(R), std::vector<float>(R), std::vector<std::uint8_t>(2 * R * V), 0.0f};
+    std::vector<float> stats(static_cast<std::size_t>(R * 3)), meta = {64.0f, 0.0f};
+    const TensorView L = view(o.logits, {R, V}), T(targets.data(), {R}, DType::i32, Device::cpu);
+    be->cross_entropy_stats({view(stats, {R, 3}), L, T, begin, real});
+    be->cross_entropy_finish({.losses = view(o.losses, {R}),
+                              .logits = L,
+                              .targets = T,
+                              .all_stats = view(stats, {1, R, 3}),
+                              .vocab_begin = begin,
+                              .vocab_real = real,
+                              .dloss = dloss,
+                              .lse = view(o.lse, {R}),
+                              .write_dlogits = !on_load && !materialise});
+    const ops::XentOnLoad x{L, view(o.lse, {R}), T, begin, real, dloss};
+    if (materialise) q->xent_grad(x);
+    GradQuantizeArgs g;
+    g.dy = L;
+    g.out.rowwise = TensorView(o.codes.data(), {R, V}, DType::e5m2, Device::cpu);
+    g.out.colwise = TensorView(o.codes.data() + R * V, {V, R}, DType::e5m2, Device::cpu);
+    g.out.format = Format::e5m2;
+    g.out.scale = &meta[0];
+    g.amax = &meta[1];
+    if (on_load) g.xent = &x;
+    q->quantize_grad(g);
+    o.amax = meta[1];
+    return o;
+  };
+  const Out written = run(false, false), loaded = run(true, false), made = run(false, true);
+  CHECK(loaded.codes == written.codes);
+  CHECK(loaded.amax == written.amax);
+  CHECK(loaded.amax > 0);
+  CHECK(loaded.losses == written.losses);
+  CHECK(loaded.lse == written.lse);
+  CHECK(made.logits == written.logits);  // xent_grad writes the loss's dlogits
+  for (std::int64_t r = 0; r < R; ++r) {
+    const float* row = written.logits.data() + r * V;
+    for (std::int64_t v = real - begin; v < V; ++v) CHECK(row[v] == 0.0f);  // padding
+    if (targets[static_cast<std::size_t>(r)] < 0) {
+      CHECK(written.losses[static_cast<std::size_t>(r)] == 0.0f);
+      for (std::int64_t v = 0; v < V; ++v) CHECK(row[v] == 0.0f);
     }
   }
 }

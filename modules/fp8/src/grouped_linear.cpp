@@ -146,7 +146,8 @@ GroupedSource input_source(const ops::LinearInput& x, const std::string& name) {
 GroupedSource grad_source(const ops::OutputGrad& dout) {
   if (const auto* t = std::get_if<TensorView>(&dout)) return *t;
   if (const auto* g = std::get_if<ops::DgeluOnLoad>(&dout)) return *g;
-  return std::get<ops::DswigluOnLoad>(dout);
+  if (const auto* g = std::get_if<ops::DswigluOnLoad>(&dout)) return *g;
+  KILN_THROW("a grouped linear takes no ", ops::name_of(ops::prologue_of(dout)), " output gradient");
 }
 }  // namespace
 

@@ -22,7 +22,11 @@ QuantizeSource to_source(const ops::LinearInput& x) {
   return std::visit([](const auto& v) { return QuantizeSource(v); }, x);
 }
 QuantizeSource to_source(const ops::OutputGrad& dout) {
-  return std::visit([](const auto& v) { return QuantizeSource(v); }, dout);
+  return std::visit(Overloaded{[](const ops::XentOnLoad&) -> QuantizeSource {
+                                 KILN_THROW("a cross-entropy gradient on load is no grouped quantisation's source");
+                               },
+                               [](const auto& v) { return QuantizeSource(v); }},
+                    dout);
 }
 
 QuantizeSource source_rows(const QuantizeSource& x, std::int64_t r0, std::int64_t n) {

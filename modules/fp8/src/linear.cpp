@@ -345,9 +345,14 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   expect_matrix(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
   // The output gradient, or the gradient of its GELU (ops::DgeluOnLoad) with the pre-activation, or
   // of its SwiGLU (ops::DswigluOnLoad) with the SwiGLU's input (this layer's output).
+  // Or, for an LM head, the cross-entropy's gradient made from the logits (ops::XentOnLoad).
   const auto* dgelu = std::get_if<ops::DgeluOnLoad>(&a.dout);
   const auto* dswiglu = std::get_if<ops::DswigluOnLoad>(&a.dout);
-  const TensorView dout = dgelu ? dgelu->dgelu : dswiglu ? dswiglu->dswiglu : std::get<TensorView>(a.dout);
+  const auto* xent = std::get_if<ops::XentOnLoad>(&a.dout);
+  const TensorView dout = dgelu     ? dgelu->dgelu
+                          : dswiglu ? dswiglu->dswiglu
+                          : xent    ? xent->logits
+                                    : std::get<TensorView>(a.dout);
   if (dswiglu) {
     expect_matrix(dout, act, N, OC / 2, name_ + " backward dout (dswiglu-on-load: the SwiGLU output's gradient)");
     expect_matrix(dswiglu->gate_up, act, N, OC, name_ + " backward dout's SwiGLU input (dswiglu-on-load)");
@@ -379,11 +384,20 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   // in one pass, with the deferred dGELU folded in. Where the scale must first come from this very
   // tensor's amax (current scaling, or delayed scaling's first step), the dGELU is applied first.
   TensorView gelu_pre = dgelu ? dgelu->pre : TensorView{};
+  const bool scale_first = recipe_.kind == RecipeKind::current || !meta_.ready(sg.index);
   if (gelu_pre) {
     expect_matrix(gelu_pre, act, N, OC, name_ + " backward dout's pre-activation (dgelu-on-load)");
-    if (recipe_.kind == RecipeKind::current || !meta_.ready(sg.index)) {
+    if (scale_first) {
       ops_.dgelu(dout, gelu_pre);
       gelu_pre = {};
+    }
+  }
+  // The cross-entropy's gradient: written over the logits first where the scale needs its amax.
+  if (xent) {
+    KILN_CHECK(!a.dbias, name_, ": an LM head taking its cross-entropy gradient on load has no bias");
+    if (scale_first) {
+      ops_.xent_grad(*xent);
+      xent = nullptr;
     }
   }
   // Scratch: grad_output rowwise and colwise, then (unless kept) the input's colwise copy.
@@ -407,7 +421,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
     if (!whole) ops_.transpose(TensorView(gc, {OC, N}, dtype_of(sg.format), dev), g.rowwise);
   } else {
     float* record = prepare_scale(sg, dout);
-    ops_.quantize_grad({dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias});
+    ops_.quantize_grad({dout, gelu_pre, view(sg, gr, gc, N, OC), record, a.dbias, xent});
   }
   // The input's colwise copy: kept from the forward, or quantised again with the forward's scale
   // (its amax is already recorded).

@@ -112,13 +112,18 @@ class ProfiledOps final : public Fp8Ops {
     in_->amax_swiglu(pre, amax);
   }
   void quantize_grad(const GradQuantizeArgs& a) override {
-    Scope s(be_, a.gelu_pre ? (a.dbias ? "fp8_quantize_grad_dgelu_dbias" : "fp8_quantize_grad_dgelu")
-                            : (a.dbias ? "fp8_quantize_grad_dbias" : "fp8_quantize_grad"));
+    Scope s(be_, a.xent       ? "fp8_quantize_grad_xent"
+                 : a.gelu_pre ? (a.dbias ? "fp8_quantize_grad_dgelu_dbias" : "fp8_quantize_grad_dgelu")
+                              : (a.dbias ? "fp8_quantize_grad_dbias" : "fp8_quantize_grad"));
     in_->quantize_grad(a);
   }
   void dgelu(const TensorView& dy, const TensorView& pre) override {
     Scope s(be_, "fp8_dgelu");
     in_->dgelu(dy, pre);
+  }
+  void xent_grad(const ops::XentOnLoad& x) override {
+    Scope s(be_, "fp8_xent_grad");
+    in_->xent_grad(x);
   }
   void transpose(const TensorView& out, const TensorView& in) override {
     Scope s(be_, "fp8_transpose");

@@ -295,6 +295,7 @@ CrossEntropyDims check_args(const CrossEntropyFinish& a, const ArgTarget& on) {
   c.tensor("targets", a.targets, i32, {N});
   c.tensor("all_stats", a.all_stats, f32, {R, N, 3});
   c.tensor("losses", a.losses, f32, {N});
+  c.optional("lse", a.lse, f32, {N});
   c.check(a.vocab_begin >= 0 && a.vocab_real > 0, "columns from ", a.vocab_begin, ", vocab_real ", a.vocab_real);
   return {c[N], c[V], c[R]};
 }

@@ -15,7 +15,8 @@ Prologue prologue_of(const LinearInput& x) {
 Prologue prologue_of(const OutputGrad& dout) {
   return std::visit(Overloaded{[](const TensorView&) { return Prologue::plain; },
                                [](const DgeluOnLoad&) { return Prologue::dgelu; },
-                               [](const DswigluOnLoad&) { return Prologue::dswiglu; }},
+                               [](const DswigluOnLoad&) { return Prologue::dswiglu; },
+                               [](const XentOnLoad&) { return Prologue::xent; }},
                     dout);
 }
 
@@ -27,6 +28,7 @@ const char* name_of(Prologue p) {
     case Prologue::swiglu: return "swiglu-on-load";
     case Prologue::dgelu: return "dgelu-on-load";
     case Prologue::dswiglu: return "dswiglu-on-load";
+    case Prologue::xent: return "cross-entropy-gradient-on-load";
   }
   return "?";
 }

@@ -148,6 +148,11 @@ class CpuOps final : public Fp8Ops {
     expect_input(a.dy, "fp8 quantize_grad dy");
     KILN_CHECK(a.dy.ndim() == 2, "fp8 quantize_grad: dy must be 2-D, got ", a.dy.str());
     KILN_CHECK(a.out.rowwise && a.out.colwise, "fp8 quantize_grad: both copies are needed");
+    if (a.xent) {
+      KILN_CHECK(a.xent->logits.data == a.dy.data && !a.gelu_pre && !a.dbias,
+                 "fp8 quantize_grad: a cross-entropy gradient reads its logits as dy, with no dGELU or bias");
+      xent_grad(*a.xent);
+    }
     if (a.gelu_pre) dgelu(a.dy, a.gelu_pre);
     quantize(a.dy, a.out, a.amax);
     if (a.dbias) bias_grad(a.dbias, a.dy);
@@ -163,6 +168,25 @@ class CpuOps final : public Fp8Ops {
     const std::int64_t n = dy.numel();
 #pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
     for (std::int64_t i = 0; i < n; ++i) d[i] = store(d[i] * ops::gelu_grad(p[i]));
+  }
+
+  void xent_grad(const ops::XentOnLoad& x) override {
+    expect_input(x.logits, "fp8 xent_grad logits");
+    KILN_CHECK(x.logits.ndim() == 2 && x.lse.dtype == DType::f32 && x.targets.dtype == DType::i32 &&
+                   x.lse.numel() == x.logits.size(0) && x.targets.numel() == x.logits.size(0) && x.vocab_begin >= 0,
+               "fp8 xent_grad: logits ", x.logits.str(), ", lse ", x.lse.str(), ", targets ", x.targets.str());
+    const std::int64_t N = x.logits.size(0), V = x.logits.size(1);
+    const std::int64_t Vr = std::clamp<std::int64_t>(x.vocab_real - x.vocab_begin, 0, V);
+    float* logits = x.logits.as<float>();
+    const float* lse = x.lse.as<float>();
+    const auto* targets = x.targets.as<std::int32_t>();
+#pragma omp parallel for num_threads(threads_) schedule(static) if (N * V >= kParallelWork)
+    for (std::int64_t n = 0; n < N; ++n) {
+      float* row = logits + n * V;
+      const std::int64_t t = targets[n] < 0 ? -1 : targets[n] - x.vocab_begin;
+      for (std::int64_t v = 0; v < V; ++v)
+        row[v] = targets[n] < 0 || v >= Vr ? 0.0f : store(ops::xent_grad(row[v], lse[n], v == t, x.dloss));
+    }
   }
 
   void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) override {

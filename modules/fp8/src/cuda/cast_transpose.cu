@@ -64,15 +64,31 @@ __global__ void __launch_bounds__(kThreads)
   if (AMAX) block_amax(local, amax);
 }
 
-// The gradient variant (GradQuantizeArgs): bf16 dy, optionally times gelu'(pre) rounded to bf16,
+// The cross-entropy gradient of an LM head's logits (ops::XentOnLoad), as xent_grad writes it.
+struct XentRows {
+  const float* lse;
+  const std::int32_t* targets;
+  long long vocab_begin;
+  long long real_cols;
+  float dloss;
+  __device__ float at(float x, int r, int c) const {
+    const int t = targets[r];
+    if (t < 0 || c >= real_cols) return 0.0f;
+    return ops::xent_grad(x, lse[r], c == t - vocab_begin, dloss);
+  }
+};
+
+// The gradient variant (GradQuantizeArgs): bf16 dy, optionally (MODE kDgelu) times gelu'(pre) or
+// (kXent: dy the logits) their cross-entropy gradient, rounded to bf16 as the unfused ops store them,
 // both copies, and with DBIAS each tile's column sums into partial[r0 / 64][c] (f32, a fixed
 // summation order: 8 rows per warp by shuffles, then the 8 warps in order), which
 // bias_partials_finish adds up over the row tiles in a fixed order.
-template <Format F, bool AMAX, bool DBIAS, bool DGELU>
+enum GradMode { kPlainGrad, kDgelu, kXent };
+template <Format F, bool AMAX, bool DBIAS, GradMode MODE>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_grad_tiled(const bf16* __restrict__ x, const bf16* __restrict__ pre, std::uint8_t* __restrict__ row,
                               std::uint8_t* __restrict__ col, const float* __restrict__ scale_ptr, float* amax,
-                              float* __restrict__ partial, int rows, int cols) {
+                              float* __restrict__ partial, int rows, int cols, XentRows xent) {
   __shared__ __align__(16) std::uint8_t tile[kTile * kStride];
   __shared__ float colsum[DBIAS ? kThreads / 32 : 1][kTile];
   const float scale = *scale_ptr;
@@ -87,7 +103,15 @@ __global__ void __launch_bounds__(kThreads)
     if (gr < rows && gc < cols) {
       const size_t at = static_cast<size_t>(gr) * cols + gc;
       load16(x + at, v);
-      if (DGELU) {
+      if (MODE == kXent) {
+#pragma unroll
+        for (int i = 0; i < 16; i += 2) {
+          v[i] = xent.at(v[i], gr, gc + i);
+          v[i + 1] = xent.at(v[i + 1], gr, gc + i + 1);
+          act_round2(v[i], v[i + 1]);
+        }
+      }
+      if (MODE == kDgelu) {
         float p[16];
         load16(pre + at, p);
 #pragma unroll
@@ -304,12 +328,18 @@ void launch_grad(const CastTransposeGrad& a, cudaStream_t s) {
   const long long tiles = ((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
   const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
   const auto r = static_cast<int>(a.rows), c = static_cast<int>(a.cols);
-  if (a.gelu_pre)
-    cast_transpose_grad_tiled<F, AMAX, DBIAS, true>
-        <<<grid, kThreads, 0, s>>>(a.dy, a.gelu_pre, a.rowwise, a.colwise, a.scale, a.amax, a.partial, r, c);
-  else
-    cast_transpose_grad_tiled<F, AMAX, DBIAS, false>
-        <<<grid, kThreads, 0, s>>>(a.dy, a.gelu_pre, a.rowwise, a.colwise, a.scale, a.amax, a.partial, r, c);
+  const XentRows xent{a.lse, a.targets, a.vocab_begin, a.real_cols, a.dloss};
+  if (a.lse) {
+    if constexpr (!DBIAS)
+      cast_transpose_grad_tiled<F, AMAX, false, kXent>
+          <<<grid, kThreads, 0, s>>>(a.dy, nullptr, a.rowwise, a.colwise, a.scale, a.amax, nullptr, r, c, xent);
+  } else if (a.gelu_pre) {
+    cast_transpose_grad_tiled<F, AMAX, DBIAS, kDgelu>
+        <<<grid, kThreads, 0, s>>>(a.dy, a.gelu_pre, a.rowwise, a.colwise, a.scale, a.amax, a.partial, r, c, xent);
+  } else {
+    cast_transpose_grad_tiled<F, AMAX, DBIAS, kPlainGrad>
+        <<<grid, kThreads, 0, s>>>(a.dy, a.gelu_pre, a.rowwise, a.colwise, a.scale, a.amax, a.partial, r, c, xent);
+  }
   KILN_CUDA_LAUNCH_CHECK();
 }
 template <Format F>
@@ -320,6 +350,28 @@ void grad_with_flags(const CastTransposeGrad& a, cudaStream_t s) {
     a.dbias ? launch_grad<F, false, true>(a, s) : launch_grad<F, false, false>(a, s);
 }
 }  // namespace
+
+namespace {
+__global__ void xent_grad_kernel(bf16* logits, XentRows xent, long long rows, long long cols) {
+  const long long n = rows * cols;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(i / cols), c = static_cast<int>(i % cols);
+    logits[i] = __float2bfloat16_rn(xent.at(__bfloat162float(logits[i]), r, c));
+  }
+}
+}  // namespace
+
+void xent_grad(__nv_bfloat16* logits, const float* lse, const std::int32_t* targets, std::int64_t vocab_begin,
+               std::int64_t real_cols, float dloss, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  KILN_CHECK(rows >= 0 && cols >= 0 && rows <= 0x7fffffff && cols <= 0x7fffffff && lse && targets,
+             "fp8 xent_grad: [", rows, ",", cols, "]");
+  if (rows == 0 || cols == 0) return;
+  const long long blocks = std::min<long long>((rows * cols + kThreads - 1) / kThreads, kMaxBlocks);
+  xent_grad_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+      logits, XentRows{lse, targets, vocab_begin, real_cols, dloss}, rows, cols);
+  KILN_CUDA_LAUNCH_CHECK();
+}
 
 void bias_from_partials(float* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s) {
   KILN_CHECK(row_tiles <= 0x7fffffff && cols <= 0x7fffffff, "fp8 bias_from_partials: [", row_tiles, ",", cols, "]");
@@ -338,6 +390,8 @@ bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
                      aligned16(a.colwise);
   if (!tiled) return false;
   KILN_CHECK(!a.dbias || a.partial, "fp8 cast_transpose_grad: dbias without partial-sum scratch");
+  KILN_CHECK(!a.lse || (a.targets && !a.gelu_pre && !a.dbias),
+             "fp8 cast_transpose_grad: a cross-entropy gradient needs its targets, and no dGELU or bias");
   if (a.format == Format::e4m3)
     grad_with_flags<Format::e4m3>(a, s);
   else

@@ -260,6 +260,23 @@ class CudaOps final : public Fp8Ops {
                           stream_);
   }
 
+  // An LM head's cross-entropy gradient on the device: checked, as the kernels take it.
+  struct XentDev {
+    const float* lse;
+    const std::int32_t* targets;
+    std::int64_t real_cols;
+  };
+  static XentDev xent_of(const ops::XentOnLoad& a) {
+    const TensorView& l = a.logits;
+    KILN_CHECK(l.device == Device::cuda && l.dtype == DType::bf16 && l.ndim() == 2 && l.contiguous() &&
+                   a.lse.device == Device::cuda && a.lse.dtype == DType::f32 && a.lse.numel() == l.size(0) &&
+                   a.targets.device == Device::cuda && a.targets.dtype == DType::i32 &&
+                   a.targets.numel() == l.size(0) && a.vocab_begin >= 0,
+               "fp8 cross-entropy gradient: logits ", l.str(), ", lse ", a.lse.str(), ", targets ", a.targets.str());
+    return {a.lse.as<float>(), a.targets.as<std::int32_t>(),
+            std::clamp<std::int64_t>(a.vocab_real - a.vocab_begin, 0, l.size(1))};
+  }
+
   void quantize_grad(const GradQuantizeArgs& a) override {
     const TensorView& dy = a.dy;
     KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.ndim() == 2 && dy.contiguous(),
@@ -290,11 +307,28 @@ class CudaOps final : public Fp8Ops {
     k.partial = a.dbias ? scratch(cuda::grad_partials(R, C)) : nullptr;
     k.rows = R;
     k.cols = C;
+    if (a.xent) {
+      KILN_CHECK(a.xent->logits.data == dy.data && !a.gelu_pre && !a.dbias,
+                 "fp8 quantize_grad: a cross-entropy gradient reads its logits as dy, with no dGELU or bias");
+      const XentDev x = xent_of(*a.xent);
+      k.lse = x.lse;
+      k.targets = x.targets;
+      k.vocab_begin = a.xent->vocab_begin;
+      k.real_cols = x.real_cols;
+      k.dloss = a.xent->dloss;
+    }
     if (cuda::cast_transpose_grad(k, stream_)) return;
     // Shapes the tiled kernel does not take: the same values in three passes.
+    if (a.xent) xent_grad(*a.xent);
     if (a.gelu_pre) dgelu(dy, a.gelu_pre);
     quantize(dy, a.out, a.amax);
     if (a.dbias) bias_grad(a.dbias, dy);
+  }
+
+  void xent_grad(const ops::XentOnLoad& a) override {
+    const XentDev x = xent_of(a);
+    cuda::xent_grad(a.logits.as<kiln::cuda::bf16>(), x.lse, x.targets, a.vocab_begin, x.real_cols, a.dloss,
+                    a.logits.size(0), a.logits.size(1), stream_);
   }
 
   void dgelu(const TensorView& dy, const TensorView& pre) override {

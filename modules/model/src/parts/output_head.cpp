@@ -14,8 +14,24 @@ OutputHead::OutputHead(LayerBuilder& b, const ModelSpec& spec, std::optional<Ent
       head_(b, "lm_head", nn::LinearRole::lm_head,
             parallel::ColumnParallelLinear(ctx_.tp, ctx_.cfg.n_embd, ctx_.cfg.padded_vocab(), 1, ctx_.tp.vocab_parallel()),
             false, ctx_.cfg.init_std, tied),
-      loss_(ctx_.tp, ctx_.cfg.padded_vocab(), ctx_.cfg.vocab_size, loss_rows) {
+      loss_(ctx_.tp, ctx_.cfg.padded_vocab(), ctx_.cfg.vocab_size, loss_rows),
+      lse_(ctx_.be.alloc(static_cast<std::size_t>(loss_rows) * sizeof(float))) {
   norm_->feed(head_.entity());
+}
+
+bool OutputHead::xent_on_load() const {
+  return ctx_.training && head_.impl().prologues.has(ops::Prologue::xent);
+}
+
+ops::OutputGrad OutputHead::loss(const TensorView& losses, const TensorView& logits, const TensorView& targets,
+                                 float dloss) {
+  if (!xent_on_load()) {
+    loss_.forward(losses, logits, targets, dloss);
+    return logits;
+  }
+  const TensorView lse = lse_.view(DType::f32, {logits.size(0)});
+  loss_.forward_lse(losses, logits, targets, lse);
+  return loss_.xent_on_load(logits, lse, targets, dloss);
 }
 
 void OutputHead::declare_logits(ActivationTable& table, std::int64_t rows, std::size_t lend) {
@@ -44,13 +60,13 @@ void LogitsHead::forward(const TensorView& x, const TensorView& losses, const Te
   const NormOutput normed = norm_->forward(x);
   const TensorView logits = logits_.rows(0, ctx_.N);
   head_.forward({logits, {}, normed.input}, normed.local);
-  loss_.forward(losses, logits, targets, dloss);
+  dout_ = loss(losses, logits, targets, dloss);
 }
 
 void LogitsHead::backward(const TensorView& x) {
-  // The loss left dlogits in the logits.
+  // The loss left dlogits in the logits, or the head makes them on load.
   const StreamTensors& s = ctx_.stream;
-  const TensorView dnorm = head_.backward({.dx = s.col_dx, .dout = logits_.rows(0, ctx_.N), .x = norm_->backward_input(x)},
+  const TensorView dnorm = head_.backward({.dx = s.col_dx, .dout = dout_, .x = norm_->backward_input(x)},
                                           s.col_dx_local(ctx_.tp.sequence_parallel()));
   ctx_.be.zero(s.dres);
   norm_->backward(s.dres, dnorm, x);
@@ -101,11 +117,11 @@ void ChunkedLossHead::run(const TensorView& x, const Pending& p, bool grads) {
     const std::int64_t n = std::min(chunk_, N - r);
     const TensorView logits = logits_.rows(0, n), rows = in.rows(r, n);
     head_.forward_whole({logits, {}, rows});
-    loss_.forward(p.losses.rows(r, n), logits, p.targets.rows(r, n), p.dloss);
-    // The loss left this chunk's dlogits in its logits: its rows of the input gradient (a partial
-    // sum over the group under vocabulary parallelism), and its part of the weight gradient, added
-    // to the earlier chunks'.
-    if (grads) head_.backward_whole({.dx = s.col_dx.rows(r, n), .dout = logits, .x = rows}, r > 0);
+    const ops::OutputGrad dout = loss(p.losses.rows(r, n), logits, p.targets.rows(r, n), p.dloss);
+    // This chunk's dlogits (left in its logits by the loss, or made on load): its rows of the input
+    // gradient (a partial sum over the group under vocabulary parallelism), and its part of the
+    // weight gradient, added to the earlier chunks'.
+    if (grads) head_.backward_whole({.dx = s.col_dx.rows(r, n), .dout = dout, .x = rows}, r > 0);
   }
   if (!grads) return;
   const TensorView dnorm = head_.layer().sum_input_grad(s.col_dx, s.col_dx_local(ctx_.tp.sequence_parallel()));

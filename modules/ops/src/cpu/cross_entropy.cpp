@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "cpu_backend.hpp"
+#include "kiln/ops/formulas.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -10,10 +11,7 @@ namespace {
 // the row's logsumexp, and zeros in the padded columns; t < 0 or >= Vr: no onehot in this row.
 template <class Store>
 void write_grad(float* row, std::int64_t V, std::int64_t Vr, std::int64_t t, float lse, float dloss, Store store) {
-  for (std::int64_t v = 0; v < Vr; ++v) {
-    const float prob = std::exp(row[v] - lse);
-    row[v] = store((prob - (v == t ? 1.0f : 0.0f)) * dloss);
-  }
+  for (std::int64_t v = 0; v < Vr; ++v) row[v] = store(xent_grad(row[v], lse, v == t, dloss));
   for (std::int64_t v = Vr; v < V; ++v) row[v] = 0;
 }
 // An ignored row (target -1): loss 0, gradient 0.
@@ -84,13 +82,18 @@ void CpuBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
   float* losses = a.losses.as<float>();
   const float* st = a.all_stats.as<float>();
   const auto* targets = a.targets.as<std::int32_t>();
+  float* lse_out = a.lse ? a.lse.as<float>() : nullptr;
   check_targets("cross_entropy_finish", targets, N, a.vocab_real);
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     float* row = logits + n * V;
     const int t = targets[n];
     if (t < 0) {
-      ignore_row(row, V, losses[n]);
+      if (lse_out) lse_out[n] = 0;
+      if (a.write_dlogits)
+        ignore_row(row, V, losses[n]);
+      else
+        losses[n] = 0;
       continue;
     }
     // Every rank combines the ranks' statistics in rank order: identical bits everywhere.
@@ -104,7 +107,8 @@ void CpuBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
     }
     const float lse = mx + std::log(sum);
     losses[n] = lse - target;
-    write_grad(row, V, Vr, t - a.vocab_begin, lse, a.dloss, [this](float x) { return store(x); });
+    if (lse_out) lse_out[n] = lse;
+    if (a.write_dlogits) write_grad(row, V, Vr, t - a.vocab_begin, lse, a.dloss, [this](float x) { return store(x); });
   }
 }
 

@@ -9,23 +9,6 @@
 
 namespace kiln::cuda::ce {
 
-// Adds the elements of a chunk below vocab_real (base is the chunk's first column).
-__device__ __forceinline__ void add_chunk(Online& o, const float f[8], int base, int Vr) {
-  float cm = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < 8; ++k)
-    if (base + k < Vr) cm = fmaxf(cm, f[k]);
-  if (cm == -INFINITY) return;
-  if (cm > o.m) {
-    o.s *= exp2f((o.m - cm) * kLog2e);
-    o.m = cm;
-  }
-  const float ml = o.m * kLog2e;
-#pragma unroll
-  for (int k = 0; k < 8; ++k)
-    if (base + k < Vr) o.s += exp2f(fmaf(f[k], kLog2e, -ml));
-}
-
 __device__ __forceinline__ float grad(float x, int idx, int Vr, int t, float lse_l2, float dloss) {
   if (idx >= Vr) return 0.0f;
   const float prob = exp2f(fmaf(x, kLog2e, -lse_l2));

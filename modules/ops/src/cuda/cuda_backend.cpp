@@ -521,9 +521,9 @@ void CudaBackend::cross_entropy_stats(const CrossEntropyStats& a) {
 void CudaBackend::cross_entropy_finish(const CrossEntropyFinish& a) {
   Timer t(*this, "cross_entropy_finish");
   const CrossEntropyDims d = check_args(a, kTarget);
-  cuda::cross_entropy_finish(dptr<float>(a.losses), dptr<bf16>(a.logits), dptr<std::int32_t>(a.targets),
-                             dptr<float>(a.all_stats), i32(d.ranks), i32(d.N), i32(d.V), a.vocab_real, a.vocab_begin,
-                             a.dloss, stream_);
+  cuda::cross_entropy_finish(dptr<float>(a.losses), a.lse ? dptr<float>(a.lse) : nullptr, dptr<bf16>(a.logits),
+                             dptr<std::int32_t>(a.targets), dptr<float>(a.all_stats), i32(d.ranks), i32(d.N), i32(d.V),
+                             a.vocab_real, a.vocab_begin, a.dloss, a.write_dlogits, stream_);
 }
 
 void CudaBackend::adamw(const AdamW& a) {

@@ -33,4 +33,21 @@ __device__ __forceinline__ Online block_combine(Online o, Online* sm) {
   return r;
 }
 
+// Adds the elements of a chunk below vocab_real (base is the chunk's first column).
+__device__ __forceinline__ void add_chunk(Online& o, const float f[8], int base, int Vr) {
+  float cm = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (base + k < Vr) cm = fmaxf(cm, f[k]);
+  if (cm == -INFINITY) return;
+  if (cm > o.m) {
+    o.s *= exp2f((o.m - cm) * kLog2e);
+    o.m = cm;
+  }
+  const float ml = o.m * kLog2e;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (base + k < Vr) o.s += exp2f(fmaf(f[k], kLog2e, -ml));
+}
+
 }  // namespace kiln::cuda

@@ -43,13 +43,14 @@ VocabParallelCrossEntropy::VocabParallelCrossEntropy(const TensorParallel& tp, s
     : tp_(tp), vocab_real_(vocab_real) {
   KILN_CHECK(vocab_real > 0 && vocab_real <= vocab && rows > 0, "cross-entropy over ", vocab_real, " of ", vocab,
              " columns, ", rows, " rows");
+  rows_ = rows;
+  auto& be = tp.backend();
+  stats_ = be.alloc(static_cast<std::size_t>(rows) * 3 * sizeof(float));
+  stats_view_ = stats_.view(DType::f32, {rows, 3});
   if (!tp.vocab_parallel()) return;
   tp.require({vocab, "vocabulary-parallel cross-entropy", "vocabulary columns (padded)"});
   vocab_begin_ = tp.split(vocab).first;
-  auto& be = tp.backend();
-  stats_ = be.alloc(static_cast<std::size_t>(rows) * 3 * sizeof(float));
   all_stats_ = be.alloc(static_cast<std::size_t>(tp.size()) * rows * 3 * sizeof(float));
-  stats_view_ = stats_.view(DType::f32, {rows, 3});
 }
 
 void VocabParallelCrossEntropy::forward(const TensorView& losses, const TensorView& logits, const TensorView& targets,
@@ -59,14 +60,30 @@ void VocabParallelCrossEntropy::forward(const TensorView& losses, const TensorVi
     be.cross_entropy({losses, logits, targets, vocab_real_, dloss});
     return;
   }
+  be.cross_entropy_finish({losses, logits, targets, gathered_stats(logits, targets), vocab_begin_, vocab_real_, dloss});
+}
+
+TensorView VocabParallelCrossEntropy::gathered_stats(const TensorView& logits, const TensorView& targets) const {
   const std::int64_t n = logits.size(0);
-  KILN_CHECK(n > 0 && n <= stats_view_.size(0), "cross-entropy built for up to ", stats_view_.size(0), " rows, got ",
-             logits.str());
+  KILN_CHECK(n > 0 && n <= rows_, "cross-entropy built for up to ", rows_, " rows, got ", logits.str());
   const TensorView stats = stats_view_.rows(0, n);
+  tp_.backend().cross_entropy_stats({stats, logits, targets, vocab_begin_, vocab_real_});
+  if (!tp_.vocab_parallel()) return stats.reshape({1, n, 3});
   const TensorView all_stats = all_stats_.view(DType::f32, {tp_.size(), n, 3});
-  be.cross_entropy_stats({stats, logits, targets, vocab_begin_, vocab_real_});
   tp_.all_gather(all_stats.reshape({all_stats.numel()}), stats.reshape({stats.numel()}));
-  be.cross_entropy_finish({losses, logits, targets, all_stats, vocab_begin_, vocab_real_, dloss});
+  return all_stats;
+}
+
+void VocabParallelCrossEntropy::forward_lse(const TensorView& losses, const TensorView& logits,
+                                            const TensorView& targets, const TensorView& lse) const {
+  tp_.backend().cross_entropy_finish({.losses = losses,
+                                      .logits = logits,
+                                      .targets = targets,
+                                      .all_stats = gathered_stats(logits, targets),
+                                      .vocab_begin = vocab_begin_,
+                                      .vocab_real = vocab_real_,
+                                      .lse = lse,
+                                      .write_dlogits = false});
 }
 
 }  // namespace kiln::parallel

@@ -48,8 +48,9 @@ class Fp8BlockLinear {
  public:
   Fp8BlockLinear(Fp8Ops& ops, Fp8Workspace& workspace, const BlockRecipe& recipe, std::string name = "linear",
                  bool keep_input = false);
-  // What it takes through prologues (ops::LinearImpl::prologues).
-  static constexpr ops::PrologueSet kPrologues = ops::PrologueSet::all();
+  // What it takes through prologues (ops::LinearImpl::prologues): all but the cross-entropy gradient.
+  static constexpr ops::PrologueSet kPrologues = {ops::Prologue::plain, ops::Prologue::layernorm, ops::Prologue::gelu,
+                                                  ops::Prologue::swiglu, ops::Prologue::dgelu, ops::Prologue::dswiglu};
 
   // The weight's FP8 copies are remade when `weight_version` differs from the cached one (or the
   // weight is another tensor).

@@ -16,7 +16,10 @@
 // that input in bf16 only for this layer). The grad_output is quantised once in the backward pass
 // into both copies, with its amax and the bias gradient in the same pass, and with the dGELU too
 // when the caller hands in the output gradient as ops::DgeluOnLoad, or the SwiGLU's backward with
-// ops::DswigluOnLoad (a layer without bias: Fp8Ops::quantize_grouped over one group of rows).
+// ops::DswigluOnLoad (a layer without bias: Fp8Ops::quantize_grouped over one group of rows), or,
+// for an LM head, the cross-entropy's gradient made from the logits with ops::XentOnLoad (written
+// over the logits first where the scale needs the gradient's amax: current scaling, delayed
+// scaling's first step).
 // It takes every prologue of ops/prologue.hpp: the input as GeluOnLoad (the input is gelu of the
 // pre-activation), SwigluOnLoad (the SwiGLU of FC1's [gate | up] output) or LayerNormOnLoad (a
 // LayerNorm output: the forward computes its statistics, then its values while quantising; the

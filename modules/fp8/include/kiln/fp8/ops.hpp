@@ -61,7 +61,8 @@ struct DelayedUpdateArgs {
 
 // The gradient side of a linear layer's backward pass in one read of dy ([rows, cols], act):
 //   g = dy, or with gelu_pre: g = act(dy * gelu'(gelu_pre)) (rounded to act exactly as the unfused
-//   dGELU stores it, so both paths quantise the same values);
+//   dGELU stores it, so both paths quantise the same values), or with xent (dy its logits): the
+//   cross-entropy's gradient, the values Fp8Ops::xent_grad writes (no gelu_pre, no dbias then);
 //   out.rowwise and out.colwise = encode(g * *out.scale) (both copies are written);
 //   *amax = max(*amax, max |g|) unless amax is null;
 //   dbias[c] += sum over rows of g[r, c] (f32 [cols]) unless dbias is empty.
@@ -72,6 +73,7 @@ struct GradQuantizeArgs {
   Fp8TensorView out;
   float* amax = nullptr;
   TensorView dbias;      // optional
+  const ops::XentOnLoad* xent = nullptr;  // optional: dy is xent->logits
 };
 
 // One AdamW step of an f32 master weight and, given out's copies, its quantisation in the same pass
@@ -237,6 +239,9 @@ class Fp8Ops {
   virtual void quantize_grad(const GradQuantizeArgs& a) = 0;
   // dy := act(dy * gelu'(pre)) in place (the unfused dGELU; act tensors of the same shape).
   virtual void dgelu(const TensorView& dy, const TensorView& pre) = 0;
+  // x.logits := the cross-entropy's gradient (ops::XentOnLoad) in place: the values the backend's
+  // cross_entropy_finish would have written over them (the unfused path of an FP8 LM head).
+  virtual void xent_grad(const ops::XentOnLoad& x) = 0;
   // out (f32, same shape) = decode(q) * *scale_inv.
   virtual void dequantize(const TensorView& out, const TensorView& q, const float* scale_inv) = 0;
   // out [cols, rows] = in [rows, cols] transposed: one-byte codes (an FP8 tensor's, or u8), copied

@@ -273,14 +273,18 @@ struct CrossEntropyStats {
   std::int64_t vocab_begin = 0;
   int vocab_real = 0;  // real (unpadded) size of the whole vocabulary
 };
+// With write_dlogits false the logits stay as they are and each row's logsumexp L goes to `lse`:
+// the gradient is then made where it is read (ops::XentOnLoad, by formulas.hpp's xent_grad).
 struct CrossEntropyFinish {
   TensorView losses;     // [N] f32
-  TensorView logits;     // [N, V] act, in: logits, out: dlogits
+  TensorView logits;     // [N, V] act, in: logits, out: dlogits (unless !write_dlogits)
   TensorView targets;    // [N] i32 on the device
   TensorView all_stats;  // [ranks, N, 3] f32
   std::int64_t vocab_begin = 0;
   int vocab_real = 0;
   float dloss = 1;
+  TensorView lse;            // [N] f32, optional: each row's logsumexp (0 for an ignored row)
+  bool write_dlogits = true;
 };
 
 // AdamW over flat f32 buffers (one launch for all parameters). Segments say which elements get

@@ -59,6 +59,20 @@ KILN_HD float silu_grad(float g) {
 KILN_HD float dswiglu_gate(float dout, float gate, float up) { return dout * up * silu_grad(gate); }
 KILN_HD float dswiglu_up(float dout, float gate) { return dout * silu(gate); }
 
+// The softmax cross-entropy's gradient with respect to one logit x of a row whose logsumexp is `lse`
+// ((softmax - onehot) * dloss; `target`: x is the target's logit). Each backend's own arithmetic: the
+// host's exp(x - lse), the device's exp2(x log2(e) - lse log2(e)); every op of a backend that writes
+// or quantises this gradient takes this function, so they agree bit for bit within the backend.
+KILN_HD float xent_grad(float x, float lse, bool target, float dloss) {
+#ifdef __CUDA_ARCH__
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float prob = exp2f(fmaf(x, kLog2e, -(lse * kLog2e)));
+#else
+  const float prob = std::exp(x - lse);
+#endif
+  return (prob - (target ? 1.0f : 0.0f)) * dloss;
+}
+
 // RoPE's inverse frequency of pair i of a D-wide head: theta^(-2i/D), in f32 as Hugging Face's
 // Llama computes it; the angle of position pos is pos * rope_inv_freq(i, D, theta), rounded to f32.
 KILN_HD float rope_inv_freq(int i, int D, float theta) {

@@ -48,11 +48,24 @@ struct DswigluOnLoad {
   TensorView dswiglu;  // [N, OC / 2] act: d loss / d swiglu(out)
   TensorView gate_up;  // [N, OC] act: the forward's output
 };
-// A backward's output gradient: the tensor [N, OC] act itself, DgeluOnLoad or DswigluOnLoad.
-using OutputGrad = std::variant<TensorView, DgeluOnLoad, DswigluOnLoad>;
+// The output gradient of an LM head, whose logits feed the softmax cross-entropy, given as the logits
+// and each row's logsumexp (CrossEntropyFinish with write_dlogits false): the layer computes
+// dlogits = xent_grad(logit, lse, column is the target's, dloss) (formulas.hpp), rounded to act,
+// 0 in the padded columns and in ignored rows (target -1), as it loads them (and may overwrite the
+// logits with them): the values the loss would otherwise have written over the logits.
+struct XentOnLoad {
+  TensorView logits;   // [N, V] act: this rank's columns of the (padded) vocabulary
+  TensorView lse;      // [N] f32
+  TensorView targets;  // [N] i32 on the device
+  std::int64_t vocab_begin = 0;  // the vocabulary index of the logits' first column
+  int vocab_real = 0;            // real (unpadded) size of the whole vocabulary
+  float dloss = 1;
+};
+// A backward's output gradient: the tensor [N, OC] act itself, DgeluOnLoad, DswigluOnLoad or XentOnLoad.
+using OutputGrad = std::variant<TensorView, DgeluOnLoad, DswigluOnLoad, XentOnLoad>;
 
 // The prologues by name, one per alternative above (plain: the tensor itself).
-enum class Prologue : std::uint8_t { plain, layernorm, gelu, swiglu, dgelu, dswiglu };
+enum class Prologue : std::uint8_t { plain, layernorm, gelu, swiglu, dgelu, dswiglu, xent };
 Prologue prologue_of(const LinearInput& x);
 Prologue prologue_of(const OutputGrad& dout);
 const char* name_of(Prologue p);  // "plain", "layernorm-on-load", ...
@@ -64,7 +77,8 @@ class PrologueSet {
     for (Prologue p : ps) bits_ |= bit(p);
   }
   static constexpr PrologueSet all() {
-    return {Prologue::plain, Prologue::layernorm, Prologue::gelu, Prologue::swiglu, Prologue::dgelu, Prologue::dswiglu};
+    return {Prologue::plain, Prologue::layernorm, Prologue::gelu,
+            Prologue::swiglu, Prologue::dgelu, Prologue::dswiglu, Prologue::xent};
   }
   constexpr bool has(Prologue p) const { return (bits_ & bit(p)) != 0; }
 

@@ -47,12 +47,26 @@ class VocabParallelCrossEntropy {
   // dlogits (dloss each), as ops::CrossEntropy. Split: each rank's statistics of its columns, one
   // all-gather of them ([tp, rows, 3]), then every rank combines them in rank order.
   void forward(const TensorView& losses, const TensorView& logits, const TensorView& targets, float dloss) const;
+  // The same losses from the statistics, the logits left as they are and each row's logsumexp into
+  // `lse` [rows] f32: for an LM head that makes the gradient as it loads the logits
+  // (xent_on_load(): ops::XentOnLoad). Without vocabulary parallelism too (no all-gather then).
+  void forward_lse(const TensorView& losses, const TensorView& logits, const TensorView& targets,
+                   const TensorView& lse) const;
+  // The output gradient of forward_lse's logits, made as the head loads them.
+  ops::XentOnLoad xent_on_load(const TensorView& logits, const TensorView& lse, const TensorView& targets,
+                               float dloss) const {
+    return {logits, lse, targets, vocab_begin_, vocab_real_, dloss};
+  }
 
  private:
+  // Each rank's statistics of the logits' rows ([tp or 1, rows, 3]: all-gathered under vocabulary parallelism).
+  TensorView gathered_stats(const TensorView& logits, const TensorView& targets) const;
+
   const TensorParallel& tp_;
   std::int64_t vocab_begin_ = 0;
   int vocab_real_;
-  Buffer stats_, all_stats_;  // [rows, 3] and [tp, rows, 3] f32, with vocabulary parallelism
+  std::int64_t rows_ = 0;
+  Buffer stats_, all_stats_;  // [rows, 3] and, with vocabulary parallelism, [tp, rows, 3] f32
   TensorView stats_view_;
 };
 

@@ -125,8 +125,19 @@ struct CastTransposeGrad {
   float* dbias = nullptr;    // optional, accumulated
   float* partial = nullptr;  // needed with dbias
   std::int64_t rows = 0, cols = 0;
+  // Optional: dy is an LM head's logits, the values quantised their cross-entropy gradient
+  // (ops::XentOnLoad; no gelu_pre, no dbias): each row's logsumexp and target, the logits' first
+  // column's vocabulary index, the real columns among them, dloss.
+  const float* lse = nullptr;
+  const std::int32_t* targets = nullptr;
+  std::int64_t vocab_begin = 0;
+  std::int64_t real_cols = 0;
+  float dloss = 1;
 };
 bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s);
+// a.logits := their cross-entropy gradient in place (ops::XentOnLoad on device pointers).
+void xent_grad(__nv_bfloat16* logits, const float* lse, const std::int32_t* targets, std::int64_t vocab_begin,
+               std::int64_t real_cols, float dloss, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 std::int64_t grad_partials(std::int64_t rows, std::int64_t cols);
 
 // The grouped cast + transpose (GroupedQuantizeArgs) on device pointers. A grouping's plan (host

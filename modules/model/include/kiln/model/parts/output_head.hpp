@@ -10,7 +10,10 @@
 //    backward of a micro-batch run back to back, the model checks it), so no more than a chunk's
 //    logits exist at once. Evaluation runs the chunks' logits and losses in the forward.
 // The logits are dead from the head's backward until the next forward: the blocks' backward scratch
-// (and what their linears borrow) lives in their memory where it fits.
+// (and what their linears borrow) lives in their memory where it fits. Where the head's
+// implementation makes the cross-entropy's gradient as it loads the logits (ops::XentOnLoad: an FP8
+// head), a training step's loss leaves the logits as they are and keeps each row's logsumexp instead
+// of writing dlogits over them: one write and one read of the logits fewer.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -44,6 +47,12 @@ class OutputHead {
   double flops_per_token() const;
 
  protected:
+  // Whether this training forward's loss leaves the gradient to the head (ops::XentOnLoad).
+  bool xent_on_load() const;
+  // The loss of `logits` (rows of a training or evaluation forward), and the head's output gradient
+  // for its backward: the dlogits the loss wrote over the logits, or the gradient made on load.
+  ops::OutputGrad loss(const TensorView& losses, const TensorView& logits, const TensorView& targets, float dloss);
+
   // `tied`: the token embedding's table, the LM head's weight; else the head has its own. The loss
   // takes calls of up to `loss_rows` tokens.
   OutputHead(LayerBuilder& b, const ModelSpec& spec, std::optional<Entity> tied, std::int64_t loss_rows);
@@ -55,6 +64,7 @@ class OutputHead {
   ColumnLinear head_;
   parallel::VocabParallelCrossEntropy loss_;
   TensorView logits_;  // [rows, padded vocabulary / tp (vocabulary parallelism) or all of it]
+  Buffer lse_;         // [loss rows] f32: each row's logsumexp, for a gradient made on load
 };
 
 // The whole micro-batch's logits, kept from the forward to the backward pass.
@@ -64,6 +74,9 @@ class LogitsHead final : public OutputHead {
   void declare(ActivationTable& table, std::size_t lend) override;
   void forward(const TensorView& x, const TensorView& losses, const TensorView& targets, float dloss) override;
   void backward(const TensorView& x) override;
+
+ private:
+  ops::OutputGrad dout_;  // the last training forward's output gradient
 };
 
 // `chunk_rows` tokens' logits at a time, computed in the backward pass (see above). The head's

@@ -154,8 +154,9 @@ void cross_entropy(float* losses, bf16* logits, const std::int32_t* targets, int
 // columns [begin, begin + V) of the padded vocabulary.
 void cross_entropy_stats(float* stats, const bf16* logits, const std::int32_t* targets, int N, int V, int vocab_real,
                          std::int64_t begin, cudaStream_t s);
-void cross_entropy_finish(float* losses, bf16* logits, const std::int32_t* targets, const float* all_stats, int R,
-                          int N, int V, int vocab_real, std::int64_t begin, float dloss, cudaStream_t s);
+void cross_entropy_finish(float* losses, float* lse, bf16* logits, const std::int32_t* targets, const float* all_stats,
+                          int R, int N, int V, int vocab_real, std::int64_t begin, float dloss, bool write_dlogits,
+                          cudaStream_t s);
 struct AdamWSegmentDev {
   std::int64_t offset;  // first element in the flat buffers
   std::int64_t count;
