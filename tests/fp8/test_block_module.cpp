@@ -42,16 +42,6 @@ synthetic_vocab = 64
 timeout_s = 60
 )";
 
-// Runs the pipeline, returning each step's training loss.
-std::vector<double> step_losses(test::Pipeline& p) {
-  std::vector<double> out;
-  p.world->systems().add({"test.record", Phase::step_end,
-                          [&out](World& world) { out.push_back(world.resource<train::TrainState>().loss); },
-                          {"train.step_end"}});
-  p.run();
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE("fp8.recipe=block gives the block linears block-scaled FP8 layers, with no scaling state") {
@@ -114,7 +104,7 @@ TEST_CASE("block-scaled FP8 layers recompute exactly, split micro-batches as the
   auto losses = [&](std::vector<std::string> more) {
     more.insert(more.begin(), block.begin(), block.end());
     test::Pipeline p(kBlockTiny, more);
-    return step_losses(p);
+    return test::step_losses(p);
   };
   const auto plain = losses({});
   CHECK(losses({"activation_checkpoint.mode=full"}) == plain);  // bit for bit: no state to replay wrongly
@@ -160,7 +150,7 @@ TEST_CASE("block-scaled FP8 layers keep their inputs' transposes in FP8 where th
         std::vector<std::string> more = block;
         if (store) more.insert(more.end(), stored.begin(), stored.end());
         test::Pipeline p(kBlockTiny, more);
-        const std::vector<double> out = step_losses(p);
+        const std::vector<double> out = test::step_losses(p);
         World& w = *p.world;
         auto& st = w.resource<fp8::Fp8State>();
         *kept = 0;

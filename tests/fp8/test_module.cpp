@@ -124,12 +124,7 @@ TEST_CASE("an FP8 LM head a chunk of rows at a time: one chunk is the whole head
   // before any history, by the first chunk's amax), their amaxes max-accumulated.
   auto losses = [](std::vector<std::string> sets) {
     test::Pipeline p(kTiny, sets);
-    std::vector<double> out;
-    p.world->systems().add({"test.record", Phase::step_end,
-                            [&out](World& world) { out.push_back(world.resource<train::TrainState>().loss); },
-                            {"train.step_end"}});
-    p.run();
-    return out;
+    return test::step_losses(p);
   };
   for (const char* recipe : {"fp8.recipe=delayed", "fp8.recipe=current"}) {
     CAPTURE(recipe);

@@ -72,6 +72,16 @@ inline std::string pattern_corpus(const TempDir& dir) {
   return (dir.path() / "shards/train_*.bin").string();
 }
 
+// Runs the pipeline, returning each step's training loss.
+inline std::vector<double> step_losses(Pipeline& p) {
+  std::vector<double> losses;
+  p.world->systems().add({"test.record", Phase::step_end,
+                          [&losses](World& world) { losses.push_back(world.resource<train::TrainState>().loss); },
+                          {"train.step_end"}});
+  p.run();
+  return losses;
+}
+
 // Trains a 2-layer byte-level GPT on `shards` on the CPU for `steps` steps; returns each step's loss.
 inline std::vector<double> train_losses(const std::string& shards, int steps, std::vector<std::string> sets = {}) {
   sets.insert(sets.begin(), {"data.train_files=" + shards, "train.steps=" + std::to_string(steps)});
@@ -94,12 +104,7 @@ warmup_steps = 10
 every = 1000
 )",
              sets);
-  std::vector<double> losses;
-  p.world->systems().add({"test.record", Phase::step_end,
-                          [&losses](World& world) { losses.push_back(world.resource<train::TrainState>().loss); },
-                          {"train.step_end"}});
-  p.run();
-  return losses;
+  return step_losses(p);
 }
 
 // The flat f32 gradient buffer copied to the host (from whichever backend the World runs on).

@@ -10,7 +10,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// stats[row] = {max, sum exp(x - max) over this rank's real columns [0, Vr), target logit or 0}.
+// stats[row] = {max, sum exp(x - max) over this rank's real columns [0, Vr), target logit or 0}. VEC
+// (V % 8 == 0, rows 16-byte aligned): eight columns a load, each chunk's max first (add_chunk, the
+// fused loss's first pass over a row); else a column at a time.
+template <bool VEC>
 __global__ __launch_bounds__(kThreads) void ce_stats_kernel(float* stats, const bf16* logits,
                                                             const std::int32_t* targets, int V, int Vr,
                                                             std::int64_t begin) {
@@ -18,38 +21,23 @@ __global__ __launch_bounds__(kThreads) void ce_stats_kernel(float* stats, const 
   const std::int64_t row = blockIdx.x;
   const bf16* lr = logits + row * V;
   Online o;
-  for (int v = threadIdx.x; v < Vr; v += blockDim.x) {
-    const float x = __bfloat162float(lr[v]);
-    if (x > o.m) {
-      o.s = o.s * exp2f((o.m - x) * kLog2e) + 1.0f;
-      o.m = x;
-    } else {
-      o.s += exp2f((x - o.m) * kLog2e);
-    }
-  }
-  const Online r = block_combine(o, sm);
-  if (threadIdx.x == 0) {
-    const std::int64_t t = static_cast<std::int64_t>(targets[row]) - begin;
-    stats[row * 3 + 0] = r.m;
-    stats[row * 3 + 1] = r.s;
-    stats[row * 3 + 2] = targets[row] >= 0 && t >= 0 && t < Vr ? __bfloat162float(lr[t]) : 0.0f;
-  }
-}
-
-// The same statistics where V % 8 == 0 (rows 16-byte aligned): eight columns a load, each chunk's
-// max first (add_chunk: the fused loss's first pass over a row, cross_entropy_row.cuh).
-__global__ __launch_bounds__(kThreads) void ce_stats_vec_kernel(float* stats, const bf16* logits,
-                                                                const std::int32_t* targets, int V, int Vr,
-                                                                std::int64_t begin) {
-  __shared__ Online sm[kThreads / kWarp];
-  const std::int64_t row = blockIdx.x;
-  const bf16* lr = logits + row * V;
-  Online o;
+  if constexpr (VEC) {
 #pragma unroll 4
-  for (int q = threadIdx.x; q < V / 8; q += blockDim.x) {
-    float f[8];
-    load8(lr + q * 8, f);
-    add_chunk(o, f, q * 8, Vr);
+    for (int q = threadIdx.x; q < V / 8; q += blockDim.x) {
+      float f[8];
+      load8(lr + q * 8, f);
+      add_chunk(o, f, q * 8, Vr);
+    }
+  } else {
+    for (int v = threadIdx.x; v < Vr; v += blockDim.x) {
+      const float x = __bfloat162float(lr[v]);
+      if (x > o.m) {
+        o.s = o.s * exp2f((o.m - x) * kLog2e) + 1.0f;
+        o.m = x;
+      } else {
+        o.s += exp2f((x - o.m) * kLog2e);
+      }
+    }
   }
   const Online r = block_combine(o, sm);
   if (threadIdx.x == 0) {
@@ -113,9 +101,9 @@ void cross_entropy_stats(float* stats, const bf16* logits, const std::int32_t* t
   if (N <= 0) return;
   const int Vr = real_columns(V, vocab_real, begin);
   if (V % 8 == 0 && aligned16(logits))
-    ce_stats_vec_kernel<<<N, kThreads, 0, s>>>(stats, logits, targets, V, Vr, begin);
+    ce_stats_kernel<true><<<N, kThreads, 0, s>>>(stats, logits, targets, V, Vr, begin);
   else
-    ce_stats_kernel<<<N, kThreads, 0, s>>>(stats, logits, targets, V, Vr, begin);
+    ce_stats_kernel<false><<<N, kThreads, 0, s>>>(stats, logits, targets, V, Vr, begin);
   KILN_CUDA_LAUNCH_CHECK();
 }
 
