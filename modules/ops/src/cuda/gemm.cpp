@@ -152,14 +152,16 @@ int GemmRunner::fastest(Plan& p, const GemmDesc& g, const cublasLtMatmulHeuristi
     return cublasLtMatmul(handle_, p.op, &alpha, g.B, p.a, g.A, p.b, &beta, d, p.d, d, p.d, &algo, workspace_,
                           workspace_bytes_, stream);
   };
-  // Each candidate's result (from zeroed scratch: an accumulating call adds to zeros) against the
-  // heuristic's first's, byte for byte: only an algorithm that sums in the same order is a candidate
-  // (unless any_order_), so a tuned run has the untuned run's bits (reproducible, resumable).
+  // Each candidate's result against the heuristic's first's, byte for byte, on the call's own operands
+  // (an accumulating call adds to a copy of its real accumulator, so an algorithm that adds its
+  // partial sums to it in another order shows): only an algorithm that sums in the same order is a
+  // candidate (unless any_order_), so a tuned run has the untuned run's bits (reproducible, resumable).
   std::vector<std::uint8_t> first(bytes), got(bytes);
   int best = 0;
   float best_ms = 0;
   for (int i = 0; i < n; ++i) {
     KILN_CUDA_CHECK(cudaMemsetAsync(scratch, 0, bytes, stream));
+    if (g.accumulate) KILN_CUDA_CHECK(cudaMemcpyAsync(d, g.D, d_bytes, cudaMemcpyDeviceToDevice, stream));
     if (results[i].state != CUBLAS_STATUS_SUCCESS || launch(results[i].algo) != CUBLAS_STATUS_SUCCESS) {
       if (i == 0) break;  // nothing to compare with: the heuristic's first stays
       continue;
