@@ -183,9 +183,10 @@ class CpuOps final : public Fp8Ops {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (N * V >= kParallelWork)
     for (std::int64_t n = 0; n < N; ++n) {
       float* row = logits + n * V;
-      const std::int64_t t = targets[n] < 0 ? -1 : targets[n] - x.vocab_begin;
+      const bool ignored = targets[n] < 0;  // no gradient in the row
+      const std::int64_t t = targets[n] - x.vocab_begin;
       for (std::int64_t v = 0; v < V; ++v)
-        row[v] = targets[n] < 0 || v >= Vr ? 0.0f : store(ops::xent_grad(row[v], lse[n], v == t, x.dloss));
+        row[v] = ignored || v >= Vr ? 0.0f : store(ops::xent_grad(row[v], lse[n], v == t, x.dloss));
     }
   }
 
