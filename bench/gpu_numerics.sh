@@ -8,7 +8,7 @@
 # RUNS="bf16 fp8-block ..." picks the runs (one after another on fewer than four GPUs; default the
 # three above; fp8-block is issue 29's block scaling, fp8-block-2d with the weight gradient's input in
 # 128x128 blocks; bf16-m16, fp8-delayed-m16 and fp8-block-m16 with optim.moments = "bf16"; fp8-delayed-m16-head with the LM head in FP8 too,
-# fp8.lm_head); MODEL=llama1b runs pipelines/llama-1b.toml on
+# fp8.lm_head; bf16-g16, fp8-delayed-m16-g16 and fp8-delayed-m16-head-g16 with the gradients in bf16, optim.grads); MODEL=llama1b runs pipelines/llama-1b.toml on
 # the Brown GPT-2 BPE tokens (data/brown-gpt2, carried) instead, metrics to $OUT/numerics-llama1b-*.jsonl.
 set -uo pipefail
 B=${1:-.devbuild}
@@ -48,6 +48,9 @@ args_of() {
     fp8-delayed-m16) echo --set fp8.enabled=true --set optim.moments=bf16 ;;
     fp8-block-m16) echo --set fp8.enabled=true --set fp8.recipe=block --set optim.moments=bf16 ;;
     fp8-delayed-m16-head) echo --set fp8.enabled=true --set optim.moments=bf16 --set fp8.lm_head=true ;;
+    fp8-delayed-m16-head-g16) echo --set fp8.enabled=true --set optim.moments=bf16 --set fp8.lm_head=true --set optim.grads=bf16 ;;
+    fp8-delayed-m16-g16) echo --set fp8.enabled=true --set optim.moments=bf16 --set optim.grads=bf16 ;;
+    bf16-g16) echo --set optim.grads=bf16 ;;  # the gradients held in bf16
     *) echo "unknown run $1" >&2; exit 2 ;;
   esac
 }

@@ -17,6 +17,7 @@
 #include "kiln/nn/param_store.hpp"
 #include "kiln/ops/module.hpp"
 #include "kiln/train/train.hpp"
+#include "host_floats.hpp"
 #include "kiln_test.hpp"
 
 namespace kiln::test {
@@ -107,13 +108,10 @@ every = 1000
   return step_losses(p);
 }
 
-// The flat f32 gradient buffer copied to the host (from whichever backend the World runs on).
+// The flat gradient buffer copied to the host as floats (from whichever backend the World runs on;
+// bf16 gradients widened).
 inline std::vector<float> grads_of(World& w) {
-  auto& be = w.resource<ops::ActiveBackend>().get();
-  auto flat = w.resource<nn::ParamStore>().grads_flat();
-  std::vector<float> h(static_cast<std::size_t>(flat.numel()));
-  be.copy(TensorView(h.data(), {flat.numel()}, DType::f32, Device::cpu), flat);
-  return h;
+  return host_floats(w.resource<ops::ActiveBackend>().get(), w.resource<nn::ParamStore>().grads_flat());
 }
 
 // What a run recorded: each step's loss, and the gradients of its first step (before they are

@@ -20,6 +20,7 @@
 #include "kiln/parallel/thread_ranks.hpp"
 #include "kiln/parallel/module.hpp"
 #include "kiln/train/train.hpp"
+#include "host_floats.hpp"
 
 namespace kiln::test {
 
@@ -43,9 +44,8 @@ struct Trace {
 // elements write the same values.
 inline void write_held(World& w, const nn::ParamStore& store, const TensorView& device_flat,
                        std::map<std::string, std::vector<float>>& out) {
-  std::vector<float> host(static_cast<std::size_t>(device_flat.numel()));
+  std::vector<float> host = host_floats(w.resource<ops::ActiveBackend>().get(), device_flat);
   const TensorView flat(host.data(), device_flat.shape, DType::f32, Device::cpu);
-  w.resource<ops::ActiveBackend>().get().copy(flat, device_flat);
   for (Entity e : store.order()) {
     const auto& p = w.get<nn::Param>(e);
     auto& full = out[p.name];

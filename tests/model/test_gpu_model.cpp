@@ -33,7 +33,10 @@ TEST_CASE("a CUDA training step matches the CPU reference step (GPT-2, Llama wit
       {"model.arch=llama", "model.n_kv_head=4", "model.rope_theta=500000"},
       // The LM head 100 of the 384 rows at a time (the last chunk 84), tied and untied.
       {"model.head_chunk_rows=100"},
-      {"model.arch=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.head_chunk_rows=100"}};
+      {"model.arch=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.head_chunk_rows=100"},
+      // The gradients held in bf16 (optim.grads), each op's contribution rounded once on both backends.
+      {"optim.grads=bf16", "model.head_chunk_rows=100"},
+      {"model.arch=llama", "model.n_kv_head=2", "optim.grads=bf16"}};
   for (const auto& arch : archs)
   for (const char* dropout : {"0.0", "0.1"}) {
     auto sets = [&](std::vector<std::string> s) {
@@ -159,6 +162,11 @@ TEST_CASE("a captured CUDA graph of the whole step replays eager steps bit for b
       // batch's 192, the last 80), per-tensor and block-scaled.
       {"model.head_chunk_rows=112", "fp8.enabled=true", "fp8.lm_head=true", "train.micro_batch_size=2"},
       {"model.head_chunk_rows=112", "fp8.enabled=true", "fp8.lm_head=true", "fp8.recipe=block"},
+      // The gradients held in bf16 (optim.grads): their zeroing, the bf16 GEMM and FP8 weight
+      // gradients, the FP8 head's, the norm and the updates reading them.
+      {"optim.grads=bf16", "model.dropout=0.1", "train.micro_batch_size=2"},
+      {"optim.grads=bf16", "optim.moments=bf16", "fp8.enabled=true", "fp8.lm_head=true", "model.head_chunk_rows=112",
+       "model.recompute_norm=false", "model.recompute_gelu=false"},
   };
   for (const auto& extra : cases) {
     auto sets = [&](bool graph) {

@@ -156,6 +156,31 @@ TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data p
           "bf16 emulation, 2 micro-batches: full_shard reduced once a step against dp=2", 0);
 }
 
+TEST_CASE("bf16 gradients (optim.grads) with data parallelism, tensor parallelism and every FSDP strategy") {
+  // The held gradients in bf16: data parallelism sums them in bf16 (buckets and all), FSDP
+  // accumulates each unit in f32 and rounds its reduced part once (reduce_dtype f32), or reduces in
+  // bf16 straight into them; micro-batches after the first add to them. Each within bf16 rounding of
+  // the single-rank f32 run (the bf16 reduction's tolerance above), and FSDP's strategies within it of
+  // the single-rank bf16 run.
+  const Trace single = run(1, {});
+  const Sets half = {"optim.grads=bf16"};
+  const Trace one = run(1, half);
+  compare(one, single, "one rank, bf16 gradients", 5e-3);
+  compare(run(2, half), single, "dp=2, bf16 gradients", 5e-3);
+  compare(run(2, half + Sets{"parallel.dp_bucket_mb=0.001", "train.micro_batch_size=2"}), single,
+          "dp=2 in small buckets, 2 micro-batches, bf16 gradients", 5e-3);
+  compare(run(4, half + Sets{"parallel.tp=2", "parallel.sequence_parallel=true"}), single,
+          "tp=2 (sequence parallel) x dp=2, bf16 gradients", 5e-3);
+  compare(run(2, half + kFull), one, "full_shard on 2, bf16 gradients", 5e-3);
+  compare(run(2, half + kFull + Sets{"train.micro_batch_size=2"}), one,
+          "full_shard on 2, 2 micro-batches, bf16 gradients", 5e-3);
+  compare(run(2, half + kFull + Sets{"fsdp.reduce_dtype=bf16", "train.micro_batch_size=2"}), one,
+          "full_shard on 2, 2 micro-batches, reduced in bf16 into bf16 gradients", 5e-3);
+  compare(run(4, half + kHybrid), one, "hybrid_shard 2 x 2, bf16 gradients", 5e-3);
+  compare(run(2, half + kGradOp + Sets{"train.micro_batch_size=2", "fsdp.reduce=step"}), one,
+          "shard_grad_op on 2, reduced once a step, bf16 gradients", 5e-3);
+}
+
 TEST_CASE("FP8 delayed scaling with FSDP refuses amax_group = tp: each rank would scale its part by its own amax") {
   std::string failures;
   test::run_ranks(kTiny, 2, kFull + Sets{"fp8.enabled=true", "fp8.amax_group=tp", "train.steps=1"}, nullptr,

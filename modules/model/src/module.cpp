@@ -36,23 +36,26 @@ struct ModelHooks {
 // writes (nn::GradWrittenFirst); ranges that meet in memory are zeroed together.
 void zero_grads(nn::ParamStore& store, ops::Backend& be, const std::vector<std::vector<nn::UnitRange>>& ranges) {
   // The runs of adjacent ranges, zeroed together (one launch on CUDA).
+  const DType d = store.unit_grad_dtype();
+  const std::size_t elem = size_of(d);
   std::vector<TensorView> runs;
-  float* run = nullptr;
+  char* run = nullptr;
   std::int64_t n = 0;
   auto flush = [&] {
-    if (n > 0) runs.push_back(TensorView(run, {n}, DType::f32, store.device()));
+    if (n > 0) runs.push_back(TensorView(run, {n}, d, store.device()));
     n = 0;
   };
   for (std::size_t u = 0; u < ranges.size(); ++u) {
-    auto* base = static_cast<float*>(store.unit_grads(u));
+    auto* base = static_cast<char*>(store.unit_grads(u));
     if (!base) continue;
     for (const auto& r : ranges[u]) {
-      if (n > 0 && run + n == base + r.begin) {
+      char* at = base + static_cast<std::size_t>(r.begin) * elem;
+      if (n > 0 && run + static_cast<std::size_t>(n) * elem == at) {
         n += r.size();
         continue;
       }
       flush();
-      run = base + r.begin;
+      run = at;
       n = r.size();
     }
   }
@@ -133,14 +136,15 @@ void save_part_state(World& w, GptModel& model) {
        }});
 }
 
-// The parameter store's held buffers on the backend: master and gradients zeroed (padding stays zero).
+// The parameter store's held buffers on the backend: master and gradients (in the store's gradient
+// dtype) zeroed (padding stays zero).
 nn::HeldBuffers held_buffers(ops::Backend& be, const nn::ParamStore& store) {
   const std::int64_t held = store.held();
   const auto n = static_cast<std::size_t>(held);
-  nn::HeldBuffers b{be.alloc(n * 4), be.alloc(store.held_compute_bytes(be.act_dtype())), be.alloc(n * 4), be.act_dtype(),
-                    be.stream()};
+  nn::HeldBuffers b{be.alloc(n * 4), be.alloc(store.held_compute_bytes(be.act_dtype())),
+                    be.alloc(n * size_of(store.grad_dtype())), be.act_dtype(), be.stream()};
   be.zero(b.master.view(DType::f32, {held}));
-  be.zero(b.grads.view(DType::f32, {held}));
+  be.zero(b.grads.view(store.grad_dtype(), {held}));
   return b;
 }
 

@@ -37,6 +37,12 @@ void ParamStore::keep_codes_apart() {
   codes_apart_ = true;
 }
 
+void ParamStore::set_grad_dtype(DType d) {
+  KILN_CHECK(d == DType::f32 || d == DType::bf16, "the held gradients are f32 or bf16, not ", name_of(d));
+  KILN_CHECK(grads_.bytes() == 0, "the parameter store's gradient dtype is set before it is allocated");
+  grad_dtype_ = d;
+}
+
 void ParamStore::lay_out(World& w) {
   KILN_CHECK(units_.empty(), "the parameter store is laid out once");
   std::map<int, std::vector<std::pair<Entity, Param*>>> by_unit;  // ascending units, creation order within each
@@ -93,7 +99,7 @@ void ParamStore::lay_out(World& w) {
 void ParamStore::allocate(HeldBuffers buffers) {
   KILN_CHECK(laid_out(), "the parameter store is allocated after lay_out()");
   const auto n = static_cast<std::size_t>(held_);
-  KILN_CHECK(buffers.master.bytes() >= n * 4 && buffers.grads.bytes() >= n * 4 &&
+  KILN_CHECK(buffers.master.bytes() >= n * 4 && buffers.grads.bytes() >= n * size_of(grad_dtype_) &&
                  buffers.compute.bytes() >= held_compute_bytes(buffers.act),
              "the parameter store's held buffers must hold ", held_, " elements each (the compute copy ",
              held_compute_bytes(buffers.act), " bytes)");
@@ -124,7 +130,7 @@ void ParamStore::allocate(HeldBuffers buffers) {
   if (sharded()) return;  // the units are gathered, not held
   for (std::size_t u = 0; u < units_.size(); ++u) {
     unit_compute_[u] = static_cast<char*>(compute_.data()) + unit_at[u];
-    unit_grads_[u] = static_cast<char*>(grads_.data()) + static_cast<std::size_t>(units_[u].begin) * sizeof(float);
+    unit_grads_[u] = static_cast<char*>(grads_.data()) + static_cast<std::size_t>(units_[u].begin) * size_of(grad_dtype_);
   }
 }
 
@@ -241,8 +247,9 @@ std::uint8_t* ParamStore::held_codes(const Param& p, const HeldPart& part) const
 }
 
 TensorView ParamStore::grad_view(const Param& p) const {
-  const std::size_t bytes = static_cast<std::size_t>(p.offset - unit(p.unit).begin) * 4;
-  return TensorView(at_unit(unit_grads_, p, bytes, "gradients"), p.shape, DType::f32, master_.device());
+  const DType d = unit_grad_dtype();
+  const std::size_t bytes = static_cast<std::size_t>(p.offset - unit(p.unit).begin) * size_of(d);
+  return TensorView(at_unit(unit_grads_, p, bytes, "gradients"), p.shape, d, master_.device());
 }
 
 }  // namespace kiln::nn

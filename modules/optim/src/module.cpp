@@ -141,6 +141,8 @@ std::string non_finite_gradients(World& w, ops::Backend& be) {
 void install(World& w, const OptimConfig& cfg) {
   auto& state = w.emplace_resource<OptimState>();
   state.moment_dtype = cfg.moments == MomentDType::bf16 ? DType::bf16 : DType::f32;
+  // The gradients' dtype, before the model allocates the held buffers (params.allocate).
+  w.resource<nn::ParamStore>().set_grad_dtype(cfg.grads == GradDType::bf16 ? DType::bf16 : DType::f32);
   // What a checkpoint saves: the moments (laid out like the held parameters) and the step count
   // (the bias corrections).
   auto& saved = w.resource<train::TrainingState>();

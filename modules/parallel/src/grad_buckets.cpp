@@ -46,7 +46,8 @@ DpGradSync::DpGradSync(Communicator& comm, const TensorView& grads, std::vector<
       buckets_(std::move(buckets)),
       side_(SideStream::create(compute_stream)),
       compute_stream_(compute_stream) {
-  KILN_CHECK(grads.dtype == DType::f32 && grads.ndim() == 1, "flat f32 gradients expected, got ", grads.str());
+  KILN_CHECK((grads.dtype == DType::f32 || grads.dtype == DType::bf16) && grads.ndim() == 1,
+             "flat f32 or bf16 gradients expected, got ", grads.str());
   int max_unit = -1;
   for (auto& b : buckets_) {
     KILN_CHECK(b.begin >= 0 && b.end <= grads.numel() && b.begin <= b.end, "bucket [", b.begin, ", ", b.end,

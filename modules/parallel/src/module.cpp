@@ -134,7 +134,7 @@ DpGradSync* dp_buckets(World& w) {
     if (store->unit(u).end > split) experts.push_back({u, split, store->unit(u).end});
   }
   if (st.bucket_mb <= 0 && experts.empty()) return nullptr;
-  const auto elems = static_cast<std::int64_t>(st.bucket_mb * 1e6 / 4);
+  const auto elems = static_cast<std::int64_t>(st.bucket_mb * 1e6 / static_cast<double>(size_of(store->grad_dtype())));
   auto& comms = w.resource<Communicators>();
   const bool bridge = experts.empty();  // the gaps between dense spans are padding only
   st.sync = std::make_shared<DpGradSync>(*comms.dp, store->grads_flat(), plan_buckets(dense, elems, bridge),

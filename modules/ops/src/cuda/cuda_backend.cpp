@@ -206,11 +206,21 @@ void CudaBackend::zero_many(std::span<const TensorView> ts) {
   std::vector<cuda::ZeroRun> runs;
   std::int64_t work = 0;
   for (const TensorView& t : ts) {
-    KILN_CHECK(t.dtype == DType::f32 && t.device == Device::cuda && t.contiguous(), "zero_many: ", t.str(),
-               " is not a contiguous f32 device tensor");
+    KILN_CHECK((t.dtype == DType::f32 || t.dtype == DType::bf16) && t.device == Device::cuda && t.contiguous(),
+               "zero_many: ", t.str(), " is not a contiguous f32 or bf16 device tensor");
     if (t.numel() == 0) continue;
-    runs.push_back({static_cast<float*>(t.data), t.numel(), work});
-    work += (t.numel() + 3) / 4 * 4;
+    // Zero bits are 0 in either dtype: a bf16 piece of whole aligned words is zeroed as f32 words (a
+    // gradient buffer's pieces are: parameters start at multiples of nn::kParamAlign), another apart.
+    std::int64_t words = t.numel();
+    if (t.dtype == DType::bf16) {
+      if (t.numel() % 2 != 0 || reinterpret_cast<std::uintptr_t>(t.data) % 4 != 0) {
+        zero(t);
+        continue;
+      }
+      words = t.numel() / 2;
+    }
+    runs.push_back({static_cast<float*>(t.data), words, work});
+    work += (words + 3) / 4 * 4;
   }
   if (runs.empty()) return;
   Timer timer(*this, "zero_many");

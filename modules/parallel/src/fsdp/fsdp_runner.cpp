@@ -119,9 +119,10 @@ void Runner::setup() {
   grad_pool_begin_ = grad_slots_.size();
   if (grad_pool > 0 && !once_a_step())
     for (int i = 0; i < 2; ++i) grad_slots_.push_back(grad_slot(grad_pool));
-  // The partial sums are needed only after a step's first micro-batch and by a bf16 reduction: made
-  // then (allocate_partials), so that a step of one micro-batch in f32 holds none.
-  if (reduce_dtype_ == DType::bf16) allocate_partials();
+  // The partial sums are needed only after a step's first micro-batch and by a reduction in another
+  // dtype than the held gradients' (optim.grads): made then (allocate_partials), so that a step of one
+  // micro-batch reducing in the held dtype holds none.
+  if (reduce_dtype_ != store_.grad_dtype()) allocate_partials();
   grad_slot_of_.assign(U, -1);
   readers_left_.assign(U, 0);
   readers_batch_.assign(U, -1);
@@ -134,7 +135,7 @@ FsdpMemory Runner::memory() const {
   // The f32 master part and the one-byte groups' codes (act-dtype weights are converted as they are
   // gathered, not kept).
   m.params = held * 4 + store_.held_compute_bytes(store_.act());
-  m.grads = held * 4 + grad_buffer_bytes_;
+  m.grads = held * size_of(store_.grad_dtype()) + grad_buffer_bytes_;
   m.gathered = gathered_bytes_;
   m.params_unsharded = total * (4 + act);  // an unsharded store: the master and the act-dtype copy
   m.grads_unsharded = total * 4;
@@ -225,7 +226,7 @@ void Runner::allocate_partials() {
     p.memory = be_.alloc(static_cast<std::size_t>(max_held_) * size_of(reduce_dtype_));
     grad_buffer_bytes_ += p.memory.bytes();
   }
-  if (reduce_dtype_ == DType::bf16) {
+  if (reduce_dtype_ != store_.grad_dtype()) {  // a partial or the held part widened, to add in f32
     partial_f32_ = be_.alloc(static_cast<std::size_t>(max_held_) * 4);
     grad_buffer_bytes_ += partial_f32_.bytes();
   }
@@ -299,11 +300,12 @@ void Runner::reduce(int unit) {
     be_.convert(low, in);
     in = low;
   }
-  // The step's first micro-batch writes this rank's part of the gradients; the others (and a bf16
-  // reduction) go through a partial sum, added on the compute stream later (add_pending).
+  // The step's first micro-batch writes this rank's part of the gradients; the others (and a reduction
+  // in another dtype than the held gradients') go through a partial sum, added on the compute stream
+  // later (add_pending).
   TensorView out;
   Partial* partial = nullptr;
-  if (first && reduce_dtype_ == DType::f32) {
+  if (first && reduce_dtype_ == store_.grad_dtype()) {
     out = held_grads(unit);
   } else {
     allocate_partials();
@@ -332,22 +334,33 @@ void Runner::reduce(int unit) {
   g.freed = ++reduces_;
 }
 
+// Each partial sum into the held gradients: written (the step's first micro-batch) or added, an f32
+// partial into bf16 gradients added in f32 and rounded once, a bf16 partial into f32 ones widened first.
 void Runner::add_pending() {
   for (auto& p : partials_) {
     if (p.unit < 0) continue;
     p.ready.wait(compute_);
     const std::int64_t n = store_.held_count(p.unit);
     const TensorView dst = held_grads(p.unit);
-    TensorView src = p.memory.view(reduce_dtype_, {n});
-    if (reduce_dtype_ == DType::bf16) {
-      const TensorView wide = partial_f32_.view(DType::f32, {n});
-      be_.convert(p.overwrite ? dst : wide, src);
-      src = wide;
-    }
-    if (!p.overwrite)
+    const TensorView src = p.memory.view(reduce_dtype_, {n});
+    if (p.overwrite) {
+      if (src.dtype == dst.dtype)
+        be_.copy(dst, src);
+      else
+        be_.convert(dst, src);
+    } else if (src.dtype == dst.dtype) {
       be_.add(dst, src);
-    else if (reduce_dtype_ == DType::f32)
-      be_.copy(dst, src);
+    } else {
+      const TensorView wide = partial_f32_.view(DType::f32, {n});
+      if (dst.dtype == DType::f32) {  // a bf16 partial
+        be_.convert(wide, src);
+        be_.add(dst, wide);
+      } else {  // an f32 partial into bf16 gradients
+        be_.convert(wide, dst);
+        be_.add(wide, src);
+        be_.convert(dst, wide);
+      }
+    }
     p.unit = -1;
   }
 }

@@ -16,8 +16,8 @@
 // `shard` of every group of its domain, the parts laid end to end in the held buffers in layout order
 // (UnitGroup::held). Unsharded, the held buffers are the whole layout.
 //
-// Held buffers: the f32 master weights, the compute copy and the f32 gradients (the step's reduced
-// gradient). Unsharded, the compute copy is the model's weights in act dtype (the optimizer writes it
+// Held buffers: the f32 master weights, the compute copy and the gradients (the step's reduced
+// gradient), f32 or, set before allocate (set_grad_dtype: optim.grads), bf16. Unsharded, the compute copy is the model's weights in act dtype (the optimizer writes it
 // with the master). Sharded, it holds only the one-byte groups' codes (their owner, the fp8 module,
 // writes them), laid end to end (UnitGroup::codes): whoever gathers an act-dtype group converts its
 // held master part on the way (FSDP, as PyTorch's FSDP2 casts before its all-gather), so no rank keeps
@@ -77,9 +77,9 @@ struct HeldPart {
   std::int64_t first = 0, count = 0, held = 0;
 };
 
-// The held buffers of a store: the f32 master weights and gradients of held() elements each, the
-// compute copy of held_compute_bytes(act); made on the model's backend, master and gradients zeroed
-// (padding stays zero).
+// The held buffers of a store: the f32 master weights and the gradients (grad_dtype()) of held()
+// elements each, the compute copy of held_compute_bytes(act); made on the model's backend, master and
+// gradients zeroed (padding stays zero).
 struct HeldBuffers {
   Buffer master, compute, grads;
   DType act = DType::f32;
@@ -149,6 +149,14 @@ class ParamStore {
   }
   // Before lay_out: the one-byte parameters' compute copies apart in an unsharded store too.
   void keep_codes_apart();
+  // Before allocate: the held gradients' dtype, f32 (the default) or bf16 (optim.grads: Megatron's
+  // bf16 gradients, 2 bytes an element less; every op adds its f32 contribution with one rounding).
+  void set_grad_dtype(DType d);
+  DType grad_dtype() const { return grad_dtype_; }
+  // The dtype of a unit's gradient accumulation (unit_grads, grad_view), which the ops write: the held
+  // gradients' own where they are the accumulation (unsharded); f32 where a sharding module's
+  // per-micro-batch buffers are (sharded: it reduces them into the held ones, in grad_dtype()).
+  DType unit_grad_dtype() const { return sharded() ? DType::f32 : grad_dtype_; }
   // Whether the one-byte parameters' compute copies are codes alone (sharded, or kept apart).
   bool codes_apart() const { return sharded() || codes_apart_; }
   // Whether the held compute copy holds the act-dtype weights (an unsharded store): then whoever
@@ -167,7 +175,7 @@ class ParamStore {
   // The act-dtype compute copies and the masters they are made from, group by group (one pair, the
   // whole held buffers, where the codes are not apart; none sharded): what a new master converts.
   std::vector<std::pair<TensorView, TensorView>> act_copies() const;
-  TensorView grads_flat() const { return grads_.view(DType::f32, {held_}); }
+  TensorView grads_flat() const { return grads_.view(grad_dtype_, {held_}); }
   // f(HeldPart) for each run of p's elements held here, in element order (one run at most per
   // parameter: its group's part is one range of the layout).
   template <class F>
@@ -188,7 +196,7 @@ class ParamStore {
 
   // p's whole f32 master weight (only where the store is not sharded).
   TensorView master_view(const Param& p) const;
-  // p in its unit's compute weights / gradient accumulation, wherever they are now.
+  // p in its unit's compute weights / gradient accumulation (unit_grad_dtype()), wherever they are now.
   // (A ByteCompute parameter of a sharded store: its one-byte codes, u8, p's shape.)
   TensorView compute_view(const Param& p) const;
   TensorView grad_view(const Param& p) const;
@@ -222,6 +230,7 @@ class ParamStore {
   std::vector<std::int64_t> unit_held_;
   Buffer master_, compute_, grads_;
   DType act_ = DType::f32;
+  DType grad_dtype_ = DType::f32;
   void* stream_ = nullptr;
   std::vector<void*> unit_compute_, unit_grads_;
 };

@@ -379,8 +379,8 @@ class Backend {
     copy(dst, src);
   }
   virtual void zero(const TensorView& t) = 0;
-  // Zeroes contiguous f32 tensors (a gradient buffer's pieces each step): as one launch where the
-  // backend can (the CUDA backend: one kernel over a table it keeps while the pieces stay the same).
+  // Zeroes contiguous f32 or bf16 tensors (a gradient buffer's pieces each step): as one launch where
+  // the backend can (the CUDA backend: one kernel over a table it keeps while the pieces stay the same).
   virtual void zero_many(std::span<const TensorView> ts);
   virtual void grad_clip(const GradClip& a) = 0;
   virtual void sum_squares_parts(const SumSquaresParts& a) = 0;

@@ -23,6 +23,14 @@ BOOST_DESCRIBE_ENUM(Schedule, cosine, constant)
 enum class MomentDType { f32, bf16 };
 BOOST_DESCRIBE_ENUM(MomentDType, f32, bf16)
 
+// How the parameters' gradients are held (nn::ParamStore::set_grad_dtype): f32, or bf16, 2 bytes a
+// parameter less and 2 less read by the norm and the step, as Megatron-Core without
+// accumulate_allreduce_grads_in_fp32. Each op computes its contribution in f32 and adds it with one
+// rounding to nearest even; the data-parallel all-reduce sums bf16 (FSDP accumulates each unit in f32
+// and reduces in parallel.fsdp.reduce_dtype).
+enum class GradDType { f32, bf16 };
+BOOST_DESCRIBE_ENUM(GradDType, f32, bf16)
+
 struct OptimConfig {
   float lr = 6e-4f;
   float min_lr_ratio = 0.1f;
@@ -34,6 +42,7 @@ struct OptimConfig {
   float eps = 1e-8f;
   float grad_clip = 1.0f;
   MomentDType moments = MomentDType::f32;
+  GradDType grads = GradDType::f32;
   void validate(config::Checks& c) const {
     c.expect(lr > 0, "lr", "must be positive");
     c.expect(min_lr_ratio >= 0 && min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]");
@@ -56,7 +65,9 @@ KILN_CONFIG(OptimConfig,
             (eps, "AdamW epsilon"),
             (grad_clip, "clip the global gradient norm to this; 0 = no clipping"),
             (moments, "AdamW's moments held in f32, or in bf16 (updated in f32, stored rounded: 4 bytes a "
-                      "parameter less; checkpoints hold f32 either way)"))
+                      "parameter less; checkpoints hold f32 either way)"),
+            (grads, "the parameters' gradients held in f32, or in bf16 (each op adds its f32 contribution "
+                    "rounded once: 2 bytes a parameter less)"))
 
 // Learning rate at `step` (counted from 1) of `total` steps.
 double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t total);

@@ -51,7 +51,7 @@ class SideStream {
 
 class DpGradSync {
  public:
-  // Sums `grads` (f32, flat) over `comm`, bucket by bucket. `compute_stream` is where the gradients
+  // Sums `grads` (f32 or bf16, flat) over `comm`, bucket by bucket. `compute_stream` is where the gradients
   // are written (nullptr for host memory).
   DpGradSync(Communicator& comm, const TensorView& grads, std::vector<GradBucket> buckets, void* compute_stream);
 
