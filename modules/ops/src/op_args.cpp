@@ -40,6 +40,10 @@ std::int64_t check_gqa(OpArgs& c, const char* arg, const TensorView& t, OpArgs::
   return kv_heads;
 }
 
+// The dtype of a call's parameter gradients: f32, or bf16 (optim.grads = "bf16"), taken from the
+// first one given; every other gradient of the call must have it.
+ArgDType grad_dtype(const TensorView& first) { return first.dtype == DType::bf16 ? DType::bf16 : f32; }
+
 // A linear operand the backends take: the tensor itself (a prologue is for a LinearImpl that takes
 // it, ops::LinearImpl::prologues).
 template <class Operand>
@@ -73,12 +77,13 @@ EmbeddingDims check_args(const EmbeddingBackward& a, const ArgTarget& on) {
   c.tensor("dout", a.dout, Act, {N, C});
   c.tensor("tokens", a.tokens, i32, {N});
   c.check(a.tokens_host != nullptr, "tokens_host: expected the ", c[N], " tokens on the host, got none");
-  c.tensor("dwte", a.dwte, f32, {V, C});
+  const ArgDType grad = grad_dtype(a.dwte);
+  c.tensor("dwte", a.dwte, grad, {V, C});
   if (!a.dwpe) {  // no position table
     c.check(a.T > 0 && c[N] % a.T == 0, "T = ", a.T, " must be positive and divide N = ", c[N]);
     return {c[N], c[C], c[V], 0, check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};
   }
-  c.tensor("dwpe", a.dwpe, f32, {Tmax, C});
+  c.tensor("dwpe", a.dwpe, grad, {Tmax, C});
   check_positions(c, a.T, c[N], c[Tmax]);
   return {c[N], c[C], c[V], c[Tmax], check_vocab_rows(c, a.vocab_begin, a.vocab_total, c[V])};
 }
@@ -104,8 +109,8 @@ RowDims check_args(const LayerNormBackward& a, const ArgTarget& on) {
   c.tensor("rstd", a.rstd, f32, {N});
   c.tensor("dout", a.dout, Act, {N, C});
   c.tensor("dx", a.dx, Act, {N, C});
-  c.tensor("dweight", a.dweight, f32, {C});
-  c.tensor("dbias", a.dbias, f32, {C});
+  c.tensor("dweight", a.dweight, grad_dtype(a.dweight), {C});
+  c.tensor("dbias", a.dbias, grad_dtype(a.dweight), {C});
   return {c[N], c[C]};
 }
 
@@ -145,8 +150,8 @@ LinearDims check_args(const LinearBackward& a, const ArgTarget& on) {
   c.tensor("x", x, Act, {N, IC});
   c.tensor("weight", a.weight, Act, {OC, IC});
   c.tensor("dout", dout, Act, {N, OC});
-  c.optional("dweight", a.dweight, f32, {OC, IC});
-  c.optional("dbias", a.dbias, f32, {OC});
+  c.optional("dweight", a.dweight, grad_dtype(a.dweight), {OC, IC});
+  c.optional("dbias", a.dbias, grad_dtype(a.dweight), {OC});
   c.optional("dx", a.dx, Act, {N, IC});
   c.check(a.dweight || a.dx, "asks for nothing: neither dx nor dweight");
   c.check(a.dweight || !a.dbias, "dbias comes with dweight (a call without dweight computes dx alone)");
@@ -227,7 +232,7 @@ RowDims check_args(const RmsNormBackward& a, const ArgTarget& on) {
   c.tensor("weight", a.weight, Act, {C});
   c.tensor("dout", a.dout, Act, {N, C});
   c.tensor("dx", a.dx, Act, {N, C});
-  c.tensor("dweight", a.dweight, f32, {C});
+  c.tensor("dweight", a.dweight, grad_dtype(a.dweight), {C});
   c.tensor("rstd", a.rstd, f32, {N});
   return {c[N], c[C]};
 }
@@ -443,6 +448,7 @@ GroupedDims check_args(const GroupedLinearBackward& a, const ArgTarget& on) {
   c.tensor("x", x, Act, {R, IC});
   c.tensor("dout", dout, Act, {R, OC});
   grouped_weight(c, "weight", a.weight, Act, a.weight_in_out, E, IC, OC);
+  c.check(a.dweight.dtype != DType::bf16, "dweight: a bf16 gradient (optim.grads = \"bf16\") is not supported by the grouped (mixture-of-experts) linears yet");
   grouped_weight(c, "dweight", a.dweight, f32, a.weight_in_out, E, IC, OC);
   c.optional("dx", a.dx, Act, {R, IC});
   if (c.optional("dx_gelu_pre", a.dx_gelu_pre, Act, {R, IC}))
@@ -517,8 +523,8 @@ void check_args(const SumSquaresParts& a, const ArgTarget& on) {
 std::int64_t check_add_args(const TensorView& dst, const TensorView& src, const ArgTarget& on) {
   OpArgs c("add", on);
   const auto n = c.wide_dim("n");
-  c.elements("dst", dst, f32, n);
-  c.elements("src", src, f32, n);
+  c.elements("dst", dst, grad_dtype(dst), n);  // partial gradients: f32 + f32, or bf16 + bf16
+  c.elements("src", src, grad_dtype(dst), n);
   return c[n];
 }
 

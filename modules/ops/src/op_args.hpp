@@ -106,7 +106,7 @@ AdamWPlan check_args(const AdamW& a, const ArgTarget& on);
 std::int64_t check_f32_tensor(const char* op, const char* arg, const TensorView& t, const ArgTarget& on);
 // sum_squares_parts: f32 parts (each of any shape), one divisor >= 0 each, out one f32.
 void check_args(const SumSquaresParts& a, const ArgTarget& on);
-// add: two f32 tensors of the same element count; returns it.
+// add: two tensors of the same element count, both f32 or both bf16 (gradients); returns it.
 std::int64_t check_add_args(const TensorView& dst, const TensorView& src, const ArgTarget& on);
 // zero: a tensor of any dtype and shape.
 void check_zero_args(const TensorView& t, const ArgTarget& on);

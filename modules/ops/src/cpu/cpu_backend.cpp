@@ -60,6 +60,13 @@ void CpuBackend::convert(const TensorView& dst, const TensorView& src) {
 
 void CpuBackend::add(const TensorView& dst, const TensorView& src) {
   const std::int64_t n = check_add_args(dst, src, kTarget);
+  if (dst.dtype == DType::bf16) {  // bf16 gradients: the sum in f32, rounded once
+    const auto* s = src.as<std::uint16_t>();
+    auto* d = dst.as<std::uint16_t>();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) d[i] = float_to_bf16_bits(bf16_bits_to_float(d[i]) + bf16_bits_to_float(s[i]));
+    return;
+  }
   const float* s = src.as<float>();
   float* d = dst.as<float>();
 #pragma omp parallel for num_threads(threads_) schedule(static)

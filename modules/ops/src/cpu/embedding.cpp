@@ -1,4 +1,5 @@
 #include "cpu_backend.hpp"
+#include "kiln/ops/grad_staging.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -36,8 +37,9 @@ void CpuBackend::embedding_backward(const EmbeddingBackward& a) {
   const auto* tok = a.tokens_host;
   check_tokens("embedding_backward", "tokens_host", tok, N, d.vocab_total);
   const float* dout = a.dout.as<float>();
-  float* dwte = a.dwte.as<float>();
-  float* dwpe = a.dwpe.as<float>();
+  GradStaging wte_grad(a.dwte), wpe_grad(a.dwpe);  // f32 in place, bf16 through an f32 copy
+  float* dwte = wte_grad.data();
+  float* dwpe = wpe_grad.data();
   // Each thread owns a slice of columns and walks every token in order: deterministic.
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t c = 0; c < C; ++c)
@@ -46,6 +48,8 @@ void CpuBackend::embedding_backward(const EmbeddingBackward& a) {
       if (rows.mine(tok[n])) dwte[(std::int64_t(tok[n]) - rows.begin) * C + c] += g;
       if (dwpe) dwpe[(n % a.T) * C + c] += g;
     }
+  wte_grad.finish();
+  wpe_grad.finish();
 }
 
 }  // namespace kiln::ops::cpu

@@ -2,6 +2,7 @@
 
 #include "cpu_backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/grad_staging.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -28,7 +29,8 @@ void CpuBackend::layernorm_backward(const LayerNormBackward& a) {
   const std::int64_t N = d.N, C = d.C;
   const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>();
   const float *mean = a.mean.as<float>(), *rstd = a.rstd.as<float>();
-  float *dx = a.dx.as<float>(), *dw = a.dweight.as<float>(), *db = a.dbias.as<float>();
+  GradStaging w_grad(a.dweight), b_grad(a.dbias);  // f32 in place, bf16 through an f32 copy
+  float *dx = a.dx.as<float>(), *dw = w_grad.data(), *db = b_grad.data();
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     const float *xr = x + n * C, *g = dout + n * C;
@@ -59,6 +61,8 @@ void CpuBackend::layernorm_backward(const LayerNormBackward& a) {
     dw[c] += sw;
     db[c] += sb;
   }
+  w_grad.finish();
+  b_grad.finish();
 }
 
 }  // namespace kiln::ops::cpu

@@ -1,5 +1,6 @@
 #include "cpu_backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/grad_staging.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -51,8 +52,9 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
     if (a.dgrad_queued) a.dgrad_queued();
   }
   if (!a.dweight) return;  // dx alone
-  float* dw = a.dweight.as<float>();
-  float* db = a.dbias ? a.dbias.as<float>() : nullptr;
+  GradStaging w_grad(a.dweight), b_grad(a.dbias);  // f32 in place, bf16 through an f32 copy
+  float* dw = w_grad.data();
+  float* db = b_grad.data();
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t o = 0; o < OC; ++o) {
     float* dwr = dw + o * IC;
@@ -67,6 +69,8 @@ void CpuBackend::linear_backward(const LinearBackward& a) {
     }
     if (db) db[o] += bsum;
   }
+  w_grad.finish();
+  b_grad.finish();
 }
 
 void CpuBackend::gelu_forward(const GeluForward& a) {

@@ -2,6 +2,7 @@
 
 #include "cpu_backend.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/grad_staging.hpp"
 
 namespace kiln::ops::cpu {
 
@@ -27,7 +28,8 @@ void CpuBackend::rmsnorm_backward(const RmsNormBackward& a) {
   const RowDims d = check_args(a, kTarget);
   const std::int64_t N = d.N, C = d.C;
   const float *x = a.x.as<float>(), *w = a.weight.as<float>(), *dout = a.dout.as<float>(), *rstd = a.rstd.as<float>();
-  float *dx = a.dx.as<float>(), *dw = a.dweight.as<float>();
+  GradStaging w_grad(a.dweight);  // f32 in place, bf16 through an f32 copy
+  float *dx = a.dx.as<float>(), *dw = w_grad.data();
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t n = 0; n < N; ++n) {
     const float *xr = x + n * C, *g = dout + n * C;
@@ -43,6 +45,7 @@ void CpuBackend::rmsnorm_backward(const RmsNormBackward& a) {
     for (std::int64_t n = 0; n < N; ++n) s += dout[n * C + c] * x[n * C + c] * rstd[n];
     dw[c] += s;
   }
+  w_grad.finish();
 }
 
 }  // namespace kiln::ops::cpu

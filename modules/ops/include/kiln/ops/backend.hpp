@@ -6,8 +6,11 @@
 //  - "act" is the backend's activation dtype (act_dtype()): bf16 on CUDA, f32 on CPU. The CPU
 //    backend can emulate bf16 by rounding every act output to bf16 (CpuOptions::round_bf16).
 //  - Arithmetic is fp32; act outputs are rounded once, when stored.
-//  - Gradients of parameters are f32 and ACCUMULATED (+=); gradients of activations are written
-//    (=) unless the field says "accumulated".
+//  - Gradients of parameters are ACCUMULATED (+=) and f32, or bf16 (the gradient dtype,
+//    optim.grads = "bf16": the contribution computed in f32 as for f32, then stored once as
+//    round_bf16(float(old) + contribution), or round(contribution) where written); all the parameter
+//    gradients of one call have one dtype. Gradients of activations are written (=) unless the field
+//    says "accumulated".
 //  - Tensors are contiguous, row-major. N = number of tokens (B*T), C = channels.
 //  - Ops are asynchronous on the backend's compute stream; only functions returning a host value
 //    synchronise.
@@ -56,8 +59,8 @@ struct EmbeddingForward {
   bool positions = true;
 };
 struct EmbeddingBackward {
-  TensorView dwte;    // [V, C] f32, accumulated (tokens of this rank's rows only)
-  TensorView dwpe;    // [Tmax, C] f32, accumulated; optional (a model without a position table)
+  TensorView dwte;    // [V, C] f32 or bf16 (the gradient dtype), accumulated (tokens of this rank's rows only)
+  TensorView dwpe;    // [Tmax, C] f32 or bf16 (the gradient dtype), accumulated; optional (no position table)
   TensorView dout;    // [N, C] act
   TensorView tokens;  // [N] i32 on the device
   const std::int32_t* tokens_host = nullptr;  // the same N tokens on the host
@@ -77,8 +80,8 @@ struct LayerNormForward {
 };
 struct LayerNormBackward {
   TensorView dx;       // [N, C] act, ACCUMULATED (the residual stream's gradient)
-  TensorView dweight;  // [C] f32, accumulated
-  TensorView dbias;    // [C] f32, accumulated
+  TensorView dweight;  // [C] f32 or bf16 (the gradient dtype), accumulated
+  TensorView dbias;    // [C] f32 or bf16 (the gradient dtype), accumulated
   TensorView dout;     // [N, C] act
   TensorView x;        // [N, C] act (forward input)
   TensorView weight;   // [C] act
@@ -99,11 +102,12 @@ struct LinearForward {
 };
 struct LinearBackward {
   TensorView dx;       // [N, IC] act = dout @ weight; optional (skipped when empty)
-  // [OC, IC] f32, accumulated: += dout^T @ x (written: = with dweight_overwrite). Optional: without it
+  // [OC, IC] f32 or bf16 (the gradient dtype), accumulated: += dout^T @ x (written: = with
+  // dweight_overwrite). Optional: without it
   // (and without dbias) the call computes dx alone, and may be given any consecutive rows of dout, x
   // and dx (tensor-parallel communication overlapped with the GEMMs: parallel/comm_overlap).
   TensorView dweight;
-  TensorView dbias;  // [OC] f32, accumulated: += column sums of dout; optional (only with dweight)
+  TensorView dbias;  // [OC] f32 or bf16 (dweight's dtype), accumulated: += column sums of dout; optional (only with dweight)
   // [N, OC] act; or, for a LinearImpl that takes it, DgeluOnLoad (prologue.hpp).
   OutputGrad dout;
   // The forward's input, as it was given to the forward (an implementation that keeps its own copy
@@ -144,7 +148,7 @@ struct RmsNormForward {
 };
 struct RmsNormBackward {
   TensorView dx;       // [N, C] act, ACCUMULATED (the residual stream's gradient)
-  TensorView dweight;  // [C] f32, accumulated
+  TensorView dweight;  // [C] f32 or bf16 (the gradient dtype), accumulated
   TensorView dout;     // [N, C] act
   TensorView x;        // [N, C] act (forward input)
   TensorView weight;   // [C] act
@@ -394,8 +398,8 @@ class Backend {
   // view that is elements [global_offset, global_offset + numel) of a logical tensor.
   virtual void init_normal(const TensorView& dst, float std, rng::PhiloxArgs rng, std::int64_t global_offset) = 0;
   virtual void fill(const TensorView& dst, float value) = 0;
-  // dst += src, elementwise over two f32 tensors of the same element count (partial gradients
-  // added into an accumulated one).
+  // dst += src, elementwise over two tensors of the same element count, both f32 or both bf16 (the
+  // gradient dtype: the sum in f32, rounded once) (partial gradients added into an accumulated one).
   virtual void add(const TensorView& dst, const TensorView& src) = 0;
 
   // ---- ops ----
