@@ -973,3 +973,132 @@ TEST_CASE("cuda backward reductions are deterministic (embedding, layernorm, lin
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// bf16 parameter gradients (optim.grads = "bf16"): the same sums in f32, onto the old bf16 value,
+// rounded once. Both sides round once; their f32 sums differ only in order, so each element may land
+// one bf16 step apart: checked element by element within two bf16 ulps of the CPU's value (a floor
+// of 1e-3 of the largest value for elements that nearly cancel).
+
+namespace {
+
+Dual bf16_grad(kiln::test::BackendPair& p, Shape s, std::uint64_t seed, float scale = 1.0f) {
+  Dual d(p, Kind::bf16, s);
+  d.set(random_values(static_cast<std::size_t>(s.numel()), seed, scale));
+  return d;
+}
+
+void check_within_bf16_ulps(const Dual& d, const char* what, float ulps = 2.0f) {
+  const auto g = d.gpu_values(), c = d.cpu_values();
+  float top = 0;
+  for (float v : c) top = std::max(top, std::fabs(v));
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < c.size(); ++i) {
+    const float tol = ulps * std::ldexp(1.0f, -7) * std::max(std::fabs(c[i]), 1e-3f * top);
+    if (!(std::fabs(g[i] - c[i]) <= tol) && bad++ == 0) first = i;
+  }
+  INFO(what << ": " << bad << " of " << c.size() << " elements beyond " << ulps << " bf16 ulps, the first at " << first
+            << " (gpu " << g[first] << ", cpu " << c[first] << ")");
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("cuda linear_backward into bf16 gradients matches the CPU within two bf16 ulps, accumulated or written") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333, IC = 72;
+  for (int OC : {216, 213})
+    for (bool overwrite : {false, true})
+      for (bool bias : {false, true}) {
+        INFO("OC = " << OC << ", overwrite " << overwrite << ", bias " << bias);
+        auto x = act(p, {N, IC}, 121);
+        auto w = act(p, {OC, IC}, 122, 0.1f);
+        auto dout = act(p, {N, OC}, 123);
+        auto dw = bf16_grad(p, {OC, IC}, 124, 4.0f);
+        auto db = bf16_grad(p, {OC}, 125, 8.0f);
+        on_both(p, [&](const Side& s) {
+          ops::LinearBackward a;
+          a.dweight = s(dw);
+          if (bias) a.dbias = s(db);
+          a.dout = s(dout);
+          a.x = s(x);
+          a.weight = s(w);
+          a.dweight_overwrite = overwrite;
+          s.b().linear_backward(a);
+        });
+        check_within_bf16_ulps(dw, "dweight");
+        if (bias) check_within_bf16_ulps(db, "dbias");
+      }
+}
+
+TEST_CASE("cuda layernorm and rmsnorm backward into bf16 gradients match the CPU within two bf16 ulps") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int N = 333;
+  for (int C : {72, 75}) {  // vectorised and generic paths
+    INFO("C = " << C);
+    auto x = act(p, {N, C}, 131, 2.0f, 0.5f);
+    auto w = act(p, {C}, 132, 0.3f, 1.0f);
+    auto b = act(p, {C}, 133, 0.3f);
+    auto out = poisoned(p, Kind::act, {N, C});
+    auto mean = poisoned(p, Kind::f32, {N});
+    auto rstd = poisoned(p, Kind::f32, {N});
+    p.cpu->layernorm_forward({out.cpu(), mean.cpu(), rstd.cpu(), x.cpu(), w.cpu(), b.cpu(), 1e-5f});
+    mean.set(mean.cpu_values());
+    rstd.set(rstd.cpu_values());
+    auto dout = act(p, {N, C}, 134);
+    auto dx = act(p, {N, C}, 135);
+    auto dw = bf16_grad(p, {C}, 136, 8.0f), db = bf16_grad(p, {C}, 137, 8.0f);
+    on_both(p, [&](const Side& s) {
+      s.b().layernorm_backward({s(dx), s(dw), s(db), s(dout), s(x), s(w), s(mean), s(rstd)});
+    });
+    KILN_CHECK_CLOSE(dx, 1e-2);
+    check_within_bf16_ulps(dw, "layernorm dweight");
+    check_within_bf16_ulps(db, "layernorm dbias");
+
+    auto rdx = act(p, {N, C}, 138);
+    auto rdw = bf16_grad(p, {C}, 139, 8.0f);
+    on_both(p, [&](const Side& s) { s.b().rmsnorm_backward({s(rdx), s(rdw), s(dout), s(x), s(w), s(rstd)}); });
+    KILN_CHECK_CLOSE(rdx, 1e-2);
+    check_within_bf16_ulps(rdw, "rmsnorm dweight");
+  }
+}
+
+TEST_CASE("cuda embedding backward into bf16 gradients matches the CPU within two bf16 ulps") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int T = 111, B = 3, N = B * T, V = 517, Tmax = 128;
+  for (int C : {72, 36}) {
+    INFO("C = " << C);
+    auto tok_host = random_ints(N, 141, 0, 40);
+    Dual tokens(p, Kind::i32, {N});
+    tokens.set_ints(tok_host);
+    auto dout = act(p, {N, C}, 142);
+    auto dwte = bf16_grad(p, {V, C}, 143), dwpe = bf16_grad(p, {Tmax, C}, 144);
+    on_both(p, [&](const Side& s) {
+      s.b().embedding_backward({s(dwte), s(dwpe), s(dout), s(tokens), tok_host.data(), T});
+    });
+    // The same additions in the same order as the CPU, one rounding: the same bits.
+    CHECK(same_bits(dwte.gpu_values(), dwte.cpu_values()));
+    CHECK(same_bits(dwpe.gpu_values(), dwpe.cpu_values()));
+  }
+}
+
+TEST_CASE("cuda add of bf16 gradients matches the CPU exactly, aligned or not, and refuses mixed dtypes") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  for (int n : {1, 7, 1001, 65539}) {
+    INFO("n = " << n);
+    auto dst = bf16_grad(p, {n + 1}, 151, 2.0f);
+    const auto src = bf16_grad(p, {n + 1}, 152, 0.5f);
+    for (std::int64_t at : {0, 1}) {
+      const std::int64_t m = n + 1 - at;
+      on_both(p, [&](const Side& s) { s.b().add(s(dst).flat_slice(at, m), s(src).flat_slice(at, m)); });
+      CHECK(same_bits(dst.gpu_values(), dst.cpu_values()));
+    }
+  }
+  auto a = bf16_grad(p, {8}, 153);
+  auto b = f32(p, {8}, 154);
+  CHECK_THROWS_WITH(p.gpu->add(a.gpu(), b.gpu()), doctest::Contains("add src: expected a contiguous bf16"));
+}

@@ -25,8 +25,9 @@ Split split_rows(int N, int OC, int sms) {
   return {static_cast<int>(rpb), static_cast<int>(ceil_div(std::max(N, 1), rpb))};
 }
 
-template <bool VEC>
-__global__ __launch_bounds__(kLanes* kGroups) void bias_grad_kernel(float* dbias, float* partials, unsigned* tickets,
+// G: the gradient's type, float or bf16 (the total added in f32 and stored once).
+template <bool VEC, class G>
+__global__ __launch_bounds__(kLanes* kGroups) void bias_grad_kernel(G* dbias, float* partials, unsigned* tickets,
                                                                     const bf16* dout, int N, int OC, int rpb,
                                                                     int row_blocks) {
   __shared__ float sm[kGroups][kLanes * 8 + 4];
@@ -96,7 +97,7 @@ __global__ __launch_bounds__(kLanes* kGroups) void bias_grad_kernel(float* dbias
   if (col < OC) {
     float sum = 0;
     for (int p = 0; p < row_blocks; ++p) sum += __ldcg(partials + static_cast<std::int64_t>(p) * OC + col);
-    dbias[col] += sum;
+    grad_store(dbias + col, grad_load(dbias + col) + sum);
   }
   if (tid == 0) tickets[blockIdx.x] = 0;  // ready for the next call
 }
@@ -107,8 +108,9 @@ __global__ __launch_bounds__(kLanes* kGroups) void bias_grad_kernel(float* dbias
 // sector.
 constexpr int kCols = 8, kPGroups = 32;
 
-__global__ __launch_bounds__(kCols* kPGroups) void reduce_partials_kernel(float* out, float* out1, const float* partials,
-                                                                          int P, int W, int W1, int ld) {
+template <class G>
+__global__ __launch_bounds__(kCols* kPGroups) void reduce_partials_kernel(G* out, G* out1, const float* partials, int P,
+                                                                          int W, int W1, int ld) {
   __shared__ float sm[kPGroups][kCols];
   const int tx = threadIdx.x, g = threadIdx.y;
   const int w = blockIdx.x * kCols + tx;
@@ -124,17 +126,26 @@ __global__ __launch_bounds__(kCols* kPGroups) void reduce_partials_kernel(float*
     if (g < h) sm[g][tx] += sm[g + h][tx];
     __syncthreads();
   }
-  if (g == 0 && w < W) out[w] += sm[0][tx];
-  if (g == 0 && w >= W && w < W + W1) out1[w - W] += sm[0][tx];
+  if (g == 0 && w < W) grad_store(out + w, grad_load(out + w) + sm[0][tx]);
+  if (g == 0 && w >= W && w < W + W1) grad_store(out1 + (w - W), grad_load(out1 + (w - W)) + sm[0][tx]);
+}
+
+template <class G>
+void launch_reduce_partials(G* out, const float* partials, int P, int W, int ld, cudaStream_t s, G* out1, int W1) {
+  if (W + W1 <= 0) return;
+  reduce_partials_kernel<G><<<static_cast<unsigned>(ceil_div(W + W1, kCols)), dim3(kCols, kPGroups), 0, s>>>(
+      out, out1, partials, P, W, W1, ld);
+  KILN_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 void reduce_partials(float* out, const float* partials, int P, int W, int ld, cudaStream_t s, float* out1, int W1) {
-  if (W + W1 <= 0) return;
-  reduce_partials_kernel<<<static_cast<unsigned>(ceil_div(W + W1, kCols)), dim3(kCols, kPGroups), 0, s>>>(
-      out, out1, partials, P, W, W1, ld);
-  KILN_CUDA_LAUNCH_CHECK();
+  launch_reduce_partials(out, partials, P, W, ld, s, out1, W1);
+}
+
+void reduce_partials(bf16* out, const float* partials, int P, int W, int ld, cudaStream_t s, bf16* out1, int W1) {
+  launch_reduce_partials(out, partials, P, W, ld, s, out1, W1);
 }
 
 namespace {
@@ -152,18 +163,29 @@ std::int64_t bias_grad_scratch(int N, int OC) {
 
 std::int64_t bias_grad_tickets(int OC) { return ceil_div(ceil_div(std::max(OC, 1), 8), kLanes); }
 
-void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s) {
+namespace {
+template <class G>
+void launch_bias_grad(G* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s) {
   if (N <= 0 || OC <= 0) return;
   const Split sp = split_rows(N, OC, sm_count());
   const dim3 grid(static_cast<unsigned>(bias_grad_tickets(OC)), static_cast<unsigned>(sp.row_blocks));
   const dim3 block(kLanes, kGroups);
   if (OC % 8 == 0 && aligned16(dout))
-    bias_grad_kernel<true><<<grid, block, 0, s>>>(dbias, scratch, tickets, dout, N, OC, sp.rows_per_block,
-                                                  sp.row_blocks);
+    bias_grad_kernel<true, G><<<grid, block, 0, s>>>(dbias, scratch, tickets, dout, N, OC, sp.rows_per_block,
+                                                     sp.row_blocks);
   else
-    bias_grad_kernel<false><<<grid, block, 0, s>>>(dbias, scratch, tickets, dout, N, OC, sp.rows_per_block,
-                                                   sp.row_blocks);
+    bias_grad_kernel<false, G><<<grid, block, 0, s>>>(dbias, scratch, tickets, dout, N, OC, sp.rows_per_block,
+                                                      sp.row_blocks);
   KILN_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s) {
+  launch_bias_grad(dbias, scratch, tickets, dout, N, OC, s);
+}
+
+void bias_grad(bf16* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s) {
+  launch_bias_grad(dbias, scratch, tickets, dout, N, OC, s);
 }
 
 }  // namespace kiln::cuda

@@ -89,6 +89,13 @@ __device__ __forceinline__ void store_chunk(float* p, int valid, const float f[8
   }
 }
 
+// A parameter gradient's element, f32 or bf16 (optim.grads = "bf16"): read as f32; stored as is,
+// or rounded once to nearest even (round_bf16 on the host).
+__device__ __forceinline__ float grad_load(const float* p) { return *p; }
+__device__ __forceinline__ float grad_load(const bf16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void grad_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void grad_store(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+
 // ---- reductions (butterfly: every lane ends with the same, order-fixed result; warp_sum(float):
 // device_basics.cuh) ----
 __device__ __forceinline__ float warp_max(float v) {
@@ -117,6 +124,9 @@ inline unsigned grid_for(std::int64_t work, int threads, std::int64_t cap = 1638
 // reductions. With out1, the next W1 columns the same way into out1[w - W], in the same launch
 // (each column's sum unchanged). Defined in bias_grad.cu.
 void reduce_partials(float* out, const float* partials, int P, int W, int ld, cudaStream_t s, float* out1 = nullptr,
+                     int W1 = 0);
+// The same into bf16 gradients: out[w] = round(float(out[w]) + the same f32 total).
+void reduce_partials(bf16* out, const float* partials, int P, int W, int ld, cudaStream_t s, bf16* out1 = nullptr,
                      int W1 = 0);
 
 }  // namespace kiln::cuda

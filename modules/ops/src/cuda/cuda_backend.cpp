@@ -264,7 +264,10 @@ void CudaBackend::fill(const TensorView& dst, float value) {
 void CudaBackend::add(const TensorView& dst, const TensorView& src) {
   Timer t(*this, "add");
   const std::int64_t n = check_add_args(dst, src, kTarget);
-  cuda::add_f32(dptr<float>(dst), dptr<float>(src), n, stream_);
+  if (dst.dtype == DType::bf16)  // bf16 gradients (the check made src bf16 too)
+    cuda::add_bf16(dptr<bf16>(dst), dptr<bf16>(src), n, stream_);
+  else
+    cuda::add_f32(dptr<float>(dst), dptr<float>(src), n, stream_);
 }
 
 void CudaBackend::embedding_forward(const EmbeddingForward& a) {
@@ -294,8 +297,12 @@ void CudaBackend::embedding_backward(const EmbeddingBackward& a) {
   int* runs = tokens + N;
   cuda::embedding_buckets(order, ends, tokens, runs, dptr<std::int32_t>(a.tokens), a.vocab_begin, V, N, runs + 1,
                           bytes - words * sizeof(std::int32_t), stream_);
-  cuda::embedding_backward(dptr<float>(a.dwte), dptr<float>(a.dwpe), dptr<bf16>(a.dout), order, ends, tokens, runs, V,
-                           N, a.T, C, stream_);
+  if (a.dwte.dtype == DType::bf16)  // bf16 gradients (the check made dwpe match)
+    cuda::embedding_backward(dptr<bf16>(a.dwte), dptr<bf16>(a.dwpe), dptr<bf16>(a.dout), order, ends, tokens, runs, V,
+                             N, a.T, C, stream_);
+  else
+    cuda::embedding_backward(dptr<float>(a.dwte), dptr<float>(a.dwpe), dptr<bf16>(a.dout), order, ends, tokens, runs,
+                             V, N, a.T, C, stream_);
 }
 
 void CudaBackend::layernorm_forward(const LayerNormForward& a) {
@@ -310,9 +317,14 @@ void CudaBackend::layernorm_backward(const LayerNormBackward& a) {
   const RowDims d = check_args(a, kTarget);
   const int N = i32(d.N), C = i32(d.C);
   float* scratch = scratch_floats(cuda::layernorm_backward_scratch(N, C));
-  cuda::layernorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), dptr<float>(a.dbias), scratch,
-                           dptr<bf16>(a.dout), dptr<bf16>(a.x), dptr<bf16>(a.weight), dptr<float>(a.mean),
-                           dptr<float>(a.rstd), N, C, stream_);
+  if (a.dweight.dtype == DType::bf16)  // bf16 gradients (the check made dbias match)
+    cuda::layernorm_backward(dptr<bf16>(a.dx), dptr<bf16>(a.dweight), dptr<bf16>(a.dbias), scratch,
+                             dptr<bf16>(a.dout), dptr<bf16>(a.x), dptr<bf16>(a.weight), dptr<float>(a.mean),
+                             dptr<float>(a.rstd), N, C, stream_);
+  else
+    cuda::layernorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), dptr<float>(a.dbias), scratch,
+                             dptr<bf16>(a.dout), dptr<bf16>(a.x), dptr<bf16>(a.weight), dptr<float>(a.mean),
+                             dptr<float>(a.rstd), N, C, stream_);
 }
 
 void CudaBackend::linear_forward(const LinearForward& a) {
@@ -367,14 +379,19 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   w.trans_a = true;
   w.B = dptr<bf16>(d.x);
   w.D = a.dweight.data;
-  w.d_f32 = true;
+  // A bf16 gradient (optim.grads = "bf16"): D and C bf16, cuBLASLt adds in f32 and rounds once.
+  const bool bf16_grads = a.dweight.dtype == DType::bf16;
+  w.d_f32 = !bf16_grads;
   w.accumulate = !a.dweight_overwrite;
   w.sm_count = gemm_sms();
   gemm_->run(w, stream_);
   if (a.dbias) {
     float* scratch = scratch_floats(cuda::bias_grad_scratch(N, OC));
-    cuda::bias_grad(dptr<float>(a.dbias), scratch, tickets(cuda::bias_grad_tickets(OC)), dptr<bf16>(d.dout), N, OC,
-                    stream_);
+    unsigned* counters = tickets(cuda::bias_grad_tickets(OC));
+    if (bf16_grads)  // the check made dbias bf16 too
+      cuda::bias_grad(dptr<bf16>(a.dbias), scratch, counters, dptr<bf16>(d.dout), N, OC, stream_);
+    else
+      cuda::bias_grad(dptr<float>(a.dbias), scratch, counters, dptr<bf16>(d.dout), N, OC, stream_);
   }
 }
 
@@ -402,8 +419,12 @@ void CudaBackend::rmsnorm_backward(const RmsNormBackward& a) {
   const RowDims d = check_args(a, kTarget);
   const int N = i32(d.N), C = i32(d.C);
   float* scratch = scratch_floats(cuda::rmsnorm_backward_scratch(N, C));
-  cuda::rmsnorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.x),
-                         dptr<bf16>(a.weight), dptr<float>(a.rstd), N, C, stream_);
+  if (a.dweight.dtype == DType::bf16)  // a bf16 gradient
+    cuda::rmsnorm_backward(dptr<bf16>(a.dx), dptr<bf16>(a.dweight), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.x),
+                           dptr<bf16>(a.weight), dptr<float>(a.rstd), N, C, stream_);
+  else
+    cuda::rmsnorm_backward(dptr<bf16>(a.dx), dptr<float>(a.dweight), scratch, dptr<bf16>(a.dout), dptr<bf16>(a.x),
+                           dptr<bf16>(a.weight), dptr<float>(a.rstd), N, C, stream_);
 }
 
 void CudaBackend::rope(const Rope& a) {

@@ -67,6 +67,24 @@ __global__ void add_kernel(float* dst, const float* src, std::int64_t n, bool ve
   }
 }
 
+// bf16 gradients: dst = round(float(dst) + float(src)), 8 at a time where aligned.
+__global__ void add_bf16_kernel(bf16* dst, const bf16* src, std::int64_t n, bool vec) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < n; i += stride * 8) {
+    if (vec && i + 8 <= n) {
+      float d[8], a[8];
+      load8(dst + i, d);
+      load8(src + i, a);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) d[k] += a[k];
+      store8(dst + i, d);
+    } else {
+      for (std::int64_t j = i; j < n && j < i + 8; ++j)
+        dst[j] = __float2bfloat16_rn(__bfloat162float(dst[j]) + __bfloat162float(src[j]));
+    }
+  }
+}
+
 // GELU of chunks of 8 bf16 (the same ops::gelu as the CPU); out may alias x (each thread reads
 // its chunk before writing it).
 __global__ void gelu_kernel(bf16* out, const bf16* x, std::int64_t n, bool vec) {
@@ -221,6 +239,12 @@ void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s) {
 void add_f32(float* dst, const float* src, std::int64_t n, cudaStream_t s) {
   if (n <= 0) return;
   add_kernel<<<grid_for(ceil_div(n, 4), kThreads), kThreads, 0, s>>>(dst, src, n, aligned16(dst) && aligned16(src));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void add_bf16(bf16* dst, const bf16* src, std::int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  add_bf16_kernel<<<grid_for(ceil_div(n, 8), kThreads), kThreads, 0, s>>>(dst, src, n, aligned16(dst) && aligned16(src));
   KILN_CUDA_LAUNCH_CHECK();
 }
 

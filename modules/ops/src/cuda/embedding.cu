@@ -37,9 +37,10 @@ __global__ void embedding_forward_kernel(bf16* out, const std::int32_t* tokens, 
 
 // dwte: one thread per (run of one token, chunk). It starts from dwte's value and adds the token's rows
 // in position order (the buckets are stable-sorted), exactly the CPU's order of additions. Rows are
-// loaded 4 at a time to keep several loads in flight; the additions stay in order.
-template <bool VEC>
-__global__ void embedding_backward_wte_kernel(float* dwte, const bf16* dout, const std::int32_t* order,
+// loaded 4 at a time to keep several loads in flight; the additions stay in order. G: the
+// gradient's type, float or bf16 (summed in f32 from its old value, stored once).
+template <bool VEC, class G>
+__global__ void embedding_backward_wte_kernel(G* dwte, const bf16* dout, const std::int32_t* order,
                                               const std::int32_t* bucket_end, const std::int32_t* bucket_token,
                                               const int* runs, int V, int C) {
   const int u = blockIdx.x * kRows + threadIdx.y;
@@ -47,7 +48,7 @@ __global__ void embedding_backward_wte_kernel(float* dwte, const bf16* dout, con
   const int c = j * 8, valid = C - c;
   if (u >= *runs || c >= C || bucket_token[u] >= V) return;  // the last run may be other ranks' tokens
   const int beg = u == 0 ? 0 : bucket_end[u - 1], end = bucket_end[u];
-  float* dst = dwte + static_cast<std::int64_t>(bucket_token[u]) * C + c;
+  G* dst = dwte + static_cast<std::int64_t>(bucket_token[u]) * C + c;
   float acc[8];
   load_chunk<VEC>(dst, valid, acc);
   int i = beg;
@@ -70,13 +71,13 @@ __global__ void embedding_backward_wte_kernel(float* dwte, const bf16* dout, con
 }
 
 // dwpe[t] += dout[b*T + t] for b = 0, 1, ... in order (the CPU's order), one thread per (t, chunk).
-template <bool VEC>
-__global__ void embedding_backward_wpe_kernel(float* dwpe, const bf16* dout, int B, int T, int C) {
+template <bool VEC, class G>
+__global__ void embedding_backward_wpe_kernel(G* dwpe, const bf16* dout, int B, int T, int C) {
   const int t = blockIdx.x * kRows + threadIdx.y;
   const int j = blockIdx.y * kLanes + threadIdx.x;
   const int c = j * 8, valid = C - c;
   if (t >= T || c >= C) return;
-  float* dst = dwpe + static_cast<std::int64_t>(t) * C + c;
+  G* dst = dwpe + static_cast<std::int64_t>(t) * C + c;
   const std::int64_t step = static_cast<std::int64_t>(T) * C;
   const bf16* src = dout + static_cast<std::int64_t>(t) * C + c;
   float acc[8];
@@ -185,9 +186,11 @@ void embedding_forward(bf16* out, const std::int32_t* tokens, const bf16* wte, c
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::int32_t* order,
-                        const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
-                        int N, int T, int C, cudaStream_t s) {
+namespace {
+template <class G>
+void launch_embedding_backward(G* dwte, G* dwpe, const bf16* dout, const std::int32_t* order,
+                               const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
+                               int N, int T, int C, cudaStream_t s) {
   if (N <= 0 || C <= 0) return;
   KILN_CHECK(T > 0 && N % T == 0, "embedding_backward: N = ", N, " is not a multiple of T = ", T);
   const bool vec = C % 8 == 0 && aligned16(dwte) && (!dwpe || aligned16(dwpe)) && aligned16(dout);
@@ -196,18 +199,32 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::i
   {  // as many runs as positions at most; the count is on the device
     const dim3 grid(static_cast<unsigned>(ceil_div(N, kRows)), chunk_blocks);
     if (vec)
-      embedding_backward_wte_kernel<true><<<grid, block, 0, s>>>(dwte, dout, order, bucket_end, bucket_token, runs, V, C);
+      embedding_backward_wte_kernel<true, G><<<grid, block, 0, s>>>(dwte, dout, order, bucket_end, bucket_token, runs, V, C);
     else
-      embedding_backward_wte_kernel<false><<<grid, block, 0, s>>>(dwte, dout, order, bucket_end, bucket_token, runs, V, C);
+      embedding_backward_wte_kernel<false, G><<<grid, block, 0, s>>>(dwte, dout, order, bucket_end, bucket_token, runs, V, C);
     KILN_CUDA_LAUNCH_CHECK();
   }
   if (!dwpe) return;  // no position table
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kRows)), chunk_blocks);
   if (vec)
-    embedding_backward_wpe_kernel<true><<<grid, block, 0, s>>>(dwpe, dout, N / T, T, C);
+    embedding_backward_wpe_kernel<true, G><<<grid, block, 0, s>>>(dwpe, dout, N / T, T, C);
   else
-    embedding_backward_wpe_kernel<false><<<grid, block, 0, s>>>(dwpe, dout, N / T, T, C);
+    embedding_backward_wpe_kernel<false, G><<<grid, block, 0, s>>>(dwpe, dout, N / T, T, C);
   KILN_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::int32_t* order,
+                        const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
+                        int N, int T, int C, cudaStream_t s) {
+  launch_embedding_backward(dwte, dwpe, dout, order, bucket_end, bucket_token, runs, V, N, T, C, s);
+}
+
+void embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const std::int32_t* order,
+                        const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
+                        int N, int T, int C, cudaStream_t s) {
+  launch_embedding_backward(dwte, dwpe, dout, order, bucket_end, bucket_token, runs, V, N, T, C, s);
 }
 
 }  // namespace kiln::cuda

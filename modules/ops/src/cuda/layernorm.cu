@@ -252,8 +252,9 @@ std::int64_t layernorm_backward_scratch(int N, int C) {
 }
 
 namespace {
-template <bool kRms>
-void norm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const bf16* dout, const bf16* x,
+// G: the gradients' type, float or bf16 (only the final store differs: reduce_partials).
+template <bool kRms, class G>
+void norm_backward(bf16* dx, G* dweight, G* dbias, float* scratch, const bf16* dout, const bf16* x,
                    const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s) {
   if (N <= 0 || C <= 0) return;
   const int rpb = rows_per_block(N), blocks = backward_blocks(N);
@@ -277,12 +278,22 @@ void layernorm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, 
   norm_backward<false>(dx, dweight, dbias, scratch, dout, x, weight, mean, rstd, N, C, s);
 }
 
+void layernorm_backward(bf16* dx, bf16* dweight, bf16* dbias, float* scratch, const bf16* dout, const bf16* x,
+                        const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s) {
+  norm_backward<false>(dx, dweight, dbias, scratch, dout, x, weight, mean, rstd, N, C, s);
+}
+
 // RMSNorm's backward shares LayerNorm's kernels (no mean, no bias); its scratch is LayerNorm's.
 std::int64_t rmsnorm_backward_scratch(int N, int C) { return layernorm_backward_scratch(N, C); }
 
 void rmsnorm_backward(bf16* dx, float* dweight, float* scratch, const bf16* dout, const bf16* x, const bf16* weight,
                       const float* rstd, int N, int C, cudaStream_t s) {
-  norm_backward<true>(dx, dweight, nullptr, scratch, dout, x, weight, nullptr, rstd, N, C, s);
+  norm_backward<true, float>(dx, dweight, nullptr, scratch, dout, x, weight, nullptr, rstd, N, C, s);
+}
+
+void rmsnorm_backward(bf16* dx, bf16* dweight, float* scratch, const bf16* dout, const bf16* x, const bf16* weight,
+                      const float* rstd, int N, int C, cudaStream_t s) {
+  norm_backward<true, bf16>(dx, dweight, nullptr, scratch, dout, x, weight, nullptr, rstd, N, C, s);
 }
 
 }  // namespace kiln::cuda

@@ -20,6 +20,8 @@ void convert_f32_to_bf16(bf16* dst, const float* src, std::int64_t n, cudaStream
 void convert_bf16_to_f32(float* dst, const bf16* src, std::int64_t n, cudaStream_t s);
 void fill_f32(float* dst, float value, std::int64_t n, cudaStream_t s);
 void add_f32(float* dst, const float* src, std::int64_t n, cudaStream_t s);  // dst += src
+// dst = round(float(dst) + float(src)): bf16 gradients, one rounding per element.
+void add_bf16(bf16* dst, const bf16* src, std::int64_t n, cudaStream_t s);
 // out[i] = gelu(x[i]) (tanh approximation, ops::gelu); out may alias x.
 void gelu_forward(bf16* out, const bf16* x, std::int64_t n, cudaStream_t s);
 // dx[i] = dout[i] * gelu'(x[i]) (ops::gelu_grad); dx may alias dout.
@@ -79,6 +81,11 @@ void embedding_buckets(std::int32_t* order, std::int32_t* bucket_end, std::int32
 void embedding_backward(float* dwte, float* dwpe, const bf16* dout, const std::int32_t* order,
                         const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
                         int N, int T, int C, cudaStream_t s);
+// The same into bf16 gradients (optim.grads = "bf16"): each element summed in f32 from its old value
+// in the same order, then rounded once.
+void embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const std::int32_t* order,
+                        const std::int32_t* bucket_end, const std::int32_t* bucket_token, const int* runs, int V,
+                        int N, int T, int C, cudaStream_t s);
 
 // ---- zeroing many f32 pieces in one launch ----
 // A piece: count floats at data; work: where it starts in the launch's work space (the pieces end
@@ -98,6 +105,9 @@ void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* x, const
 std::int64_t layernorm_backward_scratch(int N, int C);
 void layernorm_backward(bf16* dx, float* dweight, float* dbias, float* scratch, const bf16* dout, const bf16* x,
                         const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s);
+// bf16 dweight and dbias: old + the f32 sum, rounded once.
+void layernorm_backward(bf16* dx, bf16* dweight, bf16* dbias, float* scratch, const bf16* dout, const bf16* x,
+                        const bf16* weight, const float* mean, const float* rstd, int N, int C, cudaStream_t s);
 
 // ---- Llama's ops: RMSNorm, rotary embeddings, SwiGLU ----
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, int N, int C, float eps, cudaStream_t s);
@@ -105,6 +115,8 @@ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* weight, 
 std::int64_t rmsnorm_backward_scratch(int N, int C);
 void rmsnorm_backward(bf16* dx, float* dweight, float* scratch, const bf16* dout, const bf16* x, const bf16* weight,
                       const float* rstd, int N, int C, cudaStream_t s);
+void rmsnorm_backward(bf16* dx, bf16* dweight, float* scratch, const bf16* dout, const bf16* x, const bf16* weight,
+                      const float* rstd, int N, int C, cudaStream_t s);  // bf16 dweight: one rounding
 // In place on the first `rotated` heads of x [B, T, heads, D] (ops::Rope).
 void rope(bf16* x, int B, int T, int heads, int rotated, int D, float theta, const ops::RopeScaling& scaling,
           std::int64_t pos_offset, bool inverse, cudaStream_t s);
@@ -123,6 +135,8 @@ void dropout_backward(bf16* dx, const bf16* dout, int N, int C, const ops::Dropo
 std::int64_t bias_grad_scratch(int N, int OC);
 std::int64_t bias_grad_tickets(int OC);
 void bias_grad(float* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s);
+// bf16 dbias (optim.grads = "bf16"): old + the f32 column sum, rounded once.
+void bias_grad(bf16* dbias, float* scratch, unsigned* tickets, const bf16* dout, int N, int OC, cudaStream_t s);
 
 // ---- attention (flash-style, causal, deterministic backward) ----
 // q, k, v interleaved as qkv [B, T, 3, H, D] (kv_heads = 0), or grouped: [B, T, H + 2 kv_heads, D]
