@@ -1532,3 +1532,128 @@ TEST_CASE("a whole mixture-of-experts FP8 training step on CUDA matches the CPU 
       CHECK(test::same_bits(runs[2].step1_grads, g.step1_grads));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// bf16 parameter gradients (optim.grads = "bf16"): the wgrad GEMM, quantize_grad's and bias_grad's
+// bias sums onto an old bf16 value, rounded once, against the CPU emulation. The sides' f32 sums
+// differ only in order, so an element may land one bf16 step apart: checked within two bf16 ulps of
+// the CPU's value (floor: 1e-3 of the largest, for elements that nearly cancel).
+
+namespace {
+
+void check_bf16_ulps(const std::vector<float>& gpu, const std::vector<float>& cpu, const char* what) {
+  REQUIRE(gpu.size() == cpu.size());
+  float top = 0;
+  for (float v : cpu) top = std::max(top, std::fabs(v));
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < cpu.size(); ++i) {
+    const float tol = 2.0f * std::ldexp(1.0f, -7) * std::max(std::fabs(cpu[i]), 1e-3f * top);
+    if (!(std::fabs(gpu[i] - cpu[i]) <= tol) && bad++ == 0) first = i;
+  }
+  INFO(what << ": " << bad << " of " << cpu.size() << " elements beyond two bf16 ulps, the first at " << first
+            << " (gpu " << gpu[first] << ", cpu " << cpu[first] << ")");
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("the gradient quantisation's and bias_grad's bf16 bias gradients match the CPU within two bf16 ulps") {
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops({.round_bf16 = true});
+  // Tiled (multiples of 16) and the three-pass fallback.
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{1040, 784}, {33, 47}};
+  for (auto [R, C] : shapes) {
+    INFO("[" << R << "," << C << "]");
+    const std::size_t n = static_cast<std::size_t>(R * C);
+    const auto dy = from_bf16(to_bf16(test::normal_values(n, 2001, 0.3f)));
+    const auto old = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(C), 2002, 4.0f)));
+    // quantize_grad
+    auto c_dy = dy;
+    auto c_bias = to_bf16(old);
+    float c_scale = 90.0f;
+    std::vector<std::uint8_t> c_row(n), c_col(n);
+    GradQuantizeArgs c;
+    c.dy = TensorView(c_dy.data(), {R, C}, DType::f32, Device::cpu);
+    c.out.rowwise = TensorView(c_row.data(), {R, C}, DType::e4m3, Device::cpu);
+    c.out.colwise = TensorView(c_col.data(), {C, R}, DType::e4m3, Device::cpu);
+    c.out.format = Format::e4m3;
+    c.out.scale = &c_scale;
+    c.dbias = TensorView(c_bias.data(), {C}, DType::bf16, Device::cpu);
+    cpu->quantize_grad(c);
+    Buffer d_dy = test::to_device(to_bf16(dy)), d_bias = test::to_device(to_bf16(old));
+    Buffer d_scale = test::to_device(std::vector<float>{90.0f});
+    Buffer d_row(Device::cuda, n), d_col(Device::cuda, n);
+    GradQuantizeArgs g;
+    g.dy = TensorView(d_dy.data(), {R, C}, DType::bf16, Device::cuda);
+    g.out.rowwise = TensorView(d_row.data(), {R, C}, DType::e4m3, Device::cuda);
+    g.out.colwise = TensorView(d_col.data(), {C, R}, DType::e4m3, Device::cuda);
+    g.out.format = Format::e4m3;
+    g.out.scale = static_cast<float*>(d_scale.data());
+    g.dbias = TensorView(d_bias.data(), {C}, DType::bf16, Device::cuda);
+    gpu->quantize_grad(g);
+    check_bf16_ulps(from_bf16(test::to_host<std::uint16_t>(d_bias.data(), static_cast<std::size_t>(C))),
+                    from_bf16(c_bias), "quantize_grad dbias");
+    // bias_grad
+    auto c_db = to_bf16(old);
+    cpu->bias_grad(TensorView(c_db.data(), {C}, DType::bf16, Device::cpu),
+                   TensorView(const_cast<float*>(dy.data()), {R, C}, DType::f32, Device::cpu));
+    Buffer d_db = test::to_device(to_bf16(old));
+    gpu->bias_grad(TensorView(d_db.data(), {C}, DType::bf16, Device::cuda), g.dy);
+    check_bf16_ulps(from_bf16(test::to_host<std::uint16_t>(d_db.data(), static_cast<std::size_t>(C))), from_bf16(c_db),
+                    "bias_grad dbias");
+  }
+}
+
+TEST_CASE("an FP8 linear's bf16 weight and bias gradients on CUDA match the CPU emulation within two bf16 ulps") {
+  KILN_REQUIRE_CUDA();
+  const std::int64_t N = 384, IC = 256, OC = 768;
+  auto x = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(N * IC), 2101, 2.0f)));
+  auto w = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(OC * IC), 2102, 0.05f)));
+  auto b = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(OC), 2103)));
+  auto dout = from_bf16(to_bf16(test::normal_values(static_cast<std::size_t>(N * OC), 2104, 1e-2f)));
+  const auto dw0 = to_bf16(test::normal_values(static_cast<std::size_t>(OC * IC), 2105, 0.5f));
+  const auto db0 = to_bf16(test::normal_values(static_cast<std::size_t>(OC), 2106, 2.0f));
+  for (bool overwrite : {false, true}) {
+    INFO("overwrite " << overwrite);
+    std::vector<float> results[2][2];  // dw, db per side
+    for (int side = 0; side < 2; ++side) {
+      const bool dev = side == 1;
+      auto ops = dev ? make_cuda_ops(nullptr) : make_cpu_ops({.round_bf16 = true});
+      Fp8MetaStore meta(*ops, {Format::e4m3, Format::e4m3, Format::e5m2}, 1);
+      Fp8Workspace ws(*ops);
+      Fp8Linear lin(*ops, meta, 0, ws, Fp8Recipe{RecipeKind::current, 16, AmaxAlgo::max, 0, FormatPolicy::hybrid, true});
+      const DType act = dev ? DType::bf16 : DType::f32;
+      const Device where = dev ? Device::cuda : Device::cpu;
+      std::vector<Buffer> keep;
+      auto t = [&](const std::vector<float>& v, Shape shape) {
+        keep.push_back(dev ? test::to_device(to_bf16(v)) : Buffer(Device::cpu, v.size() * 4));
+        if (!dev) std::memcpy(keep.back().data(), v.data(), v.size() * 4);
+        return TensorView(keep.back().data(), shape, act, where);
+      };
+      auto grad = [&](const std::vector<std::uint16_t>& bits, Shape shape) {  // bf16 on both sides
+        keep.push_back(dev ? test::to_device(bits) : Buffer(Device::cpu, bits.size() * 2));
+        if (!dev) std::memcpy(keep.back().data(), bits.data(), bits.size() * 2);
+        return TensorView(keep.back().data(), shape, DType::bf16, where);
+      };
+      std::vector<float> zeros_out(static_cast<std::size_t>(N * OC)), zeros_in(static_cast<std::size_t>(N * IC));
+      TensorView tx = t(x, {N, IC}), tw = t(w, {OC, IC}), tb = t(b, {OC}), tout = t(zeros_out, {N, OC}),
+                 tdout = t(dout, {N, OC}), tdx = t(zeros_in, {N, IC});
+      TensorView tdw = grad(dw0, {OC, IC}), tdb = grad(db0, {OC});
+      lin.forward({tout, {}, tx, tw, tb}, 1);
+      ops::LinearBackward a{tdx, tdw, tdb, tdout, tx, tw};
+      a.dweight_overwrite = overwrite;
+      lin.backward(a);
+      auto get = [&](const TensorView& v) {
+        const auto n = static_cast<std::size_t>(v.numel());
+        if (dev) return from_bf16(test::to_host<std::uint16_t>(v.data, n));
+        const auto* p = v.as<std::uint16_t>();
+        return from_bf16(std::vector<std::uint16_t>(p, p + n));
+      };
+      results[side][0] = get(tdw);
+      results[side][1] = get(tdb);
+    }
+    check_bf16_ulps(results[1][0], results[0][0], "dweight");
+    check_bf16_ulps(results[1][1], results[0][1], "dbias");
+  }
+}

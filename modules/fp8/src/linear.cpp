@@ -360,10 +360,15 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   } else {
     expect_matrix(dout, act, N, OC, name_ + " backward dout");
   }
-  expect_matrix(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
+  // The parameter gradients: f32, or both bf16 (optim.grads = "bf16"; the GEMM and the bias sum add
+  // in f32 and round once).
+  const DType grad = a.dweight.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  expect_matrix(a.dweight, grad, OC, IC, name_ + " backward dweight");
   if (a.dx) expect_matrix(a.dx, act, N, IC, name_ + " backward dx");
   if (a.dx_gelu_pre) expect_matrix(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");
-  if (a.dbias) KILN_CHECK(a.dbias.dtype == DType::f32 && a.dbias.numel() == OC, name_, " backward dbias ", a.dbias.str());
+  if (a.dbias)
+    KILN_CHECK(a.dbias.dtype == grad && a.dbias.numel() == OC, name_, " backward dbias: expected ", OC, " ",
+               name_of(grad), " (dweight's dtype), got ", a.dbias.str());
   // The forward pass made the weight's copies; a different tensor (a library caller) is re-quantised.
   // Gathered codes give the colwise copy by a transpose, for the data gradient.
   void* weight_colwise = nullptr;
@@ -461,7 +466,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   w.y = TensorView(xc, {IC, N}, dtype_of(sx.format), dev);
   w.y_scale_inv = sx.scale_inv;
   w.d = a.dweight;
-  w.f32_result = true;
+  w.f32_result = true;  // a gradient: f32, or bf16 accumulated in f32 and rounded once
   w.accumulate = !a.dweight_overwrite;
   ops_.gemm(w);
 }

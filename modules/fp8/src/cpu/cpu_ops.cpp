@@ -13,6 +13,7 @@
 #include "kiln/core/error.hpp"
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/grad_staging.hpp"
 #include "kiln/ops/moments.hpp"
 #include "../ops_checks.hpp"
 
@@ -268,7 +269,7 @@ class CpuOps final : public Fp8Ops {
                g.y.str(), " must share K (the inner dimension)");
     const std::int64_t M = g.x.size(0), N = g.y.size(0), K = g.x.size(1);
     KILN_CHECK(g.d.dtype == DType::f32 && g.d.shape == Shape({M, N}) && g.d.contiguous(), "fp8 gemm: d ", g.d.str(),
-               " for [", M, ",", N, "]");
+               " for [", M, ",", N, "] (f32; or bf16 where f32_result: a gradient)");
     KILN_CHECK(g.x_scale_inv && g.y_scale_inv, "fp8 gemm: missing operand scales");
     KILN_CHECK(!g.accumulate || g.f32_result, "fp8 gemm: accumulating needs an f32 result");
     KILN_CHECK(!g.f32_result || g.epilogue == ops::Epilogue::none, "fp8 gemm: epilogues write activations, not f32 results");
@@ -280,7 +281,20 @@ class CpuOps final : public Fp8Ops {
     return {fx, fy, M, N, K};
   }
 
+  // A bf16 gradient result (f32_result, optim.grads = "bf16"): the f32 product written or added into
+  // an f32 copy of the old values, rounded back once (ops::GradStaging).
+  bool gemm_into_bf16_gradient(const GemmArgs& g) {
+    if (!g.f32_result || g.d.dtype != DType::bf16) return false;
+    ops::GradStaging d(g.d);
+    GemmArgs f = g;
+    f.d = d.view();
+    gemm(f);
+    d.finish();
+    return true;
+  }
+
   void gemm(const GemmArgs& g) override {
+    if (gemm_into_bf16_gradient(g)) return;
     if (g.x_mode != ScalingMode::per_tensor) return block_gemm(g);
     const GemmShape shape = check_gemm(g);  // (plain names: OpenMP regions cannot capture structured bindings)
     const Format fx = shape.fx, fy = shape.fy;
@@ -346,16 +360,18 @@ class CpuOps final : public Fp8Ops {
 
   void bias_grad(const TensorView& dbias, const TensorView& dy) override {
     expect_input(dy, "fp8 bias_grad dy");
-    KILN_CHECK(dy.ndim() == 2 && dbias.dtype == DType::f32 && dbias.numel() == dy.size(1), "fp8 bias_grad ", dy.str(),
-               " -> ", dbias.str());
+    KILN_CHECK(dy.ndim() == 2 && (dbias.dtype == DType::f32 || dbias.dtype == DType::bf16) && dbias.numel() == dy.size(1),
+               "fp8 bias_grad ", dy.str(), " -> ", dbias.str(), " (dbias: f32 or bf16, a gradient)");
     const std::int64_t M = dy.size(0), N = dy.size(1);
-    float* db = dbias.as<float>();
+    ops::GradStaging staged(dbias);  // f32 in place, bf16 through an f32 copy
+    float* db = staged.data();
 #pragma omp parallel for num_threads(threads_) schedule(static) if (M * N >= kParallelWork)
     for (std::int64_t n = 0; n < N; ++n) {
       float s = 0;
       for (std::int64_t m = 0; m < M; ++m) s += load(dy, m * N + n);
       db[n] += s;
     }
+    staged.finish();
   }
 
   void update_delayed(const DelayedUpdateArgs& a) override {

@@ -160,9 +160,15 @@ __global__ void __launch_bounds__(kThreads)
 // takes 32 columns; its 8 warps sum interleaved row tiles (warp w: tiles w, w + 8, ...) in order,
 // then one thread per column adds the 8 sums in order. Enough blocks to load the whole GPU where
 // one thread per column would leave most SMs idle.
+// G: the gradient's type, float or bf16 (the total added in f32, stored once).
 constexpr int kFinishCols = 32, kFinishParts = kThreads / kFinishCols;
+__device__ __forceinline__ float grad_value(const float* p) { return *p; }
+__device__ __forceinline__ float grad_value(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void grad_put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void grad_put(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+template <class G>
 __global__ void __launch_bounds__(kThreads)
-    bias_partials_finish(float* __restrict__ dbias, const float* __restrict__ partial, int row_tiles, int cols) {
+    bias_partials_finish(G* __restrict__ dbias, const float* __restrict__ partial, int row_tiles, int cols) {
   __shared__ float part[kFinishParts][kFinishCols];
   const int lc = threadIdx.x % kFinishCols, w = threadIdx.x / kFinishCols;
   const int c = blockIdx.x * kFinishCols + lc;
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(kThreads)
     float total = 0.0f;
 #pragma unroll
     for (int k = 0; k < kFinishParts; ++k) total += part[k][lc];
-    dbias[c] += total;
+    grad_put(dbias + c, grad_value(dbias + c) + total);
   }
 }
 
@@ -344,10 +350,11 @@ void launch_grad(const CastTransposeGrad& a, cudaStream_t s) {
 }
 template <Format F>
 void grad_with_flags(const CastTransposeGrad& a, cudaStream_t s) {
+  const bool dbias = a.dbias || a.dbias_bf16;  // the column sums go to partial either way
   if (a.amax)
-    a.dbias ? launch_grad<F, true, true>(a, s) : launch_grad<F, true, false>(a, s);
+    dbias ? launch_grad<F, true, true>(a, s) : launch_grad<F, true, false>(a, s);
   else
-    a.dbias ? launch_grad<F, false, true>(a, s) : launch_grad<F, false, false>(a, s);
+    dbias ? launch_grad<F, false, true>(a, s) : launch_grad<F, false, false>(a, s);
 }
 }  // namespace
 
@@ -373,12 +380,25 @@ void xent_grad(__nv_bfloat16* logits, const float* lse, const std::int32_t* targ
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-void bias_from_partials(float* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s) {
+namespace {
+template <class G>
+void finish_bias(G* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s) {
   KILN_CHECK(row_tiles <= 0x7fffffff && cols <= 0x7fffffff, "fp8 bias_from_partials: [", row_tiles, ",", cols, "]");
   if (row_tiles <= 0 || cols <= 0) return;
   const int c = static_cast<int>(cols);
-  bias_partials_finish<<<(c + kFinishCols - 1) / kFinishCols, kThreads, 0, s>>>(dbias, partial, static_cast<int>(row_tiles), c);
+  bias_partials_finish<G>
+      <<<(c + kFinishCols - 1) / kFinishCols, kThreads, 0, s>>>(dbias, partial, static_cast<int>(row_tiles), c);
   KILN_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void bias_from_partials(float* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s) {
+  finish_bias(dbias, partial, row_tiles, cols, s);
+}
+
+void bias_from_partials(__nv_bfloat16* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols,
+                        cudaStream_t s) {
+  finish_bias(dbias, partial, row_tiles, cols, s);
 }
 
 bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
@@ -389,14 +409,16 @@ bool cast_transpose_grad(const CastTransposeGrad& a, cudaStream_t s) {
                      aligned16(a.dy) && (!a.gelu_pre || aligned16(a.gelu_pre)) && aligned16(a.rowwise) &&
                      aligned16(a.colwise);
   if (!tiled) return false;
-  KILN_CHECK(!a.dbias || a.partial, "fp8 cast_transpose_grad: dbias without partial-sum scratch");
-  KILN_CHECK(!a.lse || (a.targets && !a.gelu_pre && !a.dbias),
+  KILN_CHECK(!(a.dbias && a.dbias_bf16), "fp8 cast_transpose_grad: dbias and dbias_bf16 both given (one gradient)");
+  KILN_CHECK((!a.dbias && !a.dbias_bf16) || a.partial, "fp8 cast_transpose_grad: dbias without partial-sum scratch");
+  KILN_CHECK(!a.lse || (a.targets && !a.gelu_pre && !a.dbias && !a.dbias_bf16),
              "fp8 cast_transpose_grad: a cross-entropy gradient needs its targets, and no dGELU or bias");
   if (a.format == Format::e4m3)
     grad_with_flags<Format::e4m3>(a, s);
   else
     grad_with_flags<Format::e5m2>(a, s);
   if (a.dbias) bias_from_partials(a.dbias, a.partial, (a.rows + kTile - 1) / kTile, a.cols, s);
+  if (a.dbias_bf16) bias_from_partials(a.dbias_bf16, a.partial, (a.rows + kTile - 1) / kTile, a.cols, s);
   return true;
 }
 

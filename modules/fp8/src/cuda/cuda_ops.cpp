@@ -292,9 +292,11 @@ class CudaOps final : public Fp8Ops {
                  "fp8 quantize_grad: output ", t->str(), " for format ", name_of(a.out.format));
     KILN_CHECK(a.out.rowwise.shape == Shape({R, C}) && a.out.colwise.shape == Shape({C, R}), "fp8 quantize_grad: copies ",
                a.out.rowwise.str(), " / ", a.out.colwise.str(), " for dy ", dy.str());
-    if (a.dbias)
-      KILN_CHECK(a.dbias.device == Device::cuda && a.dbias.dtype == DType::f32 && a.dbias.numel() == C,
-                 "fp8 quantize_grad dbias ", a.dbias.str(), " for dy ", dy.str());
+    if (a.dbias)  // a bias gradient: f32, or bf16 (optim.grads = "bf16")
+      KILN_CHECK(a.dbias.device == Device::cuda && (a.dbias.dtype == DType::f32 || a.dbias.dtype == DType::bf16) &&
+                     a.dbias.numel() == C && a.dbias.contiguous(),
+                 "fp8 quantize_grad dbias: expected ", C, " f32 or bf16 on cuda, got ", a.dbias.str(), " for dy ",
+                 dy.str());
     cuda::CastTransposeGrad k;
     k.dy = dy.as<kiln::cuda::bf16>();
     k.gelu_pre = a.gelu_pre ? a.gelu_pre.as<kiln::cuda::bf16>() : nullptr;
@@ -303,7 +305,9 @@ class CudaOps final : public Fp8Ops {
     k.format = a.out.format;
     k.scale = a.out.scale;
     k.amax = a.amax;
-    k.dbias = a.dbias ? a.dbias.as<float>() : nullptr;
+    const bool dbias_bf16 = a.dbias && a.dbias.dtype == DType::bf16;
+    k.dbias = a.dbias && !dbias_bf16 ? a.dbias.as<float>() : nullptr;
+    k.dbias_bf16 = dbias_bf16 ? a.dbias.as<__nv_bfloat16>() : nullptr;
     k.partial = a.dbias ? scratch(cuda::grad_partials(R, C)) : nullptr;
     k.rows = R;
     k.cols = C;
@@ -363,11 +367,17 @@ class CudaOps final : public Fp8Ops {
   void bias_grad(const TensorView& dbias, const TensorView& dy) override {
     KILN_CHECK(dy.device == Device::cuda && dy.dtype == DType::bf16 && dy.ndim() == 2 && dy.contiguous(),
                "fp8 bias_grad dy ", dy.str());
-    KILN_CHECK(dbias.device == Device::cuda && dbias.dtype == DType::f32 && dbias.numel() == dy.size(1),
-               "fp8 bias_grad dbias ", dbias.str(), " for dy ", dy.str());
+    KILN_CHECK(dbias.device == Device::cuda && (dbias.dtype == DType::f32 || dbias.dtype == DType::bf16) &&
+                   dbias.numel() == dy.size(1) && dbias.contiguous(),
+               "fp8 bias_grad dbias: expected ", dy.size(1), " f32 or bf16 (a gradient) on cuda, got ", dbias.str(),
+               " for dy ", dy.str());
     const int N = as_int(dy.size(0), "rows"), C = as_int(dy.size(1), "columns");
-    kiln::cuda::bias_grad(dbias.as<float>(), scratch(kiln::cuda::bias_grad_scratch(N, C)),
-                          tickets(kiln::cuda::bias_grad_tickets(C)), dy.as<kiln::cuda::bf16>(), N, C, stream_);
+    float* sums = scratch(kiln::cuda::bias_grad_scratch(N, C));
+    unsigned* counters = tickets(kiln::cuda::bias_grad_tickets(C));
+    if (dbias.dtype == DType::bf16)  // a bf16 gradient: added in f32, rounded once
+      kiln::cuda::bias_grad(dbias.as<kiln::cuda::bf16>(), sums, counters, dy.as<kiln::cuda::bf16>(), N, C, stream_);
+    else
+      kiln::cuda::bias_grad(dbias.as<float>(), sums, counters, dy.as<kiln::cuda::bf16>(), N, C, stream_);
   }
 
   void update_delayed(const DelayedUpdateArgs& a) override { cuda::delayed_update(a, stream_); }

@@ -149,9 +149,11 @@ void Fp8GemmRunner::validate(const GemmArgs& g) {
   KILN_CHECK(g.d.shape == Shape({M, N}) && g.d.contiguous() && g.x.contiguous() && g.y.contiguous(), describe(g),
              ": D must be [", M, ",", N, "] and every operand contiguous");
   KILN_CHECK(M <= 0x7fffffff && N <= 0x7fffffff && K <= 0x7fffffff, describe(g), ": dimensions beyond 32 bits");
-  KILN_CHECK(!g.accumulate || g.f32_result, describe(g), ": accumulating needs an f32 result");
-  KILN_CHECK(g.f32_result ? g.d.dtype == DType::f32 : g.d.dtype == DType::bf16, describe(g),
-             ": D is bf16 (an activation) or f32 (f32_result: a gradient, written or accumulated)");
+  KILN_CHECK(!g.accumulate || g.f32_result, describe(g), ": accumulating needs a gradient result (f32_result)");
+  // A gradient (f32_result) is f32, or bf16 (optim.grads = "bf16": C and D bf16, added in f32 and
+  // rounded once); an activation bf16.
+  KILN_CHECK(g.f32_result ? g.d.dtype == DType::f32 || g.d.dtype == DType::bf16 : g.d.dtype == DType::bf16, describe(g),
+             ": D is bf16 (an activation) or f32 or bf16 (f32_result: a gradient, written or accumulated)");
   KILN_CHECK(!g.f32_result || g.epilogue == Epilogue::none, describe(g), ": epilogues write activations, not f32 results");
   KILN_CHECK(N % 16 == 0 && K % 16 == 0, describe(g), ": FP8 GEMMs need N and K to be multiples of 16");
   KILN_CHECK(aligned16(g.x.data) && aligned16(g.y.data) && aligned16(g.d.data), describe(g),
@@ -219,6 +221,7 @@ void Fp8GemmRunner::run(const GemmArgs& desc, cudaStream_t stream, void* workspa
 
 bool Fp8GemmRunner::kiln_block(const GemmArgs& g) {
   if (g.x_mode == ScalingMode::per_tensor || block_kernel_ == BlockGemmKernel::cublaslt) return false;
+  if (g.f32_result && g.d.dtype == DType::bf16) return false;  // kiln's kernel writes f32 gradients only
   if (block_kernel_ == BlockGemmKernel::kiln_wgrad && g.y_mode != ScalingMode::block_1x128) return false;
   if (!block_) {
     block_ = std::make_unique<BlockGemm>();

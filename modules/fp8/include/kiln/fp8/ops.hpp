@@ -30,9 +30,12 @@ struct GemmArgs {
   const float* x_scale_inv = nullptr;
   TensorView y;                         // [N, K] e4m3/e5m2 (not both e5m2)
   const float* y_scale_inv = nullptr;
-  TensorView d;                         // [M, N] act (written), or f32 with f32_result (written, or D += result)
+  // [M, N] act (written), or with f32_result f32 or bf16 (the gradient dtype; written, or D += result)
+  TensorView d;
   bool accumulate = false;              // D += result (needs f32_result)
-  bool f32_result = false;              // D f32, never rounded to act (a weight gradient)
+  // D a weight gradient, never rounded to act: f32, or bf16 (optim.grads = "bf16": the product, plus
+  // the old value where accumulating, in f32, rounded once)
+  bool f32_result = false;
   ops::Epilogue epilogue = ops::Epilogue::none;
   TensorView bias;                      // [N] act: bias, or gelu with bias
   TensorView aux;                       // [M, N] act: gelu (written) and dgelu (read)
@@ -65,7 +68,7 @@ struct DelayedUpdateArgs {
 //   cross-entropy's gradient, the values Fp8Ops::xent_grad writes (no gelu_pre, no dbias then);
 //   out.rowwise and out.colwise = encode(g * *out.scale) (both copies are written);
 //   *amax = max(*amax, max |g|) unless amax is null;
-//   dbias[c] += sum over rows of g[r, c] (f32 [cols]) unless dbias is empty.
+//   dbias[c] += sum over rows of g[r, c] (f32 or bf16 (the gradient dtype) [cols]) unless dbias is empty.
 // The implementation may overwrite dy with g (its fallback for shapes the fused kernel does not take).
 struct GradQuantizeArgs {
   TensorView dy;
@@ -255,7 +258,8 @@ class Fp8Ops {
   // their rounded shape (the same product as gemm(), deterministic, though not necessarily gemm()'s
   // kernel), block-scaled ones as gemm() plans them.
   virtual void gemm_grouped(std::span<const GemmArgs> gs) = 0;
-  // dbias[n] += sum over m of dy[m, n] (dy act, dbias f32).
+  // dbias[n] += sum over m of dy[m, n] (dy act, dbias f32 or bf16 (the gradient dtype): summed in f32,
+  // rounded once).
   virtual void bias_grad(const TensorView& dbias, const TensorView& dy) = 0;
   virtual void update_delayed(const DelayedUpdateArgs& a) = 0;
   virtual void adamw_quantize(const AdamWQuantizeArgs& a) = 0;

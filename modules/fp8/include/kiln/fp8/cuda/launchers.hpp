@@ -79,6 +79,9 @@ void block_scales(const float* tile_amax, std::int64_t rows, std::int64_t cols, 
 void quantize_block_part(const BlockPart& p, const float* scale, Format f, std::uint8_t* codes, cudaStream_t s);
 // dbias[c] += sum over t < row_tiles of partial[t * cols + c], in a fixed order.
 void bias_from_partials(float* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols, cudaStream_t s);
+// The same into a bf16 gradient: dbias[c] = round(float(dbias[c]) + the same f32 total).
+void bias_from_partials(__nv_bfloat16* dbias, const float* partial, std::int64_t row_tiles, std::int64_t cols,
+                        cudaStream_t s);
 
 // cast_transpose of act(gelu(pre)) (bf16 pre), the GELU computed on load; with neither copy, the
 // amax alone (scale must still point to a float).
@@ -123,6 +126,7 @@ struct CastTransposeGrad {
   const float* scale = nullptr;
   float* amax = nullptr;     // optional
   float* dbias = nullptr;    // optional, accumulated
+  __nv_bfloat16* dbias_bf16 = nullptr;  // instead of dbias: a bf16 gradient (added in f32, rounded once)
   float* partial = nullptr;  // needed with dbias
   std::int64_t rows = 0, cols = 0;
   // Optional: dy is an LM head's logits, the values quantised their cross-entropy gradient
