@@ -285,6 +285,7 @@ void Fp8BlockGroupedLinear::backward(const ops::GroupedLinearBackward& a) {
     KILN_CHECK(xs[0] == R && xs[1] == IC, name_, " backward: x ", xs.str(), " for dout ", ds.str(), " and weight ",
                a.weight.str());
   }
+  KILN_CHECK(a.dweight.dtype != DType::bf16, name_, ": a bf16 gradient (optim.grads = \"bf16\") is not supported by the block-scaled grouped FP8 linears yet");
   KILN_CHECK((a.weight_in_out ? a.weight.size(2) == OC : a.weight.size(1) == OC) && a.dweight.dtype == DType::f32 &&
                  a.dweight.shape == a.weight.shape,
              name_, " backward: weight ", a.weight.str(), " and dweight ", a.dweight.str(), " for dout ", ds.str());

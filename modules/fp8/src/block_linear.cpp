@@ -242,6 +242,7 @@ void Fp8BlockLinear::backward(const ops::LinearBackward& a) {
   if (const auto* t = std::get_if<TensorView>(&a.dout)) expect_matrix(*t, act, N, OC, name_ + " backward dout");
   const bool gathered = a.weight.dtype == DType::u8;
   expect_matrix(a.weight, gathered ? DType::u8 : act, OC, IC, name_ + " backward weight");
+  KILN_CHECK(a.dweight.dtype != DType::bf16, name_, ": a bf16 gradient (optim.grads = \"bf16\") is not supported by the block-scaled FP8 linears yet");
   expect_matrix(a.dweight, DType::f32, OC, IC, name_ + " backward dweight");
   if (a.dx) expect_matrix(a.dx, act, N, IC, name_ + " backward dx");
   if (a.dx_gelu_pre) expect_matrix(a.dx_gelu_pre, act, N, IC, name_ + " backward dx_gelu_pre");

@@ -206,6 +206,7 @@ void Fp8GroupedLinear::backward(const ops::GroupedLinearBackward& a) {
   const GroupedSource dout = grad_source(a.dout);
   const Shape ds = grouped_source_shape(dout, name_.c_str());
   KILN_CHECK(a.weight.ndim() == 3 && a.offsets_host, name_, " backward: weight ", a.weight.str());
+  KILN_CHECK(a.dweight.dtype != DType::bf16, name_, ": a bf16 gradient (optim.grads = \"bf16\") is not supported by the grouped FP8 linears yet");
   // E: the row groups (one per expert unless a.groups says), each through its expert's weight.
   const std::int64_t experts_w = a.weight.size(0), E = ops::row_groups(a.groups, experts_w), R = ds[0], OC = ds[1];
   const std::int64_t IC = a.weight_in_out ? a.weight.size(1) : a.weight.size(2);

@@ -152,7 +152,7 @@ struct GroupedLinearForward {
 // beside the weight gradient (an implementation that does not call it leaves that to the caller).
 struct GroupedLinearBackward {
   TensorView dx;           // [R, IC] act, optional
-  TensorView dweight;      // [E, OC, IC] or [E, IC, OC] f32
+  TensorView dweight;      // [E, OC, IC] or [E, IC, OC] f32 (a bf16 gradient is refused, not supported yet)
   OutputGrad dout;         // [R, OC] act; or, for a GroupedLinearImpl that takes it, DgeluOnLoad or DswigluOnLoad
   LinearInput x;           // as the forward was given it (GroupedLinearImpl::keeps_input: not read)
   TensorView weight;       // [E, OC, IC] or [E, IC, OC] act
