@@ -123,3 +123,20 @@ TEST_CASE("a call mixing f32 and bf16 gradients is refused, naming the op and th
                                            view(ws, {OC}), view(mean, {N}), view(rstd, {N})}),
                     doctest::Contains("layernorm_backward dbias"));
 }
+
+TEST_CASE("the grouped (mixture-of-experts) linear refuses a bf16 weight gradient by name") {
+  auto b = ops::make_cpu_backend();
+  const std::int64_t E = 2, R = 6, IC = 8, OC = 4;
+  auto x = random_values(R * IC, 60), w = random_values(E * OC * IC, 61), dout = random_values(R * OC, 62);
+  GradTwin dw({E, OC, IC}, 63);
+  const std::int32_t offsets[] = {0, 3, 6};
+  ops::GroupedLinearBackward a;
+  a.dweight = dw.bf16();
+  a.dout = view(dout, {R, OC});
+  a.x = view(x, {R, IC});
+  a.weight = view(w, {E, OC, IC});
+  a.offsets_host = offsets;
+  CHECK_THROWS_WITH(b->grouped_linear_backward(a), doctest::Contains("grouped_linear_backward: dweight: a bf16 gradient"));
+  a.dweight = dw.f32();
+  CHECK_NOTHROW(b->grouped_linear_backward(a));
+}
