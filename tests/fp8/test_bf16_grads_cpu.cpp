@@ -9,6 +9,7 @@
 #include "fp8_test_util.hpp"
 #include "grad_twin.hpp"
 #include "host_view.hpp"
+#include "kiln/fp8/grouped_linear.hpp"
 #include "kiln/fp8/linear.hpp"
 #include "kiln/ops/backend.hpp"
 
@@ -117,4 +118,24 @@ TEST_CASE("an FP8 linear's bf16 weight and bias gradients are its f32 ones round
   CHECK_THROWS_WITH(L.lin.backward({view(dx, {N, IC}), dw.bf16(), db.f32(), view(dout, {N, OC}), view(x, {N, IC}),
                                     view(w, {OC, IC})}),
                     doctest::Contains("backward dbias: expected 20 bf16"));
+}
+
+TEST_CASE("the grouped FP8 linear refuses a bf16 weight gradient by name") {
+  auto ops = make_cpu_ops({.threads = 2});
+  const FormatPolicy policy = FormatPolicy::hybrid;
+  Fp8MetaStore meta(*ops, {format_for(policy, TensorRole::input), format_for(policy, TensorRole::weight),
+                           format_for(policy, TensorRole::grad_output)},
+                    1);
+  Fp8Workspace ws(*ops);
+  Fp8GroupedLinear lin(*ops, meta, 0, ws, Fp8Recipe{RecipeKind::current, 4, AmaxAlgo::max, 0, policy, false}, "test.experts");
+  const int E = 2, R = 9, IC = 16, OC = 32;
+  const std::vector<std::int32_t> off = {0, 4, 9};
+  auto x = test::normal_values(R * IC, 90), w = test::normal_values(E * OC * IC, 91, 0.3f);
+  auto dout = test::normal_values(R * OC, 92, 0.01f);
+  std::vector<float> out(R * OC), dx(R * IC);
+  lin.forward({view(out, {R, OC}), view(x, {R, IC}), view(w, {E, OC, IC}), off.data()}, 1);
+  GradTwin dw({E, OC, IC}, 93);
+  CHECK_THROWS_WITH(lin.backward({.dx = view(dx, {R, IC}), .dweight = dw.bf16(), .dout = view(dout, {R, OC}),
+                                  .x = view(x, {R, IC}), .weight = view(w, {E, OC, IC}), .offsets_host = off.data()}),
+                    doctest::Contains("test.experts: a bf16 gradient (optim.grads = \"bf16\") is not supported"));
 }
