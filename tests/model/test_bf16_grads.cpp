@@ -88,3 +88,16 @@ TEST_CASE("optim.grads = bf16 holds the gradients in bf16 and trains within roun
     for (std::size_t s = 0; s < h.losses.size(); ++s) CHECK(std::fabs(h.losses[s] - f.losses[s]) < 1e-2 * f.losses[s]);
   }
 }
+
+TEST_CASE("optim.grads = bf16 where a layer writes f32 gradients is a config error naming the key") {
+  // fp8.recipe = "block" and a mixture of experts' grouped linears write f32 gradients: refused before
+  // the first step.
+  for (const auto& sets : {std::vector<std::string>{"optim.grads=bf16", "fp8.enabled=true", "fp8.recipe=block"},
+                           std::vector<std::string>{"optim.grads=bf16", "model.arch=llama", "model.n_kv_head=1",
+                                                    "model.moe.n_experts=4", "model.moe.top_k=2",
+                                                    "model.moe.hidden=32"}}) {
+    INFO(joined_sets(sets));
+    test::Pipeline p(kTinyBf16Grads, sets);
+    CHECK_THROWS_WITH_AS(p.world->systems().run(Phase::setup, *p.world), doctest::Contains("optim.grads"), ConfigError);
+  }
+}

@@ -358,6 +358,14 @@ std::string skip_line(const std::string& s) {
 // whole, by every rank for its parts where they are sharded (see fp8.weights below).
 void install_block(World& w, const Fp8Config& cfg, const std::vector<std::string>& skipped, bool pipelined) {
   auto& st = w.resource<Fp8State>();
+  // Its GEMMs and quantisations write f32 weight and bias gradients: bf16 ones are refused before the
+  // first step, naming the key.
+  w.systems().add({"fp8.block_grads", Phase::setup, [](World& world) {
+                     if (world.resource<nn::ParamStore>().grad_dtype() == DType::bf16)
+                       throw config_error(world, "optim.grads",
+                                          "is \"bf16\", which fp8.recipe = \"block\" does not support yet (its "
+                                          "layers write f32 gradients): use optim.grads = \"f32\" or another recipe");
+                   }});
   // E4M3 throughout, fp8.format notwithstanding (as DeepSeek-V3 and TransformerEngine's block recipe):
   // a scale per 128 values leaves E5M2's range nothing to do, and E4M3's extra mantissa bit shows in
   // the loss (gpt2-124m, 2,000 steps: validation +0.45% against bf16 with E5M2 gradients, -0.68%

@@ -190,8 +190,14 @@ void install(World& w, const ModelConfig& cfg) {
 
   // The parameters' flat buffers, laid out now that every module has said how (a module that
   // shards them orders its planning before this system, one that uses them after it).
-  w.systems().add({"params.allocate", Phase::setup, [](World& world) {
+  w.systems().add({"params.allocate", Phase::setup, [moe = cfg.moe.enabled()](World& world) {
                      auto& store = world.resource<nn::ParamStore>();
+                     // The experts' grouped linears write f32 gradients.
+                     if (moe && store.grad_dtype() == DType::bf16)
+                       throw config_error(world, "optim.grads",
+                                          "is \"bf16\", which a mixture of experts (model.moe.n_experts > 0) does "
+                                          "not support yet (its grouped linears write f32 gradients): use "
+                                          "optim.grads = \"f32\"");
                      store.lay_out(world);
                      store.allocate(held_buffers(world.resource<ops::ActiveBackend>().get(), store));
                    }});
