@@ -180,7 +180,7 @@ void fused_table(Timer& timer, cudaStream_t s, const Buffer& scales) {
   KILN_CUDA_CHECK(cudaMemcpy(seg.data(), &table, sizeof(table), cudaMemcpyHostToDevice));
   line("W_fc: AdamW + bf16 copy (ops backend)", F, C, 30.0 * W, timer.median_ms([&] {
          cuda::adamw(static_cast<float*>(p.data()), static_cast<cuda::bf16*>(p16.data()), static_cast<float*>(gr.data()),
-                     m.data(), v.data(), false, static_cast<const cuda::AdamWSegmentDev*>(seg.data()), 1, W, 1e-4f, 0.9f, 0.95f, 1e-8f, 1.0f,
+                     false, m.data(), v.data(), false, static_cast<const cuda::AdamWSegmentDev*>(seg.data()), 1, W, 1e-4f, 0.9f, 0.95f, 1e-8f, 1.0f,
                      0.1f, 0.05f, nullptr, s);
        }));
   line("W_fc: f32 master -> both e4m3 + amax (unfused)", F, C, 6.0 * W, timer.median_ms([&] {

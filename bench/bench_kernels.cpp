@@ -220,7 +220,7 @@ void bench_config(const Config& cfg, cudaStream_t s, Timer& timer, cuda::GemmRun
     auto* d_segs = buf.upload(segs);
     const std::int64_t work = half + (P - half + 3) / 4 * 4;
     row("adamw (+bf16 copy)", dims({P}), timer.median_ms([&] {
-          cuda::adamw(p, pb, g, m, v, false, d_segs, 2, work, 3e-4f, 0.9f, 0.95f, 1e-8f, 1.0f, 0.1f, 0.01f, nullptr, s);
+          cuda::adamw(p, pb, g, false, m, v, false, d_segs, 2, work, 3e-4f, 0.9f, 0.95f, 1e-8f, 1.0f, 0.1f, 0.01f, nullptr, s);
         }),
         P * (4.0 * 4 + 4.0 * 3 + 2));
   }

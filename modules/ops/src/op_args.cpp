@@ -471,11 +471,25 @@ MoeDims check_args(const MoeDropout& a, const ArgTarget& on) {
   return {0, 0, 0, c[F], c[R]};
 }
 
+namespace {
+
+// The dtype a parameter gradient an op reads is checked against (optim.grads: f32, or bf16 bits the
+// readers convert to f32 exactly): its own where it is one of those; any other is refused here, by
+// name, rather than as "expected f32" (bf16 is as valid).
+ArgDType grad_read_dtype(const OpArgs& c, const char* arg, const TensorView& t) {
+  if (!t) return f32;  // missing: refused by the caller's check as "got none"
+  if (t.dtype != f32 && t.dtype != DType::bf16)
+    KILN_THROW(c.op(), " ", arg, ": expected f32 or bf16 (the gradient dtype), got ", t.str());
+  return t.dtype;
+}
+
+}  // namespace
+
 AdamWPlan check_args(const AdamW& a, const ArgTarget& on) {
   OpArgs c("adamw", on);
   const auto P = c.wide_dim("P");
   c.tensor("params", a.params, f32, {P});
-  c.tensor("grads", a.grads, f32, {P});
+  c.tensor("grads", a.grads, grad_read_dtype(c, "grads", a.grads), {P});
   const ArgDType moments = a.m.dtype == DType::bf16 ? DType::bf16 : f32;  // f32 or bf16, both alike
   c.tensor("m", a.m, moments, {P});
   c.tensor("v", a.v, moments, {P});
@@ -508,13 +522,23 @@ std::int64_t check_f32_tensor(const char* op, const char* arg, const TensorView&
   return c[n];
 }
 
+std::int64_t check_grad_tensor(const char* op, const char* arg, const TensorView& t, const ArgTarget& on) {
+  OpArgs c(op, on);
+  const auto n = c.wide_dim("n");
+  c.elements(arg, t, grad_read_dtype(c, arg, t), n);
+  return c[n];
+}
+
 void check_args(const SumSquaresParts& a, const ArgTarget& on) {
   OpArgs c("sum_squares_parts", on);
   c.check(a.parts.size() == a.divisors.size(), a.parts.size(), " parts but ", a.divisors.size(), " divisors");
   for (std::size_t i = 0; i < a.parts.size(); ++i) {
     char part[32];  // named without an allocation: the check runs every optimizer step
     std::snprintf(part, sizeof part, "parts[%zu]", i);
-    check_f32_tensor("sum_squares_parts", part, a.parts[i], on);
+    check_grad_tensor("sum_squares_parts", part, a.parts[i], on);
+    // One gradient, one dtype: a mix means a part was taken from some other buffer.
+    c.check(a.parts[i].dtype == a.parts[0].dtype, part, " is ", name_of(a.parts[i].dtype), " but parts[0] is ",
+            name_of(a.parts[0].dtype), " (the parts of one gradient share its dtype)");
     c.check(a.divisors[i] >= 0, "divisors[", i, "] = ", a.divisors[i], " (>= 0 expected)");
   }
   c.tensor("out", a.out, f32, {1});

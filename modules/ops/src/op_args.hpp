@@ -104,7 +104,10 @@ AdamWPlan check_args(const AdamW& a, const ArgTarget& on);
 
 // sum_squares, init_normal, fill: one f32 tensor of any shape (`arg` of `op`); returns its element count.
 std::int64_t check_f32_tensor(const char* op, const char* arg, const TensorView& t, const ArgTarget& on);
-// sum_squares_parts: f32 parts (each of any shape), one divisor >= 0 each, out one f32.
+// sum_squares, grad_clip: one parameter gradient, f32 or bf16, of any shape; returns its element count.
+std::int64_t check_grad_tensor(const char* op, const char* arg, const TensorView& t, const ArgTarget& on);
+// sum_squares_parts: parts of one gradient, all f32 or all bf16 (each of any shape), one divisor >= 0
+// each, out one f32.
 void check_args(const SumSquaresParts& a, const ArgTarget& on);
 // add: two tensors of the same element count, both f32 or both bf16 (gradients); returns it.
 std::int64_t check_add_args(const TensorView& dst, const TensorView& src, const ArgTarget& on);

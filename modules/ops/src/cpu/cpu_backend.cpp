@@ -6,6 +6,8 @@
 #include <cstring>
 #include <thread>
 
+#include "kiln/ops/grads.hpp"
+
 namespace kiln::ops {
 
 std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options) {
@@ -79,18 +81,23 @@ void CpuBackend::zero(const TensorView& t) {
 }
 
 double CpuBackend::sum_squares(const TensorView& x) {
-  const std::int64_t n = check_f32_tensor("sum_squares", "x", x, kTarget);
-  const float* p = x.as<float>();
+  const std::int64_t n = check_grad_tensor("sum_squares", "x", x, kTarget);
   // Fixed chunking keeps the result independent of the thread count.
   constexpr std::int64_t kChunk = 1 << 14;
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(static_cast<std::size_t>(chunks), 0.0);
+  // f32 or bf16 (a gradient): the same sums of the elements' f32 values.
+  with_grads(x.dtype == DType::bf16, x.data, [&](auto* p) {
 #pragma omp parallel for num_threads(threads_) schedule(static)
-  for (std::int64_t c = 0; c < chunks; ++c) {
-    double s = 0;
-    for (std::int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += double(p[i]) * p[i];
-    partial[c] = s;
-  }
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      double s = 0;
+      for (std::int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+        const float v = grad_load(p, i);
+        s += double(v) * v;
+      }
+      partial[c] = s;
+    }
+  });
   double total = 0;
   for (double s : partial) total += s;
   return total;

@@ -5,6 +5,7 @@
 #include "common.cuh"
 #include "kiln/ops/cuda/moments.cuh"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/grads.hpp"
 #include "kiln/ops/moments.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
@@ -19,9 +20,9 @@ struct Hyper {
 };
 
 // VEC: params, grads, m, v 16-byte aligned and params_bf16 (if any) 8-byte aligned. M: the
-// moments' storage (float, or std::uint16_t: bf16 bits).
-template <bool VEC, class M>
-__global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grads, M* m, M* v,
+// moments' storage, G: the gradient's (each float, or std::uint16_t: bf16 bits, read as f32 exactly).
+template <bool VEC, class M, class G>
+__global__ void adamw_kernel(float* params, bf16* params_bf16, const G* grads, M* m, M* v,
                              const AdamWSegmentDev* segs, int n_segs, std::int64_t W, Hyper h) {
   ops::AdamWNumbers n{h.lr, h.grad_scale, h.bc1, h.bc2};
   if (!ops::adamw_numbers(h.scalars, n)) return;  // a non-finite gradient: the step is skipped
@@ -37,11 +38,10 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
     bf16* pa = params_bf16 && act >= 0 ? params_bf16 + act + local : nullptr;
     if (VEC && local + 4 <= count && i % 4 == 0 && (act < 0 || (act + local) % 4 == 0)) {
       const float4 p4 = *reinterpret_cast<const float4*>(params + i);
-      const float4 g4 = *reinterpret_cast<const float4*>(grads + i);
-      float p[4] = {p4.x, p4.y, p4.z, p4.w}, mm[4], vv[4];
+      float p[4] = {p4.x, p4.y, p4.z, p4.w}, mm[4], vv[4], g[4];
+      load4(grads + i, g);
       load4(m + i, mm);
       load4(v + i, vv);
-      const float g[4] = {g4.x, g4.y, g4.z, g4.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k)
         ops::adamw_update(p[k], mm[k], vv[k], g[k] * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
@@ -57,7 +57,7 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
     } else {
       for (std::int64_t j = i; j < i + 4 && j - i + local < count; ++j) {
         float pj = params[j], mj = ops::moment_load(m, j), vj = ops::moment_load(v, j);
-        ops::adamw_update(pj, mj, vj, grads[j] * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
+        ops::adamw_update(pj, mj, vj, ops::grad_load(grads, j) * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, wd, h.bc1, h.bc2);
         params[j] = pj;
         ops::moment_store(m, j, mj);
         ops::moment_store(v, j, vj);
@@ -67,8 +67,8 @@ __global__ void adamw_kernel(float* params, bf16* params_bf16, const float* grad
   }
 }
 
-template <class M>
-void adamw_launch(float* params, bf16* params_bf16, const float* grads, M* m, M* v, const AdamWSegmentDev* segments,
+template <class M, class G>
+void adamw_launch(float* params, bf16* params_bf16, const G* grads, M* m, M* v, const AdamWSegmentDev* segments,
                   int n_segments, std::int64_t work, const Hyper& h, cudaStream_t s) {
   const bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) &&
                    (reinterpret_cast<std::uintptr_t>(params_bf16) & 7u) == 0;
@@ -82,13 +82,15 @@ void adamw_launch(float* params, bf16* params_bf16, const float* grads, M* m, M*
 
 }  // namespace
 
-void adamw(float* params, bf16* params_bf16, const float* grads, void* m, void* v, bool bf16_moments,
+void adamw(float* params, bf16* params_bf16, const void* grads, bool bf16_grads, void* m, void* v, bool bf16_moments,
            const AdamWSegmentDev* segments, int n_segments, std::int64_t work, float lr, float beta1, float beta2,
            float eps, float grad_scale, float bc1, float bc2, const float* scalars, cudaStream_t s) {
   if (work <= 0 || n_segments <= 0) return;
   const Hyper h{lr, beta1, beta2, eps, grad_scale, bc1, bc2, scalars};
   ops::with_moments(bf16_moments, m, v, [&](auto* mt, auto* vt) {
-    adamw_launch(params, params_bf16, grads, mt, vt, segments, n_segments, work, h, s);
+    ops::with_grads(bf16_grads, grads, [&](auto* g) {
+      adamw_launch(params, params_bf16, g, mt, vt, segments, n_segments, work, h, s);
+    });
   });
 }
 

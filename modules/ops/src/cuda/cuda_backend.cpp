@@ -229,6 +229,18 @@ void CudaBackend::zero_many(std::span<const TensorView> ts) {
 
 void CudaBackend::synchronize() { KILN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
+namespace {
+
+// The sum_squares partials of a checked f32 or bf16 tensor (a gradient) into `partials`.
+void sum_squares_into(float* partials, const TensorView& x, cudaStream_t s) {
+  if (x.dtype == DType::bf16)
+    cuda::sum_squares_bf16(partials, static_cast<const std::uint16_t*>(x.data), x.numel(), s);
+  else
+    cuda::sum_squares_f32(partials, dptr<float>(x), x.numel(), s);
+}
+
+}  // namespace
+
 double CudaBackend::sum_squares(const TensorView& x) { return sum_squares_each(std::span(&x, 1)).front(); }
 
 // Each tensor's partials go to its own range of the scratch; one copy back and one synchronisation
@@ -237,11 +249,10 @@ std::vector<double> CudaBackend::sum_squares_each(std::span<const TensorView> xs
   Timer t(*this, "sum_squares");
   std::vector<std::int64_t> first(xs.size() + 1, 0);
   for (std::size_t i = 0; i < xs.size(); ++i) {
-    first[i + 1] = first[i] + cuda::sum_squares_partials(check_f32_tensor("sum_squares", "x", xs[i], kTarget));
+    first[i + 1] = first[i] + cuda::sum_squares_partials(check_grad_tensor("sum_squares", "x", xs[i], kTarget));
   }
   float* partials = scratch_floats(first.back());
-  for (std::size_t i = 0; i < xs.size(); ++i)
-    cuda::sum_squares_f32(partials + first[i], dptr<float>(xs[i]), xs[i].numel(), stream_);
+  for (std::size_t i = 0; i < xs.size(); ++i) sum_squares_into(partials + first[i], xs[i], stream_);
   std::vector<float> host(static_cast<std::size_t>(first.back()));
   KILN_CUDA_CHECK(cudaMemcpyAsync(host.data(), partials, host.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   KILN_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -576,8 +587,8 @@ void CudaBackend::adamw(const AdamW& a) {
   const cuda::AdamWSegmentDev* segments = device_table(adamw_table_, table);
   float bc1 = 0, bc2 = 0;
   adamw_bias_corrections(a.beta1, a.beta2, a.step, bc1, bc2);
-  cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, dptr<float>(a.grads),
-              a.m.data, a.v.data, a.m.dtype == DType::bf16, segments,
+  cuda::adamw(dptr<float>(a.params), a.params_act ? dptr<bf16>(a.params_act) : nullptr, a.grads.data,
+              a.grads.dtype == DType::bf16, a.m.data, a.v.data, a.m.dtype == DType::bf16, segments,
               static_cast<int>(table.size()), work, a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, bc1, bc2, a.scalars,
               stream_);
 }
@@ -589,10 +600,10 @@ void CudaBackend::grad_clip(const GradClip& a) {
     cuda::grad_clip_from_sum(a.sum_squares, a.max_norm, a.scalars, a.norm, stream_);
     return;
   }
-  const std::int64_t n = check_f32_tensor("grad_clip", "grads", a.grads, kTarget);
+  const std::int64_t n = check_grad_tensor("grad_clip", "grads", a.grads, kTarget);
   const std::int64_t count = cuda::sum_squares_partials(n);
   float* partials = scratch_floats(count);
-  cuda::sum_squares_f32(partials, dptr<float>(a.grads), n, stream_);
+  sum_squares_into(partials, a.grads, stream_);
   cuda::grad_clip_finish(partials, count, a.max_norm, a.scalars, a.norm, stream_);
 }
 
@@ -613,7 +624,8 @@ void CudaBackend::sum_squares_parts(const SumSquaresParts& a) {
   float* partials = scratch_floats(quotients_at + 2 * static_cast<std::int64_t>(table.size()));
   std::vector<cuda::SumSquaresSegment> segs;
   for (std::size_t i = 0; i < a.parts.size(); ++i)
-    if (table[i].end > table[i].first) segs.push_back({dptr<float>(a.parts[i]), a.parts[i].numel(), table[i].first});
+    if (table[i].end > table[i].first)
+      segs.push_back({a.parts[i].data, a.parts[i].numel(), table[i].first, a.parts[i].dtype == DType::bf16});
   // One launch for every part (a step's gradient under tensor parallelism has hundreds).
   if (!segs.empty())
     cuda::sum_squares_many(partials, device_table(sum_squares_segments_, segs), static_cast<int>(segs.size()), at,

@@ -1,8 +1,10 @@
 // Elementwise and utility kernels: dtype conversion, fill, Philox normal init, sum of squares, and the
 // unfused GEMM epilogues used when cuBLASLt cannot fuse one (gemm.cpp).
 #include "common.cuh"
+#include "kiln/ops/cuda/moments.cuh"
 #include "kiln/ops/epilogue.hpp"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/grads.hpp"
 #include "kiln/rng/philox.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 
@@ -159,21 +161,28 @@ __host__ __device__ inline std::int64_t sum_squares_partials_device(std::int64_t
 }
 
 // Block `block` of `blocks` over x's n elements: its partial sum of squares (the same arithmetic
-// whether the blocks of one tensor are a grid of their own or part of sum_squares_many_kernel's).
-__device__ void sum_squares_block(float* partial, const float* x, std::int64_t n, bool vec, std::int64_t block,
+// whether the blocks of one tensor are a grid of their own or part of sum_squares_many_kernel's). T:
+// float, or std::uint16_t holding bf16 bits (a bf16 gradient), each element read as f32 exactly: the
+// same partials as an f32 tensor of the same values. vec: x 16-byte aligned.
+template <class T>
+__device__ void sum_squares_block(float* partial, const T* x, std::int64_t n, bool vec, std::int64_t block,
                                   std::int64_t blocks) {
   __shared__ double warp_totals[kThreads / kWarp];
   double acc = 0;
   const std::int64_t stride = blocks * blockDim.x;
   for (std::int64_t i = (block * blockDim.x + threadIdx.x) * 4; i < n; i += stride * 4) {
     if (vec && i + 4 <= n) {
-      const float4 v = *reinterpret_cast<const float4*>(x + i);
-      acc += double(v.x) * v.x;
-      acc += double(v.y) * v.y;
-      acc += double(v.z) * v.z;
-      acc += double(v.w) * v.w;
+      float v[4];
+      load4(x + i, v);
+      acc += double(v[0]) * v[0];
+      acc += double(v[1]) * v[1];
+      acc += double(v[2]) * v[2];
+      acc += double(v[3]) * v[3];
     } else {
-      for (std::int64_t j = i; j < n && j < i + 4; ++j) acc += double(x[j]) * x[j];
+      for (std::int64_t j = i; j < n && j < i + 4; ++j) {
+        const float v = ops::grad_load(x, j);
+        acc += double(v) * v;
+      }
     }
   }
   acc = warp_sum(acc);
@@ -186,7 +195,8 @@ __device__ void sum_squares_block(float* partial, const float* x, std::int64_t n
   }
 }
 
-__global__ void sum_squares_kernel(float* partials, const float* x, std::int64_t n, bool vec) {
+template <class T>
+__global__ void sum_squares_kernel(float* partials, const T* x, std::int64_t n, bool vec) {
   sum_squares_block(partials + blockIdx.x, x, n, vec, blockIdx.x, gridDim.x);
 }
 
@@ -199,8 +209,12 @@ __global__ void sum_squares_many_kernel(float* partials, const SumSquaresSegment
     if (segs[mid].first <= b) lo = mid; else hi = mid - 1;
   }
   const SumSquaresSegment g = segs[lo];
-  sum_squares_block(partials + b, g.x, g.n, aligned16(g.x), b - g.first,
-                    sum_squares_partials_device(g.n));
+  if (g.bf16)
+    sum_squares_block(partials + b, static_cast<const std::uint16_t*>(g.x), g.n, aligned16(g.x), b - g.first,
+                      sum_squares_partials_device(g.n));
+  else
+    sum_squares_block(partials + b, static_cast<const float*>(g.x), g.n, aligned16(g.x), b - g.first,
+                      sum_squares_partials_device(g.n));
 }
 
 // Unfused epilogues on a row-major [M, N] bf16 matrix (see gemm.cpp).
@@ -280,6 +294,13 @@ void sum_squares_many(float* partials, const SumSquaresSegment* segs, int n_segs
 }
 
 void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s) {
+  const std::int64_t blocks = sum_squares_partials(n);
+  if (blocks == 0) return;
+  sum_squares_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(partials, x, n, aligned16(x));
+  KILN_CUDA_LAUNCH_CHECK();
+}
+
+void sum_squares_bf16(float* partials, const std::uint16_t* x, std::int64_t n, cudaStream_t s) {
   const std::int64_t blocks = sum_squares_partials(n);
   if (blocks == 0) return;
   sum_squares_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(partials, x, n, aligned16(x));

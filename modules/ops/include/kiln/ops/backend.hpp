@@ -308,7 +308,7 @@ struct AdamWSegment {
 struct AdamW {
   TensorView params;      // [P] f32
   TensorView params_act;  // act, optional: [P], or holding every segment's act range
-  TensorView grads;       // [P] f32
+  TensorView grads;       // [P] f32 or bf16 (the gradient dtype; read as f32: ops::grad_load)
   TensorView m;           // [P] f32, or bf16 (both the same dtype: ops::moment_load / moment_store)
   TensorView v;           // [P] as m
   std::vector<AdamWSegment> segments;  // cover [0, P)
@@ -327,7 +327,7 @@ struct AdamW {
 // scalars[kAdamWGradScale] = grad_clip_scale(norm, max_norm). Where ranks share the gradient, the
 // sum of squares is theirs instead (`sum_squares`: SumSquaresParts on each, then summed over them).
 struct GradClip {
-  TensorView grads;                    // [P] f32; unused where sum_squares is given
+  TensorView grads;                    // [P] f32 or bf16 (the gradient dtype); unused where sum_squares is given
   double max_norm = 0;                 // 0: no clipping (the scale is 1)
   float* scalars = nullptr;            // device: AdamW::scalars
   double* norm = nullptr;              // device
@@ -339,7 +339,7 @@ struct GradClip {
 // sum_squares(parts[i]) / divisors[i] (each part's sum as sum_squares makes it, the quotients added
 // in double in order; a divisor of 0 leaves its part out), rounded to f32.
 struct SumSquaresParts {
-  std::span<const TensorView> parts;  // f32
+  std::span<const TensorView> parts;  // f32 or bf16 (the gradient dtype), all parts the same
   std::span<const int> divisors;      // one per part, >= 0
   TensorView out;                     // [1] f32
 };
@@ -389,9 +389,10 @@ class Backend {
   virtual void grad_clip(const GradClip& a) = 0;
   virtual void sum_squares_parts(const SumSquaresParts& a) = 0;
   virtual void synchronize() = 0;
-  // Sum of squares of an f32 tensor, in double on the host (synchronises).
+  // Sum of squares of an f32 or bf16 tensor (a gradient; of its elements' f32 values, the same
+  // arithmetic for both), in double on the host (synchronises).
   virtual double sum_squares(const TensorView& x) = 0;
-  // The same for several f32 tensors at once, with one synchronisation; out[i] equals
+  // The same for several tensors (each f32 or bf16) at once, with one synchronisation; out[i] equals
   // sum_squares(xs[i]) bit for bit. (The optimizer's per-parameter sums under tensor parallelism.)
   virtual std::vector<double> sum_squares_each(std::span<const TensorView> xs) = 0;
   // Writes standard normals * std (or a constant, if std == 0 and `constant` is used) into an f32

@@ -33,12 +33,16 @@ void init_normal_f32(float* dst, std::int64_t n, float std, rng::PhiloxArgs rng,
 // sum_squares_partials(n) floats; the caller adds them up.
 std::int64_t sum_squares_partials(std::int64_t n);
 void sum_squares_f32(float* partials, const float* x, std::int64_t n, cudaStream_t s);
-// sum_squares_f32 of many tensors in one launch: segment i's partials (the same values) at
-// [first, first + sum_squares_partials(n)) of `partials`; segments in ascending `first`, none empty;
-// total_blocks = the last one's end.
+// The same of a bf16 gradient (bf16 bits): the partials sum_squares_f32 writes for an f32 tensor of
+// the same values (each element converted to f32 exactly, then the same arithmetic).
+void sum_squares_bf16(float* partials, const std::uint16_t* x, std::int64_t n, cudaStream_t s);
+// sum_squares_f32 (or _bf16, where bf16) of many tensors in one launch: segment i's partials (the
+// same values) at [first, first + sum_squares_partials(n)) of `partials`; segments in ascending
+// `first`, none empty; total_blocks = the last one's end.
 struct SumSquaresSegment {
-  const float* x = nullptr;
+  const void* x = nullptr;  // float, or bf16 bits where bf16
   std::int64_t n = 0, first = 0;
+  bool bf16 = false;
   bool operator==(const SumSquaresSegment&) const = default;
 };
 void sum_squares_many(float* partials, const SumSquaresSegment* segs, int n_segs, std::int64_t total_blocks,
@@ -183,9 +187,10 @@ struct AdamWSegmentDev {
 // segments: device array of n_segments entries, sorted by `work`, the elements to update (other
 // elements are not touched); `work`: the end of the last one.
 // With `scalars` (ops::AdamW::scalars, device) lr, grad_scale, bc1 and bc2 are read from there when
-// the kernel runs, and a NaN gradient scale leaves everything as it was. m and v: f32, or bf16 where
-// bf16_moments (ops::moment_load / moment_store).
-void adamw(float* params, bf16* params_bf16, const float* grads, void* m, void* v, bool bf16_moments,
+// the kernel runs, and a NaN gradient scale leaves everything as it was. grads: f32, or bf16 bits
+// where bf16_grads (ops::grad_load). m and v: f32, or bf16 where bf16_moments (ops::moment_load /
+// moment_store).
+void adamw(float* params, bf16* params_bf16, const void* grads, bool bf16_grads, void* m, void* v, bool bf16_moments,
            const AdamWSegmentDev* segments, int n_segments, std::int64_t work, float lr, float beta1, float beta2,
            float eps, float grad_scale, float bc1, float bc2, const float* scalars, cudaStream_t s);
 
