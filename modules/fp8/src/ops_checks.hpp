@@ -12,19 +12,23 @@ inline void expect_matrix(const TensorView& t, DType dtype, std::int64_t rows, s
     KILN_THROW(what, ": expected a contiguous ", name_of(dtype), "[", rows, ",", cols, "], got ", t.str());
 }
 
-// param, grad, m, v: f32 [rows, cols] or [batch, rows, cols] on `device`, contiguous, one shape; no
-// colwise copy without the rowwise one.
+// param, grad, m, v: [rows, cols] or [batch, rows, cols] on `device`, contiguous, one shape (param
+// f32; grad f32 or bf16, the gradient dtype; m and v f32 or both bf16); no colwise copy without the
+// rowwise one.
 inline void check_adamw_quantize_args(const AdamWQuantizeArgs& a, Device device) {
   ops::OpArgs c("fp8 adamw_quantize", {device, DType::f32, false});
   const auto rows = c.wide_dim("rows"), cols = c.wide_dim("cols");
   // The moments f32 or bf16, both alike (ops::moment_load / moment_store).
   const DType moments = a.m.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  // The gradient f32 or bf16 (optim.grads; read as f32 exactly, ops::grad_load); any other refused by name.
+  if (a.grad.dtype != DType::f32 && a.grad.dtype != DType::bf16)
+    KILN_THROW(c.op(), " grad: expected f32 or bf16 (the gradient dtype), got ", a.grad.str());
   struct Arg {
     const char* name;
     const TensorView* t;
     DType dtype;
   };
-  const Arg args[] = {{"param", &a.param, DType::f32}, {"grad", &a.grad, DType::f32}, {"m", &a.m, moments},
+  const Arg args[] = {{"param", &a.param, DType::f32}, {"grad", &a.grad, a.grad.dtype}, {"m", &a.m, moments},
                       {"v", &a.v, moments}};
   if (a.param.ndim() == 3) {
     const auto batch = c.wide_dim("batch");

@@ -14,6 +14,7 @@
 #include "kiln/fp8/ops.hpp"
 #include "kiln/ops/formulas.hpp"
 #include "kiln/ops/grad_staging.hpp"
+#include "kiln/ops/grads.hpp"
 #include "kiln/ops/moments.hpp"
 #include "../ops_checks.hpp"
 
@@ -437,17 +438,19 @@ class CpuOps final : public Fp8Ops {
     ops::adamw_bias_corrections(a.beta1, a.beta2, a.step, h.bc1, h.bc2);
     if (!ops::adamw_numbers(a.scalars, h)) return;  // a non-finite gradient: the step is skipped
     float* p = a.param.as<float>();
-    const float* g = a.grad.as<float>();
     const std::int64_t n = a.param.numel();
+    // Typed by the moments' storage and the gradient's (each f32 or bf16 bits, read as f32).
     ops::with_moments(a.m.dtype == DType::bf16, a.m.data, a.v.data, [&](auto* m, auto* v) {
+      ops::with_grads(a.grad.dtype == DType::bf16, a.grad.data, [&](auto* g) {
 #pragma omp parallel for num_threads(threads_) schedule(static) if (n >= kParallelWork)
-      for (std::int64_t i = 0; i < n; ++i) {
-        float mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
-        ops::adamw_update(p[i], mi, vi, g[i] * h.grad_scale, h.lr, a.beta1, a.beta2, a.eps, a.weight_decay, h.bc1,
-                          h.bc2);
-        ops::moment_store(m, i, mi);
-        ops::moment_store(v, i, vi);
-      }
+        for (std::int64_t i = 0; i < n; ++i) {
+          float mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
+          ops::adamw_update(p[i], mi, vi, ops::grad_load(g, i) * h.grad_scale, h.lr, a.beta1, a.beta2, a.eps,
+                            a.weight_decay, h.bc1, h.bc2);
+          ops::moment_store(m, i, mi);
+          ops::moment_store(v, i, vi);
+        }
+      });
     });
     if (a.out.rowwise) quantize(a.param, a.out, a.amax);
   }

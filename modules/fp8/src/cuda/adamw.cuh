@@ -27,13 +27,13 @@ __device__ __forceinline__ void update(float& p, float& m, float& v, float g, co
   ops::adamw_update(p, m, v, g * h.grad_scale, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.bc1, h.bc2);
 }
 
-// Four consecutive elements: a float4 of the master and of the gradient, the moments as loaded
-// (kiln/ops/cuda/moments.cuh).
-__device__ __forceinline__ void update4(float4& p, float (&m)[4], float (&v)[4], const float4& g, const Hyper& h) {
-  update(p.x, m[0], v[0], g.x, h);
-  update(p.y, m[1], v[1], g.y, h);
-  update(p.z, m[2], v[2], g.z, h);
-  update(p.w, m[3], v[3], g.w, h);
+// Four consecutive elements: a float4 of the master, the gradient and the moments as loaded (f32
+// or bf16, kiln/ops/cuda/moments.cuh's load4).
+__device__ __forceinline__ void update4(float4& p, float (&m)[4], float (&v)[4], const float (&g)[4], const Hyper& h) {
+  update(p.x, m[0], v[0], g[0], h);
+  update(p.y, m[1], v[1], g[1], h);
+  update(p.z, m[2], v[2], g[2], h);
+  update(p.w, m[3], v[3], g[3], h);
 }
 
 // The step's numbers of an AdamWQuantizeDev (the bias corrections of its step).

@@ -7,12 +7,14 @@
 // The tiled kernel moves 30 bytes per element (param, grad, m, v read; param, m, v and both codes
 // written; 22 with bf16 moments) where the unfused path moves 30 (AdamW with its bf16 copy) plus 6
 // (the f32 master read again, both copies written). The moments are f32 or bf16 (M: float, or
-// std::uint16_t holding bf16 bits; ops::moment_load / moment_store).
+// std::uint16_t holding bf16 bits; ops::moment_load / moment_store), and so is the gradient (G, the
+// same two; ops::grad_load: a bf16 gradient gives the bits an f32 one of the same values gives).
 #include <algorithm>
 
 #include "kiln/fp8/cuda/launchers.hpp"
 #include "kiln/ops/cuda/moments.cuh"
 #include "kiln/ops/formulas.hpp"
+#include "kiln/ops/grads.hpp"
 #include "kiln/ops/moments.hpp"
 #include "kiln/tensor/cuda_check.hpp"
 #include "adamw.cuh"
@@ -26,9 +28,9 @@ namespace {
 // t % 16 of tile row 16 k + t / 16 (a warp covers two whole 256-byte rows) and leaves its 4 codes in
 // the shared tile; both copies are then written from there (rowwise: 16 bytes of tile row t / 4 per
 // thread; colwise: store_transposed).
-template <Format F, bool QUANT, bool AMAX, class M>
+template <Format F, bool QUANT, bool AMAX, class M, class G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_quantize_tiled(float* __restrict__ param, const float* __restrict__ grad, M* __restrict__ m,
+    adamw_quantize_tiled(float* __restrict__ param, const G* __restrict__ grad, M* __restrict__ m,
                          M* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                          const float* __restrict__ scale_ptr, float* amax, int rows, int cols, int per, Hyper h) {
   if (!step_numbers(h)) return;
@@ -47,8 +49,8 @@ __global__ void __launch_bounds__(kThreads)
       if (r >= rows || c >= cols) continue;  // cols % 16 == 0: a float4 is all in or all out
       const size_t at = static_cast<size_t>(r) * cols + c;
       float4 p4 = *reinterpret_cast<const float4*>(param + at);
-      const float4 g4 = *reinterpret_cast<const float4*>(grad + at);
-      float m4[4], v4[4];
+      float g4[4], m4[4], v4[4];
+      kiln::cuda::load4(grad + at, g4);
       kiln::cuda::load4(m + at, m4);
       kiln::cuda::load4(v + at, v4);
       update4(p4, m4, v4, g4, h);
@@ -90,9 +92,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Any shape and alignment: one element per thread and step.
-template <Format F, bool QUANT, bool AMAX, class M>
+template <Format F, bool QUANT, bool AMAX, class M, class G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_quantize_any(float* __restrict__ param, const float* __restrict__ grad, M* __restrict__ m,
+    adamw_quantize_any(float* __restrict__ param, const G* __restrict__ grad, M* __restrict__ m,
                        M* __restrict__ v, std::uint8_t* __restrict__ row, std::uint8_t* __restrict__ col,
                        const float* __restrict__ scale_ptr, float* amax, long long rows, long long cols,
                        long long per, Hyper h) {
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
     float p = param[i], mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
-    update(p, mi, vi, grad[i], h);
+    update(p, mi, vi, ops::grad_load(grad, i), h);
     param[i] = p;
     ops::moment_store(m, i, mi);
     ops::moment_store(v, i, vi);
@@ -120,8 +122,8 @@ __global__ void __launch_bounds__(kThreads)
   if (AMAX) block_amax(local, amax);
 }
 
-template <Format F, bool QUANT, bool AMAX, class M>
-void launch(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStream_t s) {
+template <Format F, bool QUANT, bool AMAX, class M, class G>
+void launch(const AdamWQuantizeDev& a, M* m, M* v, const G* grad, const Hyper& h, cudaStream_t s) {
   const long long per = a.rows / std::max<std::int64_t>(a.batch, 1);
   const bool tiled = a.rows % 16 == 0 && a.cols % 16 == 0 && per % 16 == 0 && a.rows <= 0x7fffffff && a.cols <= 0x7fffffff &&
                      aligned16(a.param) && aligned16(a.grad) && aligned16(a.m) && aligned16(a.v) &&
@@ -129,35 +131,35 @@ void launch(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStream_t 
   if (tiled) {
     const long long tiles = ((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
     const auto grid = static_cast<unsigned>(std::min<long long>(tiles, kMaxBlocks));
-    adamw_quantize_tiled<F, QUANT, AMAX><<<grid, kThreads, 0, s>>>(a.param, a.grad, m, v, a.rowwise, a.colwise,
+    adamw_quantize_tiled<F, QUANT, AMAX><<<grid, kThreads, 0, s>>>(a.param, grad, m, v, a.rowwise, a.colwise,
                                                                    a.scale, a.amax, static_cast<int>(a.rows),
                                                                    static_cast<int>(a.cols), static_cast<int>(per), h);
   } else {
     const long long n = a.rows * a.cols;
     const auto grid = static_cast<unsigned>(std::clamp<long long>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
     adamw_quantize_any<F, QUANT, AMAX>
-        <<<grid, kThreads, 0, s>>>(a.param, a.grad, m, v, a.rowwise, a.colwise, a.scale, a.amax, a.rows, a.cols, per,
+        <<<grid, kThreads, 0, s>>>(a.param, grad, m, v, a.rowwise, a.colwise, a.scale, a.amax, a.rows, a.cols, per,
                                    h);
   }
   KILN_CUDA_LAUNCH_CHECK();
 }
 
-template <Format F, class M>
-void with_flags(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStream_t s) {
+template <Format F, class M, class G>
+void with_flags(const AdamWQuantizeDev& a, M* m, M* v, const G* g, const Hyper& h, cudaStream_t s) {
   if (!a.rowwise)
-    launch<F, false, false>(a, m, v, h, s);
+    launch<F, false, false>(a, m, v, g, h, s);
   else if (a.amax)
-    launch<F, true, true>(a, m, v, h, s);
+    launch<F, true, true>(a, m, v, g, h, s);
   else
-    launch<F, true, false>(a, m, v, h, s);
+    launch<F, true, false>(a, m, v, g, h, s);
 }
 
-template <class M>
-void with_format(const AdamWQuantizeDev& a, M* m, M* v, const Hyper& h, cudaStream_t s) {
+template <class M, class G>
+void with_format(const AdamWQuantizeDev& a, M* m, M* v, const G* g, const Hyper& h, cudaStream_t s) {
   if (a.format == Format::e4m3)
-    with_flags<Format::e4m3>(a, m, v, h, s);
+    with_flags<Format::e4m3>(a, m, v, g, h, s);
   else
-    with_flags<Format::e5m2>(a, m, v, h, s);
+    with_flags<Format::e5m2>(a, m, v, g, h, s);
 }
 
 }  // namespace
@@ -169,7 +171,9 @@ void adamw_quantize(const AdamWQuantizeDev& a, cudaStream_t s) {
              "colwise one) with a scale, or neither");
   if (a.rows == 0 || a.cols == 0) return;
   const Hyper h = hyper_of(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, a.step, a.scalars);
-  ops::with_moments(a.bf16_moments, a.m, a.v, [&](auto* m, auto* v) { with_format(a, m, v, h, s); });
+  ops::with_moments(a.bf16_moments, a.m, a.v, [&](auto* m, auto* v) {
+    ops::with_grads(a.bf16_grad, a.grad, [&](auto* g) { with_format(a, m, v, g, h, s); });
+  });
 }
 
 }  // namespace kiln::fp8::cuda

@@ -307,12 +307,16 @@ void dispatch(const BlockCast& k, const Args& a, std::span<const Rows> parts, cu
 
 void adamw_dispatch(const BlockCast& k, const AdamWQuantizeDev& u, const Args& a, std::span<const Rows> parts,
                     cudaStream_t s) {
+  // Typed by the moments' storage and the gradient's (each f32 or bf16 bits).
   ops::with_moments(u.bf16_moments, u.m, u.v, [&]<class M>(M* m, M* v) {
-    const AdamWSource<M> src{u.param, u.grad, m, v, k.cols,
-                             hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step, u.scalars)};
-    const bool vec = k.cols % AdamWSource<M>::kVec == 0 && aligned16(u.param) && aligned16(u.grad) && aligned16(m) &&
-                     aligned16(v);
-    with_format(src, a, parts, vec, s);
+    ops::with_grads(u.bf16_grad, u.grad, [&]<class G>(const G* g) {
+      const AdamWSource<M, G> src{u.param, g, m, v, k.cols,
+                                  hyper_of(u.lr, u.beta1, u.beta2, u.eps, u.weight_decay, u.grad_scale, u.step,
+                                           u.scalars)};
+      const bool vec = k.cols % AdamWSource<M, G>::kVec == 0 && aligned16(u.param) && aligned16(g) && aligned16(m) &&
+                       aligned16(v);
+      with_format(src, a, parts, vec, s);
+    });
   });
 }
 

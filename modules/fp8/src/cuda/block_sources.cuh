@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kiln/ops/cuda/moments.cuh"
+#include "kiln/ops/grads.hpp"
 #include "kiln/ops/moments.hpp"
 #include "adamw.cuh"
 #include "loads.cuh"
@@ -81,14 +82,14 @@ struct DswigluSource {
 
 // The optimizer's step of an f32 master weight, applied as its values are loaded (each element once):
 // param, m and v updated in place, the updated param staged (the param as it was where the step is
-// skipped). Its codes are then the block quantisation of the updated weight. M: the moments' storage
-// (float, or std::uint16_t holding bf16 bits).
-template <class M>
+// skipped). Its codes are then the block quantisation of the updated weight. M: the moments' storage,
+// G: the gradient's (each float, or std::uint16_t holding bf16 bits, read as f32 exactly).
+template <class M, class G>
 struct AdamWSource {
   using Tile = float;
-  static constexpr int kVec = 4;  // one float4 of each f32 array, four moments
+  static constexpr int kVec = 4;  // one float4 of the master, four gradients and moments
   float* param;
-  const float* grad;
+  const G* grad;
   M* m;
   M* v;
   long long C;
@@ -98,8 +99,8 @@ struct AdamWSource {
     const long long at = r * C + c;
     // All four loads issued before the step's numbers are known (a skipped step reads g, m, v for nothing).
     float4 p4 = *reinterpret_cast<const float4*>(param + at);
-    const float4 g4 = *reinterpret_cast<const float4*>(grad + at);
-    float m4[4], v4[4];
+    float g4[4], m4[4], v4[4];
+    kiln::cuda::load4(grad + at, g4);
     kiln::cuda::load4(m + at, m4);
     kiln::cuda::load4(v + at, v4);
     if (step_numbers(hh)) {
@@ -116,7 +117,7 @@ struct AdamWSource {
     float p = param[i];
     if (step_numbers(hh)) {
       float mi = ops::moment_load(m, i), vi = ops::moment_load(v, i);
-      update(p, mi, vi, grad[i], hh);
+      update(p, mi, vi, ops::grad_load(grad, i), hh);
       param[i] = p;
       ops::moment_store(m, i, mi);
       ops::moment_store(v, i, vi);

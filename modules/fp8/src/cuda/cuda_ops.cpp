@@ -547,7 +547,8 @@ class CudaOps final : public Fp8Ops {
   static cuda::AdamWQuantizeDev step_of(const AdamWQuantizeArgs& a) {
     cuda::AdamWQuantizeDev k;
     k.param = a.param.as<float>();
-    k.grad = a.grad.as<float>();
+    k.grad = a.grad.data;
+    k.bf16_grad = a.grad.dtype == DType::bf16;
     k.m = a.m.data;
     k.v = a.v.data;
     k.bf16_moments = a.m.dtype == DType::bf16;

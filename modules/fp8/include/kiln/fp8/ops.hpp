@@ -88,7 +88,8 @@ struct GradQuantizeArgs {
 struct AdamWQuantizeArgs {
   // [rows, cols] f32, or [batch, rows, cols] (stacked matrices, e.g. a mixture of experts' weights:
   // their colwise copy is each one's transpose, [batch, cols, rows], as quantize() of them writes);
-  // param, m, v updated in place; m and v f32, or both bf16 (optim.moments: ops::moment_load /
+  // param, m, v updated in place; param f32; grad f32 or bf16 (the gradient dtype, optim.grads: read
+  // as f32 exactly, ops::grad_load); m and v f32, or both bf16 (optim.moments: ops::moment_load /
   // moment_store)
   TensorView param, grad, m, v;
   Fp8TensorView out;             // both copies, the rowwise one (a part of a weight), or neither

@@ -206,12 +206,14 @@ void transpose_bytes(std::uint8_t* out, const std::uint8_t* in, std::int64_t row
 // The delayed-scaling update of every slot (DelayedUpdateArgs): one kernel, one thread per slot.
 void delayed_update(const DelayedUpdateArgs& a, cudaStream_t s);
 
-// AdamWQuantizeArgs on device pointers: param, grad, m, v f32 [rows, cols]; rowwise [rows, cols]
+// AdamWQuantizeArgs on device pointers: param, grad, m, v [rows, cols] (param f32; grad f32 or bf16
+// bits where bf16_grad; m and v f32, or bf16 where bf16_moments); rowwise [rows, cols]
 // and colwise [cols, rows] both or neither (neither: the update alone). 16-byte accesses over
 // 64 x 64 tiles when rows and cols are multiples of 16 and the pointers 16-byte aligned.
 struct AdamWQuantizeDev {
   float* param = nullptr;
-  const float* grad = nullptr;
+  const void* grad = nullptr;  // f32, or bf16 where bf16_grad (ops::grad_load: read as f32 exactly)
+  bool bf16_grad = false;
   void* m = nullptr;  // f32, or bf16 where bf16_moments (ops::moment_load / moment_store)
   void* v = nullptr;
   bool bf16_moments = false;
