@@ -682,6 +682,87 @@ TEST_CASE("the fused AdamW step with bf16 moments matches the CPU's bits (tiled,
   }
 }
 
+TEST_CASE("the fused AdamW step with a bf16 gradient matches the CPU and the f32 gradient's bits (tiled, elementwise, "
+          "stacked)") {
+  // optim.grads = "bf16": the gradient read as f32 exactly. On the GPU the step equals, bit for bit,
+  // the step with an f32 gradient of the same values; against the CPU the f32 gradient's tolerance
+  // (bits where the moments are bf16, as there).
+  KILN_REQUIRE_CUDA();
+  auto gpu = make_cuda_ops(nullptr);
+  auto cpu = make_cpu_ops();
+  struct Dims {
+    std::int64_t B, R, C;
+  };
+  int seed = 3700;
+  for (auto [B, R, C] : {Dims{1, 80, 48}, Dims{1, 33, 47}, Dims{3, 48, 80}})
+    for (const DType moments : {DType::f32, DType::bf16}) {
+      INFO(B << " x [" << R << "," << C << "] " << name_of(moments) << " moments");
+      const std::size_t n = static_cast<std::size_t>(B * R * C);
+      auto shape = [&](std::int64_t a, std::int64_t b) { return B > 1 ? Shape{B, a, b} : Shape{a, b}; };
+      auto p = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.05f);
+      auto g = test::normal_values(n, static_cast<std::uint64_t>(++seed), 0.01f);
+      std::vector<std::uint16_t> g16(n);
+      for (std::size_t i = 0; i < n; ++i) g16[i] = float_to_bf16_bits(g[i]), g[i] = bf16_bits_to_float(g16[i]);
+      const auto m0 = test::normal_values(n, static_cast<std::uint64_t>(++seed), 1e-3f);
+      const auto v0 = test::normal_values(n, static_cast<std::uint64_t>(++seed), 1e-5f);
+      std::vector<float> m(n), v(n);
+      std::vector<std::uint16_t> mb(n), vb(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        mb[i] = float_to_bf16_bits(m0[i]), vb[i] = float_to_bf16_bits(std::fabs(v0[i]) + 1e-8f);
+        m[i] = bf16_bits_to_float(mb[i]), v[i] = bf16_bits_to_float(vb[i]);
+      }
+      const bool half = moments == DType::bf16;
+      void* cm = half ? static_cast<void*>(mb.data()) : m.data();
+      void* cv = half ? static_cast<void*>(vb.data()) : v.data();
+      const std::size_t mbytes = n * size_of(moments);
+      std::vector<float> c_meta = {2000.0f, 0.01f};
+      std::vector<std::uint8_t> c_row(n), c_col(n);
+      struct Side {
+        Buffer p, g, m, v, meta, row, col;
+      };
+      auto make = [&](bool bf16_grad) {
+        return Side{test::to_device(p), bf16_grad ? test::to_device(g16) : test::to_device(g),
+                    half ? test::to_device(mb) : test::to_device(m), half ? test::to_device(vb) : test::to_device(v),
+                    test::to_device(c_meta), Buffer(Device::cuda, n), Buffer(Device::cuda, n)};
+      };
+      Side with16 = make(true), with32 = make(false);
+      for (Side* d : {&with16, &with32}) {
+        AdamWQuantizeArgs a = fused_update_args(Device::cuda, shape(R, C), shape(C, R), moments, 2,
+                                                {d->p.data(), d->g.data(), d->m.data(), d->v.data(), d->row.data(),
+                                                 d->col.data(), static_cast<float*>(d->meta.data())});
+        if (d == &with16) a.grad = TensorView(d->g.data(), shape(R, C), DType::bf16, Device::cuda);
+        gpu->adamw_quantize(a);
+      }
+      AdamWQuantizeArgs c = fused_update_args(Device::cpu, shape(R, C), shape(C, R), moments, 2,
+                                              {p.data(), g16.data(), cm, cv, c_row.data(), c_col.data(), c_meta.data()});
+      c.grad = TensorView(g16.data(), shape(R, C), DType::bf16, Device::cpu);
+      cpu->adamw_quantize(c);
+      CHECK(test::same_device_bytes(with16.p.data(), with32.p.data(), n * 4));
+      CHECK(test::same_device_bytes(with16.m.data(), with32.m.data(), mbytes));
+      CHECK(test::same_device_bytes(with16.v.data(), with32.v.data(), mbytes));
+      CHECK(test::same_device_bytes(with16.row.data(), with32.row.data(), n));
+      CHECK(test::same_device_bytes(with16.col.data(), with32.col.data(), n));
+      CHECK(test::same_device_bytes(with16.meta.data(), with32.meta.data(), 8));
+      if (half) {
+        CHECK(test::to_host<float>(with16.p.data(), n) == p);
+        CHECK(test::to_host<std::uint16_t>(with16.m.data(), n) == mb);
+        CHECK(test::to_host<std::uint16_t>(with16.v.data(), n) == vb);
+        CHECK(test::to_host<std::uint8_t>(with16.row.data(), n) == c_row);
+        CHECK(test::to_host<std::uint8_t>(with16.col.data(), n) == c_col);
+      } else {
+        const auto got = test::to_host<float>(with16.p.data(), n);
+        double num = 0, den = 0;
+        for (std::size_t i = 0; i < n; ++i) num += double(got[i] - p[i]) * (got[i] - p[i]), den += double(p[i]) * p[i];
+        CHECK(std::sqrt(num / den) < 1e-6);
+        CodeDiff d;
+        d.add(c_row, with16.row.data());
+        d.add(c_col, with16.col.data());
+        CHECK(d.far == 0);
+        CHECK(d.differ <= n / 1000 + 2);
+      }
+    }
+}
+
 TEST_CASE("a weight's fused AdamW step gives the same bits whole (tiled, both copies) and in parts (elementwise)") {
   // Plain data parallelism updates each whole weight with its two FP8 copies (the tiled kernel);
   // FSDP updates each rank's flat part of it with its rowwise codes (the elementwise kernel). The

@@ -273,16 +273,20 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
   auto gpu = make_cuda_ops(nullptr);
   std::uint64_t seed = 1300;
   // 130 x 200: 4-float loads, byte stores; 70 x 130: one element at a time. The moments f32, or bf16
-  // (optim.moments = "bf16").
+  // (optim.moments = "bf16"); the gradient f32, or bf16 (optim.grads = "bf16": then the fused step
+  // also equals, bit for bit, the fused step with an f32 gradient of the same values).
   for (auto [R, C] : {std::pair<std::int64_t, std::int64_t>{300, 384}, {130, 200}, {256, 128}, {70, 130}})
-    for (int variant = 0; variant < 3; ++variant) {
-      const bool pow2 = variant == 1, half = variant == 2;
+    for (int variant = 0; variant < 5; ++variant) {
+      const bool pow2 = variant == 1, half = variant == 2 || variant == 4, grad16 = variant >= 3;
       const DType moments = half ? DType::bf16 : DType::f32;
-      INFO(R << " x " << C << (pow2 ? " pow2" : "") << (half ? " bf16 moments" : ""));
+      INFO(R << " x " << C << (pow2 ? " pow2" : "") << (half ? " bf16 moments" : "") << (grad16 ? " bf16 gradient" : ""));
       const auto n = static_cast<std::size_t>(R * C);
       auto p = test::normal_values(n, ++seed, 0.05f), g = test::normal_values(n, ++seed, 1e-2f),
            m = test::normal_values(n, ++seed, 1e-3f), v = test::normal_values(n, ++seed, 1e-3f);
       for (auto& x : v) x = x * x;  // second moments are not negative
+      std::vector<std::uint16_t> g16(n);
+      if (grad16)
+        for (std::size_t i = 0; i < n; ++i) g16[i] = float_to_bf16_bits(g[i]), g[i] = bf16_bits_to_float(g16[i]);
       for (std::size_t i = 0; i < n; i += 113) p[i] *= 50.0f;
       const BlockLayout l{ScalingMode::block_128x128, R, C}, tl{ScalingMode::block_128x128, C, R};
       struct Run {
@@ -294,15 +298,15 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
         for (std::size_t i = 0; i < x.size(); ++i) bits[i] = float_to_bf16_bits(x[i]);
         return test::to_device(bits);
       };
-      auto make = [&] {
-        return Run{test::to_device(p), test::to_device(g), moment(m), moment(v), Buffer(Device::cuda, n + 256),
+      auto make = [&](bool bf16_grad) {
+        return Run{test::to_device(p), bf16_grad ? test::to_device(g16) : test::to_device(g), moment(m), moment(v), Buffer(Device::cuda, n + 256),
                    Buffer(Device::cuda, n + 256), test::to_device(std::vector<float>(static_cast<std::size_t>(l.count()), -1.0f)),
                    test::to_device(std::vector<float>(static_cast<std::size_t>(tl.count()), -1.0f))};
       };
-      auto args = [&](Run& r) {
+      auto args = [&](Run& r, bool bf16_grad) {
         AdamWQuantizeArgs u;
         u.param = TensorView(r.p.data(), {R, C}, DType::f32, Device::cuda);
-        u.grad = TensorView(r.g.data(), {R, C}, DType::f32, Device::cuda);
+        u.grad = TensorView(r.g.data(), {R, C}, bf16_grad ? DType::bf16 : DType::f32, Device::cuda);
         u.m = TensorView(r.m.data(), {R, C}, moments, Device::cuda);
         u.v = TensorView(r.v.data(), {R, C}, moments, Device::cuda);
         u.lr = 1e-3f, u.weight_decay = 0.1f, u.grad_scale = 0.5f, u.step = 7;
@@ -313,9 +317,9 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
                                  TensorView(r.row.data(), {R, C}, DType::e4m3, Device::cuda), static_cast<float*>(r.rs.data()),
                                  TensorView(r.col.data(), {C, R}, DType::e4m3, Device::cuda), static_cast<float*>(r.cs.data())};
       };
-      Run fused = make(), apart = make();
-      gpu->adamw_quantize_blocks(args(fused), out(fused));
-      gpu->adamw_quantize(args(apart));
+      Run fused = make(grad16), apart = make(grad16);
+      gpu->adamw_quantize_blocks(args(fused, grad16), out(fused));
+      gpu->adamw_quantize(args(apart, grad16));
       BlockQuantizeArgs q = out(apart);
       q.x = TensorView(apart.p.data(), {R, C}, DType::f32, Device::cuda);
       gpu->quantize_blocks(q);
@@ -328,6 +332,16 @@ TEST_CASE("CUDA's AdamW step fused with the block quantisation of the updated we
       CHECK(test::same_device_bytes(fused.col.data(), apart.col.data(), n));
       CHECK(test::same_device_bytes(fused.rs.data(), apart.rs.data(), static_cast<std::size_t>(l.count()) * 4));
       CHECK(test::same_device_bytes(fused.cs.data(), apart.cs.data(), static_cast<std::size_t>(tl.count()) * 4));
+      if (!grad16) continue;
+      Run f32_grad = make(false);
+      gpu->adamw_quantize_blocks(args(f32_grad, false), out(f32_grad));
+      CHECK(test::same_device_bytes(fused.p.data(), f32_grad.p.data(), n * 4));
+      for (auto [a, b] : {std::pair{&fused.m, &f32_grad.m}, {&fused.v, &f32_grad.v}})
+        CHECK(test::same_device_bytes(a->data(), b->data(), moment_bytes));
+      CHECK(test::same_device_bytes(fused.row.data(), f32_grad.row.data(), n));
+      CHECK(test::same_device_bytes(fused.col.data(), f32_grad.col.data(), n));
+      CHECK(test::same_device_bytes(fused.rs.data(), f32_grad.rs.data(), static_cast<std::size_t>(l.count()) * 4));
+      CHECK(test::same_device_bytes(fused.cs.data(), f32_grad.cs.data(), static_cast<std::size_t>(tl.count()) * 4));
     }
 }
 

@@ -532,18 +532,20 @@ TEST_CASE("cuda vocabulary-parallel cross-entropy (stats, then finish) matches t
 
 // AdamW's operands on both backends: random params, gradients and first moments, positive second
 // moments, a poisoned bf16 copy (optional); run() applies one step with the given segments.
-// moments: Kind::f32, or Kind::bf16 (optim.moments = "bf16").
+// moments: Kind::f32, or Kind::bf16 (optim.moments = "bf16"); gradient: the same (optim.grads).
 struct AdamWCase {
   Dual params, grads, m, v, pact;
   bool with_act;
   // act_elements: the bf16 copy's size (P by default; more where segments put it elsewhere).
-  AdamWCase(test::BackendPair& p, int P, std::uint64_t seed, bool act, Kind moments = Kind::f32, int act_elements = 0)
+  AdamWCase(test::BackendPair& p, int P, std::uint64_t seed, bool act, Kind moments = Kind::f32, int act_elements = 0,
+            Kind gradient = Kind::f32)
       : params(f32(p, {P}, seed)),
-        grads(f32(p, {P}, seed + 1, 0.1f)),
+        grads(p, gradient, {P}),
         m(p, moments, {P}),
         v(p, moments, {P}),
         pact(act ? poisoned(p, Kind::act, {act_elements > 0 ? act_elements : P}) : Dual(p, Kind::act, {1})),
         with_act(act) {
+    grads.set(random_values(P, seed + 1, 0.1f));
     m.set(random_values(P, seed + 2, 0.01f));
     auto vv = random_values(P, seed + 3, 1e-3f);
     for (auto& e : vv) e = std::fabs(e) + 1e-6f;  // second moments are positive
@@ -787,6 +789,91 @@ TEST_CASE("cuda sum_squares_parts and grad_clip from a summed square equal each 
                     doctest::Contains("1 parts but 2 divisors"));
   CHECK_THROWS_WITH(p.gpu->sum_squares_parts({std::span(&one, 1), std::span(&negative, 1), out}),
                     doctest::Contains("divisors[0] = -1"));
+}
+
+TEST_CASE("cuda adamw with bf16 gradients matches the CPU (f32 and bf16 moments, vector path and scalar tail)") {
+  // optim.grads = "bf16": the gradient read as f32 exactly; the same tolerance as the f32 gradient's
+  // cases (bits where the moments are bf16, as there).
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  for (const Kind moments : {Kind::f32, Kind::bf16})
+    for (const int P : {1037, 4099}) {
+      INFO("P " << P << (moments == Kind::bf16 ? " bf16 moments" : " f32 moments"));
+      AdamWCase c(p, P, 97, true, moments, 0, Kind::bf16);
+      c.run(p, {{601, P - 601, true}, {0, 600, true}, {600, 1, false}}, 0.7f, 3);
+      KILN_CHECK_CLOSE(c.pact, 1e-2);
+      if (moments == Kind::bf16) {
+        CHECK(c.params.gpu_values() == c.params.cpu_values());
+        CHECK(c.m.gpu_values() == c.m.cpu_values());
+        CHECK(c.v.gpu_values() == c.v.cpu_values());
+      }
+    }
+}
+
+TEST_CASE("cuda adamw with a bf16 gradient equals the GPU's step with an f32 gradient of the same values, bit for bit") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const int P = 4099;
+  AdamWCase with16(p, P, 99, true, Kind::f32, 0, Kind::bf16), with32(p, P, 99, true, Kind::f32, 0, Kind::f32);
+  with32.grads.set(with16.grads.cpu_values());  // the bf16 values, held as f32
+  for (AdamWCase* c : {&with16, &with32}) {
+    ops::AdamW a;
+    a.params = c->params.gpu();
+    a.params_act = c->pact.gpu();
+    a.grads = c->grads.gpu();
+    a.m = c->m.gpu();
+    a.v = c->v.gpu();
+    a.segments = {{0, 1001, true}, {1001, P - 1001, false}};
+    a.lr = 1e-2f;
+    a.weight_decay = 0.1f;
+    a.grad_scale = 0.7f;
+    a.step = 2;
+    p.gpu->adamw(a);
+  }
+  CHECK(test::same_bits(with16.params.gpu_values(), with32.params.gpu_values()));
+  CHECK(test::same_bits(with16.m.gpu_values(), with32.m.gpu_values()));
+  CHECK(test::same_bits(with16.v.gpu_values(), with32.v.gpu_values()));
+  CHECK(test::same_bits(with16.pact.gpu_values(), with32.pact.gpu_values()));
+}
+
+// The norms of a bf16 gradient (optim.grads = "bf16"): on the GPU the partial sums of its elements'
+// f32 values are those of an f32 tensor of the same values, so every result is the f32 gradient's to
+// the bit; against the CPU, the f32 cases' tolerance (the summation order differs).
+TEST_CASE("cuda sum_squares, grad_clip and sum_squares_parts of bf16 gradients equal the f32 gradients' bits") {
+  auto p = kiln::test::backend_pair();
+  KILN_REQUIRE_GPU(p);
+  const std::vector<int> sizes = {5003, 1, 77, 40000, 129};
+  const std::vector<int> divisors = {1, 2, 0, 3, 1};
+  std::vector<Dual> g16, g32;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    g16.emplace_back(p, Kind::bf16, Shape{sizes[i]});
+    g16.back().set(random_values(sizes[i], 401 + i, 0.3f));
+    g32.emplace_back(p, Kind::f32, Shape{sizes[i]});
+    g32.back().set(g16.back().cpu_values());
+  }
+  std::vector<TensorView> v16, v32;
+  for (std::size_t i = 0; i < sizes.size(); ++i) v16.push_back(g16[i].gpu()), v32.push_back(g32[i].gpu());
+  const std::vector<double> each16 = p.gpu->sum_squares_each(v16), each32 = p.gpu->sum_squares_each(v32);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    INFO("part " << i);
+    CHECK(std::memcmp(&each16[i], &each32[i], sizeof(double)) == 0);
+    const double s = p.gpu->sum_squares(v16[i]);
+    CHECK(std::memcmp(&s, &each16[i], sizeof(double)) == 0);
+    CHECK(s == doctest::Approx(p.cpu->sum_squares(g16[i].cpu())).epsilon(1e-6));
+  }
+  Dual scalars(p, Kind::f32, {16});  // two sets: four floats, the norm (a double), the summed square
+  scalars.set(std::vector<float>(16, 0.0f));
+  const TensorView sc = scalars.gpu();
+  float* base = sc.as<float>();
+  const TensorView out16(base + 6, {1}, DType::f32, Device::cuda), out32(base + 14, {1}, DType::f32, Device::cuda);
+  p.gpu->sum_squares_parts({v16, divisors, out16});
+  p.gpu->sum_squares_parts({v32, divisors, out32});
+  p.gpu->grad_clip({v16[3], 1.0, base, reinterpret_cast<double*>(base + 4)});
+  p.gpu->grad_clip({v32[3], 1.0, base + 8, reinterpret_cast<double*>(base + 12)});
+  const auto got = scalars.gpu_values();
+  CHECK(std::memcmp(&got[0], &got[8], 8 * sizeof(float)) == 0);
+  CHECK(got[6] > 0.0f);
+  CHECK(got[ops::kAdamWGradScale] < 1.0f);  // the norm of 40000 values of 0.3 is above 1: clipped
 }
 
 TEST_CASE("cuda adamw leaves segments another module updates untouched") {
