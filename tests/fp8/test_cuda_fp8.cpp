@@ -1616,19 +1616,23 @@ TEST_CASE("a whole mixture-of-experts FP8 training step on CUDA matches the CPU 
 
 // ---------------------------------------------------------------------------------------------
 // bf16 parameter gradients (optim.grads = "bf16"): the wgrad GEMM, quantize_grad's and bias_grad's
-// bias sums onto an old bf16 value, rounded once, against the CPU emulation. The sides' f32 sums
-// differ only in order, so an element may land one bf16 step apart: checked within two bf16 ulps of
-// the CPU's value (floor: 1e-3 of the largest, for elements that nearly cancel).
+// bias sums onto an old bf16 value, rounded once (the GEMM's accumulating kernel: see the weight
+// gradient's case), against the CPU emulation. The sides' f32 sums differ only in order, so an
+// element may land one bf16 step apart: checked within two bf16 ulps of the CPU's value (with a floor
+// for elements that nearly cancel).
 
 namespace {
 
-void check_bf16_ulps(const std::vector<float>& gpu, const std::vector<float>& cpu, const char* what) {
+// `floor`: of the largest value, the error allowed where an element nearly cancels (by default two
+// bf16 ulps of a thousandth of it).
+void check_bf16_ulps(const std::vector<float>& gpu, const std::vector<float>& cpu, const char* what,
+                     float floor = 2e-3f / 128) {
   REQUIRE(gpu.size() == cpu.size());
   float top = 0;
   for (float v : cpu) top = std::max(top, std::fabs(v));
   std::size_t bad = 0, first = 0;
   for (std::size_t i = 0; i < cpu.size(); ++i) {
-    const float tol = 2.0f * std::ldexp(1.0f, -7) * std::max(std::fabs(cpu[i]), 1e-3f * top);
+    const float tol = std::max(2.0f * std::ldexp(1.0f, -7) * std::fabs(cpu[i]), floor * top);
     if (!(std::fabs(gpu[i] - cpu[i]) <= tol) && bad++ == 0) first = i;
   }
   INFO(what << ": " << bad << " of " << cpu.size() << " elements beyond two bf16 ulps, the first at " << first
@@ -1734,7 +1738,10 @@ TEST_CASE("an FP8 linear's bf16 weight and bias gradients on CUDA match the CPU 
       results[side][0] = get(tdw);
       results[side][1] = get(tdb);
     }
-    check_bf16_ulps(results[1][0], results[0][0], "dweight");
+    // The FP8 GEMM's sums land up to ~2e-4 of the largest value from the CPU's (FP8 products summed
+    // in another order and precision), and its accumulating kernel rounds as the bf16 one does
+    // (test_cuda_ops): one bf16 ulp of the largest value where an element nearly cancels.
+    check_bf16_ulps(results[1][0], results[0][0], "dweight", std::ldexp(1.0f, -8));
     check_bf16_ulps(results[1][1], results[0][1], "dbias");
   }
 }

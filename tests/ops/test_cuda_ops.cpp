@@ -1063,9 +1063,10 @@ TEST_CASE("cuda backward reductions are deterministic (embedding, layernorm, lin
 
 // ---------------------------------------------------------------------------------------------
 // bf16 parameter gradients (optim.grads = "bf16"): the same sums in f32, onto the old bf16 value,
-// rounded once. Both sides round once; their f32 sums differ only in order, so each element may land
-// one bf16 step apart: checked element by element within two bf16 ulps of the CPU's value (a floor
-// of 1e-3 of the largest value for elements that nearly cancel).
+// rounded once (kiln's kernels; cuBLASLt's accumulating GEMM rounds the product first, see the
+// linear case). Their f32 sums differ only in order, so each element may land one bf16 step apart:
+// checked element by element within two bf16 ulps of the CPU's value (with a floor for elements that
+// nearly cancel).
 
 namespace {
 
@@ -1075,13 +1076,15 @@ Dual bf16_grad(kiln::test::BackendPair& p, Shape s, std::uint64_t seed, float sc
   return d;
 }
 
-void check_within_bf16_ulps(const Dual& d, const char* what, float ulps = 2.0f) {
+// `floor`: of the largest value, the error allowed where an element nearly cancels (by default two
+// bf16 ulps of a thousandth of it).
+void check_within_bf16_ulps(const Dual& d, const char* what, float ulps = 2.0f, float floor = 2e-3f / 128) {
   const auto g = d.gpu_values(), c = d.cpu_values();
   float top = 0;
   for (float v : c) top = std::max(top, std::fabs(v));
   std::size_t bad = 0, first = 0;
   for (std::size_t i = 0; i < c.size(); ++i) {
-    const float tol = ulps * std::ldexp(1.0f, -7) * std::max(std::fabs(c[i]), 1e-3f * top);
+    const float tol = std::max(ulps * std::ldexp(1.0f, -7) * std::fabs(c[i]), floor * top);
     if (!(std::fabs(g[i] - c[i]) <= tol) && bad++ == 0) first = i;
   }
   INFO(what << ": " << bad << " of " << c.size() << " elements beyond " << ulps << " bf16 ulps, the first at " << first
@@ -1114,7 +1117,12 @@ TEST_CASE("cuda linear_backward into bf16 gradients matches the CPU within two b
           a.dweight_overwrite = overwrite;
           s.b().linear_backward(a);
         });
-        check_within_bf16_ulps(dw, "dweight");
+        // cuBLASLt's accumulating kernel (algorithm 66 on an H200) lands up to 7 bf16 ulps from the
+        // CPU's once-rounded sum on 1.3% of the elements, those that nearly cancel: within half an
+        // ulp of the product's magnitude, as a product rounded to bf16 before the old value is added
+        // (what Megatron's main_grad.add_ of a bf16 GEMM output does). Hence the floor of one bf16
+        // ulp of the largest value.
+        check_within_bf16_ulps(dw, "dweight", 2.0f, std::ldexp(1.0f, -8));
         if (bias) check_within_bf16_ulps(db, "dbias");
       }
 }

@@ -77,7 +77,7 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
                 static_cast<int>(g.y.dtype),
                 static_cast<int>(g.d.dtype),
                 g.accumulate,
-                static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0),
+                static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0) | (g.f32_result ? 1 << 5 : 0),
                 g.fast_accum,
                 static_cast<int>(g.x_mode) | static_cast<int>(g.y_mode) << 4};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
@@ -119,6 +119,7 @@ Fp8GemmRunner::Plan& Fp8GemmRunner::plan(const GemmArgs& g) {
 
   kiln::cuda::LtPreference pref;
   pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes_));
+  if (g.f32_result && g.d.dtype == DType::bf16) kiln::cuda::keep_partials_in_f32(pref);  // a bf16 gradient
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t st =

@@ -393,6 +393,7 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   // A bf16 gradient (optim.grads = "bf16"): D and C bf16, cuBLASLt adds in f32 and rounds once.
   const bool bf16_grads = a.dweight.dtype == DType::bf16;
   w.d_f32 = !bf16_grads;
+  w.f32_partials = bf16_grads;
   w.accumulate = !a.dweight_overwrite;
   w.sm_count = gemm_sms();
   gemm_->run(w, stream_);

@@ -58,7 +58,8 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g, cudaStream_t stream) {
   const int align = std::min({alignment_of(g.A), alignment_of(g.B), alignment_of(g.D), alignment_of(g.bias),
                         alignment_of(g.aux)});
   // Key: the epilogue, whether there is a bias, and the alignment class (16 or less).
-  const int code = static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0) | (align << 8) | (g.sm_count << 16);
+  const int code = static_cast<int>(g.epilogue) | (g.bias ? 1 << 4 : 0) | (g.f32_partials ? 1 << 5 : 0) | (align << 8) |
+                   (g.sm_count << 16);
   const Key key{g.M, g.N, g.K, g.trans_a, g.trans_b, g.d_f32, g.accumulate, code};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
 
@@ -108,6 +109,7 @@ GemmRunner::Plan& GemmRunner::plan(const GemmDesc& g, cudaStream_t stream) {
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a32);
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, a32);
   pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, a32);
+  if (g.f32_partials) keep_partials_in_f32(pref);
   constexpr int kCandidates = 8;
   cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;

@@ -49,6 +49,13 @@ struct LtPreference {
   }
 };
 
+// Split-K partial sums kept in the compute type (f32), or no split: a gradient held in bf16 is not
+// rounded once per split, as cuBLASLt's in-place and output-type reductions would round it.
+inline void keep_partials_in_f32(LtPreference& pref) {
+  pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+           static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
+}
+
 // A matmul descriptor, its three layouts (cuBLASLt's A, B and C = D) and the chosen algorithm.
 struct LtMatmulPlan {
   cublasLtMatmulDesc_t op = nullptr;

@@ -27,6 +27,8 @@ struct GemmDesc {
   void* D = nullptr;
   bool d_f32 = false;
   bool accumulate = false;
+  // A gradient held in bf16: split-K partial sums in f32 only (keep_partials_in_f32).
+  bool f32_partials = false;
   ops::Epilogue epilogue = ops::Epilogue::none;
   const bf16* bias = nullptr;
   bf16* aux = nullptr;
