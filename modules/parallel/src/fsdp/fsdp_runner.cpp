@@ -138,7 +138,7 @@ FsdpMemory Runner::memory() const {
   m.grads = held * size_of(store_.grad_dtype()) + grad_buffer_bytes_;
   m.gathered = gathered_bytes_;
   m.params_unsharded = total * (4 + act);  // an unsharded store: the master and the act-dtype copy
-  m.grads_unsharded = total * 4;
+  m.grads_unsharded = total * size_of(store_.grad_dtype());
   m.shards = store_.shards();
   return m;
 }
