@@ -26,7 +26,8 @@ namespace kiln::test {
 
 // Whether two float vectors hold the same bits (NaNs and signed zeros included).
 inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  // (Empty vectors may hold no storage: memcmp is not given their null pointers.)
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // Whether the tests are built for the sanitizers (scripts/sanitize.sh defines KILN_TEST_SANITIZED):
