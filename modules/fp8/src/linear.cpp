@@ -466,7 +466,7 @@ void Fp8Linear::backward(const ops::LinearBackward& a) {
   w.y = TensorView(xc, {IC, N}, dtype_of(sx.format), dev);
   w.y_scale_inv = sx.scale_inv;
   w.d = a.dweight;
-  w.f32_result = true;  // a gradient: f32, or bf16 accumulated in f32 and rounded once
+  w.f32_result = true;  // a gradient: f32, or bf16 (as the bf16 GEMM's: ops::Backend::linear_backward)
   w.accumulate = !a.dweight_overwrite;
   ops_.gemm(w);
 }

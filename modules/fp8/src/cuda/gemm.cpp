@@ -151,8 +151,8 @@ void Fp8GemmRunner::validate(const GemmArgs& g) {
              ": D must be [", M, ",", N, "] and every operand contiguous");
   KILN_CHECK(M <= 0x7fffffff && N <= 0x7fffffff && K <= 0x7fffffff, describe(g), ": dimensions beyond 32 bits");
   KILN_CHECK(!g.accumulate || g.f32_result, describe(g), ": accumulating needs a gradient result (f32_result)");
-  // A gradient (f32_result) is f32, or bf16 (optim.grads = "bf16": C and D bf16, added in f32 and
-  // rounded once); an activation bf16.
+  // A gradient (f32_result) is f32, or bf16 (optim.grads = "bf16": C and D bf16, the product in f32;
+  // accumulated, cuBLASLt's kernel rounds as the bf16 GEMM's, docs/PERF.md); an activation bf16.
   KILN_CHECK(g.f32_result ? g.d.dtype == DType::f32 || g.d.dtype == DType::bf16 : g.d.dtype == DType::bf16, describe(g),
              ": D is bf16 (an activation) or f32 or bf16 (f32_result: a gradient, written or accumulated)");
   KILN_CHECK(!g.f32_result || g.epilogue == Epilogue::none, describe(g), ": epilogues write activations, not f32 results");

@@ -390,7 +390,9 @@ void CudaBackend::linear_backward(const LinearBackward& a) {
   w.trans_a = true;
   w.B = dptr<bf16>(d.x);
   w.D = a.dweight.data;
-  // A bf16 gradient (optim.grads = "bf16"): D and C bf16, cuBLASLt adds in f32 and rounds once.
+  // A bf16 gradient (optim.grads = "bf16"): D and C bf16, split-K partial sums in f32. Written, the
+  // product is rounded once; accumulated, cuBLASLt's kernel rounds as if the product were rounded
+  // before the old value is added (docs/PERF.md, "bf16 gradients").
   const bool bf16_grads = a.dweight.dtype == DType::bf16;
   w.d_f32 = !bf16_grads;
   w.f32_partials = bf16_grads;

@@ -33,8 +33,9 @@ struct GemmArgs {
   // [M, N] act (written), or with f32_result f32 or bf16 (the gradient dtype; written, or D += result)
   TensorView d;
   bool accumulate = false;              // D += result (needs f32_result)
-  // D a weight gradient, never rounded to act: f32, or bf16 (optim.grads = "bf16": the product, plus
-  // the old value where accumulating, in f32, rounded once)
+  // D a weight gradient, never rounded to act: f32, or bf16 (optim.grads = "bf16": the product in
+  // f32, rounded once where written; where accumulating, cuBLASLt's kernel on an H200 rounds as if the
+  // product were rounded before the old value is added, docs/PERF.md "bf16 gradients")
   bool f32_result = false;
   ops::Epilogue epilogue = ops::Epilogue::none;
   TensorView bias;                      // [N] act: bias, or gelu with bias

@@ -150,7 +150,7 @@ class ParamStore {
   // Before lay_out: the one-byte parameters' compute copies apart in an unsharded store too.
   void keep_codes_apart();
   // Before allocate: the held gradients' dtype, f32 (the default) or bf16 (optim.grads: Megatron's
-  // bf16 gradients, 2 bytes an element less; every op adds its f32 contribution with one rounding).
+  // bf16 gradients, 2 bytes an element less; every op adds its f32 contribution to them).
   void set_grad_dtype(DType d);
   DType grad_dtype() const { return grad_dtype_; }
   // The dtype of a unit's gradient accumulation (unit_grads, grad_view), which the ops write: the held

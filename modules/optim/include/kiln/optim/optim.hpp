@@ -25,9 +25,11 @@ BOOST_DESCRIBE_ENUM(MomentDType, f32, bf16)
 
 // How the parameters' gradients are held (nn::ParamStore::set_grad_dtype): f32, or bf16, 2 bytes a
 // parameter less and 2 less read by the norm and the step, as Megatron-Core without
-// accumulate_allreduce_grads_in_fp32. Each op computes its contribution in f32 and adds it with one
-// rounding to nearest even; the data-parallel all-reduce sums bf16 (FSDP accumulates each unit in f32
-// and reduces in parallel.fsdp.reduce_dtype).
+// accumulate_allreduce_grads_in_fp32. Each op computes its contribution in f32 and adds it rounded to
+// nearest even (kiln's kernels once; cuBLASLt's accumulating weight gradients as if the product were
+// rounded first, docs/ARCHITECTURE.md); the data-parallel all-reduce sums bf16 (FSDP accumulates each
+// unit in f32 and reduces in fsdp.reduce_dtype). Refused where layers write f32 gradients only
+// (fp8.recipe = "block", a mixture of experts).
 enum class GradDType { f32, bf16 };
 BOOST_DESCRIBE_ENUM(GradDType, f32, bf16)
 
@@ -66,8 +68,8 @@ KILN_CONFIG(OptimConfig,
             (grad_clip, "clip the global gradient norm to this; 0 = no clipping"),
             (moments, "AdamW's moments held in f32, or in bf16 (updated in f32, stored rounded: 4 bytes a "
                       "parameter less; checkpoints hold f32 either way)"),
-            (grads, "the parameters' gradients held in f32, or in bf16 (each op adds its f32 contribution "
-                    "rounded once: 2 bytes a parameter less)"))
+            (grads, "the parameters' gradients held in f32, or in bf16 (each op adds its f32 contribution: 2 "
+                    "bytes a parameter less; not with fp8.recipe = block or a mixture of experts yet)"))
 
 // Learning rate at `step` (counted from 1) of `total` steps.
 double learning_rate(const OptimConfig& cfg, std::int64_t step, std::int64_t total);
