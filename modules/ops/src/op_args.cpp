@@ -40,9 +40,16 @@ std::int64_t check_gqa(OpArgs& c, const char* arg, const TensorView& t, OpArgs::
   return kv_heads;
 }
 
-// The dtype of a call's parameter gradients: f32, or bf16 (optim.grads = "bf16"), taken from the
-// first one given; every other gradient of the call must have it.
-ArgDType grad_dtype(const TensorView& first) { return first.dtype == DType::bf16 ? DType::bf16 : f32; }
+// The dtype of a call's parameter gradients (optim.grads: f32, or bf16), taken from `first`, the
+// first one given (f32 where it is missing: the caller's check refuses or skips it); every other
+// gradient of the call must have it. Any other dtype is refused here, by name, rather than as
+// "expected f32" (bf16 is as valid).
+ArgDType grad_dtype(const OpArgs& c, const char* arg, const TensorView& first) {
+  if (!first) return f32;
+  if (first.dtype != f32 && first.dtype != DType::bf16)
+    KILN_THROW(c.op(), " ", arg, ": expected f32 or bf16 (the gradient dtype), got ", first.str());
+  return first.dtype;
+}
 
 // A linear operand the backends take: the tensor itself (a prologue is for a LinearImpl that takes
 // it, ops::LinearImpl::prologues).
@@ -77,7 +84,7 @@ EmbeddingDims check_args(const EmbeddingBackward& a, const ArgTarget& on) {
   c.tensor("dout", a.dout, Act, {N, C});
   c.tensor("tokens", a.tokens, i32, {N});
   c.check(a.tokens_host != nullptr, "tokens_host: expected the ", c[N], " tokens on the host, got none");
-  const ArgDType grad = grad_dtype(a.dwte);
+  const ArgDType grad = grad_dtype(c, "dwte", a.dwte);
   c.tensor("dwte", a.dwte, grad, {V, C});
   if (!a.dwpe) {  // no position table
     c.check(a.T > 0 && c[N] % a.T == 0, "T = ", a.T, " must be positive and divide N = ", c[N]);
@@ -109,8 +116,9 @@ RowDims check_args(const LayerNormBackward& a, const ArgTarget& on) {
   c.tensor("rstd", a.rstd, f32, {N});
   c.tensor("dout", a.dout, Act, {N, C});
   c.tensor("dx", a.dx, Act, {N, C});
-  c.tensor("dweight", a.dweight, grad_dtype(a.dweight), {C});
-  c.tensor("dbias", a.dbias, grad_dtype(a.dweight), {C});
+  const ArgDType grad = grad_dtype(c, "dweight", a.dweight);
+  c.tensor("dweight", a.dweight, grad, {C});
+  c.tensor("dbias", a.dbias, grad, {C});
   return {c[N], c[C]};
 }
 
@@ -150,8 +158,9 @@ LinearDims check_args(const LinearBackward& a, const ArgTarget& on) {
   c.tensor("x", x, Act, {N, IC});
   c.tensor("weight", a.weight, Act, {OC, IC});
   c.tensor("dout", dout, Act, {N, OC});
-  c.optional("dweight", a.dweight, grad_dtype(a.dweight), {OC, IC});
-  c.optional("dbias", a.dbias, grad_dtype(a.dweight), {OC});
+  const ArgDType grad = grad_dtype(c, "dweight", a.dweight);
+  c.optional("dweight", a.dweight, grad, {OC, IC});
+  c.optional("dbias", a.dbias, grad, {OC});
   c.optional("dx", a.dx, Act, {N, IC});
   c.check(a.dweight || a.dx, "asks for nothing: neither dx nor dweight");
   c.check(a.dweight || !a.dbias, "dbias comes with dweight (a call without dweight computes dx alone)");
@@ -232,7 +241,7 @@ RowDims check_args(const RmsNormBackward& a, const ArgTarget& on) {
   c.tensor("weight", a.weight, Act, {C});
   c.tensor("dout", a.dout, Act, {N, C});
   c.tensor("dx", a.dx, Act, {N, C});
-  c.tensor("dweight", a.dweight, grad_dtype(a.dweight), {C});
+  c.tensor("dweight", a.dweight, grad_dtype(c, "dweight", a.dweight), {C});
   c.tensor("rstd", a.rstd, f32, {N});
   return {c[N], c[C]};
 }
@@ -471,25 +480,12 @@ MoeDims check_args(const MoeDropout& a, const ArgTarget& on) {
   return {0, 0, 0, c[F], c[R]};
 }
 
-namespace {
-
-// The dtype a parameter gradient an op reads is checked against (optim.grads: f32, or bf16 bits the
-// readers convert to f32 exactly): its own where it is one of those; any other is refused here, by
-// name, rather than as "expected f32" (bf16 is as valid).
-ArgDType grad_read_dtype(const OpArgs& c, const char* arg, const TensorView& t) {
-  if (!t) return f32;  // missing: refused by the caller's check as "got none"
-  if (t.dtype != f32 && t.dtype != DType::bf16)
-    KILN_THROW(c.op(), " ", arg, ": expected f32 or bf16 (the gradient dtype), got ", t.str());
-  return t.dtype;
-}
-
-}  // namespace
 
 AdamWPlan check_args(const AdamW& a, const ArgTarget& on) {
   OpArgs c("adamw", on);
   const auto P = c.wide_dim("P");
   c.tensor("params", a.params, f32, {P});
-  c.tensor("grads", a.grads, grad_read_dtype(c, "grads", a.grads), {P});
+  c.tensor("grads", a.grads, grad_dtype(c, "grads", a.grads), {P});
   const ArgDType moments = a.m.dtype == DType::bf16 ? DType::bf16 : f32;  // f32 or bf16, both alike
   c.tensor("m", a.m, moments, {P});
   c.tensor("v", a.v, moments, {P});
@@ -525,7 +521,7 @@ std::int64_t check_f32_tensor(const char* op, const char* arg, const TensorView&
 std::int64_t check_grad_tensor(const char* op, const char* arg, const TensorView& t, const ArgTarget& on) {
   OpArgs c(op, on);
   const auto n = c.wide_dim("n");
-  c.elements(arg, t, grad_read_dtype(c, arg, t), n);
+  c.elements(arg, t, grad_dtype(c, arg, t), n);
   return c[n];
 }
 
@@ -547,8 +543,9 @@ void check_args(const SumSquaresParts& a, const ArgTarget& on) {
 std::int64_t check_add_args(const TensorView& dst, const TensorView& src, const ArgTarget& on) {
   OpArgs c("add", on);
   const auto n = c.wide_dim("n");
-  c.elements("dst", dst, grad_dtype(dst), n);  // partial gradients: f32 + f32, or bf16 + bf16
-  c.elements("src", src, grad_dtype(dst), n);
+  const ArgDType grad = grad_dtype(c, "dst", dst);  // partial gradients: f32 + f32, or bf16 + bf16
+  c.elements("dst", dst, grad, n);
+  c.elements("src", src, grad, n);
   return c[n];
 }
 
