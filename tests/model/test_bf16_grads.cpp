@@ -39,12 +39,6 @@ warmup_steps = 2
 synthetic_vocab = 64
 )";
 
-std::string joined_sets(const std::vector<std::string>& sets) {
-  std::string out;
-  for (const auto& s : sets) out += (out.empty() ? "" : " ") + s;
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE("optim.grads = bf16 holds the gradients in bf16 and trains within rounding of f32 gradients") {
@@ -58,7 +52,7 @@ TEST_CASE("optim.grads = bf16 holds the gradients in bf16 and trains within roun
       {"activation_checkpoint.mode=full", "model.head_chunk_rows=48"},
   };
   for (const auto& run : runs) {
-    INFO(joined_sets(run));
+    INFO(test::joined(run, "(defaults)"));
     auto sets = [&](const char* grads) {
       std::vector<std::string> s = run;
       s.push_back(std::string("optim.grads=") + grads);
@@ -96,7 +90,7 @@ TEST_CASE("optim.grads = bf16 where a layer writes f32 gradients is a config err
                            std::vector<std::string>{"optim.grads=bf16", "model.arch=llama", "model.n_kv_head=1",
                                                     "model.moe.n_experts=4", "model.moe.top_k=2",
                                                     "model.moe.hidden=32"}}) {
-    INFO(joined_sets(sets));
+    INFO(test::joined(sets));
     test::Pipeline p(kTinyBf16Grads, sets);
     CHECK_THROWS_WITH_AS(p.world->systems().run(Phase::setup, *p.world), doctest::Contains("optim.grads"), ConfigError);
   }

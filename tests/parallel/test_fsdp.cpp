@@ -53,12 +53,6 @@ synthetic_vocab = 96
 timeout_s = 60
 )";
 
-std::string join(const Sets& s) {
-  std::string out;
-  for (const auto& x : s) out += (out.empty() ? "" : " ") + x;
-  return out;
-}
-
 // Equivalence runs: 20 steps (fewer under the sanitizers); a test's own train.steps wins.
 Trace run(int nproc, const Sets& sets) {
   return test::run_ranks(kTiny, nproc, Sets{test::equivalence_steps(20)} + sets);
@@ -146,8 +140,8 @@ TEST_CASE("in bf16 emulation and in FP8, FSDP computes exactly what plain data p
                                 Sets{"fp8.enabled=true", "fp8.recipe=current"},
                                 Sets{"fp8.enabled=true", "fp8.recipe=block", "backend.cpu_round_bf16=true"}}) {
     const Trace dp = run(2, base + precision);
-    compare(run(2, base + precision + kFull), dp, join(precision) + ": full_shard against dp=2", 0);
-    compare(run(2, base + precision + kGradOp), dp, join(precision) + ": shard_grad_op against dp=2", 0);
+    compare(run(2, base + precision + kFull), dp, test::joined(precision) + ": full_shard against dp=2", 0);
+    compare(run(2, base + precision + kGradOp), dp, test::joined(precision) + ": shard_grad_op against dp=2", 0);
   }
   // Reduced once a step, FSDP sums what data parallelism sums: each rank's gradients accumulated
   // over its micro-batches, then summed over the ranks.
@@ -203,7 +197,7 @@ TEST_CASE("deferred initialisation: each rank draws only its part, and the parts
   REQUIRE(!single.weights.empty());
   for (const auto& [n, sets] : std::vector<std::pair<int, Sets>>{
            {2, kFull}, {4, kFull}, {4, kHybrid}, {4, kFull + Sets{"parallel.tp=2", "parallel.vocab_parallel=true"}}}) {
-    INFO(n, " ranks, ", join(sets));
+    INFO(n, " ranks, ", test::joined(sets));
     CHECK(run(n, init + sets).weights == single.weights);
   }
 }

@@ -50,12 +50,6 @@ std::vector<std::string> operator+(std::vector<std::string> a, const std::vector
   return a;
 }
 
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (auto& x : v) s += (s.empty() ? "" : " ") + x;
-  return s.empty() ? "(defaults)" : s;
-}
-
 test::Trace run(int nproc, const std::vector<std::string>& sets) { return test::run_ranks(kModel, nproc, sets); }
 
 const std::vector<std::vector<std::string>> kModes = {
@@ -134,7 +128,8 @@ TEST_CASE("every mode recomputes bit-identical losses and gradients with dropout
   for (const auto& base : std::vector<std::vector<std::string>>{
            {}, {"model.recompute_norm=false", "model.recompute_gelu=false"}, {"train.micro_batch_size=2"}}) {
     const auto ref = run(1, base);
-    for (const auto& mode : kModes) compare_traces(run(1, base + mode), ref, join(base + mode), 0);
+    for (const auto& mode : kModes)
+      compare_traces(run(1, base + mode), ref, test::joined(base + mode, "(defaults)"), 0);
   }
 }
 
@@ -160,8 +155,8 @@ TEST_CASE("with tensor parallelism, recompute is bit-identical to the same layou
   const std::vector<std::string> dist = {"activation_checkpoint.distribute_saved_activations=true"};
   const auto ref_tp2 = run(2, tp2);
   for (const auto& mode : kModes) {
-    compare_traces(run(2, tp2 + mode), ref_tp2, join(tp2 + mode), 0);
-    compare_traces(run(2, tp2 + mode + dist), ref_tp2, join(tp2 + mode + dist), 0);
+    compare_traces(run(2, tp2 + mode), ref_tp2, test::joined(tp2 + mode, "(defaults)"), 0);
+    compare_traces(run(2, tp2 + mode + dist), ref_tp2, test::joined(tp2 + mode + dist, "(defaults)"), 0);
   }
   const std::vector<std::string> tp4 = {"parallel.tp=4", "model.n_head=4"};
   compare_traces(run(4, tp4 + kModes[0] + dist), run(4, tp4), "tp=4, full, distributed", 0);

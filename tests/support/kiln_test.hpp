@@ -24,6 +24,13 @@ namespace kiln::test {
     return;                                          \
   } while (0)
 
+// A run's settings joined by spaces, for a test's messages; `empty` where there are none.
+inline std::string joined(const std::vector<std::string>& sets, const char* empty = "") {
+  std::string out;
+  for (const auto& x : sets) out += (out.empty() ? "" : " ") + x;
+  return out.empty() ? empty : out;
+}
+
 // Whether two float vectors hold the same bits (NaNs and signed zeros included).
 inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   // (Empty vectors may hold no storage: memcmp is not given their null pointers.)
