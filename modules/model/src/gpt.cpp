@@ -124,13 +124,18 @@ void GptModel::allocate_activations() {
     }
   StreamTensors& s = ctx_.stream;
   rows.own(s.row_out, act, {N, C});
-  rows.own(s.dres, act, {Nl, C});
+  // Under sequence parallelism the output gradient a mixer is given (dropout's, else the residual
+  // stream's) is this rank's rows of `full`, into which a row-parallel backward gathers every
+  // rank's: the gather moves the other ranks' rows only, no copy of this rank's first. (Nothing
+  // else writes `full` while a backward pass holds it: the embedding's forward fills it.)
+  const bool dropout = ctx_.cfg.dropout > 0;
+  if (!sp || dropout) rows.own(s.dres, act, {Nl, C});
   if (sp) {
     rows.own(s.local, act, {Nl, C});
     rows.own(s.full, act, {N, C});
   }
   rows.own(s.col_dx, act, {N, C});  // also the LM head's input gradient: not in the logits
-  if (ctx_.cfg.dropout > 0) rows.backward_scratch(s.ddrop, "dropout.dx", act, {Nl, C});
+  if (dropout && !sp) rows.backward_scratch(s.ddrop, "dropout.dx", act, {Nl, C});
   if (plan_.pipelined()) {
     rows.own(grad_in_, act, {Nl, C});
     rows.own(grad_out_, act, {Nl, C});
@@ -155,6 +160,7 @@ void GptModel::allocate_activations() {
         at += n;
       }
   if (!sp) s.local = s.full = s.row_out;  // without sequence parallelism local rows are all rows
+  if (sp) (dropout ? s.ddrop : s.dres) = ctx_.tp.row_part(s.full);
   lent_ = table_.place_backward_scratch(ctx_.be, head_ ? head_->logits() : lent_host_, borrow);
   allocated_ = true;
 }

@@ -21,8 +21,10 @@ struct StreamTensors {
   TensorView local;    // [Nl, C]: a norm's rows before they are gathered, a row-parallel sum's rows
   TensorView full;     // [N, C]: gathered rows (the embedding's lookup, a row-parallel output gradient)
   TensorView col_dx;   // [N, C]: a column-parallel linear's input gradient before its sum over TP
-  TensorView dres;     // [Nl, C]: the residual stream's gradient
-  TensorView ddrop;    // [Nl, C]: the gradient through dropout (only with model.dropout > 0)
+  // The gradient a mixer is given is, under sequence parallelism, this rank's rows of `full` (its
+  // row-parallel backward gathers the others' there): dres without dropout, ddrop with it.
+  TensorView dres;   // [Nl, C]: the residual stream's gradient
+  TensorView ddrop;  // [Nl, C]: the gradient through dropout (only with model.dropout > 0)
   // The rows a column-parallel linear's input gradient is summed into: `local` under sequence
   // parallelism, else col_dx itself.
   TensorView col_dx_local(bool sequence_parallel) const { return sequence_parallel ? local : col_dx; }
