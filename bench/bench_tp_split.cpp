@@ -74,11 +74,6 @@ class NullCommunicator final : public parallel::Communicator {
   std::vector<int> members_ = {0, 1};
 };
 
-}  // namespace
-}  // namespace kiln::bench
-
-namespace kiln::bench {
-namespace {
 // One layer's eight TP linear calls, forward then backward, as plain TP makes them (whole, no
 // collective) and as CommOverlap makes them on rank 0 of two under sequence parallelism with a
 // communicator that moves nothing.
