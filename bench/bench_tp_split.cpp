@@ -100,20 +100,11 @@ void schedule(ops::Backend& be, EventTimer& timer) {
   parallel::CommOverlap o(comm, be, true, 1, 0);
   const ops::LinearForward fq{qkv, {}, full1, wq, bq}, fp{row_out, {}, ctx, wp, bp}, f1{h, pre, full2, w1, bias1},
       f2{row_out, {}, h, w2, bias2};
-  auto bwd = [](TensorView dx, TensorView dw, TensorView db, TensorView dout, TensorView x, TensorView w,
-                TensorView gelu_pre = {}) {
-    ops::LinearBackward b;
-    b.dx = dx;
-    b.dweight = dw;
-    b.dbias = db;
-    b.dout = dout;
-    b.x = x;
-    b.weight = w;
-    b.dx_gelu_pre = gelu_pre;
-    return b;
-  };
-  const ops::LinearBackward g2 = bwd(dact, dw2, db2, dfull, h, w2, pre), g1 = bwd(col_dx, dw1, db1, dpre, full2, w1),
-                            bp_ = bwd(dctx, dwp, dbp, dfull, ctx, wp), bq_ = bwd(col_dx, dwq, dbq, dqkv, full1, wq);
+  const ops::LinearBackward g2{.dx = dact, .dweight = dw2, .dbias = db2, .dout = dfull, .x = h, .weight = w2,
+                               .dx_gelu_pre = pre},
+      g1{.dx = col_dx, .dweight = dw1, .dbias = db1, .dout = dpre, .x = full2, .weight = w1},
+      bp_{.dx = dctx, .dweight = dwp, .dbias = dbp, .dout = dfull, .x = ctx, .weight = wp},
+      bq_{.dx = col_dx, .dweight = dwq, .dbias = dbq, .dout = dqkv, .x = full1, .weight = wq};
   const TensorView own = dfull.rows(0, Nl);
   auto plain = [&] {
     impl.forward(fq);
